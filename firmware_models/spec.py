@@ -1,0 +1,190 @@
+"""Model architectures as plain data.
+
+A :class:`ModelSpec` is an input shape plus an ordered list of layers. It is the one
+description shared by the integer engine (``edge_client.intnn``), the torch builder on
+the coordinator and float devices, and the ONNX exporter. Nothing here imports torch.
+
+Conventions (all shapes exclude the batch dimension):
+
+- activations are ``[C, H, W]`` for images and ``[F]`` after :class:`Flatten`;
+- a :class:`Conv2d` weight is ``[out_channels, in_channels, k, k]``;
+- a :class:`Linear` weight is ``[out_features, in_features]``;
+- no layer has a bias (ALGORITHMS.md §2: one shared parameter domain, no bias, no BN).
+
+The parameter layers, in order, define the model's weight list: ``spec.param_shapes()``
+is the list of weight shapes every other module of fedbit agrees on, and
+``spec.param_names()`` their names (``"conv1"``, ``"fc2"``...).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Union
+
+from firmware_models.errors import SpecError
+
+Shape = tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Conv2d:
+    """2-D convolution, square kernel, zero padding, no bias."""
+
+    name: str
+    in_channels: int
+    out_channels: int
+    kernel: int
+    stride: int = 1
+    padding: int = 0
+
+    @property
+    def weight_shape(self) -> Shape:
+        return (self.out_channels, self.in_channels, self.kernel, self.kernel)
+
+    @property
+    def fan_in(self) -> int:
+        return self.in_channels * self.kernel * self.kernel
+
+    def output_shape(self, shape: Shape) -> Shape:
+        if len(shape) != 3:
+            raise SpecError(f"{self.name}: Conv2d needs a [C, H, W] input, got {list(shape)}")
+        c, h, w = shape
+        if c != self.in_channels:
+            raise SpecError(f"{self.name}: expects {self.in_channels} input channels, got {c}")
+        ho = (h + 2 * self.padding - self.kernel) // self.stride + 1
+        wo = (w + 2 * self.padding - self.kernel) // self.stride + 1
+        if ho < 1 or wo < 1:
+            raise SpecError(f"{self.name}: input {list(shape)} is smaller than the kernel")
+        return (self.out_channels, ho, wo)
+
+
+@dataclass(frozen=True)
+class Linear:
+    """Fully connected layer, no bias."""
+
+    name: str
+    in_features: int
+    out_features: int
+
+    @property
+    def weight_shape(self) -> Shape:
+        return (self.out_features, self.in_features)
+
+    @property
+    def fan_in(self) -> int:
+        return self.in_features
+
+    def output_shape(self, shape: Shape) -> Shape:
+        if len(shape) != 1 or shape[0] != self.in_features:
+            raise SpecError(
+                f"{self.name}: Linear expects [{self.in_features}], got {list(shape)}"
+            )
+        return (self.out_features,)
+
+
+@dataclass(frozen=True)
+class ReLU:
+    name: str
+
+    def output_shape(self, shape: Shape) -> Shape:
+        return shape
+
+
+@dataclass(frozen=True)
+class MaxPool2d:
+    """Max pooling; padded cells never win (they count as -inf, as in torch)."""
+
+    name: str
+    kernel: int
+    stride: int | None = None
+    padding: int = 0
+
+    @property
+    def step(self) -> int:
+        return self.kernel if self.stride is None else self.stride
+
+    def output_shape(self, shape: Shape) -> Shape:
+        if len(shape) != 3:
+            raise SpecError(f"{self.name}: MaxPool2d needs a [C, H, W] input, got {list(shape)}")
+        if 2 * self.padding > self.kernel:
+            raise SpecError(f"{self.name}: padding {self.padding} exceeds half the kernel")
+        c, h, w = shape
+        ho = (h + 2 * self.padding - self.kernel) // self.step + 1
+        wo = (w + 2 * self.padding - self.kernel) // self.step + 1
+        if ho < 1 or wo < 1:
+            raise SpecError(f"{self.name}: input {list(shape)} is smaller than the window")
+        return (c, ho, wo)
+
+
+@dataclass(frozen=True)
+class Flatten:
+    name: str
+
+    def output_shape(self, shape: Shape) -> Shape:
+        return (math.prod(shape),)
+
+
+Layer = Union[Conv2d, Linear, ReLU, MaxPool2d, Flatten]
+ParamLayer = Union[Conv2d, Linear]
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """An architecture: input shape ``[C, H, W]`` (or ``[F]``), layers, class count."""
+
+    name: str
+    input_shape: Shape
+    layers: tuple[Layer, ...]
+    num_classes: int
+    description: str = ""
+    _shapes: tuple[Shape, ...] = field(default=(), repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_shapes", tuple(self._infer_shapes()))
+
+    def _infer_shapes(self) -> list[Shape]:
+        names = [layer.name for layer in self.layers]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise SpecError(f"{self.name}: duplicate layer names {dupes}")
+        if any(d < 1 for d in self.input_shape):
+            raise SpecError(f"{self.name}: input shape {list(self.input_shape)} is not positive")
+        shapes = [tuple(self.input_shape)]
+        for layer in self.layers:
+            shapes.append(layer.output_shape(shapes[-1]))
+        if shapes[-1] != (self.num_classes,):
+            raise SpecError(
+                f"{self.name}: output shape {list(shapes[-1])} != [{self.num_classes}] classes"
+            )
+        return shapes
+
+    @property
+    def activation_shapes(self) -> tuple[Shape, ...]:
+        """Shape before the first layer and after each layer (len = layers + 1)."""
+        return self._shapes
+
+    @property
+    def param_layers(self) -> tuple[ParamLayer, ...]:
+        return tuple(layer for layer in self.layers if isinstance(layer, (Conv2d, Linear)))
+
+    def param_names(self) -> list[str]:
+        return [layer.name for layer in self.param_layers]
+
+    def param_shapes(self) -> list[Shape]:
+        return [layer.weight_shape for layer in self.param_layers]
+
+    def fan_ins(self) -> list[int]:
+        """Per parameter layer: the number of inputs each output sums (k*k*C_in or F_in)."""
+        return [layer.fan_in for layer in self.param_layers]
+
+    @property
+    def param_count(self) -> int:
+        return sum(math.prod(s) for s in self.param_shapes())
+
+    def summary(self) -> str:
+        lines = [f"{self.name}: input {list(self.input_shape)}, {self.param_count:,} parameters"]
+        for layer, shape in zip(self.layers, self._shapes[1:], strict=True):
+            params = math.prod(layer.weight_shape) if hasattr(layer, "weight_shape") else 0
+            lines.append(f"  {layer.name:<8} {type(layer).__name__:<10} -> {list(shape)}  {params:,}")
+        return "\n".join(lines)

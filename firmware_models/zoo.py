@@ -1,0 +1,99 @@
+"""The named architectures fedbit ships, built as :class:`ModelSpec` values."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from firmware_models.errors import SpecError
+from firmware_models.spec import Conv2d, Flatten, Layer, Linear, MaxPool2d, ModelSpec, ReLU
+
+
+def digits_cnn(num_classes: int = 10) -> ModelSpec:
+    """Small CNN for scikit-learn's 8x8x1 digits: 13,584 parameters."""
+    layers: list[Layer] = [
+        Conv2d("conv1", 1, 16, 3, padding=1), ReLU("relu1"), MaxPool2d("pool1", 2),
+        Conv2d("conv2", 16, 32, 3, padding=1), ReLU("relu2"), MaxPool2d("pool2", 2),
+        Flatten("flatten"),
+        Linear("fc1", 128, 64), ReLU("relu3"),
+        Linear("fc2", 64, num_classes),
+    ]
+    return ModelSpec("digits_cnn", (1, 8, 8), tuple(layers), num_classes,
+                     "two 3x3 convs (16, 32), 2x2 pools, FC 128-64-10; for bundled digits")
+
+
+def fedshift_cnn(num_classes: int = 10) -> ModelSpec:
+    """The FedShift paper's CNN for 32x32x3 inputs (about 2.16 M parameters).
+
+    Two 5x5 convolutions with 32 and 64 channels and padding 1, each followed by ReLU and
+    a 2x2 max-pool with padding 1; FC 4096 -> 512 -> classes; no biases.
+    """
+    layers: list[Layer] = [
+        Conv2d("conv1", 3, 32, 5, padding=1), ReLU("relu1"), MaxPool2d("pool1", 2, padding=1),
+        Conv2d("conv2", 32, 64, 5, padding=1), ReLU("relu2"), MaxPool2d("pool2", 2, padding=1),
+        Flatten("flatten"),
+        Linear("fc1", 4096, 512), ReLU("relu3"),
+        Linear("fc2", 512, num_classes),
+    ]
+    return ModelSpec("fedshift_cnn", (3, 32, 32), tuple(layers), num_classes,
+                     "FedShift CNN: 5x5 convs 32/64 pad 1, 2x2 pools pad 1, FC 4096-512-10")
+
+
+def vgg7_small(width: float = 0.125, num_classes: int = 10, image: int = 32) -> ModelSpec:
+    """WAGE's VGG-7 (2x128C3-MP2-2x256C3-MP2-2x512C3-MP2-1024FC-10) with a width multiplier.
+
+    ``width`` scales every channel count and the hidden FC width (1.0 is the paper's
+    model, 0.125 a size an edge device trains in minutes).
+    """
+    if width <= 0:
+        raise SpecError(f"vgg7_small: width must be > 0, got {width}")
+    c1, c2, c3 = (max(1, round(c * width)) for c in (128, 256, 512))
+    hidden = max(1, round(1024 * width))
+    if image % 8:
+        raise SpecError(f"vgg7_small: image size must be a multiple of 8, got {image}")
+    side = image // 8
+    layers: list[Layer] = [
+        Conv2d("conv1", 3, c1, 3, padding=1), ReLU("relu1"),
+        Conv2d("conv2", c1, c1, 3, padding=1), ReLU("relu2"), MaxPool2d("pool1", 2),
+        Conv2d("conv3", c1, c2, 3, padding=1), ReLU("relu3"),
+        Conv2d("conv4", c2, c2, 3, padding=1), ReLU("relu4"), MaxPool2d("pool2", 2),
+        Conv2d("conv5", c2, c3, 3, padding=1), ReLU("relu5"),
+        Conv2d("conv6", c3, c3, 3, padding=1), ReLU("relu6"), MaxPool2d("pool3", 2),
+        Flatten("flatten"),
+        Linear("fc1", c3 * side * side, hidden), ReLU("relu7"),
+        Linear("fc2", hidden, num_classes),
+    ]
+    return ModelSpec("vgg7_small", (3, image, image), tuple(layers), num_classes,
+                     f"WAGE VGG-7 at width x{width}")
+
+
+def mlp(input_shape: tuple[int, ...] = (1, 8, 8), hidden: int = 128,
+        num_classes: int = 10) -> ModelSpec:
+    """Two-layer perceptron (flatten -> hidden -> classes); defaults fit the digits."""
+    if hidden < 1:
+        raise SpecError(f"mlp: hidden must be >= 1, got {hidden}")
+    features = 1
+    for d in input_shape:
+        features *= d
+    layers: list[Layer] = [
+        Flatten("flatten"), Linear("fc1", features, hidden), ReLU("relu1"),
+        Linear("fc2", hidden, num_classes),
+    ]
+    return ModelSpec("mlp", tuple(input_shape), tuple(layers), num_classes,
+                     f"MLP {features}-{hidden}-{num_classes}")
+
+
+MODELS: dict[str, Callable[..., ModelSpec]] = {
+    "digits_cnn": digits_cnn,
+    "fedshift_cnn": fedshift_cnn,
+    "vgg7_small": vgg7_small,
+    "mlp": mlp,
+}
+
+
+def get_spec(name: str, **kwargs: object) -> ModelSpec:
+    """Build the named architecture; unknown names list the valid ones."""
+    try:
+        builder = MODELS[name]
+    except KeyError:
+        raise SpecError(f"unknown model {name!r}; known: {', '.join(sorted(MODELS))}") from None
+    return builder(**kwargs)
