@@ -1,12 +1,72 @@
 """The wire format (DESIGN.md, "Wire protocol"): message dataclasses, msgpack, validation.
 
-(Work in progress: the tensor type comes first; messages follow in the same module.)
+Every payload is one msgpack map ``{"v": PROTOCOL_VERSION, "kind": KIND, ...fields}``.
+Tensors travel per layer as ``{"name", "shape", "dtype", "codec", "bits", "data", "aux"}``
+with ``len(data) == ceil(prod(shape) * bits / 8)`` exactly.
+
+:func:`decode_message` is the only door for received bytes. It checks the payload size
+before parsing, caps every msgpack container while parsing, then validates every field
+(types, ranges, counts, exact byte lengths, codec/dtype whitelists, finite values) before
+anything is allocated from it. Whatever is wrong, it raises :class:`ProtocolError` whose
+message names the field (``tensors[2].shape``); no other exception escapes.
+
+Topics live under ``fedbit/<job>/``: ``presence/<device>``, ``hello/<device>``, ``round``,
+``model/<variant>``, ``update/<device>``, ``status``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+import hashlib
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any, ClassVar
+
+import msgpack
+import numpy as np
+
+from edge_client.errors import ProtocolError
+
+PROTOCOL_VERSION = 1
+
+#: codec name -> (min bits, max bits). The codecs package registers the implementations;
+#: the wire accepts exactly these names.
+CODEC_BITS: dict[str, tuple[int, int]] = {
+    "float32": (32, 32),
+    "float16": (16, 16),
+    "asym": (1, 16),
+    "kmeans": (1, 8),
+    "ternary": (2, 2),
+    "int": (2, 16),
+    "danuq": (1, 8),
+}
+#: dtypes a decoded tensor may have.
+DTYPES = frozenset({"float32", "float16", "int8", "int16", "int32", "uint8", "uint16"})
+#: codecs whose ``data`` is raw IEEE floats and must be finite.
+_FLOAT_CODECS = {"float32": "<f4", "float16": "<f2"}
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Caps enforced before allocation. The defaults fit a 2.2 M-parameter model in
+    float32 with room; a deployment with bigger models raises them on both sides."""
+
+    max_payload_bytes: int = 64 * 1024 * 1024
+    max_layers: int = 256
+    max_ndim: int = 6
+    max_tensor_elements: int = 1 << 25
+    max_total_elements: int = 1 << 26
+    max_aux_items: int = 16
+    max_aux_list: int = 1 << 16
+    max_str: int = 256
+    max_devices: int = 100_000
+    max_map_items: int = 64
+
+
+DEFAULT_LIMITS = Limits()
+
+
+# --------------------------------------------------------------------------- tensors
 
 
 @dataclass(frozen=True)
@@ -15,12 +75,12 @@ class EncodedTensor:
 
     - ``shape``: the decoded array's shape;
     - ``dtype``: the decoded array's dtype name (``"float32"``, ``"int8"``, ``"int16"``...);
-    - ``codec``: a registered codec name (``"float32"``, ``"float16"``, ``"asym"``,
-      ``"kmeans"``, ``"ternary"``, ``"int"``, ``"danuq"``);
+    - ``codec``: a codec name from :data:`CODEC_BITS`;
     - ``bits``: bits per element in ``data`` (32 for float32, 16 for float16);
     - ``data``: the packed payload, little-endian bit order (see ``codecs.bitpack``);
-    - ``aux``: codec side information, msgpack-able scalars, lists of floats, or bytes
-      (``{"min": .., "max": ..}`` for asym, ``{"codebook": [..]}`` for kmeans...).
+    - ``aux``: codec side information: finite floats, ints, strings, bytes, or lists of
+      finite numbers (``{"min": .., "max": ..}`` for asym, ``{"codebook": [..]}`` ...);
+    - ``name``: the layer name from the model spec (may be empty).
     """
 
     shape: tuple[int, ...]
@@ -30,3 +90,475 @@ class EncodedTensor:
     data: bytes
     aux: dict[str, Any] = field(default_factory=dict)
     name: str = ""
+
+    @property
+    def size(self) -> int:
+        """Number of elements."""
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        """Exact payload length in bytes: ``ceil(size * bits / 8)``."""
+        return packed_length(self.size, self.bits)
+
+
+def packed_length(n: int, bits: int) -> int:
+    """Bytes that ``n`` values of ``bits`` bits occupy when bit-packed: ``ceil(n*bits/8)``."""
+    return (n * bits + 7) // 8
+
+
+def float32_tensor(array: np.ndarray, name: str = "") -> EncodedTensor:
+    """Lossless float32 tensor (the passthrough codec, used for models and tests)."""
+    a = np.ascontiguousarray(array, dtype="<f4")
+    return EncodedTensor(tuple(int(d) for d in a.shape), "float32", "float32", 32, a.tobytes(), {}, name)
+
+
+def tensors_digest(tensors: Iterable[EncodedTensor]) -> str:
+    """SHA-256 hex digest of tensors' names, shapes, dtypes, codecs, bits, data and aux."""
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(msgpack.packb(_tensor_to_wire(t), use_bin_type=True))
+    return h.hexdigest()
+
+
+# --------------------------------------------------------------------------- messages
+
+
+@dataclass(frozen=True)
+class Hello:
+    """A device introduces itself (topic ``hello/<device_id>``)."""
+
+    KIND: ClassVar[str] = "hello"
+    device_id: str
+    profile: str
+    compute_bits: int
+    trainer: str
+    codec: str
+    codec_bits: int
+    num_samples: int
+    sdk_version: str
+
+
+@dataclass(frozen=True)
+class Presence:
+    """Retained on ``presence/<device_id>``; the last-will publishes ``online=False``."""
+
+    KIND: ClassVar[str] = "presence"
+    device_id: str
+    online: bool
+
+
+@dataclass(frozen=True)
+class RoundAnnouncement:
+    """Retained on ``round``: who trains in round ``round_id`` and until when.
+
+    ``deadline`` is a Unix time in seconds; ``variants`` maps a model variant name
+    (``"float32"``, ``"int8"``...) to its digest; ``hparams`` holds the local training
+    hyper-parameters (``epochs``, ``batch``, ``prox_mu``, ...).
+    """
+
+    KIND: ClassVar[str] = "round"
+    job: str
+    round_id: int
+    model: str
+    selected: tuple[str, ...]
+    deadline: float
+    variants: dict[str, str]
+    hparams: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ModelMessage:
+    """Retained on ``model/<variant>``: the global model in one bitwidth variant.
+
+    ``last_global_step`` (FedFOR) is empty when the strategy does not need it;
+    ``sigma_g`` (DANUQ) is one float per layer or empty.
+    """
+
+    KIND: ClassVar[str] = "model"
+    round_id: int
+    variant: str
+    model: str
+    tensors: tuple[EncodedTensor, ...]
+    digest: str
+    last_global_step: tuple[EncodedTensor, ...] = ()
+    sigma_g: tuple[float, ...] = ()
+
+
+@dataclass(frozen=True)
+class Update:
+    """A device's result for one round, on ``update/<device_id>`` (QoS 1).
+
+    ``content`` says what the tensors hold: ``"weights"`` (full local weights) or ``"delta"``
+    (local minus global). ``model_digest`` names the model the device started from.
+    """
+
+    KIND: ClassVar[str] = "update"
+    device_id: str
+    round_id: int
+    num_samples: int
+    compute_bits: int
+    content: str
+    tensors: tuple[EncodedTensor, ...]
+    model_digest: str = ""
+    train_loss: float = 0.0
+    train_seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class Status:
+    """Retained on ``status``: the coordinator's state (``"waiting"``, ``"round"``,
+    ``"done"``, ``"error"``) and the last round's metrics."""
+
+    KIND: ClassVar[str] = "status"
+    state: str
+    round_id: int
+    message: str = ""
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+Message = Hello | Presence | RoundAnnouncement | ModelMessage | Update | Status
+MESSAGE_TYPES: dict[str, type] = {
+    cls.KIND: cls for cls in (Hello, Presence, RoundAnnouncement, ModelMessage, Update, Status)
+}
+UPDATE_CONTENTS = frozenset({"weights", "delta"})
+TRAINERS = frozenset({"int", "torch"})
+STATUS_STATES = frozenset({"waiting", "round", "done", "error"})
+
+
+# --------------------------------------------------------------------------- encoding
+
+
+def _tensor_to_wire(t: EncodedTensor) -> dict[str, Any]:
+    return {
+        "name": t.name, "shape": list(t.shape), "dtype": t.dtype, "codec": t.codec,
+        "bits": t.bits, "data": bytes(t.data), "aux": dict(t.aux),
+    }
+
+
+def _to_wire(value: Any) -> Any:
+    if isinstance(value, EncodedTensor):
+        return _tensor_to_wire(value)
+    if isinstance(value, tuple | list):
+        return [_to_wire(v) for v in value]
+    if isinstance(value, np.generic):
+        return value.item()
+    return value
+
+
+def encode_message(msg: Message, limits: Limits = DEFAULT_LIMITS) -> bytes:
+    """msgpack bytes of ``msg``. The result is validated like a received payload, so a
+    sender can never emit what a receiver rejects (oversized, NaN, wrong lengths)."""
+    kind = getattr(msg, "KIND", None)
+    if kind not in MESSAGE_TYPES or not isinstance(msg, MESSAGE_TYPES[kind]):
+        raise ProtocolError(f"kind: cannot encode {type(msg).__name__}")
+    body: dict[str, Any] = {"v": PROTOCOL_VERSION, "kind": kind}
+    for f in fields(msg):
+        body[f.name] = _to_wire(getattr(msg, f.name))
+    try:
+        payload = msgpack.packb(body, use_bin_type=True)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise ProtocolError(f"{kind}: cannot pack: {exc}") from None
+    decode_message(payload, limits)
+    return payload
+
+
+# --------------------------------------------------------------------------- decoding
+
+
+class _Reader:
+    """Typed access to a received map; every error names the field path."""
+
+    def __init__(self, data: Any, path: str, limits: Limits) -> None:
+        if not isinstance(data, dict):
+            raise ProtocolError(f"{path or 'payload'}: expected a map, got {type(data).__name__}")
+        self.data, self.path, self.limits = data, path, limits
+
+    def where(self, key: str) -> str:
+        return f"{self.path}.{key}" if self.path else key
+
+    def raw(self, key: str, default: Any = ...) -> Any:
+        if key in self.data:
+            return self.data[key]
+        if default is ...:
+            raise ProtocolError(f"{self.where(key)}: missing")
+        return default
+
+    def int(self, key: str, lo: int, hi: int, default: Any = ...) -> int:
+        v = self.raw(key, default)
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise ProtocolError(f"{self.where(key)}: expected an integer, got {type(v).__name__}")
+        if not lo <= v <= hi:
+            raise ProtocolError(f"{self.where(key)}: {v} out of range [{lo}, {hi}]")
+        return v
+
+    def float(self, key: str, lo: float = -math.inf, hi: float = math.inf, default: Any = ...) -> float:
+        v = self.raw(key, default)
+        if isinstance(v, bool) or not isinstance(v, int | float):
+            raise ProtocolError(f"{self.where(key)}: expected a number, got {type(v).__name__}")
+        v = float(v)
+        if not math.isfinite(v):
+            raise ProtocolError(f"{self.where(key)}: not finite ({v})")
+        if not lo <= v <= hi:
+            raise ProtocolError(f"{self.where(key)}: {v} out of range [{lo}, {hi}]")
+        return v
+
+    def bool(self, key: str, default: Any = ...) -> bool:
+        v = self.raw(key, default)
+        if not isinstance(v, bool):
+            raise ProtocolError(f"{self.where(key)}: expected a boolean, got {type(v).__name__}")
+        return v
+
+    def str(self, key: str, allowed: frozenset[str] | None = None, default: Any = ...,
+            empty: bool = True) -> str:
+        v = self.raw(key, default)
+        if not isinstance(v, str):
+            raise ProtocolError(f"{self.where(key)}: expected a string, got {type(v).__name__}")
+        if len(v) > self.limits.max_str:
+            raise ProtocolError(f"{self.where(key)}: longer than {self.limits.max_str} characters")
+        if not empty and not v:
+            raise ProtocolError(f"{self.where(key)}: empty")
+        if allowed is not None and v not in allowed:
+            raise ProtocolError(f"{self.where(key)}: {v!r} not one of {sorted(allowed)}")
+        return v
+
+    def device_id(self, key: str) -> str:
+        v = self.str(key, empty=False)
+        if not _valid_id(v):
+            raise ProtocolError(f"{self.where(key)}: {v!r} is not a valid id ([A-Za-z0-9._-]+)")
+        return v
+
+    def list(self, key: str, max_len: int, default: Any = ...) -> list[Any]:
+        v = self.raw(key, default)
+        if not isinstance(v, list):
+            raise ProtocolError(f"{self.where(key)}: expected a list, got {type(v).__name__}")
+        if len(v) > max_len:
+            raise ProtocolError(f"{self.where(key)}: {len(v)} items exceed the limit {max_len}")
+        return v
+
+    def map(self, key: str, default: Any = ...) -> dict[str, Any]:
+        v = self.raw(key, default)
+        if not isinstance(v, dict):
+            raise ProtocolError(f"{self.where(key)}: expected a map, got {type(v).__name__}")
+        if len(v) > self.limits.max_map_items:
+            raise ProtocolError(f"{self.where(key)}: more than {self.limits.max_map_items} entries")
+        for k in v:
+            if not isinstance(k, str) or len(k) > self.limits.max_str:
+                raise ProtocolError(f"{self.where(key)}: keys must be short strings")
+        return v
+
+
+_ID_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
+
+
+def _valid_id(v: str) -> bool:
+    """Ids appear in MQTT topics: no wildcards, separators or control characters."""
+    return bool(v) and len(v) <= 128 and all(c in _ID_CHARS for c in v)
+
+
+def _scalar_ok(v: Any) -> bool:
+    if isinstance(v, bool | int | str | bytes):
+        return True
+    return isinstance(v, float) and math.isfinite(v)
+
+
+def _read_aux(r: _Reader) -> dict[str, Any]:
+    aux = r.map("aux", {})
+    if len(aux) > r.limits.max_aux_items:
+        raise ProtocolError(f"{r.where('aux')}: more than {r.limits.max_aux_items} entries")
+    for k, v in aux.items():
+        where = f"{r.where('aux')}.{k}"
+        if isinstance(v, list):
+            if len(v) > r.limits.max_aux_list:
+                raise ProtocolError(f"{where}: {len(v)} items exceed the limit {r.limits.max_aux_list}")
+            for x in v:
+                if isinstance(x, bool) or not isinstance(x, int | float) or not math.isfinite(x):
+                    raise ProtocolError(f"{where}: items must be finite numbers")
+        elif not _scalar_ok(v):
+            raise ProtocolError(f"{where}: not a finite number, string or bytes")
+    return aux
+
+
+def _read_tensor(raw: Any, path: str, limits: Limits) -> EncodedTensor:
+    r = _Reader(raw, path, limits)
+    name = r.str("name", default="")
+    shape_raw = r.list("shape", limits.max_ndim)
+    shape: list[int] = []
+    for i, d in enumerate(shape_raw):
+        if isinstance(d, bool) or not isinstance(d, int) or not 0 <= d <= limits.max_tensor_elements:
+            raise ProtocolError(f"{r.where('shape')}[{i}]: {d!r} is not a valid dimension")
+        shape.append(d)
+    n = math.prod(shape)
+    if n > limits.max_tensor_elements:
+        raise ProtocolError(f"{r.where('shape')}: {n} elements exceed the limit {limits.max_tensor_elements}")
+    dtype = r.str("dtype", DTYPES)
+    codec = r.str("codec", frozenset(CODEC_BITS))
+    lo, hi = CODEC_BITS[codec]
+    bits = r.int("bits", lo, hi)
+    data = r.raw("data")
+    if not isinstance(data, bytes):
+        raise ProtocolError(f"{r.where('data')}: expected bytes, got {type(data).__name__}")
+    expected = packed_length(n, bits)
+    if len(data) != expected:
+        raise ProtocolError(
+            f"{r.where('data')}: {len(data)} bytes, expected ceil({n}*{bits}/8) = {expected}"
+        )
+    if codec in _FLOAT_CODECS:
+        if n and not np.isfinite(np.frombuffer(data, dtype=_FLOAT_CODECS[codec])).all():
+            raise ProtocolError(f"{r.where('data')}: contains NaN or Inf")
+    aux = _read_aux(r)
+    return EncodedTensor(tuple(shape), dtype, codec, bits, data, aux, name)
+
+
+def _read_tensors(r: _Reader, key: str, total: list[int]) -> tuple[EncodedTensor, ...]:
+    items = r.list(key, r.limits.max_layers)
+    out = []
+    for i, raw in enumerate(items):
+        t = _read_tensor(raw, f"{r.where(key)}[{i}]", r.limits)
+        total[0] += t.size
+        if total[0] > r.limits.max_total_elements:
+            raise ProtocolError(f"{r.where(key)}: more than {r.limits.max_total_elements} elements in all")
+        out.append(t)
+    return tuple(out)
+
+
+def _read_hparams(r: _Reader) -> dict[str, Any]:
+    hp = r.map("hparams", {})
+    for k, v in hp.items():
+        if not _scalar_ok(v) or isinstance(v, bytes):
+            raise ProtocolError(f"{r.where('hparams')}.{k}: not a finite number, boolean or string")
+    return hp
+
+
+def _read_floats(r: _Reader, key: str) -> tuple[float, ...]:
+    items = r.list(key, r.limits.max_layers, default=[])
+    for i, x in enumerate(items):
+        if isinstance(x, bool) or not isinstance(x, int | float) or not math.isfinite(x):
+            raise ProtocolError(f"{r.where(key)}[{i}]: not a finite number")
+    return tuple(float(x) for x in items)
+
+
+def _read_digest(r: _Reader, key: str, default: Any = ...) -> str:
+    v = r.str(key, default=default)
+    if v and (len(v) != 64 or any(c not in "0123456789abcdef" for c in v)):
+        raise ProtocolError(f"{r.where(key)}: not a sha256 hex digest")
+    return v
+
+
+def _parse(kind: str, r: _Reader) -> Message:
+    lim = r.limits
+    if kind == "hello":
+        return Hello(
+            device_id=r.device_id("device_id"), profile=r.str("profile", empty=False),
+            compute_bits=r.int("compute_bits", 2, 32), trainer=r.str("trainer", TRAINERS),
+            codec=r.str("codec", frozenset(CODEC_BITS)), codec_bits=r.int("codec_bits", 1, 32),
+            num_samples=r.int("num_samples", 0, 1 << 40), sdk_version=r.str("sdk_version"),
+        )
+    if kind == "presence":
+        return Presence(device_id=r.device_id("device_id"), online=r.bool("online"))
+    if kind == "round":
+        selected = r.list("selected", lim.max_devices)
+        for i, s in enumerate(selected):
+            if not isinstance(s, str) or not _valid_id(s):
+                raise ProtocolError(f"{r.where('selected')}[{i}]: not a valid device id")
+        variants = r.map("variants")
+        for k, v in variants.items():
+            _read_digest(_Reader(variants, r.where("variants"), lim), k)
+        return RoundAnnouncement(
+            job=r.device_id("job"), round_id=r.int("round_id", 0, 1 << 40),
+            model=r.str("model", empty=False), selected=tuple(selected),
+            deadline=r.float("deadline", 0.0), variants=dict(variants), hparams=_read_hparams(r),
+        )
+    if kind == "model":
+        total = [0]
+        return ModelMessage(
+            round_id=r.int("round_id", 0, 1 << 40), variant=r.device_id("variant"),
+            model=r.str("model", empty=False), tensors=_read_tensors(r, "tensors", total),
+            digest=_read_digest(r, "digest"),
+            last_global_step=_read_tensors(r, "last_global_step", total) if "last_global_step" in r.data else (),
+            sigma_g=_read_floats(r, "sigma_g"),
+        )
+    if kind == "update":
+        total = [0]
+        return Update(
+            device_id=r.device_id("device_id"), round_id=r.int("round_id", 0, 1 << 40),
+            num_samples=r.int("num_samples", 1, 1 << 40), compute_bits=r.int("compute_bits", 2, 32),
+            content=r.str("content", UPDATE_CONTENTS), tensors=_read_tensors(r, "tensors", total),
+            model_digest=_read_digest(r, "model_digest", default=""),
+            train_loss=r.float("train_loss", default=0.0),
+            train_seconds=r.float("train_seconds", 0.0, default=0.0),
+        )
+    if kind == "status":
+        metrics = r.map("metrics", {})
+        for k, v in metrics.items():
+            if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+                raise ProtocolError(f"{r.where('metrics')}.{k}: not a finite number")
+        return Status(
+            state=r.str("state", STATUS_STATES), round_id=r.int("round_id", 0, 1 << 40),
+            message=r.str("message", default=""), metrics={k: float(v) for k, v in metrics.items()},
+        )
+    raise ProtocolError(f"kind: unknown message kind {kind!r}")  # pragma: no cover
+
+
+def decode_message(payload: bytes | bytearray | memoryview, limits: Limits = DEFAULT_LIMITS) -> Message:
+    """Parse and validate one received payload; :class:`ProtocolError` on anything wrong."""
+    if not isinstance(payload, bytes | bytearray | memoryview):
+        raise ProtocolError(f"payload: expected bytes, got {type(payload).__name__}")
+    if len(payload) > limits.max_payload_bytes:
+        raise ProtocolError(
+            f"payload: {len(payload)} bytes exceed the limit of {limits.max_payload_bytes}"
+        )
+    try:
+        body = msgpack.unpackb(
+            payload, raw=False, strict_map_key=True, use_list=True,
+            max_bin_len=limits.max_payload_bytes, max_str_len=max(limits.max_str, 1 << 16),
+            max_array_len=max(limits.max_aux_list, limits.max_devices, limits.max_layers),
+            max_map_len=max(limits.max_map_items, 16), max_ext_len=0,
+        )
+    except Exception as exc:  # msgpack raises many types (ValueError, ExtraData, StackError...)
+        raise ProtocolError(f"payload: not a valid msgpack document ({type(exc).__name__}: {exc})") from None
+    r = _Reader(body, "", limits)
+    v = r.int("v", 0, 1 << 16)
+    if v != PROTOCOL_VERSION:
+        raise ProtocolError(f"v: protocol version {v} is not supported (this is {PROTOCOL_VERSION})")
+    kind = r.str("kind", frozenset(MESSAGE_TYPES))
+    try:
+        return _parse(kind, r)
+    except ProtocolError:
+        raise
+    except RecursionError:
+        raise ProtocolError(f"{kind}: structure too deep") from None
+
+
+# --------------------------------------------------------------------------- topics
+
+TOPIC_ROOT = "fedbit"
+_TOPIC_KINDS_WITH_ID = frozenset({"presence", "hello", "model", "update"})
+_TOPIC_KINDS_PLAIN = frozenset({"round", "status"})
+
+
+def topic(job: str, kind: str, ident: str | None = None) -> str:
+    """``fedbit/<job>/<kind>[/<ident>]``; ids must be valid topic levels."""
+    if not _valid_id(job):
+        raise ProtocolError(f"job: {job!r} is not a valid id")
+    if kind in _TOPIC_KINDS_PLAIN and ident is None:
+        return f"{TOPIC_ROOT}/{job}/{kind}"
+    if kind in _TOPIC_KINDS_WITH_ID and ident is not None and _valid_id(ident):
+        return f"{TOPIC_ROOT}/{job}/{kind}/{ident}"
+    raise ProtocolError(f"topic: no topic {kind!r} with id {ident!r}")
+
+
+def parse_topic(name: str) -> tuple[str, str, str | None]:
+    """``(job, kind, ident)`` of a fedbit topic; :class:`ProtocolError` otherwise."""
+    parts = name.split("/")
+    if len(parts) in (3, 4) and parts[0] == TOPIC_ROOT and _valid_id(parts[1]):
+        if len(parts) == 3 and parts[2] in _TOPIC_KINDS_PLAIN:
+            return parts[1], parts[2], None
+        if len(parts) == 4 and parts[2] in _TOPIC_KINDS_WITH_ID and _valid_id(parts[3]):
+            return parts[1], parts[2], parts[3]
+    raise ProtocolError(f"topic: {name!r} is not a fedbit topic")
+
+
+def as_mapping(msg: Message) -> Mapping[str, Any]:
+    """The message's fields as a plain dict (for logs)."""
+    return {f.name: getattr(msg, f.name) for f in fields(msg)}
