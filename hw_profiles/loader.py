@@ -1,0 +1,165 @@
+"""Load and validate hardware profiles (DESIGN.md, "Hardware profiles").
+
+A profile is a flat TOML table with exactly the fields of :class:`HardwareProfile`.
+Unknown keys, missing keys, wrong types and out-of-range values raise
+:class:`ProfileError` naming the file and the key.
+"""
+
+from __future__ import annotations
+
+import math
+import tomllib
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+#: codec name -> (min bits, max bits); mirrors ``edge_client.protocol.CODEC_BITS``
+#: (a test keeps the two equal; this package may not import edge_client).
+CODEC_BITS: dict[str, tuple[int, int]] = {
+    "float32": (32, 32),
+    "float16": (16, 16),
+    "asym": (1, 16),
+    "kmeans": (1, 8),
+    "ternary": (2, 2),
+    "int": (2, 16),
+    "danuq": (1, 8),
+}
+
+
+class ProfileError(ValueError):
+    """A profile file is missing, unreadable or invalid; the message names file and key.
+
+    ``edge_client.errors.ConfigError`` is the SDK's general config error; this package
+    stays import-free of the SDK, so callers that want one type catch ``ValueError``.
+    """
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    """One device kind.
+
+    Units: ``ram_mb`` MiB; ``uplink_kbps``/``downlink_kbps`` kilobits per second;
+    ``latency_ms`` one-way milliseconds; ``loss_rate`` probability a message is lost;
+    ``relative_speed`` training speed relative to the ``desktop`` profile (1.0).
+    ``compute_bits`` is 2..16 for integer devices (``trainer = "int"``) and 32 for float
+    devices (``trainer = "torch"``). ``codec``/``codec_bits`` pick the uplink codec.
+    """
+
+    name: str
+    arch: str
+    compute_bits: int
+    trainer: str
+    codec: str
+    codec_bits: int
+    ram_mb: int
+    uplink_kbps: float
+    downlink_kbps: float
+    latency_ms: float
+    loss_rate: float
+    relative_speed: float
+    notes: str = ""
+
+    @property
+    def is_integer(self) -> bool:
+        return self.trainer == "int"
+
+
+FIELDS: tuple[str, ...] = tuple(f.name for f in fields(HardwareProfile))
+_OPTIONAL = {"notes"}
+
+
+def profile_dir() -> Path:
+    """The folder of the bundled profiles."""
+    return Path(__file__).resolve().parent / "profiles"
+
+
+def _check(where: str, key: str, value: Any, kind: type, lo: float | None = None,
+           hi: float | None = None, lo_open: bool = False) -> Any:
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if isinstance(value, bool) or not isinstance(value, kind):
+        raise ProfileError(f"{where}: key {key!r} must be {kind.__name__}, got {type(value).__name__}")
+    if kind is float and not math.isfinite(value):
+        raise ProfileError(f"{where}: key {key!r} must be finite, got {value}")
+    if lo is not None and (value <= lo if lo_open else value < lo):
+        raise ProfileError(f"{where}: key {key!r} = {value} must be {'>' if lo_open else '>='} {lo}")
+    if hi is not None and value > hi:
+        raise ProfileError(f"{where}: key {key!r} = {value} must be <= {hi}")
+    return value
+
+
+def parse_profile(table: dict[str, Any], where: str = "<profile>") -> HardwareProfile:
+    """Validate a parsed TOML table; ``where`` names the source in errors."""
+    unknown = sorted(set(table) - set(FIELDS))
+    if unknown:
+        raise ProfileError(f"{where}: unknown key {unknown[0]!r} (valid keys: {', '.join(FIELDS)})")
+    missing = [k for k in FIELDS if k not in table and k not in _OPTIONAL]
+    if missing:
+        raise ProfileError(f"{where}: missing key {missing[0]!r}")
+    v = dict(table)
+    name = _check(where, "name", v["name"], str)
+    if not name or len(name) > 64 or not all(c.isalnum() or c in "-_." for c in name):
+        raise ProfileError(f"{where}: key 'name' = {name!r} must be 1-64 characters [A-Za-z0-9._-]")
+    _check(where, "arch", v["arch"], str)
+    bits = _check(where, "compute_bits", v["compute_bits"], int, 2, 32)
+    if not (bits <= 16 or bits == 32):
+        raise ProfileError(f"{where}: key 'compute_bits' = {bits} must be 2..16 or 32")
+    trainer = _check(where, "trainer", v["trainer"], str)
+    if trainer not in ("int", "torch"):
+        raise ProfileError(f"{where}: key 'trainer' = {trainer!r} must be 'int' or 'torch'")
+    if (trainer == "torch") != (bits == 32):
+        raise ProfileError(
+            f"{where}: key 'trainer' = {trainer!r} does not fit compute_bits = {bits} "
+            "(integer devices use 'int' with 2..16 bits, float devices 'torch' with 32)"
+        )
+    codec = _check(where, "codec", v["codec"], str)
+    if codec not in CODEC_BITS:
+        raise ProfileError(f"{where}: key 'codec' = {codec!r} is not one of {sorted(CODEC_BITS)}")
+    lo, hi = CODEC_BITS[codec]
+    codec_bits = _check(where, "codec_bits", v["codec_bits"], int)
+    if not lo <= codec_bits <= hi:
+        raise ProfileError(f"{where}: key 'codec_bits' = {codec_bits} out of range {lo}..{hi} for {codec}")
+    if codec == "int" and trainer != "int":
+        raise ProfileError(f"{where}: key 'codec' = 'int' needs an integer device (trainer = 'int')")
+    if codec == "int" and codec_bits != bits:
+        raise ProfileError(f"{where}: key 'codec_bits' = {codec_bits} must equal compute_bits = {bits} for codec 'int'")
+    return HardwareProfile(
+        name=name,
+        arch=v["arch"],
+        compute_bits=bits,
+        trainer=trainer,
+        codec=codec,
+        codec_bits=codec_bits,
+        ram_mb=_check(where, "ram_mb", v["ram_mb"], int, 16, 1 << 24),
+        uplink_kbps=_check(where, "uplink_kbps", v["uplink_kbps"], float, 0, 1e8, lo_open=True),
+        downlink_kbps=_check(where, "downlink_kbps", v["downlink_kbps"], float, 0, 1e8, lo_open=True),
+        latency_ms=_check(where, "latency_ms", v["latency_ms"], float, 0, 600_000),
+        loss_rate=_check(where, "loss_rate", v["loss_rate"], float, 0, 0.99),
+        relative_speed=_check(where, "relative_speed", v["relative_speed"], float, 0, 1e4, lo_open=True),
+        notes=_check(where, "notes", v.get("notes", ""), str),
+    )
+
+
+def load_profile(name_or_path: str | Path) -> HardwareProfile:
+    """Load a bundled profile by name (``"raspberry-pi-4"``) or any TOML file by path."""
+    path = Path(name_or_path)
+    if path.suffix != ".toml":
+        bundled = profile_dir() / f"{name_or_path}.toml"
+        if not bundled.is_file():
+            known = ", ".join(p.stem for p in sorted(profile_dir().glob("*.toml")))
+            raise ProfileError(f"unknown profile {str(name_or_path)!r}; bundled: {known}")
+        path = bundled
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ProfileError(f"{path}: cannot read ({exc.strerror or exc})") from None
+    try:
+        table = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ProfileError(f"{path}: invalid TOML ({exc})") from None
+    return parse_profile(table, str(path))
+
+
+def list_profiles() -> list[HardwareProfile]:
+    """Every bundled profile, sorted by name."""
+    return [load_profile(p) for p in sorted(profile_dir().glob("*.toml"))]
