@@ -1,0 +1,38 @@
+# fedbit — the README's commands. Each target creates .venv when missing and installs
+# the project with the extras it needs.
+#
+# torch is pinned (torch==2.13.0 in the `coordinator` extra) so that pip takes the CPU
+# wheel a machine already has; an unpinned torch would pull a multi-GB CUDA build.
+
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+EXTRAS ?= coordinator,data,dev
+
+.PHONY: demo test bench install lint clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+
+# Re-install when pyproject.toml changes.
+$(VENV)/.installed: pyproject.toml | $(PY)
+	$(PY) -m pip install --quiet -e ".[$(EXTRAS)]"
+	@touch $@
+
+install: $(VENV)/.installed
+
+demo: install
+	$(VENV)/bin/fedbit demo
+
+test: install
+	$(PY) -m pytest -q
+
+bench: install
+	$(PY) benchmarks/run_all.py --out benchmarks/results/latest.jsonl
+
+lint: install
+	$(PY) -m ruff check edge_client coordinator firmware_models hw_profiles tests benchmarks
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis build *.egg-info

@@ -1,0 +1,42 @@
+"""The two console scripts, run as real subprocesses from the environment's bin folder."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BIN = Path(sys.executable).parent
+
+
+def run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    exe = BIN / args[0]
+    assert exe.exists(), f"{exe} is not installed: run `make install`"
+    return subprocess.run([str(exe), *args[1:]], capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("script", ["fedbit", "fedbit-edge"])
+def test_help_and_version(script: str) -> None:
+    helped = run(script, "--help")
+    assert helped.returncode == 0, helped.stderr
+    assert f"usage: {script}" in helped.stdout
+    version = run(script, "--version")
+    assert version.returncode == 0
+    assert version.stdout.strip() == f"{script} 0.1.0"
+
+
+def test_edge_profiles_lists_the_bundled_profiles() -> None:
+    out = run("fedbit-edge", "profiles")
+    assert out.returncode == 0, out.stderr
+    for name in ["raspberry-pi-zero-2w", "raspberry-pi-4", "raspberry-pi-5", "jetson-nano", "jetson-orin-nano", "desktop"]:
+        assert name in out.stdout
+    line = next(ln for ln in out.stdout.splitlines() if ln.startswith("raspberry-pi-zero-2w"))
+    assert line.split()[1] == "6"
+
+
+def test_unknown_subcommand_fails() -> None:
+    out = run("fedbit-edge", "fly")
+    assert out.returncode == 2
+    assert "invalid choice" in out.stderr

@@ -1,0 +1,86 @@
+"""Hardware profiles: the bundled TOMLs load, and bad files name file and key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from hw_profiles import CODEC_BITS, FIELDS, ProfileError, list_profiles, load_profile, profile_dir
+
+REQUIRED = {
+    "raspberry-pi-zero-2w": 6, "raspberry-pi-4": 8, "raspberry-pi-5": 8,
+    "jetson-nano": 16, "jetson-orin-nano": 32, "desktop": 32,
+}
+
+
+def test_bundled_profiles_have_the_required_bitwidths() -> None:
+    profiles = {p.name: p for p in list_profiles()}
+    for name, bits in REQUIRED.items():
+        assert profiles[name].compute_bits == bits
+        assert profiles[name].is_integer == (bits != 32)
+    for p in profiles.values():
+        assert (profile_dir() / f"{p.name}.toml").is_file(), "file name must equal the profile name"
+
+
+def test_codec_table_mirrors_the_protocol() -> None:
+    from edge_client.protocol import CODEC_BITS as WIRE
+
+    assert CODEC_BITS == WIRE
+
+
+def _write(tmp_path: Path, **changes) -> Path:
+    text = (profile_dir() / "raspberry-pi-4.toml").read_text()
+    lines = [ln for ln in text.splitlines() if not any(ln.startswith(f"{k} ") for k in changes)]
+    for k, v in changes.items():
+        if v is not None:
+            lines.append(f"{k} = {v}")
+    path = tmp_path / "board.toml"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+@pytest.mark.parametrize(
+    "changes,key",
+    [
+        ({"colour": '"red"'}, "colour"),
+        ({"compute_bits": "7.5"}, "compute_bits"),
+        ({"compute_bits": "24"}, "compute_bits"),
+        ({"compute_bits": "32"}, "trainer"),
+        ({"trainer": '"tensorflow"'}, "trainer"),
+        ({"codec": '"zip"'}, "codec"),
+        ({"codec": '"asym"', "codec_bits": "20"}, "codec_bits"),
+        ({"codec_bits": "6"}, "codec_bits"),
+        ({"ram_mb": "-1"}, "ram_mb"),
+        ({"ram_mb": '"4GB"'}, "ram_mb"),
+        ({"uplink_kbps": "0"}, "uplink_kbps"),
+        ({"loss_rate": "1.5"}, "loss_rate"),
+        ({"latency_ms": "nan"}, "latency_ms"),
+        ({"relative_speed": "true"}, "relative_speed"),
+        ({"name": '"a b"'}, "name"),
+        ({"arch": None}, "arch"),
+    ],
+)
+def test_bad_profiles_name_file_and_key(tmp_path: Path, changes, key) -> None:
+    path = _write(tmp_path, **changes)
+    with pytest.raises(ProfileError) as err:
+        load_profile(path)
+    assert str(path) in str(err.value)
+    assert repr(key) in str(err.value), str(err.value)
+
+
+def test_valid_custom_profile_loads(tmp_path: Path) -> None:
+    p = load_profile(_write(tmp_path, name='"my-board"', uplink_kbps="1200"))
+    assert p.name == "my-board" and p.uplink_kbps == 1200.0 and isinstance(p.uplink_kbps, float)
+    assert set(FIELDS) == set(vars(p))
+
+
+def test_bad_toml_and_missing_files(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text("name = \n")
+    with pytest.raises(ProfileError, match="bad.toml: invalid TOML"):
+        load_profile(bad)
+    with pytest.raises(ProfileError, match="missing.toml: cannot read"):
+        load_profile(tmp_path / "missing.toml")
+    with pytest.raises(ProfileError, match="unknown profile 'raspberry-pi-9'.*raspberry-pi-4"):
+        load_profile("raspberry-pi-9")
