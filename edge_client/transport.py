@@ -1,0 +1,550 @@
+"""MQTT sessions (paho-mqtt 2.x) and an in-memory stand-in with the same interface.
+
+:class:`MqttTransport` is the one place that talks to paho, used by devices
+(``runtime.py``) and by the coordinator's ``MqttFleet``:
+
+- URLs ``mqtt://[user:pass@]host[:1883]`` and ``mqtts://...[:8883]`` (TLS with an optional
+  CA file and client certificate/key);
+- MQTT v5 when the broker offers it, else 3.1.1 (``protocol="auto"``: one probe connect
+  with v5; amqtt refuses v5 at connect, so the session then uses 3.1.1);
+- last-will set before connect; "birth" messages and subscriptions (re)sent on every
+  connect from the ``on_connect`` callback (non-blocking publishes only);
+- automatic reconnect with exponential backoff (paho's ``reconnect_delay_set``);
+- optional manual acknowledgement (``manual_ack=True``): received QoS 1 messages are
+  PUBACKed only when the caller calls :meth:`MqttTransport.ack` — after persisting them;
+  with ``persistent_session=True`` unacked messages are redelivered after a crash;
+- every paho callback only hands data to a queue and catches everything (an exception in
+  a callback silently stops paho's network thread: MQTT-NOTES.md).
+
+:class:`LocalHub` / :class:`LocalTransport`: the same interface without sockets (retained
+messages, wildcards, last-will on :meth:`LocalTransport.drop`) for the in-process fleet.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
+from urllib.parse import unquote, urlsplit
+
+from edge_client.errors import ConfigError, ProtocolError
+
+log = logging.getLogger("fedbit.transport")
+
+
+@dataclass(frozen=True)
+class Received:
+    """One delivered message. ``token`` identifies it for :meth:`Transport.ack`."""
+
+    topic: str
+    payload: bytes
+    qos: int = 0
+    retain: bool = False
+    token: int = 0
+
+
+@dataclass(frozen=True)
+class TlsOptions:
+    """TLS material (PEM file paths). ``insecure`` skips the hostname check (tests only)."""
+
+    ca_file: str | None = None
+    cert_file: str | None = None
+    key_file: str | None = None
+    insecure: bool = False
+
+
+@dataclass(frozen=True)
+class BrokerAddress:
+    """A parsed broker URL."""
+
+    host: str
+    port: int
+    tls: bool
+    username: str | None = None
+    password: str | None = None
+
+
+def parse_broker_url(url: str) -> BrokerAddress:
+    """``mqtt://[user[:pass]@]host[:port]`` or ``mqtts://...``; ConfigError otherwise."""
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError as exc:
+        raise ConfigError(f"broker: {url!r} is not a valid URL ({exc})") from None
+    if parts.scheme not in ("mqtt", "mqtts", "tcp", "ssl"):
+        raise ConfigError(f"broker: {url!r}: scheme must be mqtt:// or mqtts://")
+    if not parts.hostname:
+        raise ConfigError(f"broker: {url!r}: no host")
+    tls = parts.scheme in ("mqtts", "ssl")
+    return BrokerAddress(
+        host=parts.hostname, port=port or (8883 if tls else 1883), tls=tls,
+        username=unquote(parts.username) if parts.username else None,
+        password=unquote(parts.password) if parts.password else None,
+    )
+
+
+class Transport(Protocol):
+    """What the device loop and the fleet need from a message session."""
+
+    @property
+    def connected(self) -> bool: ...
+
+    @property
+    def connects(self) -> int: ...
+
+    def connect(self, timeout: float = 10.0) -> None: ...
+
+    def publish(self, topic: str, payload: bytes, *, qos: int = 1, retain: bool = False,
+                timeout: float = 10.0) -> bool: ...
+
+    def recv(self, timeout: float | None = None) -> Received | None: ...
+
+    def ack(self, msg: Received) -> None: ...
+
+    def close(self) -> None: ...
+
+
+# --------------------------------------------------------------------------- paho
+
+
+def _reason_is_failure(reason_code: object) -> bool:
+    try:
+        return bool(reason_code.is_failure)  # type: ignore[attr-defined]
+    except AttributeError:
+        return reason_code not in (0, None)
+
+
+class MqttTransport:
+    """One paho-mqtt 2.x client session; see the module docstring.
+
+    Args:
+        url: broker URL (``mqtt://`` or ``mqtts://``); credentials in the URL are used
+            unless ``username``/``password`` are given.
+        client_id: MQTT client id (a device uses its device id, so ACL ``%c`` applies).
+        will: ``(topic, payload)`` published retained with QoS 1 by the broker when the
+            connection is lost without a DISCONNECT.
+        birth: ``(topic, payload, retain)`` messages published on every (re)connect.
+        subscriptions: topic filters (QoS 1) subscribed on every (re)connect.
+        manual_ack: PUBACK received QoS 1 messages only in :meth:`ack`.
+        persistent_session: keep the broker session across disconnects and restarts
+            (v5: ``clean_start=False`` + session expiry; 3.1.1: ``clean_session=False``).
+        protocol: ``"auto"``, ``"5"`` or ``"3.1.1"``.
+        max_payload: bytes; larger publishes raise ProtocolError before reaching paho
+            (paho ignores the broker's maximum packet size; an oversized publish would
+            just get the connection closed).
+        backoff: ``(min_s, max_s)`` reconnect delays (doubling).
+    """
+
+    def __init__(self, url: str, client_id: str, *, username: str | None = None,
+                 password: str | None = None, tls: TlsOptions | None = None,
+                 will: tuple[str, bytes] | None = None,
+                 birth: list[tuple[str, bytes, bool]] | None = None,
+                 subscriptions: list[str] | None = None, manual_ack: bool = False,
+                 persistent_session: bool = False, protocol: str = "auto",
+                 keepalive: int = 30, max_payload: int = 64 * 1024 * 1024 + 64 * 1024,
+                 backoff: tuple[float, float] = (0.5, 8.0), session_expiry_s: int = 7 * 86400,
+                 ) -> None:
+        if protocol not in ("auto", "5", "3.1.1"):
+            raise ConfigError(f"protocol: {protocol!r} is not auto, 5 or 3.1.1")
+        self.address = parse_broker_url(url)
+        self.url = url
+        self.client_id = client_id
+        self.username = username if username is not None else self.address.username
+        self.password = password if password is not None else self.address.password
+        self.tls = tls if tls is not None else (TlsOptions() if self.address.tls else None)
+        self.will = will
+        self.birth = list(birth or [])
+        self.subscriptions = list(subscriptions or [])
+        self.manual_ack = manual_ack
+        self.persistent_session = persistent_session
+        self.protocol = protocol
+        self.keepalive = keepalive
+        self.max_payload = max_payload
+        self.backoff = backoff
+        self.session_expiry_s = session_expiry_s
+        self.version: str | None = None  # "5" or "3.1.1" once negotiated
+        self._inbox: queue.Queue[Received] = queue.Queue()
+        self._client = None  # type: ignore[var-annotated]
+        self._connected = threading.Event()
+        self._connects = 0
+        self._lock = threading.Lock()
+        self._closed = False
+        self.last_error: str = ""
+
+    # ------------------------------------------------------------------ properties
+
+    @property
+    def connected(self) -> bool:
+        """True while the broker session is up (CONNACK received, not yet lost)."""
+        return self._connected.is_set()
+
+    @property
+    def connects(self) -> int:
+        """How many times a session was established (1 after the first connect)."""
+        return self._connects
+
+    # ------------------------------------------------------------------ setup
+
+    def _make_client(self, version: str):  # -> paho.mqtt.client.Client
+        import paho.mqtt.client as mqtt
+        from paho.mqtt.enums import CallbackAPIVersion
+
+        proto = mqtt.MQTTv5 if version == "5" else mqtt.MQTTv311
+        kwargs = {}
+        if version != "5":
+            kwargs["clean_session"] = not self.persistent_session
+        client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=self.client_id,
+                             protocol=proto, manual_ack=self.manual_ack, **kwargs)
+        if self.username is not None:
+            client.username_pw_set(self.username, self.password)
+        if self.tls is not None:
+            client.tls_set(ca_certs=self.tls.ca_file, certfile=self.tls.cert_file,
+                           keyfile=self.tls.key_file)
+            if self.tls.insecure:
+                client.tls_insecure_set(True)
+        if self.will is not None:
+            client.will_set(self.will[0], self.will[1], qos=1, retain=True)
+        client.max_inflight_messages_set(100)
+        client.max_queued_messages_set(0)
+        lo, hi = self.backoff
+        client.reconnect_delay_set(max(1, int(lo)) if lo >= 1 else 1, max(1, int(hi)))
+        return client
+
+    def _connect_kwargs(self, version: str) -> dict:
+        if version != "5":
+            return {}
+        from paho.mqtt.packettypes import PacketTypes
+        from paho.mqtt.properties import Properties
+
+        props = Properties(PacketTypes.CONNECT)
+        props.SessionExpiryInterval = self.session_expiry_s if self.persistent_session else 0
+        return {"clean_start": not self.persistent_session, "properties": props}
+
+    def _probe_v5(self, timeout: float) -> bool | None:
+        """Connect once with v5: True accepted, False refused (3.1.1 broker), None unreachable."""
+        import paho.mqtt.client as mqtt
+        from paho.mqtt.enums import CallbackAPIVersion
+
+        result: dict[str, object] = {}
+        done = threading.Event()
+        c = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=f"{self.client_id}-probe"[:64],
+                        protocol=mqtt.MQTTv5)
+        if self.username is not None:
+            c.username_pw_set(self.username, self.password)
+        if self.tls is not None:
+            c.tls_set(ca_certs=self.tls.ca_file, certfile=self.tls.cert_file,
+                      keyfile=self.tls.key_file)
+            if self.tls.insecure:
+                c.tls_insecure_set(True)
+
+        def on_connect(_c, _u, _f, rc, _p=None):
+            try:
+                result["ok"] = not _reason_is_failure(rc)
+                result["rc"] = str(rc)
+            finally:
+                done.set()
+
+        def on_disconnect(_c, _u, _f, rc, _p=None):
+            try:
+                result.setdefault("ok", False)
+                result.setdefault("rc", str(rc))
+            finally:
+                done.set()
+
+        c.on_connect = on_connect
+        c.on_disconnect = on_disconnect
+        try:
+            c.connect(self.address.host, self.address.port, keepalive=10)
+        except Exception as exc:  # noqa: BLE001 - socket/TLS errors: unreachable
+            self.last_error = f"{type(exc).__name__}: {exc}"
+            return None
+        c.loop_start()
+        try:
+            done.wait(timeout)
+        finally:
+            try:
+                c.disconnect()
+            except Exception:  # noqa: BLE001
+                pass
+            c.loop_stop()
+        if "ok" not in result:
+            # no CONNACK: a 3.1.1 broker may simply close; treat a silent close as refusal
+            return False
+        if not result["ok"]:
+            rc = str(result.get("rc", ""))
+            self.last_error = rc
+            if "auth" in rc.lower() or "not authorized" in rc.lower() or "bad user" in rc.lower():
+                return True  # v5 spoke to us: the protocol is fine, the credentials aren't
+        return bool(result["ok"])
+
+    def connect(self, timeout: float = 10.0) -> None:
+        """Negotiate the protocol, connect, start the network thread, wait for CONNACK.
+
+        Raises ConnectionError when no session is up after ``timeout`` seconds (the
+        network thread keeps retrying in the background until :meth:`close`).
+        """
+        end = time.monotonic() + timeout
+        version = self.protocol
+        delay = self.backoff[0]
+        while version == "auto":
+            probe = self._probe_v5(min(2.0, max(0.5, end - time.monotonic())))
+            if probe is not None:
+                version = "5" if probe else "3.1.1"
+                break
+            if time.monotonic() + delay > end:
+                raise ConnectionError(f"{self.url}: unreachable ({self.last_error})")
+            time.sleep(delay)
+            delay = min(delay * 2, self.backoff[1])
+        self.version = version
+        client = self._make_client(version)
+        client.on_connect = self._on_connect
+        client.on_disconnect = self._on_disconnect
+        client.on_message = self._on_message
+        self._client = client
+        client.connect_async(self.address.host, self.address.port, keepalive=self.keepalive,
+                             **self._connect_kwargs(version))
+        client.loop_start()
+        if not self._connected.wait(max(0.0, end - time.monotonic())):
+            raise ConnectionError(f"{self.url}: no session after {timeout:.1f} s ({self.last_error})")
+
+    # ------------------------------------------------------------------ callbacks
+
+    def _on_connect(self, client, _userdata, _flags, reason_code, _props=None) -> None:
+        try:
+            if _reason_is_failure(reason_code):
+                self.last_error = f"connect refused: {reason_code}"
+                return
+            for t in self.subscriptions:
+                client.subscribe(t, qos=1)
+            for t, payload, retain in self.birth:
+                client.publish(t, payload, qos=1, retain=retain)
+            self._connects += 1
+            self._connected.set()
+        except Exception as exc:  # noqa: BLE001 - never let paho's thread die
+            self.last_error = f"on_connect: {exc!r}"
+
+    def _on_disconnect(self, _client, _userdata, _flags, reason_code, _props=None) -> None:
+        try:
+            self._connected.clear()
+            self.last_error = f"disconnected: {reason_code}"
+        except Exception:  # noqa: BLE001
+            pass
+
+    def _on_message(self, _client, _userdata, message) -> None:
+        try:
+            self._inbox.put(Received(message.topic, bytes(message.payload), int(message.qos),
+                                     bool(message.retain), int(message.mid)))
+        except Exception as exc:  # noqa: BLE001
+            self.last_error = f"on_message: {exc!r}"
+
+    # ------------------------------------------------------------------ I/O
+
+    def publish(self, topic: str, payload: bytes, *, qos: int = 1, retain: bool = False,
+                timeout: float = 10.0) -> bool:
+        """Publish and, for QoS 1, wait up to ``timeout`` s for the PUBACK.
+
+        Returns True once the broker acknowledged (QoS 1) or the packet was written
+        (QoS 0); False when not connected or not acknowledged in time (paho may still
+        deliver it later: receivers must tolerate duplicates). ``timeout=0`` returns
+        right after queueing.
+        """
+        if len(payload) > self.max_payload:
+            raise ProtocolError(f"payload: {len(payload)} bytes exceed the transport limit "
+                                f"{self.max_payload}")
+        client = self._client
+        if client is None or self._closed:
+            return False
+        info = client.publish(topic, payload, qos=qos, retain=retain)
+        if info.rc not in (0, 4):  # MQTT_ERR_SUCCESS, MQTT_ERR_NO_CONN (queued for reconnect)
+            self.last_error = f"publish rc={info.rc}"
+            return False
+        if timeout <= 0:
+            return info.rc == 0
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if info.is_published():
+                return True
+            time.sleep(0.005)
+        return info.is_published()
+
+    def recv(self, timeout: float | None = None) -> Received | None:
+        """Next received message, or None after ``timeout`` seconds."""
+        try:
+            return self._inbox.get(timeout=timeout) if timeout != 0 else self._inbox.get_nowait()
+        except queue.Empty:
+            return None
+
+    def ack(self, msg: Received) -> None:
+        """PUBACK a message received with ``manual_ack`` (no-op for QoS 0 or auto-ack)."""
+        client = self._client
+        if self.manual_ack and client is not None and msg.qos > 0:
+            try:
+                client.ack(msg.token, msg.qos)
+            except Exception as exc:  # noqa: BLE001 - connection gone: redelivered later
+                self.last_error = f"ack: {exc!r}"
+
+    def drop_connection(self) -> None:
+        """Close the socket without DISCONNECT (the broker publishes the will); paho then
+        reconnects on its own. For tests of the reconnect path."""
+        client = self._client
+        if client is not None:
+            sock = client.socket()
+            if sock is not None:
+                try:
+                    sock.shutdown(2)
+                except OSError:
+                    pass
+
+    def close(self, clear_will: tuple[str, bytes] | None = None) -> None:
+        """Optionally publish ``clear_will`` (e.g. presence offline), DISCONNECT, stop."""
+        if self._closed:
+            return
+        client = self._client
+        if client is not None:
+            if clear_will is not None and self.connected:
+                self.publish(clear_will[0], clear_will[1], qos=1, retain=True, timeout=2.0)
+            try:
+                client.disconnect()
+            except Exception:  # noqa: BLE001
+                pass
+            client.loop_stop()
+        self._closed = True
+        self._connected.clear()
+
+
+# --------------------------------------------------------------------------- in-memory
+
+
+def topic_matches(pattern: str, name: str) -> bool:
+    """MQTT topic-filter match with ``+`` and ``#``."""
+    p, n = pattern.split("/"), name.split("/")
+    for i, part in enumerate(p):
+        if part == "#":
+            return True
+        if i >= len(n) or (part != "+" and part != n[i]):
+            return False
+    return len(p) == len(n)
+
+
+class LocalHub:
+    """A tiny in-process broker: retained messages, wildcard subscriptions, last-will.
+
+    Payloads are delivered as the same bytes a broker would carry (copied per receiver).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._retained: dict[str, bytes] = {}
+        self._clients: list[LocalTransport] = []
+        self.published = 0
+
+    def client(self, client_id: str, *, will: tuple[str, bytes] | None = None,
+               birth: list[tuple[str, bytes, bool]] | None = None,
+               subscriptions: list[str] | None = None, manual_ack: bool = False,
+               max_payload: int = 64 * 1024 * 1024 + 64 * 1024) -> LocalTransport:
+        """A transport attached to this hub (call ``connect()`` on it)."""
+        return LocalTransport(self, client_id, will=will, birth=birth,
+                              subscriptions=subscriptions, manual_ack=manual_ack,
+                              max_payload=max_payload)
+
+    def _attach(self, t: LocalTransport) -> None:
+        with self._lock:
+            self._clients = [c for c in self._clients if c.client_id != t.client_id] + [t]
+            retained = list(self._retained.items())
+        for name, payload in retained:
+            if any(topic_matches(f, name) for f in t.subscriptions):
+                t._deliver(name, payload, retain=True)
+
+    def _detach(self, t: LocalTransport) -> None:
+        with self._lock:
+            self._clients = [c for c in self._clients if c is not t]
+
+    def route(self, topic: str, payload: bytes, retain: bool) -> None:
+        with self._lock:
+            self.published += 1
+            if retain:
+                if payload:
+                    self._retained[topic] = bytes(payload)
+                else:
+                    self._retained.pop(topic, None)
+            targets = list(self._clients)
+        for c in targets:
+            if any(topic_matches(f, topic) for f in c.subscriptions):
+                c._deliver(topic, bytes(payload), retain=False)
+
+
+@dataclass
+class LocalTransport:
+    """:class:`Transport` over a :class:`LocalHub` (no sockets)."""
+
+    hub: LocalHub
+    client_id: str
+    will: tuple[str, bytes] | None = None
+    birth: list[tuple[str, bytes, bool]] | None = None
+    subscriptions: list[str] = field(default_factory=list)
+    manual_ack: bool = False
+    max_payload: int = 64 * 1024 * 1024 + 64 * 1024
+    version: str = "local"
+
+    def __post_init__(self) -> None:
+        self._inbox: queue.Queue[Received] = queue.Queue()
+        self._connected = False
+        self._connects = 0
+        self._token = 0
+        self.subscriptions = list(self.subscriptions or [])
+
+    @property
+    def connected(self) -> bool:
+        return self._connected
+
+    @property
+    def connects(self) -> int:
+        return self._connects
+
+    def connect(self, timeout: float = 10.0) -> None:
+        self._connected = True
+        self._connects += 1
+        self.hub._attach(self)
+        for t, payload, retain in self.birth or []:
+            self.hub.route(t, payload, retain)
+
+    def _deliver(self, topic: str, payload: bytes, retain: bool) -> None:
+        self._token += 1
+        self._inbox.put(Received(topic, payload, 1, retain, self._token))
+
+    def publish(self, topic: str, payload: bytes, *, qos: int = 1, retain: bool = False,
+                timeout: float = 10.0) -> bool:
+        if len(payload) > self.max_payload:
+            raise ProtocolError(f"payload: {len(payload)} bytes exceed the transport limit "
+                                f"{self.max_payload}")
+        if not self._connected:
+            return False
+        self.hub.route(topic, bytes(payload), retain)
+        return True
+
+    def recv(self, timeout: float | None = None) -> Received | None:
+        try:
+            return self._inbox.get(timeout=timeout) if timeout != 0 else self._inbox.get_nowait()
+        except queue.Empty:
+            return None
+
+    def ack(self, msg: Received) -> None:
+        return None
+
+    def drop(self) -> None:
+        """Lose the connection (the hub publishes the will)."""
+        if self._connected:
+            self._connected = False
+            self.hub._detach(self)
+            if self.will is not None:
+                self.hub.route(self.will[0], self.will[1], True)
+
+    def close(self, clear_will: tuple[str, bytes] | None = None) -> None:
+        if self._connected:
+            if clear_will is not None:
+                self.hub.route(clear_will[0], clear_will[1], True)
+            self._connected = False
+            self.hub._detach(self)
