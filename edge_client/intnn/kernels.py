@@ -1,0 +1,532 @@
+"""Numba kernels of the integer-only training step (ProWD appendix B / WAGE).
+
+Every kernel here takes and returns integers (or booleans) only; no float value exists
+in any of them (``tests/test_intnn_kernels.py`` inspects the compiled type maps).
+
+Layout: activations and errors are NHWC (``[N, H, W, C]``) or ``[N, F]``; convolution
+weights are kept in the engine's kernel layout ``[O, K, K, C]`` so that the receptive
+field of one output pixel (a *patch* of ``R = K*K*C`` values) is a contiguous run that
+is dotted with one contiguous weight row. The spec's ``[O, C, K, K]`` layout is only
+used at the module boundary (``model.py``).
+
+Integer widths: activations and quantized errors are ``int8`` (s <= 8) or ``int16``;
+ternary weights ``int8``; stored weights ``int8``/``int16``; raw (pre-quantization)
+errors and forward accumulators ``int32``; weight gradients ``int32`` when the bound
+``amax^2 * pixels`` fits, else ``int64``.
+
+Rounding: ``round_shift(v, k)`` divides by ``2^k`` rounding half away from zero
+(``k > 0``), multiplies by ``2^-k`` (``k < 0``), and is the identity for ``k == 0``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import njit
+
+# floor(2^(b + 1/2)) for b = 0..62: m > 2^(b+1/2)  <=>  m > LOG2_HALF_THRESH[b] (integers).
+LOG2_HALF_THRESH = np.array([math.isqrt(1 << (2 * b + 1)) for b in range(63)], dtype=np.int64)
+
+# SplitMix64 constants as two's-complement int64.
+_GOLDEN = np.int64(0x9E3779B97F4A7C15 - (1 << 64))
+_MIX1 = np.int64(0xBF58476D1CE4E5B9 - (1 << 64))
+_MIX2 = np.int64(0x94D049BB133111EB - (1 << 64))
+_MASK62 = np.int64((1 << 62) - 1)
+
+
+# --------------------------------------------------------------------------- scalars
+
+
+@njit(cache=True, inline="always")
+def round_shift(v: int, k: int) -> int:
+    """``v / 2^k`` rounded half away from zero (k > 0), ``v * 2^-k`` (k <= 0)."""
+    if k > 0:
+        half = np.int64(1) << (k - 1)
+        if v >= 0:
+            return (v + half) >> k
+        return -((half - v) >> k)
+    if k < 0:
+        return v << (-k)
+    return v
+
+
+@njit(cache=True)
+def round_log2(m: int) -> int:
+    """``round(log2 m)`` for an integer ``m >= 1``, exactly (no float)."""
+    b = 0
+    while (m >> (b + 1)) > 0:
+        b += 1
+    if m > LOG2_HALF_THRESH[b]:
+        return b + 1
+    return b
+
+
+@njit(cache=True, inline="always")
+def _lsr(z: int, k: int) -> int:
+    """Logical right shift of a 64-bit pattern held in an int64 (0 < k < 64)."""
+    return (z >> k) & ((np.int64(1) << (64 - k)) - 1)
+
+
+@njit(cache=True, inline="always")
+def mix64(z: int) -> int:
+    """SplitMix64 finalizer on an int64 bit pattern (wrapping arithmetic)."""
+    z = (z ^ _lsr(z, 30)) * _MIX1
+    z = (z ^ _lsr(z, 27)) * _MIX2
+    return z ^ _lsr(z, 31)
+
+
+@njit(cache=True, inline="always")
+def rand62(key: int, j: int) -> int:
+    """The ``j``-th 62-bit random integer of the counter-based stream ``key``."""
+    return (mix64(key + (j + 1) * _GOLDEN) >> 2) & _MASK62
+
+
+@njit(cache=True)
+def stream_key(seed: int, step: int, layer: int, stream: int) -> int:
+    """Key of the random stream for (device seed, step counter, layer, stream id)."""
+    z = mix64(seed * _GOLDEN + 0x1234567)
+    z = mix64(z ^ (step * 1048583 + layer * 131 + stream))
+    return z
+
+
+@njit(cache=True, inline="always")
+def _stoch_round_shift(v: int, sh: int, key: int, j: int) -> int:
+    """``v / 2^sh`` stochastically rounded: sign(v)(floor|.| + Bernoulli(frac|.|))."""
+    if sh <= 0:
+        return v << (-sh)
+    av = -v if v < 0 else v
+    if sh > 62:  # only the 62 leading fraction bits take part in the draw
+        av = av >> (sh - 62)
+        sh = 62
+    fl = av >> sh
+    fr = av - (fl << sh)
+    if fr > 0 and (rand62(key, j) >> (62 - sh)) < fr:
+        fl += 1
+    return -fl if v < 0 else fl
+
+
+# --------------------------------------------------------------------------- forward
+
+
+@njit(cache=True, inline="always")
+def _gather_patch(a, n, y, x, stride, pad, k, patch):
+    """Copy the receptive field of output pixel (y, x) of sample n into ``patch``."""
+    h_in = a.shape[1]
+    w_in = a.shape[2]
+    c_in = a.shape[3]
+    r = 0
+    for kh in range(k):
+        iy = y * stride + kh - pad
+        for kw in range(k):
+            ix = x * stride + kw - pad
+            if iy >= 0 and iy < h_in and ix >= 0 and ix < w_in:
+                for c in range(c_in):
+                    patch[r + c] = a[n, iy, ix, c]
+            else:
+                for c in range(c_in):
+                    patch[r + c] = 0
+            r += c_in
+
+
+@njit(cache=True, inline="always")
+def _finish(acc: int, shift: int, amax: int, relu: bool) -> int:
+    v = round_shift(acc, shift)
+    if relu and v < 0:
+        v = 0
+    if v > amax:
+        v = amax
+    elif v < -amax:
+        v = -amax
+    return v
+
+
+@njit(cache=True, inline="always")
+def _dot_all(patch, t2, out, n, y, x, shift, amax, relu):
+    """out[n, y, x, o] = finish(sum_r patch[r] * t2[o, r]) for every o (4 at a time)."""
+    n_out = t2.shape[0]
+    r_len = t2.shape[1]
+    o = 0
+    while o + 4 <= n_out:
+        a0 = np.int32(0)
+        a1 = np.int32(0)
+        a2 = np.int32(0)
+        a3 = np.int32(0)
+        for r in range(r_len):
+            v = np.int32(patch[r])
+            a0 = np.int32(a0 + v * np.int32(t2[o, r]))
+            a1 = np.int32(a1 + v * np.int32(t2[o + 1, r]))
+            a2 = np.int32(a2 + v * np.int32(t2[o + 2, r]))
+            a3 = np.int32(a3 + v * np.int32(t2[o + 3, r]))
+        out[n, y, x, o] = _finish(a0, shift, amax, relu)
+        out[n, y, x, o + 1] = _finish(a1, shift, amax, relu)
+        out[n, y, x, o + 2] = _finish(a2, shift, amax, relu)
+        out[n, y, x, o + 3] = _finish(a3, shift, amax, relu)
+        o += 4
+    while o < n_out:
+        a0 = np.int32(0)
+        for r in range(r_len):
+            a0 = np.int32(a0 + np.int32(patch[r]) * np.int32(t2[o, r]))
+        out[n, y, x, o] = _finish(a0, shift, amax, relu)
+        o += 1
+
+
+@njit(cache=True)
+def conv_forward(a, t, stride, pad, shift, amax, relu, out, patch):
+    """Fused conv: im2col patch + ternary dot + rounding shift + clip (+ ReLU).
+
+    a: [N, H, W, C] activations; t: [O, K, K, C] int8 in {-1, 0, 1};
+    out: [N, Ho, Wo, O] activations, ``clip(round_shift(acc, shift), +-amax)``;
+    patch: scratch of K*K*C elements, dtype of ``a``.
+    """
+    k = t.shape[1]
+    t2 = t.reshape(t.shape[0], -1)
+    for n in range(out.shape[0]):
+        for y in range(out.shape[1]):
+            for x in range(out.shape[2]):
+                _gather_patch(a, n, y, x, stride, pad, k, patch)
+                _dot_all(patch, t2, out, n, y, x, shift, amax, relu)
+
+
+@njit(cache=True)
+def linear_forward(a, t, shift, amax, relu, out):
+    """a: [N, F]; t: [O, F] int8 ternary; out: [N, O] = finish(a @ t.T)."""
+    a4 = a.reshape(a.shape[0], 1, 1, a.shape[1])
+    o4 = out.reshape(out.shape[0], 1, 1, out.shape[1])
+    for n in range(a.shape[0]):
+        _dot_all(a4[n, 0, 0], t, o4, n, 0, 0, shift, amax, relu)
+
+
+@njit(cache=True)
+def maxpool_forward(a, k, stride, pad, out, idx):
+    """Max pool, NHWC; padded cells never win; ties go to the first cell in (kh, kw) order.
+
+    idx[n, y, x, c] receives the flat index (iy*W + ix)*C + c of the winner in sample n.
+    """
+    h_in = a.shape[1]
+    w_in = a.shape[2]
+    c_in = a.shape[3]
+    for n in range(out.shape[0]):
+        for y in range(out.shape[1]):
+            for x in range(out.shape[2]):
+                first = True
+                for kh in range(k):
+                    iy = y * stride + kh - pad
+                    if iy < 0 or iy >= h_in:
+                        continue
+                    for kw in range(k):
+                        ix = x * stride + kw - pad
+                        if ix < 0 or ix >= w_in:
+                            continue
+                        base = (iy * w_in + ix) * c_in
+                        if first:
+                            for c in range(c_in):
+                                out[n, y, x, c] = a[n, iy, ix, c]
+                                idx[n, y, x, c] = base + c
+                            first = False
+                        else:
+                            for c in range(c_in):
+                                v = a[n, iy, ix, c]
+                                if v > out[n, y, x, c]:
+                                    out[n, y, x, c] = v
+                                    idx[n, y, x, c] = base + c
+
+
+@njit(cache=True)
+def relu_forward(a, out):
+    """Stand-alone ReLU on flat views (a ReLU right after a conv/linear is fused there)."""
+    for i in range(a.shape[0]):
+        v = a[i]
+        out[i] = v if v > 0 else 0
+
+
+# --------------------------------------------------------------------------- loss
+
+
+@njit(cache=True)
+def sse_error(z, y, target, e):
+    """Output error of the SSE loss on one-hot targets: e = z - target*onehot(y).
+
+    z: [N, O] logits (activation integers); y: [N] int64 class ids; e: [N, O] int32.
+    Returns the integer sum of squared errors (int64).
+    """
+    sse = np.int64(0)
+    for n in range(z.shape[0]):
+        for o in range(z.shape[1]):
+            v = np.int64(z[n, o])
+            if o == y[n]:
+                v -= target
+            e[n, o] = v
+            sse += v * v
+    return sse
+
+
+@njit(cache=True)
+def argmax_correct(z, y):
+    """Number of rows of z whose first maximum is at column y[n]."""
+    hits = 0
+    for n in range(z.shape[0]):
+        best = 0
+        for o in range(1, z.shape[1]):
+            if z[n, o] > z[n, best]:
+                best = o
+        if best == y[n]:
+            hits += 1
+    return hits
+
+
+# --------------------------------------------------------------------------- backward
+
+
+@njit(cache=True)
+def relu_mask(e, act):
+    """Zero e (flat int32) where the layer's output activation is <= 0."""
+    for i in range(e.shape[0]):
+        if act[i] <= 0:
+            e[i] = 0
+
+
+@njit(cache=True)
+def max_abs(v):
+    """max |v| over a flat integer array, as int64."""
+    m = np.int64(0)
+    for i in range(v.shape[0]):
+        x = np.int64(v[i])
+        if x < 0:
+            x = -x
+        if x > m:
+            m = x
+    return m
+
+
+@njit(cache=True)
+def quantize_error(e, bits, out):
+    """Paper eq. 12 with WAGE rounding: k = round(log2 max|e|),
+    out = clip(round_shift(e, k - (bits - 1)), +-(2^(bits-1) - 1)); flat arrays.
+
+    Returns k (or -1 when e is all zero, in which case out is zeroed).
+    """
+    m = max_abs(e)
+    amax = (np.int64(1) << (bits - 1)) - 1
+    if m == 0:
+        for i in range(e.shape[0]):
+            out[i] = 0
+        return -1
+    k = round_log2(m)
+    sh = k - (bits - 1)
+    for i in range(e.shape[0]):
+        v = round_shift(np.int64(e[i]), sh)
+        if v > amax:
+            v = amax
+        elif v < -amax:
+            v = -amax
+        out[i] = v
+    return k
+
+
+@njit(cache=True)
+def conv_backward_data(eq, t, stride, pad, out, pbuf):
+    """Error to the conv input: out[n] = col2im(sum_o eq[n, y, x, o] * t[o]); int32 out.
+
+    eq: [N, Ho, Wo, O] quantized errors; t: [O, K, K, C]; out: [N, H, W, C] int32;
+    pbuf: int32 scratch of K*K*C elements.
+    """
+    k = t.shape[1]
+    c_in = t.shape[3]
+    h_in = out.shape[1]
+    w_in = out.shape[2]
+    n_out = t.shape[0]
+    t2 = t.reshape(n_out, -1)
+    r_len = t2.shape[1]
+    out[...] = 0
+    for n in range(eq.shape[0]):
+        for y in range(eq.shape[1]):
+            for x in range(eq.shape[2]):
+                nz = False
+                for o in range(n_out):
+                    g = np.int32(eq[n, y, x, o])
+                    if g == 0:
+                        continue
+                    if not nz:
+                        for r in range(r_len):
+                            pbuf[r] = np.int32(g * np.int32(t2[o, r]))
+                        nz = True
+                    else:
+                        for r in range(r_len):
+                            pbuf[r] = np.int32(pbuf[r] + g * np.int32(t2[o, r]))
+                if not nz:
+                    continue
+                r = 0
+                for kh in range(k):
+                    iy = y * stride + kh - pad
+                    for kw in range(k):
+                        ix = x * stride + kw - pad
+                        if iy >= 0 and iy < h_in and ix >= 0 and ix < w_in:
+                            for c in range(c_in):
+                                out[n, iy, ix, c] += pbuf[r + c]
+                        r += c_in
+
+
+@njit(cache=True)
+def conv_weight_grad(eq, a, stride, pad, g_out, patch):
+    """Weight gradient G[o, kh, kw, c] = sum_{n,y,x} eq[n,y,x,o] * a[n, iy, ix, c].
+
+    g_out: [O, K, K, C] int32 or int64 (the caller picks a width that cannot overflow);
+    patch: scratch of K*K*C elements, dtype of ``a``.
+    """
+    k = g_out.shape[1]
+    n_out = g_out.shape[0]
+    g2 = g_out.reshape(n_out, -1)
+    r_len = g2.shape[1]
+    g_out[...] = 0
+    for n in range(eq.shape[0]):
+        for y in range(eq.shape[1]):
+            for x in range(eq.shape[2]):
+                gathered = False
+                for o in range(n_out):
+                    e = eq[n, y, x, o]
+                    if e == 0:
+                        continue
+                    if not gathered:
+                        _gather_patch(a, n, y, x, stride, pad, k, patch)
+                        gathered = True
+                    _axpy_row(g2, o, e, patch, r_len)
+
+
+@njit(cache=True, inline="always")
+def _axpy_row(g2, o, e, v, r_len):
+    """g2[o, :] += e * v, wrapping to g2's integer width (the caller sizes it)."""
+    e64 = np.int64(e)
+    for r in range(r_len):
+        g2[o, r] += e64 * v[r]
+
+
+@njit(cache=True)
+def linear_backward_data(eq, t, out):
+    """out[n, :] = sum_o eq[n, o] * t[o, :]; eq [N, O], t [O, F] ternary, out [N, F] int32."""
+    f = t.shape[1]
+    for n in range(eq.shape[0]):
+        for i in range(f):
+            out[n, i] = 0
+        for o in range(eq.shape[1]):
+            g = np.int32(eq[n, o])
+            if g == 0:
+                continue
+            for i in range(f):
+                out[n, i] = np.int32(out[n, i] + g * np.int32(t[o, i]))
+
+
+@njit(cache=True)
+def linear_weight_grad(eq, a, g_out):
+    """g_out[o, :] = sum_n eq[n, o] * a[n, :]; g_out [O, F] int32 or int64."""
+    g_out[...] = 0
+    f = g_out.shape[1]
+    for n in range(eq.shape[0]):
+        for o in range(eq.shape[1]):
+            e = eq[n, o]
+            if e == 0:
+                continue
+            _axpy_row(g_out, o, e, a[n], f)
+
+
+@njit(cache=True)
+def maxpool_backward(e, idx, out):
+    """Route e [N, Ho, Wo, C] to the winners: out [N, H, W, C] int32 (zeroed first)."""
+    out[...] = 0
+    n_samples = e.shape[0]
+    e2 = e.reshape(n_samples, -1)
+    i2 = idx.reshape(n_samples, -1)
+    o2 = out.reshape(n_samples, -1)
+    for n in range(n_samples):
+        for j in range(e2.shape[1]):
+            o2[n, i2[n, j]] += e2[n, j]
+
+
+# --------------------------------------------------------------------------- update
+
+
+@njit(cache=True)
+def sgd_update(w, g, lr_log2, wmax, thr, key, t, extra, extra_shift, key2):
+    """Paper eq. 15-16 on flat arrays, then re-ternarize.
+
+    k_g = round(log2 max|g|);  d = stoch_round(g * 2^lr_log2 / 2^k_g)  (LSB units);
+    when ``extra_shift >= 0`` a second term d2 = stoch_round(extra / 2^extra_shift) (FedProx /
+    FedFOR, fixed point, own random stream ``key2``) is added;
+    w <- clip(w - d - d2, +-wmax);  t <- +1 if w > thr, -1 if w < -thr, else 0.
+
+    w: stored weights (int8/int16); g: gradient (int32/int64); t: int8 ternary out;
+    extra: int64 (ignored when extra_shift < 0). Returns k_g (-1 when g is all zero).
+    """
+    m = max_abs(g)
+    kg = -1
+    sh = 0
+    if m > 0:
+        kg = round_log2(m)
+        sh = kg - lr_log2
+    for j in range(w.shape[0]):
+        v = np.int64(w[j])
+        if m > 0:
+            v -= _stoch_round_shift(np.int64(g[j]), sh, key, j)
+        if extra_shift >= 0:
+            v -= _stoch_round_shift(extra[j], extra_shift, key2, j)
+        if v > wmax:
+            v = wmax
+        elif v < -wmax:
+            v = -wmax
+        w[j] = v
+        if v > thr:
+            t[j] = 1
+        elif v < -thr:
+            t[j] = -1
+        else:
+            t[j] = 0
+    return kg
+
+
+@njit(cache=True)
+def regularizer_terms(w, anchor, mu_q, step_g, alpha_q, extra):
+    """FedProx + FedFOR gradient numerators in fixed point (flat arrays, int64 out).
+
+    extra[j] = mu_q*(w[j] - anchor[j]) + alpha_q*step_g[j] if step_g[j]*(w[j]-anchor[j]) > 0.
+    ``mu_q``/``alpha_q`` are the coefficients with 16 fractional bits; w/anchor/step_g are
+    integers on the storage grid.
+    """
+    for j in range(w.shape[0]):
+        d = np.int64(w[j]) - np.int64(anchor[j])
+        v = mu_q * d
+        s = np.int64(step_g[j])
+        if alpha_q != 0 and s * d > 0:
+            v += alpha_q * s
+        extra[j] = v
+
+
+@njit(cache=True)
+def ternarize(w, thr, t):
+    """t = +1 where w > thr, -1 where w < -thr, 0 elsewhere (flat)."""
+    for j in range(w.shape[0]):
+        v = w[j]
+        if v > thr:
+            t[j] = 1
+        elif v < -thr:
+            t[j] = -1
+        else:
+            t[j] = 0
+
+
+@njit(cache=True)
+def quantize_inputs_nhwc(xq, out):
+    """Copy NCHW integers into the NHWC activation layout (data loading, integers)."""
+    for n in range(xq.shape[0]):
+        for c in range(xq.shape[1]):
+            for h in range(xq.shape[2]):
+                for w in range(xq.shape[3]):
+                    out[n, h, w, c] = xq[n, c, h, w]
+
+
+# The kernels a training step runs (their compiled signatures must be integer-only).
+TRAINING_KERNELS = (
+    conv_forward, linear_forward, maxpool_forward, relu_forward, sse_error, relu_mask,
+    max_abs, quantize_error, conv_backward_data, conv_weight_grad, linear_backward_data,
+    linear_weight_grad, maxpool_backward, sgd_update, regularizer_terms, ternarize,
+    argmax_correct, stream_key, round_log2,
+)

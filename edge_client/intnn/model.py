@@ -1,0 +1,416 @@
+"""IntModel: an integer-only network built from a ``firmware_models`` spec.
+
+One training step (:meth:`IntModel.train_step`) runs only the integer kernels of
+:mod:`edge_client.intnn.kernels` on preallocated integer buffers (a :class:`Workspace`).
+
+Formulas (ALGORITHMS.md §1, s = compute bits, S(k) = 2^(k-1), s_g = max(s, 8)):
+
+- forward: ``a' = clip(round_shift(sum t*a, 1 + log2 alpha), +-(S(s)-1))``, ReLU fused
+  when the spec has a ReLU right after the layer; ``t = ternary(W)`` (|W| > S(s_g)/4);
+- loss: SSE against ``target * onehot`` with ``target = S(s)/2`` (the real value 0.5);
+- error at every conv/linear output: ReLU mask (output activation <= 0), then
+  eq. 12 quantization to s bits; errors flow back through the ternary weights;
+- update: eq. 15-16 with ``eta = 2^(lr_shift + s_g - 8)`` LSBs, stochastic rounding from
+  a counter-based SplitMix64 stream keyed by (seed, step, layer).
+
+Internal layouts differ from the spec (NHWC activations, ``[O, K, K, C]`` conv weights,
+the Linear after a Flatten with its columns in (h, w, c) order); the conversions are
+exact permutations done at the boundary (:meth:`load_int`, :meth:`int_weights`).
+The stochastic-rounding counter ``j`` enumerates a layer's weights in that internal layout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from edge_client.errors import ConfigError, TrainingError
+from edge_client.intnn import kernels as K
+from edge_client.intnn.quant import (
+    DEFAULT_CLIP,
+    act_dtype,
+    act_max,
+    alpha_shifts,
+    check_bits,
+    from_shared,
+    storage_grid_bits,
+    ternary_threshold,
+    to_shared,
+    weight_dtype,
+    weight_max,
+)
+from firmware_models import Conv2d, Flatten, Linear, MaxPool2d, ModelSpec, ReLU
+
+INT32_LIMIT = (1 << 31) - 1
+
+
+def _internal(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Spec activation shape [C, H, W] -> engine layout (H, W, C); [F] unchanged."""
+    if len(shape) == 3:
+        c, h, w = shape
+        return (h, w, c)
+    return tuple(shape)
+
+
+@dataclass
+class _Op:
+    kind: str                      # "conv" | "linear" | "pool" | "relu" | "flatten"
+    layer: object
+    in_shape: tuple[int, ...]      # internal, without batch
+    out_shape: tuple[int, ...]
+    param: int = -1                # index into the weight list
+    relu: bool = False             # fused ReLU (conv/linear)
+    shift: int = 0                 # forward rounding shift 1 + log2 alpha
+    perm: np.ndarray | None = None  # Linear after Flatten: internal column -> spec column
+    needs_input_error: bool = False
+    grad_int64: bool = False
+
+
+@dataclass
+class Workspace:
+    """Integer buffers for batches of up to ``capacity`` samples (all views are [:n])."""
+
+    capacity: int
+    x: np.ndarray
+    acts: list[np.ndarray]
+    idx: list[np.ndarray | None]
+    eq: list[np.ndarray | None]
+    err_in: list[np.ndarray | None]
+    err_out: np.ndarray
+    patch: list[np.ndarray | None]
+    pbuf: list[np.ndarray | None]
+    grad32: np.ndarray
+    grad64: np.ndarray
+    extra: np.ndarray
+    train: bool = True
+    int_arrays: list[np.ndarray] = field(default_factory=list)
+
+
+class IntModel:
+    """Integer weights, their ternary copies and the integer forward/backward/update.
+
+    ``bits``: compute bitwidth s (2..16); ``clip``: weight clip in the real domain.
+    """
+
+    def __init__(self, spec: ModelSpec, bits: int, clip: float = DEFAULT_CLIP) -> None:
+        self.spec = spec
+        self.bits = check_bits(bits)
+        self.grid_bits = storage_grid_bits(bits)
+        self.clip = clip
+        self.amax = act_max(bits)
+        self.adtype = act_dtype(bits)
+        self.wdtype = weight_dtype(bits)
+        self.wmax = weight_max(bits, clip)
+        self.thr = ternary_threshold(bits)
+        self.target = max(1, 1 << (self.bits - 2))
+        self._alpha = alpha_shifts(spec)
+        self.ops = self._build_ops()
+        self.param_ops = [op for op in self.ops if op.param >= 0]
+        self.internal_shapes = [self._internal_weight_shape(op) for op in self.param_ops]
+        self.w = [np.zeros(s, self.wdtype) for s in self.internal_shapes]
+        self.t = [np.zeros(s, np.int8) for s in self.internal_shapes]
+        self._workspaces: dict[tuple[int, bool], Workspace] = {}
+
+    # ------------------------------------------------------------------ structure
+
+    def _build_ops(self) -> list[_Op]:
+        spec = self.spec
+        layers = spec.layers
+        shapes = spec.activation_shapes
+        ops: list[_Op] = []
+        param = 0
+        pending_perm: np.ndarray | None = None
+        i = 0
+        while i < len(layers):
+            layer = layers[i]
+            in_s, out_s = _internal(shapes[i]), _internal(shapes[i + 1])
+            if isinstance(layer, (Conv2d, Linear)):
+                relu = i + 1 < len(layers) and isinstance(layers[i + 1], ReLU)
+                kind = "conv" if isinstance(layer, Conv2d) else "linear"
+                op = _Op(kind, layer, in_s, out_s, param=param, relu=relu,
+                         shift=1 + self._alpha[param])
+                if kind == "linear":
+                    op.perm = pending_perm
+                    pending_perm = None
+                ops.append(op)
+                param += 1
+                i += 2 if relu else 1
+                continue
+            if isinstance(layer, MaxPool2d):
+                ops.append(_Op("pool", layer, in_s, out_s))
+            elif isinstance(layer, ReLU):
+                ops.append(_Op("relu", layer, in_s, out_s))
+            elif isinstance(layer, Flatten):
+                if len(shapes[i]) == 3:
+                    c, h, w = shapes[i]
+                    pending_perm = np.arange(c * h * w).reshape(c, h, w).transpose(1, 2, 0).ravel()
+                ops.append(_Op("flatten", layer, in_s, out_s))
+            else:  # pragma: no cover - the spec module has no other layer kinds
+                raise ConfigError(f"{spec.name}: unsupported layer {layer!r}")
+            i += 1
+        # errors are needed at the input of every op that has a parameter op before it
+        for j, op in enumerate(ops):
+            op.needs_input_error = any(o.param >= 0 for o in ops[:j])
+        return ops
+
+    def _internal_weight_shape(self, op: _Op) -> tuple[int, ...]:
+        layer = op.layer
+        if op.kind == "conv":
+            return (layer.out_channels, layer.kernel, layer.kernel, layer.in_channels)
+        return (layer.out_features, layer.in_features)
+
+    # ------------------------------------------------------------------ weights
+
+    def _to_internal(self, op: _Op, w: np.ndarray) -> np.ndarray:
+        if op.kind == "conv":
+            return np.ascontiguousarray(w.transpose(0, 2, 3, 1))
+        if op.perm is not None:
+            return np.ascontiguousarray(w[:, op.perm])
+        return np.ascontiguousarray(w)
+
+    def _to_spec(self, op: _Op, w: np.ndarray) -> np.ndarray:
+        if op.kind == "conv":
+            return np.ascontiguousarray(w.transpose(0, 3, 1, 2))
+        if op.perm is not None:
+            out = np.empty_like(w)
+            out[:, op.perm] = w
+            return out
+        return w.copy()
+
+    def load_int(self, int_weights: list[np.ndarray]) -> None:
+        """Set the weights from integers on this device's grid, spec layout and order."""
+        shapes = self.spec.param_shapes()
+        if len(int_weights) != len(shapes):
+            raise TrainingError(f"{self.spec.name}: expected {len(shapes)} weight tensors, "
+                                f"got {len(int_weights)}")
+        for i, (q, shape, op) in enumerate(zip(int_weights, shapes, self.param_ops, strict=True)):
+            q = np.asarray(q)
+            if tuple(q.shape) != tuple(shape):
+                raise TrainingError(f"{self.spec.name}: weight {i} ({op.layer.name}) has shape "
+                                    f"{list(q.shape)}, expected {list(shape)}")
+            if q.dtype.kind not in "iu":
+                raise TrainingError(f"{op.layer.name}: integer weights expected, got {q.dtype}")
+            if q.size and int(np.abs(q.astype(np.int64)).max()) > self.wmax:
+                raise TrainingError(f"{op.layer.name}: weights exceed the clip bound {self.wmax}")
+            self.w[i][...] = self._to_internal(op, q.astype(self.wdtype))
+            K.ternarize(self.w[i].reshape(-1), self.thr, self.t[i].reshape(-1))
+
+    def load_shared(self, weights: list[np.ndarray]) -> None:
+        """Set the weights from the shared float domain (``round(W * S(s_g))``)."""
+        shapes = self.spec.param_shapes()
+        if len(weights) != len(shapes):
+            raise TrainingError(f"{self.spec.name}: expected {len(shapes)} weight tensors, "
+                                f"got {len(weights)}")
+        for i, (w, shape) in enumerate(zip(weights, shapes, strict=True)):
+            if tuple(np.shape(w)) != tuple(shape):
+                raise TrainingError(f"{self.spec.name}: weight {i} has shape "
+                                    f"{list(np.shape(w))}, expected {list(shape)}")
+        self.load_int(from_shared(weights, self.bits, self.clip))
+
+    def int_weights(self) -> list[np.ndarray]:
+        """The device's own integers, spec layout and order (copies)."""
+        return [self._to_spec(op, w) for op, w in zip(self.param_ops, self.w, strict=True)]
+
+    def to_shared(self) -> list[np.ndarray]:
+        """float32 shared-domain weights, exact on the grid."""
+        return to_shared(self.int_weights(), self.bits)
+
+    # ------------------------------------------------------------------ buffers
+
+    def grad_needs_int64(self, op: _Op, batch: int) -> bool:
+        """True when sum of batch*pixels products of s-bit errors and activations may
+        exceed int32."""
+        pixels = int(np.prod(op.out_shape[:-1])) if op.kind == "conv" else 1
+        return self.amax * self.amax * batch * pixels > INT32_LIMIT
+
+    def workspace(self, capacity: int, train: bool = True) -> Workspace:
+        """Buffers for batches of up to ``capacity`` samples (cached per capacity)."""
+        key = (capacity, train)
+        ws = self._workspaces.get(key)
+        if ws is not None:
+            return ws
+        n = capacity
+        ad = self.adtype
+        x = np.zeros((n, *_internal(self.spec.input_shape)), ad)
+        acts: list[np.ndarray] = []
+        idx: list[np.ndarray | None] = []
+        eq: list[np.ndarray | None] = []
+        err_in: list[np.ndarray | None] = []
+        patch: list[np.ndarray | None] = []
+        pbuf: list[np.ndarray | None] = []
+        prev = x
+        g32 = g64 = 0
+        for op in self.ops:
+            if op.kind == "flatten":
+                out = prev.reshape(n, *op.out_shape)
+            else:
+                out = np.zeros((n, *op.out_shape), ad)
+            acts.append(out)
+            idx.append(np.zeros((n, *op.out_shape), np.int32) if op.kind == "pool" else None)
+            is_param = op.param >= 0
+            eq.append(np.zeros((n, *op.out_shape), ad) if (train and is_param) else None)
+            err_in.append(np.zeros((n, *op.in_shape), np.int32)
+                          if (train and op.needs_input_error and op.kind != "flatten"
+                              and op.kind != "relu") else None)
+            if op.kind == "conv":
+                r = op.layer.kernel * op.layer.kernel * op.layer.in_channels
+                patch.append(np.zeros(r, ad))
+                pbuf.append(np.zeros(r, np.int32) if train else None)
+            else:
+                patch.append(None)
+                pbuf.append(None)
+            if train and is_param:
+                size = int(np.prod(self.internal_shapes[op.param]))
+                if self.grad_needs_int64(op, n):
+                    op.grad_int64 = True
+                    g64 = max(g64, size)
+                else:
+                    g32 = max(g32, size)
+            prev = out
+        max_param = max((int(np.prod(s)) for s in self.internal_shapes), default=0)
+        ws = Workspace(
+            capacity=n, x=x, acts=acts, idx=idx, eq=eq, err_in=err_in,
+            err_out=np.zeros((n, self.spec.num_classes), np.int32) if train else
+            np.zeros((0, 0), np.int32),
+            patch=patch, pbuf=pbuf,
+            grad32=np.zeros(g32, np.int32), grad64=np.zeros(g64, np.int64),
+            extra=np.zeros(max_param if train else 0, np.int64), train=train,
+        )
+        self._check_bounds()
+        self._workspaces[key] = ws
+        return ws
+
+    def _check_bounds(self) -> None:
+        """int32 forward/backward accumulators must not overflow for this spec and s."""
+        for op in self.param_ops:
+            fan_in = op.layer.fan_in
+            if fan_in * self.amax > INT32_LIMIT:
+                raise ConfigError(f"{op.layer.name}: fan-in {fan_in} overflows int32 at "
+                                  f"{self.bits} bits")
+            fan_out = (op.layer.out_channels * op.layer.kernel ** 2 if op.kind == "conv"
+                       else op.layer.out_features)
+            if fan_out * self.amax * 4 > INT32_LIMIT:
+                raise ConfigError(f"{op.layer.name}: fan-out {fan_out} overflows int32 at "
+                                  f"{self.bits} bits")
+
+    def prepare_inputs(self, x: np.ndarray) -> np.ndarray:
+        """float images [N, C, H, W] in [0, 1] -> s-bit integers in the engine layout.
+
+        Data loading (the one place the integer path touches floats).
+        """
+        from edge_client.data import quantize_images
+
+        expected = tuple(self.spec.input_shape)
+        if tuple(x.shape[1:]) != expected:
+            raise TrainingError(f"{self.spec.name}: input samples have shape "
+                                f"{list(x.shape[1:])}, expected {list(expected)}")
+        q = quantize_images(x, self.bits)
+        if q.ndim == 4:
+            return np.ascontiguousarray(q.transpose(0, 2, 3, 1))
+        return np.ascontiguousarray(q)
+
+    # ------------------------------------------------------------------ compute
+
+    def forward(self, ws: Workspace, n: int) -> np.ndarray:
+        """Run the forward pass on ``ws.x[:n]``; returns the logits view [n, classes]."""
+        prev = ws.x[:n]
+        for i, op in enumerate(self.ops):
+            out = ws.acts[i][:n]
+            if op.kind == "conv":
+                lay = op.layer
+                K.conv_forward(prev, self.t[op.param], lay.stride, lay.padding, op.shift,
+                               self.amax, op.relu, out, ws.patch[i])
+            elif op.kind == "linear":
+                K.linear_forward(prev, self.t[op.param], op.shift, self.amax, op.relu, out)
+            elif op.kind == "pool":
+                lay = op.layer
+                K.maxpool_forward(prev, lay.kernel, lay.step, lay.padding, out, ws.idx[i][:n])
+            elif op.kind == "relu":
+                K.relu_forward(prev.reshape(-1), out.reshape(-1))
+            prev = out
+        return prev
+
+    def train_step(self, ws: Workspace, y: np.ndarray, n: int, lr_log2: int, seed: int,
+                   step: int, reg: _Regularizer | None = None) -> int:
+        """One SGD step on ``ws.x[:n]`` with labels ``y`` (int64 [n]); returns the SSE.
+
+        ``lr_log2``: log2 of eta in LSBs of the storage grid; ``seed``/``step`` key the
+        stochastic rounding.
+        """
+        z = self.forward(ws, n)
+        e = ws.err_out[:n]
+        sse = K.sse_error(z, y, self.target, e)
+        cur = e
+        for i in range(len(self.ops) - 1, -1, -1):
+            op = self.ops[i]
+            if op.kind == "flatten":
+                cur = cur.reshape(n, *op.in_shape)
+                continue
+            if op.kind == "relu":
+                K.relu_mask(cur.reshape(-1), ws.acts[i][:n].reshape(-1))
+                continue
+            if op.kind == "pool":
+                if not op.needs_input_error:
+                    break
+                dst = ws.err_in[i][:n]
+                K.maxpool_backward(cur, ws.idx[i][:n], dst)
+                cur = dst
+                continue
+            # conv / linear
+            p = op.param
+            out_act = ws.acts[i][:n]
+            if op.relu:
+                K.relu_mask(cur.reshape(-1), out_act.reshape(-1))
+            eq = ws.eq[i][:n]
+            K.quantize_error(cur.reshape(-1), self.bits, eq.reshape(-1))
+            a_in = ws.acts[i - 1][:n] if i > 0 else ws.x[:n]
+            size = self.w[p].size
+            g = (ws.grad64 if op.grad_int64 else ws.grad32)[:size].reshape(self.w[p].shape)
+            if op.kind == "conv":
+                lay = op.layer
+                K.conv_weight_grad(eq, a_in, lay.stride, lay.padding, g, ws.patch[i])
+                if op.needs_input_error:
+                    dst = ws.err_in[i][:n]
+                    K.conv_backward_data(eq, self.t[p], lay.stride, lay.padding, dst,
+                                         ws.pbuf[i])
+                    cur = dst
+            else:
+                K.linear_weight_grad(eq, a_in.reshape(n, -1), g)
+                if op.needs_input_error:
+                    dst = ws.err_in[i][:n]
+                    K.linear_backward_data(eq, self.t[p], dst.reshape(n, -1))
+                    cur = dst
+            key = K.stream_key(seed, step, p, 0)
+            wf = self.w[p].reshape(-1)
+            if reg is not None and reg.active:
+                extra = ws.extra[:size]
+                K.regularizer_terms(wf, reg.anchor[p].reshape(-1), reg.mu_q,
+                                    reg.step_g[p].reshape(-1), reg.alpha_q, extra)
+                K.sgd_update(wf, g.reshape(-1), lr_log2, self.wmax, self.thr, key,
+                             self.t[p].reshape(-1), extra, reg.shift,
+                             K.stream_key(seed, step, p, 1))
+            else:
+                K.sgd_update(wf, g.reshape(-1), lr_log2, self.wmax, self.thr, key,
+                             self.t[p].reshape(-1), ws.extra[:0], -1, key)
+            if not op.needs_input_error:
+                break
+        return int(sse)
+
+
+@dataclass
+class _Regularizer:
+    """FedProx / FedFOR terms as integers on the storage grid (see IntTrainer.train)."""
+
+    anchor: list[np.ndarray]      # received global weights, internal layout
+    step_g: list[np.ndarray]      # last global step w_{t-1} - w_t on the grid (int32)
+    mu_q: int                     # mu with 16 fractional bits
+    alpha_q: int                  # FedFOR alpha with 16 fractional bits
+    shift: int                    # 23 - lr_shift: fixed point -> LSBs incl. eta_8 / 2^7
+
+    @property
+    def active(self) -> bool:
+        return self.mu_q != 0 or self.alpha_q != 0
+
+
+Regularizer = _Regularizer

@@ -1,0 +1,416 @@
+"""Local trainers of a device: IntTrainer (integer-only, intnn) and TorchTrainer (float32).
+
+Both train the same shared parameter domain (ALGORITHMS.md §2): real weights ``W`` in
+``[-0.5, 0.5]``, layer outputs scaled by ``1/alpha_l``, no bias, no batch norm. Weights
+enter with :meth:`load_shared` and leave with :meth:`to_shared` as ``list[np.ndarray]``
+float32 in ``spec.param_shapes()`` order.
+
+torch is imported lazily, only by :class:`TorchTrainer`: integer training never loads it.
+
+FedProx (``prox_mu``) and FedFOR (``fedfor_alpha`` with ``last_global_step``) add
+``mu (w - w_g)`` and ``alpha g [g (w - w_g) > 0]`` to each step's gradient, ``w_g`` being
+the weights at the start of :meth:`train` (the received global model).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+
+from edge_client.data import Dataset
+from edge_client.errors import ConfigError, TrainingError
+from edge_client.intnn import kernels as K
+from edge_client.intnn.model import IntModel, Regularizer
+from edge_client.intnn.quant import DEFAULT_CLIP, alpha_shifts, grid_scale, init_shared
+from firmware_models import Conv2d, Flatten, Linear, MaxPool2d, ModelSpec, ReLU, get_spec
+
+DEFAULT_LR_SHIFT = 3      # eta_8 = 2^3 = 8 LSBs (ProWD appendix A: eta = 8)
+DEFAULT_TORCH_LR = 0.05
+FIXED_POINT_BITS = 16     # fractional bits of the FedProx/FedFOR coefficients on devices
+
+
+@dataclass
+class TrainReport:
+    """What one call of ``train`` did: steps, samples seen, mean loss, wall seconds."""
+
+    steps: int
+    samples: int
+    loss: float
+    seconds: float
+
+
+@runtime_checkable
+class Trainer(Protocol):
+    spec: ModelSpec
+    bits: int
+
+    def load_shared(self, weights: list[np.ndarray]) -> None: ...
+
+    def to_shared(self) -> list[np.ndarray]: ...
+
+    def train(self, data: Dataset, *, epochs: int = 1, steps: int | None = None,
+              batch: int = 32, prox_mu: float = 0.0, fedfor_alpha: float = 0.0,
+              last_global_step: list[np.ndarray] | None = None) -> TrainReport: ...
+
+    def evaluate(self, data: Dataset, batch: int = 256) -> tuple[float, float]: ...
+
+
+def _as_spec(spec: ModelSpec | str) -> ModelSpec:
+    if isinstance(spec, str):
+        return get_spec(spec)
+    if not isinstance(spec, ModelSpec):
+        raise ConfigError(f"expected a ModelSpec or a model name, got {type(spec).__name__}")
+    return spec
+
+
+def _check_train_args(data: Dataset, spec: ModelSpec, epochs: int, steps: int | None,
+                      batch: int, prox_mu: float, fedfor_alpha: float,
+                      last_global_step: list[np.ndarray] | None) -> int:
+    """Validate; return the number of steps to run."""
+    if len(data) == 0:
+        raise TrainingError("train: the data set is empty")
+    if tuple(data.x.shape[1:]) != tuple(spec.input_shape):
+        raise TrainingError(f"{spec.name}: samples of shape {list(data.x.shape[1:])}, "
+                            f"expected {list(spec.input_shape)}")
+    if batch < 1:
+        raise ConfigError(f"batch must be >= 1, got {batch}")
+    if prox_mu < 0 or fedfor_alpha < 0:
+        raise ConfigError("prox_mu and fedfor_alpha must be >= 0")
+    if last_global_step is not None:
+        shapes = spec.param_shapes()
+        if len(last_global_step) != len(shapes) or any(
+                tuple(np.shape(g)) != tuple(s) for g, s in zip(last_global_step, shapes)):
+            raise TrainingError(f"{spec.name}: last_global_step does not match the model")
+    if data.y.min() < 0 or data.y.max() >= spec.num_classes:
+        raise TrainingError(f"{spec.name}: labels outside 0..{spec.num_classes - 1}")
+    if steps is not None:
+        if steps < 0:
+            raise ConfigError(f"steps must be >= 0, got {steps}")
+        return int(steps)
+    if epochs < 0:
+        raise ConfigError(f"epochs must be >= 0, got {epochs}")
+    return int(epochs) * math.ceil(len(data) / batch)
+
+
+def _batches(n_samples: int, batch: int, n_steps: int, rng: np.random.Generator):
+    """Index arrays of ``n_steps`` batches, reshuffling each epoch (last batch may be short)."""
+    done = 0
+    while done < n_steps:
+        perm = rng.permutation(n_samples)
+        for s in range(0, n_samples, batch):
+            if done == n_steps:
+                return
+            yield perm[s:s + batch]
+            done += 1
+
+
+# ============================================================================ integer
+
+
+class IntTrainer:
+    """Integer-only local training of an s-bit device (ProWD appendix B).
+
+    ``lr_shift``: log2 of eta in LSBs of the 8-bit grid (3 -> eta = 8, the paper's value);
+    on a finer grid the step is ``2^(lr_shift + s_g - 8)`` LSBs (same real step).
+    ``seed`` keys the shuffling and the stochastic rounding; the step counter runs on
+    across calls of :meth:`train`, so two trainers with the same seed and the same calls
+    end bit for bit equal.
+    """
+
+    def __init__(self, spec_or_model: ModelSpec | IntModel | str, bits: int,
+                 lr_shift: int = DEFAULT_LR_SHIFT, seed: int = 0,
+                 clip: float = DEFAULT_CLIP) -> None:
+        if isinstance(spec_or_model, IntModel):
+            self.model = spec_or_model
+            if spec_or_model.bits != bits:
+                raise ConfigError(f"IntTrainer: model has {spec_or_model.bits} bits, not {bits}")
+        else:
+            spec = _as_spec(spec_or_model)
+            self.model = IntModel(spec, bits, clip)
+            self.model.load_shared(init_shared(spec, seed, clip))
+        if not -8 <= lr_shift <= 8:
+            raise ConfigError(f"lr_shift must be in -8..8, got {lr_shift}")
+        self.spec = self.model.spec
+        self.bits = self.model.bits
+        self.lr_shift = int(lr_shift)
+        self.seed = int(seed)
+        self.step_count = 0
+        self._calls = 0
+        self._cache: tuple[int, np.ndarray, np.ndarray] | None = None
+
+    # weights ---------------------------------------------------------------
+
+    def load_shared(self, weights: list[np.ndarray]) -> None:
+        self.model.load_shared(weights)
+
+    def load_int(self, int_weights: list[np.ndarray]) -> None:
+        """Set the device's own integers (spec layout), e.g. a decoded downlink."""
+        self.model.load_int(int_weights)
+
+    def to_shared(self) -> list[np.ndarray]:
+        return self.model.to_shared()
+
+    def int_weights(self) -> list[np.ndarray]:
+        """The device's own integers (int8 for s <= 8, int16 above), spec layout."""
+        return self.model.int_weights()
+
+    # data ------------------------------------------------------------------
+
+    def _inputs(self, data: Dataset) -> np.ndarray:
+        """Quantized inputs, engine layout; cached for the last data set seen."""
+        if self._cache is not None and self._cache[0] == id(data) and self._cache[1] is data.x:
+            return self._cache[2]
+        xq = self.model.prepare_inputs(data.x)
+        self._cache = (id(data), data.x, xq)
+        return xq
+
+    def _regularizer(self, prox_mu: float, fedfor_alpha: float,
+                     last_global_step: list[np.ndarray] | None) -> Regularizer | None:
+        mu_q = int(round(prox_mu * (1 << FIXED_POINT_BITS)))
+        alpha_q = int(round(fedfor_alpha * (1 << FIXED_POINT_BITS))) if last_global_step else 0
+        if mu_q == 0 and alpha_q == 0:
+            return None
+        model = self.model
+        scale = grid_scale(self.bits)
+        step_g = []
+        for i, op in enumerate(model.param_ops):
+            if alpha_q and last_global_step is not None:
+                g = np.rint(np.asarray(last_global_step[i], np.float64) * scale)
+                g = model._to_internal(op, np.clip(g, -(1 << 30), 1 << 30).astype(np.int32))
+            else:
+                g = np.zeros(model.internal_shapes[i], np.int32)
+            step_g.append(g)
+        anchor = [w.copy() for w in model.w]
+        return Regularizer(anchor=anchor, step_g=step_g, mu_q=mu_q, alpha_q=alpha_q,
+                           shift=FIXED_POINT_BITS + 7 - self.lr_shift)
+
+    # training --------------------------------------------------------------
+
+    def train(self, data: Dataset, *, epochs: int = 1, steps: int | None = None,
+              batch: int = 32, prox_mu: float = 0.0, fedfor_alpha: float = 0.0,
+              last_global_step: list[np.ndarray] | None = None) -> TrainReport:
+        """Local SGD on ``data``; ``steps`` overrides ``epochs`` when given.
+
+        Loss: mean per-sample SSE in real units, ``sum_o (z_o/S(s) - 0.5*onehot_o)^2``.
+        """
+        n_steps = _check_train_args(data, self.spec, epochs, steps, batch, prox_mu,
+                                    fedfor_alpha, last_global_step)
+        t0 = time.perf_counter()
+        model = self.model
+        xq = self._inputs(data)
+        y_all = np.ascontiguousarray(data.y, dtype=np.int64)
+        reg = self._regularizer(prox_mu, fedfor_alpha, last_global_step)
+        ws = model.workspace(min(batch, len(data)))
+        rng = np.random.default_rng([self.seed, self._calls])
+        self._calls += 1
+        lr_log2 = self.lr_shift + model.grid_bits - 8
+        sse = 0
+        samples = 0
+        for idx in _batches(len(data), batch, n_steps, rng):
+            n = len(idx)
+            np.take(xq, idx, axis=0, out=ws.x[:n])
+            sse += model.train_step(ws, y_all[idx], n, lr_log2, self.seed, self.step_count, reg)
+            self.step_count += 1
+            samples += n
+        scale2 = float(1 << (2 * (self.bits - 1)))
+        loss = sse / scale2 / samples if samples else 0.0
+        return TrainReport(n_steps, samples, loss, time.perf_counter() - t0)
+
+    def evaluate(self, data: Dataset, batch: int = 256) -> tuple[float, float]:
+        """(mean per-sample SSE in real units, accuracy in [0, 1]) on ``data``."""
+        if len(data) == 0:
+            raise TrainingError("evaluate: the data set is empty")
+        model = self.model
+        xq = self._inputs(data)
+        y_all = np.ascontiguousarray(data.y, dtype=np.int64)
+        cap = min(batch, len(data))
+        ws = model.workspace(cap, train=False)
+        err = np.zeros((cap, self.spec.num_classes), np.int32)
+        hits = 0
+        sse = 0
+        for s in range(0, len(data), cap):
+            n = min(cap, len(data) - s)
+            ws.x[:n] = xq[s:s + n]
+            z = model.forward(ws, n)
+            sse += int(K.sse_error(z, y_all[s:s + n], model.target, err[:n]))
+            hits += int(K.argmax_correct(z, y_all[s:s + n]))
+        scale2 = float(1 << (2 * (self.bits - 1)))
+        return sse / scale2 / len(data), hits / len(data)
+
+
+# ============================================================================ float32
+
+
+class TorchTrainer:
+    """float32 local training of the same parameter domain (ALGORITHMS.md §2).
+
+    Forward ``layer(a, W) / alpha_l`` (no quantization), softmax cross-entropy, SGD with
+    momentum (fresh each :meth:`train` call), gradient-norm clipping, and ``W`` clamped to
+    ``[-clip, clip]`` after every step. ``weight_standardization`` (FedWSQ): each output
+    channel's weights are standardized, ``W~ = rho (W - mean) / std`` with ``rho = 1e-3``
+    (FedWSQ's value), and, since these models have no normalization layer after it, the
+    layer output is rescaled by ``sqrt(2 / fan_in) / rho`` (He gain).
+    """
+
+    def __init__(self, spec: ModelSpec | str, lr: float = DEFAULT_TORCH_LR, seed: int = 0,
+                 weight_standardization: bool = False, momentum: float = 0.9,
+                 grad_clip: float = 2.0, clip: float = DEFAULT_CLIP, ws_rho: float = 1e-3,
+                 loss: str = "ce") -> None:
+        import torch
+
+        self._torch = torch
+        self.spec = _as_spec(spec)
+        self.bits = 32
+        if lr <= 0:
+            raise ConfigError(f"lr must be > 0, got {lr}")
+        if loss not in ("ce", "sse"):
+            raise ConfigError(f"loss must be 'ce' or 'sse', got {loss!r}")
+        self.lr = float(lr)
+        self.momentum = float(momentum)
+        self.grad_clip = float(grad_clip)
+        self.clip = float(clip)
+        self.seed = int(seed)
+        self.weight_standardization = bool(weight_standardization)
+        self.ws_rho = float(ws_rho)
+        self.loss_kind = loss
+        self._alpha = [float(1 << a) for a in alpha_shifts(self.spec)]
+        self._calls = 0
+        self.params = [torch.tensor(w, dtype=torch.float32, requires_grad=True)
+                       for w in init_shared(self.spec, seed, clip)]
+
+    # weights ---------------------------------------------------------------
+
+    def load_shared(self, weights: list[np.ndarray]) -> None:
+        shapes = self.spec.param_shapes()
+        if len(weights) != len(shapes):
+            raise TrainingError(f"{self.spec.name}: expected {len(shapes)} weight tensors, "
+                                f"got {len(weights)}")
+        with self._torch.no_grad():
+            for i, (p, w, s) in enumerate(zip(self.params, weights, shapes, strict=True)):
+                w = np.asarray(w, dtype=np.float32)
+                if tuple(w.shape) != tuple(s):
+                    raise TrainingError(f"{self.spec.name}: weight {i} has shape "
+                                        f"{list(w.shape)}, expected {list(s)}")
+                if not np.all(np.isfinite(w)):
+                    raise TrainingError(f"{self.spec.name}: weight {i} has NaN/Inf values")
+                p.copy_(self._torch.from_numpy(np.ascontiguousarray(w)))
+
+    def to_shared(self) -> list[np.ndarray]:
+        return [p.detach().cpu().numpy().astype(np.float32, copy=True) for p in self.params]
+
+    # model -----------------------------------------------------------------
+
+    def _effective(self, i: int, w):
+        if not self.weight_standardization:
+            return w, 1.0 / self._alpha[i]
+        flat = w.reshape(w.shape[0], -1)
+        mean = flat.mean(dim=1, keepdim=True)
+        std = flat.std(dim=1, unbiased=False, keepdim=True)
+        ws = self.ws_rho * (flat - mean) / (std + 1e-8)
+        gain = math.sqrt(2.0 / flat.shape[1]) / self.ws_rho
+        return ws.reshape(w.shape), gain
+
+    def forward(self, x):
+        """Logits of a float32 batch ``x`` [N, C, H, W] (torch tensor)."""
+        F = self._torch.nn.functional
+        h = x
+        p = 0
+        for layer in self.spec.layers:
+            if isinstance(layer, Conv2d):
+                w, scale = self._effective(p, self.params[p])
+                h = F.conv2d(h, w, stride=layer.stride, padding=layer.padding) * scale
+                p += 1
+            elif isinstance(layer, Linear):
+                w, scale = self._effective(p, self.params[p])
+                h = F.linear(h, w) * scale
+                p += 1
+            elif isinstance(layer, ReLU):
+                h = F.relu(h)
+            elif isinstance(layer, MaxPool2d):
+                h = F.max_pool2d(h, layer.kernel, stride=layer.step, padding=layer.padding)
+            elif isinstance(layer, Flatten):
+                h = h.flatten(1)
+        return h
+
+    def _loss(self, logits, y):
+        F = self._torch.nn.functional
+        if self.loss_kind == "ce":
+            return F.cross_entropy(logits, y)
+        onehot = F.one_hot(y, self.spec.num_classes).to(logits.dtype) * 0.5
+        return ((logits - onehot) ** 2).sum(dim=1).mean()
+
+    # training --------------------------------------------------------------
+
+    def train(self, data: Dataset, *, epochs: int = 1, steps: int | None = None,
+              batch: int = 32, prox_mu: float = 0.0, fedfor_alpha: float = 0.0,
+              last_global_step: list[np.ndarray] | None = None) -> TrainReport:
+        """Local SGD; loss reported is the mean training loss (CE or SSE) over the steps."""
+        torch = self._torch
+        n_steps = _check_train_args(data, self.spec, epochs, steps, batch, prox_mu,
+                                    fedfor_alpha, last_global_step)
+        t0 = time.perf_counter()
+        torch.manual_seed(self.seed * 1000003 + self._calls)
+        rng = np.random.default_rng([self.seed, self._calls])
+        self._calls += 1
+        anchor = [p.detach().clone() for p in self.params]
+        gsteps = None
+        if fedfor_alpha > 0 and last_global_step is not None:
+            gsteps = [torch.from_numpy(np.asarray(g, dtype=np.float32)) for g in last_global_step]
+        opt = torch.optim.SGD(self.params, lr=self.lr, momentum=self.momentum)
+        x_all = torch.from_numpy(np.ascontiguousarray(data.x, dtype=np.float32))
+        y_all = torch.from_numpy(np.ascontiguousarray(data.y, dtype=np.int64))
+        total = 0.0
+        samples = 0
+        for idx in _batches(len(data), batch, n_steps, rng):
+            ti = torch.from_numpy(idx)
+            xb, yb = x_all[ti], y_all[ti]
+            opt.zero_grad(set_to_none=False)
+            loss = self._loss(self.forward(xb), yb)
+            loss.backward()
+            with torch.no_grad():
+                for i, p in enumerate(self.params):
+                    d = p - anchor[i]
+                    if prox_mu > 0:
+                        p.grad.add_(d, alpha=prox_mu)
+                    if gsteps is not None:
+                        g = gsteps[i]
+                        p.grad.add_(torch.where(g * d > 0, g, torch.zeros_like(g)),
+                                    alpha=fedfor_alpha)
+            if self.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip)
+            opt.step()
+            with torch.no_grad():
+                for p in self.params:
+                    p.clamp_(-self.clip, self.clip)
+            total += float(loss.detach()) * len(idx)
+            samples += len(idx)
+        loss_mean = total / samples if samples else 0.0
+        return TrainReport(n_steps, samples, loss_mean, time.perf_counter() - t0)
+
+    def evaluate(self, data: Dataset, batch: int = 256) -> tuple[float, float]:
+        """(mean loss, accuracy in [0, 1]) of the current weights on ``data``."""
+        torch = self._torch
+        if len(data) == 0:
+            raise TrainingError("evaluate: the data set is empty")
+        x_all = torch.from_numpy(np.ascontiguousarray(data.x, dtype=np.float32))
+        y_all = torch.from_numpy(np.ascontiguousarray(data.y, dtype=np.int64))
+        total = 0.0
+        hits = 0
+        with torch.no_grad():
+            for s in range(0, len(data), batch):
+                xb, yb = x_all[s:s + batch], y_all[s:s + batch]
+                logits = self.forward(xb)
+                total += float(self._loss(logits, yb)) * len(yb)
+                hits += int((logits.argmax(dim=1) == yb).sum())
+        return total / len(data), hits / len(data)
+
+
+def make_trainer(spec: ModelSpec | str, bits: int, seed: int = 0, **hparams) -> Trainer:
+    """``bits == 32`` -> :class:`TorchTrainer`, else an s-bit :class:`IntTrainer`."""
+    if bits == 32:
+        return TorchTrainer(spec, seed=seed, **hparams)
+    return IntTrainer(spec, bits, seed=seed, **hparams)
