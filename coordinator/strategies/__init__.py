@@ -1,0 +1,18 @@
+"""Aggregation as composable streaming stages (DESIGN.md, "Stage pipeline"):
+decode -> dequantize (none | prowd) -> mask (none | prowd-swa) ->
+combine (fedavg | fedshift | grouped | grouped-asym | fedpaq).
+
+    strategy = build_strategy("prowd-swa+fedshift", tau=0.1)
+    strategy.begin_round(r, global_weights)
+    for update in updates: strategy.accept(update)     # streaming, O(model) memory
+    result = strategy.finish()
+"""
+
+from coordinator.strategies.base import Strategy
+from coordinator.strategies.decode import decode_update
+from coordinator.strategies.registry import available_strategies, build_strategy
+from coordinator.strategies.swa import swa_mask
+from coordinator.strategies.types import AggregateResult, ClientUpdate
+
+__all__ = ["AggregateResult", "ClientUpdate", "Strategy", "available_strategies", "build_strategy",
+           "decode_update", "swa_mask"]

@@ -1,0 +1,124 @@
+"""The combine stage: the new global model (and per-group models) from the averages.
+
+Every function here is pure math on float64 flat arrays; the classes only hold params.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from coordinator.strategies.accumulate import GroupSums
+from coordinator.strategies.mask import MaskStage
+from edge_client.errors import ConfigError
+
+Stats = dict[str, float | int]
+
+
+@dataclass
+class RoundSums:
+    """What the combiner sees at the end of a round."""
+
+    sums: GroupSums
+    global_flat: list[np.ndarray]                # float32 flat, the round's start model
+    group_flat: dict[int, list[np.ndarray]]      # float32 flat, known group models
+    n_updates: int
+    n_inferior: int
+
+
+class Combiner(Protocol):
+    name: str
+    grouped: bool
+
+    def combine(self, rs: RoundSums, mask: MaskStage) -> tuple[list[np.ndarray], dict[int, list[np.ndarray]], Stats]:
+        """(global flat float64 layers, group flat layers, stats)."""
+        ...
+
+
+def fedshift(avg: np.ndarray, n_inferior: int, n_total: int) -> tuple[np.ndarray, float]:
+    """FedShift eq. 8 on one layer, in place: ``avg - (I/N)·m``, m = mean(avg). Returns
+    (the shifted layer, m)."""
+    m = float(avg.mean()) if avg.size else 0.0
+    if n_total and n_inferior:
+        avg -= (n_inferior / n_total) * m
+    return avg, m
+
+
+class FedAvgCombine:
+    """FedAvg: Σ ω_k w_k / Σ ω_k (ω = samples, or 1 when unweighted)."""
+
+    name, grouped = "fedavg", False
+
+    def combine(self, rs: RoundSums, mask: MaskStage):
+        avg, stats = mask.average(rs.sums, rs.global_flat)
+        return avg, {}, stats
+
+
+class FedShiftCombine:
+    """FedShift (eq. 5-8): per shifted layer, ``w_avg - (I/N)·m``; m = mean over the
+    layer's elements of the all-client average, I = inferior updates, N = all updates.
+    ``layers`` picks the layers to shift (default all: fedbit models hold weights only,
+    no normalisation buffers; a model with buffers lists its weight layers here)."""
+
+    name, grouped = "fedshift", False
+
+    def __init__(self, layers: list[int] | None = None) -> None:
+        self.layers = None if layers is None else {int(i) for i in layers}
+
+    def combine(self, rs: RoundSums, mask: MaskStage):
+        avg, stats = mask.average(rs.sums, rs.global_flat)
+        for i, layer in enumerate(avg):
+            if self.layers is None or i in self.layers:
+                _, m = fedshift(layer, rs.n_inferior, rs.n_updates)
+                stats[f"shift_mean/{i}"] = m
+        return avg, {}, stats
+
+
+class FedPaqCombine:
+    """FedPAQ: the global model plus ``server_lr`` times the average update."""
+
+    name, grouped = "fedpaq", False
+
+    def __init__(self, server_lr: float = 1.0) -> None:
+        if not float(server_lr) > 0:
+            raise ConfigError(f"fedpaq: server_lr must be > 0, got {server_lr}")
+        self.server_lr = float(server_lr)
+
+    def combine(self, rs: RoundSums, mask: MaskStage):
+        avg, stats = mask.average(rs.sums, rs.global_flat)
+        for a, g in zip(avg, rs.global_flat):
+            a -= g
+            a *= self.server_lr
+            a += g
+        return avg, {}, stats
+
+
+class GroupedCombine:
+    """FedGroupedAvg: FedAvg within each bitwidth group, one model per group. With
+    ``asymmetric``, group b averages its own and every higher-bitwidth update. A known
+    group with nothing to average this round keeps its model. The global ``weights`` is
+    the highest-bitwidth group's model ([decision]: the most precise one; the coordinator
+    publishes ``group_weights`` to the groups)."""
+
+    grouped = True
+
+    def __init__(self, asymmetric: bool = False) -> None:
+        self.asymmetric = asymmetric
+        self.name = "grouped-asym" if asymmetric else "grouped"
+
+    def combine(self, rs: RoundSums, mask: MaskStage):
+        present = rs.sums.bits
+        groups: dict[int, list[np.ndarray]] = {}
+        for b in sorted(set(present) | set(rs.group_flat)):
+            members = [x for x in present if x >= b] if self.asymmetric else [b]
+            total, w = rs.sums.combined(members)
+            if total is None:
+                groups[b] = [g.astype(np.float64) for g in rs.group_flat[b]]
+                continue
+            for t in total:
+                t /= w
+            groups[b] = total
+        top = max(groups)
+        return [a.copy() for a in groups[top]], groups, {"n_groups": len(groups)}

@@ -1,0 +1,66 @@
+"""Strategy names -> stage compositions.
+
+A name is ``[<mask>+]<combiner>``: combiners ``fedavg``, ``fedshift``, ``grouped``,
+``grouped-asym``, ``fedpaq``; mask ``prowd-swa`` (alone it means ``prowd-swa+fedavg``).
+The dequantize stage is a parameter (``dequantize="none"``), not part of the name.
+Params go to the stage that owns them: ``tau``, ``fill`` (mask); ``layers`` (fedshift);
+``server_lr`` (fedpaq); ``weighted``, ``sigma_momentum``, ``acc_dtype``, ``batch``
+(strategy); ``dequantize`` and ``dequantize_params``. Unknown params are errors.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+from coordinator.strategies.base import Strategy
+from coordinator.strategies.combine import (Combiner, FedAvgCombine, FedPaqCombine, FedShiftCombine,
+                                            GroupedCombine)
+from coordinator.strategies.dequantize import build_dequantizer
+from coordinator.strategies.mask import MaskStage, NoMask, ProwdSwaMask
+from edge_client.errors import ConfigError
+
+COMBINERS: dict[str, Callable[..., Combiner]] = {
+    "fedavg": FedAvgCombine,
+    "fedshift": FedShiftCombine,
+    "fedpaq": FedPaqCombine,
+    "grouped": lambda: GroupedCombine(asymmetric=False),
+    "grouped-asym": lambda: GroupedCombine(asymmetric=True),
+}
+MASKS: dict[str, Callable[..., MaskStage]] = {"prowd-swa": ProwdSwaMask}
+#: combiners a mask may precede (a per-group model has no high/low split)
+MASKABLE = ("fedavg", "fedshift", "fedpaq")
+_STRATEGY_PARAMS = ("weighted", "sigma_momentum", "acc_dtype", "batch")
+
+
+def available_strategies() -> list[str]:
+    """Every valid name."""
+    names = list(COMBINERS)
+    for m in MASKS:
+        names.append(m)
+        names += [f"{m}+{c}" for c in MASKABLE]
+    return names
+
+
+def _take(factory: Callable[..., Any], params: dict[str, Any]) -> dict[str, Any]:
+    keys = [k for k in inspect.signature(factory).parameters if k in params]
+    return {k: params.pop(k) for k in keys}
+
+
+def build_strategy(name: str, **params: Any) -> Strategy:
+    """Build the named strategy; ConfigError listing the valid names when unknown."""
+    valid = available_strategies()
+    if name not in valid:
+        raise ConfigError(f"unknown strategy {name!r}; valid: {', '.join(valid)}")
+    mask_name, _, comb_name = name.rpartition("+")
+    if name in MASKS:
+        mask_name, comb_name = name, "fedavg"
+    params = dict(params)
+    mask: MaskStage = MASKS[mask_name](**_take(MASKS[mask_name], params)) if mask_name else NoMask()
+    combiner = COMBINERS[comb_name](**_take(COMBINERS[comb_name], params))
+    deq = build_dequantizer(params.pop("dequantize", "none"), **params.pop("dequantize_params", {}))
+    strat = {k: params.pop(k) for k in _STRATEGY_PARAMS if k in params}
+    if params:
+        raise ConfigError(f"strategy {name!r}: unknown parameters {sorted(params)}")
+    return Strategy(name, combiner, mask, deq, **strat)

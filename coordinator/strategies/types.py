@@ -1,0 +1,54 @@
+"""The data that flows through the aggregation stages."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+UPDATE_KINDS = ("weights", "delta")
+FLOAT_BITS = 32
+
+
+@dataclass
+class ClientUpdate:
+    """One device's decoded update for one round.
+
+    - ``weights``: one float32 array per model layer, in ``spec.param_shapes()`` order, in
+      the shared parameter domain (ALGORITHMS.md §2). Full weights, or, when ``kind`` is
+      ``"delta"``, ``W_local - W_global`` (the model the device started from).
+    - ``num_samples``: local training samples (> 0), the FedAvg weight.
+    - ``compute_bits``: the device's compute bitwidth (32 = float device); groups and the
+      ProWD high/low split use it.
+    - ``lossy``: arrived through a lossy codec. It and ``compute_bits < 32`` make the
+      update "inferior" in FedShift's sense.
+    - ``sigma_loc``: per-layer standard deviation of the device's update (DANUQ devices).
+    """
+
+    device_id: str
+    num_samples: int
+    weights: list[np.ndarray]
+    kind: str = "weights"
+    compute_bits: int = FLOAT_BITS
+    lossy: bool = False
+    sigma_loc: list[float] | None = None
+
+    @property
+    def inferior(self) -> bool:
+        """FedShift's inferior set: lossy uplink or integer device."""
+        return self.lossy or self.compute_bits < FLOAT_BITS
+
+
+@dataclass
+class AggregateResult:
+    """What one round's aggregation produced.
+
+    - ``weights``: the new global model (float32, one array per layer).
+    - ``group_weights``: bitwidth -> model, for the grouped combiners (else empty).
+    - ``stats``: counters and per-layer figures (``n_updates``, ``n_inferior``,
+      ``masked_fraction/<layer>``, ``cos_before/<layer>``, ``cos_after/<layer>``...).
+    """
+
+    weights: list[np.ndarray]
+    group_weights: dict[int, list[np.ndarray]] = field(default_factory=dict)
+    stats: dict[str, float | int] = field(default_factory=dict)
