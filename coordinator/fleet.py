@@ -1,0 +1,185 @@
+"""The coordinator's view of the devices: the :class:`Fleet` interface and two fleets.
+
+The round loop (``server.py``) never touches MQTT: it publishes retained round, model and
+status payloads and receives hello / presence / update payloads through a ``Fleet``, and
+acknowledges each received message once it is handled (persist, then ack).
+
+- :class:`MqttFleet`: a real broker through :class:`edge_client.transport.MqttTransport`:
+  MQTT v5 where offered (else 3.1.1), QoS 1, retained round/model/status messages, a
+  last-will ``error`` status, manual PUBACK and a persistent session, so an update the
+  coordinator received but did not persist is redelivered after a crash. With amqtt
+  (3.1.1) the offline session exists only when the coordinator connects with a username;
+  without one, updates published while the coordinator is down are lost to it (devices
+  then re-send from their outbox only if their PUBACK never came).
+- :class:`InProcessFleet`: the same messages and bytes through an in-memory
+  :class:`~edge_client.transport.LocalHub` (no broker, no sockets); device runtimes in the
+  same process connect with :meth:`InProcessFleet.device_connector`.
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from edge_client.errors import ProtocolError
+from edge_client.protocol import Status, encode_message, parse_topic, topic
+from edge_client.transport import LocalHub, MqttTransport, Received, TlsOptions, Transport
+
+
+@dataclass(frozen=True)
+class Inbound:
+    """One received message: ``kind`` is ``hello``, ``presence``, ``update`` or
+    ``invalid`` (a topic outside the protocol); ``topic_id`` is the id in the topic;
+    ``payload`` the exact bytes; ``received_at`` a ``time.monotonic()`` stamp (s)."""
+
+    kind: str
+    topic_id: str
+    payload: bytes
+    received_at: float
+    raw: Received
+
+
+class Fleet(ABC):
+    """Messages between the coordinator and the devices of job ``job``."""
+
+    job: str
+
+    @abstractmethod
+    def start(self, timeout: float = 30.0) -> None:
+        """Connect (and subscribe); ConnectionError when impossible within ``timeout`` s."""
+
+    @abstractmethod
+    def publish_round(self, payload: bytes) -> None:
+        """Retained round announcement (an empty payload clears it)."""
+
+    @abstractmethod
+    def publish_model(self, variant: str, payload: bytes) -> None:
+        """Retained global model of one variant (``float32``, ``int8`` ...)."""
+
+    @abstractmethod
+    def publish_status(self, payload: bytes) -> None:
+        """Retained coordinator status."""
+
+    @abstractmethod
+    def recv(self, timeout: float) -> Inbound | None:
+        """Next received message, or None after ``timeout`` seconds."""
+
+    @abstractmethod
+    def ack(self, msg: Inbound) -> None:
+        """Acknowledge a handled message (after persisting it, for updates)."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Disconnect cleanly."""
+
+    def describe(self) -> str:
+        return type(self).__name__
+
+
+class TransportFleet(Fleet):
+    """A :class:`Fleet` over any :class:`~edge_client.transport.Transport`."""
+
+    def __init__(self, job: str, transport: Transport, *, publish_timeout: float = 60.0) -> None:
+        topic(job, "round")  # validates the job id
+        self.job = job
+        self.transport = transport
+        self.publish_timeout = publish_timeout
+        self.invalid_topics = 0
+
+    @staticmethod
+    def subscriptions(job: str) -> list[str]:
+        root = topic(job, "round").rsplit("/", 1)[0]
+        return [f"{root}/presence/+", f"{root}/hello/+", f"{root}/update/+"]
+
+    def start(self, timeout: float = 30.0) -> None:
+        self.transport.connect(timeout=timeout)
+
+    def _publish_retained(self, name: str, payload: bytes) -> None:
+        end = time.monotonic() + self.publish_timeout
+        while True:
+            left = end - time.monotonic()
+            if self.transport.publish(name, payload, qos=1, retain=True, timeout=min(10.0, max(left, 0.1))):
+                return
+            if left <= 0:
+                raise ConnectionError(f"{name}: the broker did not acknowledge the publish "
+                                      f"within {self.publish_timeout:.0f} s")
+            time.sleep(0.2)
+
+    def publish_round(self, payload: bytes) -> None:
+        self._publish_retained(topic(self.job, "round"), payload)
+
+    def publish_model(self, variant: str, payload: bytes) -> None:
+        self._publish_retained(topic(self.job, "model", variant), payload)
+
+    def publish_status(self, payload: bytes) -> None:
+        self._publish_retained(topic(self.job, "status"), payload)
+
+    def recv(self, timeout: float) -> Inbound | None:
+        msg = self.transport.recv(timeout=timeout)
+        if msg is None:
+            return None
+        try:
+            job, kind, ident = parse_topic(msg.topic)
+            if job != self.job or kind not in ("hello", "presence", "update") or ident is None:
+                raise ProtocolError(f"topic: {msg.topic!r} is not an inbound topic of job {self.job!r}")
+        except ProtocolError:
+            self.invalid_topics += 1
+            return Inbound("invalid", "", msg.payload, time.monotonic(), msg)
+        return Inbound(kind, ident, msg.payload, time.monotonic(), msg)
+
+    def ack(self, msg: Inbound) -> None:
+        self.transport.ack(msg.raw)
+
+    def close(self) -> None:
+        self.transport.close()
+
+
+class MqttFleet(TransportFleet):
+    """A fleet behind an MQTT broker (see the module docstring).
+
+    ``url`` may carry ``user:password@``; ``tls`` gives CA / client certificate files;
+    ``client_id`` must stay the same across restarts for the persistent session.
+    """
+
+    def __init__(self, url: str, job: str = "default", *, client_id: str | None = None,
+                 username: str | None = None, password: str | None = None,
+                 tls: TlsOptions | None = None, protocol: str = "auto",
+                 max_payload: int = 64 * 1024 * 1024 + 64 * 1024) -> None:
+        will = (topic(job, "status"),
+                encode_message(Status(state="error", round_id=0, message="coordinator offline")))
+        t = MqttTransport(url, client_id or f"fedbit-coordinator-{job}", username=username,
+                          password=password, tls=tls, will=will,
+                          subscriptions=self.subscriptions(job), manual_ack=True,
+                          persistent_session=True, protocol=protocol, max_payload=max_payload)
+        super().__init__(job, t)
+        self.url = url
+
+    @property
+    def version(self) -> str | None:
+        return self.transport.version  # type: ignore[attr-defined]
+
+    def describe(self) -> str:
+        return f"MQTT {self.version or '?'} at {self.url}"
+
+
+class InProcessFleet(TransportFleet):
+    """A fleet of device runtimes in this process, over an in-memory hub."""
+
+    def __init__(self, job: str = "default", hub: LocalHub | None = None) -> None:
+        self.hub = hub or LocalHub()
+        t = self.hub.client("coordinator", subscriptions=self.subscriptions(job), manual_ack=True)
+        super().__init__(job, t)
+
+    def device_connector(self, device_id: str) -> Callable[..., Transport]:
+        """``connect(**session_spec)`` for :class:`edge_client.runtime.DeviceRuntime`."""
+
+        def connect(**kw: Any) -> Transport:
+            return self.hub.client(device_id, **kw)
+
+        return connect
+
+    def describe(self) -> str:
+        return "in-process hub (no broker)"

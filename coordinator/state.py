@@ -1,0 +1,260 @@
+"""Durable coordinator state: atomic checkpoints, the round plan, the inbox, metrics.
+
+Layout under the run directory ``DIR`` (``fedbit serve --out DIR``)::
+
+    DIR/checkpoint.msgpack      last completed round: weights, strategy + RNG state, metrics
+    DIR/round.msgpack           the plan of the round in progress (selected, deadline, ...)
+    DIR/inbox/r000007/<dev>.msgpack   raw update payloads received for round 7
+    DIR/metrics.jsonl           one JSON object per completed round
+
+Every file is written atomically (temporary file in the same directory, ``fsync``,
+``rename``, ``fsync`` of the directory), so a ``kill -9`` at any instant leaves either the
+old or the new version. The inbox holds an update's exact received bytes and is written
+before the update is acknowledged to the broker (persist, then ack), so an acked update
+survives a crash; on resume the inbox of the open round is replayed through the strategy.
+
+Arrays are stored as ``{"shape", "dtype", "data"}`` maps (little-endian), msgpack-framed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from edge_client.errors import ConfigError
+
+STATE_VERSION = 1
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: str | Path, data: bytes, *, durable: bool = True) -> None:
+    """Replace ``path`` with ``data`` atomically (tmp + fsync + rename + dir fsync)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        if durable:
+            f.flush()
+            os.fsync(f.fileno())
+    os.replace(tmp, path)
+    if durable:
+        _fsync_dir(path.parent)
+
+
+def pack_array(a: np.ndarray) -> dict[str, Any]:
+    """An array as a msgpack-able map (little-endian bytes)."""
+    a = np.ascontiguousarray(a)
+    dt = a.dtype.newbyteorder("<") if a.dtype.byteorder == ">" else a.dtype
+    return {"shape": list(a.shape), "dtype": dt.str, "data": a.astype(dt, copy=False).tobytes()}
+
+
+def unpack_array(d: dict[str, Any]) -> np.ndarray:
+    """Inverse of :func:`pack_array` (a writable copy)."""
+    return np.frombuffer(d["data"], dtype=np.dtype(d["dtype"])).reshape(d["shape"]).copy()
+
+
+def _default(obj: Any) -> Any:
+    if isinstance(obj, np.ndarray):
+        return {"__nd__": pack_array(obj)}
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if isinstance(obj, tuple):
+        return list(obj)
+    raise TypeError(f"cannot serialise {type(obj).__name__}")
+
+
+def _hook(obj: dict[str, Any]) -> Any:
+    if "__nd__" in obj and len(obj) == 1:
+        return unpack_array(obj["__nd__"])
+    return obj
+
+
+def dumps(obj: Any) -> bytes:
+    """msgpack with numpy arrays (used for checkpoints and strategy state)."""
+    return msgpack.packb(obj, default=_default, use_bin_type=True, strict_types=False)
+
+
+def loads(data: bytes) -> Any:
+    """Inverse of :func:`dumps` (map keys may be ints, as strategy states use bitwidths)."""
+    return msgpack.unpackb(data, object_hook=_hook, raw=False, strict_map_key=False)
+
+
+@dataclass
+class Checkpoint:
+    """Everything needed to continue after round ``completed_round``.
+
+    - ``weights``: global shared-domain weights, float32, shapes of the model spec;
+    - ``group_weights``: per-bitwidth weights from grouped strategies ({bits: weights});
+    - ``strategy_state``: ``Strategy.state_dict()``;
+    - ``rng_state``: the selection RNG (``numpy.random.Generator.bit_generator.state``);
+    - ``metrics``: the metrics record of ``completed_round`` (for repairing metrics.jsonl);
+    - ``devices``: the hello registry ({device_id: hello fields}).
+    """
+
+    job: str
+    model: str
+    completed_round: int
+    weights: list[np.ndarray]
+    group_weights: dict[int, list[np.ndarray]] = field(default_factory=dict)
+    strategy_state: dict[str, Any] = field(default_factory=dict)
+    rng_state: dict[str, Any] = field(default_factory=dict)
+    metrics: dict[str, Any] = field(default_factory=dict)
+    devices: dict[str, dict[str, Any]] = field(default_factory=dict)
+    config: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class RoundPlan:
+    """The round in progress, saved before it is announced.
+
+    ``deadline`` is a Unix time (s); ``variants`` maps variant name to model digest;
+    ``selected`` is sorted.
+    """
+
+    round_id: int
+    selected: list[str]
+    deadline: float
+    variants: dict[str, str]
+    hparams: dict[str, Any] = field(default_factory=dict)
+    started_at: float = 0.0
+
+
+class RunState:
+    """The files of one run directory (see the module docstring)."""
+
+    def __init__(self, out_dir: str | Path, *, durable: bool = True) -> None:
+        self.dir = Path(out_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.durable = durable
+        self.checkpoint_path = self.dir / "checkpoint.msgpack"
+        self.plan_path = self.dir / "round.msgpack"
+        self.inbox_dir = self.dir / "inbox"
+        self.metrics_path = self.dir / "metrics.jsonl"
+        self.inbox_dir.mkdir(exist_ok=True)
+
+    # ------------------------------------------------------------------ checkpoint
+
+    def save_checkpoint(self, ckpt: Checkpoint) -> None:
+        body = asdict(ckpt)
+        body["state_version"] = STATE_VERSION
+        body["group_weights"] = {int(k): v for k, v in ckpt.group_weights.items()}
+        atomic_write(self.checkpoint_path, dumps(body), durable=self.durable)
+
+    def load_checkpoint(self) -> Checkpoint | None:
+        """The last checkpoint, or None when the directory has none."""
+        if not self.checkpoint_path.exists():
+            return None
+        try:
+            body = loads(self.checkpoint_path.read_bytes())
+            if body.pop("state_version", None) != STATE_VERSION:
+                raise ConfigError(f"{self.checkpoint_path}: unsupported state version")
+            body["group_weights"] = {int(k): v for k, v in body.get("group_weights", {}).items()}
+            return Checkpoint(**body)
+        except (ValueError, TypeError, KeyError) as exc:
+            raise ConfigError(f"{self.checkpoint_path}: unreadable checkpoint ({exc})") from None
+
+    # ------------------------------------------------------------------ round plan
+
+    def save_plan(self, plan: RoundPlan) -> None:
+        atomic_write(self.plan_path, dumps(asdict(plan)), durable=self.durable)
+
+    def load_plan(self) -> RoundPlan | None:
+        if not self.plan_path.exists():
+            return None
+        try:
+            return RoundPlan(**loads(self.plan_path.read_bytes()))
+        except (ValueError, TypeError) as exc:
+            raise ConfigError(f"{self.plan_path}: unreadable round plan ({exc})") from None
+
+    # ------------------------------------------------------------------ inbox
+
+    def _round_dir(self, round_id: int) -> Path:
+        return self.inbox_dir / f"r{round_id:06d}"
+
+    def inbox_put(self, round_id: int, device_id: str, payload: bytes) -> None:
+        """Persist an update's received bytes (durably, before it is acked)."""
+        d = self._round_dir(round_id)
+        if not d.exists():
+            d.mkdir(parents=True, exist_ok=True)
+            if self.durable:
+                _fsync_dir(self.inbox_dir)
+        atomic_write(d / f"{device_id}.msgpack", payload, durable=self.durable)
+
+    def inbox_has(self, round_id: int, device_id: str) -> bool:
+        return (self._round_dir(round_id) / f"{device_id}.msgpack").exists()
+
+    def inbox_items(self, round_id: int) -> list[tuple[str, bytes]]:
+        """``(device_id, payload)`` persisted for ``round_id``, sorted by device id."""
+        d = self._round_dir(round_id)
+        if not d.is_dir():
+            return []
+        return [(p.name[: -len(".msgpack")], p.read_bytes())
+                for p in sorted(d.glob("*.msgpack"))]
+
+    def inbox_prune(self, keep_from: int) -> None:
+        """Delete the inbox of every round < ``keep_from`` (completed and checkpointed)."""
+        for d in self.inbox_dir.glob("r*"):
+            try:
+                r = int(d.name[1:])
+            except ValueError:
+                continue
+            if r < keep_from:
+                shutil.rmtree(d, ignore_errors=True)
+
+    # ------------------------------------------------------------------ metrics
+
+    def append_metrics(self, record: dict[str, Any]) -> None:
+        """Append one JSON line and fsync (one line per completed round)."""
+        line = json.dumps(record, sort_keys=True, allow_nan=False) + "\n"
+        with open(self.metrics_path, "a", encoding="utf-8") as f:
+            f.write(line)
+            f.flush()
+            if self.durable:
+                os.fsync(f.fileno())
+
+    def read_metrics(self) -> list[dict[str, Any]]:
+        if not self.metrics_path.exists():
+            return []
+        out = []
+        for line in self.metrics_path.read_text(encoding="utf-8").splitlines():
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue  # a line torn by a crash mid-write
+        return out
+
+    def repair_metrics(self, ckpt: Checkpoint | None) -> None:
+        """Make metrics.jsonl hold exactly one line per round 1..completed_round.
+
+        A crash between the checkpoint and the metrics append loses the last line (it is
+        restored from the checkpoint); lines of rounds past the checkpoint are dropped.
+        """
+        completed = ckpt.completed_round if ckpt else 0
+        by_round: dict[int, dict[str, Any]] = {}
+        for rec in self.read_metrics():
+            r = rec.get("round")
+            if isinstance(r, int) and 1 <= r <= completed and r not in by_round:
+                by_round[r] = rec
+        if ckpt and ckpt.metrics and completed not in by_round:
+            by_round[completed] = ckpt.metrics
+        text = "".join(json.dumps(by_round[r], sort_keys=True) + "\n" for r in sorted(by_round))
+        atomic_write(self.metrics_path, text.encode(), durable=self.durable)

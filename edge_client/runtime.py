@@ -1,0 +1,388 @@
+"""The device loop: hello -> wait for selection -> download -> train -> encode -> publish.
+
+One :class:`DeviceRuntime` per device. It owns a :class:`~edge_client.transport.Transport`
+(MQTT or in-memory) built from the session spec it asks for (last-will presence, retained
+presence + hello as birth messages, subscriptions to ``round``, its model variant and
+``status``), and an on-disk :class:`~edge_client.outbox.Outbox`.
+
+Per round: when a retained round announcement selects this device and its deadline is in
+the future, the device waits for the model variant of its bitwidth group (``float32`` for
+float devices, ``int<s>`` for s-bit integer devices) whose digest matches the announcement,
+loads it, trains locally with the announced hyper-parameters, encodes the result per its
+hardware profile (``codec``/``codec_bits``) and publishes the :class:`Update` with QoS 1.
+The update is written to the outbox first and removed once the broker acknowledged it;
+after a reconnect the outbox is re-sent while the round is open and discarded after.
+
+Nothing here imports torch (a float device's trainer imports it lazily) or ``coordinator``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from edge_client import __version__
+from edge_client.errors import CodecError, ConfigError, ProtocolError
+from edge_client.outbox import Outbox
+from edge_client.protocol import (
+    DEFAULT_LIMITS,
+    EncodedTensor,
+    Hello,
+    Limits,
+    ModelMessage,
+    Presence,
+    RoundAnnouncement,
+    Status,
+    Update,
+    decode_message,
+    encode_message,
+    float32_tensor,
+    parse_topic,
+    topic,
+)
+from edge_client.transport import Received, Transport
+
+log = logging.getLogger("fedbit.device")
+
+#: Local training hyper-parameters a round announcement may carry, with defaults.
+TRAIN_HPARAMS: dict[str, Any] = {
+    "epochs": 1, "steps": 0, "batch": 32, "prox_mu": 0.0, "fedfor_alpha": 0.0,
+}
+
+
+def variant_for(compute_bits: int, trainer: str) -> str:
+    """The model variant a device downloads: ``float32`` or ``int<s>``."""
+    return "float32" if trainer == "torch" or compute_bits >= 32 else f"int{compute_bits}"
+
+
+# --------------------------------------------------------------------------- tensors
+
+
+def decode_tensor(t: EncodedTensor) -> np.ndarray:
+    """Decode one wire tensor (float32 inline; others via ``edge_client.codecs``)."""
+    if t.codec == "float32":
+        return np.frombuffer(t.data, dtype="<f4").reshape(t.shape).astype(np.float32)
+    from edge_client.codecs import decode
+
+    return decode(t)
+
+
+def model_to_shared(msg: ModelMessage) -> list[np.ndarray]:
+    """The shared-domain float32 weights a model message carries (``int<s>`` variants
+    hold ``round(W * S(s_g))`` integers: converted exactly with ``intnn.to_shared``)."""
+    arrays = [decode_tensor(t) for t in msg.tensors]
+    if msg.variant.startswith("int"):
+        from edge_client.intnn import to_shared
+
+        return to_shared(arrays, int(msg.variant[3:]))
+    return [np.asarray(a, dtype=np.float32) for a in arrays]
+
+
+def encode_update_tensors(weights: list[np.ndarray], names: list[str], codec: str, bits: int,
+                          *, int_weights: list[np.ndarray] | None = None,
+                          compute_bits: int = 32) -> tuple[EncodedTensor, ...]:
+    """Encode a device's result per its profile.
+
+    ``codec == "int"``: the device's own integers (``int_weights``) with ``bits`` bits, or
+    the storage-grid width ``max(s, 8)`` when the integers need more (an Int6 device keeps
+    its weights on the 8-bit grid, ALGORITHMS.md §1). ``float32``: lossless. Any other
+    codec: the shared-domain float32 ``weights`` through ``edge_client.codecs.encode``.
+    """
+    if codec == "float32":
+        return tuple(float32_tensor(w, n) for w, n in zip(weights, names, strict=True))
+    from edge_client.codecs import encode
+
+    out = []
+    if codec == "int":
+        if int_weights is None:
+            raise ConfigError("codec 'int' needs an integer device (trainer 'int')")
+        from edge_client.intnn import storage_grid_bits
+
+        for q, n in zip(int_weights, names, strict=True):
+            need = int(np.abs(q.astype(np.int64)).max(initial=0)).bit_length() + 1
+            b = bits if need <= bits else max(bits, storage_grid_bits(compute_bits))
+            try:
+                out.append(encode(q, codec="int", bits=b, name=n))
+            except CodecError:
+                out.append(encode(q, codec="int", bits=storage_grid_bits(compute_bits), name=n))
+        return tuple(out)
+    for w, n in zip(weights, names, strict=True):
+        out.append(encode(np.ascontiguousarray(w, dtype=np.float32), codec=codec, bits=bits, name=n))
+    return tuple(out)
+
+
+# --------------------------------------------------------------------------- runtime
+
+
+@dataclass
+class DeviceConfig:
+    """A device's identity and behaviour.
+
+    ``workdir`` holds the outbox and the last completed round; ``model_wait_s`` bounds
+    the wait for the model after an announcement; ``exit_when_done`` stops the loop on
+    the coordinator's ``done`` status (seen after this device took part or saw it active).
+    """
+
+    device_id: str
+    compute_bits: int
+    trainer: str
+    codec: str
+    codec_bits: int
+    profile: str = "custom"
+    job: str = "default"
+    workdir: Path = field(default_factory=lambda: Path(".fedbit-device"))
+    seed: int = 0
+    exit_when_done: bool = True
+    limits: Limits = DEFAULT_LIMITS
+    resend_interval_s: float = 1.0
+    connect_timeout_s: float = 30.0
+
+    @classmethod
+    def from_profile(cls, device_id: str, profile: Any, **kw: Any) -> DeviceConfig:
+        """From a :class:`hw_profiles.HardwareProfile`."""
+        return cls(device_id=device_id, compute_bits=profile.compute_bits, trainer=profile.trainer,
+                   codec=profile.codec, codec_bits=profile.codec_bits, profile=profile.name, **kw)
+
+
+TrainerFactory = Callable[[Any, int, int], Any]  # (spec, bits, seed) -> Trainer
+
+
+def default_trainer_factory(spec: Any, bits: int, seed: int) -> Any:
+    from edge_client.trainers import make_trainer
+
+    return make_trainer(spec, bits, seed=seed)
+
+
+class DeviceRuntime:
+    """The device loop. ``connect(will=, birth=, subscriptions=)`` builds the transport.
+
+    ``data`` is an ``edge_client.data.Dataset``; ``trainer_factory(spec, bits, seed)``
+    builds the local trainer (``edge_client.trainers.make_trainer`` by default).
+    """
+
+    def __init__(self, cfg: DeviceConfig, data: Any,
+                 connect: Callable[..., Transport], *,
+                 trainer_factory: TrainerFactory = default_trainer_factory,
+                 logger: logging.Logger | None = None) -> None:
+        self.cfg = cfg
+        self.data = data
+        self._connect = connect
+        self._trainer_factory = trainer_factory
+        self.log = logger or log
+        self.variant = variant_for(cfg.compute_bits, cfg.trainer)
+        self.outbox = Outbox(Path(cfg.workdir) / "outbox")
+        self._state_path = Path(cfg.workdir) / "device-state.json"
+        self.rounds_done: list[int] = []
+        self.last_done = self._load_last_done()
+        self.announcement: RoundAnnouncement | None = None
+        self.models: dict[str, ModelMessage] = {}
+        self.coordinator_active = False
+        self.transport: Transport | None = None
+        self._trainers: dict[str, Any] = {}
+        self.stop_event = threading.Event()
+        self.sent = 0
+        self.resent = 0
+        j, d = cfg.job, cfg.device_id
+        self.t_presence = topic(j, "presence", d)
+        self.t_hello = topic(j, "hello", d)
+        self.t_update = topic(j, "update", d)
+        self.t_round = topic(j, "round")
+        self.t_status = topic(j, "status")
+        self.t_model = topic(j, "model", self.variant)
+
+    # ------------------------------------------------------------------ state
+
+    def _load_last_done(self) -> int:
+        try:
+            return int(json.loads(self._state_path.read_text())["last_done"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return -1
+
+    def _save_last_done(self, r: int) -> None:
+        self._state_path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self._state_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"last_done": r}))
+        tmp.replace(self._state_path)
+
+    def hello(self) -> Hello:
+        return Hello(device_id=self.cfg.device_id, profile=self.cfg.profile,
+                     compute_bits=self.cfg.compute_bits, trainer=self.cfg.trainer,
+                     codec=self.cfg.codec, codec_bits=self.cfg.codec_bits,
+                     num_samples=int(len(self.data.y)), sdk_version=__version__)
+
+    def session_spec(self) -> dict[str, Any]:
+        """will / birth / subscriptions for the transport."""
+        online = encode_message(Presence(self.cfg.device_id, True))
+        offline = encode_message(Presence(self.cfg.device_id, False))
+        return {
+            "will": (self.t_presence, offline),
+            "birth": [(self.t_presence, online, True),
+                      (self.t_hello, encode_message(self.hello()), True)],
+            "subscriptions": [self.t_round, self.t_model, self.t_status],
+        }
+
+    # ------------------------------------------------------------------ loop
+
+    def stop(self) -> None:
+        """Ask the loop to finish (SIGTERM handler calls this)."""
+        self.stop_event.set()
+
+    def run(self, max_seconds: float | None = None) -> int:
+        """Run until stopped, the coordinator says ``done``, or ``max_seconds``; returns
+        the number of rounds this device trained."""
+        t = self._connect(**self.session_spec())
+        self.transport = t
+        end = time.monotonic() + max_seconds if max_seconds else math.inf
+        delay = 0.5
+        while not self.stop_event.is_set():
+            try:
+                t.connect(timeout=self.cfg.connect_timeout_s)
+                break
+            except ConnectionError as exc:
+                self.log.warning("connect failed: %s; retrying in %.1f s", exc, delay)
+                if self.stop_event.wait(delay) or time.monotonic() > end:
+                    return 0
+                delay = min(delay * 2, 10.0)
+        self.log.info("device %s connected (%s, variant %s)", self.cfg.device_id,
+                      getattr(t, "version", "?"), self.variant)
+        seen_connects = t.connects
+        next_resend = 0.0
+        try:
+            while not self.stop_event.is_set() and time.monotonic() < end:
+                msg = t.recv(timeout=0.1)
+                if msg is not None:
+                    if self._handle(msg):
+                        break
+                    continue  # drain the queue before working
+                now = time.monotonic()
+                if t.connected and (t.connects != seen_connects or now >= next_resend):
+                    seen_connects = t.connects
+                    next_resend = now + self.cfg.resend_interval_s
+                    self._flush_outbox()
+                self._maybe_train()
+        finally:
+            t.close(clear_will=(self.t_presence, encode_message(Presence(self.cfg.device_id, False))))
+        return len(self.rounds_done)
+
+    def _handle(self, msg: Received) -> bool:
+        """Process one received message; True when the loop should end."""
+        try:
+            _, kind, ident = parse_topic(msg.topic)
+            if not msg.payload:  # a cleared retained message
+                if kind == "round":
+                    self.announcement = None
+                return False
+            m = decode_message(msg.payload, self.cfg.limits)
+        except ProtocolError as exc:
+            self.log.warning("ignored message on %s: %s", msg.topic, exc)
+            return False
+        if isinstance(m, RoundAnnouncement) and kind == "round":
+            self.announcement = m
+            self.coordinator_active = True
+            n = self.outbox.discard_closed(m.round_id)
+            if n:
+                self.log.info("discarded %d outbox item(s) of closed rounds", n)
+        elif isinstance(m, ModelMessage) and kind == "model" and ident == m.variant:
+            self.models[m.variant] = m
+        elif isinstance(m, Status) and kind == "status":
+            if m.state in ("waiting", "round"):
+                self.coordinator_active = True
+            if m.state == "done" and self.cfg.exit_when_done and (
+                    self.coordinator_active or self.rounds_done):
+                self.log.info("coordinator done after round %d", m.round_id)
+                return True
+        return False
+
+    def _round_open(self, round_id: int) -> bool:
+        a = self.announcement
+        return a is not None and a.round_id == round_id and time.time() < a.deadline
+
+    def _flush_outbox(self) -> None:
+        t = self.transport
+        assert t is not None
+        for item in self.outbox.pending():
+            if not self._round_open(item.round_id):
+                if self.announcement is not None and (
+                        item.round_id < self.announcement.round_id
+                        or time.time() >= self.announcement.deadline):
+                    self.outbox.remove(item)
+                continue
+            if t.publish(item.topic, item.payload(), qos=1, timeout=5.0):
+                self.outbox.remove(item)
+                self.resent += 1
+                self.log.info("re-sent update of round %d from the outbox", item.round_id)
+
+    def _maybe_train(self) -> None:
+        a = self.announcement
+        if a is None or self.cfg.device_id not in a.selected:
+            return
+        if a.round_id <= self.last_done or time.time() >= a.deadline:
+            return
+        m = self.models.get(self.variant)
+        want = a.variants.get(self.variant)
+        if m is None or m.round_id != a.round_id or want is None or m.digest != want:
+            return
+        payload = self.train_round(a, m)
+        self.last_done = a.round_id
+        self.rounds_done.append(a.round_id)
+        self._save_last_done(a.round_id)
+        item = self.outbox.put(a.round_id, self.t_update, payload)
+        t = self.transport
+        assert t is not None
+        if t.publish(self.t_update, payload, qos=1, timeout=10.0):
+            self.outbox.remove(item)
+            self.sent += 1
+            self.log.info("round %d: update sent (%d bytes)", a.round_id, len(payload))
+        else:
+            self.log.warning("round %d: update not acknowledged; kept in the outbox", a.round_id)
+
+    # ------------------------------------------------------------------ training
+
+    def _trainer(self, model: str) -> Any:
+        if model not in self._trainers:
+            from firmware_models import get_spec
+
+            spec = get_spec(model)
+            self._trainers[model] = (spec, self._trainer_factory(spec, self.cfg.compute_bits,
+                                                                 self.cfg.seed))
+        return self._trainers[model]
+
+    def train_round(self, a: RoundAnnouncement, m: ModelMessage) -> bytes:
+        """Train on the downloaded model; return the encoded update payload."""
+        spec, trainer = self._trainer(a.model)
+        weights = model_to_shared(m)
+        trainer.load_shared(weights)
+        hp = {k: a.hparams.get(k, v) for k, v in TRAIN_HPARAMS.items()}
+        lgs = [decode_tensor(t) for t in m.last_global_step] or None
+        t0 = time.perf_counter()
+        report = trainer.train(self.data, epochs=int(hp["epochs"]),
+                               steps=int(hp["steps"]) or None, batch=int(hp["batch"]),
+                               prox_mu=float(hp["prox_mu"]), fedfor_alpha=float(hp["fedfor_alpha"]),
+                               last_global_step=lgs)
+        secs = time.perf_counter() - t0
+        content = str(a.hparams.get("content", "weights"))
+        shared = [np.asarray(w, dtype=np.float32) for w in trainer.to_shared()]
+        ints = None
+        if self.cfg.codec == "int" and hasattr(trainer, "int_weights"):
+            ints = trainer.int_weights()
+        if content == "delta":
+            shared = [w - g for w, g in zip(shared, weights, strict=True)]
+            ints = None
+        codec = self.cfg.codec if (self.cfg.codec != "int" or ints is not None) else "float32"
+        tensors = encode_update_tensors(shared, spec.param_names(), codec, self.cfg.codec_bits,
+                                        int_weights=ints, compute_bits=self.cfg.compute_bits)
+        loss = float(getattr(report, "loss", 0.0))
+        upd = Update(device_id=self.cfg.device_id, round_id=a.round_id,
+                     num_samples=int(len(self.data.y)), compute_bits=self.cfg.compute_bits,
+                     content=content, tensors=tensors, model_digest=m.digest,
+                     train_loss=loss if math.isfinite(loss) else 0.0, train_seconds=secs)
+        return encode_message(upd, self.cfg.limits)
