@@ -1,0 +1,503 @@
+"""Bit-for-bit agreement of the Numba kernels with a plain-numpy reference.
+
+The reference below re-derives every formula of ALGORITHMS.md §1 in the spec's own NCHW
+layout with int64 numpy arithmetic and Python integers (no table, no Numba): forward
+(ternary conv/linear, rounding shift, clip, ReLU, max-pool with padding and ties), SSE
+output error, error quantization (eq. 12), weight gradient, stochastic-rounded update
+(eq. 15-16) with the SplitMix64 counter stream, and a whole training step.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from edge_client.intnn import IntModel, act_max, alpha_shifts, grid_scale, weight_max
+from edge_client.intnn import kernels as K
+from firmware_models import Conv2d, Flatten, Linear, MaxPool2d, ModelSpec, ReLU
+
+M64 = (1 << 64) - 1
+GOLDEN = 0x9E3779B97F4A7C15
+MIX1 = 0xBF58476D1CE4E5B9
+MIX2 = 0x94D049BB133111EB
+
+
+# ----------------------------------------------------------------------------- reference
+
+
+def ref_round_shift(v: np.ndarray, k: int) -> np.ndarray:
+    v = np.asarray(v, dtype=np.int64)
+    if k > 0:
+        half = 1 << (k - 1)
+        r = (np.abs(v) + half) >> k
+        return np.where(v < 0, -r, r)
+    if k < 0:
+        return v << (-k)
+    return v.copy()
+
+
+def ref_round_log2(m: int) -> int:
+    b = int(m).bit_length() - 1
+    return b + 1 if m * m > (1 << (2 * b + 1)) else b
+
+
+def ref_mix64_int(z: int) -> int:
+    z &= M64
+    z = ((z ^ (z >> 30)) * MIX1) & M64
+    z = ((z ^ (z >> 27)) * MIX2) & M64
+    return z ^ (z >> 31)
+
+
+def ref_stream_key(seed: int, step: int, layer: int, stream: int) -> int:
+    z = ref_mix64_int(seed * GOLDEN + 0x1234567)
+    z = ref_mix64_int(z ^ (step * 1048583 + layer * 131 + stream))
+    return z
+
+
+def ref_rand62(key: int, n: int) -> np.ndarray:
+    """The first n draws of stream ``key`` (uint64 numpy wrapping arithmetic)."""
+    with np.errstate(over="ignore"):
+        j = np.arange(1, n + 1, dtype=np.uint64)
+        z = np.uint64(key & M64) + j * np.uint64(GOLDEN)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(MIX1)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(MIX2)
+        z = z ^ (z >> np.uint64(31))
+    return (z >> np.uint64(2)).astype(np.int64)
+
+
+def ref_finish(acc: np.ndarray, shift: int, amax: int, relu: bool) -> np.ndarray:
+    v = ref_round_shift(acc, shift)
+    if relu:
+        v = np.maximum(v, 0)
+    return np.clip(v, -amax, amax)
+
+
+def ref_windows(a: np.ndarray, k: int, stride: int, pad: int, fill: int) -> np.ndarray:
+    """[N, C, Ho, Wo, k, k] windows of the padded input."""
+    ap = np.pad(a, ((0, 0), (0, 0), (pad, pad), (pad, pad)), constant_values=fill)
+    win = np.lib.stride_tricks.sliding_window_view(ap, (k, k), axis=(2, 3))
+    return win[:, :, ::stride, ::stride]
+
+
+def ref_conv(a, t, stride, pad):
+    k = t.shape[2]
+    win = ref_windows(a.astype(np.int64), k, stride, pad, 0)
+    return np.einsum("nchwij,ocij->nohw", win, t.astype(np.int64))
+
+
+def ref_conv_back_data(eq, t, stride, pad, in_shape):
+    n, c, h, w = in_shape
+    k = t.shape[2]
+    ho, wo = eq.shape[2], eq.shape[3]
+    out = np.zeros((n, c, h + 2 * pad + stride * k, w + 2 * pad + stride * k), np.int64)
+    e = eq.astype(np.int64)
+    t64 = t.astype(np.int64)
+    for kh in range(k):
+        for kw in range(k):
+            contrib = np.einsum("nohw,oc->nchw", e, t64[:, :, kh, kw])
+            out[:, :, kh:kh + stride * ho:stride, kw:kw + stride * wo:stride] += contrib
+    return out[:, :, pad:pad + h, pad:pad + w]
+
+
+def ref_conv_wgrad(eq, a, stride, pad, k):
+    win = ref_windows(a.astype(np.int64), k, stride, pad, 0)
+    return np.einsum("nohw,nchwij->ocij", eq.astype(np.int64), win)
+
+
+def ref_pool(a, k, stride, pad):
+    """Max-pool forward: (out, flat winner index into each sample's [C, H, W] plane)."""
+    n, c, h, w = a.shape
+    sentinel = -(1 << 40)
+    win = ref_windows(a.astype(np.int64), k, stride, pad, sentinel)
+    flat = win.reshape(*win.shape[:4], k * k)
+    arg = flat.argmax(axis=-1)  # first maximum in (kh, kw) order
+    out = np.take_along_axis(flat, arg[..., None], axis=-1)[..., 0]
+    ho, wo = out.shape[2], out.shape[3]
+    iy = np.arange(ho)[None, None, :, None] * stride + arg // k - pad
+    ix = np.arange(wo)[None, None, None, :] * stride + arg % k - pad
+    cc = np.arange(c)[None, :, None, None]
+    src = (cc * h + iy) * w + ix
+    return out, src
+
+
+def ref_pool_back(e, src, in_shape):
+    n = e.shape[0]
+    out = np.zeros((n, int(np.prod(in_shape[1:]))), np.int64)
+    for i in range(n):
+        np.add.at(out[i], src[i].ravel(), e[i].ravel().astype(np.int64))
+    return out.reshape(in_shape)
+
+
+def ref_quantize_error(e: np.ndarray, bits: int) -> np.ndarray:
+    amax = (1 << (bits - 1)) - 1
+    m = int(np.abs(e.astype(np.int64)).max()) if e.size else 0
+    if m == 0:
+        return np.zeros_like(e, dtype=np.int64)
+    sh = ref_round_log2(m) - (bits - 1)
+    return np.clip(ref_round_shift(e, sh), -amax, amax)
+
+
+def ref_stoch_round_shift(v: np.ndarray, sh: int, key: int) -> np.ndarray:
+    """v / 2^sh stochastically rounded, element j drawing rand62(key, j)."""
+    v = np.asarray(v, dtype=np.int64)
+    if sh <= 0:
+        return v << (-sh)
+    av = np.abs(v)
+    if sh > 62:
+        av = av >> (sh - 62)
+        sh = 62
+    fl = av >> sh
+    fr = av - (fl << sh)
+    r = ref_rand62(key, v.size) >> (62 - sh)
+    fl = fl + ((fr > 0) & (r < fr))
+    return np.where(v < 0, -fl, fl)
+
+
+def ref_update(w, g, lr_log2, wmax, key, extra=None, extra_shift=-1, key2=0):
+    """Flat arrays in the engine's counter order; returns the new weights (int64)."""
+    w = w.astype(np.int64)
+    m = int(np.abs(g.astype(np.int64)).max()) if g.size else 0
+    if m > 0:
+        w = w - ref_stoch_round_shift(g, ref_round_log2(m) - lr_log2, key)
+    if extra_shift >= 0:
+        w = w - ref_stoch_round_shift(extra, extra_shift, key2)
+    return np.clip(w, -wmax, wmax)
+
+
+def ref_ternary(w: np.ndarray, thr: int) -> np.ndarray:
+    return np.where(w > thr, 1, np.where(w < -thr, -1, 0)).astype(np.int64)
+
+
+def to_kernel_layout(kind: str, g: np.ndarray, perm: np.ndarray | None) -> np.ndarray:
+    if kind == "conv":
+        return g.transpose(0, 2, 3, 1)
+    return g[:, perm] if perm is not None else g
+
+
+def ref_train_step(spec: ModelSpec, bits: int, weights: list[np.ndarray], x: np.ndarray,
+                   y: np.ndarray, lr_log2: int, seed: int, step: int) -> dict:
+    """One integer training step in NCHW; weights are spec-layout grid integers."""
+    amax = act_max(bits)
+    wmax = weight_max(bits)
+    thr = grid_scale(bits) // 4
+    alphas = alpha_shifts(spec)
+    tern = [ref_ternary(w.astype(np.int64), thr) for w in weights]
+    acts = [x.astype(np.int64)]
+    pools = {}
+    layers = spec.layers
+    p = 0
+    pidx = {}
+    for i, layer in enumerate(layers):
+        a = acts[-1]
+        if isinstance(layer, Conv2d):
+            acc = ref_conv(a, tern[p], layer.stride, layer.padding)
+            acts.append(ref_finish(acc, 1 + alphas[p], amax, False))
+            pidx[i] = p
+            p += 1
+        elif isinstance(layer, Linear):
+            acc = a @ tern[p].T
+            acts.append(ref_finish(acc, 1 + alphas[p], amax, False))
+            pidx[i] = p
+            p += 1
+        elif isinstance(layer, ReLU):
+            acts.append(np.maximum(a, 0))
+        elif isinstance(layer, MaxPool2d):
+            out, src = ref_pool(a, layer.kernel, layer.step, layer.padding)
+            pools[i] = src
+            acts.append(out)
+        elif isinstance(layer, Flatten):
+            acts.append(a.reshape(a.shape[0], -1))
+    z = acts[-1]
+    target = max(1, 1 << (bits - 2))
+    e = z.copy()
+    e[np.arange(len(y)), y] -= target
+    sse = int((e * e).sum())
+    new_w = [w.astype(np.int64).copy() for w in weights]
+    eqs, grads = {}, {}
+    first_param = min(pidx)
+    perm = None
+    for i in range(len(layers) - 1, -1, -1):
+        layer = layers[i]
+        if i < first_param:
+            break
+        if isinstance(layer, ReLU):
+            e = np.where(acts[i + 1] > 0, e, 0)
+        elif isinstance(layer, Flatten):
+            e = e.reshape(acts[i].shape)
+        elif isinstance(layer, MaxPool2d):
+            e = ref_pool_back(e, pools[i], acts[i].shape)
+        else:
+            pi = pidx[i]
+            eq = ref_quantize_error(e, bits)
+            eqs[pi] = eq
+            if isinstance(layer, Conv2d):
+                g = ref_conv_wgrad(eq, acts[i], layer.stride, layer.padding, layer.kernel)
+                e = ref_conv_back_data(eq, tern[pi], layer.stride, layer.padding, acts[i].shape)
+                kind = "conv"
+                perm = None
+            else:
+                g = eq.T @ acts[i]
+                e = eq @ tern[pi]
+                kind = "linear"
+                perm = None
+                if i > 0 and isinstance(layers[i - 1], Flatten) and acts[i - 1].ndim == 4:
+                    c, h, w = acts[i - 1].shape[1:]
+                    perm = np.arange(c * h * w).reshape(c, h, w).transpose(1, 2, 0).ravel()
+            grads[pi] = g
+            gk = to_kernel_layout(kind, g, perm)
+            wk = to_kernel_layout(kind, new_w[pi], perm)
+            key = ref_stream_key(seed, step, pi, 0)
+            upd = ref_update(wk.ravel(), gk.ravel(), lr_log2, wmax, key).reshape(wk.shape)
+            if kind == "conv":
+                new_w[pi] = upd.transpose(0, 3, 1, 2)
+            elif perm is not None:
+                back = np.empty_like(upd)
+                back[:, perm] = upd
+                new_w[pi] = back
+            else:
+                new_w[pi] = upd
+    return {"acts": acts, "sse": sse, "eq": eqs, "grads": grads, "weights": new_w}
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def tiny_spec() -> ModelSpec:
+    """Conv with padding, overlapping padded max-pool, strided conv, padded pool,
+    stand-alone ReLU after a pool, flatten, two linears (the last without ReLU)."""
+    return ModelSpec("tiny", (3, 9, 9), (
+        Conv2d("c1", 3, 8, 3, padding=1), ReLU("r1"), MaxPool2d("p1", 3, 2, 1),
+        Conv2d("c2", 8, 6, 3, stride=2, padding=1), MaxPool2d("p2", 2, padding=1),
+        ReLU("r2"), Flatten("flat"), Linear("f1", 24, 12), ReLU("r3"), Linear("f2", 12, 5),
+    ), 5)
+
+
+def random_grid_weights(spec, bits, rng):
+    wmax = weight_max(bits)
+    return [rng.integers(-wmax, wmax + 1, size=s).astype(np.int64) for s in spec.param_shapes()]
+
+
+def nchw(a):
+    return a.transpose(0, 3, 1, 2) if a.ndim == 4 else a
+
+
+BITS = [6, 8, 16]
+
+
+# ----------------------------------------------------------------------------- tests
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 7, 181, 182, 1023, 1449, 1 << 40, (1 << 62) + 12345,
+                               (1 << 63) - 1])
+def test_round_log2_matches_python_integers(m):
+    assert K.round_log2(m) == ref_round_log2(m)
+
+
+def test_round_log2_random():
+    rng = np.random.default_rng(1)
+    for m in rng.integers(1, 1 << 62, 2000):
+        assert K.round_log2(int(m)) == ref_round_log2(int(m))
+
+
+def test_random_stream_matches_reference():
+    key = K.stream_key(7, 123, 2, 0)
+    assert key & M64 == ref_stream_key(7, 123, 2, 0)
+    draws = np.array([K.rand62(key, j) for j in range(257)])
+    assert np.array_equal(draws, ref_rand62(key, 257))
+    assert draws.min() >= 0 and draws.max() < (1 << 62)
+    # roughly uniform: the top bit is set about half the time
+    assert 0.4 < np.mean(ref_rand62(key, 20000) >> 61) < 0.6
+
+
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("stride,pad,k", [(1, 1, 3), (2, 1, 3), (1, 0, 5), (2, 2, 5), (3, 1, 2)])
+def test_conv_forward_matches_reference(bits, stride, pad, k):
+    rng = np.random.default_rng(bits * 100 + stride * 10 + pad)
+    amax = act_max(bits)
+    a = rng.integers(-amax, amax + 1, size=(3, 5, 9, 8))   # NCHW
+    t = rng.integers(-1, 2, size=(7, 5, k, k))
+    dt = np.int8 if bits <= 8 else np.int16
+    saturated = False
+    for shift in (0, 3):
+        for relu in (False, True):
+            ref = ref_finish(ref_conv(a, t, stride, pad), shift, amax, relu)
+            out = np.zeros((3, ref.shape[2], ref.shape[3], 7), dt)
+            K.conv_forward(np.ascontiguousarray(a.transpose(0, 2, 3, 1)).astype(dt),
+                           np.ascontiguousarray(t.transpose(0, 2, 3, 1)).astype(np.int8),
+                           stride, pad, shift, amax, relu, out, np.zeros(k * k * 5, dt))
+            assert np.array_equal(nchw(out), ref)
+            saturated |= bool((np.abs(ref) == amax).any())
+            if relu:
+                assert (ref == 0).any()
+    assert saturated, "saturation must be exercised"
+
+
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("k,stride,pad", [(2, 2, 0), (2, 2, 1), (3, 2, 1), (3, 1, 1), (3, 3, 0)])
+def test_maxpool_forward_backward_with_ties(bits, k, stride, pad):
+    rng = np.random.default_rng(k * 31 + stride * 7 + pad + bits)
+    a = rng.integers(0, 3, size=(2, 4, 7, 6))  # tiny range: many ties
+    out_ref, src = ref_pool(a, k, stride, pad)
+    dt = np.int8 if bits <= 8 else np.int16
+    ho, wo = out_ref.shape[2:]
+    out = np.zeros((2, ho, wo, 4), dt)
+    idx = np.zeros((2, ho, wo, 4), np.int32)
+    K.maxpool_forward(np.ascontiguousarray(a.transpose(0, 2, 3, 1)).astype(dt), k, stride, pad,
+                      out, idx)
+    assert np.array_equal(nchw(out), out_ref)
+    e = rng.integers(-50, 51, size=out_ref.shape)
+    back = np.zeros((2, 7, 6, 4), np.int32)
+    K.maxpool_backward(np.ascontiguousarray(e.transpose(0, 2, 3, 1)).astype(np.int32), idx, back)
+    assert np.array_equal(nchw(back), ref_pool_back(e, src, a.shape))
+
+
+@pytest.mark.parametrize("bits", BITS)
+def test_quantize_error_matches_reference(bits):
+    rng = np.random.default_rng(bits)
+    dt = np.int8 if bits <= 8 else np.int16
+    clipped = False
+    # scale < 2^(s-1) exercises the left shift; max|e| just under 2^(k+1/2) the clipping
+    for scale in (3, 100, 1440, 5000, 1 << 24):
+        e = rng.integers(-scale, scale + 1, size=997).astype(np.int32)
+        e[0] = scale
+        out = np.zeros(997, dt)
+        k = K.quantize_error(e, bits, out)
+        assert k == ref_round_log2(int(np.abs(e).max()))
+        ref = ref_quantize_error(e, bits)
+        assert np.array_equal(out, ref)
+        clipped |= bool((np.abs(ref) == act_max(bits)).any())
+    assert clipped, "clipping must be exercised"
+    zero = np.zeros(10, np.int32)
+    out = np.ones(10, dt)
+    assert K.quantize_error(zero, bits, out) == -1 and not out.any()
+
+
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("stride,pad,k", [(1, 1, 3), (2, 1, 3), (1, 2, 5)])
+def test_conv_backward_kernels_match_reference(bits, stride, pad, k):
+    rng = np.random.default_rng(bits + stride * 3 + pad * 11 + k)
+    amax = act_max(bits)
+    dt = np.int8 if bits <= 8 else np.int16
+    a = rng.integers(0, amax + 1, size=(4, 3, 8, 7))
+    t = rng.integers(-1, 2, size=(5, 3, k, k))
+    ho = (8 + 2 * pad - k) // stride + 1
+    wo = (7 + 2 * pad - k) // stride + 1
+    eq = rng.integers(-amax, amax + 1, size=(4, 5, ho, wo))
+    eq[rng.random(eq.shape) < 0.4] = 0
+    a_k = np.ascontiguousarray(a.transpose(0, 2, 3, 1)).astype(dt)
+    eq_k = np.ascontiguousarray(eq.transpose(0, 2, 3, 1)).astype(dt)
+    t_k = np.ascontiguousarray(t.transpose(0, 2, 3, 1)).astype(np.int8)
+    back = np.zeros((4, 8, 7, 3), np.int32)
+    K.conv_backward_data(eq_k, t_k, stride, pad, back, np.zeros(k * k * 3, np.int32))
+    assert np.array_equal(nchw(back), ref_conv_back_data(eq, t, stride, pad, a.shape))
+    for gdt in ((np.int32, np.int64) if bits <= 8 else (np.int64,)):  # int32 when it fits
+        g = np.zeros((5, k, k, 3), gdt)
+        K.conv_weight_grad(eq_k, a_k, stride, pad, g, np.zeros(k * k * 3, dt))
+        assert np.array_equal(g.transpose(0, 3, 1, 2), ref_conv_wgrad(eq, a, stride, pad, k))
+
+
+@pytest.mark.parametrize("bits", BITS)
+def test_linear_kernels_match_reference(bits):
+    rng = np.random.default_rng(bits + 99)
+    amax = act_max(bits)
+    dt = np.int8 if bits <= 8 else np.int16
+    a = rng.integers(-amax, amax + 1, size=(6, 37))
+    t = rng.integers(-1, 2, size=(11, 37))
+    out = np.zeros((6, 11), dt)
+    K.linear_forward(a.astype(dt), t.astype(np.int8), 3, amax, True, out)
+    assert np.array_equal(out, ref_finish(a @ t.T, 3, amax, True))
+    eq = rng.integers(-amax, amax + 1, size=(6, 11))
+    back = np.zeros((6, 37), np.int32)
+    K.linear_backward_data(eq.astype(dt), t.astype(np.int8), back)
+    assert np.array_equal(back, eq @ t)
+    g = np.zeros((11, 37), np.int64)
+    K.linear_weight_grad(eq.astype(dt), a.astype(dt), g)
+    assert np.array_equal(g, eq.T @ a)
+
+
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("lr_log2", [-3, 0, 3, 11, 40])
+def test_update_matches_reference(bits, lr_log2):
+    rng = np.random.default_rng(bits * 7 + lr_log2 + 50)
+    wmax = weight_max(bits)
+    thr = grid_scale(bits) // 4
+    wdt = np.int8 if bits <= 8 else np.int16
+    w = rng.integers(-wmax, wmax + 1, size=1500).astype(wdt)
+    g = rng.integers(-(1 << 20), (1 << 20) + 1, size=1500).astype(np.int64)
+    key = K.stream_key(bits, lr_log2, 1, 0)
+    w_new = w.copy()
+    t = np.zeros(1500, np.int8)
+    K.sgd_update(w_new, g, lr_log2, wmax, thr, key, t, np.zeros(0, np.int64), -1, key)
+    ref = ref_update(w, g, lr_log2, wmax, key)
+    assert np.array_equal(w_new, ref)
+    assert np.array_equal(t, ref_ternary(ref, thr))
+    if lr_log2 >= 11:
+        assert (np.abs(ref) == wmax).any(), "weight clipping must be exercised"
+
+
+def test_update_huge_gradients_and_extra_term():
+    """|G| near 2^62 with a small eta (shift > 62) and the FedProx/FedFOR fixed-point term."""
+    rng = np.random.default_rng(5)
+    w = rng.integers(-64, 65, size=300).astype(np.int8)
+    g = rng.integers(-(1 << 62), 1 << 62, size=300).astype(np.int64)
+    extra = rng.integers(-(1 << 30), 1 << 30, size=300).astype(np.int64)
+    key, key2 = K.stream_key(1, 2, 3, 0), K.stream_key(1, 2, 3, 1)
+    t = np.zeros(300, np.int8)
+    w_new = w.copy()
+    K.sgd_update(w_new, g, -3, 64, 32, key, t, extra, 20, key2)
+    assert np.array_equal(w_new, ref_update(w, g, -3, 64, key, extra, 20, key2))
+
+
+def test_stochastic_rounding_is_unbiased():
+    """E[stoch_round(g * eta / 2^k)] = g * eta / 2^k (truncation toward zero, never floor)."""
+    g = np.full(200_000, -3, np.int64)
+    g[0] = -16  # max |g| = 16 -> k = 4; eta = 1 -> each element moves 3/16 LSB on average
+    w = np.zeros(g.size, np.int8)
+    t = np.zeros(g.size, np.int8)
+    K.sgd_update(w, g, 0, 64, 32, K.stream_key(0, 0, 0, 0), t, np.zeros(0, np.int64), -1, 0)
+    mean = w[1:].astype(np.float64).mean()
+    assert abs(mean - 3 / 16) < 0.005
+    assert set(np.unique(w[1:])) <= {0, 1}
+
+
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("lr_log2", [3, 30])
+def test_training_step_matches_reference(bits, lr_log2):
+    spec = tiny_spec()
+    rng = np.random.default_rng(bits + lr_log2)
+    amax = act_max(bits)
+    weights = random_grid_weights(spec, bits, rng)
+    n = 6
+    x = rng.integers(0, amax + 1, size=(n, 3, 9, 9))
+    y = rng.integers(0, 5, size=n).astype(np.int64)
+    seed, step = 11, 4
+    ref = ref_train_step(spec, bits, weights, x, y, lr_log2, seed, step)
+
+    model = IntModel(spec, bits)
+    model.load_int([w.astype(model.wdtype) for w in weights])
+    ws = model.workspace(8)
+    ws.x[:n] = x.transpose(0, 2, 3, 1)
+    # forward, layer by layer (ReLU after a conv/linear is fused into it)
+    model.forward(ws, n)
+    layer_out = {op.layer.name: ws.acts[i][:n] for i, op in enumerate(model.ops)}
+    for i, layer in enumerate(spec.layers):
+        if layer.name in layer_out and not isinstance(layer, Flatten):  # (h, w, c) inside
+            expect = ref["acts"][i + 1]
+            nxt = spec.layers[i + 1] if i + 1 < len(spec.layers) else None
+            if isinstance(layer, (Conv2d, Linear)) and isinstance(nxt, ReLU):
+                expect = ref["acts"][i + 2]
+            assert np.array_equal(nchw(layer_out[layer.name]), expect), layer.name
+    # a full step: loss, quantized errors, updated weights
+    sse = model.train_step(ws, y, n, lr_log2, seed, step)
+    assert sse == ref["sse"]
+    for op in model.param_ops:
+        i = model.ops.index(op)
+        assert np.array_equal(nchw(ws.eq[i][:n]), ref["eq"][op.param]), op.layer.name
+    for got, want in zip(model.int_weights(), ref["weights"], strict=True):
+        assert np.array_equal(got, want)
+    changed = sum(int((g != w).sum()) for g, w in zip(model.int_weights(), weights, strict=True))
+    assert changed > 0
+    # the first conv's gradient is the last one the step computed
+    first = model.param_ops[0]
+    g = (ws.grad64 if first.grad_int64 else ws.grad32)[:model.w[0].size]
+    assert np.array_equal(g.reshape(model.w[0].shape).transpose(0, 3, 1, 2), ref["grads"][0])
