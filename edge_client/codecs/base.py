@@ -1,0 +1,181 @@
+"""The codec interface and the checks every codec shares.
+
+A codec turns one tensor into an :class:`~edge_client.protocol.EncodedTensor` (``encode``)
+and back (``decode``). Encoding checks the caller's input and raises :class:`CodecError`;
+decoding checks a *received* tensor and raises :class:`ProtocolError` naming the field.
+
+Empty tensors (a zero in the shape) are supported by every codec: the payload is empty and
+the aux carries neutral values (zeros), so one layer of size 0 never needs special cases.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from typing import Any, ClassVar
+
+import numba
+import numpy as np
+
+from edge_client.codecs.bitpack import as_byte_array, check_bits
+from edge_client.errors import CodecError, ProtocolError
+from edge_client.protocol import EncodedTensor
+
+#: Elements per chunk in the fused kernels (a multiple of 8, so chunk boundaries are byte
+#: boundaries for every bit width; 4096 uint16 scratch values stay in L1).
+CHUNK = 4096
+
+
+class Codec(ABC):
+    """One uplink/downlink codec. Instances are stateless and shared by the registry."""
+
+    #: registry name, equal to ``EncodedTensor.codec``
+    name: ClassVar[str]
+    #: inclusive range of ``bits`` accepted by ``encode``
+    bits_range: ClassVar[tuple[int, int]]
+    #: ``bits`` used when ``encode`` is called with ``bits=None``
+    default_bits: ClassVar[int]
+    #: False when a decode gives back exactly what was encoded, for every accepted input
+    lossy: ClassVar[bool] = True
+    #: ``encode`` options accepted besides ``bits`` and ``name``
+    options: ClassVar[frozenset[str]] = frozenset()
+
+    @abstractmethod
+    def encode(self, x: np.ndarray, bits: int | None = None, *, name: str = "", **options: Any) -> EncodedTensor:
+        """Encode ``x`` with ``bits`` bits per element (``None``: ``default_bits``)."""
+
+    @abstractmethod
+    def decode(self, t: EncodedTensor) -> np.ndarray:
+        """Decode ``t`` to a new writable array of shape ``t.shape`` and dtype ``t.dtype``."""
+
+    def is_lossy(self, t: EncodedTensor) -> bool:
+        """Whether this particular encoded tensor may differ from what was encoded."""
+        return self.lossy
+
+    def __repr__(self) -> str:
+        return f"<codec {self.name} bits {self.bits_range[0]}..{self.bits_range[1]}>"
+
+    # ------------------------------------------------------------------ encode-side checks
+
+    def _bits(self, bits: int | None) -> int:
+        if bits is None:
+            return self.default_bits
+        return check_bits(bits, *self.bits_range, who=f"codec {self.name!r}")
+
+    def _options(self, options: dict[str, Any]) -> None:
+        unknown = sorted(set(options) - self.options)
+        if unknown:
+            allowed = ", ".join(sorted(self.options)) or "none"
+            raise CodecError(f"codec {self.name!r}: unknown option(s) {unknown}; accepted: {allowed}")
+
+    def _array(self, x: object, dtypes: tuple[str, ...]) -> np.ndarray:
+        """``x`` as a C-contiguous array of one of ``dtypes`` (no copy when it already is)."""
+        if not isinstance(x, np.ndarray):
+            raise CodecError(f"codec {self.name!r}: expected a numpy array, got {type(x).__name__}")
+        if x.dtype.name not in dtypes:
+            raise CodecError(
+                f"codec {self.name!r}: dtype {x.dtype.name} not accepted; expected {' or '.join(dtypes)}"
+            )
+        return np.ascontiguousarray(x)
+
+    def _finite(self, x: np.ndarray) -> None:
+        bad = count_nonfinite(x.reshape(-1)) if x.size else 0
+        if bad:
+            raise CodecError(f"codec {self.name!r}: input has {bad} non-finite (NaN/Inf) value(s)")
+
+    def _tensor(self, x: np.ndarray, bits: int, data: bytes, aux: dict[str, Any], name: str) -> EncodedTensor:
+        return EncodedTensor(
+            shape=tuple(int(d) for d in x.shape),
+            dtype=x.dtype.name,
+            codec=self.name,
+            bits=bits,
+            data=data,
+            aux=aux,
+            name=name,
+        )
+
+    # ------------------------------------------------------------------ decode-side checks
+
+    def _check_encoded(self, t: EncodedTensor, dtypes: tuple[str, ...]) -> tuple[int, np.ndarray]:
+        """Validate the generic fields; return (element count, payload as a uint8 array)."""
+        if not isinstance(t, EncodedTensor):
+            raise ProtocolError(f"codec {self.name!r}: expected an EncodedTensor, got {type(t).__name__}")
+        if t.codec != self.name:
+            raise ProtocolError(f"codec: tensor says {t.codec!r}, decoder is {self.name!r}")
+        lo, hi = self.bits_range
+        if isinstance(t.bits, bool) or not isinstance(t.bits, int | np.integer) or not lo <= t.bits <= hi:
+            raise ProtocolError(f"bits: {t.bits!r} out of range {lo}..{hi} for codec {self.name!r}")
+        if t.dtype not in dtypes:
+            raise ProtocolError(f"dtype: {t.dtype!r} not valid for codec {self.name!r}; expected {' or '.join(dtypes)}")
+        n = shape_size(t.shape)
+        buf = as_byte_array(t.data, n, int(t.bits))
+        return n, buf
+
+    def _aux_keys(self, t: EncodedTensor, keys: tuple[str, ...]) -> None:
+        if not isinstance(t.aux, dict):
+            raise ProtocolError(f"aux: expected a map, got {type(t.aux).__name__}")
+        missing = [k for k in keys if k not in t.aux]
+        extra = sorted(set(t.aux) - set(keys))
+        if missing:
+            raise ProtocolError(f"aux.{missing[0]}: missing for codec {self.name!r}")
+        if extra:
+            raise ProtocolError(f"aux.{extra[0]}: not a field of codec {self.name!r}")
+
+    def _aux_float(self, t: EncodedTensor, key: str, *, nonneg: bool = False) -> float:
+        v = t.aux[key]
+        if isinstance(v, bool) or not isinstance(v, int | float | np.integer | np.floating):
+            raise ProtocolError(f"aux.{key}: expected a number, got {type(v).__name__}")
+        f = float(v)
+        if not math.isfinite(f) or abs(f) > np.finfo(np.float32).max:
+            raise ProtocolError(f"aux.{key}: {f!r} is not a finite float32")
+        if nonneg and f < 0:
+            raise ProtocolError(f"aux.{key}: {f!r} must be >= 0")
+        return f
+
+
+def shape_size(shape: object) -> int:
+    """Number of elements of a wire ``shape`` (ProtocolError when it is not a tuple of ints >= 0)."""
+    if not isinstance(shape, tuple | list):
+        raise ProtocolError(f"shape: expected a sequence of ints, got {type(shape).__name__}")
+    n = 1
+    for d in shape:
+        if isinstance(d, bool) or not isinstance(d, int | np.integer) or d < 0:
+            raise ProtocolError(f"shape: {shape!r} must contain ints >= 0")
+        n *= int(d)
+    return n
+
+
+@numba.njit(cache=True)
+def count_nonfinite(x):
+    """Number of NaN/Inf values in a 1-D float array."""
+    bad = 0
+    for i in range(x.size):
+        if not np.isfinite(x[i]):
+            bad += 1
+    return bad
+
+
+@numba.njit(cache=True)
+def scan_float(x):
+    """One pass over a 1-D float32 array: (min, max, mean, count of NaN/Inf).
+
+    min/max/mean are over the finite values (0.0 when there are none); float64.
+    """
+    lo = np.inf
+    hi = -np.inf
+    s = 0.0
+    bad = 0
+    for i in range(x.size):
+        v = np.float64(x[i])
+        if np.isfinite(v):
+            if v < lo:
+                lo = v
+            if v > hi:
+                hi = v
+            s += v
+        else:
+            bad += 1
+    good = x.size - bad
+    if good == 0:
+        return 0.0, 0.0, 0.0, bad
+    return lo, hi, s / good, bad

@@ -1,0 +1,86 @@
+"""``int``: the native s-bit signed integers of an integer device (ProWD), bits 2..16.
+
+Input: an ``int8`` (bits <= 8) or ``int16`` (bits <= 16) array whose values fit in s-bit
+two's complement, ``[-2**(s-1), 2**(s-1) - 1]``. Stored offset-binary (``v + 2**(s-1)``,
+an unsigned s-bit field, little-endian bit order); decoded bit-exactly to the same dtype.
+No aux. Lossless.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numba
+import numpy as np
+
+from edge_client.codecs.base import CHUNK, Codec
+from edge_client.codecs.bitpack import _pack_into, _unpack_into, packed_nbytes
+from edge_client.errors import CodecError
+from edge_client.protocol import EncodedTensor
+
+_WIDTH = {"int8": 8, "int16": 16}
+
+
+@numba.njit(cache=True)
+def offset_pack_kernel(x, offset, lo, hi, bits, out):
+    """Pack ``x + offset`` for ``x`` in [lo, hi]; returns -1 or the first index out of range."""
+    n = x.size
+    for i in range(n):
+        v = np.int64(x[i])
+        if v < lo or v > hi:
+            return i
+    q = np.empty(CHUNK, dtype=np.uint16)
+    for start in range(0, n, CHUNK):
+        m = min(CHUNK, n - start)
+        for i in range(m):
+            q[i] = np.uint16(np.int64(x[start + i]) + offset)
+        _pack_into(q, m, bits, out, (start * bits) >> 3)
+    return -1
+
+
+@numba.njit(cache=True)
+def offset_unpack_kernel(data, n, bits, offset, out):
+    """``out[i] = field_i - offset`` (``out``: an integer array of the decoded dtype)."""
+    q = np.empty(CHUNK, dtype=np.uint16)
+    for start in range(0, n, CHUNK):
+        m = min(CHUNK, n - start)
+        _unpack_into(data, start, m, bits, q)
+        for i in range(m):
+            out[start + i] = np.int64(q[i]) - offset
+
+
+class IntCodec(Codec):
+    name = "int"
+    bits_range = (2, 16)
+    default_bits = 8
+    lossy = False
+
+    def encode(self, x: np.ndarray, bits: int | None = None, *, name: str = "", **options: Any) -> EncodedTensor:
+        """``x``: int8/int16 array; ``bits=None`` means the dtype's width. No aux."""
+        self._options(options)
+        a = self._array(x, ("int8", "int16"))
+        b = self._bits(_WIDTH[a.dtype.name] if bits is None else bits)
+        if b > _WIDTH[a.dtype.name]:
+            raise CodecError(f"codec {self.name!r}: {a.dtype.name} input takes bits <= {_WIDTH[a.dtype.name]}, got {b}")
+        flat = a.reshape(-1)
+        half = 1 << (b - 1)
+        out = np.empty(packed_nbytes(flat.size, b), dtype=np.uint8)
+        bad = offset_pack_kernel(flat, half, -half, half - 1, b, out) if flat.size else -1
+        if bad >= 0:
+            raise CodecError(
+                f"codec {self.name!r}: value {flat[bad]} at flat index {bad} does not fit in "
+                f"{b}-bit signed range [{-half}, {half - 1}]"
+            )
+        return self._tensor(a, b, out.tobytes(), {}, name)
+
+    def decode(self, t: EncodedTensor) -> np.ndarray:
+        from edge_client.errors import ProtocolError
+
+        n, buf = self._check_encoded(t, ("int8", "int16"))
+        self._aux_keys(t, ())
+        if t.bits > _WIDTH[t.dtype]:
+            raise ProtocolError(f"bits: {t.bits} does not fit dtype {t.dtype}")
+        out = np.empty(n, dtype=t.dtype)
+        if n:
+            offset_unpack_kernel(buf, n, int(t.bits), 1 << (int(t.bits) - 1), out)
+        return out.reshape(t.shape)

@@ -1,0 +1,119 @@
+"""K-means quantization (FedShift alg. 2), bits 1..8: a codebook of ``2**bits`` float32
+centroids (aux ``{"codebook": [...]}``, sorted ascending) and one index per element.
+
+``method="fast"`` (default, deterministic, ``seed`` ignored): Lloyd on a fine log-linear
+histogram with a Panter-Dite (cube-root density) initialisation and split/merge moves,
+see :mod:`edge_client.codecs.kmeans1d`. ``method="authors"``: the FedShift code's
+behaviour, for comparison: ``2**bits`` random elements (with replacement, ``seed``) as
+initial centroids, Lloyd on every element, at most ``max_iter=300`` iterations, stop when
+``(sum |shift|)**2 < tol=1e-4``, empty clusters set to 0.
+
+Either way every element gets its *nearest* codeword (ties to the lower index), so the
+error of an element is at most half the gap to the next codeword, and at most the distance
+to the nearest codeword for any codebook.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from edge_client.codecs import kmeans1d as k1
+from edge_client.codecs.base import Codec, scan_float
+from edge_client.codecs.bitpack import packed_nbytes
+from edge_client.errors import CodecError, ProtocolError
+from edge_client.protocol import EncodedTensor
+
+#: Lloyd iterations per pass of the fast method (it stops at a fixed point long before).
+FAST_MAX_ITER = 100_000
+#: Split/merge rounds of the fast method.
+FAST_MAX_ROUNDS = 64
+
+
+def fit_codebook(
+    x: np.ndarray,
+    bits: int,
+    *,
+    method: str = "fast",
+    seed: int | None = 0,
+    max_iter: int | None = None,
+    tol: float = 1e-4,
+    stats: tuple[float, float, float] | None = None,
+) -> np.ndarray:
+    """Sorted float32 codebook of ``2**bits`` centroids for the finite 1-D float32 ``x``."""
+    k = 1 << bits
+    if x.size == 0:
+        return np.zeros(k, dtype=np.float32)
+    lo, hi, mu = stats if stats is not None else scan_float(x)[:3]
+    if method == "fast":
+        a_floor, shift, nm = k1.grid(lo, hi, mu)
+        counts, sums, sqs = k1.histogram(x, mu, a_floor, shift, nm)
+        edges = k1.bin_edges(lo, hi, mu, a_floor, shift, nm)
+        c, _ = k1.lloyd_histogram(
+            counts, sums, sqs, edges, k, mu, a_floor, shift, nm,
+            FAST_MAX_ITER if max_iter is None else max_iter, FAST_MAX_ROUNDS,
+        )
+    elif method == "authors":
+        rng = np.random.default_rng(seed)
+        init = x[rng.integers(0, x.size, size=k)].astype(np.float64)
+        c, _ = k1.lloyd_authors(x, init, 300 if max_iter is None else max_iter, tol)
+    else:
+        raise CodecError(f"codec 'kmeans': method must be 'fast' or 'authors', got {method!r}")
+    return np.sort(c.astype(np.float32))
+
+
+class KMeansCodec(Codec):
+    name = "kmeans"
+    bits_range = (1, 8)
+    default_bits = 8
+    lossy = True
+    options = frozenset({"method", "seed", "max_iter", "tol"})
+
+    def encode(self, x: np.ndarray, bits: int | None = None, *, name: str = "", **options: Any) -> EncodedTensor:
+        """``x``: float32 array. Options: ``method`` ("fast" | "authors"), ``seed`` (authors'
+        init), ``max_iter``, ``tol`` (authors' stop). aux ``{"codebook": [2**bits floats]}``;
+        an empty tensor gets a codebook of zeros."""
+        b = self._bits(bits)
+        self._options(options)
+        a = self._array(x, ("float32",))
+        flat = a.reshape(-1)
+        lo, hi, mu, bad = scan_float(flat) if flat.size else (0.0, 0.0, 0.0, 0)
+        if bad:
+            raise CodecError(f"codec {self.name!r}: input has {bad} non-finite (NaN/Inf) value(s)")
+        method = options.get("method", "fast")
+        max_iter = options.get("max_iter")
+        if max_iter is not None and (not isinstance(max_iter, int) or max_iter < 0):
+            raise CodecError(f"codec {self.name!r}: max_iter must be an int >= 0, got {max_iter!r}")
+        cb = fit_codebook(
+            flat, b, method=method, seed=options.get("seed", 0), max_iter=max_iter,
+            tol=float(options.get("tol", 1e-4)), stats=(lo, hi, mu),
+        )
+        out = np.empty(packed_nbytes(flat.size, b), dtype=np.uint8)
+        if flat.size:
+            a_floor, shift, nm = k1.grid(lo, hi, mu)
+            k1.assign_pack(flat, cb, mu, a_floor, shift, nm, b, out)
+        return self._tensor(a, b, out.tobytes(), {"codebook": [float(v) for v in cb]}, name)
+
+    def decode(self, t: EncodedTensor) -> np.ndarray:
+        n, buf = self._check_encoded(t, ("float32",))
+        self._aux_keys(t, ("codebook",))
+        cb = codebook_from_aux(t.aux["codebook"], 1 << int(t.bits))
+        out = np.empty(n, dtype=np.float32)
+        if n:
+            k1.lookup_decode(buf, n, int(t.bits), cb, out)
+        return out.reshape(t.shape)
+
+
+def codebook_from_aux(value: object, k: int, field: str = "aux.codebook") -> np.ndarray:
+    """A received codebook as float32 (ProtocolError: not a list of ``k`` finite float32s)."""
+    if not isinstance(value, list | tuple):
+        raise ProtocolError(f"{field}: expected a list of {k} floats, got {type(value).__name__}")
+    if len(value) != k:
+        raise ProtocolError(f"{field}: {len(value)} entries, expected 2**bits = {k}")
+    if not all(isinstance(v, int | float) and not isinstance(v, bool) for v in value):
+        raise ProtocolError(f"{field}: entries must be numbers")
+    arr = np.array(value, dtype=np.float64)
+    if not np.all(np.isfinite(arr)) or np.any(np.abs(arr) > np.finfo(np.float32).max):
+        raise ProtocolError(f"{field}: entries must be finite float32 values")
+    return arr.astype(np.float32)
