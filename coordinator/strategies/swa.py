@@ -106,6 +106,10 @@ def _best_drop(p: np.ndarray, q: np.ndarray, k: int) -> tuple[np.ndarray | None,
         nonlocal best_v2, best_drop
         ps = p_tot - float(p[drop].sum())
         qs = q_tot - float(q[drop].sum())
+        if drop.size and (qs <= 1e-6 * q_tot or abs(ps) <= 1e-6 * scale):
+            kept = np.ones(n, dtype=bool)  # the differences cancelled: sum the kept set
+            kept[drop] = False
+            ps, qs = float(p[kept].sum()), float(q[kept].sum())
         if ps > 0 and qs > 0 and ps * ps / qs > best_v2 * (1 + 1e-12):
             best_v2, best_drop = ps * ps / qs, drop
         return ps, qs
