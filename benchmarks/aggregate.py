@@ -1,0 +1,114 @@
+"""Streaming aggregation throughput and memory (issue 6).
+
+Cases (fedshift_cnn, ~2.16 M float32 parameters, updates generated on the fly):
+- throughput of streaming ``fedshift`` and ``prowd-swa`` (half Int8, half Float32) over
+  N updates (accept + finish), in updates/s, against ``np.mean(stacked, axis=0)`` over the
+  same N updates stacked, timed in the same run (stacking not timed);
+- peak RSS of a fresh subprocess streaming 1,000 vs 10 updates into ``fedshift``.
+
+Run: ``.venv/bin/python benchmarks/aggregate.py [--quick]``; prints JSON lines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+from coordinator.strategies import ClientUpdate, build_strategy
+from firmware_models import get_spec
+
+SHAPES = [tuple(s) for s in get_spec("fedshift_cnn").param_shapes()]
+
+
+def make_update(i: int, base: list[np.ndarray], bits: int) -> ClientUpdate:
+    """A distinct update, cheaply: the base model scaled and shifted per update."""
+    s, t = np.float32(1 + 1e-3 * (i % 97)), np.float32(1e-4 * (i % 13))
+    return ClientUpdate(f"d{i}", 100 + i % 7, [b * s + t for b in base], "weights", bits, bits < 32)
+
+
+def base_model(seed: int = 0) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [(0.05 * rng.standard_normal(s)).astype(np.float32) for s in SHAPES]
+
+
+def stream_seconds(name: str, n: int, base: list[np.ndarray], **params) -> float:
+    strat = build_strategy(name, **params)
+    strat.begin_round(1, base)
+    spent = 0.0
+    for i in range(n):
+        u = make_update(i, base, 8 if (name.startswith("prowd") and i % 2) else 32)
+        t0 = time.perf_counter()
+        strat.accept(u)
+        spent += time.perf_counter() - t0
+        del u
+    t0 = time.perf_counter()
+    strat.finish()
+    return spent + time.perf_counter() - t0
+
+
+def stacked_mean_seconds(n: int, base: list[np.ndarray]) -> float:
+    total = 0.0
+    for layer_i in range(len(base)):  # one layer at a time: the stack of all is 8.6 MB x n
+        stack = np.stack([make_update(i, base, 32).weights[layer_i] for i in range(n)])
+        t0 = time.perf_counter()
+        np.mean(stack, axis=0)
+        total += time.perf_counter() - t0
+        del stack
+    return total
+
+
+def emit(case: str, metric: str, value: float, unit: str, anchor: str, anchor_value: float) -> None:
+    print(json.dumps({"bench": "aggregate", "case": case, "metric": metric, "value": round(value, 4),
+                      "unit": unit, "anchor": anchor, "anchor_value": round(anchor_value, 4),
+                      "ratio": round(value / anchor_value, 4) if anchor_value else None}), flush=True)
+
+
+def rss_child(n: int) -> None:
+    base = base_model()
+    strat = build_strategy("fedshift")
+    strat.begin_round(1, base)
+    for i in range(n):
+        strat.accept(make_update(i, base, 32 if i % 2 else 8))
+    strat.finish()
+    print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)  # KiB on Linux
+
+
+def peak_rss_kib(n: int) -> int:
+    out = subprocess.run([sys.executable, __file__, "--rss-child", str(n)], check=True,
+                         capture_output=True, text=True).stdout
+    return int(out.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="CI size (< 60 s)")
+    ap.add_argument("--rss-child", type=int, default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.rss_child is not None:
+        rss_child(args.rss_child)
+        return
+    n = 40 if args.quick else 100
+    reps = 2 if args.quick else 3
+    big = 200 if args.quick else 1000
+    base = base_model()
+    stream_seconds("fedshift", 4, base)  # numba compile / cache load outside the timing
+    mean_t = min(stacked_mean_seconds(n, base) for _ in range(reps))
+    anchor = n / mean_t
+    for name, params in (("fedshift", {}), ("fedshift", {"acc_dtype": "float32"}),
+                         ("prowd-swa", {"tau": 0.1})):
+        t = min(stream_seconds(name, n, base, **params) for _ in range(reps))
+        label = f"fedshift_cnn {name} n={n}" + ("" if not params.get("acc_dtype") else " acc=float32")
+        emit(label, "throughput", n / t, "updates/s", "np.mean stacked", anchor)
+    small, large = peak_rss_kib(10), peak_rss_kib(big)
+    emit(f"fedshift_cnn fedshift {big} vs 10 updates", "rss", large / 1024, "MiB",
+         "rss 10 updates", small / 1024)
+
+
+if __name__ == "__main__":
+    main()
