@@ -7,7 +7,12 @@ import msgpack
 import numpy as np
 import pytest
 
-from coordinator.strategies import AggregateResult, ClientUpdate, available_strategies, build_strategy
+from coordinator.strategies import (
+    AggregateResult,
+    ClientUpdate,
+    available_strategies,
+    build_strategy,
+)
 from coordinator.strategies.mask import split_bits
 from edge_client.errors import ConfigError, ProtocolError
 

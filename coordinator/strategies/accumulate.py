@@ -55,12 +55,12 @@ class GroupSums:
             i = 0
             while len(items) - i >= 4:
                 (_, x0, w0), (_, x1, w1), (_, x2, w2), (_, x3, w3) = items[i:i + 4]
-                for l, a in enumerate(acc):
-                    add4(a, x0[l], x1[l], x2[l], x3[l], w0, w1, w2, w3)
+                for li, a in enumerate(acc):
+                    add4(a, x0[li], x1[li], x2[li], x3[li], w0, w1, w2, w3)
                 i += 4
             for _, x, w in items[i:]:
-                for l, a in enumerate(acc):
-                    add1(a, x[l], w)
+                for li, a in enumerate(acc):
+                    add1(a, x[li], w)
 
     def flush_base(self, bases: dict[int, list[np.ndarray]]) -> None:
         """Turn delta sums into weight sums: ``sums[b] += delta_weight[b] * base[b]``.

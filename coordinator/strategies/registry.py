@@ -15,8 +15,13 @@ from collections.abc import Callable
 from typing import Any
 
 from coordinator.strategies.base import Strategy
-from coordinator.strategies.combine import (Combiner, FedAvgCombine, FedPaqCombine, FedShiftCombine,
-                                            GroupedCombine)
+from coordinator.strategies.combine import (
+    Combiner,
+    FedAvgCombine,
+    FedPaqCombine,
+    FedShiftCombine,
+    GroupedCombine,
+)
 from coordinator.strategies.dequantize import build_dequantizer
 from coordinator.strategies.mask import MaskStage, NoMask, ProwdSwaMask
 from edge_client.errors import ConfigError
