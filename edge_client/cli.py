@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import json
+import logging
 import sys
 from collections.abc import Sequence
 
@@ -22,6 +24,70 @@ def _cmd_profiles(args: argparse.Namespace) -> int:
     return 0
 
 
+class _JsonFormatter(logging.Formatter):
+    """One JSON object per log record (``--log-json``)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        out = {"ts": round(record.created, 6), "level": record.levelname.lower(),
+               "logger": record.name, "msg": record.getMessage()}
+        if record.exc_info:
+            out["exc"] = self.formatException(record.exc_info)
+        return json.dumps(out, default=str)
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    import signal
+    from pathlib import Path
+
+    from edge_client.data import load_source
+    from edge_client.errors import ConfigError
+    from edge_client.runtime import DeviceConfig, DeviceRuntime
+    from edge_client.transport import MqttTransport, TlsOptions
+    from hw_profiles import load_profile
+
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_JsonFormatter() if args.log_json else
+                         logging.Formatter("%(asctime)s %(levelname)-7s %(name)s: %(message)s"))
+    logging.basicConfig(level=args.log_level.upper(), handlers=[handler])
+    try:
+        profile = load_profile(args.profile)
+        data = load_source(args.data)
+        overrides = {}
+        if args.codec:
+            overrides = {"codec": args.codec, "codec_bits": args.codec_bits or profile.codec_bits}
+        cfg = DeviceConfig.from_profile(
+            args.id, profile, job=args.job, seed=args.seed,
+            workdir=Path(args.workdir or f".fedbit-device-{args.id}"),
+            exit_when_done=not args.stay)
+        for k, v in overrides.items():
+            setattr(cfg, k, v)
+        tls = None
+        if args.ca or args.cert or args.insecure:
+            tls = TlsOptions(args.ca, args.cert, args.key, args.insecure)
+
+        def connect(**kw):
+            return MqttTransport(args.broker, args.id, username=args.username,
+                                 password=args.password, tls=tls, protocol=args.mqtt_version, **kw)
+
+        rt = DeviceRuntime(cfg, data, connect)
+    except (ConfigError, OSError, ValueError) as exc:
+        print(f"fedbit-edge run: error: {exc}", file=sys.stderr)
+        return 1
+
+    def on_signal(_signum, _frame):
+        rt.stop()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    print(f"fedbit-edge: device {args.id} ({profile.name}, {profile.compute_bits}-bit "
+          f"{profile.trainer}, uplink {cfg.codec}-{cfg.codec_bits}, {len(data.y)} samples) "
+          f"-> {args.broker}", flush=True)
+    n = rt.run(max_seconds=args.max_seconds or None)
+    print(f"fedbit-edge: device {args.id} stopped after {n} round(s); "
+          f"{rt.sent} sent, {rt.resent} re-sent from the outbox", flush=True)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fedbit-edge",
@@ -31,6 +97,30 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     p = sub.add_parser("profiles", help="list the bundled hardware profiles")
     p.set_defaults(func=_cmd_profiles)
+
+    p = sub.add_parser("run", help="run the device loop against a coordinator's broker",
+                       description="Connect, say hello, train when selected, publish updates.")
+    p.add_argument("--broker", required=True, metavar="URL", help="mqtt://[user:pass@]host:port or mqtts://...")
+    p.add_argument("--profile", required=True, metavar="NAME", help="hardware profile name or TOML path")
+    p.add_argument("--data", required=True, metavar="SRC", help="a local folder or digits:K/N")
+    p.add_argument("--id", required=True, help="device id ([A-Za-z0-9._-]+)")
+    p.add_argument("--job", default="default")
+    p.add_argument("--workdir", metavar="DIR", help="outbox and state (default .fedbit-device-<id>)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--codec", help="override the profile's uplink codec")
+    p.add_argument("--codec-bits", type=int, default=0)
+    p.add_argument("--mqtt-version", choices=["auto", "5", "3.1.1"], default="auto")
+    p.add_argument("--username")
+    p.add_argument("--password")
+    p.add_argument("--ca", metavar="PEM", help="CA certificate for mqtts://")
+    p.add_argument("--cert", metavar="PEM", help="client certificate")
+    p.add_argument("--key", metavar="PEM", help="client key")
+    p.add_argument("--insecure", action="store_true", help="skip the TLS hostname check")
+    p.add_argument("--stay", action="store_true", help="keep running after the coordinator is done")
+    p.add_argument("--max-seconds", type=float, default=0.0, help="stop after this long (0: never)")
+    p.add_argument("--log-json", action="store_true")
+    p.add_argument("--log-level", default="info")
+    p.set_defaults(func=_cmd_run)
     return parser
 
 
