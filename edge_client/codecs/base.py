@@ -126,7 +126,7 @@ class Codec(ABC):
         if isinstance(v, bool) or not isinstance(v, int | float | np.integer | np.floating):
             raise ProtocolError(f"aux.{key}: expected a number, got {type(v).__name__}")
         f = float(v)
-        if not math.isfinite(f) or abs(f) > np.finfo(np.float32).max:
+        if not math.isfinite(f) or abs(f) > float(np.finfo(np.float32).max):
             raise ProtocolError(f"aux.{key}: {f!r} is not a finite float32")
         if nonneg and f < 0:
             raise ProtocolError(f"aux.{key}: {f!r} must be >= 0")

@@ -1,0 +1,293 @@
+"""Codec registry, round trips within each codec's bound, exact payload sizes, input and
+wire validation; plain-numpy references for asym, int, ternary."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+from edge_client.codecs import available_codecs, decode, encode, get_codec
+from edge_client.codecs.bitpack import pack
+from edge_client.errors import CodecError, ProtocolError
+from edge_client.protocol import EncodedTensor
+
+FLOAT_CODECS = {"float32": (32, 32), "float16": (16, 16), "asym": (1, 16), "kmeans": (1, 8), "danuq": (1, 8), "ternary": (2, 2)}
+AUX_KEYS = {
+    "float32": set(), "float16": set(), "asym": {"min", "max"}, "kmeans": {"codebook"},
+    "danuq": {"sigma_loc", "sigma_g", "zero_level"}, "ternary": {"scale"}, "int": set(),
+}
+
+
+def sample(codec: str, shape=(17, 5), seed=0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    if codec == "int":
+        return rng.integers(-2, 2, shape).astype(np.int16)
+    return rng.normal(0, 0.05, shape).astype(np.float32)
+
+
+finite_f32 = st.floats(-1e3, 1e3, allow_nan=False, width=32)
+arrays = hnp.arrays(np.float32, hnp.array_shapes(min_dims=1, max_dims=3, min_side=0, max_side=9), elements=finite_f32)
+
+
+# ---------------------------------------------------------------- registry
+
+
+def test_registry_names_and_attributes():
+    assert available_codecs() == ("asym", "danuq", "float16", "float32", "int", "kmeans", "ternary")
+    for name in available_codecs():
+        c = get_codec(name)
+        assert c.name == name
+        assert c.bits_range[0] <= c.default_bits <= c.bits_range[1]
+    assert get_codec("float32").lossy is False and get_codec("int").lossy is False
+    assert all(get_codec(n).lossy for n in ("float16", "asym", "kmeans", "danuq"))
+    assert get_codec("asym").bits_range == (1, 16) and get_codec("kmeans").bits_range == (1, 8)
+    assert get_codec("int").bits_range == (2, 16) and get_codec("ternary").bits_range == (2, 2)
+
+
+def test_unknown_codec():
+    with pytest.raises(CodecError, match="available: asym, danuq"):
+        get_codec("zip")
+    t = EncodedTensor((1,), "float32", "zip", 8, b"\x00")
+    with pytest.raises(ProtocolError, match="codec"):
+        decode(t)
+
+
+def test_ternary_lossiness_depends_on_input():
+    c = get_codec("ternary")
+    assert not c.is_lossy(encode(np.array([1, 0, -1], np.int8), "ternary"))
+    assert c.is_lossy(encode(np.array([0.3, 0.0], np.float32), "ternary"))
+
+
+# ---------------------------------------------------------------- sizes and aux
+
+
+@pytest.mark.parametrize("codec", sorted(AUX_KEYS))
+@pytest.mark.parametrize("shape", [(0,), (3, 0, 2), (1,), (7,), (13, 11), (2, 3, 4, 5)])
+def test_payload_length_and_aux(codec, shape):
+    c = get_codec(codec)
+    x = sample(codec, shape)
+    for bits in sorted({c.bits_range[0], c.default_bits, c.bits_range[1]}):
+        t = c.encode(x, bits, name="layer0")
+        n = math.prod(shape)
+        assert len(t.data) == math.ceil(n * bits / 8)
+        assert set(t.aux) == AUX_KEYS[codec]
+        assert (t.shape, t.dtype, t.codec, t.bits, t.name) == (shape, x.dtype.name, codec, bits, "layer0")
+        assert all(isinstance(v, int | float | list) for v in t.aux.values())
+        y = c.decode(t)
+        assert y.shape == shape and y.dtype == x.dtype and y.flags.writeable
+    if codec == "kmeans":
+        assert len(c.encode(x, 5).aux["codebook"]) == 32
+
+
+# ---------------------------------------------------------------- round trips
+
+
+@settings(max_examples=60, deadline=None)
+@given(arrays, st.integers(1, 16))
+def test_asym_round_trip_bound_and_reference(x, bits):
+    t = encode(x, "asym", bits)
+    y = decode(t)
+    if x.size == 0:
+        return
+    lo, hi = float(x.min()), float(x.max())
+    assert (t.aux["min"], t.aux["max"]) == (lo, hi)
+    levels = 2**bits - 1
+    step = (hi - lo) / levels
+    assert np.all(np.abs(y.astype(np.float64) - x) <= step / 2 * (1 + 1e-9) + 1e-6 * max(abs(lo), abs(hi)))
+    # plain numpy reference, bit for bit
+    scale = levels / (hi - lo) if hi > lo else 0.0
+    q = np.clip(np.rint((x.astype(np.float64).ravel() - lo) * scale), 0, levels).astype(np.int64)
+    assert t.data == pack(q, bits)
+    assert np.array_equal(y.ravel(), (lo + q * step).astype(np.float32))
+
+
+def test_asym_constant_tensor_is_exact():
+    x = np.full((4, 5), -0.125, np.float32)
+    for bits in (1, 4, 16):
+        t = encode(x, "asym", bits)
+        assert t.aux == {"min": -0.125, "max": -0.125}
+        assert np.array_equal(decode(t), x)
+
+
+@settings(max_examples=40, deadline=None)
+@given(arrays, st.integers(1, 8))
+def test_kmeans_round_trip_nearest_codeword(x, bits):
+    t = encode(x, "kmeans", bits)
+    y = decode(t)
+    cb = np.array(t.aux["codebook"], np.float32)
+    assert len(cb) == 2**bits and np.all(np.diff(cb) >= 0)
+    if x.size == 0:
+        return
+    # every element decodes to its nearest codeword (ties: either)
+    d = np.abs(x.ravel()[:, None].astype(np.float64) - cb[None, :].astype(np.float64))
+    got = np.abs(y.ravel().astype(np.float64) - x.ravel())
+    assert np.all(got <= d.min(axis=1) + 1e-12)
+    assert np.all(got <= (x.max() - x.min()) / 2 + 1e-9)
+
+
+@settings(max_examples=40, deadline=None)
+@given(arrays)
+def test_float_passthrough(x):
+    assert np.array_equal(decode(encode(x, "float32")), x)
+    y = decode(encode(x, "float16"))
+    assert np.all(np.abs(y - x) <= np.maximum(np.abs(x) * 2.0**-11, 2.0**-25))
+
+
+def test_float16_overflow_is_an_error():
+    with pytest.raises(CodecError, match="float16 range"):
+        encode(np.array([1.0, 7e4], np.float32), "float16")
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(2, 16), st.data())
+def test_int_round_trip_is_exact(bits, data):
+    dtype = np.int8 if bits <= 8 and data.draw(st.booleans()) else np.int16
+    half = 2 ** (bits - 1)
+    x = data.draw(hnp.arrays(dtype, st.integers(0, 40), elements=st.integers(-half, half - 1)))
+    t = encode(x, "int", bits)
+    y = decode(t)
+    assert y.dtype == dtype and np.array_equal(y, x)
+    assert t.data == pack(x.astype(np.int64) + half, bits)  # offset binary
+
+
+def test_int_default_bits_and_range_errors():
+    assert encode(np.array([-128, 127], np.int8), "int").bits == 8
+    with pytest.raises(CodecError, match="index 1"):
+        encode(np.array([0, 32], np.int8), "int", 6)
+    with pytest.raises(CodecError, match="bits <= 8"):
+        encode(np.array([0], np.int8), "int", 9)
+    with pytest.raises(CodecError, match="dtype"):
+        encode(np.array([0], np.int32), "int", 8)
+
+
+def test_ternary_int8_exact_and_float_reference():
+    rng = np.random.default_rng(3)
+    v = rng.integers(-1, 2, 101).astype(np.int8)
+    t = encode(v, "ternary")
+    assert t.aux == {} and np.array_equal(decode(t), v)
+    assert t.data == pack(v.astype(np.int64) + 1, 2)
+    with pytest.raises(CodecError, match="not in"):
+        encode(np.array([0, 2], np.int8), "ternary")
+    x = rng.normal(0, 0.1, 1000).astype(np.float32)
+    t = encode(x, "ternary", threshold=0.05)
+    tern = np.where(x > 0.05, 1, np.where(x < -0.05, -1, 0))
+    scale = np.abs(x[tern != 0].astype(np.float64)).mean()
+    assert t.aux["scale"] == pytest.approx(scale, rel=1e-6)
+    assert np.allclose(decode(t), np.float32(t.aux["scale"]) * tern)
+    td = encode(x, "ternary")  # TWN default threshold 0.7 * mean|x|
+    thr = 0.7 * np.abs(x.astype(np.float64)).mean()
+    assert np.array_equal(np.sign(decode(td)), np.where(np.abs(x) > thr, np.sign(x), 0))
+    assert encode(x, "ternary", threshold=0.05, scale=0.25).aux["scale"] == 0.25
+
+
+# ---------------------------------------------------------------- encode-side errors
+
+
+@pytest.mark.parametrize("codec", sorted(FLOAT_CODECS))
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_nonfinite_input_rejected_with_count(codec, bad):
+    x = np.zeros(10, np.float32)
+    x[[2, 7]] = bad
+    with pytest.raises(CodecError, match=rf"'{codec}'.*2 non-finite"):
+        encode(x, codec)
+
+
+@pytest.mark.parametrize("codec", sorted(AUX_KEYS))
+def test_bits_out_of_range(codec):
+    c = get_codec(codec)
+    lo, hi = c.bits_range
+    x = sample(codec)
+    for bits in (lo - 1, hi + 1, 0, 2.5, "4"):
+        with pytest.raises(CodecError, match="bits"):
+            c.encode(x, bits)
+
+
+@pytest.mark.parametrize("codec", sorted(AUX_KEYS))
+def test_wrong_dtypes(codec):
+    bad = [np.zeros(4, np.float64), np.zeros(4, np.bool_), np.zeros(4, np.uint8), np.zeros(4, np.complex64)]
+    bad.append(np.zeros(4, np.float32) if codec == "int" else np.zeros(4, np.int16))
+    for x in bad:
+        with pytest.raises(CodecError, match="dtype"):
+            encode(x, codec)
+    with pytest.raises(CodecError, match="numpy array"):
+        encode([0.0, 1.0], codec)
+
+
+def test_unknown_option():
+    with pytest.raises(CodecError, match="unknown option"):
+        encode(np.zeros(3, np.float32), "asym", 4, seed=1)
+    with pytest.raises(CodecError, match="method"):
+        encode(np.zeros(3, np.float32), "kmeans", 4, method="sklearn")
+
+
+def test_noncontiguous_input():
+    x = np.random.default_rng(0).normal(size=(20, 20)).astype(np.float32)[::2, ::3]
+    for codec in ("asym", "kmeans", "float32", "danuq"):
+        t = encode(x, codec)
+        assert decode(t).shape == x.shape
+    assert np.array_equal(decode(encode(x, "float32")), x)
+
+
+# ---------------------------------------------------------------- decode-side validation
+
+
+def good(codec: str) -> EncodedTensor:
+    return encode(sample(codec, (9,)), codec, 4 if codec in ("asym", "kmeans", "danuq", "int") else None)
+
+
+@pytest.mark.parametrize("codec", sorted(AUX_KEYS))
+def test_decode_rejects_wrong_length_bits_dtype_codec(codec):
+    t = good(codec)
+    with pytest.raises(ProtocolError, match="data"):
+        decode(dataclasses.replace(t, data=t.data + b"\x00"))
+    with pytest.raises(ProtocolError, match="data"):
+        decode(dataclasses.replace(t, data=t.data[:-1]))
+    with pytest.raises(ProtocolError, match="bits"):
+        decode(dataclasses.replace(t, bits=99))
+    with pytest.raises(ProtocolError, match="dtype"):
+        decode(dataclasses.replace(t, dtype="float64"))
+    with pytest.raises(ProtocolError, match="shape"):
+        decode(dataclasses.replace(t, shape=(-9,)))
+    with pytest.raises(ProtocolError, match="codec"):
+        get_codec("asym" if codec != "asym" else "kmeans").decode(t)
+    with pytest.raises(ProtocolError, match="aux.extra"):
+        decode(dataclasses.replace(t, aux={**t.aux, "extra": 1}))
+
+
+@pytest.mark.parametrize(
+    "codec,field,value",
+    [
+        ("asym", "min", float("nan")), ("asym", "max", float("inf")), ("asym", "max", -1.0),
+        ("asym", "min", "0"), ("asym", "max", 1e300),
+        ("kmeans", "codebook", [0.0] * 15), ("kmeans", "codebook", [0.0] * 15 + [float("nan")]),
+        ("kmeans", "codebook", "abc"), ("kmeans", "codebook", [0.0] * 15 + ["x"]),
+        ("danuq", "sigma_g", -1.0), ("danuq", "sigma_loc", float("nan")), ("danuq", "zero_level", 2),
+        ("ternary", "scale", -0.5),
+    ],
+)
+def test_decode_rejects_bad_aux_naming_the_field(codec, field, value):
+    t = good(codec)
+    with pytest.raises(ProtocolError, match=f"aux.{field}"):
+        decode(dataclasses.replace(t, aux={**t.aux, field: value}))
+    aux = dict(t.aux)
+    del aux[field]
+    with pytest.raises(ProtocolError, match=f"aux.{field}"):
+        decode(dataclasses.replace(t, aux=aux))
+
+
+def test_decode_rejects_nonfinite_floats_and_bad_ternary_code():
+    t = encode(np.zeros(3, np.float32), "float32")
+    with pytest.raises(ProtocolError, match="non-finite"):
+        decode(dataclasses.replace(t, data=np.array([0, np.nan, 1], "<f4").tobytes()))
+    t = encode(np.zeros(3, np.float32), "float16")
+    with pytest.raises(ProtocolError, match="non-finite"):
+        decode(dataclasses.replace(t, data=np.array([0, np.inf, 1], "<f2").tobytes()))
+    t = encode(np.zeros(3, np.int8), "ternary")
+    with pytest.raises(ProtocolError, match="code 3 at element 1"):
+        decode(dataclasses.replace(t, data=bytes([0b001101])))
