@@ -1,0 +1,97 @@
+"""Codec encode/decode times and K-means quality on FedShift's model size (2,105,000 weights).
+
+Anchors: FedShift Table 2 (Apple M1 Pro): uniform 10 ms, K-means 179 ms (4 bits) and
+2,172 ms (8 bits); scikit-learn's KMeans (n_init=1) run here, on the same data, for time
+and MSE. Single-threaded numba (no parallel kernels). ``--quick``: scikit-learn at 8 bits
+runs on a fixed 100,000-element subsample (ours on the same subsample for the MSE ratio,
+the case name says so); full-size sklearn at 8 bits takes ~50 s here.
+
+Prints one JSON line per result (DESIGN.md, "Benchmarks").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import numpy as np
+
+from edge_client.codecs import decode, encode
+
+N = 2_105_000
+PAPER_MS = {"asym-4": 10.0, "asym-8": 10.0, "kmeans-4": 179.0, "kmeans-8": 2172.0}
+
+
+def emit(case: str, metric: str, value: float, unit: str, anchor: str, anchor_value: float) -> None:
+    print(json.dumps({
+        "bench": "codecs", "case": case, "metric": metric, "value": float(f"{value:.6g}"), "unit": unit,
+        "anchor": anchor, "anchor_value": anchor_value,
+        "ratio": round(value / anchor_value, 4) if anchor_value else None,
+    }), flush=True)
+
+
+def data(kind: str, n: int, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    if kind == "gauss":
+        return rng.normal(0, 0.05, n).astype(np.float32)
+    tail = rng.random(n) < 0.05  # 5% Student-t(2) * 0.2 in N(0, 0.05)
+    return np.where(tail, rng.standard_t(2, n) * 0.2, rng.normal(0, 0.05, n)).astype(np.float32)
+
+
+def best_ms(fn, reps: int) -> tuple[float, object]:
+    out = fn()  # warm (JIT cache load)
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        out = fn()
+        best = min(best, (time.perf_counter() - t) * 1e3)
+    return best, out
+
+
+def mse(x: np.ndarray, y: np.ndarray) -> float:
+    return float(np.mean((y.astype(np.float64) - x) ** 2))
+
+
+def sklearn_kmeans(x: np.ndarray, bits: int) -> tuple[float, float]:
+    from sklearn.cluster import KMeans
+    from threadpoolctl import threadpool_limits
+
+    with threadpool_limits(1):
+        t = time.perf_counter()
+        km = KMeans(2**bits, n_init=1, random_state=0).fit(x.reshape(-1, 1).astype(np.float64))
+        ms = (time.perf_counter() - t) * 1e3
+    return ms, mse(x, km.cluster_centers_.ravel()[km.labels_].astype(np.float32))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="CI mode: sklearn 8-bit on a 100k subsample")
+    args = ap.parse_args()
+    reps = 3 if args.quick else 7
+    for kind in ("gauss", "heavy"):
+        x = data(kind, N)
+        for codec, bits in (("asym", 4), ("asym", 8), ("kmeans", 4), ("kmeans", 8)):
+            case = f"{codec}-{bits} {kind} n={N}"
+            enc_ms, t = best_ms(lambda c=codec, b=bits: encode(x, c, b), reps)
+            dec_ms, y = best_ms(lambda t=t: decode(t), reps)
+            emit(case, "encode_ms", enc_ms, "ms", "FedShift Table 2 (M1 Pro)", PAPER_MS[f"{codec}-{bits}"])
+            emit(case, "decode_ms", dec_ms, "ms", "target", 10.0)
+            m = mse(x, y)
+            if codec == "kmeans":
+                asym_m = mse(x, decode(encode(x, "asym", bits)))
+                emit(case, "mse", m, "", f"asym-{bits} mse", asym_m)
+                sub = x[:100_000] if args.quick and bits == 8 else x
+                sk_ms, sk_mse = sklearn_kmeans(sub, bits)
+                ours = m if sub is x else mse(sub, decode(encode(sub, "kmeans", bits)))
+                tag = f"{codec}-{bits} {kind} n={sub.size}" + (" (subsample)" if sub is not x else "")
+                emit(tag, "mse", ours, "", "sklearn KMeans n_init=1 mse", sk_mse)
+                if sub is x:
+                    emit(case, "encode_ms", enc_ms, "ms", "sklearn KMeans n_init=1 fit ms (1 thread)", sk_ms)
+                else:
+                    sub_ms, _ = best_ms(lambda s=sub, b=bits: encode(s, "kmeans", b), reps)
+                    emit(tag, "encode_ms", sub_ms, "ms", "sklearn KMeans n_init=1 fit ms (1 thread)", sk_ms)
+
+
+if __name__ == "__main__":
+    main()
