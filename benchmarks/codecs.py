@@ -73,7 +73,7 @@ def main() -> None:
         x = data(kind, N)
         for codec, bits in (("asym", 4), ("asym", 8), ("kmeans", 4), ("kmeans", 8)):
             case = f"{codec}-{bits} {kind} n={N}"
-            enc_ms, t = best_ms(lambda c=codec, b=bits: encode(x, c, b), reps)
+            enc_ms, t = best_ms(lambda x=x, c=codec, b=bits: encode(x, c, b), reps)
             dec_ms, y = best_ms(lambda t=t: decode(t), reps)
             emit(case, "encode_ms", enc_ms, "ms", "FedShift Table 2 (M1 Pro)", PAPER_MS[f"{codec}-{bits}"])
             emit(case, "decode_ms", dec_ms, "ms", "target", 10.0)
