@@ -170,7 +170,7 @@ def ref_ternary(w: np.ndarray, thr: int) -> np.ndarray:
 
 def to_kernel_layout(kind: str, g: np.ndarray, perm: np.ndarray | None) -> np.ndarray:
     if kind == "conv":
-        return g.transpose(0, 2, 3, 1)
+        return g.transpose(2, 3, 1, 0)
     return g[:, perm] if perm is not None else g
 
 
@@ -249,7 +249,7 @@ def ref_train_step(spec: ModelSpec, bits: int, weights: list[np.ndarray], x: np.
             key = ref_stream_key(seed, step, pi, 0)
             upd = ref_update(wk.ravel(), gk.ravel(), lr_log2, wmax, key).reshape(wk.shape)
             if kind == "conv":
-                new_w[pi] = upd.transpose(0, 3, 1, 2)
+                new_w[pi] = upd.transpose(3, 2, 0, 1)
             elif perm is not None:
                 back = np.empty_like(upd)
                 back[:, perm] = upd
@@ -323,8 +323,8 @@ def test_conv_forward_matches_reference(bits, stride, pad, k):
             ref = ref_finish(ref_conv(a, t, stride, pad), shift, amax, relu)
             out = np.zeros((3, ref.shape[2], ref.shape[3], 7), dt)
             K.conv_forward(np.ascontiguousarray(a.transpose(0, 2, 3, 1)).astype(dt),
-                           np.ascontiguousarray(t.transpose(0, 2, 3, 1)).astype(np.int8),
-                           stride, pad, shift, amax, relu, out, np.zeros(k * k * 5, dt))
+                           np.ascontiguousarray(t.transpose(2, 3, 1, 0)).astype(np.int8),
+                           stride, pad, shift, amax, relu, out, np.zeros(7, np.int32))
             assert np.array_equal(nchw(out), ref)
             saturated |= bool((np.abs(ref) == amax).any())
             if relu:
@@ -391,9 +391,9 @@ def test_conv_backward_kernels_match_reference(bits, stride, pad, k):
     K.conv_backward_data(eq_k, t_k, stride, pad, back, np.zeros(k * k * 3, np.int32))
     assert np.array_equal(nchw(back), ref_conv_back_data(eq, t, stride, pad, a.shape))
     for gdt in ((np.int32, np.int64) if bits <= 8 else (np.int64,)):  # int32 when it fits
-        g = np.zeros((5, k, k, 3), gdt)
-        K.conv_weight_grad(eq_k, a_k, stride, pad, g, np.zeros(k * k * 3, dt))
-        assert np.array_equal(g.transpose(0, 3, 1, 2), ref_conv_wgrad(eq, a, stride, pad, k))
+        g = np.zeros((k, k, 3, 5), gdt)
+        K.conv_weight_grad(eq_k, a_k, stride, pad, g, np.zeros(5, gdt))
+        assert np.array_equal(g.transpose(3, 2, 0, 1), ref_conv_wgrad(eq, a, stride, pad, k))
 
 
 @pytest.mark.parametrize("bits", BITS)
@@ -500,4 +500,4 @@ def test_training_step_matches_reference(bits, lr_log2):
     # the first conv's gradient is the last one the step computed
     first = model.param_ops[0]
     g = (ws.grad64 if first.grad_int64 else ws.grad32)[:model.w[0].size]
-    assert np.array_equal(g.reshape(model.w[0].shape).transpose(0, 3, 1, 2), ref["grads"][0])
+    assert np.array_equal(g.reshape(model.w[0].shape).transpose(3, 2, 0, 1), ref["grads"][0])

@@ -4,9 +4,9 @@ Every kernel here takes and returns integers (or booleans) only; no float value 
 in any of them (``tests/test_intnn_kernels.py`` inspects the compiled type maps).
 
 Layout: activations and errors are NHWC (``[N, H, W, C]``) or ``[N, F]``; convolution
-weights are kept in the engine's kernel layout ``[O, K, K, C]`` so that the receptive
-field of one output pixel (a *patch* of ``R = K*K*C`` values) is a contiguous run that
-is dotted with one contiguous weight row. The spec's ``[O, C, K, K]`` layout is only
+weights, their ternary copies and gradients are kept as ``[K, K, C, O]`` so that the
+innermost loops run over contiguous output channels (they vectorize); backward-data uses
+a second ternary copy in ``[O, K, K, C]``. The spec's ``[O, C, K, K]`` layout is only
 used at the module boundary (``model.py``).
 
 Integer widths: activations and quantized errors are ``int8`` (s <= 8) or ``int16``;
@@ -172,20 +172,42 @@ def _dot_all(patch, t2, out, n, y, x, shift, amax, relu):
 
 
 @njit(cache=True)
-def conv_forward(a, t, stride, pad, shift, amax, relu, out, patch):
-    """Fused conv: im2col patch + ternary dot + rounding shift + clip (+ ReLU).
+def conv_forward(a, t, stride, pad, shift, amax, relu, out, acc):
+    """Fused direct conv: ternary accumulate + rounding shift + clip (+ ReLU).
 
-    a: [N, H, W, C] activations; t: [O, K, K, C] int8 in {-1, 0, 1};
-    out: [N, Ho, Wo, O] activations, ``clip(round_shift(acc, shift), +-amax)``;
-    patch: scratch of K*K*C elements, dtype of ``a``.
+    a: [N, H, W, C] activations; t: [K, K, C, O] int8 in {-1, 0, 1};
+    out: [N, Ho, Wo, O] = ``clip(round_shift(sum t*a, shift), +-amax)`` (ReLU'd if relu);
+    acc: int32 scratch of O elements. Zero activations and padded cells are skipped; the
+    inner loop runs over the O output channels (contiguous weights), so it vectorizes.
     """
-    k = t.shape[1]
-    t2 = t.reshape(t.shape[0], -1)
+    k = t.shape[0]
+    c_in = t.shape[2]
+    n_out = t.shape[3]
+    t2 = t.reshape(-1, n_out)
+    h_in = a.shape[1]
+    w_in = a.shape[2]
     for n in range(out.shape[0]):
         for y in range(out.shape[1]):
             for x in range(out.shape[2]):
-                _gather_patch(a, n, y, x, stride, pad, k, patch)
-                _dot_all(patch, t2, out, n, y, x, shift, amax, relu)
+                for o in range(n_out):
+                    acc[o] = 0
+                for kh in range(k):
+                    iy = y * stride + kh - pad
+                    if iy < 0 or iy >= h_in:
+                        continue
+                    for kw in range(k):
+                        ix = x * stride + kw - pad
+                        if ix < 0 or ix >= w_in:
+                            continue
+                        r0 = (kh * k + kw) * c_in
+                        for c in range(c_in):
+                            v = np.int32(a[n, iy, ix, c])
+                            if v == 0:
+                                continue
+                            for o in range(n_out):
+                                acc[o] = np.int32(acc[o] + v * np.int32(t2[r0 + c, o]))
+                for o in range(n_out):
+                    out[n, y, x, o] = _finish(acc[o], shift, amax, relu)
 
 
 @njit(cache=True)
@@ -368,29 +390,47 @@ def conv_backward_data(eq, t, stride, pad, out, pbuf):
 
 
 @njit(cache=True)
-def conv_weight_grad(eq, a, stride, pad, g_out, patch):
-    """Weight gradient G[o, kh, kw, c] = sum_{n,y,x} eq[n,y,x,o] * a[n, iy, ix, c].
+def conv_weight_grad(eq, a, stride, pad, g_out, acc):
+    """Weight gradient G[kh, kw, c, o] = sum_{n,y,x} eq[n,y,x,o] * a[n, iy, ix, c].
 
-    g_out: [O, K, K, C] int32 or int64 (the caller picks a width that cannot overflow);
-    patch: scratch of K*K*C elements, dtype of ``a``.
+    g_out: [K, K, C, O] int32 or int64 (the caller picks a width that cannot overflow);
+    acc: scratch of O elements of g_out's dtype. One output row (n, y) is accumulated
+    per weight row in ``acc`` before it is added to G (G traffic / Wo); zero activations
+    are skipped.
     """
-    k = g_out.shape[1]
-    n_out = g_out.shape[0]
-    g2 = g_out.reshape(n_out, -1)
-    r_len = g2.shape[1]
+    k = g_out.shape[0]
+    c_in = g_out.shape[2]
+    n_out = g_out.shape[3]
+    g2 = g_out.reshape(-1, n_out)
+    h_in = a.shape[1]
+    w_in = a.shape[2]
+    w_out = eq.shape[2]
     g_out[...] = 0
     for n in range(eq.shape[0]):
         for y in range(eq.shape[1]):
-            for x in range(eq.shape[2]):
-                gathered = False
-                for o in range(n_out):
-                    e = eq[n, y, x, o]
-                    if e == 0:
-                        continue
-                    if not gathered:
-                        _gather_patch(a, n, y, x, stride, pad, k, patch)
-                        gathered = True
-                    _axpy_row(g2, o, e, patch, r_len)
+            for kh in range(k):
+                iy = y * stride + kh - pad
+                if iy < 0 or iy >= h_in:
+                    continue
+                for kw in range(k):
+                    r0 = (kh * k + kw) * c_in
+                    for c in range(c_in):
+                        for o in range(n_out):
+                            acc[o] = 0
+                        hit = False
+                        for x in range(w_out):
+                            ix = x * stride + kw - pad
+                            if ix < 0 or ix >= w_in:
+                                continue
+                            v = np.int64(a[n, iy, ix, c])
+                            if v == 0:
+                                continue
+                            hit = True
+                            for o in range(n_out):
+                                acc[o] += v * eq[n, y, x, o]
+                        if hit:
+                            for o in range(n_out):
+                                g2[r0 + c, o] += acc[o]
 
 
 @njit(cache=True, inline="always")
@@ -463,6 +503,9 @@ def sgd_update(w, g, lr_log2, wmax, thr, key, t, extra, extra_shift, key2):
     if m > 0:
         kg = round_log2(m)
         sh = kg - lr_log2
+        if 0 < sh <= 62 and extra_shift < 0:
+            _update_common(w, g, sh, wmax, thr, key, t)
+            return kg
     for j in range(w.shape[0]):
         v = np.int64(w[j])
         if m > 0:
@@ -484,6 +527,31 @@ def sgd_update(w, g, lr_log2, wmax, thr, key, t, extra, extra_shift, key2):
 
 
 @njit(cache=True)
+def _update_common(w, g, sh, wmax, thr, key, t):
+    """The usual case of :func:`sgd_update` (0 < sh <= 62, no extra term), branch-free so
+    that it vectorizes; same results as the general loop."""
+    frac_mask = (np.int64(1) << sh) - 1
+    top = 62 - sh
+    for j in range(w.shape[0]):
+        gv = np.int64(g[j])
+        av = -gv if gv < 0 else gv
+        fl = av >> sh
+        fr = av & frac_mask
+        z = key + (j + 1) * _GOLDEN
+        z = (z ^ ((z >> 30) & 0x3FFFFFFFF)) * _MIX1
+        z = (z ^ ((z >> 27) & 0x1FFFFFFFFF)) * _MIX2
+        z = z ^ ((z >> 31) & 0x1FFFFFFFF)
+        r = ((z >> 2) & _MASK62) >> top
+        fl += np.int64(r < fr)
+        d = -fl if gv < 0 else fl
+        v = np.int64(w[j]) - d
+        v = wmax if v > wmax else v
+        v = -wmax if v < -wmax else v
+        w[j] = v
+        t[j] = 1 if v > thr else (-1 if v < -thr else 0)
+
+
+@njit(cache=True)
 def regularizer_terms(w, anchor, mu_q, step_g, alpha_q, extra):
     """FedProx + FedFOR gradient numerators in fixed point (flat arrays, int64 out).
 
@@ -498,6 +566,16 @@ def regularizer_terms(w, anchor, mu_q, step_g, alpha_q, extra):
         if alpha_q != 0 and s * d > 0:
             v += alpha_q * s
         extra[j] = v
+
+
+@njit(cache=True)
+def transpose_kkco_okkc(t, out):
+    """Ternary conv weights [K, K, C, O] -> [O, K, K, C] (the backward-data layout)."""
+    for kh in range(t.shape[0]):
+        for kw in range(t.shape[1]):
+            for c in range(t.shape[2]):
+                for o in range(t.shape[3]):
+                    out[o, kh, kw, c] = t[kh, kw, c, o]
 
 
 @njit(cache=True)
@@ -528,5 +606,6 @@ TRAINING_KERNELS = (
     conv_forward, linear_forward, maxpool_forward, relu_forward, sse_error, relu_mask,
     max_abs, quantize_error, conv_backward_data, conv_weight_grad, linear_backward_data,
     linear_weight_grad, maxpool_backward, sgd_update, regularizer_terms, ternarize,
+    transpose_kkco_okkc,
     argmax_correct, stream_key, round_log2,
 )

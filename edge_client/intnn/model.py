@@ -13,7 +13,7 @@ Formulas (ALGORITHMS.md §1, s = compute bits, S(k) = 2^(k-1), s_g = max(s, 8)):
 - update: eq. 15-16 with ``eta = 2^(lr_shift + s_g - 8)`` LSBs, stochastic rounding from
   a counter-based SplitMix64 stream keyed by (seed, step, layer).
 
-Internal layouts differ from the spec (NHWC activations, ``[O, K, K, C]`` conv weights,
+Internal layouts differ from the spec (NHWC activations, ``[K, K, C, O]`` conv weights,
 the Linear after a Flatten with its columns in (h, w, c) order); the conversions are
 exact permutations done at the boundary (:meth:`load_int`, :meth:`int_weights`).
 The stochastic-rounding counter ``j`` enumerates a layer's weights in that internal layout.
@@ -80,6 +80,7 @@ class Workspace:
     err_out: np.ndarray
     patch: list[np.ndarray | None]
     pbuf: list[np.ndarray | None]
+    gacc: list[np.ndarray | None]
     grad32: np.ndarray
     grad64: np.ndarray
     extra: np.ndarray
@@ -110,6 +111,9 @@ class IntModel:
         self.internal_shapes = [self._internal_weight_shape(op) for op in self.param_ops]
         self.w = [np.zeros(s, self.wdtype) for s in self.internal_shapes]
         self.t = [np.zeros(s, np.int8) for s in self.internal_shapes]
+        # conv ternary weights again in [O, K, K, C] for backward-data (None for linear)
+        self.tb = [np.zeros((s[3], s[0], s[1], s[2]), np.int8) if op.kind == "conv" else None
+                   for op, s in zip(self.param_ops, self.internal_shapes, strict=True)]
         self._workspaces: dict[tuple[int, bool], Workspace] = {}
 
     # ------------------------------------------------------------------ structure
@@ -157,21 +161,21 @@ class IntModel:
     def _internal_weight_shape(self, op: _Op) -> tuple[int, ...]:
         layer = op.layer
         if op.kind == "conv":
-            return (layer.out_channels, layer.kernel, layer.kernel, layer.in_channels)
+            return (layer.kernel, layer.kernel, layer.in_channels, layer.out_channels)
         return (layer.out_features, layer.in_features)
 
     # ------------------------------------------------------------------ weights
 
     def _to_internal(self, op: _Op, w: np.ndarray) -> np.ndarray:
         if op.kind == "conv":
-            return np.ascontiguousarray(w.transpose(0, 2, 3, 1))
+            return np.ascontiguousarray(w.transpose(2, 3, 1, 0))
         if op.perm is not None:
             return np.ascontiguousarray(w[:, op.perm])
         return np.ascontiguousarray(w)
 
     def _to_spec(self, op: _Op, w: np.ndarray) -> np.ndarray:
         if op.kind == "conv":
-            return np.ascontiguousarray(w.transpose(0, 3, 1, 2))
+            return np.ascontiguousarray(w.transpose(3, 2, 0, 1))
         if op.perm is not None:
             out = np.empty_like(w)
             out[:, op.perm] = w
@@ -195,6 +199,8 @@ class IntModel:
                 raise TrainingError(f"{op.layer.name}: weights exceed the clip bound {self.wmax}")
             self.w[i][...] = self._to_internal(op, q.astype(self.wdtype))
             K.ternarize(self.w[i].reshape(-1), self.thr, self.t[i].reshape(-1))
+            if self.tb[i] is not None:
+                K.transpose_kkco_okkc(self.t[i], self.tb[i])
 
     def load_shared(self, weights: list[np.ndarray]) -> None:
         """Set the weights from the shared float domain (``round(W * S(s_g))``)."""
@@ -239,6 +245,7 @@ class IntModel:
         err_in: list[np.ndarray | None] = []
         patch: list[np.ndarray | None] = []
         pbuf: list[np.ndarray | None] = []
+        gacc: list[np.ndarray | None] = []
         prev = x
         g32 = g64 = 0
         for op in self.ops:
@@ -255,25 +262,32 @@ class IntModel:
                               and op.kind != "relu") else None)
             if op.kind == "conv":
                 r = op.layer.kernel * op.layer.kernel * op.layer.in_channels
-                patch.append(np.zeros(r, ad))
+                patch.append(np.zeros(op.layer.out_channels, np.int32))
                 pbuf.append(np.zeros(r, np.int32) if train else None)
             else:
                 patch.append(None)
                 pbuf.append(None)
             if train and is_param:
                 size = int(np.prod(self.internal_shapes[op.param]))
-                if self.grad_needs_int64(op, n):
-                    op.grad_int64 = True
+                op.grad_int64 = self.grad_needs_int64(op, n)
+                if op.grad_int64:
                     g64 = max(g64, size)
                 else:
                     g32 = max(g32, size)
+                if op.kind == "conv":
+                    gacc.append(np.zeros(op.layer.out_channels,
+                                         np.int64 if op.grad_int64 else np.int32))
+                else:
+                    gacc.append(None)
+            else:
+                gacc.append(None)
             prev = out
         max_param = max((int(np.prod(s)) for s in self.internal_shapes), default=0)
         ws = Workspace(
             capacity=n, x=x, acts=acts, idx=idx, eq=eq, err_in=err_in,
             err_out=np.zeros((n, self.spec.num_classes), np.int32) if train else
             np.zeros((0, 0), np.int32),
-            patch=patch, pbuf=pbuf,
+            patch=patch, pbuf=pbuf, gacc=gacc,
             grad32=np.zeros(g32, np.int32), grad64=np.zeros(g64, np.int64),
             extra=np.zeros(max_param if train else 0, np.int64), train=train,
         )
@@ -369,10 +383,10 @@ class IntModel:
             g = (ws.grad64 if op.grad_int64 else ws.grad32)[:size].reshape(self.w[p].shape)
             if op.kind == "conv":
                 lay = op.layer
-                K.conv_weight_grad(eq, a_in, lay.stride, lay.padding, g, ws.patch[i])
+                K.conv_weight_grad(eq, a_in, lay.stride, lay.padding, g, ws.gacc[i])
                 if op.needs_input_error:
                     dst = ws.err_in[i][:n]
-                    K.conv_backward_data(eq, self.t[p], lay.stride, lay.padding, dst,
+                    K.conv_backward_data(eq, self.tb[p], lay.stride, lay.padding, dst,
                                          ws.pbuf[i])
                     cur = dst
             else:
@@ -393,6 +407,8 @@ class IntModel:
             else:
                 K.sgd_update(wf, g.reshape(-1), lr_log2, self.wmax, self.thr, key,
                              self.t[p].reshape(-1), ws.extra[:0], -1, key)
+            if self.tb[p] is not None:
+                K.transpose_kkco_okkc(self.t[p], self.tb[p])
             if not op.needs_input_error:
                 break
         return int(sse)
