@@ -307,11 +307,11 @@ class Coordinator:
             self._reject(msg, "spoofed", f"topic id {msg.topic_id!r} != payload id {m.device_id!r}")
             return False
         r = self._round
-        if r is None or m.round_id < r:
-            self._drop(msg, "late", f"round {m.round_id}, current {r}")
+        if m.round_id <= self.completed:
+            self._drop(msg, "late", f"round {m.round_id} is closed (current {r})")
             return False
-        if m.round_id > r:
-            self._reject(msg, "wrong_round", f"round {m.round_id}, current {r}")
+        if r is None or m.round_id != r:
+            self._reject(msg, "wrong_round", f"round {m.round_id} is not open (current {r})")
             return False
         if m.device_id not in self._selected:
             self._reject(msg, "not_selected", f"{m.device_id} is not selected in round {r}")

@@ -58,7 +58,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         cfg = DeviceConfig.from_profile(
             args.id, profile, job=args.job, seed=args.seed,
             workdir=Path(args.workdir or f".fedbit-device-{args.id}"),
-            exit_when_done=not args.stay)
+            exit_when_done=not args.stay, train_delay_s=args.delay)
         for k, v in overrides.items():
             setattr(cfg, k, v)
         tls = None
@@ -116,6 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cert", metavar="PEM", help="client certificate")
     p.add_argument("--key", metavar="PEM", help="client key")
     p.add_argument("--insecure", action="store_true", help="skip the TLS hostname check")
+    p.add_argument("--delay", type=float, default=0.0, metavar="S",
+                   help="wait S seconds before each local training (emulate a slow device)")
     p.add_argument("--stay", action="store_true", help="keep running after the coordinator is done")
     p.add_argument("--max-seconds", type=float, default=0.0, help="stop after this long (0: never)")
     p.add_argument("--log-json", action="store_true")

@@ -127,9 +127,11 @@ def encode_update_tensors(weights: list[np.ndarray], names: list[str], codec: st
 class DeviceConfig:
     """A device's identity and behaviour.
 
-    ``workdir`` holds the outbox and the last completed round; ``model_wait_s`` bounds
-    the wait for the model after an announcement; ``exit_when_done`` stops the loop on
-    the coordinator's ``done`` status (seen after this device took part or saw it active).
+    ``workdir`` holds the outbox and the last completed round; ``exit_when_done`` stops
+    the loop on the coordinator's ``done`` status (seen after this device took part or
+    saw it active); ``publish_timeout_s`` bounds the wait for a PUBACK before the update
+    is left to the outbox; ``train_delay_s`` sleeps before each local training (emulates
+    a slow device in trials and tests).
     """
 
     device_id: str
@@ -145,6 +147,8 @@ class DeviceConfig:
     limits: Limits = DEFAULT_LIMITS
     resend_interval_s: float = 1.0
     connect_timeout_s: float = 30.0
+    publish_timeout_s: float = 10.0
+    train_delay_s: float = 0.0
 
     @classmethod
     def from_profile(cls, device_id: str, profile: Any, **kw: Any) -> DeviceConfig:
@@ -182,6 +186,7 @@ class DeviceRuntime:
         self.outbox = Outbox(Path(cfg.workdir) / "outbox")
         self._state_path = Path(cfg.workdir) / "device-state.json"
         self.rounds_done: list[int] = []
+        self.run_token = ""
         self.last_done = self._load_last_done()
         self.announcement: RoundAnnouncement | None = None
         self.models: dict[str, ModelMessage] = {}
@@ -202,15 +207,18 @@ class DeviceRuntime:
     # ------------------------------------------------------------------ state
 
     def _load_last_done(self) -> int:
+        """Last round this device trained in the coordinator run ``self.run_token``."""
         try:
-            return int(json.loads(self._state_path.read_text())["last_done"])
-        except (OSError, ValueError, KeyError, TypeError):
+            st = json.loads(self._state_path.read_text())
+            self.run_token = str(st.get("run", ""))
+            return int(st["last_done"])
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
             return -1
 
     def _save_last_done(self, r: int) -> None:
         self._state_path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self._state_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"last_done": r}))
+        tmp.write_text(json.dumps({"run": self.run_token, "last_done": r}))
         tmp.replace(self._state_path)
 
     def hello(self) -> Hello:
@@ -316,7 +324,7 @@ class DeviceRuntime:
                         or time.time() >= self.announcement.deadline):
                     self.outbox.remove(item)
                 continue
-            if t.publish(item.topic, item.payload(), qos=1, timeout=5.0):
+            if t.publish(item.topic, item.payload(), qos=1, timeout=self.cfg.publish_timeout_s):
                 self.outbox.remove(item)
                 self.resent += 1
                 self.log.info("re-sent update of round %d from the outbox", item.round_id)
@@ -325,12 +333,20 @@ class DeviceRuntime:
         a = self.announcement
         if a is None or self.cfg.device_id not in a.selected:
             return
+        run = str(a.hparams.get("run", ""))
+        if run != self.run_token:  # a new coordinator run: round ids start again
+            self.run_token, self.last_done = run, -1
         if a.round_id <= self.last_done or time.time() >= a.deadline:
             return
         m = self.models.get(self.variant)
         want = a.variants.get(self.variant)
         if m is None or m.round_id != a.round_id or want is None or m.digest != want:
             return
+        if self.cfg.train_delay_s > 0:
+            self.log.info("round %d: waiting %.1f s (emulated slow device)", a.round_id,
+                          self.cfg.train_delay_s)
+            if self.stop_event.wait(self.cfg.train_delay_s):
+                return
         payload = self.train_round(a, m)
         self.last_done = a.round_id
         self.rounds_done.append(a.round_id)
@@ -338,7 +354,7 @@ class DeviceRuntime:
         item = self.outbox.put(a.round_id, self.t_update, payload)
         t = self.transport
         assert t is not None
-        if t.publish(self.t_update, payload, qos=1, timeout=10.0):
+        if t.publish(self.t_update, payload, qos=1, timeout=self.cfg.publish_timeout_s):
             self.outbox.remove(item)
             self.sent += 1
             self.log.info("round %d: update sent (%d bytes)", a.round_id, len(payload))

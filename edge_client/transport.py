@@ -398,6 +398,21 @@ class MqttTransport:
                 except OSError:
                     pass
 
+    def kill(self) -> None:
+        """Stop as a crashed process would: no DISCONNECT, no more network I/O, no acks
+        (the broker publishes the will and keeps unacked messages for the session)."""
+        client = self._client
+        self._closed = True
+        self._connected.clear()
+        if client is not None:
+            client.loop_stop()  # stops the network thread; the socket stays open
+            sock = client.socket()
+            if sock is not None:
+                try:
+                    sock.close()
+                except OSError:
+                    pass
+
     def close(self, clear_will: tuple[str, bytes] | None = None) -> None:
         """Optionally publish ``clear_will`` (e.g. presence offline), DISCONNECT, stop."""
         if self._closed:

@@ -1,0 +1,193 @@
+"""The broker helpers and the MQTT transport against real brokers on loopback."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from coordinator.broker import MosquittoBroker, free_port, start_embedded_broker
+from edge_client.errors import ConfigError, ProtocolError
+from edge_client.transport import LocalHub, MqttTransport, parse_broker_url, topic_matches
+
+BIN = Path(sys.executable).parent
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie still answers kill(0); read its state
+    try:
+        return Path(f"/proc/{pid}/status").read_text().find("State:\tZ") < 0
+    except OSError:
+        return False
+
+
+def test_mosquitto_config_applies_the_measured_fixes(tmp_path: Path) -> None:
+    b = MosquittoBroker(1883, workdir=tmp_path, binary="/bin/true", max_packet_size=12345,
+                        persistence=True)
+    text = b.config_text()
+    assert "max_queued_messages 0" in text          # the default 1000 drops QoS 1 silently
+    assert "max_packet_size 12345" in text
+    assert "message_size_limit" not in text         # deprecated: drops silently under 3.1.1
+    assert "listener 1883 127.0.0.1" in text
+    assert "autosave_interval 1" in text
+    assert ("user root" in text) == (os.geteuid() == 0)
+
+
+def test_parse_broker_url() -> None:
+    a = parse_broker_url("mqtts://dev%40x:p%3Ass@broker.lan")
+    assert (a.host, a.port, a.tls, a.username, a.password) == ("broker.lan", 8883, True, "dev@x", "p:ss")
+    b = parse_broker_url("mqtt://127.0.0.1:1999")
+    assert (b.port, b.tls, b.username) == (1999, False, None)
+    for bad in ("http://x", "mqtt://", "mqtt://h:99999"):
+        with pytest.raises(ConfigError):
+            parse_broker_url(bad)
+
+
+def test_topic_matching() -> None:
+    assert topic_matches("fedbit/j/update/+", "fedbit/j/update/d1")
+    assert not topic_matches("fedbit/j/update/+", "fedbit/j/update/d1/x")
+    assert topic_matches("fedbit/#", "fedbit/j/round")
+    assert not topic_matches("fedbit/j/round", "fedbit/j/status")
+
+
+def test_mosquitto_stops_by_pid(mosquitto_bin: str) -> None:
+    b = MosquittoBroker(binary=mosquitto_bin).start()
+    pid = b.pid
+    assert pid is not None and _pid_alive(pid)
+    b.stop()
+    assert not _pid_alive(pid)
+    assert not b.workdir.exists()
+
+
+def test_protocol_negotiation(mosquitto: MosquittoBroker, amqtt_broker) -> None:
+    for url, want in ((mosquitto.url, "5"), (amqtt_broker.url, "3.1.1")):
+        t = MqttTransport(url, "probe-test")
+        t.connect(timeout=10)
+        try:
+            assert t.version == want
+        finally:
+            t.close()
+
+
+def test_pubsub_retained_will_and_reconnect(any_broker) -> None:
+    sub = MqttTransport(any_broker.url, "sub", subscriptions=["t/#"])
+    pub = MqttTransport(any_broker.url, "pub", will=("t/will", b"gone"),
+                        birth=[("t/born", b"hi", True)], backoff=(1, 2))
+    sub.connect(10)
+    pub.connect(10)
+    try:
+        got = {}
+        end = time.monotonic() + 5
+        while "t/born" not in got and time.monotonic() < end:
+            m = sub.recv(0.5)
+            if m:
+                got[m.topic] = m.payload
+        assert got.get("t/born") == b"hi"
+        payload = os.urandom(300_000)
+        assert pub.publish("t/big", payload, retain=True, timeout=10)
+        m = sub.recv(5)
+        assert m is not None and m.topic == "t/big" and m.payload == payload and m.qos == 1
+        pub.drop_connection()                      # no DISCONNECT: the broker sends the will
+        m = sub.recv(10)
+        assert m is not None and (m.topic, m.payload) == ("t/will", b"gone")
+        end = time.monotonic() + 10
+        while pub.connects < 2 and time.monotonic() < end:
+            time.sleep(0.1)
+        assert pub.connects >= 2 and pub.connected  # reconnected with backoff
+        # a late subscriber gets the retained message
+        late = MqttTransport(any_broker.url, "late", subscriptions=["t/big"])
+        late.connect(10)
+        try:
+            # (amqtt 0.12.1 has been seen to also hand a new session an unrelated retained
+            # message; the device loop checks every topic, so only look for ours here)
+            end = time.monotonic() + 5
+            m = late.recv(1)
+            while m is not None and m.topic != "t/big" and time.monotonic() < end:
+                m = late.recv(1)
+            assert m is not None and m.retain and m.payload == payload
+        finally:
+            late.close()
+    finally:
+        pub.close()
+        sub.close()
+
+
+def test_transport_refuses_oversized_payloads_locally() -> None:
+    hub = LocalHub()
+    t = hub.client("x", max_payload=10)
+    t.connect()
+    with pytest.raises(ProtocolError, match="payload"):
+        t.publish("a/b", b"x" * 11)
+
+
+def test_unacked_message_is_redelivered_after_a_crash(mosquitto: MosquittoBroker) -> None:
+    """Manual ack + persistent session (v5): a message received but not acked before a
+    crash comes back to the next session with the same client id."""
+    kw = {"subscriptions": ["q/#"], "manual_ack": True, "persistent_session": True}
+    c1 = MqttTransport(mosquitto.url, "coord-x", **kw)
+    c1.connect(10)
+    pub = MqttTransport(mosquitto.url, "pub-x")
+    pub.connect(10)
+    try:
+        assert pub.publish("q/1", b"update-1", timeout=5)
+        m = c1.recv(5)
+        assert m is not None and m.payload == b"update-1"
+        c1.kill()                                  # crash before persisting/acking
+        assert pub.publish("q/2", b"update-2", timeout=5)  # arrives while it is down
+        c2 = MqttTransport(mosquitto.url, "coord-x", **kw)
+        c2.connect(10)
+        try:
+            seen = []
+            end = time.monotonic() + 10
+            while len(seen) < 2 and time.monotonic() < end:
+                m = c2.recv(0.5)
+                if m is not None:
+                    seen.append(m.payload)
+                    c2.ack(m)
+            assert sorted(seen) == [b"update-1", b"update-2"]
+        finally:
+            c2.close()
+    finally:
+        pub.close()
+
+
+def test_embedded_prefers_mosquitto_and_falls_back(mosquitto_bin: str) -> None:
+    b = start_embedded_broker()
+    try:
+        assert b.kind == "mosquitto"
+    finally:
+        b.stop()
+    a = start_embedded_broker(prefer="amqtt")
+    try:
+        assert a.kind == "amqtt" and a.url.startswith("mqtt://127.0.0.1:")
+    finally:
+        a.stop()
+    with pytest.raises(ConfigError):
+        start_embedded_broker(prefer="rabbit")
+
+
+def test_fedbit_broker_cli_runs_until_sigterm(mosquitto_bin: str) -> None:
+    port = free_port()
+    p = subprocess.Popen([str(BIN / "fedbit"), "broker", "--port", str(port)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = p.stdout.readline()
+        assert f"mqtt://127.0.0.1:{port}" in line and "mosquitto" in line
+        t = MqttTransport(f"mqtt://127.0.0.1:{port}", "cli-test")
+        t.connect(10)
+        t.close()
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(timeout=15) == 0
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()

@@ -1,0 +1,100 @@
+"""Durable coordinator state: atomic files, checkpoints, the inbox, metrics repair."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from coordinator.state import Checkpoint, RoundPlan, RunState, atomic_write, dumps, loads
+from edge_client.errors import ConfigError
+from edge_client.outbox import Outbox
+
+
+def test_atomic_write_replaces_and_leaves_no_temp_files(tmp_path: Path) -> None:
+    p = tmp_path / "f.bin"
+    atomic_write(p, b"one")
+    atomic_write(p, b"two")
+    assert p.read_bytes() == b"two"
+    assert sorted(os.listdir(tmp_path)) == ["f.bin"]
+
+
+def test_dumps_roundtrips_arrays_and_int_keys() -> None:
+    obj = {"w": [np.arange(6, dtype=np.float32).reshape(2, 3)], 8: {"x": np.int16(3)}}
+    back = loads(dumps(obj))
+    np.testing.assert_array_equal(back["w"][0], obj["w"][0])
+    assert back["w"][0].dtype == np.float32 and back["w"][0].flags.writeable
+    assert back[8]["x"] == 3
+
+
+def test_checkpoint_roundtrip_including_rng_state(tmp_path: Path) -> None:
+    st = RunState(tmp_path)
+    rng = np.random.default_rng(7)
+    rng.random(5)
+    ck = Checkpoint(job="j", model="mlp", completed_round=3,
+                    weights=[np.ones((2, 2), np.float32)], group_weights={8: [np.zeros(3, np.float32)]},
+                    strategy_state={"sigma_g": [0.5, 0.25]},
+                    rng_state={"json": json.dumps(rng.bit_generator.state)},
+                    metrics={"round": 3, "accuracy": 0.5}, devices={"d1": {"device_id": "d1"}})
+    st.save_checkpoint(ck)
+    back = st.load_checkpoint()
+    assert back is not None and back.completed_round == 3
+    np.testing.assert_array_equal(back.weights[0], ck.weights[0])
+    assert list(back.group_weights) == [8]
+    r2 = np.random.default_rng(0)
+    r2.bit_generator.state = json.loads(back.rng_state["json"])
+    assert r2.random() == rng.random()   # the selection RNG continues where it stopped
+    (tmp_path / "checkpoint.msgpack").write_bytes(b"\xc1junk")
+    with pytest.raises(ConfigError, match="checkpoint"):
+        st.load_checkpoint()
+
+
+def test_inbox_put_items_prune(tmp_path: Path) -> None:
+    st = RunState(tmp_path)
+    st.inbox_put(2, "b", b"B")
+    st.inbox_put(2, "a", b"A")
+    st.inbox_put(3, "a", b"A3")
+    assert st.inbox_has(2, "a") and not st.inbox_has(2, "c")
+    assert st.inbox_items(2) == [("a", b"A"), ("b", b"B")]
+    st.inbox_prune(3)
+    assert st.inbox_items(2) == [] and st.inbox_items(3) == [("a", b"A3")]
+
+
+def test_plan_roundtrip(tmp_path: Path) -> None:
+    st = RunState(tmp_path)
+    assert st.load_plan() is None
+    plan = RoundPlan(4, ["a", "b"], 123.5, {"float32": "0" * 64}, {"epochs": 1})
+    st.save_plan(plan)
+    assert st.load_plan() == plan
+
+
+def test_repair_metrics_keeps_exactly_one_line_per_completed_round(tmp_path: Path) -> None:
+    st = RunState(tmp_path)
+    for r in (1, 2, 2, 3, 4):
+        st.append_metrics({"round": r, "accuracy": 0.1 * r})
+    with open(st.metrics_path, "a") as f:
+        f.write('{"round": 5, "accur')          # torn by a crash
+    ck = Checkpoint(job="j", model="mlp", completed_round=3, weights=[], metrics={"round": 3})
+    st.repair_metrics(ck)
+    assert [m["round"] for m in st.read_metrics()] == [1, 2, 3]
+    # crash between the checkpoint and the metrics append: restored from the checkpoint
+    ck4 = Checkpoint(job="j", model="mlp", completed_round=4, weights=[], metrics={"round": 4, "x": 1})
+    st.repair_metrics(ck4)
+    assert st.read_metrics()[-1] == {"round": 4, "x": 1}
+
+
+def test_outbox_keeps_only_the_open_round(tmp_path: Path) -> None:
+    ob = Outbox(tmp_path / "ob")
+    ob.put(3, "fedbit/j/update/d1", b"r3")
+    ob.put(4, "fedbit/j/update/d1", b"r4")
+    items = ob.pending()
+    assert [(i.round_id, i.topic, i.payload()) for i in items] == [
+        (3, "fedbit/j/update/d1", b"r3"), (4, "fedbit/j/update/d1", b"r4")]
+    assert ob.discard_closed(4) == 1
+    assert [i.round_id for i in ob.pending()] == [4]
+    ob.remove(ob.pending()[0])
+    assert len(ob) == 0
+    assert not [p for p in (tmp_path / "ob").iterdir()]   # no temp files left behind
