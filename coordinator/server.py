@@ -140,6 +140,8 @@ def classify(exc: ProtocolError) -> str:
         return "nonfinite"
     if "exceed" in text and text.startswith("payload"):
         return "oversized"
+    if ".shape" in text or " layers, model " in text or "decoded shape" in text:
+        return "wrong_shape"
     return "malformed"
 
 
