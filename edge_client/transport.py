@@ -357,18 +357,28 @@ class MqttTransport:
         client = self._client
         if client is None or self._closed:
             return False
-        info = client.publish(topic, payload, qos=qos, retain=retain)
-        if info.rc not in (0, 4):  # MQTT_ERR_SUCCESS, MQTT_ERR_NO_CONN (queued for reconnect)
+        try:
+            info = client.publish(topic, payload, qos=qos, retain=retain)
+        except Exception as exc:  # noqa: BLE001 - paho raises on closed sockets etc.
+            self.last_error = f"publish: {exc!r}"
+            return False
+        if info.rc != 0:
+            # MQTT_ERR_NO_CONN: paho keeps a QoS 1 message queued and may still send it
+            # after a reconnect; the caller's outbox re-sends it too (receivers dedup).
             self.last_error = f"publish rc={info.rc}"
             return False
         if timeout <= 0:
-            return info.rc == 0
+            return True
         end = time.monotonic() + timeout
-        while time.monotonic() < end:
-            if info.is_published():
-                return True
-            time.sleep(0.005)
-        return info.is_published()
+        try:
+            while time.monotonic() < end:
+                if info.is_published():
+                    return True
+                time.sleep(0.005)
+            return info.is_published()
+        except (RuntimeError, ValueError) as exc:  # the connection was lost meanwhile
+            self.last_error = f"publish: {exc}"
+            return False
 
     def recv(self, timeout: float | None = None) -> Received | None:
         """Next received message, or None after ``timeout`` seconds."""

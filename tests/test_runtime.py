@@ -1,0 +1,212 @@
+"""The device loop over a real mosquitto: the outbox across a broker restart and a device
+restart, round closing, SIGTERM; and the per-profile update encoding."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from coordinator.broker import MosquittoBroker
+from coordinator.fleet import InProcessFleet, MqttFleet
+from coordinator.server import Coordinator, ServerConfig
+from coordinator.state import RunState
+from coordinator.strategies import build_strategy
+from edge_client.intnn import init_shared
+from edge_client.protocol import (
+    Presence,
+    RoundAnnouncement,
+    decode_message,
+    encode_message,
+    topic,
+)
+from edge_client.runtime import DeviceConfig, DeviceRuntime, encode_update_tensors
+from edge_client.transport import MqttTransport
+from firmware_models import get_spec
+
+JOB = "rt"
+SPEC = get_spec("mlp")
+BIN = Path(sys.executable).parent
+
+
+class ShiftTrainer:
+    def __init__(self, shift: float = 0.01, on_train=None) -> None:
+        self.shift, self.on_train, self.w = np.float32(shift), on_train, []
+
+    def load_shared(self, weights):
+        self.w = [np.array(w, dtype=np.float32) for w in weights]
+
+    def train(self, data, **_kw):
+        if self.on_train:
+            self.on_train()
+        self.w = [w + self.shift for w in self.w]
+        return SimpleNamespace(loss=0.1)
+
+    def to_shared(self):
+        return [w.copy() for w in self.w]
+
+
+def data(n: int = 12) -> SimpleNamespace:
+    return SimpleNamespace(x=np.zeros((n, 1, 8, 8), np.float32), y=np.zeros(n, np.int64))
+
+
+def run_coordinator(url: str, out: Path, **kw) -> tuple[Coordinator, threading.Thread, dict]:
+    cfg = ServerConfig(job=JOB, model="mlp", **({"rounds": 1, "min_devices": 1, "round_timeout_s": 30,
+                                                 "presence_timeout_s": 30} | kw))
+    co = Coordinator(cfg, MqttFleet(url, JOB), build_strategy("fedavg"), RunState(out),
+                     evaluator=None, init_weights=init_shared(SPEC, 0))
+    result: dict = {}
+
+    def main():
+        try:
+            result["history"] = co.run()
+        except BaseException as exc:  # noqa: BLE001 - surfaced by the test
+            result["error"] = exc
+        finally:
+            co.fleet.close()
+
+    th = threading.Thread(target=main, daemon=True)
+    th.start()
+    return co, th, result
+
+
+def device(url: str, workdir: Path, dev: str = "dev1", trainer=None, transport_cls=MqttTransport,
+           **cfg_kw) -> tuple[DeviceRuntime, threading.Thread]:
+    cfg = DeviceConfig(dev, 32, "torch", "float32", 32, job=JOB, workdir=workdir,
+                       publish_timeout_s=1.5, **cfg_kw)
+
+    def connect(**kw):
+        return transport_cls(url, dev, backoff=(0.5, 1.0), **kw)
+
+    rt = DeviceRuntime(cfg, data(), connect,
+                       trainer_factory=lambda spec, bits, seed: trainer or ShiftTrainer())
+    th = threading.Thread(target=rt.run, kwargs={"max_seconds": 60}, daemon=True)
+    th.start()
+    return rt, th
+
+
+def test_update_survives_a_broker_crash_mid_upload(mosquitto: MosquittoBroker, tmp_path: Path) -> None:
+    """The broker dies while the device trains; the publish fails, the update waits in the
+    outbox, the broker comes back on the same port, the device reconnects and re-sends."""
+    port, workdir = mosquitto.port, mosquitto.workdir
+    restarted: list[MosquittoBroker] = []
+
+    def crash_broker():
+        if restarted:
+            return
+        mosquitto.kill()
+
+        def back():
+            time.sleep(2.0)
+            restarted.append(MosquittoBroker(port, workdir=workdir, persistence=True,
+                                             binary=mosquitto.binary).start())
+
+        threading.Thread(target=back, daemon=True).start()
+        restarted.append(None)  # type: ignore[arg-type]  # mark: crash done
+
+    co, th, result = run_coordinator(mosquitto.url, tmp_path / "out")
+    try:
+        rt, dth = device(mosquitto.url, tmp_path / "dev1", trainer=ShiftTrainer(on_train=crash_broker))
+        th.join(40)
+        assert "error" not in result, result.get("error")
+        hist = result["history"]
+        assert hist[0]["accepted_ids"] == ["dev1"]
+        assert rt.resent >= 1                      # it came from the outbox
+        assert rt.rounds_done == [1]
+        dth.join(10)
+        assert len(rt.outbox) == 0
+    finally:
+        for b in restarted:
+            if b is not None:
+                b.stop()
+
+
+class DiesMidUpload(MqttTransport):
+    """The process 'dies' while publishing its update: no PUBACK, no more network."""
+
+    def publish(self, topic_name, payload, **kw):
+        if "/update/" in topic_name:
+            self.kill()
+            return False
+        return super().publish(topic_name, payload, **kw)
+
+
+def test_restarted_device_sends_its_update_from_the_outbox(mosquitto: MosquittoBroker, tmp_path: Path) -> None:
+    co, th, result = run_coordinator(mosquitto.url, tmp_path / "out")
+    wd = tmp_path / "dev1"
+    rt1, t1 = device(mosquitto.url, wd, transport_cls=DiesMidUpload)
+    end = time.monotonic() + 20
+    while not rt1.rounds_done and time.monotonic() < end:
+        time.sleep(0.05)
+    rt1.stop()
+    t1.join(10)
+    assert rt1.rounds_done == [1] and rt1.sent == 0 and len(rt1.outbox) == 1
+    rt2, t2 = device(mosquitto.url, wd)            # same workdir: same outbox and state
+    th.join(30)
+    assert "error" not in result, result.get("error")
+    assert result["history"][0]["accepted_ids"] == ["dev1"]
+    t2.join(10)
+    assert rt2.resent == 1 and rt2.rounds_done == []   # re-sent, not re-trained
+    assert len(rt2.outbox) == 0
+
+
+def test_outbox_items_of_closed_rounds_are_discarded(tmp_path: Path) -> None:
+    fleet = InProcessFleet(JOB)
+    cfg = DeviceConfig("d", 32, "torch", "float32", 32, job=JOB, workdir=tmp_path)
+    rt = DeviceRuntime(cfg, data(), fleet.device_connector("d"),
+                       trainer_factory=lambda *a: ShiftTrainer())
+    rt.outbox.put(1, topic(JOB, "update", "d"), b"stale")
+    ann = RoundAnnouncement(JOB, 2, "mlp", ("other",), time.time() + 30, {"float32": "0" * 64})
+    fleet.hub.route(topic(JOB, "round"), encode_message(ann), True)
+    rt.run(max_seconds=1.0)
+    assert len(rt.outbox) == 0
+
+
+def test_int_update_encoding_uses_the_storage_grid_when_needed() -> None:
+    q = [np.array([[-64, 0, 63]], np.int8), np.array([3, -2], np.int8)]
+    w = [x.astype(np.float32) / 128 for x in q]
+    t = encode_update_tensors(w, ["a", "b"], "int", 6, int_weights=q, compute_bits=6)
+    assert [x.codec for x in t] == ["int", "int"]
+    assert t[0].bits == 8            # |q| up to 64 needs 8 bits on the 8-bit grid
+    assert t[1].bits == 6            # small integers keep the profile's 6 bits
+    assert t[1].nbytes == 2
+    f = encode_update_tensors(w, ["a", "b"], "float32", 32)
+    assert f[0].codec == "float32" and f[0].nbytes == 12
+
+
+def test_fedbit_edge_run_stops_cleanly_on_sigterm(mosquitto: MosquittoBroker, tmp_path: Path) -> None:
+    watcher = MqttTransport(mosquitto.url, "watch", subscriptions=[topic(JOB, "presence", "sig1")])
+    watcher.connect(10)
+    p = subprocess.Popen([str(BIN / "fedbit-edge"), "run", "--broker", mosquitto.url,
+                          "--profile", "raspberry-pi-4", "--data", "digits:1/8", "--id", "sig1",
+                          "--job", JOB, "--workdir", str(tmp_path / "sig1")],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        m = watcher.recv(30)
+        assert m is not None and decode_message(m.payload) == Presence("sig1", True)
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(timeout=15) == 0
+        assert "stopped after 0 round(s)" in p.stdout.read()
+        m = watcher.recv(10)
+        assert m is not None and decode_message(m.payload) == Presence("sig1", False)
+    finally:
+        watcher.close()
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
+@pytest.mark.parametrize("bad", ["mqtt://127.0.0.1:1", "mqtts://127.0.0.1:1"])
+def test_unreachable_broker_fails_after_the_timeout(bad: str) -> None:
+    t = MqttTransport(bad, "x", backoff=(0.2, 0.4))
+    t0 = time.monotonic()
+    with pytest.raises(ConnectionError, match="unreachable"):
+        t.connect(timeout=1.0)
+    assert time.monotonic() - t0 < 5
