@@ -371,15 +371,17 @@ class Coordinator:
         idx = self.rng.choice(len(present), size=k, replace=False)
         return sorted(present[i] for i in idx)
 
-    def _variants(self, selected: list[str]) -> dict[str, bytes]:
-        """Encoded model messages of the variants the selected devices need."""
+    def _variants(self, selected: list[str], wanted: set[str] | None = None) -> dict[str, bytes]:
+        """Encoded model messages of the variants the selected devices need (or of
+        ``wanted``, the variants a resumed round announced)."""
         r = self._round
         assert r is not None
-        wanted = {"float32"}
-        for d in selected:
-            h = self.devices[d].hello if d in self.devices else None
-            if h is not None:
-                wanted.add(variant_of(h))
+        if wanted is None:
+            wanted = {"float32"}
+            for d in selected:
+                h = self.devices[d].hello if d in self.devices else None
+                if h is not None:
+                    wanted.add(variant_of(h))
         server_state = self.strategy.server_state() if hasattr(self.strategy, "server_state") else {}
         lgs = server_state.get("last_global_step") or None
         sigma = server_state.get("sigma_g") or ()
@@ -419,9 +421,9 @@ class Coordinator:
             selected = list(plan.selected)
         self._selected = set(selected)
         tc = time.perf_counter()
-        payloads = self._variants(selected)
+        payloads = self._variants(selected, set(plan.variants) if plan is not None else None)
         digests = {v: decode_message(p, cfg.limits).digest for v, p in payloads.items()}  # type: ignore[union-attr]
-        if plan is not None and any(plan.variants.get(v) != d for v, d in digests.items() if v in plan.variants):
+        if plan is not None and digests != plan.variants:
             raise ConfigError(f"round {r}: the resumed model differs from the announced one")
         hparams = dict(cfg.hparams) | {"run": self.run_id}
         plan = RoundPlan(round_id=r, selected=selected, deadline=time.time() + cfg.round_timeout_s,
@@ -553,9 +555,8 @@ class Coordinator:
         elif self.state.checkpoint_path.exists() or self.state.plan_path.exists():
             raise ConfigError(f"{self.state.dir} holds a previous run: pass --resume or use another --out")
         self.fleet.start()
-        if resume:
-            # presence + hellos are retained: let them arrive before selecting again
-            self.pump(time.monotonic() + 0.3)
+        # (no pump here: on resume, messages queued for this session, such as updates of
+        # the open round, are handled once that round is set up again)
         if not resume or self.completed == 0 and plan is None:
             self.fleet.publish_status(encode_message(Status("waiting", 0, "coordinator started")))
         try:

@@ -1,0 +1,218 @@
+"""The running system: ``fedbit serve`` and ``fedbit-edge run`` as real subprocesses over
+real brokers on loopback (embedded mosquitto, embedded amqtt, a mosquitto started here)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import msgpack
+import numpy as np
+import pytest
+
+from coordinator.state import RunState
+from edge_client.intnn import init_shared
+from edge_client.protocol import Status, Update, decode_message, encode_message, float32_tensor, topic
+from edge_client.transport import MqttTransport
+from firmware_models import get_spec
+
+BIN = Path(sys.executable).parent
+MODEL = "mlp"
+FLEET = ["raspberry-pi-4", "desktop", "raspberry-pi-4", "desktop"]  # Int8 + float32
+
+
+class Procs:
+    """Subprocesses started by a test; every one is ended by PID in ``close``."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.items: list[subprocess.Popen] = []
+
+    def start(self, name: str, *args: str) -> subprocess.Popen:
+        out = open(self.tmp / f"{name}.out", "wb")  # noqa: SIM115
+        err = open(self.tmp / f"{name}.err", "wb")  # noqa: SIM115
+        p = subprocess.Popen([str(BIN / args[0]), *args[1:]], stdout=out, stderr=err,
+                             env=os.environ | {"PYTHONUNBUFFERED": "1"})
+        p.name = name  # type: ignore[attr-defined]
+        self.items.append(p)
+        return p
+
+    def text(self, name: str, stream: str = "out") -> str:
+        return (self.tmp / f"{name}.{stream}").read_text(errors="replace")
+
+    def close(self) -> None:
+        for p in self.items:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in self.items:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(timeout=10)
+
+
+@pytest.fixture
+def procs(tmp_path: Path):
+    p = Procs(tmp_path)
+    try:
+        yield p
+    finally:
+        p.close()
+
+
+def serve_args(out: Path, *extra: str, rounds: int = 3, devices: int = 4) -> list[str]:
+    return ["fedbit", "serve", "--model", MODEL, "--rounds", str(rounds), "--strategy", "fedavg",
+            "--out", str(out), "--job", "sys", "--min-devices", str(devices), "--round-timeout", "60",
+            "--presence-timeout", "60", "--steps", "8", "--log-json", *extra]
+
+
+def start_devices(procs: Procs, url: str, tmp: Path, fleet=FLEET, extra=None) -> list[subprocess.Popen]:
+    out = []
+    for i, prof in enumerate(fleet):
+        dev = f"dev{i + 1}"
+        args = ["fedbit-edge", "run", "--broker", url, "--profile", prof, "--data",
+                f"digits:{i + 1}/{len(fleet)}", "--id", dev, "--job", "sys", "--seed", str(i),
+                "--workdir", str(tmp / dev), "--max-seconds", "100", *((extra or {}).get(dev, []))]
+        out.append(procs.start(dev, *args))
+    return out
+
+
+def wait_for(cond, timeout: float, what: str, step: float = 0.05):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        v = cond()
+        if v:
+            return v
+        time.sleep(step)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def embedded_url(procs: Procs, name: str) -> str:
+    def find():
+        for line in procs.text(name).splitlines():
+            if line.startswith("broker: mqtt://"):
+                return line.split()[1]
+        return None
+    return wait_for(find, 30, "the embedded broker URL")
+
+
+def check_run(out: Path, rounds: int, devices: int) -> list[dict]:
+    st = RunState(out)
+    lines = st.read_metrics()
+    assert [m["round"] for m in lines] == list(range(1, rounds + 1))
+    for m in lines:
+        assert m["accepted"] == devices and len(set(m["accepted_ids"])) == devices
+        assert m["weight_change_l2"] > 0
+        assert isinstance(m["accuracy"], float) and 0.0 <= m["accuracy"] <= 1.0
+    ck = st.load_checkpoint()
+    assert ck is not None and ck.completed_round == rounds
+    init = init_shared(get_spec(MODEL), 0)
+    assert any(not np.array_equal(a, b) for a, b in zip(ck.weights, init, strict=True))
+    return lines
+
+
+def finish(procs: Procs, coord: subprocess.Popen, devs: list[subprocess.Popen], timeout: float = 90) -> None:
+    try:
+        rc = coord.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise AssertionError("coordinator did not finish:\n" + procs.text(coord.name, "err")[-3000:]) from None
+    assert rc == 0, procs.text(coord.name, "err")[-3000:]
+    for d in devs:
+        assert d.wait(timeout=30) == 0, procs.text(d.name, "err")[-2000:]
+
+
+@pytest.mark.parametrize("kind", ["auto", "amqtt"])
+def test_three_rounds_over_the_embedded_broker(kind: str, procs: Procs, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    coord = procs.start("coord", *serve_args(out, "--embedded", kind))
+    url = embedded_url(procs, "coord")
+    devs = start_devices(procs, url, tmp_path)
+    finish(procs, coord, devs)
+    check_run(out, 3, 4)
+    text = procs.text("coord")
+    want = "amqtt" if kind == "amqtt" else ("mosquitto" if os.environ.get("CI") == "true" or
+                                               __import__("shutil").which("mosquitto") else "amqtt")
+    assert f"(embedded {want};" in text
+    for d in ("dev1", "dev2"):
+        assert "stopped after 3 round(s)" in procs.text(d)
+
+
+def _nan_update(dev: str, r: int) -> bytes:
+    shapes = get_spec(MODEL).param_shapes()
+    good = encode_message(Update(dev, r, 5, 32, "weights",
+                                 tuple(float32_tensor(np.zeros(s, np.float32)) for s in shapes)))
+    body = msgpack.unpackb(good, raw=False)
+    body["tensors"][1]["data"] = np.full(int(np.prod(shapes[1])), np.inf, "<f4").tobytes()
+    return msgpack.packb(body, use_bin_type=True)
+
+
+def test_three_rounds_over_mosquitto_with_bad_updates(mosquitto, procs: Procs, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    coord = procs.start("coord", *serve_args(out, "--broker", mosquitto.url, "--max-payload", "200000"))
+    evil = MqttTransport(mosquitto.url, "evil", subscriptions=[topic("sys", "status")])
+    evil.connect(10)
+    try:
+        def waiting():
+            m = evil.recv(0.2)
+            return m is not None and isinstance(decode_message(m.payload), Status) and \
+                decode_message(m.payload).state == "waiting"
+        wait_for(waiting, 30, "the coordinator's waiting status")
+        shapes = get_spec(MODEL).param_shapes()
+        ok = encode_message(Update("dev1", 1, 5, 32, "weights",
+                                   tuple(float32_tensor(np.zeros(s, np.float32)) for s in shapes)))
+        up = topic("sys", "update", "dev1")
+        for payload, t in [(b"\xc1\xc1 garbage", up),                                  # malformed
+                           (ok, topic("sys", "update", "dev2")),                       # spoofed
+                           (encode_message(Update("dev1", 9, 5, 32, "weights", decode_message(ok).tensors)), up),  # wrong round
+                           (b"\x00" * 300_000, up),                                    # oversized
+                           (_nan_update("dev1", 1), up)]:                              # Inf
+            assert evil.publish(t, payload, timeout=5)
+    finally:
+        evil.close()
+    devs = start_devices(procs, mosquitto.url, tmp_path)
+    finish(procs, coord, devs)
+    lines = check_run(out, 3, 4)
+    total: dict[str, int] = {}
+    for m in lines:
+        for k, v in m["counts"].items():
+            total[k] = total.get(k, 0) + v
+    for reason in ("malformed", "spoofed", "wrong_round", "oversized", "nonfinite"):
+        assert total.get(f"rejected_{reason}") == 1, (reason, total)
+    logged = [json.loads(ln) for ln in procs.text("coord", "err").splitlines() if ln.startswith("{")]
+    reasons = {r.get("reason") for r in logged if r.get("event") == "reject"}
+    assert {"malformed", "spoofed", "wrong_round", "oversized", "nonfinite"} <= reasons
+
+
+def test_kill9_mid_round_then_resume(mosquitto, procs: Procs, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    args = serve_args(out, "--broker", mosquitto.url, rounds=3, devices=3)
+    coord = procs.start("coord1", *args)
+    # dev3 is slow: round 2 stays open ~3 s after dev1/dev2 answered
+    devs = start_devices(procs, mosquitto.url, tmp_path, fleet=FLEET[:3],
+                         extra={"dev3": ["--delay", "3"]})
+    st = RunState(out)
+    wait_for(lambda: len(st.read_metrics()) == 1, 60, "round 1")
+    inbox2 = out / "inbox" / "r000002"
+    wait_for(lambda: inbox2.is_dir() and len(list(inbox2.glob("*.msgpack"))) >= 2, 30,
+             "two updates of round 2 in the inbox")
+    coord.send_signal(signal.SIGKILL)
+    coord.wait(timeout=10)
+    persisted = sorted(p.stem for p in inbox2.glob("*.msgpack"))
+    assert len(st.read_metrics()) == 1 and st.load_checkpoint().completed_round == 1
+    assert "dev3" not in persisted                    # the round was open when it died
+    coord2 = procs.start("coord2", *args, "--resume")
+    finish(procs, coord2, devs)
+    lines = st.read_metrics()
+    assert [m["round"] for m in lines] == [1, 2, 3]   # none repeated, none skipped
+    r2 = lines[1]
+    assert r2["resumed"] and r2["replayed"] == len(persisted)
+    assert set(persisted) <= set(r2["accepted_ids"])
+    assert r2["accepted_ids"] == ["dev1", "dev2", "dev3"] and r2["accepted"] == 3
+    for m in lines:
+        assert m["accepted"] == len(set(m["accepted_ids"])) == 3
