@@ -326,6 +326,15 @@ def test_conv_forward_matches_reference(bits, stride, pad, k):
                            np.ascontiguousarray(t.transpose(2, 3, 1, 0)).astype(np.int8),
                            stride, pad, shift, amax, relu, out, np.zeros(7, np.int32))
             assert np.array_equal(nchw(out), ref)
+            # the pixel-vectorized variant: 2 samples per im2col group, blocks of 13 pixels
+            out2 = np.zeros_like(out)
+            ho, wo = ref.shape[2], ref.shape[3]
+            K.conv_forward_col(np.ascontiguousarray(a.transpose(0, 2, 3, 1)).astype(dt),
+                               np.ascontiguousarray(t.transpose(0, 2, 3, 1)).astype(np.int8),
+                               stride, pad, shift, amax, relu, out2,
+                               np.zeros((k * k * 5, 2 * ho * wo), dt), np.zeros(13, np.int32),
+                               np.zeros(13 if bits <= 8 else 0, np.int16))
+            assert np.array_equal(out2, out)
             saturated |= bool((np.abs(ref) == amax).any())
             if relu:
                 assert (ref == 0).any()
@@ -393,6 +402,12 @@ def test_conv_backward_kernels_match_reference(bits, stride, pad, k):
     for gdt in ((np.int32, np.int64) if bits <= 8 else (np.int64,)):  # int32 when it fits
         g = np.zeros((k, k, 3, 5), gdt)
         K.conv_weight_grad(eq_k, a_k, stride, pad, g, np.zeros(5, gdt))
+        assert np.array_equal(g.transpose(3, 2, 0, 1), ref_conv_wgrad(eq, a, stride, pad, k))
+    if bits <= 8:  # the int32 dot-product kernel, two samples per im2col group
+        g = np.zeros((k, k, 3, 5), np.int32)
+        cols = 2 * ho * wo
+        K.conv_weight_grad_dot(eq_k, a_k, stride, pad, g, np.zeros((k * k * 3, cols), dt),
+                               np.zeros((5, cols), dt), False)
         assert np.array_equal(g.transpose(3, 2, 0, 1), ref_conv_wgrad(eq, a, stride, pad, k))
 
 

@@ -177,8 +177,9 @@ def conv_forward(a, t, stride, pad, shift, amax, relu, out, acc):
 
     a: [N, H, W, C] activations; t: [K, K, C, O] int8 in {-1, 0, 1};
     out: [N, Ho, Wo, O] = ``clip(round_shift(sum t*a, shift), +-amax)`` (ReLU'd if relu);
-    acc: int32 scratch of O elements. Zero activations and padded cells are skipped; the
-    inner loop runs over the O output channels (contiguous weights), so it vectorizes.
+    acc: int32 scratch of O elements. The non-zero channels of every input pixel are first
+    compacted (branch-free, once per sample: ReLU zeros and padded cells then cost
+    nothing); each is accumulated over the O contiguous output channels (vectorized).
     """
     k = t.shape[0]
     c_in = t.shape[2]
@@ -186,11 +187,25 @@ def conv_forward(a, t, stride, pad, shift, amax, relu, out, acc):
     t2 = t.reshape(-1, n_out)
     h_in = a.shape[1]
     w_in = a.shape[2]
+    nz_c = np.empty((h_in * w_in, c_in), np.int32)
+    nz_v = np.empty((h_in * w_in, c_in), np.int32)
+    nz_n = np.empty(h_in * w_in, np.int32)
+    lr = np.empty(k * k * c_in + 4, np.int32)
+    lv = np.empty(k * k * c_in + 4, np.int32)
     for n in range(out.shape[0]):
+        for iy in range(h_in):
+            for ix in range(w_in):
+                pix = iy * w_in + ix
+                cnt = 0
+                for c in range(c_in):
+                    v = np.int32(a[n, iy, ix, c])
+                    nz_c[pix, cnt] = c
+                    nz_v[pix, cnt] = v
+                    cnt += np.int64(v != 0)
+                nz_n[pix] = cnt
         for y in range(out.shape[1]):
             for x in range(out.shape[2]):
-                for o in range(n_out):
-                    acc[o] = 0
+                cnt = 0
                 for kh in range(k):
                     iy = y * stride + kh - pad
                     if iy < 0 or iy >= h_in:
@@ -199,13 +214,32 @@ def conv_forward(a, t, stride, pad, shift, amax, relu, out, acc):
                         ix = x * stride + kw - pad
                         if ix < 0 or ix >= w_in:
                             continue
+                        pix = iy * w_in + ix
                         r0 = (kh * k + kw) * c_in
-                        for c in range(c_in):
-                            v = np.int32(a[n, iy, ix, c])
-                            if v == 0:
-                                continue
-                            for o in range(n_out):
-                                acc[o] = np.int32(acc[o] + v * np.int32(t2[r0 + c, o]))
+                        for j in range(nz_n[pix]):
+                            lr[cnt] = r0 + nz_c[pix, j]
+                            lv[cnt] = nz_v[pix, j]
+                            cnt += 1
+                while cnt % 4:  # pad with zero terms (row 0, value 0)
+                    lr[cnt] = 0
+                    lv[cnt] = 0
+                    cnt += 1
+                for o in range(n_out):
+                    acc[o] = 0
+                for j in range(0, cnt, 4):
+                    v0 = lv[j]
+                    v1 = lv[j + 1]
+                    v2 = lv[j + 2]
+                    v3 = lv[j + 3]
+                    q0 = lr[j]
+                    q1 = lr[j + 1]
+                    q2 = lr[j + 2]
+                    q3 = lr[j + 3]
+                    for o in range(n_out):
+                        acc[o] = np.int32(acc[o] + v0 * np.int32(t2[q0, o])
+                                          + v1 * np.int32(t2[q1, o])
+                                          + v2 * np.int32(t2[q2, o])
+                                          + v3 * np.int32(t2[q3, o]))
                 for o in range(n_out):
                     out[n, y, x, o] = _finish(acc[o], shift, amax, relu)
 
@@ -434,6 +468,187 @@ def conv_weight_grad(eq, a, stride, pad, g_out, acc):
 
 
 @njit(cache=True, inline="always")
+def _im2col_t(a, n0, n1, h_out, w_out, k, stride, pad, col_t):
+    """col_t[(kh*k + kw)*C + c, (n - n0)*Ho*Wo + y*Wo + x] = a[n, iy, ix, c] (0 if padded)."""
+    h_in = a.shape[1]
+    w_in = a.shape[2]
+    c_in = a.shape[3]
+    n_pix = h_out * w_out
+    for n in range(n0, n1):
+        for y in range(h_out):
+            for x in range(w_out):
+                p = (n - n0) * n_pix + y * w_out + x
+                for kh in range(k):
+                    iy = y * stride + kh - pad
+                    for kw in range(k):
+                        ix = x * stride + kw - pad
+                        r0 = (kh * k + kw) * c_in
+                        if iy >= 0 and iy < h_in and ix >= 0 and ix < w_in:
+                            for c in range(c_in):
+                                col_t[r0 + c, p] = a[n, iy, ix, c]
+                        else:
+                            for c in range(c_in):
+                                col_t[r0 + c, p] = 0
+
+
+@njit(cache=True)
+def conv_forward_col(a, t_o, stride, pad, shift, amax, relu, out, col_t, acc, acc16):
+    """Same result as :func:`conv_forward`, vectorized over output pixels instead.
+
+    t_o: ternary weights [O, K, K, C]; col_t: scratch [K*K*C, G*Ho*Wo] (dtype of ``a``)
+    that receives the im2col of G samples at a time (G = all of them when it is large
+    enough: the weight gradient then reuses it); acc: int32 scratch and acc16 int16
+    scratch (used when |activations| <= 127, i.e. s <= 8; else length 0) of a pixel block.
+    For every non-zero ternary weight, a block of pixels is added or subtracted (no
+    multiplication), then rounding shift + clip (+ ReLU) write NHWC ``out``.
+    """
+    n_out = t_o.shape[0]
+    k = t_o.shape[1]
+    t2 = t_o.reshape(n_out, -1)
+    r_len = t2.shape[1]
+    h_out = out.shape[1]
+    w_out = out.shape[2]
+    n_pix = h_out * w_out
+    group = max(1, col_t.shape[1] // n_pix)
+    n_total = out.shape[0]
+    block = acc.shape[0]
+    narrow = amax <= 127 and acc16.shape[0] >= block
+    for n0 in range(0, n_total, group):
+        n1 = min(n_total, n0 + group)
+        cols = (n1 - n0) * n_pix
+        _im2col_t(a, n0, n1, h_out, w_out, k, stride, pad, col_t)
+        for p0 in range(0, cols, block):
+            m = min(cols, p0 + block) - p0
+            for o in range(n_out):
+                for j in range(m):
+                    acc[j] = 0
+                if narrow:
+                    # int16 partial sums over <= 256 rows (|sum| <= 256 * 127 < 2^15): exact
+                    for r_start in range(0, r_len, 256):
+                        for j in range(m):
+                            acc16[j] = 0
+                        for r in range(r_start, min(r_len, r_start + 256)):
+                            tv = t2[o, r]
+                            row = col_t[r, p0:p0 + m]
+                            if tv > 0:
+                                for j in range(m):
+                                    acc16[j] = np.int16(acc16[j] + np.int16(row[j]))
+                            elif tv < 0:
+                                for j in range(m):
+                                    acc16[j] = np.int16(acc16[j] - np.int16(row[j]))
+                        for j in range(m):
+                            acc[j] = np.int32(acc[j] + np.int32(acc16[j]))
+                else:
+                    for r in range(r_len):
+                        tv = t2[o, r]
+                        row = col_t[r, p0:p0 + m]
+                        if tv > 0:
+                            for j in range(m):
+                                acc[j] = np.int32(acc[j] + np.int32(row[j]))
+                        elif tv < 0:
+                            for j in range(m):
+                                acc[j] = np.int32(acc[j] - np.int32(row[j]))
+                q = p0 + n0 * n_pix
+                n = q // n_pix
+                yx = q - n * n_pix
+                y = yx // w_out
+                x = yx - y * w_out
+                for j in range(m):
+                    out[n, y, x, o] = _finish(acc[j], shift, amax, relu)
+                    x += 1
+                    if x == w_out:
+                        x = 0
+                        y += 1
+                        if y == h_out:
+                            y = 0
+                            n += 1
+
+
+@njit(cache=True)
+def conv_weight_grad_dot(eq, a, stride, pad, g_out, col_t, e_t, have_cols):
+    """Same result as :func:`conv_weight_grad` for an int32 ``g_out`` [K, K, C, O], as
+    dot products over the output pixels of a group of samples (they vectorize well).
+
+    col_t: scratch [K*K*C, G*Ho*Wo] (dtype of ``a``); e_t: scratch [O, G*Ho*Wo] (dtype of
+    eq); G = col_t.shape[1] // (Ho*Wo) samples are processed together. ``have_cols``:
+    col_t already holds the im2col of all samples (left there by conv_forward_col).
+    """
+    k = g_out.shape[0]
+    c_in = g_out.shape[2]
+    n_out = g_out.shape[3]
+    g2 = g_out.reshape(-1, n_out)
+    r_len = g2.shape[0]
+    h_out = eq.shape[1]
+    w_out = eq.shape[2]
+    n_pix = h_out * w_out
+    group = max(1, col_t.shape[1] // n_pix)
+    g_out[...] = 0
+    n_total = eq.shape[0]
+    for n0 in range(0, n_total, group):
+        n1 = min(n_total, n0 + group)
+        cols = (n1 - n0) * n_pix
+        if not (have_cols and group >= n_total):
+            _im2col_t(a, n0, n1, h_out, w_out, k, stride, pad, col_t)
+        for n in range(n0, n1):
+            for y in range(h_out):
+                for x in range(w_out):
+                    p = (n - n0) * n_pix + y * w_out + x
+                    for o in range(n_out):
+                        e_t[o, p] = eq[n, y, x, o]
+        o = 0
+        while o + 4 <= n_out:
+            r = 0
+            while r + 2 <= r_len:
+                a0 = np.int32(0)
+                a1 = np.int32(0)
+                a2 = np.int32(0)
+                a3 = np.int32(0)
+                b0 = np.int32(0)
+                b1 = np.int32(0)
+                b2 = np.int32(0)
+                b3 = np.int32(0)
+                for p in range(cols):
+                    u = np.int32(col_t[r, p])
+                    v = np.int32(col_t[r + 1, p])
+                    e0 = np.int32(e_t[o, p])
+                    e1 = np.int32(e_t[o + 1, p])
+                    e2 = np.int32(e_t[o + 2, p])
+                    e3 = np.int32(e_t[o + 3, p])
+                    a0 = np.int32(a0 + u * e0)
+                    a1 = np.int32(a1 + u * e1)
+                    a2 = np.int32(a2 + u * e2)
+                    a3 = np.int32(a3 + u * e3)
+                    b0 = np.int32(b0 + v * e0)
+                    b1 = np.int32(b1 + v * e1)
+                    b2 = np.int32(b2 + v * e2)
+                    b3 = np.int32(b3 + v * e3)
+                g2[r, o] = np.int32(g2[r, o] + a0)
+                g2[r, o + 1] = np.int32(g2[r, o + 1] + a1)
+                g2[r, o + 2] = np.int32(g2[r, o + 2] + a2)
+                g2[r, o + 3] = np.int32(g2[r, o + 3] + a3)
+                g2[r + 1, o] = np.int32(g2[r + 1, o] + b0)
+                g2[r + 1, o + 1] = np.int32(g2[r + 1, o + 1] + b1)
+                g2[r + 1, o + 2] = np.int32(g2[r + 1, o + 2] + b2)
+                g2[r + 1, o + 3] = np.int32(g2[r + 1, o + 3] + b3)
+                r += 2
+            while r < r_len:
+                for oo in range(o, o + 4):
+                    a0 = np.int32(0)
+                    for p in range(cols):
+                        a0 = np.int32(a0 + np.int32(col_t[r, p]) * np.int32(e_t[oo, p]))
+                    g2[r, oo] = np.int32(g2[r, oo] + a0)
+                r += 1
+            o += 4
+        while o < n_out:
+            for r in range(r_len):
+                a0 = np.int32(0)
+                for p in range(cols):
+                    a0 = np.int32(a0 + np.int32(col_t[r, p]) * np.int32(e_t[o, p]))
+                g2[r, o] = np.int32(g2[r, o] + a0)
+            o += 1
+
+
+@njit(cache=True, inline="always")
 def _axpy_row(g2, o, e, v, r_len):
     """g2[o, :] += e * v, wrapping to g2's integer width (the caller sizes it)."""
     e64 = np.int64(e)
@@ -603,8 +818,9 @@ def quantize_inputs_nhwc(xq, out):
 
 # The kernels a training step runs (their compiled signatures must be integer-only).
 TRAINING_KERNELS = (
-    conv_forward, linear_forward, maxpool_forward, relu_forward, sse_error, relu_mask,
-    max_abs, quantize_error, conv_backward_data, conv_weight_grad, linear_backward_data,
+    conv_forward, conv_forward_col, linear_forward, maxpool_forward, relu_forward, sse_error, relu_mask,
+    max_abs, quantize_error, conv_backward_data, conv_weight_grad, conv_weight_grad_dot,
+    linear_backward_data,
     linear_weight_grad, maxpool_backward, sgd_update, regularizer_terms, ternarize,
     transpose_kkco_okkc,
     argmax_correct, stream_key, round_log2,

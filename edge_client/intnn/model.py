@@ -43,6 +43,8 @@ from edge_client.intnn.quant import (
 from firmware_models import Conv2d, Flatten, Linear, MaxPool2d, ModelSpec, ReLU
 
 INT32_LIMIT = (1 << 31) - 1
+GROUP_PIXELS = 4096  # output pixels per im2col group when evaluating (memory bound)
+PIXEL_BLOCK = 2048   # output pixels accumulated at a time by the conv forward (L1-sized)
 
 
 def _internal(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -81,6 +83,10 @@ class Workspace:
     patch: list[np.ndarray | None]
     pbuf: list[np.ndarray | None]
     gacc: list[np.ndarray | None]
+    col_t: list[np.ndarray | None]
+    e_t: list[np.ndarray | None]
+    pacc: list[np.ndarray | None]
+    pacc16: list[np.ndarray | None]
     grad32: np.ndarray
     grad64: np.ndarray
     extra: np.ndarray
@@ -94,7 +100,11 @@ class IntModel:
     ``bits``: compute bitwidth s (2..16); ``clip``: weight clip in the real domain.
     """
 
-    def __init__(self, spec: ModelSpec, bits: int, clip: float = DEFAULT_CLIP) -> None:
+    def __init__(self, spec: ModelSpec, bits: int, clip: float = DEFAULT_CLIP,
+                 conv_impl: str = "col") -> None:
+        if conv_impl not in ("col", "sparse"):
+            raise ConfigError(f"conv_impl must be 'col' or 'sparse', got {conv_impl!r}")
+        self.conv_impl = conv_impl
         self.spec = spec
         self.bits = check_bits(bits)
         self.grid_bits = storage_grid_bits(bits)
@@ -246,6 +256,10 @@ class IntModel:
         patch: list[np.ndarray | None] = []
         pbuf: list[np.ndarray | None] = []
         gacc: list[np.ndarray | None] = []
+        col_t: list[np.ndarray | None] = []
+        pacc: list[np.ndarray | None] = []
+        pacc16: list[np.ndarray | None] = []
+        e_t: list[np.ndarray | None] = []
         prev = x
         g32 = g64 = 0
         for op in self.ops:
@@ -262,9 +276,19 @@ class IntModel:
                               and op.kind != "relu") else None)
             if op.kind == "conv":
                 r = op.layer.kernel * op.layer.kernel * op.layer.in_channels
+                pix = op.out_shape[0] * op.out_shape[1]
+                # training keeps the whole batch's im2col for the weight gradient
+                cols = pix * (n if train else max(1, min(n, GROUP_PIXELS // pix)))
+                block = min(cols, PIXEL_BLOCK)
+                col_t.append(np.zeros((r, cols), ad))
+                pacc.append(np.zeros(block, np.int32))
+                pacc16.append(np.zeros(block if self.amax <= 127 else 0, np.int16))
                 patch.append(np.zeros(op.layer.out_channels, np.int32))
                 pbuf.append(np.zeros(r, np.int32) if train else None)
             else:
+                col_t.append(None)
+                pacc.append(None)
+                pacc16.append(None)
                 patch.append(None)
                 pbuf.append(None)
             if train and is_param:
@@ -277,17 +301,23 @@ class IntModel:
                 if op.kind == "conv":
                     gacc.append(np.zeros(op.layer.out_channels,
                                          np.int64 if op.grad_int64 else np.int32))
+                    # dot-product gradient (int32) reuses col_t: errors of the same pixels
+                    e_t.append(None if op.grad_int64 else
+                               np.zeros((op.layer.out_channels, col_t[-1].shape[1]), ad))
                 else:
                     gacc.append(None)
+                    e_t.append(None)
             else:
                 gacc.append(None)
+                e_t.append(None)
             prev = out
         max_param = max((int(np.prod(s)) for s in self.internal_shapes), default=0)
         ws = Workspace(
             capacity=n, x=x, acts=acts, idx=idx, eq=eq, err_in=err_in,
             err_out=np.zeros((n, self.spec.num_classes), np.int32) if train else
             np.zeros((0, 0), np.int32),
-            patch=patch, pbuf=pbuf, gacc=gacc,
+            patch=patch, pbuf=pbuf, gacc=gacc, col_t=col_t, e_t=e_t,
+            pacc=pacc, pacc16=pacc16,
             grad32=np.zeros(g32, np.int32), grad64=np.zeros(g64, np.int64),
             extra=np.zeros(max_param if train else 0, np.int64), train=train,
         )
@@ -333,8 +363,13 @@ class IntModel:
             out = ws.acts[i][:n]
             if op.kind == "conv":
                 lay = op.layer
-                K.conv_forward(prev, self.t[op.param], lay.stride, lay.padding, op.shift,
-                               self.amax, op.relu, out, ws.patch[i])
+                if self.conv_impl == "col":
+                    K.conv_forward_col(prev, self.tb[op.param], lay.stride, lay.padding,
+                                       op.shift, self.amax, op.relu, out, ws.col_t[i],
+                                       ws.pacc[i], ws.pacc16[i])
+                else:
+                    K.conv_forward(prev, self.t[op.param], lay.stride, lay.padding, op.shift,
+                                   self.amax, op.relu, out, ws.patch[i])
             elif op.kind == "linear":
                 K.linear_forward(prev, self.t[op.param], op.shift, self.amax, op.relu, out)
             elif op.kind == "pool":
@@ -383,7 +418,11 @@ class IntModel:
             g = (ws.grad64 if op.grad_int64 else ws.grad32)[:size].reshape(self.w[p].shape)
             if op.kind == "conv":
                 lay = op.layer
-                K.conv_weight_grad(eq, a_in, lay.stride, lay.padding, g, ws.gacc[i])
+                if op.grad_int64:
+                    K.conv_weight_grad(eq, a_in, lay.stride, lay.padding, g, ws.gacc[i])
+                else:
+                    K.conv_weight_grad_dot(eq, a_in, lay.stride, lay.padding, g, ws.col_t[i],
+                                           ws.e_t[i], self.conv_impl == "col")
                 if op.needs_input_error:
                     dst = ws.err_in[i][:n]
                     K.conv_backward_data(eq, self.tb[p], lay.stride, lay.padding, dst,
