@@ -51,7 +51,7 @@ def round_shift(v: int, k: int) -> int:
     return v
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def round_log2(m: int) -> int:
     """``round(log2 m)`` for an integer ``m >= 1``, exactly (no float)."""
     b = 0
@@ -342,7 +342,7 @@ def relu_mask(e, act):
             e[i] = 0
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def max_abs(v):
     """max |v| over a flat integer array, as int64."""
     m = np.int64(0)
@@ -741,7 +741,7 @@ def sgd_update(w, g, lr_log2, wmax, thr, key, t, extra, extra_shift, key2):
     return kg
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _update_common(w, g, sh, wmax, thr, key, t):
     """The usual case of :func:`sgd_update` (0 < sh <= 62, no extra term), branch-free so
     that it vectorizes; same results as the general loop."""
@@ -816,12 +816,13 @@ def quantize_inputs_nhwc(xq, out):
                     out[n, h, w, c] = xq[n, c, h, w]
 
 
-# The kernels a training step runs (their compiled signatures must be integer-only).
+# The kernels a training step runs from Python (their compiled signatures must be
+# integer-only). The jitted helpers they call are all inline="always": their bodies are
+# typed inside these kernels.
 TRAINING_KERNELS = (
-    conv_forward, conv_forward_col, linear_forward, maxpool_forward, relu_forward, sse_error, relu_mask,
-    max_abs, quantize_error, conv_backward_data, conv_weight_grad, conv_weight_grad_dot,
-    linear_backward_data,
-    linear_weight_grad, maxpool_backward, sgd_update, regularizer_terms, ternarize,
-    transpose_kkco_okkc,
-    argmax_correct, stream_key, round_log2,
+    conv_forward, conv_forward_col, linear_forward, maxpool_forward, relu_forward,
+    sse_error, relu_mask, quantize_error, conv_backward_data, conv_weight_grad,
+    conv_weight_grad_dot, linear_backward_data, linear_weight_grad, maxpool_backward,
+    sgd_update, regularizer_terms, ternarize, transpose_kkco_okkc,
+    argmax_correct, stream_key,
 )

@@ -1,0 +1,155 @@
+"""The integer engine computes with integers only, deterministically, without torch."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+import textwrap
+import tracemalloc
+
+import numba
+import numpy as np
+import pytest
+from numba.core import types
+
+from edge_client.data import Dataset
+from edge_client.intnn import IntModel, init_shared
+from edge_client.intnn import kernels as K
+from edge_client.trainers import IntTrainer
+from firmware_models import Conv2d, Flatten, Linear, MaxPool2d, ModelSpec, ReLU, get_spec
+
+
+def small_spec() -> ModelSpec:
+    return ModelSpec("small", (2, 6, 6), (
+        Conv2d("c1", 2, 8, 3, padding=1), MaxPool2d("p1", 2, padding=1), ReLU("r1"),
+        Conv2d("c2", 8, 4, 3, stride=2), ReLU("r2"), Flatten("f"), Linear("l1", 4, 6),
+        ReLU("r3"), Linear("l2", 6, 3),
+    ), 3)
+
+
+def random_data(spec: ModelSpec, n: int, seed: int = 0) -> Dataset:
+    rng = np.random.default_rng(seed)
+    x = rng.random((n, *spec.input_shape), dtype=np.float32)
+    return Dataset(x, rng.integers(0, spec.num_classes, n).astype(np.int64))
+
+
+def _is_integer_type(t) -> bool:
+    if isinstance(t, (types.Integer, types.Boolean)):
+        return True
+    if isinstance(t, types.Array):
+        return isinstance(t.dtype, (types.Integer, types.Boolean))
+    return t == types.none
+
+
+@pytest.fixture(scope="module")
+def trained_all_widths():
+    """Run training steps and evaluation at several widths so every kernel is compiled."""
+    spec = small_spec()
+    data = random_data(spec, 20)
+    for bits in (4, 6, 8, 12, 16):
+        tr = IntTrainer(spec, bits, seed=1)
+        tr.train(data, steps=2, batch=8, prox_mu=0.01, fedfor_alpha=0.1,
+                 last_global_step=[np.full(s, 0.01, np.float32) for s in spec.param_shapes()])
+        tr.train(data, steps=1, batch=8)
+        tr.evaluate(data)
+        sparse = IntModel(spec, bits, conv_impl="sparse")
+        sparse.load_shared(init_shared(spec, 0))
+        ws = sparse.workspace(4)
+        sparse.train_step(ws, data.y[:4], 4, 3, 0, 0)
+    return spec
+
+
+def test_kernel_signatures_are_integer_only(trained_all_widths):
+    used = [k for k in K.TRAINING_KERNELS if k.signatures]
+    assert len(used) >= 15
+    for kernel in K.TRAINING_KERNELS:
+        assert kernel.signatures, f"{kernel.py_func.__name__} never ran"
+        for sig in kernel.signatures:
+            bad = [a for a in sig if not _is_integer_type(a)]
+            assert not bad, f"{kernel.py_func.__name__}{sig}: non-integer arguments {bad}"
+            ret = kernel.overloads[sig].signature.return_type
+            assert _is_integer_type(ret), f"{kernel.py_func.__name__} returns {ret}"
+
+
+@pytest.mark.slow
+def test_kernel_bodies_have_no_float_variable(trained_all_widths):
+    """Recompile each training kernel (same source, same argument types) without the
+    cache and check every typed variable, inlined helpers included: no float anywhere."""
+    for kernel in K.TRAINING_KERNELS:
+        fresh = numba.njit(cache=False)(kernel.py_func)
+        for sig in kernel.signatures[:2]:
+            fresh.compile(sig)
+            cres = fresh.overloads[sig]
+            typemap = cres.type_annotation.typemap
+            floats = {name: str(t) for name, t in typemap.items()
+                      if any(w in str(t) for w in ("float", "complex"))}
+            assert not floats, f"{kernel.py_func.__name__}{sig}: float variables {floats}"
+
+
+def test_training_step_allocates_no_float_arrays():
+    spec = get_spec("digits_cnn")
+    model = IntModel(spec, 8)
+    model.load_shared(init_shared(spec, 0))
+    ws = model.workspace(32)
+    for f in dataclasses.fields(ws):
+        value = getattr(ws, f.name)
+        arrays = value if isinstance(value, list) else [value]
+        for a in arrays:
+            if isinstance(a, np.ndarray):
+                assert a.dtype.kind in "iub", f"workspace.{f.name} has dtype {a.dtype}"
+    for w, t in zip(model.w, model.t, strict=True):
+        assert w.dtype == np.int8 and t.dtype == np.int8
+    rng = np.random.default_rng(0)
+    ws.x[:] = rng.integers(0, 128, ws.x.shape)
+    y = rng.integers(0, 10, 32).astype(np.int64)
+    model.train_step(ws, y, 32, 3, 0, 0)          # warm (compiles)
+    tracemalloc.start()
+    try:
+        base, _ = tracemalloc.get_traced_memory()
+        tracemalloc.reset_peak()
+        for step in range(1, 4):
+            model.train_step(ws, y, 32, 3, 0, step)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    # views and scalars only: a float copy of any activation would be >= 32*8*8*16*4 bytes
+    assert peak - base < 16_384
+
+
+def test_torch_is_not_imported_by_integer_training():
+    code = textwrap.dedent("""
+        import sys
+        from edge_client.data import load_digits, digits_shard
+        from edge_client.trainers import make_trainer
+        tr = make_trainer("digits_cnn", 8, seed=0)
+        tr.train(digits_shard(1, 10), epochs=1)
+        tr.evaluate(load_digits("test"))
+        tr.to_shared()
+        from edge_client.intnn import from_shared, to_shared, init_shared
+        print("TORCH" if "torch" in sys.modules else "NO-TORCH")
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300, check=False)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "NO-TORCH"
+
+
+@pytest.mark.parametrize("bits", [6, 8, 16])
+def test_same_seed_same_result_bit_for_bit(bits):
+    spec = small_spec()
+    data = random_data(spec, 40, seed=3)
+    runs = []
+    for _ in range(2):
+        tr = IntTrainer(spec, bits, seed=5)
+        r1 = tr.train(data, epochs=2, batch=8)
+        r2 = tr.train(data, steps=3, batch=16, prox_mu=0.1)
+        runs.append((tr.int_weights(), r1.loss, r2.loss))
+    for a, b in zip(runs[0][0], runs[1][0], strict=True):
+        assert a.dtype == b.dtype and np.array_equal(a, b)
+    assert runs[0][1:] == runs[1][1:]
+    other = IntTrainer(spec, bits, seed=6)
+    other.load_int(IntTrainer(spec, bits, seed=5).int_weights())  # same start, other seed
+    other.train(data, epochs=2, batch=8)
+    assert any(not np.array_equal(a, b)
+               for a, b in zip(other.int_weights(), runs[0][0], strict=True))
