@@ -95,7 +95,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         url = args.broker
         username = args.username
         if not url:
-            broker = start_embedded_broker(prefer=args.embedded)
+            broker = start_embedded_broker(args.port, prefer=args.embedded)
             url = broker.url
             username = username or "fedbit-coordinator"  # amqtt keeps offline sessions only with one
             print(f"broker: {url} (embedded {broker.kind}; devices connect with --broker {url})",
@@ -174,6 +174,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "without it an embedded broker starts and its URL is printed")
     p.add_argument("--embedded", choices=["auto", "mosquitto", "amqtt"], default="auto",
                    help="embedded broker kind (auto: mosquitto when on PATH, else amqtt)")
+    p.add_argument("--port", type=int, default=None,
+                   help="TCP port of the embedded broker (default: a free one)")
     p.add_argument("--model", default="digits_cnn", metavar="SPEC", help="model spec name (digits_cnn)")
     p.add_argument("--rounds", type=int, default=5, metavar="N")
     p.add_argument("--strategy", default="fedavg", metavar="NAME", help="aggregation strategy (fedavg)")
