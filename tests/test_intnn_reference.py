@@ -208,7 +208,7 @@ def ref_train_step(spec: ModelSpec, bits: int, weights: list[np.ndarray], x: np.
         elif isinstance(layer, Flatten):
             acts.append(a.reshape(a.shape[0], -1))
     z = acts[-1]
-    target = max(1, 1 << (bits - 2))
+    target = amax
     e = z.copy()
     e[np.arange(len(y)), y] -= target
     sse = int((e * e).sum())

@@ -110,26 +110,6 @@ def _stoch_round_shift(v: int, sh: int, key: int, j: int) -> int:
 
 
 @njit(cache=True, inline="always")
-def _gather_patch(a, n, y, x, stride, pad, k, patch):
-    """Copy the receptive field of output pixel (y, x) of sample n into ``patch``."""
-    h_in = a.shape[1]
-    w_in = a.shape[2]
-    c_in = a.shape[3]
-    r = 0
-    for kh in range(k):
-        iy = y * stride + kh - pad
-        for kw in range(k):
-            ix = x * stride + kw - pad
-            if iy >= 0 and iy < h_in and ix >= 0 and ix < w_in:
-                for c in range(c_in):
-                    patch[r + c] = a[n, iy, ix, c]
-            else:
-                for c in range(c_in):
-                    patch[r + c] = 0
-            r += c_in
-
-
-@njit(cache=True, inline="always")
 def _finish(acc: int, shift: int, amax: int, relu: bool) -> int:
     v = round_shift(acc, shift)
     if relu and v < 0:
@@ -574,7 +554,6 @@ def conv_weight_grad_dot(eq, a, stride, pad, g_out, col_t, e_t, have_cols):
     col_t already holds the im2col of all samples (left there by conv_forward_col).
     """
     k = g_out.shape[0]
-    c_in = g_out.shape[2]
     n_out = g_out.shape[3]
     g2 = g_out.reshape(-1, n_out)
     r_len = g2.shape[0]

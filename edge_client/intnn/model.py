@@ -7,7 +7,8 @@ Formulas (ALGORITHMS.md §1, s = compute bits, S(k) = 2^(k-1), s_g = max(s, 8)):
 
 - forward: ``a' = clip(round_shift(sum t*a, 1 + log2 alpha), +-(S(s)-1))``, ReLU fused
   when the spec has a ReLU right after the layer; ``t = ternary(W)`` (|W| > S(s_g)/4);
-- loss: SSE against ``target * onehot`` with ``target = S(s)/2`` (the real value 0.5);
+- loss: SSE against ``target * onehot`` with ``target = S(s) - 1`` (real ~1.0; measured
+  on digits: 0.96 test accuracy against 0.91-0.94 with S(s)/4 or S(s)/2);
 - error at every conv/linear output: ReLU mask (output activation <= 0), then
   eq. 12 quantization to s bits; errors flow back through the ternary weights;
 - update: eq. 15-16 with ``eta = 2^(lr_shift + s_g - 8)`` LSBs, stochastic rounding from
@@ -114,7 +115,7 @@ class IntModel:
         self.wdtype = weight_dtype(bits)
         self.wmax = weight_max(bits, clip)
         self.thr = ternary_threshold(bits)
-        self.target = max(1, 1 << (self.bits - 2))
+        self.target = self.amax  # one-hot target: the largest activation (real ~ 1.0)
         self._alpha = alpha_shifts(spec)
         self.ops = self._build_ops()
         self.param_ops = [op for op in self.ops if op.param >= 0]
