@@ -26,6 +26,7 @@ import time
 
 MODELS = ("fedshift_cnn", "digits_cnn")
 BATCH = 32
+DATA_SAMPLES = 256  # random samples, cycled through (memory does not grow with steps)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -61,14 +62,24 @@ def worker_int(name: str, steps: int, bits: int) -> dict:
 
     from edge_client.trainers import IntTrainer
 
-    spec, data = _random_data(name, BATCH * max(steps, 1))
+    spec, data = _random_data(name, DATA_SAMPLES)
     tr = IntTrainer(spec, bits, seed=0)
     tr.train(data, steps=1, batch=BATCH)          # compile / cache load, buffers
-    t0 = time.perf_counter()
-    tr.train(data, steps=steps, batch=BATCH)
-    dt = time.perf_counter() - t0
+    rate = _best_rate(lambda k: tr.train(data, steps=k, batch=BATCH), steps)
     rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
-    return {"samples_per_s": steps * BATCH / dt, "rss_mb": rss_mb}
+    return {"samples_per_s": rate, "rss_mb": rss_mb}
+
+
+def _best_rate(run, steps: int, chunks: int = 4) -> float:
+    """Samples/s of the fastest of ``chunks`` timed runs of steps/chunks steps each (the
+    machine is shared: the best chunk is the least disturbed one, for both engines)."""
+    per = max(1, steps // chunks)
+    best = float("inf")
+    for _ in range(chunks):
+        t0 = time.perf_counter()
+        run(per)
+        best = min(best, time.perf_counter() - t0)
+    return per * BATCH / best
 
 
 def worker_torch(name: str, steps: int) -> dict:
@@ -77,13 +88,10 @@ def worker_torch(name: str, steps: int) -> dict:
     from edge_client.trainers import TorchTrainer
 
     torch.set_num_threads(1)
-    spec, data = _random_data(name, BATCH * max(steps, 1))
+    spec, data = _random_data(name, DATA_SAMPLES)
     tr = TorchTrainer(spec, seed=0)
     tr.train(data, steps=2, batch=BATCH)
-    t0 = time.perf_counter()
-    tr.train(data, steps=steps, batch=BATCH)
-    dt = time.perf_counter() - t0
-    return {"samples_per_s": steps * BATCH / dt}
+    return {"samples_per_s": _best_rate(lambda k: tr.train(data, steps=k, batch=BATCH), steps)}
 
 
 def worker_first_step(name: str, bits: int) -> dict:

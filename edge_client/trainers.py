@@ -25,7 +25,13 @@ from edge_client.data import Dataset
 from edge_client.errors import ConfigError, TrainingError
 from edge_client.intnn import kernels as K
 from edge_client.intnn.model import IntModel, Regularizer
-from edge_client.intnn.quant import DEFAULT_CLIP, alpha_shifts, grid_scale, init_shared
+from edge_client.intnn.quant import (
+    DEFAULT_CLIP,
+    alpha_shifts,
+    grid_scale,
+    init_int,
+    init_shared,
+)
 from firmware_models import Conv2d, Flatten, Linear, MaxPool2d, ModelSpec, ReLU, get_spec
 
 DEFAULT_LR_SHIFT = 3      # eta_8 = 2^3 = 8 LSBs (ProWD appendix A: eta = 8)
@@ -34,6 +40,7 @@ DEFAULT_LR_SHIFT = 3      # eta_8 = 2^3 = 8 LSBs (ProWD appendix A: eta = 8)
 # The large value fits this domain: weights are clipped to +-0.5 and outputs divided by
 # alpha_l, so the gradients are small; the gradient norm is clipped to 2.0 anyway.
 DEFAULT_TORCH_LR = 1.0
+EVAL_CAPACITY = 64        # integer evaluation runs at most this many samples at a time (RSS)
 FIXED_POINT_BITS = 16     # fractional bits of the FedProx/FedFOR coefficients on devices
 
 
@@ -136,7 +143,7 @@ class IntTrainer:
         else:
             spec = _as_spec(spec_or_model)
             self.model = IntModel(spec, bits, clip)
-            self.model.load_shared(init_shared(spec, seed, clip))
+            self.model.load_int(init_int(spec, seed, bits, clip))
         if not -8 <= lr_shift <= 8:
             raise ConfigError(f"lr_shift must be in -8..8, got {lr_shift}")
         self.spec = self.model.spec
@@ -233,8 +240,9 @@ class IntTrainer:
         model = self.model
         xq = self._inputs(data)
         y_all = np.ascontiguousarray(data.y, dtype=np.int64)
-        cap = min(batch, len(data))
-        ws = model.workspace(cap, train=False)
+        # results do not depend on the batching: reuse the training buffers when present
+        ws = model.eval_workspace(min(batch, len(data), EVAL_CAPACITY))
+        cap = ws.capacity
         err = np.zeros((cap, self.spec.num_classes), np.int32)
         hits = 0
         sse = 0

@@ -351,9 +351,12 @@ def test_maxpool_forward_backward_with_ties(bits, k, stride, pad):
     ho, wo = out_ref.shape[2:]
     out = np.zeros((2, ho, wo, 4), dt)
     idx = np.zeros((2, ho, wo, 4), np.int32)
-    K.maxpool_forward(np.ascontiguousarray(a.transpose(0, 2, 3, 1)).astype(dt), k, stride, pad,
-                      out, idx)
+    a_k = np.ascontiguousarray(a.transpose(0, 2, 3, 1)).astype(dt)
+    K.maxpool_forward(a_k, k, stride, pad, out, idx, True)
     assert np.array_equal(nchw(out), out_ref)
+    out2 = np.zeros_like(out)
+    K.maxpool_forward(a_k, k, stride, pad, out2, np.zeros((1, 1, 1, 1), np.int32), False)
+    assert np.array_equal(out2, out)
     e = rng.integers(-50, 51, size=out_ref.shape)
     back = np.zeros((2, 7, 6, 4), np.int32)
     K.maxpool_backward(np.ascontiguousarray(e.transpose(0, 2, 3, 1)).astype(np.int32), idx, back)

@@ -167,7 +167,7 @@ def test_float_evaluation_of_integer_weights(shard, digits):
     """The coordinator evaluates any device's shared weights with a TorchTrainer."""
     _, test = digits
     dev = IntTrainer("digits_cnn", 8, seed=0)
-    dev.train(shard, epochs=3)
+    dev.train(shard, epochs=6)
     _, acc_int = dev.evaluate(test)
     ev = TorchTrainer("digits_cnn")
     ev.load_shared(dev.to_shared())

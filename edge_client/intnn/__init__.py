@@ -14,6 +14,7 @@ from edge_client.intnn.quant import (
     alpha_shifts,
     from_shared,
     grid_scale,
+    init_int,
     init_shared,
     storage_grid_bits,
     ternary_threshold,
@@ -24,6 +25,6 @@ from edge_client.intnn.quant import (
 
 __all__ = [
     "DEFAULT_CLIP", "IntModel", "Workspace", "act_dtype", "act_max", "alpha_log2",
-    "alpha_shifts", "from_shared", "grid_scale", "init_shared", "storage_grid_bits",
+    "alpha_shifts", "from_shared", "grid_scale", "init_int", "init_shared", "storage_grid_bits",
     "ternary_threshold", "to_shared", "weight_dtype", "weight_max",
 ]

@@ -234,10 +234,11 @@ def linear_forward(a, t, shift, amax, relu, out):
 
 
 @njit(cache=True)
-def maxpool_forward(a, k, stride, pad, out, idx):
+def maxpool_forward(a, k, stride, pad, out, idx, want_idx):
     """Max pool, NHWC; padded cells never win; ties go to the first cell in (kh, kw) order.
 
-    idx[n, y, x, c] receives the flat index (iy*W + ix)*C + c of the winner in sample n.
+    When ``want_idx``, idx[n, y, x, c] receives the flat index (iy*W + ix)*C + c of the
+    winner in sample n (for backward); otherwise idx is not touched (may be a dummy).
     """
     h_in = a.shape[1]
     w_in = a.shape[2]
@@ -258,14 +259,17 @@ def maxpool_forward(a, k, stride, pad, out, idx):
                         if first:
                             for c in range(c_in):
                                 out[n, y, x, c] = a[n, iy, ix, c]
-                                idx[n, y, x, c] = base + c
+                            if want_idx:
+                                for c in range(c_in):
+                                    idx[n, y, x, c] = base + c
                             first = False
                         else:
                             for c in range(c_in):
                                 v = a[n, iy, ix, c]
                                 if v > out[n, y, x, c]:
                                     out[n, y, x, c] = v
-                                    idx[n, y, x, c] = base + c
+                                    if want_idx:
+                                        idx[n, y, x, c] = base + c
 
 
 @njit(cache=True)

@@ -125,7 +125,7 @@ class IntModel:
         # conv ternary weights again in [O, K, K, C] for backward-data (None for linear)
         self.tb = [np.zeros((s[3], s[0], s[1], s[2]), np.int8) if op.kind == "conv" else None
                    for op, s in zip(self.param_ops, self.internal_shapes, strict=True)]
-        self._workspaces: dict[tuple[int, bool], Workspace] = {}
+        self._workspaces: dict[bool, Workspace] = {}
 
     # ------------------------------------------------------------------ structure
 
@@ -206,7 +206,7 @@ class IntModel:
                                     f"{list(q.shape)}, expected {list(shape)}")
             if q.dtype.kind not in "iu":
                 raise TrainingError(f"{op.layer.name}: integer weights expected, got {q.dtype}")
-            if q.size and int(np.abs(q.astype(np.int64)).max()) > self.wmax:
+            if q.size and (int(q.max()) > self.wmax or int(q.min()) < -self.wmax):
                 raise TrainingError(f"{op.layer.name}: weights exceed the clip bound {self.wmax}")
             self.w[i][...] = self._to_internal(op, q.astype(self.wdtype))
             K.ternarize(self.w[i].reshape(-1), self.thr, self.t[i].reshape(-1))
@@ -243,10 +243,10 @@ class IntModel:
 
     def workspace(self, capacity: int, train: bool = True) -> Workspace:
         """Buffers for batches of up to ``capacity`` samples (cached per capacity)."""
-        key = (capacity, train)
-        ws = self._workspaces.get(key)
-        if ws is not None:
+        ws = self._workspaces.get(train)
+        if ws is not None and ws.capacity == capacity:
             return ws
+        self._workspaces.pop(train, None)  # one workspace per kind: release the old one
         n = capacity
         ad = self.adtype
         x = np.zeros((n, *_internal(self.spec.input_shape)), ad)
@@ -269,7 +269,9 @@ class IntModel:
             else:
                 out = np.zeros((n, *op.out_shape), ad)
             acts.append(out)
-            idx.append(np.zeros((n, *op.out_shape), np.int32) if op.kind == "pool" else None)
+            # max-pool winners are needed by backward only; evaluation passes a 1-cell dummy
+            idx.append(None if op.kind != "pool" else
+                       np.zeros((n, *op.out_shape) if train else (1, 1, 1, 1), np.int32))
             is_param = op.param >= 0
             eq.append(np.zeros((n, *op.out_shape), ad) if (train and is_param) else None)
             err_in.append(np.zeros((n, *op.in_shape), np.int32)
@@ -323,8 +325,14 @@ class IntModel:
             extra=np.zeros(max_param if train else 0, np.int64), train=train,
         )
         self._check_bounds()
-        self._workspaces[key] = ws
+        self._workspaces[train] = ws
         return ws
+
+    def eval_workspace(self, capacity: int) -> Workspace:
+        """Buffers for forward passes: the training workspace when there is one (no extra
+        memory), else a forward-only one for ``capacity`` samples."""
+        ws = self._workspaces.get(True)
+        return ws if ws is not None else self.workspace(capacity, train=False)
 
     def _check_bounds(self) -> None:
         """int32 forward/backward accumulators must not overflow for this spec and s."""
@@ -375,7 +383,8 @@ class IntModel:
                 K.linear_forward(prev, self.t[op.param], op.shift, self.amax, op.relu, out)
             elif op.kind == "pool":
                 lay = op.layer
-                K.maxpool_forward(prev, lay.kernel, lay.step, lay.padding, out, ws.idx[i][:n])
+                K.maxpool_forward(prev, lay.kernel, lay.step, lay.padding, out,
+                                  ws.idx[i][:n] if ws.train else ws.idx[i], ws.train)
             elif op.kind == "relu":
                 K.relu_forward(prev.reshape(-1), out.reshape(-1))
             prev = out

@@ -83,14 +83,25 @@ def init_shared(spec: ModelSpec, seed: int, clip: float = DEFAULT_CLIP) -> list[
 
     Returns float32 arrays in ``spec.param_shapes()`` order (the shared domain).
     """
+    return list(_init_layers(spec, seed, clip))
+
+
+def _init_layers(spec: ModelSpec, seed: int, clip: float):
+    """Yield the eq. 10 initial weights layer by layer (float32, one layer alive at a time)."""
     rng = np.random.default_rng(seed)
-    out = []
     for shape, fan_in in zip(spec.param_shapes(), spec.fan_ins(), strict=True):
-        bound = max(0.75, math.sqrt(3.0 / fan_in))
-        w = rng.uniform(-bound, bound, size=shape).astype(np.float32)
+        bound = np.float32(max(0.75, math.sqrt(3.0 / fan_in)))
+        w = rng.random(size=shape, dtype=np.float32)  # float32 throughout: small peak RSS
+        w *= np.float32(2.0) * bound
+        w -= bound
         np.clip(w, -clip, clip, out=w)
-        out.append(w)
-    return out
+        yield w
+
+
+def init_int(spec: ModelSpec, seed: int, bits: int, clip: float = DEFAULT_CLIP
+             ) -> list[np.ndarray]:
+    """``from_shared(init_shared(spec, seed), bits)``, computed one layer at a time."""
+    return [from_shared([w], bits, clip)[0] for w in _init_layers(spec, seed, clip)]
 
 
 def from_shared(weights: list[np.ndarray], bits: int,
@@ -107,8 +118,10 @@ def from_shared(weights: list[np.ndarray], bits: int,
         w = np.asarray(w)
         if not np.all(np.isfinite(w)):
             raise TrainingError(f"shared weight tensor {i} has NaN/Inf values")
-        q = np.rint(w.astype(np.float64) * scale)
+        # float32 is exact here: a power-of-two scale, |result| <= 2^15 after the clip
+        q = np.asarray(w, dtype=np.float32) * np.float32(scale)
         np.clip(q, -wmax, wmax, out=q)
+        np.rint(q, out=q)
         out.append(q.astype(dtype))
     return out
 
