@@ -64,6 +64,11 @@ class Fleet(ABC):
         """Retained coordinator status."""
 
     @abstractmethod
+    def publish_retained(self, items: list[tuple[str, bytes]]) -> None:
+        """Publish ``(topic, payload)`` retained with QoS 1, in order, pipelined; return
+        once the broker acknowledged all (ConnectionError when it did not in time)."""
+
+    @abstractmethod
     def recv(self, timeout: float) -> Inbound | None:
         """Next received message, or None after ``timeout`` seconds."""
 
@@ -107,6 +112,18 @@ class TransportFleet(Fleet):
                 raise ConnectionError(f"{name}: the broker did not acknowledge the publish "
                                       f"within {self.publish_timeout:.0f} s")
             time.sleep(0.2)
+
+    def publish_retained(self, items: list[tuple[str, bytes]]) -> None:
+        start = getattr(self.transport, "publish_start", None)
+        if start is None:
+            for name, payload in items:
+                self._publish_retained(name, payload)
+            return
+        handles = [start(name, payload, qos=1, retain=True) for name, payload in items]
+        end = time.monotonic() + min(10.0, self.publish_timeout)
+        for (name, payload), h in zip(items, handles, strict=True):
+            if h is None or not h.wait(max(0.0, end - time.monotonic())):
+                self._publish_retained(name, payload)  # slow path: retry until acked
 
     def publish_round(self, payload: bytes) -> None:
         self._publish_retained(topic(self.job, "round"), payload)

@@ -11,8 +11,8 @@
    then the announcement (retained: id, selected, deadline, variant digests, hparams);
 3. collect until ``quorum`` of the selected answered or the deadline passed. Each update
    is checked (size, msgpack/fields, topic id == payload id, round, selection, duplicate,
-   shapes, finite values), decoded to the shared domain, persisted to the inbox, acked,
-   and streamed into the strategy. Rejected messages are acked too (never redelivered),
+   shapes), decoded to the shared domain, streamed into the strategy (which rejects
+   NaN/Inf and wrong shapes before touching its sums), persisted to the inbox, then acked. Rejected messages are acked too (never redelivered),
    logged with their reason and counted. Stragglers past the deadline are excluded and
    counted; the round never waits past its deadline;
 4. ``strategy.finish()`` -> new global weights (and per-group weights), evaluation on the
@@ -55,6 +55,7 @@ from edge_client.protocol import (
     encode_message,
     float32_tensor,
     tensors_digest,
+    topic,
 )
 
 log = logging.getLogger("fedbit.server")
@@ -193,6 +194,8 @@ class Coordinator:
         self._accepted: dict[str, float] = {}
         self._counts: Counter[str] = Counter()
         self._coord_s = 0.0
+        #: most messages handled per durable sync (group commit)
+        self.batch_max = 64
 
     # ------------------------------------------------------------------ presence
 
@@ -217,16 +220,25 @@ class Coordinator:
 
     def handle(self, msg: Inbound) -> None:
         """Handle one received message and acknowledge it (never raises ProtocolError)."""
+        self.handle_batch([msg])
+
+    def handle_batch(self, batch: list[Inbound]) -> None:
+        """Handle messages, make the accepted updates durable with one sync (group
+        commit), then acknowledge every message (rejected ones too: never redelivered).
+        Nothing is acked when persisting fails (the exception propagates)."""
         t0 = time.perf_counter()
         try:
-            if msg.kind == "update":
-                self._handle_update(msg)
-            elif msg.kind in ("hello", "presence"):
-                self._handle_device(msg)
-            else:
-                self._reject(msg, "bad_topic", msg.raw.topic)
+            for msg in batch:
+                if msg.kind == "update":
+                    self._handle_update(msg)
+                elif msg.kind in ("hello", "presence"):
+                    self._handle_device(msg)
+                else:
+                    self._reject(msg, "bad_topic", msg.raw.topic)
+            self.state.inbox_sync()
+            for msg in batch:
+                self.fleet.ack(msg)
         finally:
-            self.fleet.ack(msg)
             self._coord_s += time.perf_counter() - t0
 
     def _handle_device(self, msg: Inbound) -> None:
@@ -283,10 +295,7 @@ class Coordinator:
                 if bits >= 32:
                     raise ProtocolError(f"tensors[{i}]: integer tensor from a float device")
                 a = a.astype(np.float32) * np.float32(2.0 ** -(max(bits, 8) - 1))
-            a = np.asarray(a, dtype=np.float32)
-            if not np.isfinite(a).all():
-                raise ProtocolError(f"tensors[{i}]: decoded values are not finite (NaN/Inf)")
-            weights.append(a)
+            weights.append(np.asarray(a, dtype=np.float32))
         lossy = any(t.codec != "float32" for t in m.tensors)
         sig = [t.aux.get("sigma_loc") for t in m.tensors]
         sigma_loc = [float(x) for x in sig] if sig and all(x is not None for x in sig) else None
@@ -326,13 +335,16 @@ class Coordinator:
         except ProtocolError as exc:
             self._reject(msg, classify(exc), str(exc))
             return False
-        if not replay:
-            self.state.inbox_put(r, m.device_id, msg.payload)  # persist, then the caller acks
         try:
+            # the strategy checks shapes and finiteness before it changes its sums
             self.strategy.accept(cu)
-        except ProtocolError as exc:  # the strategy's own checks (shape, NaN)
+        except ProtocolError as exc:
             self._reject(msg, classify(exc), f"strategy: {exc}")
             return False
+        if not replay:
+            # persist (synced by handle_batch), then acked. A crash before the sync leaves
+            # the update unacked: the broker redelivers it to the resumed session.
+            self.state.inbox_append(r, m.device_id, msg.payload)
         self._accepted[m.device_id] = time.monotonic()
         self._counts["accepted"] += 1
         self.on_event("update", {"round": r, "device": m.device_id, "accepted": len(self._accepted),
@@ -346,8 +358,15 @@ class Coordinator:
             if left <= 0:
                 return
             msg = self.fleet.recv(timeout=min(left, 0.25))
-            if msg is not None:
-                self.handle(msg)
+            if msg is None:
+                continue
+            batch = [msg]
+            while len(batch) < self.batch_max:  # what is already queued joins the batch
+                more = self.fleet.recv(timeout=0)
+                if more is None:
+                    break
+                batch.append(more)
+            self.handle_batch(batch)
 
     # ------------------------------------------------------------------ rounds
 
@@ -371,7 +390,7 @@ class Coordinator:
         idx = self.rng.choice(len(present), size=k, replace=False)
         return sorted(present[i] for i in idx)
 
-    def _variants(self, selected: list[str], wanted: set[str] | None = None) -> dict[str, bytes]:
+    def _variants(self, selected: list[str], wanted: set[str] | None = None) -> dict[str, tuple[bytes, str]]:
         """Encoded model messages of the variants the selected devices need (or of
         ``wanted``, the variants a resumed round announced)."""
         r = self._round
@@ -391,20 +410,24 @@ class Coordinator:
             w = self.group_weights.get(bits, self.weights)
             tensors = model_tensors(w, self.names, v)
             step = tuple(float32_tensor(g, n) for g, n in zip(lgs, self.names, strict=True)) if lgs else ()
+            digest = tensors_digest(tensors)
             msg = ModelMessage(round_id=r, variant=v, model=self.cfg.model, tensors=tensors,
-                               digest=tensors_digest(tensors), last_global_step=step,
+                               digest=digest, last_global_step=step,
                                sigma_g=tuple(float(s) for s in sigma))
-            out[v] = encode_message(msg, self.cfg.limits)
+            out[v] = (encode_message(msg, self.cfg.limits), digest)
         return out
 
-    def _announce(self, plan: RoundPlan, payloads: dict[str, bytes]) -> None:
-        for v, p in payloads.items():
-            self.fleet.publish_model(v, p)
+    def _announce(self, plan: RoundPlan, payloads: dict[str, tuple[bytes, str]]) -> None:
+        """Models first, then the announcement and the status: one pipelined batch of
+        retained QoS 1 publishes (MQTT keeps their order), then wait for every PUBACK."""
         ann = RoundAnnouncement(job=self.cfg.job, round_id=plan.round_id, model=self.cfg.model,
                                 selected=tuple(plan.selected), deadline=plan.deadline,
                                 variants=dict(plan.variants), hparams=dict(plan.hparams))
-        self.fleet.publish_round(encode_message(ann, self.cfg.limits))
-        self.fleet.publish_status(encode_message(Status("round", plan.round_id, f"round {plan.round_id}")))
+        items = [(topic(self.cfg.job, "model", v), p) for v, (p, _) in payloads.items()]
+        items.append((topic(self.cfg.job, "round"), encode_message(ann, self.cfg.limits)))
+        items.append((topic(self.cfg.job, "status"),
+                      encode_message(Status("round", plan.round_id, f"round {plan.round_id}"))))
+        self.fleet.publish_retained(items)
 
     def run_round(self, r: int, plan: RoundPlan | None = None) -> dict[str, Any]:
         """Run round ``r`` (``plan`` given: resume it) and return its metrics record."""
@@ -422,7 +445,7 @@ class Coordinator:
         self._selected = set(selected)
         tc = time.perf_counter()
         payloads = self._variants(selected, set(plan.variants) if plan is not None else None)
-        digests = {v: decode_message(p, cfg.limits).digest for v, p in payloads.items()}  # type: ignore[union-attr]
+        digests = {v: d for v, (_, d) in payloads.items()}
         if plan is not None and digests != plan.variants:
             raise ConfigError(f"round {r}: the resumed model differs from the announced one")
         hparams = dict(cfg.hparams) | {"run": self.run_id}
@@ -436,7 +459,8 @@ class Coordinator:
             if self._handle_update(fake, replay=True):
                 replayed += 1
         self._announce(plan, payloads)
-        self._coord_s += time.perf_counter() - tc
+        announce_s = time.perf_counter() - tc
+        self._coord_s += announce_s
         self.on_event("round_start", {"round": r, "selected": selected, "resumed": resumed,
                                       "replayed": replayed, "deadline_s": cfg.round_timeout_s})
         self.log.info("round %d: selected %d device(s)%s", r, len(selected),
@@ -482,6 +506,8 @@ class Coordinator:
             "weight_change_l2": change, "round_seconds": time.monotonic() - t_start,
             "collect_seconds": t_collect - t_start, "aggregate_seconds": agg_s,
             "coordinator_seconds": self._coord_s, "eval_seconds": eval_s,
+            "announce_seconds": announce_s,
+            "handle_seconds": self._coord_s - announce_s - agg_s,
             "counts": {k: v for k, v in self._counts.items() if k != "accepted"},
             "stats": stats,
         }
@@ -493,7 +519,10 @@ class Coordinator:
         self.fleet.publish_status(encode_message(Status(
             "waiting" if r < cfg.rounds else "done", r, f"round {r} complete",
             {k: float(v) for k, v in (("accuracy", acc), ("loss", loss)) if math.isfinite(v)})))
-        record["coordinator_seconds"] = self._coord_s + (time.perf_counter() - tc)
+        # (in memory only: the line on disk was written before these were known)
+        record["checkpoint_seconds"] = time.perf_counter() - tc
+        record["coordinator_seconds"] = self._coord_s + record["checkpoint_seconds"]
+        record["round_seconds"] = time.monotonic() - t_start
         self.history.append(record)
         self.on_event("round_end", record)
         self.log.info("round %d: %d/%d updates, accuracy %s", r, len(self._accepted), len(selected),

@@ -4,14 +4,17 @@ Layout under the run directory ``DIR`` (``fedbit serve --out DIR``)::
 
     DIR/checkpoint.msgpack      last completed round: weights, strategy + RNG state, metrics
     DIR/round.msgpack           the plan of the round in progress (selected, deadline, ...)
-    DIR/inbox/r000007/<dev>.msgpack   raw update payloads received for round 7
+    DIR/inbox/r000007.log       raw update payloads received for round 7 (append-only)
     DIR/metrics.jsonl           one JSON object per completed round
 
-Every file is written atomically (temporary file in the same directory, ``fsync``,
-``rename``, ``fsync`` of the directory), so a ``kill -9`` at any instant leaves either the
-old or the new version. The inbox holds an update's exact received bytes and is written
-before the update is acknowledged to the broker (persist, then ack), so an acked update
-survives a crash; on resume the inbox of the open round is replayed through the strategy.
+Every file but the inbox is written atomically (temporary file in the same directory,
+``fsync``, ``rename``, ``fsync`` of the directory), so a ``kill -9`` at any instant leaves
+either the old or the new version. The inbox is an append-only log per round of framed
+records (magic, length, CRC-32, device id, the update's exact received bytes); updates
+are appended, the log is ``fdatasync``-ed once per batch (group commit), and only then are
+they acknowledged to the broker (persist, then ack), so an acked update survives a crash.
+A record torn by a crash fails its length/CRC check and ends the replay; it was never
+acked, so the broker redelivers it. On resume the open round's log is replayed.
 
 Arrays are stored as ``{"shape", "dtype", "data"}`` maps (little-endian), msgpack-framed.
 """
@@ -20,7 +23,8 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
+import struct
+import zlib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,6 +35,7 @@ import numpy as np
 from edge_client.errors import ConfigError
 
 STATE_VERSION = 1
+_MAGIC = b"FBU1"  # inbox record: magic, payload length, crc32(id + payload), id length
 
 
 def _fsync_dir(path: Path) -> None:
@@ -150,6 +155,9 @@ class RunState:
         self.inbox_dir = self.dir / "inbox"
         self.metrics_path = self.dir / "metrics.jsonl"
         self.inbox_dir.mkdir(exist_ok=True)
+        self._log: Any = None
+        self._log_round: int | None = None
+        self._dirty = False
 
     # ------------------------------------------------------------------ checkpoint
 
@@ -187,38 +195,85 @@ class RunState:
 
     # ------------------------------------------------------------------ inbox
 
-    def _round_dir(self, round_id: int) -> Path:
-        return self.inbox_dir / f"r{round_id:06d}"
+    def _round_log(self, round_id: int) -> Path:
+        return self.inbox_dir / f"r{round_id:06d}.log"
+
+    def inbox_append(self, round_id: int, device_id: str, payload: bytes) -> None:
+        """Append an update's received bytes to the round's log, *not yet durable*: call
+        :meth:`inbox_sync` before acknowledging it (group commit: one sync per batch)."""
+        if self._log_round != round_id:
+            self._close_log()
+            path = self._round_log(round_id)
+            created = not path.exists()
+            self._log = open(path, "ab")  # noqa: SIM115 - kept open for the round
+            self._log_round = round_id
+            if created and self.durable:
+                _fsync_dir(self.inbox_dir)
+        did = device_id.encode()
+        head = struct.pack("<4sIIH", _MAGIC, len(payload), zlib.crc32(did + payload), len(did))
+        assert self._log is not None
+        self._log.write(head + did + payload)
+        self._dirty = True
+
+    def inbox_sync(self) -> None:
+        """Make every appended update durable (one ``fdatasync``)."""
+        if self._log is not None and self._dirty:
+            self._log.flush()
+            if self.durable:
+                os.fdatasync(self._log.fileno())
+            self._dirty = False
 
     def inbox_put(self, round_id: int, device_id: str, payload: bytes) -> None:
-        """Persist an update's received bytes (durably, before it is acked)."""
-        d = self._round_dir(round_id)
-        if not d.exists():
-            d.mkdir(parents=True, exist_ok=True)
-            if self.durable:
-                _fsync_dir(self.inbox_dir)
-        atomic_write(d / f"{device_id}.msgpack", payload, durable=self.durable)
+        """Append and sync one update."""
+        self.inbox_append(round_id, device_id, payload)
+        self.inbox_sync()
 
-    def inbox_has(self, round_id: int, device_id: str) -> bool:
-        return (self._round_dir(round_id) / f"{device_id}.msgpack").exists()
+    def _close_log(self) -> None:
+        if self._log is not None:
+            self.inbox_sync()
+            self._log.close()
+        self._log, self._log_round = None, None
 
     def inbox_items(self, round_id: int) -> list[tuple[str, bytes]]:
-        """``(device_id, payload)`` persisted for ``round_id``, sorted by device id."""
-        d = self._round_dir(round_id)
-        if not d.is_dir():
+        """``(device_id, payload)`` persisted for ``round_id``, in arrival order; the first
+        record of a device wins; a record torn by a crash (the log's tail) is ignored."""
+        if self._log_round == round_id:
+            self.inbox_sync()
+        path = self._round_log(round_id)
+        if not path.exists():
             return []
-        return [(p.name[: -len(".msgpack")], p.read_bytes())
-                for p in sorted(d.glob("*.msgpack"))]
+        data = path.read_bytes()
+        out, seen, pos = [], set(), 0
+        hsize = struct.calcsize("<4sIIH")
+        while pos + hsize <= len(data):
+            magic, n, crc, idn = struct.unpack_from("<4sIIH", data, pos)
+            end = pos + hsize + idn + n
+            if magic != _MAGIC or end > len(data):
+                break
+            did, payload = data[pos + hsize: pos + hsize + idn], data[pos + hsize + idn: end]
+            if zlib.crc32(did + payload) != crc:
+                break
+            dev = did.decode(errors="replace")
+            if dev not in seen:
+                seen.add(dev)
+                out.append((dev, payload))
+            pos = end
+        return out
+
+    def inbox_has(self, round_id: int, device_id: str) -> bool:
+        return any(d == device_id for d, _ in self.inbox_items(round_id))
 
     def inbox_prune(self, keep_from: int) -> None:
         """Delete the inbox of every round < ``keep_from`` (completed and checkpointed)."""
-        for d in self.inbox_dir.glob("r*"):
+        if self._log_round is not None and self._log_round < keep_from:
+            self._close_log()
+        for path in self.inbox_dir.glob("r*.log"):
             try:
-                r = int(d.name[1:])
+                r = int(path.stem[1:])
             except ValueError:
                 continue
             if r < keep_from:
-                shutil.rmtree(d, ignore_errors=True)
+                path.unlink(missing_ok=True)
 
     # ------------------------------------------------------------------ metrics
 

@@ -110,6 +110,23 @@ class Transport(Protocol):
 # --------------------------------------------------------------------------- paho
 
 
+class PublishHandle:
+    """A queued QoS 1 publish; :meth:`wait` blocks until its PUBACK (paho's condition
+    variable, no polling)."""
+
+    def __init__(self, info) -> None:  # paho MQTTMessageInfo
+        self._info = info
+
+    def wait(self, timeout: float) -> bool:
+        """True once acknowledged; False after ``timeout`` s or when the connection was
+        lost (paho may still deliver it after a reconnect)."""
+        try:
+            self._info.wait_for_publish(timeout)
+            return bool(self._info.is_published())
+        except (RuntimeError, ValueError):
+            return False
+
+
 def _reason_is_failure(reason_code: object) -> bool:
     try:
         return bool(reason_code.is_failure)  # type: ignore[attr-defined]
@@ -369,16 +386,24 @@ class MqttTransport:
             return False
         if timeout <= 0:
             return True
-        end = time.monotonic() + timeout
+        return PublishHandle(info).wait(timeout)
+
+    def publish_start(self, topic: str, payload: bytes, *, qos: int = 1,
+                      retain: bool = False) -> PublishHandle | None:
+        """Queue a publish without waiting; ``handle.wait(timeout)`` waits for its PUBACK.
+        None when it could not be queued (not connected)."""
+        if len(payload) > self.max_payload:
+            raise ProtocolError(f"payload: {len(payload)} bytes exceed the transport limit "
+                                f"{self.max_payload}")
+        client = self._client
+        if client is None or self._closed:
+            return None
         try:
-            while time.monotonic() < end:
-                if info.is_published():
-                    return True
-                time.sleep(0.005)
-            return info.is_published()
-        except (RuntimeError, ValueError) as exc:  # the connection was lost meanwhile
-            self.last_error = f"publish: {exc}"
-            return False
+            info = client.publish(topic, payload, qos=qos, retain=retain)
+        except Exception as exc:  # noqa: BLE001
+            self.last_error = f"publish: {exc!r}"
+            return None
+        return PublishHandle(info) if info.rc == 0 else None
 
     def recv(self, timeout: float | None = None) -> Received | None:
         """Next received message, or None after ``timeout`` seconds."""

@@ -251,7 +251,7 @@ def test_crash_mid_round_then_resume_counts_each_update_once(tmp_path: Path) -> 
         co.run()
     st = RunState(out)
     assert st.load_checkpoint().completed_round == 1
-    persisted = [d for d, _ in st.inbox_items(2)]
+    persisted = [d for d, _ in RunState(out).inbox_items(2)]
     assert persisted == ["a"]
     # a fresh coordinator on the same directory (and broker): --resume
     fleet.ack = real_ack  # type: ignore[method-assign]

@@ -52,15 +52,33 @@ def test_checkpoint_roundtrip_including_rng_state(tmp_path: Path) -> None:
         st.load_checkpoint()
 
 
-def test_inbox_put_items_prune(tmp_path: Path) -> None:
+def test_inbox_log_append_sync_items_prune(tmp_path: Path) -> None:
     st = RunState(tmp_path)
     st.inbox_put(2, "b", b"B")
-    st.inbox_put(2, "a", b"A")
+    st.inbox_append(2, "a", b"A")
+    st.inbox_append(2, "b", b"B-again")      # a duplicate record: the first one wins
+    st.inbox_sync()
     st.inbox_put(3, "a", b"A3")
     assert st.inbox_has(2, "a") and not st.inbox_has(2, "c")
-    assert st.inbox_items(2) == [("a", b"A"), ("b", b"B")]
+    assert st.inbox_items(2) == [("b", b"B"), ("a", b"A")]
+    # a fresh process reads the same records
+    assert RunState(tmp_path).inbox_items(2) == [("b", b"B"), ("a", b"A")]
     st.inbox_prune(3)
     assert st.inbox_items(2) == [] and st.inbox_items(3) == [("a", b"A3")]
+
+
+def test_inbox_log_ignores_a_torn_tail(tmp_path: Path) -> None:
+    st = RunState(tmp_path)
+    st.inbox_put(1, "a", b"x" * 100)
+    st.inbox_put(1, "b", b"y" * 100)
+    log = tmp_path / "inbox" / "r000001.log"
+    data = log.read_bytes()
+    log.write_bytes(data[:-10])                # killed in the middle of the second record
+    assert RunState(tmp_path).inbox_items(1) == [("a", b"x" * 100)]
+    corrupt = bytearray(data)
+    corrupt[-1] ^= 0xFF                        # a flipped byte fails the CRC
+    log.write_bytes(bytes(corrupt))
+    assert RunState(tmp_path).inbox_items(1) == [("a", b"x" * 100)]
 
 
 def test_plan_roundtrip(tmp_path: Path) -> None:

@@ -213,12 +213,10 @@ def test_kill9_mid_round_then_resume(mosquitto, procs: Procs, tmp_path: Path) ->
                          extra={"dev3": ["--delay", "3"]})
     st = RunState(out)
     wait_for(lambda: len(st.read_metrics()) == 1, 60, "round 1")
-    inbox2 = out / "inbox" / "r000002"
-    wait_for(lambda: inbox2.is_dir() and len(list(inbox2.glob("*.msgpack"))) >= 2, 30,
-             "two updates of round 2 in the inbox")
+    wait_for(lambda: len(RunState(out).inbox_items(2)) >= 2, 30, "two updates of round 2 in the inbox")
     coord.send_signal(signal.SIGKILL)
     coord.wait(timeout=10)
-    persisted = sorted(p.stem for p in inbox2.glob("*.msgpack"))
+    persisted = sorted(d for d, _ in RunState(out).inbox_items(2))
     assert len(st.read_metrics()) == 1 and st.load_checkpoint().completed_round == 1
     assert "dev3" not in persisted                    # the round was open when it died
     coord2 = procs.start("coord2", *args, "--resume")

@@ -1,0 +1,246 @@
+"""Coordinator overhead: per received update, and in an end-to-end round over mosquitto.
+
+1. ``fedshift_cnn asym-4``: the coordinator's whole per-update path — validate (msgpack
+   + fields), decode to float32 (asym 4-bit, 2.16 M weights), stream into FedShift,
+   persist to the inbox log (fdatasync), ack — plus the round's ``finish()`` amortised,
+   as updates/s. Anchor (same run, same bytes): reading each payload back from a file and
+   summing its bytes with numpy (the floor any handler pays). Cases: a burst taken by the
+   round loop (group commit: one sync per batch), one update at a time (one sync each),
+   and the burst without fsync (what durability costs).
+2. ``digits_cnn 20 devices``: rounds with 20 emulated devices (10 Int8 + 10 float32,
+   real trainers, 1 epoch, threads of one separate process with one MQTT session each)
+   over mosquitto (amqtt when mosquitto is not installed); the coordinator's own time
+   (handling, model variants and publishing, aggregation, checkpoint; evaluation is
+   reported apart) against the round time, after the first round (JIT, imports).
+   Two local data sizes: 1/20 of the digits training split per device (72 samples) and
+   1/4 (~360 samples, as in ``fedbit demo``). Target: < 10 %.
+
+    .venv/bin/python benchmarks/round_overhead.py [--quick]
+
+Prints one JSON line per result (DESIGN.md, "Benchmarks").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+BENCH = "round_overhead"
+
+
+def emit(case: str, metric: str, value: float, unit: str, anchor: str, anchor_value: float, **extra) -> None:
+    rec = {"bench": BENCH, "case": case, "metric": metric, "value": round(value, 6), "unit": unit,
+           "anchor": anchor, "anchor_value": round(anchor_value, 6),
+           "ratio": round(value / anchor_value, 6) if anchor_value else None}
+    rec.update(extra)
+    print(json.dumps(rec), flush=True)
+
+
+# --------------------------------------------------------------------------- part 1
+
+
+def _payloads(n: int, seed: int = 0) -> tuple[list[np.ndarray], list[str], list[bytes]]:
+    from edge_client.codecs import encode
+    from edge_client.intnn import init_shared
+    from edge_client.protocol import Update, encode_message
+    from firmware_models import get_spec
+
+    spec = get_spec("fedshift_cnn")
+    base = init_shared(spec, seed)
+    names = spec.param_names()
+    rng = np.random.default_rng(seed)
+    ids, payloads = [], []
+    distinct = []
+    for _k in range(min(n, 4)):  # 4 distinct weight sets, re-labelled per device
+        w = [b + rng.normal(0, 0.01, b.shape).astype(np.float32) for b in base]
+        distinct.append(tuple(encode(x, codec="asym", bits=4, name=nm) for x, nm in zip(w, names, strict=True)))
+    for i in range(n):
+        dev = f"dev{i:04d}"
+        ids.append(dev)
+        payloads.append(encode_message(Update(dev, 1, 100, 32, "weights", distinct[i % len(distinct)])))
+    return base, ids, payloads
+
+
+def _coordinator(base, run_dir: Path, durable: bool, strategy: str):
+    from coordinator.fleet import InProcessFleet
+    from coordinator.server import Coordinator, ServerConfig
+    from coordinator.state import RunState
+    from coordinator.strategies import build_strategy
+
+    cfg = ServerConfig(job="bench", model="fedshift_cnn", rounds=1, strategy=strategy)
+    fleet = InProcessFleet("bench")
+    fleet.start()
+    return Coordinator(cfg, fleet, build_strategy(strategy),
+                       RunState(run_dir, durable=durable), evaluator=None, init_weights=base)
+
+
+def _handle_all(co, base, ids: list[str], payloads: list[bytes], burst: bool) -> float:
+    """Time the coordinator's handling of every payload plus ``finish()``.
+
+    ``burst``: the payloads are queued in the fleet at once and taken by the round loop's
+    ``pump`` (batches share one durable sync: group commit), as when many devices answer
+    together; otherwise each update is handled, synced and acked alone.
+    """
+    from coordinator.fleet import Inbound
+    from edge_client.protocol import topic
+    from edge_client.transport import Received
+
+    co._round, co._selected, co._accepted = 1, set(ids), {}
+    co.strategy.begin_round(1, [b.copy() for b in base])
+    if burst:
+        sender = co.fleet.hub.client("sender")
+        sender.connect()
+        for dev, p in zip(ids, payloads, strict=True):
+            sender.publish(topic("bench", "update", dev), p)
+        t0 = time.perf_counter()
+        co.pump(time.monotonic() + 600, stop=lambda: len(co._accepted) >= len(ids))
+    else:
+        t0 = time.perf_counter()
+        for dev, p in zip(ids, payloads, strict=True):
+            co.handle(Inbound("update", dev, p, time.monotonic(), Received(topic("bench", "update", dev), p, 1)))
+    co.strategy.finish()
+    dt = time.perf_counter() - t0
+    assert len(co._accepted) == len(ids), co.totals
+    return dt
+
+
+def per_update(quick: bool, workdir: Path) -> None:
+    n = 24 if quick else 120
+    base, ids, payloads = _payloads(n)
+    size = len(payloads[0])
+    # floor: the same bytes, read back from files and summed
+    fdir = workdir / "floor"
+    fdir.mkdir()
+    files = []
+    for dev, p in zip(ids, payloads, strict=True):
+        f = fdir / f"{dev}.msgpack"
+        f.write_bytes(p)
+        files.append(f)
+    t0 = time.perf_counter()
+    total = 0
+    for f in files:
+        total += int(np.frombuffer(f.read_bytes(), dtype=np.uint8).sum(dtype=np.uint64))
+    floor_rate = n / (time.perf_counter() - t0)
+    for label, durable, burst in (("", True, True), (" one-at-a-time", True, False),
+                                  (" no-fsync", False, True)):
+        run_dir = workdir / f"run{label.strip() or '-burst'}"
+        co = _coordinator(base, run_dir, durable, "fedshift")
+        _handle_all(co, base, ids[:2], payloads[:2], burst)  # warm-up (JIT, page cache)
+        co.state.inbox_prune(10)
+        rate = n / _handle_all(co, base, ids, payloads, burst)
+        emit("fedshift_cnn asym-4" + label, "updates_per_s", rate, "updates/s",
+             "read file + numpy sum (floor)", floor_rate, updates=n, payload_bytes=size,
+             strategy="fedshift", durable=durable, group_commit=burst)
+
+
+# --------------------------------------------------------------------------- part 2
+
+
+def device_farm(url: str, n: int, job: str, seconds: float, shards: int) -> int:
+    """Run ``n`` emulated devices (threads, one MQTT session each) until the job is done."""
+    from edge_client.data import digits_shard
+    from edge_client.runtime import DeviceConfig, DeviceRuntime
+    from edge_client.transport import MqttTransport
+    from hw_profiles import load_profile
+
+    tmp = Path(tempfile.mkdtemp(prefix="fedbit-farm-"))
+    threads = []
+    try:
+        for i in range(n):
+            prof = load_profile("raspberry-pi-4" if i % 2 == 0 else "desktop")
+            dev = f"farm{i:03d}"
+            cfg = DeviceConfig.from_profile(dev, prof, job=job, workdir=tmp / dev, seed=i)
+            rt = DeviceRuntime(cfg, digits_shard(i % shards + 1, shards),
+                               lambda dev=dev, **kw: MqttTransport(url, dev, **kw))
+            th = threading.Thread(target=rt.run, kwargs={"max_seconds": seconds}, daemon=True)
+            th.start()
+            threads.append(th)
+        for th in threads:
+            th.join()
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return 0
+
+
+def end_to_end(quick: bool, workdir: Path, shards: int) -> None:
+    from coordinator.broker import start_embedded_broker
+    from coordinator.fleet import MqttFleet
+    from coordinator.server import Coordinator, ServerConfig, make_evaluator
+    from coordinator.state import RunState
+    from coordinator.strategies import build_strategy
+    from edge_client.data import load_digits
+    from edge_client.intnn import init_shared
+    from firmware_models import get_spec
+
+    n, rounds = 20, (3 if quick else 6)
+    broker = start_embedded_broker()
+    farm = subprocess.Popen([sys.executable, __file__, "--device-farm", broker.url, "--devices", str(n),
+                             "--seconds", "300", "--shards", str(shards)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        cfg = ServerConfig(job="bench-e2e", model="digits_cnn", rounds=rounds, min_devices=n,
+                           round_timeout_s=120, presence_timeout_s=120,
+                           hparams={"epochs": 1, "batch": 32})
+        fleet = MqttFleet(broker.url, "bench-e2e")
+        co = Coordinator(cfg, fleet, build_strategy("fedavg"), RunState(workdir / f"e2e-{shards}"),
+                         evaluator=make_evaluator("digits_cnn", load_digits("test")),
+                         init_weights=init_shared(get_spec("digits_cnn"), 0))
+        hist = co.run()
+        fleet.close()
+        farm.wait(timeout=60)
+    finally:
+        if farm.poll() is None:
+            farm.terminate()
+            farm.wait(timeout=10)
+        broker.stop()
+    steady = hist[1:]  # round 1 includes the devices' JIT compilation and torch import
+    round_s = float(np.mean([h["round_seconds"] for h in steady]))
+    coord_s = float(np.mean([h["coordinator_seconds"] for h in steady]))
+    eval_s = float(np.mean([h["eval_seconds"] for h in steady]))
+    samples = len(load_digits("train").y) // shards
+    case = (f"digits_cnn 20 devices x ~{samples} samples "
+            f"({broker.kind}, {fleet.version and 'MQTT ' + fleet.version})")
+    parts = {k: round(float(np.mean([h[k] for h in steady])), 4)
+             for k in ("handle_seconds", "announce_seconds", "aggregate_seconds", "checkpoint_seconds")}
+    emit(case, "coordinator_seconds_per_round", coord_s, "s", "round time", round_s,
+         rounds=len(steady), eval_seconds=round(eval_s, 4), **parts,
+         accuracy=hist[-1]["accuracy"], updates_per_round=float(np.mean([h["accepted"] for h in steady])))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="CI size (< 90 s)")
+    ap.add_argument("--device-farm", metavar="URL", help=argparse.SUPPRESS)
+    ap.add_argument("--devices", type=int, default=20, help=argparse.SUPPRESS)
+    ap.add_argument("--seconds", type=float, default=300, help=argparse.SUPPRESS)
+    ap.add_argument("--shards", type=int, default=20, help=argparse.SUPPRESS)
+    ap.add_argument("--only", choices=["update", "e2e"], help="run one part")
+    args = ap.parse_args()
+    if args.device_farm:
+        return device_farm(args.device_farm, args.devices, "bench-e2e", args.seconds, args.shards)
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    work = Path(tempfile.mkdtemp(prefix="fedbit-bench-", dir=str(Path.cwd())))
+    try:
+        if args.only in (None, "update"):
+            per_update(args.quick, work)
+        if args.only in (None, "e2e"):
+            # each device on 1/20 of the digits training split (72 samples: a round is
+            # mostly coordination), then on 1/4 (~360 samples, like `fedbit demo`)
+            for shards in (20, 4):
+                end_to_end(args.quick, work, shards)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
