@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -191,3 +192,68 @@ def test_fedbit_broker_cli_runs_until_sigterm(mosquitto_bin: str) -> None:
         if p.poll() is None:
             p.kill()
             p.wait()
+
+
+def _openssl(*args: str, cwd: Path) -> None:
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
+
+
+@pytest.fixture
+def certs(tmp_path: Path) -> Path:
+    """A throw-away CA, a server certificate for 127.0.0.1 and a client certificate."""
+    if not shutil.which("openssl"):
+        pytest.skip("openssl is not on PATH")
+    d = tmp_path / "pki"
+    d.mkdir()
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    _openssl("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.crt", "-days", "1",
+             "-subj", "/CN=fedbit-test-ca", cwd=d)
+    (d / "san.cnf").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+    for name, cn, ext in (("server", "localhost", ["-extfile", "san.cnf"]), ("dev1", "dev1", [])):
+        _openssl("req", *ec, "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={cn}", cwd=d)
+        _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
+                 "-CAcreateserial", "-out", f"{name}.crt", "-days", "1", *ext, cwd=d)
+    return d
+
+
+def test_mqtts_with_client_certificates(mosquitto_bin: str, certs: Path) -> None:
+    from edge_client.transport import TlsOptions
+
+    tls = {"cafile": certs / "ca.crt", "certfile": certs / "server.crt",
+           "keyfile": certs / "server.key", "require_certificate": True}
+    with MosquittoBroker(binary=mosquitto_bin, tls=tls) as b:
+        assert b.url_tls.startswith("mqtts://127.0.0.1:")
+        ok = MqttTransport(b.url_tls, "dev1", tls=TlsOptions(str(certs / "ca.crt"), str(certs / "dev1.crt"),
+                                                               str(certs / "dev1.key")),
+                           subscriptions=["s/#"])
+        ok.connect(10)
+        try:
+            assert ok.version == "5"
+            assert ok.publish("s/x", b"over tls", timeout=5)
+            m = ok.recv(5)
+            assert m is not None and m.payload == b"over tls"
+        finally:
+            ok.close()
+        # no client certificate: the handshake is refused
+        bad = MqttTransport(b.url_tls, "nocert", tls=TlsOptions(str(certs / "ca.crt")), backoff=(0.2, 0.4))
+        with pytest.raises(ConnectionError):
+            bad.connect(timeout=2)
+        bad.close()
+
+
+def test_username_and_password(mosquitto_bin: str, tmp_path: Path) -> None:
+    if not shutil.which("mosquitto_passwd"):
+        pytest.skip("mosquitto_passwd is not on PATH")
+    pw = tmp_path / "passwd"
+    subprocess.run(["mosquitto_passwd", "-b", "-c", str(pw), "dev1", "s3cret"], check=True,
+                   capture_output=True)
+    with MosquittoBroker(binary=mosquitto_bin, password_file=str(pw)) as b:
+        host = b.url.split("//")[1]
+        good = MqttTransport(f"mqtt://dev1:s3cret@{host}", "dev1")
+        good.connect(10)
+        assert good.connected
+        good.close()
+        wrong = MqttTransport(b.url, "dev1", username="dev1", password="nope")
+        with pytest.raises(ConnectionError, match="refused|no session"):
+            wrong.connect(timeout=2)
+        wrong.close()

@@ -94,7 +94,9 @@ def device(url: str, workdir: Path, dev: str = "dev1", trainer=None, transport_c
 
 def test_update_survives_a_broker_crash_mid_upload(mosquitto: MosquittoBroker, tmp_path: Path) -> None:
     """The broker dies while the device trains; the publish fails, the update waits in the
-    outbox, the broker comes back on the same port, the device reconnects and re-sends."""
+    outbox, the broker comes back on the same port, the device reconnects and re-sends.
+    (The strict outbox path, a device process that dies mid-upload and restarts, is the
+    next test.)"""
     port, workdir = mosquitto.port, mosquitto.workdir
     restarted: list[MosquittoBroker] = []
 
@@ -117,11 +119,13 @@ def test_update_survives_a_broker_crash_mid_upload(mosquitto: MosquittoBroker, t
         th.join(40)
         assert "error" not in result, result.get("error")
         hist = result["history"]
-        assert hist[0]["accepted_ids"] == ["dev1"]
-        assert rt.resent >= 1                      # it came from the outbox
-        assert rt.rounds_done == [1]
+        assert hist[0]["accepted_ids"] == ["dev1"]  # it arrived after the reconnect
+        assert rt.rounds_done == [1] and rt.sent == 0  # the live publish was never acked
+        # Re-sent by the outbox flush after the reconnect, or by paho's own session queue
+        # when that came first (then the outbox copy was a duplicate, or the round closed
+        # before the flush); either way exactly one update counted.
+        assert hist[0]["accepted"] == 1
         dth.join(10)
-        assert len(rt.outbox) == 0
     finally:
         for b in restarted:
             if b is not None:
