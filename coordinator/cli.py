@@ -113,10 +113,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         print(f"fedbit serve: job {args.job}, model {args.model}, strategy {args.strategy}, "
               f"{args.rounds} round(s), out {args.out}", flush=True)
         history = coord.run(resume=args.resume)
-        print(f"connected via {fleet.describe()}", flush=True)
         last = history[-1] if history else {}
         print(json.dumps({"rounds": len(history), "final_accuracy": last.get("accuracy"),
-                          "metrics": str(coord.state.metrics_path)}), flush=True)
+                          "broker": fleet.describe(), "metrics": str(coord.state.metrics_path)}),
+              flush=True)
         fleet.close()
         return 0
     except (ConfigError, RoundError, ConnectionError) as exc:

@@ -194,6 +194,7 @@ class Coordinator:
         self._accepted: dict[str, float] = {}
         self._counts: Counter[str] = Counter()
         self._coord_s = 0.0
+        self._coord_cpu = 0.0
         #: most messages handled per durable sync (group commit)
         self.batch_max = 64
 
@@ -226,7 +227,7 @@ class Coordinator:
         """Handle messages, make the accepted updates durable with one sync (group
         commit), then acknowledge every message (rejected ones too: never redelivered).
         Nothing is acked when persisting fails (the exception propagates)."""
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         try:
             for msg in batch:
                 if msg.kind == "update":
@@ -240,6 +241,7 @@ class Coordinator:
                 self.fleet.ack(msg)
         finally:
             self._coord_s += time.perf_counter() - t0
+            self._coord_cpu += time.thread_time() - c0
 
     def _handle_device(self, msg: Inbound) -> None:
         if not msg.payload:
@@ -437,13 +439,14 @@ class Coordinator:
         self._accepted = {}
         self._counts = Counter()
         self._coord_s = 0.0
+        self._coord_cpu = 0.0
         resumed = plan is not None
         if plan is None:
             selected = self._select()
         else:
             selected = list(plan.selected)
         self._selected = set(selected)
-        tc = time.perf_counter()
+        tc, cc = time.perf_counter(), time.thread_time()
         payloads = self._variants(selected, set(plan.variants) if plan is not None else None)
         digests = {v: d for v, (_, d) in payloads.items()}
         if plan is not None and digests != plan.variants:
@@ -461,6 +464,7 @@ class Coordinator:
         self._announce(plan, payloads)
         announce_s = time.perf_counter() - tc
         self._coord_s += announce_s
+        self._coord_cpu += time.thread_time() - cc
         self.on_event("round_start", {"round": r, "selected": selected, "resumed": resumed,
                                       "replayed": replayed, "deadline_s": cfg.round_timeout_s})
         self.log.info("round %d: selected %d device(s)%s", r, len(selected),
@@ -475,7 +479,7 @@ class Coordinator:
             self._counts["stragglers"] = len(stragglers)
             self.log.warning("round %d: deadline passed; %d straggler(s) excluded: %s", r,
                              len(stragglers), stragglers, extra={"event": "stragglers", "round": r})
-        tc = time.perf_counter()
+        tc, cc = time.perf_counter(), time.thread_time()
         stats: dict[str, Any] = {}
         aggregated = len(self._accepted) >= cfg.min_updates
         old = [w.copy() for w in self.weights]
@@ -491,6 +495,7 @@ class Coordinator:
                              r, len(self._accepted), cfg.min_updates)
         agg_s = time.perf_counter() - tc
         self._coord_s += agg_s
+        self._coord_cpu += time.thread_time() - cc
         te = time.perf_counter()
         loss, acc = self.evaluator(self.weights) if self.evaluator else (float("nan"), float("nan"))
         eval_s = time.perf_counter() - te
@@ -505,13 +510,14 @@ class Coordinator:
             "aggregated": aggregated, "resumed": resumed, "replayed": replayed,
             "weight_change_l2": change, "round_seconds": time.monotonic() - t_start,
             "collect_seconds": t_collect - t_start, "aggregate_seconds": agg_s,
-            "coordinator_seconds": self._coord_s, "eval_seconds": eval_s,
+            "coordinator_seconds": self._coord_s, "coordinator_cpu_seconds": self._coord_cpu,
+            "eval_seconds": eval_s,
             "announce_seconds": announce_s,
             "handle_seconds": self._coord_s - announce_s - agg_s,
             "counts": {k: v for k, v in self._counts.items() if k != "accepted"},
             "stats": stats,
         }
-        tc = time.perf_counter()
+        tc, cc = time.perf_counter(), time.thread_time()
         self.completed = r
         self.state.save_checkpoint(self._checkpoint(record))
         self.state.append_metrics(record)
@@ -522,6 +528,7 @@ class Coordinator:
         # (in memory only: the line on disk was written before these were known)
         record["checkpoint_seconds"] = time.perf_counter() - tc
         record["coordinator_seconds"] = self._coord_s + record["checkpoint_seconds"]
+        record["coordinator_cpu_seconds"] = self._coord_cpu + (time.thread_time() - cc)
         record["round_seconds"] = time.monotonic() - t_start
         self.history.append(record)
         self.on_event("round_end", record)
