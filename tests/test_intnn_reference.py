@@ -128,6 +128,31 @@ def ref_pool_back(e, src, in_shape):
     return out.reshape(in_shape)
 
 
+def ref_softmax_error(z: np.ndarray, y: np.ndarray, bits: int, temp_shift: int):
+    """Base-2 softmax error in Q15 from Python integers: (e, sum of 2^15 - p_true)."""
+    fb = bits - 1
+    table = [round(2.0 ** (30 - j / 16)) for j in range(16)]
+    e = np.zeros(z.shape, np.int64)
+    total = 0
+    for n in range(z.shape[0]):
+        row = [int(v) for v in z[n]]
+        m = max(row)
+        vals = []
+        for v in row:
+            d = (m - v) << temp_shift
+            q, f = d >> fb, d & ((1 << fb) - 1)
+            j = f >> (fb - 4) if fb >= 4 else f << (4 - fb)
+            vals.append(table[j] >> q if q < 62 else 0)
+        ssum = sum(vals)
+        for o, v in enumerate(vals):
+            p = (v << 15) // ssum
+            if o == y[n]:
+                total += (1 << 15) - p
+                p -= 1 << 15
+            e[n, o] = p
+    return e, total
+
+
 def ref_quantize_error(e: np.ndarray, bits: int) -> np.ndarray:
     amax = (1 << (bits - 1)) - 1
     m = int(np.abs(e.astype(np.int64)).max()) if e.size else 0
@@ -175,7 +200,8 @@ def to_kernel_layout(kind: str, g: np.ndarray, perm: np.ndarray | None) -> np.nd
 
 
 def ref_train_step(spec: ModelSpec, bits: int, weights: list[np.ndarray], x: np.ndarray,
-                   y: np.ndarray, lr_log2: int, seed: int, step: int) -> dict:
+                   y: np.ndarray, lr_log2: int, seed: int, step: int, loss: str = "sse",
+                   temp_shift: int = 5) -> dict:
     """One integer training step in NCHW; weights are spec-layout grid integers."""
     amax = act_max(bits)
     wmax = weight_max(bits)
@@ -208,10 +234,12 @@ def ref_train_step(spec: ModelSpec, bits: int, weights: list[np.ndarray], x: np.
         elif isinstance(layer, Flatten):
             acts.append(a.reshape(a.shape[0], -1))
     z = acts[-1]
-    target = amax
-    e = z.copy()
-    e[np.arange(len(y)), y] -= target
-    sse = int((e * e).sum())
+    if loss == "sse":
+        e = z.copy()
+        e[np.arange(len(y)), y] -= amax
+        sse = int((e * e).sum())
+    else:
+        e, sse = ref_softmax_error(z, y, bits, temp_shift)
     new_w = [w.astype(np.int64).copy() for w in weights]
     eqs, grads = {}, {}
     first_param = min(pidx)
@@ -479,8 +507,29 @@ def test_stochastic_rounding_is_unbiased():
 
 
 @pytest.mark.parametrize("bits", BITS)
-@pytest.mark.parametrize("lr_log2", [3, 30])
-def test_training_step_matches_reference(bits, lr_log2):
+@pytest.mark.parametrize("temp_shift", [0, 3, 5, 9])
+def test_softmax_error_matches_reference(bits, temp_shift):
+    rng = np.random.default_rng(bits * 13 + temp_shift)
+    amax = act_max(bits)
+    z = rng.integers(-amax, amax + 1, size=(9, 10))
+    z[0] = 0                      # uniform row
+    z[1, 3] = amax                # one dominant logit
+    z[1, :3] = -amax
+    y = rng.integers(0, 10, size=9).astype(np.int64)
+    dt = np.int8 if bits <= 8 else np.int16
+    e = np.zeros((9, 10), np.int32)
+    total = K.softmax_error(z.astype(dt), y, bits, temp_shift, e)
+    ref_e, ref_total = ref_softmax_error(z, y, bits, temp_shift)
+    assert np.array_equal(e, ref_e) and total == ref_total
+    p = e.astype(np.int64)
+    p[np.arange(9), y] += 1 << 15
+    assert (p >= 0).all() and (p.sum(axis=1) <= 1 << 15).all()
+    assert (p.sum(axis=1) > (1 << 15) - 11).all()  # floor loses < 1 per class
+
+
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("lr_log2,loss", [(3, "ce"), (3, "sse"), (30, "ce"), (30, "sse")])
+def test_training_step_matches_reference(bits, lr_log2, loss):
     spec = tiny_spec()
     rng = np.random.default_rng(bits + lr_log2)
     amax = act_max(bits)
@@ -489,9 +538,9 @@ def test_training_step_matches_reference(bits, lr_log2):
     x = rng.integers(0, amax + 1, size=(n, 3, 9, 9))
     y = rng.integers(0, 5, size=n).astype(np.int64)
     seed, step = 11, 4
-    ref = ref_train_step(spec, bits, weights, x, y, lr_log2, seed, step)
+    ref = ref_train_step(spec, bits, weights, x, y, lr_log2, seed, step, loss, 5)
 
-    model = IntModel(spec, bits)
+    model = IntModel(spec, bits, loss=loss, ce_temp_shift=5)
     model.load_int([w.astype(model.wdtype) for w in weights])
     ws = model.workspace(8)
     ws.x[:n] = x.transpose(0, 2, 3, 1)

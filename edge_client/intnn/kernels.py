@@ -301,6 +301,51 @@ def sse_error(z, y, target, e):
     return sse
 
 
+# round(2^(30 - j/16)) for j = 0..15: 2^-fraction in Q30 for the base-2 softmax.
+EXP2_NEG_FRAC_Q30 = np.array([round(2.0 ** (30 - j / 16)) for j in range(16)], dtype=np.int64)
+SOFTMAX_ONE = 1 << 15  # probabilities in Q15
+
+
+@njit(cache=True)
+def softmax_error(z, y, bits, temp_shift, e):
+    """Integer softmax cross-entropy error (NITI style): e = Q15(softmax) - Q15(onehot).
+
+    Base-2 softmax of the logits z [N, O] (s-bit activations, real value z / 2^(s-1)) at
+    temperature 2^-temp_shift: p_i = 2^(u_i) / sum_j 2^(u_j), u = z * 2^temp_shift /
+    2^(s-1). With d = (max z - z_i) * 2^temp_shift: 2^(-d / 2^(s-1)) is a right shift by
+    the integer part and a 16-entry Q30 table for the fraction (1/16 steps, truncated);
+    p_i = (2^-d_i << 15) // sum (Q15, floor). e [N, O] int32. Returns the integer sum over
+    samples of (2^15 - p_true): a bounded loss proxy for reporting.
+    """
+    frac_bits = bits - 1
+    total = np.int64(0)
+    n_out = z.shape[1]
+    for n in range(z.shape[0]):
+        m = np.int64(z[n, 0])
+        for o in range(1, n_out):
+            if z[n, o] > m:
+                m = np.int64(z[n, o])
+        ssum = np.int64(0)
+        for o in range(n_out):
+            d = (m - np.int64(z[n, o])) << temp_shift  # >= 0, units of 2^-frac_bits
+            q = d >> frac_bits
+            f = d - (q << frac_bits)
+            if frac_bits >= 4:
+                j = f >> (frac_bits - 4)
+            else:
+                j = f << (4 - frac_bits)
+            v = EXP2_NEG_FRAC_Q30[j] >> q if q < 62 else np.int64(0)
+            e[n, o] = v  # <= 2^30: fits the int32 output, overwritten below
+            ssum += v
+        for o in range(n_out):
+            p = (np.int64(e[n, o]) << 15) // ssum
+            if o == y[n]:
+                total += SOFTMAX_ONE - p
+                p -= SOFTMAX_ONE
+            e[n, o] = p
+    return total
+
+
 @njit(cache=True)
 def argmax_correct(z, y):
     """Number of rows of z whose first maximum is at column y[n]."""
@@ -804,7 +849,7 @@ def quantize_inputs_nhwc(xq, out):
 # typed inside these kernels.
 TRAINING_KERNELS = (
     conv_forward, conv_forward_col, linear_forward, maxpool_forward, relu_forward,
-    sse_error, relu_mask, quantize_error, conv_backward_data, conv_weight_grad,
+    sse_error, softmax_error, relu_mask, quantize_error, conv_backward_data, conv_weight_grad,
     conv_weight_grad_dot, linear_backward_data, linear_weight_grad, maxpool_backward,
     sgd_update, regularizer_terms, ternarize, transpose_kkco_okkc,
     argmax_correct, stream_key,
