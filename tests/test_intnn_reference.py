@@ -568,3 +568,27 @@ def test_training_step_matches_reference(bits, lr_log2, loss):
     first = model.param_ops[0]
     g = (ws.grad64 if first.grad_int64 else ws.grad32)[:model.w[0].size]
     assert np.array_equal(g.reshape(model.w[0].shape).transpose(3, 2, 0, 1), ref["grads"][0])
+
+
+@pytest.mark.parametrize("name,kwargs", [("digits_cnn", {}), ("mlp", {}),
+                                         ("vgg7_small", {"width": 0.0625, "image": 16}),
+                                         ("fedshift_cnn", {})])
+def test_zoo_models_step_matches_reference(name, kwargs):
+    from firmware_models import get_spec
+
+    spec = get_spec(name, **kwargs)
+    bits = 8
+    rng = np.random.default_rng(len(name))
+    amax = act_max(bits)
+    weights = random_grid_weights(spec, bits, rng)
+    n = 3
+    x = rng.integers(0, amax + 1, size=(n, *spec.input_shape))
+    y = rng.integers(0, spec.num_classes, size=n).astype(np.int64)
+    ref = ref_train_step(spec, bits, weights, x, y, 3, 2, 9)
+    model = IntModel(spec, bits)
+    model.load_int([w.astype(model.wdtype) for w in weights])
+    ws = model.workspace(n)
+    ws.x[:n] = x.transpose(0, 2, 3, 1) if x.ndim == 4 else x
+    assert model.train_step(ws, y, n, 3, 2, 9) == ref["sse"]
+    for got, want in zip(model.int_weights(), ref["weights"], strict=True):
+        assert np.array_equal(got, want)
