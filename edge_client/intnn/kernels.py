@@ -14,6 +14,15 @@ ternary weights ``int8``; stored weights ``int8``/``int16``; raw (pre-quantizati
 errors and forward accumulators ``int32``; weight gradients ``int32`` when the bound
 ``amax^2 * pixels`` fits, else ``int64``.
 
+Convolution forward comes in two bit-identical variants: :func:`conv_forward_col` (the
+default: a transposed im2col of the batch, then each non-zero ternary weight adds or
+subtracts a whole block of pixels, int16 partial sums for s <= 8; the im2col is kept for
+the weight gradient) and :func:`conv_forward` (per output pixel, the non-zero inputs are
+compacted and accumulated over contiguous output channels; it wins when inputs are very
+sparse). The weight gradient is a dot product over pixels (:func:`conv_weight_grad_dot`,
+int32) or a row-blocked accumulation (:func:`conv_weight_grad`, any width, int64 for
+s > 8).
+
 Rounding: ``round_shift(v, k)`` divides by ``2^k`` rounding half away from zero
 (``k > 0``), multiplies by ``2^-k`` (``k < 0``), and is the identity for ``k == 0``.
 """

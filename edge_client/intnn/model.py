@@ -29,7 +29,7 @@ The stochastic-rounding counter ``j`` enumerates a layer's weights in that inter
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -80,7 +80,18 @@ class _Op:
 
 @dataclass
 class Workspace:
-    """Integer buffers for batches of up to ``capacity`` samples (all views are [:n])."""
+    """Integer buffers for batches of up to ``capacity`` samples (all views are [:n]).
+
+    Per op (lists indexed like ``IntModel.ops``, None where unused): ``acts`` outputs
+    (s-bit), ``idx`` max-pool winners (int32), ``eq`` quantized errors at conv/linear
+    outputs (s-bit), ``err_in`` raw errors at op inputs (int32), ``patch`` int32 [O]
+    accumulators of the sparse conv, ``pbuf`` int32 [K*K*C] backward-data scratch,
+    ``gacc`` [O] gradient scratch (int64 path), ``col_t`` the transposed im2col
+    [K*K*C, pixels] (s-bit), ``e_t`` errors transposed [O, pixels], ``pacc``/``pacc16``
+    pixel-block accumulators of the conv forward. ``grad32``/``grad64``: one weight
+    gradient buffer shared by all layers; ``extra``: FedProx/FedFOR numerators (int64,
+    only touched when those terms are on).
+    """
 
     capacity: int
     x: np.ndarray
@@ -100,7 +111,6 @@ class Workspace:
     grad64: np.ndarray
     extra: np.ndarray
     train: bool = True
-    int_arrays: list[np.ndarray] = field(default_factory=list)
 
 
 class IntModel:
