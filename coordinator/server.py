@@ -594,7 +594,12 @@ class Coordinator:
         # (no pump here: on resume, messages queued for this session, such as updates of
         # the open round, are handled once that round is set up again)
         if not resume or self.completed == 0 and plan is None:
-            self.fleet.publish_status(encode_message(Status("waiting", 0, "coordinator started")))
+            # a fresh run: clear a previous run's retained announcement, say we are here
+            self.fleet.publish_retained([
+                (topic(self.cfg.job, "round"), b""),
+                (topic(self.cfg.job, "status"),
+                 encode_message(Status("waiting", 0, "coordinator started"))),
+            ])
         try:
             while self.completed < self.cfg.rounds:
                 r = self.completed + 1

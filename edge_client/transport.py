@@ -304,6 +304,11 @@ class MqttTransport:
         network thread keeps retrying in the background until :meth:`close`).
         """
         end = time.monotonic() + timeout
+        if self._client is not None:
+            # a session exists: paho's network thread keeps reconnecting on its own
+            if not self._connected.wait(timeout):
+                raise ConnectionError(f"{self.url}: no session after {timeout:.1f} s ({self.last_error})")
+            return
         version = self.protocol
         delay = self.backoff[0]
         while version == "auto":
