@@ -214,3 +214,53 @@ def test_unreachable_broker_fails_after_the_timeout(bad: str) -> None:
     with pytest.raises(ConnectionError, match="unreachable"):
         t.connect(timeout=1.0)
     assert time.monotonic() - t0 < 5
+
+
+INT_DEVICE_SCRIPT = r"""
+import sys, time
+from pathlib import Path
+import numpy as np
+from edge_client.data import load_source
+from edge_client.intnn import from_shared, init_shared, storage_grid_bits
+from edge_client.codecs import encode
+from edge_client.protocol import (ModelMessage, RoundAnnouncement, Update, decode_message,
+                                  encode_message, tensors_digest, topic)
+from edge_client.runtime import DeviceConfig, DeviceRuntime
+from edge_client.transport import LocalHub
+from firmware_models import get_spec
+from hw_profiles import load_profile
+
+spec = get_spec("digits_cnn")
+ints = from_shared(init_shared(spec, 0), 8)
+tensors = tuple(encode(q, codec="int", bits=storage_grid_bits(8), name=n)
+                for q, n in zip(ints, spec.param_names()))
+digest = tensors_digest(tensors)
+hub = LocalHub()
+hub.route(topic("j", "model", "int8"), encode_message(
+    ModelMessage(1, "int8", "digits_cnn", tensors, digest)), True)
+hub.route(topic("j", "round"), encode_message(RoundAnnouncement(
+    "j", 1, "digits_cnn", ("pi",), time.time() + 60, {"int8": digest}, {"steps": 3})), True)
+watch = hub.client("w", subscriptions=[topic("j", "update", "pi")])
+watch.connect()
+cfg = DeviceConfig.from_profile("pi", load_profile("raspberry-pi-4"), job="j",
+                                workdir=Path(sys.argv[1]))
+rt = DeviceRuntime(cfg, load_source("digits:1/8"), lambda **kw: hub.client("pi", **kw))
+import threading
+th = threading.Thread(target=rt.run, kwargs={"max_seconds": 60}, daemon=True)
+th.start()
+m = watch.recv(60)
+rt.stop(); th.join(10)
+u = decode_message(m.payload)
+assert isinstance(u, Update) and u.round_id == 1 and u.compute_bits == 8
+assert [t.codec for t in u.tensors] == ["int"] * 4, [t.codec for t in u.tensors]
+print("torch loaded:", "torch" in sys.modules)
+"""
+
+
+def test_integer_device_round_keeps_torch_out(tmp_path: Path) -> None:
+    """An Int8 device downloads the int8 variant, trains with the integer engine, sends its
+    own integers, and never imports torch (DESIGN.md: a Pi Zero cannot afford it)."""
+    out = subprocess.run([sys.executable, "-c", INT_DEVICE_SCRIPT, str(tmp_path)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "torch loaded: False" in out.stdout
