@@ -233,7 +233,7 @@ def main() -> int:
     if args.device_farm:
         return device_farm(args.device_farm, args.devices, "bench-e2e", args.seconds, args.shards)
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    work = Path(tempfile.mkdtemp(prefix="fedbit-bench-", dir=str(Path.cwd())))
+    work = Path(tempfile.mkdtemp(prefix="fedbit-bench-"))
     try:
         if args.only in (None, "update"):
             per_update(args.quick, work)
