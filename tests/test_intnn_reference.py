@@ -361,7 +361,7 @@ def test_conv_forward_matches_reference(bits, stride, pad, k):
                                np.ascontiguousarray(t.transpose(0, 2, 3, 1)).astype(np.int8),
                                stride, pad, shift, amax, relu, out2,
                                np.zeros((k * k * 5, 2 * ho * wo), dt), np.zeros(13, np.int32),
-                               np.zeros(13 if bits <= 8 else 0, np.int16))
+                               np.zeros(13 if bits <= 8 else 0, np.int16), np.zeros((7, 13), dt))
             assert np.array_equal(out2, out)
             saturated |= bool((np.abs(ref) == amax).any())
             if relu:

@@ -551,13 +551,14 @@ def _finish_row(acc, m, shift, amax, relu, tile, o):
 
 
 @njit(cache=True)
-def conv_forward_col(a, t_o, stride, pad, shift, amax, relu, out, col_t, acc, acc16):
+def conv_forward_col(a, t_o, stride, pad, shift, amax, relu, out, col_t, acc, acc16, tile):
     """Same result as :func:`conv_forward`, vectorized over output pixels instead.
 
     t_o: ternary weights [O, K, K, C]; col_t: scratch [K*K*C, G*Ho*Wo] (dtype of ``a``)
     that receives the im2col of G samples at a time (G = all of them when it is large
     enough: the weight gradient then reuses it); acc: int32 scratch and acc16 int16
-    scratch (used when |activations| <= 127, i.e. s <= 8; else length 0) of a pixel block.
+    scratch (used when |activations| <= 127, i.e. s <= 8; else length 0) of a pixel block;
+    tile: [O, block] scratch of out's dtype (finished values, stored pixel-major after).
     For every non-zero ternary weight, a block of pixels is added or subtracted (no
     multiplication), then rounding shift + clip (+ ReLU) write NHWC ``out``.
     """
@@ -573,7 +574,6 @@ def conv_forward_col(a, t_o, stride, pad, shift, amax, relu, out, col_t, acc, ac
     block = acc.shape[0]
     narrow = amax <= 127 and acc16.shape[0] >= block
     out2 = out.reshape(-1, n_out)  # [N*Ho*Wo, O]: one row per output pixel
-    tile = np.empty((n_out, block), out.dtype)
     for n0 in range(0, n_total, group):
         n1 = min(n_total, n0 + group)
         cols = (n1 - n0) * n_pix

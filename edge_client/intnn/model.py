@@ -87,8 +87,8 @@ class Workspace:
     outputs (s-bit), ``err_in`` raw errors at op inputs (int32), ``patch`` int32 [O]
     accumulators of the sparse conv, ``pbuf`` int32 [K*K*C] backward-data scratch,
     ``gacc`` [O] gradient scratch (int64 path), ``col_t`` the transposed im2col
-    [K*K*C, pixels] (s-bit), ``e_t`` errors transposed [O, pixels], ``pacc``/``pacc16``
-    pixel-block accumulators of the conv forward. ``grad32``/``grad64``: one weight
+    [K*K*C, pixels] (s-bit), ``e_t`` errors transposed [O, pixels], ``pacc``/``pacc16``/
+    ``ptile`` pixel-block accumulators and finished outputs of the conv forward. ``grad32``/``grad64``: one weight
     gradient buffer shared by all layers; ``extra``: FedProx/FedFOR numerators (int64,
     only touched when those terms are on).
     """
@@ -107,6 +107,7 @@ class Workspace:
     e_t: list[np.ndarray | None]
     pacc: list[np.ndarray | None]
     pacc16: list[np.ndarray | None]
+    ptile: list[np.ndarray | None]
     grad32: np.ndarray
     grad64: np.ndarray
     extra: np.ndarray
@@ -285,6 +286,7 @@ class IntModel:
         col_t: list[np.ndarray | None] = []
         pacc: list[np.ndarray | None] = []
         pacc16: list[np.ndarray | None] = []
+        ptile: list[np.ndarray | None] = []
         e_t: list[np.ndarray | None] = []
         prev = x
         g32 = g64 = 0
@@ -311,12 +313,14 @@ class IntModel:
                 col_t.append(np.zeros((r, cols), ad))
                 pacc.append(np.zeros(block, np.int32))
                 pacc16.append(np.zeros(block if self.amax <= 127 else 0, np.int16))
+                ptile.append(np.zeros((op.layer.out_channels, block), ad))
                 patch.append(np.zeros(op.layer.out_channels, np.int32))
                 pbuf.append(np.zeros(r, np.int32) if train else None)
             else:
                 col_t.append(None)
                 pacc.append(None)
                 pacc16.append(None)
+                ptile.append(None)
                 patch.append(None)
                 pbuf.append(None)
             if train and is_param:
@@ -345,7 +349,7 @@ class IntModel:
             err_out=np.zeros((n, self.spec.num_classes), np.int32) if train else
             np.zeros((0, 0), np.int32),
             patch=patch, pbuf=pbuf, gacc=gacc, col_t=col_t, e_t=e_t,
-            pacc=pacc, pacc16=pacc16,
+            pacc=pacc, pacc16=pacc16, ptile=ptile,
             grad32=np.zeros(g32, np.int32), grad64=np.zeros(g64, np.int64),
             extra=np.zeros(max_param if train else 0, np.int64), train=train,
         )
@@ -400,7 +404,7 @@ class IntModel:
                 if self.conv_impl == "col":
                     K.conv_forward_col(prev, self.tb[op.param], lay.stride, lay.padding,
                                        op.shift, self.amax, op.relu, out, ws.col_t[i],
-                                       ws.pacc[i], ws.pacc16[i])
+                                       ws.pacc[i], ws.pacc16[i], ws.ptile[i])
                 else:
                     K.conv_forward(prev, self.t[op.param], lay.stride, lay.padding, op.shift,
                                    self.amax, op.relu, out, ws.patch[i])
