@@ -310,6 +310,7 @@ def nchw(a):
 
 
 BITS = [6, 8, 16]
+LOW_BITS = [2, 3, 4, 12]
 
 
 # ----------------------------------------------------------------------------- tests
@@ -590,5 +591,25 @@ def test_zoo_models_step_matches_reference(name, kwargs):
     ws = model.workspace(n)
     ws.x[:n] = x.transpose(0, 2, 3, 1) if x.ndim == 4 else x
     assert model.train_step(ws, y, n, 3, 2, 9) == ref["sse"]
+    for got, want in zip(model.int_weights(), ref["weights"], strict=True):
+        assert np.array_equal(got, want)
+
+
+@pytest.mark.parametrize("bits", LOW_BITS)
+@pytest.mark.parametrize("loss", ["sse", "ce"])
+def test_other_bitwidths_step_matches_reference(bits, loss):
+    """s = 2, 3, 4 (activations of 1-3 magnitude bits, softmax fraction < 4 bits), 12."""
+    spec = tiny_spec()
+    rng = np.random.default_rng(bits * 5)
+    amax = act_max(bits)
+    weights = random_grid_weights(spec, bits, rng)
+    x = rng.integers(0, amax + 1, size=(4, 3, 9, 9))
+    y = rng.integers(0, 5, size=4).astype(np.int64)
+    ref = ref_train_step(spec, bits, weights, x, y, 3, 1, 2, loss, 5)
+    model = IntModel(spec, bits, loss=loss, ce_temp_shift=5)
+    model.load_int([w.astype(model.wdtype) for w in weights])
+    ws = model.workspace(4)
+    ws.x[:4] = x.transpose(0, 2, 3, 1)
+    assert model.train_step(ws, y, 4, 3, 1, 2) == ref["sse"]
     for got, want in zip(model.int_weights(), ref["weights"], strict=True):
         assert np.array_equal(got, want)
