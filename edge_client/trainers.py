@@ -380,7 +380,6 @@ class TorchTrainer:
         n_steps = _check_train_args(data, self.spec, epochs, steps, batch, prox_mu,
                                     fedfor_alpha, last_global_step)
         t0 = time.perf_counter()
-        torch.manual_seed(self.seed * 1000003 + self._calls)
         rng = np.random.default_rng([self.seed, self._calls])
         self._calls += 1
         anchor = [p.detach().clone() for p in self.params]
