@@ -85,7 +85,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         cfg = ServerConfig(
             job=args.job, model=args.model, rounds=args.rounds, strategy=args.strategy,
             strategy_params=_kv(args.strategy_param, "--strategy-param"), fraction=args.fraction,
-            min_devices=args.min_devices, max_devices=args.max_devices, quorum=args.quorum,
+            min_devices=args.min_devices, max_devices=args.max_devices,
+            min_present=args.min_present, quorum=args.quorum,
             min_updates=args.min_updates, round_timeout_s=args.round_timeout,
             presence_timeout_s=args.presence_timeout, hparams=hparams, seed=args.seed, limits=limits,
         )
@@ -186,8 +187,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-data", default="digits:test", metavar="SRC",
                    help="held-out set: digits:test (default) or a CIFAR-10 folder")
     p.add_argument("--fraction", type=float, default=1.0, metavar="C", help="fraction of present devices per round")
-    p.add_argument("--min-devices", type=int, default=1)
-    p.add_argument("--max-devices", type=int, default=10_000)
+    p.add_argument("--min-devices", type=int, default=1, help="fewest devices selected per round")
+    p.add_argument("--max-devices", type=int, default=10_000, help="most devices selected per round")
+    p.add_argument("--min-present", type=int, default=0,
+                   help="devices that must be present before a round starts (default: --min-devices)")
     p.add_argument("--quorum", type=float, default=1.0, help="fraction of the selected that closes a round early")
     p.add_argument("--min-updates", type=int, default=1, help="fewer updates at the deadline keep the old model")
     p.add_argument("--round-timeout", type=float, default=60.0, metavar="S", help="round deadline in seconds")

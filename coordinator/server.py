@@ -73,6 +73,8 @@ class ServerConfig:
 
     - ``fraction``: C, the fraction of present devices selected per round, clamped to
       ``[min_devices, max_devices]``;
+    - ``min_present``: devices that must be present before a round starts (at least
+      ``min_devices``; waited for up to ``presence_timeout_s``);
     - ``quorum``: the fraction of the selected whose accepted updates close a round early;
     - ``min_updates``: fewer accepted at the deadline keep the previous global model;
     - ``hparams``: local training hyper-parameters announced to devices;
@@ -87,6 +89,7 @@ class ServerConfig:
     fraction: float = 1.0
     min_devices: int = 1
     max_devices: int = 10_000
+    min_present: int = 0
     quorum: float = 1.0
     min_updates: int = 1
     round_timeout_s: float = 60.0
@@ -376,13 +379,14 @@ class Coordinator:
         cfg = self.cfg
         end = time.monotonic() + cfg.presence_timeout_s
         last_note = 0.0
-        while len(self.present()) < cfg.min_devices:
+        need = max(cfg.min_devices, cfg.min_present)
+        while len(self.present()) < need:
             if time.monotonic() >= end:
                 raise RoundError(f"only {len(self.present())} device(s) present after "
-                                 f"{cfg.presence_timeout_s:.0f} s; need {cfg.min_devices}")
+                                 f"{cfg.presence_timeout_s:.0f} s; need {need}")
             if time.monotonic() - last_note > 5:
                 last_note = time.monotonic()
-                self.on_event("waiting", {"present": len(self.present()), "need": cfg.min_devices})
+                self.on_event("waiting", {"present": len(self.present()), "need": need})
             self.pump(min(end, time.monotonic() + 0.5))
         # let hellos that arrive together settle
         self.pump(time.monotonic() + 0.05)
@@ -445,6 +449,8 @@ class Coordinator:
             selected = self._select()
         else:
             selected = list(plan.selected)
+            if plan.rng_state:
+                self.rng.bit_generator.state = json.loads(plan.rng_state)
         self._selected = set(selected)
         tc, cc = time.perf_counter(), time.thread_time()
         payloads = self._variants(selected, set(plan.variants) if plan is not None else None)
@@ -453,7 +459,8 @@ class Coordinator:
             raise ConfigError(f"round {r}: the resumed model differs from the announced one")
         hparams = dict(cfg.hparams) | {"run": self.run_id}
         plan = RoundPlan(round_id=r, selected=selected, deadline=time.time() + cfg.round_timeout_s,
-                         variants=digests, hparams=hparams, started_at=time.time())
+                         variants=digests, hparams=hparams, started_at=time.time(),
+                         rng_state=json.dumps(self.rng.bit_generator.state))
         self.state.save_plan(plan)
         self.strategy.begin_round(r, [w.copy() for w in self.weights])
         replayed = 0

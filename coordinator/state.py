@@ -141,6 +141,9 @@ class RoundPlan:
     variants: dict[str, str]
     hparams: dict[str, Any] = field(default_factory=dict)
     started_at: float = 0.0
+    #: the selection RNG state after this round's draw (JSON), so a resumed run selects
+    #: exactly as an uninterrupted one would
+    rng_state: str = ""
 
 
 class RunState:

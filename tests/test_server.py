@@ -274,3 +274,36 @@ def test_crash_mid_round_then_resume_counts_each_update_once(tmp_path: Path) -> 
     assert r2["resumed"] and r2["replayed"] == 1
     assert r2["accepted_ids"] == ["a", "b"] and r2["accepted"] == 2
     assert [m["round"] for m in st.read_metrics()] == [1, 2, 3]
+
+
+def test_resumed_run_selects_like_an_uninterrupted_one(tmp_path: Path) -> None:
+    """fraction C = 0.5 of 4 devices: the seeded selection of every round is the same
+    whether or not the coordinator crashed (and resumed) in the middle of round 2."""
+
+    def fleet_with_devices(tag: str) -> InProcessFleet:
+        fleet = InProcessFleet(JOB)
+        for i, dev in enumerate("abcd"):
+            start_device(fleet, tmp_path / tag, dev, 0.01 * (i + 1), 10 + i)
+        return fleet
+
+    kw = {"rounds": 4, "fraction": 0.5, "min_devices": 2, "min_present": 4, "round_timeout_s": 10}
+    straight = coordinator(fleet_with_devices("A"), tmp_path / "A" / "out", **kw).run()
+
+    fleet = fleet_with_devices("B")
+    co = coordinator(fleet, tmp_path / "B" / "out", **kw)
+    real_ack = fleet.ack
+
+    def crashing_ack(msg):
+        if co._round == 2 and msg.kind == "update" and co._accepted:
+            raise Crash("killed mid-round")
+        real_ack(msg)
+
+    fleet.ack = crashing_ack  # type: ignore[method-assign]
+    with pytest.raises(Crash):
+        co.run()
+    fleet.ack = real_ack  # type: ignore[method-assign]
+    resumed = coordinator(fleet, tmp_path / "B" / "out", **kw).run(resume=True)
+    assert [h["selected_ids"] for h in resumed] == [h["selected_ids"] for h in straight]
+    assert all(h["selected"] == 2 for h in straight)
+    for a, b in zip(straight, resumed, strict=True):
+        assert a["weight_change_l2"] == pytest.approx(b["weight_change_l2"], rel=1e-6)
