@@ -229,3 +229,24 @@ def test_kill9_mid_round_then_resume(mosquitto, procs: Procs, tmp_path: Path) ->
     assert r2["accepted_ids"] == ["dev1", "dev2", "dev3"] and r2["accepted"] == 3
     for m in lines:
         assert m["accepted"] == len(set(m["accepted_ids"])) == 3
+
+
+def test_serve_stops_on_sigterm_and_takes_its_broker_down(procs: Procs, tmp_path: Path) -> None:
+    from coordinator.broker import wait_for_port
+
+    port = free_port()
+    coord = procs.start("coord", *serve_args(tmp_path / "run", "--port", str(port)))
+    url = embedded_url(procs, "coord")
+    watch = MqttTransport(url, "watch", subscriptions=[topic("sys", "status")])
+    watch.connect(10)
+    try:
+        def status():
+            m = watch.recv(0.2)
+            return decode_message(m.payload).state if m is not None and m.payload else None
+        assert wait_for(status, 30, "the coordinator's status") == "waiting"
+        coord.send_signal(signal.SIGTERM)
+        assert coord.wait(timeout=20) == 128 + signal.SIGTERM
+        assert wait_for(status, 10, "the error status") == "error"   # said so before leaving
+    finally:
+        watch.close()
+    assert not wait_for_port("127.0.0.1", port, timeout=1.0)         # the broker is gone too
