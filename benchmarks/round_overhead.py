@@ -6,7 +6,8 @@
    as updates/s. Anchor (same run, same bytes): reading each payload back from a file and
    summing its bytes with numpy (the floor any handler pays). Cases: a burst taken by the
    round loop (group commit: one sync per batch), one update at a time (one sync each),
-   and the burst without fsync (what durability costs).
+   and the burst without fsync (what durability costs). The first line also carries the
+   milliseconds per update of each stage (validate, decode, aggregate, persist).
 2. ``digits_cnn 20 devices``: rounds with 20 emulated devices (10 Int8 + 10 float32,
    real trainers, 1 epoch, threads of one separate process with one MQTT session each)
    over mosquitto (amqtt when mosquitto is not installed); the coordinator's own time
@@ -133,6 +134,7 @@ def per_update(quick: bool, workdir: Path) -> None:
     for f in files:
         total += int(np.frombuffer(f.read_bytes(), dtype=np.uint8).sum(dtype=np.uint64))
     floor_rate = n / (time.perf_counter() - t0)
+    breakdown = _breakdown(base, ids, payloads, workdir / "stages")
     for label, durable, burst in (("", True, True), (" one-at-a-time", True, False),
                                   (" no-fsync", False, True)):
         run_dir = workdir / f"run{label.strip() or '-burst'}"
@@ -142,7 +144,32 @@ def per_update(quick: bool, workdir: Path) -> None:
         rate = n / _handle_all(co, base, ids, payloads, burst)
         emit("fedshift_cnn asym-4" + label, "updates_per_s", rate, "updates/s",
              "read file + numpy sum (floor)", floor_rate, updates=n, payload_bytes=size,
-             strategy="fedshift", durable=durable, group_commit=burst)
+             strategy="fedshift", durable=durable, group_commit=burst,
+             **(breakdown if not label else {}))
+
+
+def _breakdown(base, ids: list[str], payloads: list[bytes], run_dir: Path) -> dict[str, float]:
+    """Milliseconds per update in each stage of the path, measured stage by stage."""
+    from edge_client.protocol import decode_message
+
+    co = _coordinator(base, run_dir, True, "fedshift")
+    co.strategy.begin_round(1, [b.copy() for b in base])
+    t = {"validate_ms": 0.0, "decode_ms": 0.0, "aggregate_ms": 0.0, "persist_ms": 0.0}
+    for i, (dev, p) in enumerate(zip(ids, payloads, strict=True)):
+        t0 = time.perf_counter()
+        m = decode_message(p)
+        t1 = time.perf_counter()
+        cu = co._decode_update(m)
+        t2 = time.perf_counter()
+        co.strategy.accept(cu)
+        t3 = time.perf_counter()
+        co.state.inbox_put(1, dev, p)
+        t4 = time.perf_counter()
+        if i >= 2:  # the first two warm up the JIT
+            for k, dt in zip(t, (t1 - t0, t2 - t1, t3 - t2, t4 - t3), strict=True):
+                t[k] += dt
+    co.strategy.finish()
+    return {k: round(v * 1e3 / max(1, len(ids) - 2), 3) for k, v in t.items()}
 
 
 # --------------------------------------------------------------------------- part 2
