@@ -113,10 +113,10 @@ def main() -> None:
     stream_seconds("fedshift", 4, base)  # numba compile / cache load outside the timing
     mean_t = min(stacked_mean_seconds(n, base) for _ in range(reps))
     anchor = n / mean_t
-    for name, params in (("fedshift", {}), ("fedshift", {"acc_dtype": "float32"}),
+    for name, params in (("fedshift", {}), ("fedshift", {"acc_dtype": "float64"}),
                          ("prowd-swa", {"tau": 0.1})):
         t = min(stream_seconds(name, n, base, **params) for _ in range(reps))
-        label = f"fedshift_cnn {name} n={n}" + ("" if not params.get("acc_dtype") else " acc=float32")
+        label = f"fedshift_cnn {name} n={n}" + ("" if not params.get("acc_dtype") else " acc=float64")
         emit(label, "throughput", n / t, "updates/s", "np.mean stacked", anchor)
     small, large = peak_rss_kib(10), peak_rss_kib(big)
     emit(f"fedshift_cnn fedshift {big} vs 10 updates", "rss", large / 1024, "MiB",

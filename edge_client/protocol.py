@@ -462,7 +462,9 @@ def _parse(kind: str, r: _Reader) -> Message:
             if not isinstance(s, str) or not _valid_id(s):
                 raise ProtocolError(f"{r.where('selected')}[{i}]: not a valid device id")
         variants = r.map("variants")
-        for k, v in variants.items():
+        for k in variants:
+            if not _valid_id(k):
+                raise ProtocolError(f"{r.where('variants')}: {k!r} is not a valid variant name")
             _read_digest(_Reader(variants, r.where("variants"), lim), k)
         return RoundAnnouncement(
             job=r.device_id("job"), round_id=r.int("round_id", 0, 1 << 40),

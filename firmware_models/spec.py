@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Union
 
 from firmware_models.errors import SpecError
 
@@ -125,8 +124,8 @@ class Flatten:
         return (math.prod(shape),)
 
 
-Layer = Union[Conv2d, Linear, ReLU, MaxPool2d, Flatten]
-ParamLayer = Union[Conv2d, Linear]
+Layer = Conv2d | Linear | ReLU | MaxPool2d | Flatten
+ParamLayer = Conv2d | Linear
 
 
 @dataclass(frozen=True)

@@ -282,7 +282,7 @@ def test_default_limits_fit_fedshift_cnn_in_float32() -> None:
     from firmware_models import fedshift_cnn
 
     spec = fedshift_cnn()
-    ts = tuple(float32_tensor(np.zeros(s, np.float32), n) for n, s in zip(spec.param_names(), spec.param_shapes()))
+    ts = tuple(float32_tensor(np.zeros(s, np.float32), n) for n, s in zip(spec.param_names(), spec.param_shapes(), strict=True))
     msg = ModelMessage(1, "float32", spec.name, ts, tensors_digest(ts))
     payload = encode_message(msg)
     assert len(payload) < DEFAULT_LIMITS.max_payload_bytes

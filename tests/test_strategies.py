@@ -83,7 +83,7 @@ def test_fedshift_equals_fedavg_without_lossy_updates():
     rng = np.random.default_rng(0)
     ups = [upd(f"d{i}", [rng.standard_normal((2, 2)), rng.standard_normal(3)], n=i + 1) for i in range(5)]
     a, b = run("fedavg", ups), run("fedshift", ups)
-    for x, y in zip(a.weights, b.weights):
+    for x, y in zip(a.weights, b.weights, strict=True):
         np.testing.assert_array_equal(x, y)
 
 
@@ -94,7 +94,7 @@ def test_fedshift_mean_is_s_over_n_times_m():
     ups = [upd(f"d{i}", [rng.normal(0.3, 1, (8, 4)), rng.normal(-0.2, 1, 50)], lossy=i < 3) for i in range(7)]
     avg = run("fedavg", ups, glob)
     fs = run("fedshift", ups, glob)
-    for a, f in zip(avg.weights, fs.weights):
+    for a, f in zip(avg.weights, fs.weights, strict=True):
         m = a.astype(np.float64).mean()
         assert f.astype(np.float64).mean() == pytest.approx((4 / 7) * m, rel=1e-5, abs=1e-7)
 
@@ -109,7 +109,7 @@ def test_fedpaq_adds_average_delta():
     mixed = [upd("a", layers(1.5, 0), n=2), upd("b", layers(-0.5, 3), kind="delta", n=1)]
     r1, r2 = run("fedpaq", mixed, glob), run("fedavg", mixed, glob)
     np.testing.assert_allclose(r1.weights[0], np.full((2, 2), (3 + 0.5) / 3), rtol=1e-6)
-    for x, y in zip(r1.weights, r2.weights):
+    for x, y in zip(r1.weights, r2.weights, strict=True):
         np.testing.assert_allclose(x, y, rtol=1e-6)
 
 
@@ -158,7 +158,7 @@ def test_prowd_swa_masks_low_bit_elements():
 def test_prowd_swa_without_low_or_high_is_fedavg():
     ups = [upd("a", layers(1, 2), bits=8), upd("b", layers(3, -2), bits=8, n=3)]
     a, b = run("fedavg", ups), run("prowd-swa", ups)
-    for x, y in zip(a.weights, b.weights):
+    for x, y in zip(a.weights, b.weights, strict=True):
         np.testing.assert_array_equal(x, y)
     assert b.stats["masked_fraction/0"] == 0.0
 
@@ -181,16 +181,17 @@ def test_order_independence(name):
         order = np.random.default_rng(seed).permutation(len(ups))
         shuffled = [ups[i] for i in order]
         r = run(name, shuffled, glob, tau=0.2) if "swa" in name else run(name, shuffled, glob)
-        for x, y in zip(ref.weights, r.weights):
+        for x, y in zip(ref.weights, r.weights, strict=True):
             np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-6)
 
 
 def test_float32_accumulator_close_to_float64():
     rng = np.random.default_rng(4)
     ups = [upd(f"d{i}", [rng.standard_normal((2, 2)), rng.standard_normal(3)], n=i + 1) for i in range(30)]
-    a, b = run("fedavg", ups), run("fedavg", ups, acc_dtype="float32", batch=1)
-    for x, y in zip(a.weights, b.weights):
-        np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
+    exact = run("fedavg", ups, acc_dtype="float64")
+    for fast in (run("fedavg", ups), run("fedavg", ups, acc_dtype="float32", batch=1)):
+        for x, y in zip(exact.weights, fast.weights, strict=True):
+            np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("bad, match", [
@@ -249,7 +250,7 @@ def test_server_state_global_step_sigma_and_checkpoint():
     t = build_strategy("fedavg")
     t.load_state_dict(msgpack.unpackb(blob, raw=False))
     assert t.server_state()["sigma_g"] == s.server_state()["sigma_g"]
-    for x, y in zip(t.server_state()["last_global_step"], s.server_state()["last_global_step"]):
+    for x, y in zip(t.server_state()["last_global_step"], s.server_state()["last_global_step"], strict=True):
         np.testing.assert_array_equal(x, y)
     with pytest.raises(ConfigError):
         build_strategy("fedshift").load_state_dict(s.state_dict())

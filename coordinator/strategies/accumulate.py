@@ -1,7 +1,9 @@
 """Streaming running sums, one set per compute bitwidth.
 
 Memory is O(model size x distinct bitwidths), independent of the number of updates: the
-sums are float64 (default) and a few updates (``batch``, default 4) may be held by
+sums are float32 by default (each flush forms its up-to-four-term sum in float64 and
+rounds once, so a round of N updates rounds N/4 times: relative error ~N/4 * 6e-8) or
+float64 on request; a few updates (``batch``, default 4) may be held by
 reference until they are folded in together, which halves-to-quarters the accumulator
 traffic. Callers must not mutate an update's arrays after handing them over.
 """
@@ -23,7 +25,7 @@ class GroupSums:
     """
 
     shapes: list[tuple[int, ...]]
-    acc_dtype: type = np.float64
+    acc_dtype: type = np.float32
     batch: int = 4
     sums: dict[int, list[np.ndarray]] = field(default_factory=dict)
     total: dict[int, float] = field(default_factory=dict)
@@ -68,7 +70,7 @@ class GroupSums:
         self.flush()
         for bits, dw in self.delta_weight.items():
             if dw:
-                for a, base in zip(self.sums[bits], bases[bits]):
+                for a, base in zip(self.sums[bits], bases[bits], strict=True):
                     add1(a, np.ascontiguousarray(base, dtype=np.float32).reshape(-1), dw)
             self.delta_weight[bits] = 0.0
 
@@ -84,6 +86,6 @@ class GroupSums:
             return None, 0.0
         out = [a.astype(np.float64, copy=True) for a in self.sums[present[0]]]
         for b in present[1:]:
-            for o, a in zip(out, self.sums[b]):
+            for o, a in zip(out, self.sums[b], strict=True):
                 o += a
         return out, float(sum(self.total[b] for b in present))

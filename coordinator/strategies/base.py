@@ -35,13 +35,14 @@ class Strategy:
     """A named composition of stages (build one with ``build_strategy``).
 
     Params: ``weighted`` (FedAvg weights by ``num_samples``; False = unweighted),
-    ``sigma_momentum`` (σ_g EMA, 0.9), ``acc_dtype`` ("float64" | "float32" running
-    sums), ``batch`` (updates folded into the sums together, >= 1).
+    ``sigma_momentum`` (σ_g EMA, 0.9), ``acc_dtype`` ("float32" default | "float64"
+    running sums; float32 halves the accumulator traffic, measured 0.85x vs 0.59x of the
+    stacked-mean anchor for float64), ``batch`` (updates folded into the sums together, >= 1).
     """
 
     def __init__(self, name: str, combiner: Combiner, mask: MaskStage | None = None,
                  dequantizer: Dequantizer | None = None, *, weighted: bool = True,
-                 sigma_momentum: float = 0.9, acc_dtype: str = "float64", batch: int = 4) -> None:
+                 sigma_momentum: float = 0.9, acc_dtype: str = "float32", batch: int = 4) -> None:
         if acc_dtype not in ("float64", "float32"):
             raise ConfigError(f"{name}: acc_dtype must be 'float64' or 'float32', got {acc_dtype!r}")
         if int(batch) < 1:
@@ -116,8 +117,8 @@ class Strategy:
         sums.flush_base(bases)
         rs = RoundSums(sums, global_flat, group_flat, n, self._n_inferior)
         flat, groups, stats = self.combiner.combine(rs, self.mask)
-        new = [f.astype(np.float32).reshape(s) for f, s in zip(flat, self._shapes)]
-        group_weights = {b: [f.astype(np.float32).reshape(s) for f, s in zip(ws, self._shapes)]
+        new = [f.astype(np.float32).reshape(s) for f, s in zip(flat, self._shapes, strict=True)]
+        group_weights = {b: [f.astype(np.float32).reshape(s) for f, s in zip(ws, self._shapes, strict=True)]
                          for b, ws in groups.items()}
         if self.combiner.grouped:
             self.group_models = group_weights
@@ -158,7 +159,7 @@ class Strategy:
             n = len(u.weights) if isinstance(u.weights, (list, tuple)) else type(u.weights).__name__
             raise ProtocolError(f"{who}: weights has {n} layers, the model has {len(self._shapes)}")
         flat: list[np.ndarray] = []
-        for i, (w, shape) in enumerate(zip(u.weights, self._shapes)):
+        for i, (w, shape) in enumerate(zip(u.weights, self._shapes, strict=True)):
             if not isinstance(w, np.ndarray):
                 raise ProtocolError(f"{who}: weights[{i}] is {type(w).__name__}, not an ndarray")
             if tuple(w.shape) != shape:

@@ -88,7 +88,7 @@ class FedPaqCombine:
 
     def combine(self, rs: RoundSums, mask: MaskStage):
         avg, stats = mask.average(rs.sums, rs.global_flat)
-        for a, g in zip(avg, rs.global_flat):
+        for a, g in zip(avg, rs.global_flat, strict=True):
             a -= g
             a *= self.server_lr
             a += g

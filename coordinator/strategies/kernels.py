@@ -31,18 +31,20 @@ def has_nonfinite(x: np.ndarray) -> bool:
 
 @numba.njit(cache=True)
 def add1(acc: np.ndarray, x0: np.ndarray, w0: float) -> None:
-    """``acc += w0 * x0`` elementwise (acc float64 or float32, x0 float32, same size)."""
-    w = acc.dtype.type(w0)
+    """``acc += w0 * x0`` elementwise (acc float64 or float32, x0 float32, same size);
+    the product and sum are formed in float64, then stored in the accumulator's dtype."""
+    w = np.float64(w0)
     for i in range(acc.size):
-        acc[i] += w * x0[i]
+        acc[i] = acc[i] + w * x0[i]
 
 
 @numba.njit(cache=True)
 def add4(acc: np.ndarray, x0: np.ndarray, x1: np.ndarray, x2: np.ndarray, x3: np.ndarray,
          w0: float, w1: float, w2: float, w3: float) -> None:
     """``acc += w0*x0 + w1*x1 + w2*x2 + w3*x3``: one read/write pass of ``acc`` for four
-    updates (the accumulator traffic, not the inputs, bounds a one-update-at-a-time sum)."""
-    t = acc.dtype.type
-    a, b, c, d = t(w0), t(w1), t(w2), t(w3)
+    updates (the accumulator traffic, not the inputs, bounds a one-update-at-a-time sum).
+    The four-term sum is formed in float64 and rounded once into the accumulator, so a
+    float32 accumulator rounds once per four updates."""
+    a, b, c, d = np.float64(w0), np.float64(w1), np.float64(w2), np.float64(w3)
     for i in range(acc.size):
-        acc[i] += (a * x0[i] + b * x1[i]) + (c * x2[i] + d * x3[i])
+        acc[i] = acc[i] + ((a * x0[i] + b * x1[i]) + (c * x2[i] + d * x3[i]))

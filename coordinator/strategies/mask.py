@@ -83,7 +83,7 @@ class ProwdSwaMask:
         s_high, w_high = sums.combined(high)
         assert s_low is not None and s_high is not None
         out: list[np.ndarray] = []
-        for i, (sl, sh, g) in enumerate(zip(s_low, s_high, global_flat)):
+        for i, (sl, sh, g) in enumerate(zip(s_low, s_high, global_flat, strict=True)):
             d_low = sl / w_low - g
             d_high = sh / w_high - g
             r = swa_mask(d_low, d_high, self.tau)

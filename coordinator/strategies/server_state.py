@@ -19,7 +19,7 @@ from coordinator.strategies.serialize import arrays_from_state, arrays_to_state
 
 def global_step(previous: list[np.ndarray], new: list[np.ndarray]) -> list[np.ndarray]:
     """FedFOR's ``g = w_{t-1} - w_t`` per layer, float32."""
-    return [np.subtract(p, n, dtype=np.float32) for p, n in zip(previous, new)]
+    return [np.subtract(p, n, dtype=np.float32) for p, n in zip(previous, new, strict=True)]
 
 
 def sigma_ema(sigma_g: list[float] | None, mean_sigma_loc: list[float], momentum: float) -> list[float]:
@@ -27,7 +27,7 @@ def sigma_ema(sigma_g: list[float] | None, mean_sigma_loc: list[float], momentum
     σ_g is None."""
     if sigma_g is None:
         return [float(s) for s in mean_sigma_loc]
-    return [momentum * g + (1.0 - momentum) * s for g, s in zip(sigma_g, mean_sigma_loc)]
+    return [momentum * g + (1.0 - momentum) * s for g, s in zip(sigma_g, mean_sigma_loc, strict=True)]
 
 
 @dataclass
