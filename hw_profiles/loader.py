@@ -121,8 +121,12 @@ def parse_profile(table: dict[str, Any], where: str = "<profile>") -> HardwarePr
         raise ProfileError(f"{where}: key 'codec_bits' = {codec_bits} out of range {lo}..{hi} for {codec}")
     if codec == "int" and trainer != "int":
         raise ProfileError(f"{where}: key 'codec' = 'int' needs an integer device (trainer = 'int')")
-    if codec == "int" and codec_bits != bits:
-        raise ProfileError(f"{where}: key 'codec_bits' = {codec_bits} must equal compute_bits = {bits} for codec 'int'")
+    grid = max(bits, 8)  # integer weights live on the grid 1/S(max(s, 8)) (ALGORITHMS.md §1)
+    if codec == "int" and codec_bits != grid:
+        raise ProfileError(
+            f"{where}: key 'codec_bits' = {codec_bits} must be the storage grid max(compute_bits, 8) "
+            f"= {grid} for codec 'int'"
+        )
     return HardwareProfile(
         name=name,
         arch=v["arch"],

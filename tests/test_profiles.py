@@ -84,3 +84,12 @@ def test_bad_toml_and_missing_files(tmp_path: Path) -> None:
         load_profile(tmp_path / "missing.toml")
     with pytest.raises(ProfileError, match="unknown profile 'raspberry-pi-9'.*raspberry-pi-4"):
         load_profile("raspberry-pi-9")
+
+
+def test_int_codec_sends_the_storage_grid(tmp_path: Path) -> None:
+    """An Int6 device keeps its weights on the 8-bit grid: its `int` uplink is 8 bits."""
+    assert load_profile("raspberry-pi-zero-2w").codec_bits == 8
+    path = _write(tmp_path, compute_bits="6", codec_bits="6")
+    with pytest.raises(ProfileError, match="'codec_bits' = 6 must be the storage grid"):
+        load_profile(path)
+    assert load_profile(_write(tmp_path, compute_bits="16", codec_bits="16")).codec_bits == 16
