@@ -300,3 +300,17 @@ def test_decode_stage_with_a_stub_codec(monkeypatch):
     u = decode_update("b", 5, [t], compute_bits=8)
     assert u.lossy and u.inferior and u.sigma_loc == [0.5]
     np.testing.assert_allclose(u.weights[0], [0.5, -1.0, 1 / 128])  # q / 2^(8-1)
+
+
+@pytest.mark.parametrize("name", ["fedavg", "fedshift", "prowd-swa"])
+def test_small_groups_sum_to_the_same_bits_in_any_order(name):
+    """Up to `batch` updates per bitwidth group: the result is bit-identical whatever the
+    arrival order (the held updates fold in device-id order, one rounding per fold)."""
+    rng = np.random.default_rng(11)
+    ups = [upd(f"d{i}", [rng.standard_normal((2, 2)), rng.standard_normal(3)], n=i + 1,
+               bits=8 if i % 2 else 32, lossy=bool(i % 2)) for i in range(8)]
+    ref = run(name, ups)
+    for perm in (ups[::-1], ups[3:] + ups[:3], [ups[i] for i in (5, 2, 7, 0, 6, 1, 4, 3)]):
+        got = run(name, perm)
+        for x, y in zip(ref.weights, got.weights, strict=True):
+            np.testing.assert_array_equal(x, y)

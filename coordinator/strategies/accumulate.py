@@ -6,6 +6,12 @@ rounds once, so a round of N updates rounds N/4 times: relative error ~N/4 * 6e-
 float64 on request; a few updates (``batch``, default 4) may be held by
 reference until they are folded in together, which halves-to-quarters the accumulator
 traffic. Callers must not mutate an update's arrays after handing them over.
+
+Each bitwidth group holds up to ``batch`` updates and folds them in the order of their
+``key`` (the device id), not of arrival, forming the up-to-four-term sum in float64
+before one rounding: a group of at most ``batch`` (<= 4) updates therefore sums to the
+same bits whatever order they arrived in (more updates: the same up to float rounding,
+about N/4 roundings).
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from coordinator.strategies.kernels import add1, add4
+from coordinator.strategies.kernels import add1, add2, add3, add4
 
 
 @dataclass
@@ -31,10 +37,12 @@ class GroupSums:
     total: dict[int, float] = field(default_factory=dict)
     count: dict[int, int] = field(default_factory=dict)
     delta_weight: dict[int, float] = field(default_factory=dict)
-    _pending: list[tuple[int, list[np.ndarray], float]] = field(default_factory=list)
+    _pending: dict[int, list[tuple[str, list[np.ndarray], float]]] = field(default_factory=dict)
 
-    def add(self, bits: int, flat_layers: list[np.ndarray], omega: float, is_delta: bool) -> None:
-        """Add one validated update (1-D contiguous float32 layers) with weight ``omega``."""
+    def add(self, bits: int, flat_layers: list[np.ndarray], omega: float, is_delta: bool,
+            key: str = "") -> None:
+        """Add one validated update (1-D contiguous float32 layers) with weight ``omega``;
+        ``key`` orders the held updates when they are folded in."""
         if bits not in self.sums:
             self.sums[bits] = [np.zeros(int(np.prod(s)), dtype=self.acc_dtype) for s in self.shapes]
             self.total[bits] = 0.0
@@ -44,25 +52,33 @@ class GroupSums:
         self.count[bits] += 1
         if is_delta:
             self.delta_weight[bits] += omega
-        self._pending.append((bits, flat_layers, omega))
-        if len(self._pending) >= self.batch:
-            self.flush()
+        held = self._pending.setdefault(bits, [])
+        held.append((key, flat_layers, omega))
+        if len(held) >= self.batch:
+            self._fold(bits)
 
     def flush(self) -> None:
-        """Fold the held updates into the sums (four at a time where they share a group)."""
-        pending, self._pending = self._pending, []
-        for bits in sorted({p[0] for p in pending}):
-            items = [p for p in pending if p[0] == bits]
-            acc = self.sums[bits]
-            i = 0
-            while len(items) - i >= 4:
-                (_, x0, w0), (_, x1, w1), (_, x2, w2), (_, x3, w3) = items[i:i + 4]
-                for li, a in enumerate(acc):
-                    add4(a, x0[li], x1[li], x2[li], x3[li], w0, w1, w2, w3)
-                i += 4
-            for _, x, w in items[i:]:
-                for li, a in enumerate(acc):
-                    add1(a, x[li], w)
+        """Fold every group's held updates into its sums."""
+        for bits in sorted(self._pending):
+            self._fold(bits)
+
+    def _fold(self, bits: int) -> None:
+        """Fold group ``bits``'s held updates, in key order, up to four per pass over
+        the accumulator."""
+        items = [(x, w) for _, x, w in sorted(self._pending.pop(bits, []), key=lambda p: p[0])]
+        acc = self.sums[bits]
+        for i in range(0, len(items), 4):
+            chunk = items[i:i + 4]
+            xs, ws = [x for x, _ in chunk], [w for _, w in chunk]
+            for li, a in enumerate(acc):
+                if len(chunk) == 4:
+                    add4(a, xs[0][li], xs[1][li], xs[2][li], xs[3][li], *ws)
+                elif len(chunk) == 3:
+                    add3(a, xs[0][li], xs[1][li], xs[2][li], *ws)
+                elif len(chunk) == 2:
+                    add2(a, xs[0][li], xs[1][li], *ws)
+                else:
+                    add1(a, xs[0][li], ws[0])
 
     def flush_base(self, bases: dict[int, list[np.ndarray]]) -> None:
         """Turn delta sums into weight sums: ``sums[b] += delta_weight[b] * base[b]``.

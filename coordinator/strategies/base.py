@@ -93,7 +93,8 @@ class Strategy:
         if not isinstance(self.dequantizer, NoDequantizer):
             flat = self._check_layers(update)
         omega = float(update.num_samples) if self.weighted else 1.0
-        self._sums.add(int(update.compute_bits), flat, omega, update.kind == "delta")
+        self._sums.add(int(update.compute_bits), flat, omega, update.kind == "delta",
+                       key=update.device_id)
         self._seen.add(update.device_id)
         self._n_inferior += int(update.inferior)
         if update.sigma_loc is not None:

@@ -39,6 +39,23 @@ def add1(acc: np.ndarray, x0: np.ndarray, w0: float) -> None:
 
 
 @numba.njit(cache=True)
+def add2(acc: np.ndarray, x0: np.ndarray, x1: np.ndarray, w0: float, w1: float) -> None:
+    """``acc += w0*x0 + w1*x1``, the sum formed in float64 and rounded once."""
+    a, b = np.float64(w0), np.float64(w1)
+    for i in range(acc.size):
+        acc[i] = acc[i] + (a * x0[i] + b * x1[i])
+
+
+@numba.njit(cache=True)
+def add3(acc: np.ndarray, x0: np.ndarray, x1: np.ndarray, x2: np.ndarray,
+         w0: float, w1: float, w2: float) -> None:
+    """``acc += w0*x0 + w1*x1 + w2*x2``, the sum formed in float64 and rounded once."""
+    a, b, c = np.float64(w0), np.float64(w1), np.float64(w2)
+    for i in range(acc.size):
+        acc[i] = acc[i] + ((a * x0[i] + b * x1[i]) + c * x2[i])
+
+
+@numba.njit(cache=True)
 def add4(acc: np.ndarray, x0: np.ndarray, x1: np.ndarray, x2: np.ndarray, x3: np.ndarray,
          w0: float, w1: float, w2: float, w3: float) -> None:
     """``acc += w0*x0 + w1*x1 + w2*x2 + w3*x3``: one read/write pass of ``acc`` for four
