@@ -83,19 +83,69 @@ def test_kmeans_on_trained_digits_weights():
             assert mse(w, "kmeans", bits) <= mse(w, "asym", bits)
 
 
-@pytest.mark.parametrize(
-    "make,bits,slack", [(gaussian, 4, 1.01), (heavy, 4, 1.01), (gaussian, 6, 1.05), (heavy, 6, 1.05)]
-)
-def test_kmeans_matches_sklearn(make, bits, slack):
-    """Within 1% of scikit-learn at 4 bits; at 6 bits on 8 k points the fast method's
-    local optimum is measured up to 3.4% worse than k-means++ (benchmarks/codecs.py has
-    the full-size comparison), so the bound there is 5%."""
+@pytest.mark.parametrize("make", [gaussian, heavy])
+@pytest.mark.parametrize("bits", [4, 6, 8])
+def test_kmeans_matches_sklearn(make, bits):
+    """Within 1% of scikit-learn's KMeans(n_init=1) (measured 0.86-0.98x on these 8 k
+    points since the DP start; benchmarks/codecs.py has the full-size comparison)."""
     from sklearn.cluster import KMeans
 
     x = make(8000, seed=11)
     km = KMeans(2**bits, n_init=1, random_state=0).fit(x.reshape(-1, 1).astype(np.float64))
     sk = float(np.mean((km.cluster_centers_.ravel()[km.labels_] - x) ** 2))
-    assert mse(x, "kmeans", bits) <= slack * sk
+    assert mse(x, "kmeans", bits) <= 1.01 * sk
+
+
+def _prefix(v):
+    return np.concatenate([[0], np.cumsum(v)])
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 5])
+def test_dp_partition_is_the_exhaustive_optimum(k):
+    """dp_partition against every way of cutting 9 atoms (of 1-2 bins) into k runs."""
+    from itertools import combinations
+
+    rng = np.random.default_rng(k)
+    counts = rng.integers(0, 4, 14).astype(np.int64)
+    centres = np.cumsum(rng.exponential(1.0, 14))
+    sums = counts * centres
+    sqs = counts * (centres**2 + 0.01)
+    cc, ss, qq = _prefix(counts), _prefix(sums), _prefix(sqs)
+    ab = np.array([0, 1, 3, 4, 6, 8, 9, 11, 12, 14], np.int64)
+
+    def sse(a, b):
+        n = cc[b] - cc[a]
+        return 0.0 if n == 0 else max((qq[b] - qq[a]) - (ss[b] - ss[a]) ** 2 / n, 0.0)
+
+    best = min(
+        sum(sse(ab[p[i]], ab[p[i + 1]]) for i in range(k))
+        for inner in combinations(range(0, ab.size), k - 1)
+        for p in [(0, *sorted(inner), ab.size - 1)]
+    )
+    cuts = np.empty(k + 1, np.int64)
+    got = k1.dp_partition(cc, ss, qq, ab, k, cuts)
+    assert got == pytest.approx(best, rel=1e-12, abs=1e-12)
+    assert cuts[0] == 0 and cuts[-1] == 14 and np.all(np.diff(cuts) >= 0) and set(cuts) <= set(ab)
+    assert sum(sse(cuts[i], cuts[i + 1]) for i in range(k)) == pytest.approx(got, rel=1e-12, abs=1e-12)
+
+
+def test_dp_start_beats_companding_start_on_heavy_tails():
+    """The issue's case: 4 bits, 5% Student-t(2) tails; the DP start finds a better optimum."""
+    x = heavy(200_000, seed=3)
+    lo, hi, mu, _ = scan_float(x)
+    g = k1.grid(lo, hi, mu)
+    counts, sums, sqs = k1.histogram(x, mu, *g)
+    edges = k1.bin_edges(lo, hi, mu, *g)
+
+    def err(c):
+        cb = np.sort(c.astype(np.float32))
+        return float(np.mean((cb[reference_indices(x, cb)].astype(np.float64) - x) ** 2))
+
+    old, _ = k1.lloyd_histogram(counts, sums, sqs, edges, 16, mu, *g, 100_000, 64, 0)
+    new, _ = k1.lloyd_histogram(counts, sums, sqs, edges, 16, mu, *g, 100_000, 64, 2048)
+    assert err(new) <= err(old)
+    ab = k1.atoms(counts, edges, 2048)
+    assert ab[0] == 0 and ab[-1] == counts.size and np.all(np.diff(ab) > 0) and ab.size - 1 <= 4096
 
 
 def test_fast_kmeans_is_deterministic_and_handles_degenerate_inputs():

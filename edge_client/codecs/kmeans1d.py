@@ -164,6 +164,106 @@ def _sse(cc, ss, qq, lo, hi):
 
 
 @numba.njit(cache=True)
+def atoms(counts, edges, m_target):
+    """Fine-bin boundaries (int64, ``ab[0] = 0 .. ab[-1] = nb``) of at most ``2*m_target``
+    runs of consecutive bins ("atoms") for the exact DP start.
+
+    A run closes once it holds ``1/m_target`` of the mass *or* of the Panter-Dite weight
+    ``count**(1/3) * width**(2/3)`` (:func:`_init_companding`): fine where the mass is
+    and where an optimal quantizer puts its cells (sparse heavy tails included).
+    """
+    nb = counts.size
+    n = 0
+    tot = 0.0
+    for b in range(nb):
+        n += counts[b]
+        width = edges[b + 1] - edges[b]
+        if counts[b] > 0 and width > 0:
+            tot += np.cbrt(np.float64(counts[b])) * np.cbrt(width * width)
+    ab = np.empty(nb + 1, dtype=np.int64)
+    ab[0] = 0
+    na = 0
+    acc_w = 0.0
+    acc_n = 0
+    step_w = tot / m_target
+    step_n = n / m_target
+    for b in range(nb - 1):
+        width = edges[b + 1] - edges[b]
+        if counts[b] > 0 and width > 0:
+            acc_w += np.cbrt(np.float64(counts[b])) * np.cbrt(width * width)
+        acc_n += counts[b]
+        if acc_w >= step_w or acc_n >= step_n:
+            na += 1
+            ab[na] = b + 1
+            acc_w = 0.0
+            acc_n = 0
+    na += 1
+    ab[na] = nb
+    return ab[: na + 1]
+
+
+@numba.njit(cache=True)
+def dp_partition(cc, ss, qq, ab, k, cuts):
+    """Optimal (least squared error) partition of the atoms ``ab`` into ``k`` runs.
+
+    ``cc, ss, qq``: prefix sums (length ``nb + 1``) of the fine bins' counts, sums and
+    sums of squares. Writes the fine-bin cuts (``k + 1``) into ``cuts`` and returns the
+    partition's squared error. Exact 1-D k-means DP over the atoms; the optimal split
+    point is monotone in the right end (the interval cost is Monge), so each of the
+    ``k - 1`` layers is a divide and conquer over ``m`` atoms: O(k m log m) cost terms.
+    """
+    m = ab.size - 1
+    prev = np.empty(m + 1, dtype=np.float64)
+    cur = np.empty(m + 1, dtype=np.float64)
+    arg = np.zeros((k, m + 1), dtype=np.int32)
+    for i in range(m + 1):
+        prev[i] = _sse(cc, ss, qq, 0, ab[i])
+    stack = np.empty((2 * m + 64, 4), dtype=np.int64)
+    for j in range(1, k):
+        stack[0, 0] = 0
+        stack[0, 1] = m
+        stack[0, 2] = 0
+        stack[0, 3] = m
+        sp = 1
+        while sp > 0:
+            sp -= 1
+            lo = stack[sp, 0]
+            hi = stack[sp, 1]
+            olo = stack[sp, 2]
+            ohi = stack[sp, 3]
+            if lo > hi:
+                continue
+            mid = (lo + hi) >> 1
+            best = np.inf
+            bt = olo
+            b_mid = ab[mid]
+            for t in range(olo, min(ohi, mid) + 1):
+                v = prev[t] + _sse(cc, ss, qq, ab[t], b_mid)
+                if v < best:
+                    best = v
+                    bt = t
+            cur[mid] = best
+            arg[j, mid] = bt
+            stack[sp, 0] = lo
+            stack[sp, 1] = mid - 1
+            stack[sp, 2] = olo
+            stack[sp, 3] = bt
+            stack[sp + 1, 0] = mid + 1
+            stack[sp + 1, 1] = hi
+            stack[sp + 1, 2] = bt
+            stack[sp + 1, 3] = ohi
+            sp += 2
+        prev[:] = cur
+    cuts[0] = 0
+    cuts[k] = ab[m]
+    i = m
+    for j in range(k - 1, 0, -1):
+        i = arg[j, i]
+        cuts[j] = ab[i]
+    return prev[m]
+
+
+@numba.njit(cache=True)
 def _lloyd_cells(c, cuts, counts, sums, cc, ss, mu, a_floor, shift, nm, max_iter, scratch, scratch_u):
     """Lloyd on the grid from centroids ``c`` (x units, sorted) until the partition into
     bin runs ``cuts`` stops changing; returns the iterations done."""
@@ -205,10 +305,13 @@ def _lloyd_cells(c, cuts, counts, sums, cc, ss, mu, a_floor, shift, nm, max_iter
 
 
 @numba.njit(cache=True)
-def lloyd_histogram(counts, sums, sqs, edges, k, mu, a_floor, shift, nm, max_iter, max_rounds):
+def lloyd_histogram(counts, sums, sqs, edges, k, mu, a_floor, shift, nm, max_iter, max_rounds, dp_atoms=0):
     """K-means with ``k`` centroids on a histogram; returns (sorted float64 centroids, iterations).
 
-    1. Initial centroids: :func:`_init_companding` (``edges``: :func:`bin_edges`).
+    1. Initial centroids: :func:`_init_companding` (``edges``: :func:`bin_edges`), or with
+       ``dp_atoms > 0`` the means of the optimal partition of about ``dp_atoms`` atoms
+       (:func:`atoms`, :func:`dp_partition`): the global optimum at atom resolution, which
+       Lloyd alone (a local search) misses on heavy tails.
     2. Lloyd until the partition is a fixed point.
     3. Up to ``max_rounds`` rounds of split/merge moves, each followed by Lloyd again:
        split the cells whose best 2-split gains most, merge the adjacent pairs that cost
@@ -228,8 +331,23 @@ def lloyd_histogram(counts, sums, sqs, edges, k, mu, a_floor, shift, nm, max_ite
     c = np.zeros(k, dtype=np.float64)
     if n == 0:
         return c, 0
-    _init_companding(counts, edges, c)
     cuts = np.full(k + 1, -1, dtype=np.int64)
+    if dp_atoms > 0:
+        dp_partition(cc, ss, qq, atoms(counts, edges, dp_atoms), k, cuts)
+        for j in range(k):
+            lo = cuts[j]
+            hi = cuts[j + 1]
+            c[j] = mu + (ss[hi] - ss[lo]) / (cc[hi] - cc[lo]) if cc[hi] > cc[lo] else 0.0
+        # empty runs (fewer occupied atoms than k) take the previous centroid's value
+        for j in range(1, k):
+            if cc[cuts[j + 1]] == cc[cuts[j]]:
+                c[j] = c[j - 1]
+        if cc[cuts[1]] == 0:
+            c[0] = c[1]
+        c[:] = np.sort(c)
+        cuts[1:k] = -1
+    else:
+        _init_companding(counts, edges, c)
     cuts[0] = 0
     cuts[k] = nb
     scratch = np.empty(1, dtype=np.float32)
