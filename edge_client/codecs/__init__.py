@@ -3,6 +3,7 @@
 >>> from edge_client.codecs import get_codec, encode, decode
 >>> t = encode(x, codec="kmeans", bits=4)        # -> EncodedTensor  # doctest: +SKIP
 >>> y = decode(t)                                 # float32, shape x.shape  # doctest: +SKIP
+>>> decode(t, out=buf); decode_accumulate(t, acc, 0.1)  # server side  # doctest: +SKIP
 
 Codecs: ``float32`` (32), ``float16`` (16), ``asym`` (1..16), ``kmeans`` (1..8),
 ``ternary`` (2), ``int`` (2..16), ``danuq`` (1..8); one module each, the registry in
@@ -14,12 +15,19 @@ tensors are supported by every codec (empty payload, neutral aux).
 
 from edge_client.codecs.base import Codec
 from edge_client.codecs.bitpack import pack, packed_nbytes, unpack
-from edge_client.codecs.registry import available_codecs, decode, encode, get_codec
+from edge_client.codecs.registry import (
+    available_codecs,
+    decode,
+    decode_accumulate,
+    encode,
+    get_codec,
+)
 
 __all__ = [
     "Codec",
     "available_codecs",
     "decode",
+    "decode_accumulate",
     "encode",
     "get_codec",
     "pack",

@@ -16,6 +16,7 @@ import numpy as np
 
 from edge_client.codecs.base import CHUNK, Codec
 from edge_client.codecs.bitpack import _pack_into, _unpack_into, packed_nbytes
+from edge_client.codecs.fused import affine_accumulate, lut_accumulate, lut_decode, weighted_lut
 from edge_client.errors import CodecError, ProtocolError
 from edge_client.protocol import EncodedTensor
 
@@ -88,14 +89,42 @@ class AsymCodec(Codec):
             raise CodecError(f"codec {self.name!r}: input has {bad} non-finite (NaN/Inf) value(s)")
         return self._tensor(a, b, out.tobytes(), {"min": float(lo), "max": float(hi)}, name)
 
-    def decode(self, t: EncodedTensor) -> np.ndarray:
+    def _checked(self, t: EncodedTensor) -> tuple[int, np.ndarray, float, float]:
         n, buf = self._check_encoded(t, ("float32",))
         self._aux_keys(t, ("min", "max"))
         lo = self._aux_float(t, "min")
         hi = self._aux_float(t, "max")
         if hi < lo:
             raise ProtocolError(f"aux.max: {hi!r} is below aux.min {lo!r}")
-        out = np.empty(n, dtype=np.float32)
+        return n, buf, lo, hi
+
+    def decode(self, t: EncodedTensor, out: np.ndarray | None = None) -> np.ndarray:
+        """Levels ``float32(lo + q * step)``; bits <= 8 through a ``2**bits`` table."""
+        n, buf, lo, hi = self._checked(t)
+        flat = self._out(t, n, out)
         if n:
-            asym_decode_kernel(buf, n, int(t.bits), lo, hi, out)
-        return out.reshape(t.shape)
+            b = int(t.bits)
+            if b <= 8:
+                lut_decode(buf, n, b, asym_levels(b, lo, hi), flat)
+            else:
+                asym_decode_kernel(buf, n, b, lo, hi, flat)
+        return flat.reshape(t.shape) if out is None else out
+
+    def decode_accumulate(self, t: EncodedTensor, acc: np.ndarray, weight: float) -> None:
+        """``acc += weight * decode(t)`` (see :meth:`Codec.decode_accumulate`)."""
+        n, buf, lo, hi = self._checked(t)
+        flat, w = self._acc(t, acc, weight)
+        if n:
+            b = int(t.bits)
+            if b <= 8:
+                lut_accumulate(buf, n, b, weighted_lut(asym_levels(b, lo, hi), flat, weight), flat)
+            else:
+                affine_accumulate(buf, n, b, lo, (hi - lo) / ((1 << b) - 1), w, flat)
+
+
+def asym_levels(bits: int, lo: float, hi: float) -> np.ndarray:
+    """The ``2**bits`` float32 decoded values ``float32(lo + q * (hi - lo) / (2**bits - 1))``
+    (the same float64 arithmetic as :func:`asym_decode_kernel`)."""
+    levels = (1 << bits) - 1
+    step = (hi - lo) / levels
+    return (lo + np.arange(levels + 1, dtype=np.float64) * step).astype(np.float32)

@@ -45,8 +45,22 @@ class Codec(ABC):
         """Encode ``x`` with ``bits`` bits per element (``None``: ``default_bits``)."""
 
     @abstractmethod
-    def decode(self, t: EncodedTensor) -> np.ndarray:
-        """Decode ``t`` to a new writable array of shape ``t.shape`` and dtype ``t.dtype``."""
+    def decode(self, t: EncodedTensor, out: np.ndarray | None = None) -> np.ndarray:
+        """Decode ``t`` to a new writable array of shape ``t.shape`` and dtype ``t.dtype``,
+        or into ``out`` (a writable C-contiguous array of exactly that shape and dtype,
+        :class:`CodecError` otherwise), which is returned. On a ProtocolError ``out``'s
+        contents are unspecified."""
+
+    def decode_accumulate(self, t: EncodedTensor, acc: np.ndarray, weight: float) -> None:
+        """``acc += weight * decode(t)`` in one pass with no temporary array.
+
+        ``acc``: writable C-contiguous float32 or float64 array of shape ``t.shape``;
+        ``weight``: a finite number. Every element does ``acc[i] + w * y[i]`` with
+        ``w = acc.dtype.type(weight)``, each operation rounded to ``acc``'s dtype (numpy's
+        ``acc += w * y.astype(acc.dtype)``). ``acc`` is untouched when ``t`` is rejected.
+        Codecs whose decoded values are not float32 raise :class:`CodecError`.
+        """
+        raise CodecError(f"codec {self.name!r}: decode_accumulate is not supported")
 
     def is_lossy(self, t: EncodedTensor) -> bool:
         """Whether this particular encoded tensor may differ from what was encoded."""
@@ -110,6 +124,35 @@ class Codec(ABC):
         n = shape_size(t.shape)
         buf = as_byte_array(t.data, n, int(t.bits))
         return n, buf
+
+    def _out(self, t: EncodedTensor, n: int, out: np.ndarray | None, dtype: str = "float32") -> np.ndarray:
+        """The flat array to decode into: a new one, or a 1-D view of the caller's ``out``
+        after checking it (CodecError: not an ndarray, wrong shape/dtype, not writable or
+        not C-contiguous)."""
+        if out is None:
+            return np.empty(n, dtype=dtype)
+        self._check_buffer(t, out, "out", (dtype,))
+        return out.reshape(-1)
+
+    def _check_buffer(self, t: EncodedTensor, a: object, what: str, dtypes: tuple[str, ...]) -> np.ndarray:
+        if not isinstance(a, np.ndarray):
+            raise CodecError(f"codec {self.name!r}: {what} must be a numpy array, got {type(a).__name__}")
+        if a.dtype.name not in dtypes:
+            raise CodecError(f"codec {self.name!r}: {what} dtype {a.dtype.name}, expected {' or '.join(dtypes)}")
+        if a.shape != tuple(int(d) for d in t.shape):
+            raise CodecError(f"codec {self.name!r}: {what} shape {a.shape}, expected {tuple(t.shape)}")
+        if not (a.flags.c_contiguous and a.flags.writeable and a.flags.aligned):
+            raise CodecError(f"codec {self.name!r}: {what} must be writable, aligned and C-contiguous")
+        return a.reshape(-1)
+
+    def _acc(self, t: EncodedTensor, acc: object, weight: object) -> tuple[np.ndarray, np.floating]:
+        """Checked ``(flat acc, weight as acc's dtype)`` for :meth:`decode_accumulate`."""
+        if isinstance(weight, bool) or not isinstance(weight, int | float | np.integer | np.floating):
+            raise CodecError(f"codec {self.name!r}: weight must be a number, got {weight!r}")
+        if not math.isfinite(float(weight)):
+            raise CodecError(f"codec {self.name!r}: weight must be finite, got {weight!r}")
+        flat = self._check_buffer(t, acc, "acc", ("float32", "float64"))
+        return flat, flat.dtype.type(weight)
 
     def _aux_keys(self, t: EncodedTensor, keys: tuple[str, ...]) -> None:
         if not isinstance(t.aux, dict):

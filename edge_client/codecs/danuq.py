@@ -21,6 +21,7 @@ import numpy as np
 from edge_client.codecs import kmeans1d as k1
 from edge_client.codecs.base import Codec, scan_float
 from edge_client.codecs.bitpack import packed_nbytes
+from edge_client.codecs.fused import lut_accumulate, lut_decode, weighted_lut
 from edge_client.codecs.lloydmax import normal_levels
 from edge_client.errors import CodecError, ProtocolError
 from edge_client.protocol import EncodedTensor
@@ -78,7 +79,7 @@ class DanuqCodec(Codec):
         aux = {"sigma_loc": sigma_loc, "sigma_g": sigma_g, "zero_level": int(bool(zl))}
         return self._tensor(a, b, out.tobytes(), aux, name)
 
-    def decode(self, t: EncodedTensor) -> np.ndarray:
+    def _checked(self, t: EncodedTensor) -> tuple[int, np.ndarray, np.ndarray]:
         n, buf = self._check_encoded(t, ("float32",))
         self._aux_keys(t, ("sigma_loc", "sigma_g", "zero_level"))
         self._aux_float(t, "sigma_loc", nonneg=True)
@@ -86,8 +87,19 @@ class DanuqCodec(Codec):
         zl = t.aux["zero_level"]
         if zl not in (0, 1) or not isinstance(zl, int | bool | np.integer):
             raise ProtocolError(f"aux.zero_level: expected 0 or 1, got {zl!r}")
-        cb = danuq_codebook(int(t.bits), bool(zl), sigma_g)
-        out = np.empty(n, dtype=np.float32)
+        return n, buf, danuq_codebook(int(t.bits), bool(zl), sigma_g)
+
+    def decode(self, t: EncodedTensor, out: np.ndarray | None = None) -> np.ndarray:
+        """``codebook[index]`` per element, into ``out`` when given."""
+        n, buf, cb = self._checked(t)
+        flat = self._out(t, n, out)
         if n:
-            k1.lookup_decode(buf, n, int(t.bits), cb, out)
-        return out.reshape(t.shape)
+            lut_decode(buf, n, int(t.bits), cb, flat)
+        return flat.reshape(t.shape) if out is None else out
+
+    def decode_accumulate(self, t: EncodedTensor, acc: np.ndarray, weight: float) -> None:
+        """``acc += weight * decode(t)`` (see :meth:`Codec.decode_accumulate`)."""
+        n, buf, cb = self._checked(t)
+        flat, _ = self._acc(t, acc, weight)
+        if n:
+            lut_accumulate(buf, n, int(t.bits), weighted_lut(cb, flat, weight), flat)

@@ -7,6 +7,13 @@ from typing import Any
 import numpy as np
 
 from edge_client.codecs.base import Codec, count_nonfinite
+from edge_client.codecs.fused import (
+    HALF_TO_FLOAT,
+    float_accumulate,
+    half_accumulate,
+    half_bad,
+    half_decode,
+)
 from edge_client.errors import ProtocolError
 from edge_client.protocol import EncodedTensor
 
@@ -41,11 +48,41 @@ class Float32Codec(Codec):
     def _check_wire(self, a: np.ndarray, wire: np.ndarray) -> None:
         """Hook: raise when the wire representation lost range (float16 overflow)."""
 
-    def decode(self, t: EncodedTensor) -> np.ndarray:
+    def _wire(self, t: EncodedTensor) -> tuple[int, np.ndarray]:
+        """Element count and the checked wire values (float32, or float16 bit patterns)."""
         n, buf = self._check_encoded(t, ("float32",))
         self._aux_keys(t, ())
-        vals = buf.view(self.wire_dtype)
-        bad = _count_bad(vals)
+        if self.wire_dtype == "<f2":
+            vals = buf.view("<u2")
+            bad = half_bad(vals) if vals.size else 0
+        else:
+            vals = buf.view(self.wire_dtype)
+            bad = _count_bad(vals)
         if bad:
             raise ProtocolError(f"data: {bad} non-finite (NaN/Inf) value(s) in a {self.name} tensor")
-        return vals.astype(np.float32).reshape(t.shape)
+        return n, vals
+
+    def decode(self, t: EncodedTensor, out: np.ndarray | None = None) -> np.ndarray:
+        n, vals = self._wire(t)
+        flat = self._out(t, n, out)
+        if n:
+            if self.wire_dtype == "<f2":
+                half_decode(vals, HALF_TO_FLOAT, flat)
+            else:
+                flat[:] = vals
+        return flat.reshape(t.shape) if out is None else out
+
+    def decode_accumulate(self, t: EncodedTensor, acc: np.ndarray, weight: float) -> None:
+        """``acc += weight * decode(t)`` (see :meth:`Codec.decode_accumulate`)."""
+        n, vals = self._wire(t)
+        flat, w = self._acc(t, acc, weight)
+        if not n:
+            return
+        if self.wire_dtype == "<f2":
+            half_accumulate(vals, w, HALF_TO_FLOAT, flat)
+        elif vals.flags.aligned:
+            float_accumulate(vals, w, flat)
+        else:  # a payload at an odd address: numpy, in chunks of at most 64 Ki elements
+            for s in range(0, n, 1 << 16):
+                part = flat[s : s + (1 << 16)]
+                part += w * vals[s : s + (1 << 16)].astype(flat.dtype)

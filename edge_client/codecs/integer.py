@@ -73,14 +73,15 @@ class IntCodec(Codec):
             )
         return self._tensor(a, b, out.tobytes(), {}, name)
 
-    def decode(self, t: EncodedTensor) -> np.ndarray:
+    def decode(self, t: EncodedTensor, out: np.ndarray | None = None) -> np.ndarray:
+        """Decodes to ``t.dtype`` (int8/int16); ``out`` must have that dtype."""
         from edge_client.errors import ProtocolError
 
         n, buf = self._check_encoded(t, ("int8", "int16"))
         self._aux_keys(t, ())
         if t.bits > _WIDTH[t.dtype]:
             raise ProtocolError(f"bits: {t.bits} does not fit dtype {t.dtype}")
-        out = np.empty(n, dtype=t.dtype)
+        flat = self._out(t, n, out, t.dtype)
         if n:
-            offset_unpack_kernel(buf, n, int(t.bits), 1 << (int(t.bits) - 1), out)
-        return out.reshape(t.shape)
+            offset_unpack_kernel(buf, n, int(t.bits), 1 << (int(t.bits) - 1), flat)
+        return flat.reshape(t.shape) if out is None else out

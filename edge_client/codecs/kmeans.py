@@ -23,6 +23,7 @@ import numpy as np
 from edge_client.codecs import kmeans1d as k1
 from edge_client.codecs.base import Codec, scan_float
 from edge_client.codecs.bitpack import packed_nbytes
+from edge_client.codecs.fused import lut_accumulate, lut_decode, weighted_lut
 from edge_client.errors import CodecError, ProtocolError
 from edge_client.protocol import EncodedTensor
 
@@ -102,14 +103,25 @@ class KMeansCodec(Codec):
             k1.assign_pack(flat, cb, mu, a_floor, shift, nm, b, out)
         return self._tensor(a, b, out.tobytes(), {"codebook": [float(v) for v in cb]}, name)
 
-    def decode(self, t: EncodedTensor) -> np.ndarray:
+    def _checked(self, t: EncodedTensor) -> tuple[int, np.ndarray, np.ndarray]:
         n, buf = self._check_encoded(t, ("float32",))
         self._aux_keys(t, ("codebook",))
-        cb = codebook_from_aux(t.aux["codebook"], 1 << int(t.bits))
-        out = np.empty(n, dtype=np.float32)
+        return n, buf, codebook_from_aux(t.aux["codebook"], 1 << int(t.bits))
+
+    def decode(self, t: EncodedTensor, out: np.ndarray | None = None) -> np.ndarray:
+        """``codebook[index]`` per element, into ``out`` when given."""
+        n, buf, cb = self._checked(t)
+        flat = self._out(t, n, out)
         if n:
-            k1.lookup_decode(buf, n, int(t.bits), cb, out)
-        return out.reshape(t.shape)
+            lut_decode(buf, n, int(t.bits), cb, flat)
+        return flat.reshape(t.shape) if out is None else out
+
+    def decode_accumulate(self, t: EncodedTensor, acc: np.ndarray, weight: float) -> None:
+        """``acc += weight * decode(t)`` (see :meth:`Codec.decode_accumulate`)."""
+        n, buf, cb = self._checked(t)
+        flat, _ = self._acc(t, acc, weight)
+        if n:
+            lut_accumulate(buf, n, int(t.bits), weighted_lut(cb, flat, weight), flat)
 
 
 def codebook_from_aux(value: object, k: int, field: str = "aux.codebook") -> np.ndarray:

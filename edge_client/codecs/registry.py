@@ -52,9 +52,25 @@ def encode(x: np.ndarray, codec: str = "float32", bits: int | None = None, *, na
     return get_codec(codec).encode(x, bits, name=name, **options)
 
 
-def decode(t: EncodedTensor) -> np.ndarray:
-    """Decode a received tensor with the codec it names (:class:`ProtocolError` when unknown)."""
+def _codec_of(t: EncodedTensor) -> Codec:
     codec = getattr(t, "codec", None)
     if not isinstance(codec, str) or codec not in _CODECS:
         raise ProtocolError(f"codec: unknown codec {codec!r}; available: {', '.join(available_codecs())}")
-    return _CODECS[codec].decode(t)
+    return _CODECS[codec]
+
+
+def decode(t: EncodedTensor, out: np.ndarray | None = None) -> np.ndarray:
+    """Decode a received tensor with the codec it names (:class:`ProtocolError` when unknown).
+
+    ``out``: optional preallocated array of shape ``t.shape`` and dtype ``t.dtype``
+    (C-contiguous, writable; :class:`CodecError` otherwise) decoded into and returned, so
+    a server can reuse one buffer per layer.
+    """
+    return _codec_of(t).decode(t, out)
+
+
+def decode_accumulate(t: EncodedTensor, acc: np.ndarray, weight: float) -> None:
+    """``acc += weight * decode(t)`` fused, no temporary (float32/float64 ``acc`` of shape
+    ``t.shape``); codecs asym, kmeans, danuq, float32, float16. Rounding: see
+    :meth:`Codec.decode_accumulate`."""
+    _codec_of(t).decode_accumulate(t, acc, weight)

@@ -105,20 +105,20 @@ class TernaryCodec(Codec):
         scale = (s / kept if kept else 0.0) if scale is None else _nonneg(scale, "scale")
         return self._tensor(a, b, out.tobytes(), {"scale": float(np.float32(scale))}, name)
 
-    def decode(self, t: EncodedTensor) -> np.ndarray:
+    def decode(self, t: EncodedTensor, out: np.ndarray | None = None) -> np.ndarray:
+        """int8 tensors decode to int8 (``out``: int8), float ones to ``scale * t``."""
         n, buf = self._check_encoded(t, ("int8", "float32"))
         if t.dtype == "int8":
             self._aux_keys(t, ())
-            out = np.empty(n, dtype=np.int8)
             scale = 1.0
         else:
             self._aux_keys(t, ("scale",))
             scale = self._aux_float(t, "scale", nonneg=True)
-            out = np.empty(n, dtype=np.float32)
-        bad = ternary_decode_kernel(buf, n, scale, out) if n else -1
+        flat = self._out(t, n, out, t.dtype)
+        bad = ternary_decode_kernel(buf, n, scale, flat) if n else -1
         if bad >= 0:
             raise ProtocolError(f"data: code 3 at element {bad} is not a ternary value")
-        return out.reshape(t.shape)
+        return flat.reshape(t.shape) if out is None else out
 
 
 def _nonneg(v: object, what: str) -> float:

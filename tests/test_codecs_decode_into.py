@@ -1,0 +1,124 @@
+"""Server-side decode: ``decode(t, out=buf)`` bit-exact against ``decode(t)``, and
+``decode_accumulate(t, acc, w)`` bit-exact against numpy's ``acc += w * y.astype(acc.dtype)``
+(the documented rounding: one multiply and one add in the accumulator's dtype, see
+:mod:`edge_client.codecs.fused`), for every float codec, width and odd/even length."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from edge_client.codecs import decode, decode_accumulate, encode, get_codec
+from edge_client.errors import CodecError, ProtocolError
+
+CASES = [
+    *[("asym", b) for b in (1, 2, 3, 4, 5, 7, 8, 9, 12, 16)],
+    *[("kmeans", b) for b in (1, 2, 3, 4, 6, 8)],
+    *[("danuq", b) for b in (1, 2, 4, 8)],
+    ("float32", 32),
+    ("float16", 16),
+]
+
+
+def sample(shape, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(0.01, 0.05, shape).astype(np.float32)
+    x.flat[::97] *= 40  # some heavy tails
+    return x
+
+
+@pytest.mark.parametrize("codec,bits", CASES)
+@pytest.mark.parametrize("shape", [(0,), (1,), (7,), (4097,), (33, 65)])
+def test_decode_into_out_is_bit_exact(codec, bits, shape):
+    t = encode(sample(shape, bits), codec, bits)
+    ref = decode(t)
+    buf = np.full(shape, np.nan, np.float32)
+    got = decode(t, out=buf)
+    assert got is buf
+    assert np.array_equal(buf, ref)
+    assert get_codec(codec).decode(t, buf) is buf and np.array_equal(buf, ref)
+
+
+@pytest.mark.parametrize("codec,bits", CASES)
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("shape", [(0,), (1,), (9,), (4099,), (17, 31)])
+def test_decode_accumulate_is_bit_exact(codec, bits, dtype, shape):
+    t = encode(sample(shape, bits + 1), codec, bits)
+    y = decode(t)
+    acc = np.random.default_rng(5).normal(0, 1, shape).astype(dtype)
+    for weight in (0.37, 1, -2.5e-3):
+        ref = acc.copy()
+        ref += dtype(weight) * y.astype(dtype)
+        decode_accumulate(t, acc, weight)
+        assert acc.dtype == dtype
+        np.testing.assert_array_equal(acc, ref)
+
+
+def test_ternary_and_int_decode_into_their_dtype():
+    x = sample((5, 7))
+    t = encode(x, "ternary")
+    buf = np.empty((5, 7), np.float32)
+    assert np.array_equal(decode(t, out=buf), decode(t))
+    ti = encode(np.array([[1, 0, -1]], np.int8), "ternary")
+    bi = np.empty((1, 3), np.int8)
+    assert decode(ti, out=bi).tolist() == [[1, 0, -1]]
+    t16 = encode(np.arange(-300, 300, dtype=np.int16), "int", 11)
+    b16 = np.empty(600, np.int16)
+    assert np.array_equal(decode(t16, out=b16), np.arange(-300, 300))
+    with pytest.raises(CodecError, match="decode_accumulate"):
+        decode_accumulate(t16, np.zeros(600, np.float32), 1.0)
+    with pytest.raises(CodecError, match="decode_accumulate"):
+        decode_accumulate(t, np.zeros((5, 7), np.float32), 1.0)
+
+
+@pytest.mark.parametrize("codec", ["asym", "kmeans", "danuq", "float32", "float16"])
+def test_bad_buffers_are_rejected_and_left_untouched(codec):
+    t = encode(sample((6, 5)), codec, None if codec.startswith("float") else 4)
+    bad_outs = [
+        np.empty((5, 6), np.float32),  # shape
+        np.empty(30, np.float32),  # shape (flat)
+        np.empty((6, 5), np.float64),  # dtype
+        np.empty((5, 6), np.float32).T,  # not C-contiguous
+        [0.0] * 30,  # not an array
+    ]
+    ro = np.empty((6, 5), np.float32)
+    ro.flags.writeable = False
+    for b in [*bad_outs, ro]:
+        with pytest.raises(CodecError):
+            decode(t, out=b)
+    for acc in [np.zeros((5, 6)), np.zeros((6, 5), np.int32), np.zeros((6, 5), np.float16), np.zeros((5, 6)).T, ro]:
+        with pytest.raises(CodecError):
+            decode_accumulate(t, acc, 1.0)
+    acc = np.ones((6, 5), np.float32)
+    for w in (float("nan"), float("inf"), True, "1", None):
+        with pytest.raises(CodecError):
+            decode_accumulate(t, acc, w)
+    # a malformed tensor is a ProtocolError and leaves acc as it was
+    with pytest.raises(ProtocolError):
+        decode_accumulate(replace(t, data=t.data[:-1]), acc, 1.0)
+    assert np.all(acc == 1.0)
+
+
+def test_nonfinite_float_payload_leaves_acc_untouched():
+    for codec, wire in (("float32", "<f4"), ("float16", "<f2")):
+        t = encode(np.ones(8, np.float32), codec)
+        vals = np.frombuffer(t.data, wire).copy()
+        vals[5] = np.inf
+        bad = replace(t, data=vals.tobytes())
+        acc = np.zeros(8, np.float64)
+        with pytest.raises(ProtocolError, match="non-finite"):
+            decode_accumulate(bad, acc, 2.0)
+        assert not acc.any()
+        with pytest.raises(ProtocolError, match="non-finite"):
+            decode(bad, out=np.empty(8, np.float32))
+
+
+def test_half_table_is_numpys_conversion():
+    from edge_client.codecs.fused import HALF_TO_FLOAT
+
+    pats = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+    ref = pats.view(np.float16).astype(np.float32)
+    fin = np.isfinite(ref)
+    assert np.array_equal(HALF_TO_FLOAT[fin].view(np.uint32), ref[fin].view(np.uint32))
