@@ -68,6 +68,17 @@ class Fleet(ABC):
         """Publish ``(topic, payload)`` retained with QoS 1, in order, pipelined; return
         once the broker acknowledged all (ConnectionError when it did not in time)."""
 
+    def publish_retained_nowait(self, items: list[tuple[str, bytes]]) -> None:
+        """Queue ``(topic, payload)`` retained QoS 1 publishes, in order, without waiting
+        for the broker; :meth:`flush` (or the next :meth:`publish_retained`) waits for
+        their PUBACKs and re-sends what was not acknowledged. Default: blocking."""
+        self.publish_retained(items)
+
+    def flush(self) -> None:
+        """Wait until every publish queued by :meth:`publish_retained_nowait` is
+        acknowledged (ConnectionError when it is not within the publish timeout)."""
+        return None
+
     @abstractmethod
     def recv(self, timeout: float) -> Inbound | None:
         """Next received message, or None after ``timeout`` seconds."""
@@ -93,6 +104,7 @@ class TransportFleet(Fleet):
         self.transport = transport
         self.publish_timeout = publish_timeout
         self.invalid_topics = 0
+        self._unconfirmed: list[tuple[str, bytes, Any]] = []  # (topic, payload, handle)
 
     @staticmethod
     def subscriptions(job: str) -> list[str]:
@@ -114,16 +126,33 @@ class TransportFleet(Fleet):
             time.sleep(0.2)
 
     def publish_retained(self, items: list[tuple[str, bytes]]) -> None:
+        self.publish_retained_nowait(items)
+        self.flush()
+
+    def publish_retained_nowait(self, items: list[tuple[str, bytes]]) -> None:
         start = getattr(self.transport, "publish_start", None)
         if start is None:
             for name, payload in items:
                 self._publish_retained(name, payload)
             return
-        handles = [start(name, payload, qos=1, retain=True) for name, payload in items]
+        for name, payload in items:
+            h = start(name, payload, qos=1, retain=True)
+            if h is None:  # not queued (no connection): everything from here on, in order
+                self.flush()
+                self._publish_retained(name, payload)
+            else:
+                self._unconfirmed.append((name, payload, h))
+
+    def flush(self) -> None:
+        pending, self._unconfirmed = self._unconfirmed, []
         end = time.monotonic() + min(10.0, self.publish_timeout)
-        for (name, payload), h in zip(items, handles, strict=True):
-            if h is None or not h.wait(max(0.0, end - time.monotonic())):
-                self._publish_retained(name, payload)  # slow path: retry until acked
+        failed = False
+        for name, payload, h in pending:
+            # slow path: from the first one not acked in time on, re-send each (in order,
+            # so a retained topic never ends on an older payload) until acked
+            failed = failed or not h.wait(max(0.0, end - time.monotonic()))
+            if failed:
+                self._publish_retained(name, payload)
 
     def publish_round(self, payload: bytes) -> None:
         self._publish_retained(topic(self.job, "round"), payload)
@@ -132,7 +161,7 @@ class TransportFleet(Fleet):
         self._publish_retained(topic(self.job, "model", variant), payload)
 
     def publish_status(self, payload: bytes) -> None:
-        self._publish_retained(topic(self.job, "status"), payload)
+        self.publish_retained([(topic(self.job, "status"), payload)])
 
     def recv(self, timeout: float) -> Inbound | None:
         msg = self.transport.recv(timeout=timeout)
@@ -151,6 +180,10 @@ class TransportFleet(Fleet):
         self.transport.ack(msg.raw)
 
     def close(self) -> None:
+        try:
+            self.flush()
+        except ConnectionError:
+            pass  # closing anyway; the broker may be gone
         self.transport.close()
 
 

@@ -38,6 +38,7 @@ from typing import Any
 
 import numpy as np
 
+from coordinator.commit import AckCommitter
 from coordinator.fleet import Fleet, Inbound
 from coordinator.state import Checkpoint, RoundPlan, RunState
 from edge_client.errors import ConfigError, FedbitError, ProtocolError
@@ -200,6 +201,9 @@ class Coordinator:
         self._coord_cpu = 0.0
         #: most messages handled per durable sync (group commit)
         self.batch_max = 64
+        #: syncs the inbox, then acks, in a background thread while ``pump`` waits
+        self.committer: AckCommitter[Inbound] = AckCommitter(lambda: self.state.inbox_sync(),
+                                                             lambda m: self.fleet.ack(m))
 
     # ------------------------------------------------------------------ presence
 
@@ -226,10 +230,14 @@ class Coordinator:
         """Handle one received message and acknowledge it (never raises ProtocolError)."""
         self.handle_batch([msg])
 
-    def handle_batch(self, batch: list[Inbound]) -> None:
+    def handle_batch(self, batch: list[Inbound], *, background: bool = False) -> None:
         """Handle messages, make the accepted updates durable with one sync (group
         commit), then acknowledge every message (rejected ones too: never redelivered).
-        Nothing is acked when persisting fails (the exception propagates)."""
+        Nothing is acked when persisting fails (the exception propagates).
+
+        ``background``: the sync and the acks are left to :attr:`committer` (same order,
+        same rule); the caller must :meth:`AckCommitter.drain` it before the round ends.
+        """
         t0, c0 = time.perf_counter(), time.thread_time()
         try:
             for msg in batch:
@@ -239,6 +247,10 @@ class Coordinator:
                     self._handle_device(msg)
                 else:
                     self._reject(msg, "bad_topic", msg.raw.topic)
+            if background:
+                self.committer.submit(batch)
+                return
+            self.committer.drain()  # earlier batches' acks come first
             self.state.inbox_sync()
             for msg in batch:
                 self.fleet.ack(msg)
@@ -357,21 +369,36 @@ class Coordinator:
         return True
 
     def pump(self, until: float, stop: Callable[[], bool] = lambda: False) -> None:
-        """Handle messages until ``time.monotonic() >= until`` or ``stop()``."""
-        while not stop():
-            left = until - time.monotonic()
-            if left <= 0:
-                return
-            msg = self.fleet.recv(timeout=min(left, 0.25))
-            if msg is None:
-                continue
-            batch = [msg]
-            while len(batch) < self.batch_max:  # what is already queued joins the batch
-                more = self.fleet.recv(timeout=0)
-                if more is None:
-                    break
-                batch.append(more)
-            self.handle_batch(batch)
+        """Handle messages until ``time.monotonic() >= until`` or ``stop()``.
+
+        Each batch's sync and acks run in the committer thread while this loop waits for
+        the next message; before returning, every handled message is synced and acked
+        (that last wait counts as coordinator time).
+        """
+        cpu0 = self.committer.cpu_seconds
+        try:
+            while not stop():
+                self.committer.check()  # a failed sync or ack stops the loop at once
+                left = until - time.monotonic()
+                if left <= 0:
+                    return
+                msg = self.fleet.recv(timeout=min(left, 0.25))
+                if msg is None:
+                    continue
+                batch = [msg]
+                while len(batch) < self.batch_max:  # what is already queued joins the batch
+                    more = self.fleet.recv(timeout=0)
+                    if more is None:
+                        break
+                    batch.append(more)
+                self.handle_batch(batch, background=True)
+        finally:
+            t0 = time.perf_counter()
+            try:
+                self.committer.drain()
+            finally:
+                self._coord_s += time.perf_counter() - t0
+                self._coord_cpu += self.committer.cpu_seconds - cpu0
 
     # ------------------------------------------------------------------ rounds
 
@@ -425,7 +452,10 @@ class Coordinator:
 
     def _announce(self, plan: RoundPlan, payloads: dict[str, tuple[bytes, str]]) -> None:
         """Models first, then the announcement and the status: one pipelined batch of
-        retained QoS 1 publishes (MQTT keeps their order), then wait for every PUBACK."""
+        retained QoS 1 publishes (MQTT keeps their order). Their PUBACKs are waited for
+        (``fleet.flush()``, re-sending what was not acknowledged) once the round's updates
+        are collected: devices act on the messages, not on our PUBACKs, so that wait is
+        not on the round's critical path."""
         ann = RoundAnnouncement(job=self.cfg.job, round_id=plan.round_id, model=self.cfg.model,
                                 selected=tuple(plan.selected), deadline=plan.deadline,
                                 variants=dict(plan.variants), hparams=dict(plan.hparams))
@@ -433,7 +463,7 @@ class Coordinator:
         items.append((topic(self.cfg.job, "round"), encode_message(ann, self.cfg.limits)))
         items.append((topic(self.cfg.job, "status"),
                       encode_message(Status("round", plan.round_id, f"round {plan.round_id}"))))
-        self.fleet.publish_retained(items)
+        self.fleet.publish_retained_nowait(items)
 
     def run_round(self, r: int, plan: RoundPlan | None = None) -> dict[str, Any]:
         """Run round ``r`` (``plan`` given: resume it) and return its metrics record."""
@@ -481,6 +511,12 @@ class Coordinator:
         deadline_mono = time.monotonic() + cfg.round_timeout_s
         self.pump(deadline_mono, stop=lambda: len(self._accepted) >= need)
         t_collect = time.monotonic()
+        tc, cc = time.perf_counter(), time.thread_time()
+        self.fleet.flush()  # the announcement's PUBACKs (long arrived, as a rule)
+        confirm_s = time.perf_counter() - tc
+        announce_s += confirm_s
+        self._coord_s += confirm_s
+        self._coord_cpu += time.thread_time() - cc
         stragglers = sorted(self._selected - set(self._accepted))
         if len(self._accepted) < need:
             self._counts["stragglers"] = len(stragglers)
@@ -529,9 +565,10 @@ class Coordinator:
         self.state.save_checkpoint(self._checkpoint(record))
         self.state.append_metrics(record)
         self.state.inbox_prune(r + 1)
-        self.fleet.publish_status(encode_message(Status(
+        # PUBACK waited for by the next round's flush (or run()'s, after the last round)
+        self.fleet.publish_retained_nowait([(topic(cfg.job, "status"), encode_message(Status(
             "waiting" if r < cfg.rounds else "done", r, f"round {r} complete",
-            {k: float(v) for k, v in (("accuracy", acc), ("loss", loss)) if math.isfinite(v)})))
+            {k: float(v) for k, v in (("accuracy", acc), ("loss", loss)) if math.isfinite(v)})))])
         # (in memory only: the line on disk was written before these were known)
         record["checkpoint_seconds"] = time.perf_counter() - tc
         record["coordinator_seconds"] = self._coord_s + record["checkpoint_seconds"]
@@ -612,6 +649,7 @@ class Coordinator:
                 r = self.completed + 1
                 self.run_round(r, plan if plan is not None and plan.round_id == r else None)
                 plan = None
+            self.fleet.flush()  # the last status reached the broker
         except BaseException:
             try:
                 self.fleet.publish_status(encode_message(Status("error", self.completed, "coordinator stopped")))
