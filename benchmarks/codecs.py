@@ -6,6 +6,11 @@ and MSE. Single-threaded numba (no parallel kernels). ``--quick``: scikit-learn 
 runs on a fixed 100,000-element subsample (ours on the same subsample for the MSE ratio,
 the case name says so); full-size sklearn at 8 bits takes ~50 s here.
 
+Server-side decode (asym and kmeans, 4 and 8 bits): ``decode_ms`` with ``out=`` (into a
+reused float32 buffer) and ``decode_accumulate_ms`` (``acc += w * decode(t)``, float32
+``acc``), against the memory floor measured in the same run: ``np.add(acc, x, out=acc)``
+over a ready float32 array of the same size.
+
 Prints one JSON line per result (DESIGN.md, "Benchmarks").
 """
 
@@ -17,7 +22,7 @@ import time
 
 import numpy as np
 
-from edge_client.codecs import decode, encode
+from edge_client.codecs import decode, decode_accumulate, encode
 
 N = 2_105_000
 PAPER_MS = {"asym-4": 10.0, "asym-8": 10.0, "kmeans-4": 179.0, "kmeans-8": 2172.0}
@@ -71,12 +76,19 @@ def main() -> None:
     reps = 3 if args.quick else 7
     for kind in ("gauss", "heavy"):
         x = data(kind, N)
+        buf = np.empty_like(x)
+        acc = np.zeros_like(x)
+        floor_ms, _ = best_ms(lambda x=x, acc=acc: np.add(acc, x, out=acc), 5 * reps)
         for codec, bits in (("asym", 4), ("asym", 8), ("kmeans", 4), ("kmeans", 8)):
             case = f"{codec}-{bits} {kind} n={N}"
             enc_ms, t = best_ms(lambda x=x, c=codec, b=bits: encode(x, c, b), reps)
             dec_ms, y = best_ms(lambda t=t: decode(t), reps)
             emit(case, "encode_ms", enc_ms, "ms", "FedShift Table 2 (M1 Pro)", PAPER_MS[f"{codec}-{bits}"])
             emit(case, "decode_ms", dec_ms, "ms", "target", 10.0)
+            into_ms, _ = best_ms(lambda t=t, buf=buf: decode(t, out=buf), 5 * reps)
+            emit(f"{case} out=", "decode_ms", into_ms, "ms", "np.add(acc, x, out=acc) float32 (memory floor)", round(floor_ms, 4))
+            accu_ms, _ = best_ms(lambda t=t, acc=acc: decode_accumulate(t, acc, 0.01), 5 * reps)
+            emit(case, "decode_accumulate_ms", accu_ms, "ms", "np.add(acc, x, out=acc) float32 (memory floor)", round(floor_ms, 4))
             m = mse(x, y)
             if codec == "kmeans":
                 asym_m = mse(x, decode(encode(x, "asym", bits)))

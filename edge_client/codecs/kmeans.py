@@ -2,8 +2,9 @@
 centroids (aux ``{"codebook": [...]}``, sorted ascending) and one index per element.
 
 ``method="fast"`` (default, deterministic, ``seed`` ignored): Lloyd on a fine log-linear
-histogram, started from the exact optimal partition of a coarser set of bins (a DP), then
-split/merge moves,
+histogram, started (up to 6 bits) from the exact optimal partition of a coarser set of bins
+(a DP, :func:`dp_atoms`) or (7-8 bits) a Panter-Dite (cube-root density) initialisation,
+then split/merge moves,
 see :mod:`edge_client.codecs.kmeans1d`. ``method="authors"``: the FedShift code's
 behaviour, for comparison: ``2**bits`` random elements (with replacement, ``seed``) as
 initial centroids, Lloyd on every element, at most ``max_iter=300`` iterations, stop when
