@@ -53,6 +53,8 @@ def trained_all_widths():
                  last_global_step=[np.full(s, 0.01, np.float32) for s in spec.param_shapes()])
         tr.train(data, steps=1, batch=8)
         tr.evaluate(data)
+        ce = IntTrainer(spec, bits, seed=1, loss="ce")  # the integer softmax-CE option
+        ce.train(data, steps=1, batch=8)
         sparse = IntModel(spec, bits, conv_impl="sparse")
         sparse.load_shared(init_shared(spec, 0))
         ws = sparse.workspace(4)
