@@ -16,7 +16,7 @@ import numpy as np
 
 from edge_client.codecs.base import CHUNK, Codec
 from edge_client.codecs.bitpack import _pack_into, _unpack_into, packed_nbytes
-from edge_client.codecs.fused import affine_accumulate, lut_accumulate, lut_decode, weighted_lut
+from edge_client.codecs.fused import affine_accumulate, decode_lut, lut_accumulate, weighted_lut
 from edge_client.errors import CodecError, ProtocolError
 from edge_client.protocol import EncodedTensor
 
@@ -105,7 +105,7 @@ class AsymCodec(Codec):
         if n:
             b = int(t.bits)
             if b <= 8:
-                lut_decode(buf, n, b, asym_levels(b, lo, hi), flat)
+                decode_lut(buf, n, b, asym_levels(b, lo, hi), flat)
             else:
                 asym_decode_kernel(buf, n, b, lo, hi, flat)
         return flat.reshape(t.shape) if out is None else out

@@ -21,7 +21,7 @@ import numpy as np
 from edge_client.codecs import kmeans1d as k1
 from edge_client.codecs.base import Codec, scan_float
 from edge_client.codecs.bitpack import packed_nbytes
-from edge_client.codecs.fused import lut_accumulate, lut_decode, weighted_lut
+from edge_client.codecs.fused import decode_lut, lut_accumulate, weighted_lut
 from edge_client.codecs.lloydmax import normal_levels
 from edge_client.errors import CodecError, ProtocolError
 from edge_client.protocol import EncodedTensor
@@ -94,7 +94,7 @@ class DanuqCodec(Codec):
         n, buf, cb = self._checked(t)
         flat = self._out(t, n, out)
         if n:
-            lut_decode(buf, n, int(t.bits), cb, flat)
+            decode_lut(buf, n, int(t.bits), cb, flat)
         return flat.reshape(t.shape) if out is None else out
 
     def decode_accumulate(self, t: EncodedTensor, acc: np.ndarray, weight: float) -> None:

@@ -51,6 +51,33 @@ def lut_decode(data, n, bits, lut, out):
 
 
 @numba.njit(cache=True)
+def pair_decode(data, half, pair, out64):
+    """4 bits: ``out64[i] = pair[data[i]]``, both float32 of a byte in one 8-byte store."""
+    for i in range(half):
+        out64[i] = pair[data[i]]
+
+
+def pair_table(lut: np.ndarray) -> np.ndarray:
+    """uint64 table over bytes: low half the float32 bits of ``lut[b & 15]`` (element
+    ``2i``, first in little-endian memory), high half those of ``lut[b >> 4]``."""
+    u = lut.view(np.uint32).astype(np.uint64)
+    b = np.arange(256)
+    return u[b & 15] | (u[b >> 4] << np.uint64(32))
+
+
+def decode_lut(data: np.ndarray, n: int, bits: int, lut: np.ndarray, out: np.ndarray) -> None:
+    """:func:`lut_decode` into the float32 ``out``; at 4 bits into an 8-byte aligned ``out``
+    through :func:`pair_table` (one store per payload byte: ~0.43 vs ~0.59 ms on 2.1 M)."""
+    if bits == 4 and n >= 64 and out.ctypes.data % 8 == 0:
+        half = n >> 1
+        pair_decode(data, half, pair_table(lut), out[: 2 * half].view(np.uint64))
+        if n & 1:
+            out[n - 1] = lut[data[half] & 15]
+    else:
+        lut_decode(data, n, bits, lut, out)
+
+
+@numba.njit(cache=True)
 def lut_accumulate(data, n, bits, wlut, acc):
     """``acc[i] += wlut[index i]`` (``wlut = w * lut`` in ``acc``'s dtype), bits 1..8."""
     if bits == 8:
