@@ -38,6 +38,7 @@ from typing import Any
 
 import numpy as np
 
+from coordinator.buffers import LayerBufferPool
 from coordinator.commit import AckCommitter
 from coordinator.fleet import Fleet, Inbound
 from coordinator.state import Checkpoint, RoundPlan, RunState
@@ -182,6 +183,8 @@ class Coordinator:
         self.spec = get_spec(cfg.model)
         self.names = self.spec.param_names()
         self.shapes = [tuple(s) for s in self.spec.param_shapes()]
+        #: decode targets of float32-decoding codecs, reused once the strategy let go
+        self._decode_buffers = LayerBufferPool(self.shapes)
         if [tuple(w.shape) for w in init_weights] != self.shapes:
             raise ConfigError(f"initial weights do not match model {cfg.model}")
         self.weights = [np.asarray(w, dtype=np.float32).copy() for w in init_weights]
@@ -291,17 +294,20 @@ class Coordinator:
         set also includes every integer device).
         """
         from coordinator.strategies.types import ClientUpdate
+        from edge_client.codecs import decode
         from edge_client.runtime import decode_tensor
 
         if len(m.tensors) != len(self.shapes):
             raise ProtocolError(f"tensors: {len(m.tensors)} layers, model {self.cfg.model} has {len(self.shapes)}")
         bits = m.compute_bits if m.compute_bits <= 16 else 32
+        bufs = self._decode_buffers.take()
         weights = []
         for i, (t, shape) in enumerate(zip(m.tensors, self.shapes, strict=True)):
             if tuple(t.shape) != shape:
                 raise ProtocolError(f"tensors[{i}].shape: {list(t.shape)} != {list(shape)}")
             try:
-                a = np.asarray(decode_tensor(t))
+                # float32 results straight into a reused buffer; integer ones the old way
+                a = decode(t, out=bufs[i]) if t.dtype == "float32" else np.asarray(decode_tensor(t))
             except ProtocolError:
                 raise
             except Exception as exc:  # noqa: BLE001 - a codec failing on received bytes

@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 
+import numpy as np
 import pytest
 
 from coordinator.commit import AckCommitter
@@ -65,3 +66,21 @@ def test_the_thread_exits_when_idle_and_restarts_on_demand() -> None:
     c.submit(["b"])
     c.drain(timeout=10)
     assert acked == ["a", "b"]
+
+
+def test_decode_buffers_are_reused_only_once_nothing_holds_them() -> None:
+    from coordinator.buffers import LayerBufferPool
+
+    pool = LayerBufferPool([(3, 4), (5,)], max_sets=2)
+    a = pool.take()
+    b = pool.take()
+    assert pool.allocated == 2 and a[0] is not b[0]
+    view = a[1].reshape(-1)  # a strategy keeping a view of one layer
+    del a
+    c = pool.take()  # both pooled sets are still referenced: an unpooled one
+    assert pool.allocated == 3 and all(x is not y for x, y in zip(c, b, strict=True))
+    del view
+    d = pool.take()
+    assert pool.allocated == 3  # the first set, free again
+    assert [x.shape for x in d] == [(3, 4), (5,)] and all(x.dtype == np.float32 for x in d)
+    assert all(x.flags.c_contiguous and x.flags.writeable for x in d)
