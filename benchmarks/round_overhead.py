@@ -5,17 +5,30 @@
    persist to the inbox log (fdatasync), ack — plus the round's ``finish()`` amortised,
    as updates/s. Anchor (same run, same bytes): reading each payload back from a file and
    summing its bytes with numpy (the floor any handler pays). Cases: a burst taken by the
-   round loop (group commit: one sync per batch), one update at a time (one sync each),
-   and the burst without fsync (what durability costs). The first line also carries the
-   milliseconds per update of each stage (validate, decode, aggregate, persist).
+   round loop (group commit: one sync per batch, run by the committer thread while the
+   loop decodes the next batch), one update at a time (one sync each), and the burst
+   without fsync (what durability costs); best of 3 passes each. The floor is the best
+   of 5 passes. The first line also carries the milliseconds per update of each stage
+   (validate, decode, aggregate, persist = append + one sync per update, measured one
+   stage at a time, so without the group commit's overlap).
 2. ``digits_cnn 20 devices``: rounds with 20 emulated devices (10 Int8 + 10 float32,
    real trainers, 1 epoch, threads of one separate process with one MQTT session each)
-   over mosquitto (amqtt when mosquitto is not installed); the coordinator's own time
-   (handling, model variants and publishing, aggregation, checkpoint; evaluation is
-   reported apart) against the round time, after the first round (JIT, imports). The
-   value is wall time (it includes waiting for the broker's PUBACKs and being descheduled
-   while 20 training devices share the 2 cores); ``cpu_seconds`` is the coordinator
-   thread's CPU time.
+   over mosquitto (amqtt when mosquitto is not installed), after the first round (JIT,
+   imports). **Coordinator overhead** (``value``) is the wall time the round spends in
+   coordinator work, i.e. not waiting for devices: the round loop's own steps, timed
+   with ``perf_counter`` around each — handling received messages (validate, decode,
+   aggregate, append to the inbox), building the model variants, saving the round plan
+   and queueing the publishes (``announce_seconds``, which also holds the wait, after
+   collection, for the announcement's PUBACKs still missing: ~0, they came back while
+   the devices trained), waiting for the last inbox sync + acks at the end of
+   collection, ``finish()`` (``aggregate_seconds``), the checkpoint + metrics line +
+   status publish (``checkpoint_seconds``). It is wall time, so it includes being
+   descheduled while 20 training devices share the 2 cores. Not in it: evaluation
+   (``eval_seconds``, reported apart), the 50 ms wait for simultaneous hellos to settle
+   at selection, and what runs in the background while the loop waits for devices —
+   the committer thread's ``fdatasync`` + PUBACKs of received updates and the broker's
+   PUBACKs of our publishes (their CPU time is in ``cpu_seconds``, the CPU time of the
+   loop's and the committer's threads).
    Two local data sizes: 1/20 of the digits training split per device (72 samples) and
    1/4 (~360 samples, as in ``fedbit demo``). Target: < 10 %.
 
@@ -129,19 +142,25 @@ def per_update(quick: bool, workdir: Path) -> None:
         f = fdir / f"{dev}.msgpack"
         f.write_bytes(p)
         files.append(f)
-    t0 = time.perf_counter()
-    total = 0
-    for f in files:
-        total += int(np.frombuffer(f.read_bytes(), dtype=np.uint8).sum(dtype=np.uint64))
-    floor_rate = n / (time.perf_counter() - t0)
+    best = float("inf")
+    for _rep in range(5):  # best of 5: the machine is shared
+        t0 = time.perf_counter()
+        total = 0
+        for f in files:
+            total += int(np.frombuffer(f.read_bytes(), dtype=np.uint8).sum(dtype=np.uint64))
+        best = min(best, time.perf_counter() - t0)
+    floor_rate = n / best
     breakdown = _breakdown(base, ids, payloads, workdir / "stages")
     for label, durable, burst in (("", True, True), (" one-at-a-time", True, False),
                                   (" no-fsync", False, True)):
         run_dir = workdir / f"run{label.strip() or '-burst'}"
         co = _coordinator(base, run_dir, durable, "fedshift")
         _handle_all(co, base, ids[:2], payloads[:2], burst)  # warm-up (JIT, page cache)
-        co.state.inbox_prune(10)
-        rate = n / _handle_all(co, base, ids, payloads, burst)
+        best = float("inf")
+        for _rep in range(3):  # best of 3: the machine is shared
+            co.state.inbox_prune(10)
+            best = min(best, _handle_all(co, base, ids, payloads, burst))
+        rate = n / best
         emit("fedshift_cnn asym-4" + label, "updates_per_s", rate, "updates/s",
              "read file + numpy sum (floor)", floor_rate, updates=n, payload_bytes=size,
              strategy="fedshift", durable=durable, group_commit=burst,
