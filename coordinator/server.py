@@ -202,8 +202,10 @@ class Coordinator:
         self._counts: Counter[str] = Counter()
         self._coord_s = 0.0
         self._coord_cpu = 0.0
-        #: most messages handled per durable sync (group commit)
-        self.batch_max = 64
+        #: most messages handled before they go to the committer, which syncs every batch
+        #: queued since its last sync at once (group commit). Small batches let the sync
+        #: of one overlap the decoding of the next (fedshift_cnn bursts: 8 -> ~1.1x of 64)
+        self.batch_max = 8
         #: syncs the inbox, then acks, in a background thread while ``pump`` waits
         self.committer: AckCommitter[Inbound] = AckCommitter(lambda: self.state.inbox_sync(),
                                                              lambda m: self.fleet.ack(m))
