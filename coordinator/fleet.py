@@ -179,11 +179,14 @@ class TransportFleet(Fleet):
     def ack(self, msg: Inbound) -> None:
         self.transport.ack(msg.raw)
 
-    def close(self) -> None:
-        try:
-            self.flush()
-        except ConnectionError:
-            pass  # closing anyway; the broker may be gone
+    def close(self, linger_s: float = 2.0) -> None:
+        """Disconnect, after waiting up to ``linger_s`` s for queued publishes' PUBACKs
+        (not re-sent: the broker may be gone)."""
+        pending, self._unconfirmed = self._unconfirmed, []
+        end = time.monotonic() + linger_s
+        for _name, _payload, h in pending:
+            if not h.wait(max(0.0, end - time.monotonic())):
+                break
         self.transport.close()
 
 

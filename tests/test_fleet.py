@@ -101,3 +101,26 @@ def test_in_process_fleet_carries_the_same_bytes_as_mosquitto(mosquitto, tmp_pat
     assert m.payload == local.hub._retained[t]
     msg = decode_message(m.payload)
     assert isinstance(msg, ModelMessage) and msg.round_id == 2
+
+
+def test_queued_retained_publishes_are_confirmed_and_kept_in_order(mosquitto) -> None:
+    """``publish_retained_nowait`` queues without waiting; ``flush`` waits for every PUBACK;
+    the retained topic ends on the last payload queued (MQTT keeps the order)."""
+    fleet = MqttFleet(mosquitto.url, JOB)
+    fleet.start()
+    t = topic(JOB, "status")
+    try:
+        fleet.publish_retained_nowait([(t, b"s%02d" % i) for i in range(20)])
+        assert len(fleet._unconfirmed) == 20
+        fleet.flush()
+        assert fleet._unconfirmed == []
+        fleet.publish_retained_nowait([(t, b"last")])  # close() lingers for its PUBACK
+    finally:
+        fleet.close()
+    watcher = MqttTransport(mosquitto.url, "watch", subscriptions=[t])
+    watcher.connect(10)
+    try:
+        m = watcher.recv(5)
+    finally:
+        watcher.close()
+    assert m is not None and m.retain and m.payload == b"last"
