@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from coordinator import __version__
+from coordinator.demo import DEFAULT_DEVICES
 
 
 def _kv(items: list[str] | None, what: str) -> dict[str, Any]:
@@ -158,7 +159,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     from coordinator.demo import run_demo
 
     return run_demo(rounds=args.rounds, devices=args.devices, kind=args.embedded,
-                    model=args.model, timeout=args.timeout, keep=args.keep)
+                    model=args.model, timeout=args.timeout, keep=args.keep,
+                    strategy=args.strategy)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -221,11 +223,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_broker)
 
     p = sub.add_parser("demo", help="embedded broker + coordinator + mixed devices, a few rounds",
-                       description="Runs a coordinator and a few mixed devices (Int8, Int6, float32) "
+                       description="Runs a coordinator and a few mixed devices (Int6, Int8, Int16, float32; "
+                                   "integer, K-means, ASYM and float32 uplinks) "
                                    "as subprocesses on the embedded broker; prints accuracy per round.")
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--devices", default="raspberry-pi-4,raspberry-pi-4,raspberry-pi-zero-2w,desktop",
+    p.add_argument("--rounds", type=int, default=8)
+    p.add_argument("--devices", default=DEFAULT_DEVICES,
                    help="comma-separated hardware profiles, one per device")
+    p.add_argument("--strategy", default="fedshift", help="aggregation strategy (see `fedbit serve --help`)")
     p.add_argument("--model", default="digits_cnn")
     p.add_argument("--embedded", choices=["auto", "mosquitto", "amqtt"], default="auto")
     p.add_argument("--timeout", type=float, default=110.0, metavar="S", help="give up after S seconds")

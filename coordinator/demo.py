@@ -2,9 +2,10 @@
 
 Starts the embedded broker (mosquitto child process when on PATH, else amqtt), runs the
 coordinator in this process and one ``fedbit-edge run`` subprocess per device (default:
-2 x raspberry-pi-4 (Int8), 1 x raspberry-pi-zero-2w (Int6), 1 x desktop (float32)), each
+raspberry-pi-4 (Int8, own integers), raspberry-pi-zero-2w (Int6), raspberry-pi-5 (Int8,
+K-means-4 uplink), jetson-nano (Int16, ASYM-8 uplink), desktop (float32, lossless)), each
 on its own shard of the bundled digits training split, for a few rounds of ``digits_cnn``
-with FedAvg; prints the accuracy per round on the digits test split and a summary.
+with FedShift (the integer and lossy-uplink devices are its "inferior" clients); prints the accuracy per round on the digits test split and a summary.
 Exit status 0 when every round completed with updates, 1 otherwise.
 """
 
@@ -17,8 +18,11 @@ import tempfile
 import time
 from pathlib import Path
 
+DEFAULT_DEVICES = "raspberry-pi-4,raspberry-pi-zero-2w,raspberry-pi-5,jetson-nano,desktop"
 
-def run_demo(*, rounds: int = 5, devices: str = "raspberry-pi-4,raspberry-pi-4,raspberry-pi-zero-2w,desktop",
+
+def run_demo(*, rounds: int = 8, devices: str = DEFAULT_DEVICES,
+             strategy: str = "fedshift",
              kind: str = "auto", model: str = "digits_cnn", timeout: float = 110.0,
              keep: str | None = None, epochs: int = 2) -> int:
     """Run the demo; returns the process exit status."""
@@ -44,7 +48,7 @@ def run_demo(*, rounds: int = 5, devices: str = "raspberry-pi-4,raspberry-pi-4,r
     logs = []
     print("fedbit demo: what runs")
     print(f"  broker      : embedded {broker.kind} at {broker.url}")
-    print(f"  coordinator : this process; model {model}, FedAvg, {rounds} rounds, "
+    print(f"  coordinator : this process; model {model}, strategy {strategy}, {rounds} rounds, "
           f"{epochs} local epoch(s), evaluation on the digits test split")
     try:
         for i, (name, prof) in enumerate(zip(profiles, loaded, strict=True)):
@@ -67,7 +71,7 @@ def run_demo(*, rounds: int = 5, devices: str = "raspberry-pi-4,raspberry-pi-4,r
                            round_timeout_s=max(30.0, timeout / 2),
                            presence_timeout_s=60.0, hparams={"epochs": epochs, "batch": 32})
         fleet = MqttFleet(broker.url, "demo", username="fedbit-coordinator")
-        coord = Coordinator(cfg, fleet, build_strategy("fedavg"), RunState(run_dir / "out"),
+        coord = Coordinator(cfg, fleet, build_strategy(strategy), RunState(run_dir / "out"),
                             evaluator=make_evaluator(model, load_digits("test")),
                             init_weights=init_shared(spec, 0), on_event=ProgressDisplay(rounds))
         history = coord.run()
