@@ -21,15 +21,25 @@ import time
 import numpy as np
 
 from coordinator.strategies import ClientUpdate, build_strategy
+from edge_client.codecs import decode, encode, get_codec
 from firmware_models import get_spec
 
 SHAPES = [tuple(s) for s in get_spec("fedshift_cnn").param_shapes()]
 
 
-def make_update(i: int, base: list[np.ndarray], bits: int) -> ClientUpdate:
-    """A distinct update, cheaply: the base model scaled and shifted per update."""
+def make_update(i: int, base: list[np.ndarray], bits: int, via_codec: bool = False) -> ClientUpdate:
+    """A distinct update, cheaply: the base model scaled and shifted per update.
+
+    ``via_codec``: the layers go through the float32 codec (encode, then ``decode``, which
+    verifies finiteness) and the update carries ``finite=True`` as the coordinator's
+    decode path sets it, so the strategy does not re-read it for NaN/Inf. (Encoding and
+    decoding are not timed, like the anchor's stacking.)"""
     s, t = np.float32(1 + 1e-3 * (i % 97)), np.float32(1e-4 * (i % 13))
-    return ClientUpdate(f"d{i}", 100 + i % 7, [b * s + t for b in base], "weights", bits, bits < 32)
+    layers = [b * s + t for b in base]
+    if via_codec:
+        layers = [decode(encode(w, codec="float32")) for w in layers]
+    return ClientUpdate(f"d{i}", 100 + i % 7, layers, "weights", bits, bits < 32,
+                        finite=via_codec and get_codec("float32").finite_output)
 
 
 def base_model(seed: int = 0) -> list[np.ndarray]:
@@ -37,12 +47,13 @@ def base_model(seed: int = 0) -> list[np.ndarray]:
     return [(0.05 * rng.standard_normal(s)).astype(np.float32) for s in SHAPES]
 
 
-def stream_seconds(name: str, n: int, base: list[np.ndarray], **params) -> float:
+def stream_seconds(name: str, n: int, base: list[np.ndarray], via_codec: bool = False,
+                   **params) -> float:
     strat = build_strategy(name, **params)
     strat.begin_round(1, base)
     spent = 0.0
     for i in range(n):
-        u = make_update(i, base, 8 if (name.startswith("prowd") and i % 2) else 32)
+        u = make_update(i, base, 8 if (name.startswith("prowd") and i % 2) else 32, via_codec)
         t0 = time.perf_counter()
         strat.accept(u)
         spent += time.perf_counter() - t0
@@ -113,10 +124,15 @@ def main() -> None:
     stream_seconds("fedshift", 4, base)  # numba compile / cache load outside the timing
     mean_t = min(stacked_mean_seconds(n, base) for _ in range(reps))
     anchor = n / mean_t
-    for name, params in (("fedshift", {}), ("fedshift", {"acc_dtype": "float64"}),
-                         ("prowd-swa", {"tau": 0.1})):
+    cases = (
+        ("fedshift", {"via_codec": True}, " (decoded: finiteness verified by the codec)"),
+        ("fedshift", {}, " (raw arrays: the strategy checks finiteness)"),
+        ("fedshift", {"acc_dtype": "float64"}, " acc=float64 (raw arrays)"),
+        ("prowd-swa", {"tau": 0.1, "via_codec": True}, " (decoded)"),
+    )
+    for name, params, suffix in cases:
         t = min(stream_seconds(name, n, base, **params) for _ in range(reps))
-        label = f"fedshift_cnn {name} n={n}" + ("" if not params.get("acc_dtype") else " acc=float64")
+        label = f"fedshift_cnn {name} n={n}{suffix}"
         emit(label, "throughput", n / t, "updates/s", "np.mean stacked", anchor)
     small, large = peak_rss_kib(10), peak_rss_kib(big)
     emit(f"fedshift_cnn fedshift {big} vs 10 updates", "rss", large / 1024, "MiB",

@@ -63,7 +63,7 @@ def run_demo(*, rounds: int = 8, devices: str = DEFAULT_DEVICES,
             print(f"  device {i + 1}    : {dev}: {prof.compute_bits}-bit {prof.trainer} trainer, "
                   f"uplink {prof.codec}-{prof.codec_bits}, data digits:{i + 1}/{len(profiles)} "
                   f"(subprocess pid {procs[-1].pid})")
-        print(f"  run dir     : {run_dir} (metrics.jsonl, device logs)", flush=True)
+        print(f"  run dir     : {run_dir} (out/metrics.jsonl, device logs)", flush=True)
         spec = get_spec(model)
         cfg = ServerConfig(job="demo", model=model, rounds=rounds, min_devices=len(profiles),
                            # rounds close as soon as every device answered; the deadline

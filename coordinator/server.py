@@ -296,7 +296,7 @@ class Coordinator:
         set also includes every integer device).
         """
         from coordinator.strategies.types import ClientUpdate
-        from edge_client.codecs import decode
+        from edge_client.codecs import decode, get_codec
         from edge_client.runtime import decode_tensor
 
         if len(m.tensors) != len(self.shapes):
@@ -324,7 +324,10 @@ class Coordinator:
         lossy = any(t.codec != "float32" for t in m.tensors)
         sig = [t.aux.get("sigma_loc") for t in m.tensors]
         sigma_loc = [float(x) for x in sig] if sig and all(x is not None for x in sig) else None
-        return ClientUpdate(m.device_id, m.num_samples, weights, m.content, bits, lossy, sigma_loc)
+        # every value already proved finite by the codecs' decode: the strategy need not re-read
+        finite = all(get_codec(t.codec).finite_output for t in m.tensors)
+        return ClientUpdate(m.device_id, m.num_samples, weights, m.content, bits, lossy, sigma_loc,
+                            finite=finite)
 
     def _handle_update(self, msg: Inbound, *, replay: bool = False) -> bool:
         """Validate -> decode -> persist -> (ack by caller) -> aggregate. True if accepted."""

@@ -9,9 +9,12 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as hst
 
-from edge_client.codecs import decode, decode_accumulate, encode, get_codec
+from edge_client.codecs import available_codecs, decode, decode_accumulate, encode, get_codec
 from edge_client.errors import CodecError, ProtocolError
+from edge_client.protocol import EncodedTensor, packed_length
 
 CASES = [
     *[("asym", b) for b in (1, 2, 3, 4, 5, 7, 8, 9, 12, 16)],
@@ -131,3 +134,29 @@ def test_half_table_is_numpys_conversion():
     ref = pats.view(np.float16).astype(np.float32)
     fin = np.isfinite(ref)
     assert np.array_equal(HALF_TO_FLOAT[fin].view(np.uint32), ref[fin].view(np.uint32))
+
+
+# Codecs that promise finite output (the coordinator then skips the strategy's NaN pass):
+# whatever bytes and finite aux a sender chooses, a decode that succeeds is finite.
+_F32_MAX = float(np.finfo(np.float32).max)
+_extreme = hst.sampled_from([_F32_MAX, -_F32_MAX, 1e-45, 0.0, 1.0, -3.0e38])
+
+
+@pytest.mark.parametrize("name", [n for n in available_codecs() if get_codec(n).finite_output])
+@settings(max_examples=150, deadline=None)
+@given(data=hst.data())
+def test_finite_output_codecs_never_decode_nan_or_inf(name, data):
+    codec = get_codec(name)
+    lo, hi = codec.bits_range
+    bits = data.draw(hst.integers(lo, hi))
+    n = data.draw(hst.integers(1, 40))
+    raw = data.draw(hst.binary(min_size=packed_length(n, bits), max_size=packed_length(n, bits)))
+    dtype = {"int": "int8" if bits <= 8 else "int16", "ternary": data.draw(hst.sampled_from(["int8", "float32"]))}.get(name, "float32")
+    aux = {"codebook": data.draw(hst.lists(_extreme, min_size=1 << bits, max_size=1 << bits))} if name == "kmeans" else {}
+    if name == "ternary" and dtype == "float32":
+        aux = {"scale": data.draw(_extreme)}
+    try:
+        y = codec.decode(EncodedTensor((n,), dtype, name, bits, raw, aux))
+    except ProtocolError:
+        return
+    assert np.all(np.isfinite(y.astype(np.float64)))

@@ -314,3 +314,20 @@ def test_small_groups_sum_to_the_same_bits_in_any_order(name):
         got = run(name, perm)
         for x, y in zip(ref.weights, got.weights, strict=True):
             np.testing.assert_array_equal(x, y)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+def test_finite_flag_skips_only_the_strategy_side_check():
+    """`finite=True` is the producer's word (codec decode verified it): the strategy does
+    not re-read the arrays. Without it, the same NaN is rejected before touching the sum."""
+    bad = [np.array([[np.nan, 0], [0, 0]], np.float32), np.zeros(3, np.float32)]
+    s = build_strategy("fedavg")
+    s.begin_round(1, G)
+    with pytest.raises(ProtocolError, match="NaN or Inf"):
+        s.accept(ClientUpdate("x", 1, bad))
+    s.accept(ClientUpdate("y", 1, [np.ones((2, 2), np.float32), np.ones(3, np.float32)], finite=True))
+    assert s.finish().weights[0][0, 0] == 1.0
+    # float64 input is narrowed to float32, which can overflow: checked even when vouched
+    s.begin_round(2, G)
+    with pytest.raises(ProtocolError, match="NaN or Inf"):
+        s.accept(ClientUpdate("z", 1, [np.full((2, 2), 1e300), np.zeros(3)], finite=True))

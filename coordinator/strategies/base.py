@@ -168,7 +168,7 @@ class Strategy:
             if not np.issubdtype(w.dtype, np.floating):
                 raise ProtocolError(f"{who}: weights[{i}].dtype {w.dtype} is not a float (decode first)")
             f = _flat32(w)
-            if has_nonfinite(f):
+            if not (u.finite and f.dtype == w.dtype) and has_nonfinite(f):
                 raise ProtocolError(f"{who}: weights[{i}] holds NaN or Inf")
             flat.append(f)
         return flat

@@ -23,6 +23,10 @@ class ClientUpdate:
     - ``lossy``: arrived through a lossy codec. It and ``compute_bits < 32`` make the
       update "inferior" in FedShift's sense.
     - ``sigma_loc``: per-layer standard deviation of the device's update (DANUQ devices).
+    - ``finite``: the producer already proved every value finite (the coordinator sets it
+      when each tensor came through a codec with ``finite_output``, whose decode verified
+      it); the strategy then skips its own NaN/Inf pass instead of reading the update
+      twice. Left False, the strategy checks.
     """
 
     device_id: str
@@ -32,6 +36,7 @@ class ClientUpdate:
     compute_bits: int = FLOAT_BITS
     lossy: bool = False
     sigma_loc: list[float] | None = None
+    finite: bool = False
 
     @property
     def inferior(self) -> bool:

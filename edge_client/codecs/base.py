@@ -37,6 +37,10 @@ class Codec(ABC):
     default_bits: ClassVar[int]
     #: False when a decode gives back exactly what was encoded, for every accepted input
     lossy: ClassVar[bool] = True
+    #: True when ``decode`` can only produce finite values: it verifies them while decoding
+    #: (float32, float16) or draws them from a validated finite table (kmeans codebook,
+    #: ternary scale) or they are integers. A receiver may then skip its own NaN/Inf pass.
+    finite_output: ClassVar[bool] = False
     #: ``encode`` options accepted besides ``bits`` and ``name``
     options: ClassVar[frozenset[str]] = frozenset()
 

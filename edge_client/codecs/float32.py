@@ -32,6 +32,7 @@ class Float32Codec(Codec):
     bits_range = (32, 32)
     default_bits = 32
     lossy = False
+    finite_output = True
     wire_dtype = "<f4"
 
     def encode(self, x: np.ndarray, bits: int | None = None, *, name: str = "", **options: Any) -> EncodedTensor:

@@ -54,6 +54,7 @@ class IntCodec(Codec):
     bits_range = (2, 16)
     default_bits = 8
     lossy = False
+    finite_output = True
 
     def encode(self, x: np.ndarray, bits: int | None = None, *, name: str = "", **options: Any) -> EncodedTensor:
         """``x``: int8/int16 array; ``bits=None`` means the dtype's width. No aux."""

@@ -85,6 +85,7 @@ class KMeansCodec(Codec):
     bits_range = (1, 8)
     default_bits = 8
     lossy = True
+    finite_output = True
     options = frozenset({"method", "seed", "max_iter", "tol"})
 
     def encode(self, x: np.ndarray, bits: int | None = None, *, name: str = "", **options: Any) -> EncodedTensor:

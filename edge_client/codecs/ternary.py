@@ -77,6 +77,7 @@ class TernaryCodec(Codec):
     bits_range = (2, 2)
     default_bits = 2
     lossy = True  # float input is thresholded; int8 input is exact (see is_lossy)
+    finite_output = True  # {-1, 0, 1} or scale * {-1, 0, 1} with a finite float32 scale
     options = frozenset({"threshold", "scale"})
 
     def is_lossy(self, t: EncodedTensor) -> bool:
