@@ -19,10 +19,10 @@ import numba
 import numpy as np
 
 from edge_client.codecs import kmeans1d as k1
-from edge_client.codecs.base import Codec, scan_float
+from edge_client.codecs.base import scan_float
 from edge_client.codecs.bitpack import packed_nbytes
-from edge_client.codecs.fused import decode_lut, lut_accumulate, weighted_lut
 from edge_client.codecs.lloydmax import normal_levels
+from edge_client.codecs.lut import TableCodec
 from edge_client.errors import CodecError, ProtocolError
 from edge_client.protocol import EncodedTensor
 
@@ -41,7 +41,7 @@ def danuq_codebook(bits: int, zero_level: bool, sigma_g: float) -> np.ndarray:
     return (normal_levels(bits, zero_level) * sigma_g).astype(np.float32)
 
 
-class DanuqCodec(Codec):
+class DanuqCodec(TableCodec):
     name = "danuq"
     bits_range = (1, 8)
     default_bits = 2
@@ -88,18 +88,3 @@ class DanuqCodec(Codec):
         if zl not in (0, 1) or not isinstance(zl, int | bool | np.integer):
             raise ProtocolError(f"aux.zero_level: expected 0 or 1, got {zl!r}")
         return n, buf, danuq_codebook(int(t.bits), bool(zl), sigma_g)
-
-    def decode(self, t: EncodedTensor, out: np.ndarray | None = None) -> np.ndarray:
-        """``codebook[index]`` per element, into ``out`` when given."""
-        n, buf, cb = self._checked(t)
-        flat = self._out(t, n, out)
-        if n:
-            decode_lut(buf, n, int(t.bits), cb, flat)
-        return flat.reshape(t.shape) if out is None else out
-
-    def decode_accumulate(self, t: EncodedTensor, acc: np.ndarray, weight: float) -> None:
-        """``acc += weight * decode(t)`` (see :meth:`Codec.decode_accumulate`)."""
-        n, buf, cb = self._checked(t)
-        flat, _ = self._acc(t, acc, weight)
-        if n:
-            lut_accumulate(buf, n, int(t.bits), weighted_lut(cb, flat, weight), flat)

@@ -22,9 +22,9 @@ from typing import Any
 import numpy as np
 
 from edge_client.codecs import kmeans1d as k1
-from edge_client.codecs.base import Codec, scan_float
+from edge_client.codecs.base import scan_float
 from edge_client.codecs.bitpack import packed_nbytes
-from edge_client.codecs.fused import decode_lut, lut_accumulate, weighted_lut
+from edge_client.codecs.lut import TableCodec
 from edge_client.errors import CodecError, ProtocolError
 from edge_client.protocol import EncodedTensor
 
@@ -80,7 +80,7 @@ def fit_codebook(
     return np.sort(c.astype(np.float32))
 
 
-class KMeansCodec(Codec):
+class KMeansCodec(TableCodec):
     name = "kmeans"
     bits_range = (1, 8)
     default_bits = 8
@@ -118,20 +118,6 @@ class KMeansCodec(Codec):
         self._aux_keys(t, ("codebook",))
         return n, buf, codebook_from_aux(t.aux["codebook"], 1 << int(t.bits))
 
-    def decode(self, t: EncodedTensor, out: np.ndarray | None = None) -> np.ndarray:
-        """``codebook[index]`` per element, into ``out`` when given."""
-        n, buf, cb = self._checked(t)
-        flat = self._out(t, n, out)
-        if n:
-            decode_lut(buf, n, int(t.bits), cb, flat)
-        return flat.reshape(t.shape) if out is None else out
-
-    def decode_accumulate(self, t: EncodedTensor, acc: np.ndarray, weight: float) -> None:
-        """``acc += weight * decode(t)`` (see :meth:`Codec.decode_accumulate`)."""
-        n, buf, cb = self._checked(t)
-        flat, _ = self._acc(t, acc, weight)
-        if n:
-            lut_accumulate(buf, n, int(t.bits), weighted_lut(cb, flat, weight), flat)
 
 
 def codebook_from_aux(value: object, k: int, field: str = "aux.codebook") -> np.ndarray:
