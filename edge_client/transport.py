@@ -373,25 +373,10 @@ class MqttTransport:
         deliver it later: receivers must tolerate duplicates). ``timeout=0`` returns
         right after queueing.
         """
-        if len(payload) > self.max_payload:
-            raise ProtocolError(f"payload: {len(payload)} bytes exceed the transport limit "
-                                f"{self.max_payload}")
-        client = self._client
-        if client is None or self._closed:
+        handle = self.publish_start(topic, payload, qos=qos, retain=retain)
+        if handle is None:
             return False
-        try:
-            info = client.publish(topic, payload, qos=qos, retain=retain)
-        except Exception as exc:  # noqa: BLE001 - paho raises on closed sockets etc.
-            self.last_error = f"publish: {exc!r}"
-            return False
-        if info.rc != 0:
-            # MQTT_ERR_NO_CONN: paho keeps a QoS 1 message queued and may still send it
-            # after a reconnect; the caller's outbox re-sends it too (receivers dedup).
-            self.last_error = f"publish rc={info.rc}"
-            return False
-        if timeout <= 0:
-            return True
-        return PublishHandle(info).wait(timeout)
+        return True if timeout <= 0 else handle.wait(timeout)
 
     def publish_start(self, topic: str, payload: bytes, *, qos: int = 1,
                       retain: bool = False) -> PublishHandle | None:
@@ -408,7 +393,12 @@ class MqttTransport:
         except Exception as exc:  # noqa: BLE001
             self.last_error = f"publish: {exc!r}"
             return None
-        return PublishHandle(info) if info.rc == 0 else None
+        if info.rc != 0:
+            # MQTT_ERR_NO_CONN: paho keeps a QoS 1 message queued and may still send it
+            # after a reconnect; the caller's outbox re-sends it too (receivers dedup).
+            self.last_error = f"publish rc={info.rc}"
+            return None
+        return PublishHandle(info)
 
     def recv(self, timeout: float | None = None) -> Received | None:
         """Next received message, or None after ``timeout`` seconds."""
