@@ -134,6 +134,20 @@ def _reason_is_failure(reason_code: object) -> bool:
         return reason_code not in (0, None)
 
 
+def _stop_network_thread(client: object) -> None:
+    """``client.loop_stop()`` without paho 2.1's exit race.
+
+    paho's network thread sets ``client._thread = None`` when it ends (after a
+    DISCONNECT it ends on its own); ``loop_stop`` checks that attribute and then calls
+    ``.join()`` on it, so a thread that finishes between the two raises AttributeError.
+    The thread has ended in that case, which is what we asked for.
+    """
+    try:
+        client.loop_stop()  # type: ignore[attr-defined]
+    except AttributeError:
+        pass
+
+
 class MqttTransport:
     """One paho-mqtt 2.x client session; see the module docstring.
 
@@ -286,7 +300,7 @@ class MqttTransport:
                 c.disconnect()
             except Exception:  # noqa: BLE001
                 pass
-            c.loop_stop()
+            _stop_network_thread(c)
         if "ok" not in result:
             # no CONNACK: a 3.1.1 broker may simply close; treat a silent close as refusal
             return False
@@ -435,7 +449,7 @@ class MqttTransport:
         self._closed = True
         self._connected.clear()
         if client is not None:
-            client.loop_stop()  # stops the network thread; the socket stays open
+            _stop_network_thread(client)  # the socket stays open
             sock = client.socket()
             if sock is not None:
                 try:
@@ -455,7 +469,7 @@ class MqttTransport:
                 client.disconnect()
             except Exception:  # noqa: BLE001
                 pass
-            client.loop_stop()
+            _stop_network_thread(client)
         self._closed = True
         self._connected.clear()
 

@@ -257,3 +257,29 @@ def test_username_and_password(mosquitto_bin: str, tmp_path: Path) -> None:
         with pytest.raises(ConnectionError, match="refused|no session"):
             wrong.connect(timeout=2)
         wrong.close()
+
+
+def test_close_survives_paho_thread_exit_race(mosquitto: MosquittoBroker) -> None:
+    """paho 2.1's ``loop_stop`` reads ``_thread`` twice; when the network thread ends
+    after DISCONNECT between the two reads it raises AttributeError (seen in CI as a
+    device exiting 1 after a finished run). ``close()`` must treat that as stopped."""
+    watcher = MqttTransport(mosquitto.url, "watch", subscriptions=["t/#"])
+    dev = MqttTransport(mosquitto.url, "racy", will=("t/will", b"gone"))
+    watcher.connect(10)
+    dev.connect(10)
+    try:
+        client = dev._client
+        real_stop = client.loop_stop
+
+        def racy_stop():
+            real_stop()
+            raise AttributeError("'NoneType' object has no attribute 'join'")
+
+        client.loop_stop = racy_stop
+        dev.close(clear_will=("t/presence", b"offline"))  # must not raise
+        assert not dev.connected
+        m = watcher.recv(5)
+        assert m is not None and (m.topic, m.payload) == ("t/presence", b"offline")
+        assert watcher.recv(1.5) is None  # clean DISCONNECT: no will published
+    finally:
+        watcher.close()
