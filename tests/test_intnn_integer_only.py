@@ -28,6 +28,13 @@ def small_spec() -> ModelSpec:
     ), 3)
 
 
+def wide_spec() -> ModelSpec:
+    return ModelSpec("wide", (12, 5, 5), (
+        Conv2d("c1", 12, 6, 3, padding=1), ReLU("r1"), MaxPool2d("p1", 2),
+        Flatten("f"), Linear("l1", 24, 3),
+    ), 3)
+
+
 def random_data(spec: ModelSpec, n: int, seed: int = 0) -> Dataset:
     rng = np.random.default_rng(seed)
     x = rng.random((n, *spec.input_shape), dtype=np.float32)
@@ -55,6 +62,8 @@ def trained_all_widths():
         tr.evaluate(data)
         ce = IntTrainer(spec, bits, seed=1, loss="ce")  # the integer softmax-CE option
         ce.train(data, steps=1, batch=8)
+        wide = IntTrainer(wide_spec(), bits, seed=1)  # K*C >= 32: error-driven gradient
+        wide.train(random_data(wide.spec, 8), steps=1, batch=8)
         sparse = IntModel(spec, bits, conv_impl="sparse")
         sparse.load_shared(init_shared(spec, 0))
         ws = sparse.workspace(4)

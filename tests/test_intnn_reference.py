@@ -79,6 +79,12 @@ def ref_windows(a: np.ndarray, k: int, stride: int, pad: int, fill: int) -> np.n
     return win[:, :, ::stride, ::stride]
 
 
+def plane_len(n: int, h: int, w: int, pad: int) -> int:
+    """Length of a padded-plane row for n samples of h x w (kernels.conv_forward_plane)."""
+    wp = w + pad
+    return pad * wp + pad + n * (h + pad) * wp
+
+
 def ref_conv(a, t, stride, pad):
     k = t.shape[2]
     win = ref_windows(a.astype(np.int64), k, stride, pad, 0)
@@ -364,6 +370,20 @@ def test_conv_forward_matches_reference(bits, stride, pad, k):
                                np.zeros((k * k * 5, 2 * ho * wo), dt), np.zeros(13, np.int32),
                                np.zeros(13 if bits <= 8 else 0, np.int16), np.zeros((7, 13), dt))
             assert np.array_equal(out2, out)
+            if stride == 1:  # the padded-plane variant: ternary runs, blocks of 11 positions
+                out3 = np.zeros_like(out)
+                t_o = np.ascontiguousarray(t.transpose(0, 2, 3, 1)).astype(np.int8)
+                lst = np.full((7, k * k * 5), -1, np.int32)
+                cnt = np.zeros((7, 2), np.int32)
+                K.ternary_lists(t_o, lst, cnt)
+                assert np.array_equal(cnt[:, 1], (t != 0).reshape(7, -1).sum(axis=1))
+                plane = np.full((5, plane_len(3, 9, 8, pad)), 99, dt)
+                K.conv_forward_plane(np.ascontiguousarray(a.transpose(0, 2, 3, 1)).astype(dt),
+                                     lst, cnt, k, pad, shift, amax, relu, out3, plane,
+                                     np.zeros(k * k * 5, np.int32), np.zeros(11, np.int32),
+                                     np.zeros(11 if bits <= 8 else 0, np.int16),
+                                     np.zeros((7, 11), dt))
+                assert np.array_equal(out3, out)
             saturated |= bool((np.abs(ref) == amax).any())
             if relu:
                 assert (ref == 0).any()
@@ -435,12 +455,39 @@ def test_conv_backward_kernels_match_reference(bits, stride, pad, k):
         g = np.zeros((k, k, 3, 5), gdt)
         K.conv_weight_grad(eq_k, a_k, stride, pad, g, np.zeros(5, gdt))
         assert np.array_equal(g.transpose(3, 2, 0, 1), ref_conv_wgrad(eq, a, stride, pad, k))
+        # driven by the non-zero errors (odd and even counts per output channel)
+        for e_k in (eq_k, np.where(np.arange(5) == 2, 0, eq_k).astype(dt)):
+            g = np.full((k, k, 3, 5), 3, gdt)
+            K.conv_weight_grad_sparse(e_k, a_k, stride, pad, g,
+                                      np.full((4, 8 + 2 * pad, 7 + 2 * pad, 3), 9, dt),
+                                      np.full((5, k * k * 3), 9, gdt))
+            want = ref_conv_wgrad(nchw(e_k).astype(np.int64), a, stride, pad, k)
+            assert np.array_equal(g.transpose(3, 2, 0, 1), want)
     if bits <= 8:  # the int32 dot-product kernel, two samples per im2col group
         g = np.zeros((k, k, 3, 5), np.int32)
         cols = 2 * ho * wo
         K.conv_weight_grad_dot(eq_k, a_k, stride, pad, g, np.zeros((k * k * 3, cols), dt),
                                np.zeros((5, cols), dt), False)
         assert np.array_equal(g.transpose(3, 2, 0, 1), ref_conv_wgrad(eq, a, stride, pad, k))
+        if stride == 1:  # from the padded plane (rebuilt here, or left by the forward)
+            wp = 7 + pad
+            for have_plane in (False, True):
+                plane = np.full((3, plane_len(4, 8, 7, pad)), 99, dt)
+                if have_plane:
+                    t_o = rng.integers(-1, 2, size=(2, k, k, 3)).astype(np.int8)
+                    lst = np.zeros((2, k * k * 3), np.int32)
+                    cnt = np.zeros((2, 2), np.int32)
+                    K.ternary_lists(t_o, lst, cnt)
+                    K.conv_forward_plane(a_k, lst, cnt, k, pad, 0, amax, True,
+                                         np.zeros((4, ho, wo, 2), dt), plane,
+                                         np.zeros(k * k * 3, np.int32), np.zeros(16, np.int32),
+                                         np.zeros(16, np.int16), np.zeros((2, 16), dt))
+                g = np.full((k, k, 3, 5), 7, np.int32)
+                K.conv_weight_grad_plane(eq_k, a_k, k, pad, g, plane,
+                                         np.full((k * k * 3, 4 * ho * wp), 5, dt),
+                                         np.full((5, 4 * ho * wp), 5, dt), have_plane)
+                assert np.array_equal(g.transpose(3, 2, 0, 1),
+                                      ref_conv_wgrad(eq, a, stride, pad, k))
 
 
 @pytest.mark.parametrize("bits", BITS)

@@ -616,6 +616,63 @@ def conv_forward_col(a, t_o, stride, pad, shift, amax, relu, out, col_t, acc, ac
                     out2[base + j, o] = tile[o, j]
 
 
+@njit(cache=True, inline="always")
+def _dots_rows(col_t, e_t, cols, g2, r_len, n_out):
+    """g2[r, o] += sum_{p < cols} col_t[r, p] * e_t[o, p] (int32), 2 rows x 4 outputs
+    per pass."""
+    o = 0
+    while o + 4 <= n_out:
+        r = 0
+        while r + 2 <= r_len:
+            a0 = np.int32(0)
+            a1 = np.int32(0)
+            a2 = np.int32(0)
+            a3 = np.int32(0)
+            b0 = np.int32(0)
+            b1 = np.int32(0)
+            b2 = np.int32(0)
+            b3 = np.int32(0)
+            for p in range(cols):
+                u = np.int32(col_t[r, p])
+                v = np.int32(col_t[r + 1, p])
+                e0 = np.int32(e_t[o, p])
+                e1 = np.int32(e_t[o + 1, p])
+                e2 = np.int32(e_t[o + 2, p])
+                e3 = np.int32(e_t[o + 3, p])
+                a0 = np.int32(a0 + u * e0)
+                a1 = np.int32(a1 + u * e1)
+                a2 = np.int32(a2 + u * e2)
+                a3 = np.int32(a3 + u * e3)
+                b0 = np.int32(b0 + v * e0)
+                b1 = np.int32(b1 + v * e1)
+                b2 = np.int32(b2 + v * e2)
+                b3 = np.int32(b3 + v * e3)
+            g2[r, o] = np.int32(g2[r, o] + a0)
+            g2[r, o + 1] = np.int32(g2[r, o + 1] + a1)
+            g2[r, o + 2] = np.int32(g2[r, o + 2] + a2)
+            g2[r, o + 3] = np.int32(g2[r, o + 3] + a3)
+            g2[r + 1, o] = np.int32(g2[r + 1, o] + b0)
+            g2[r + 1, o + 1] = np.int32(g2[r + 1, o + 1] + b1)
+            g2[r + 1, o + 2] = np.int32(g2[r + 1, o + 2] + b2)
+            g2[r + 1, o + 3] = np.int32(g2[r + 1, o + 3] + b3)
+            r += 2
+        while r < r_len:
+            for oo in range(o, o + 4):
+                a0 = np.int32(0)
+                for p in range(cols):
+                    a0 = np.int32(a0 + np.int32(col_t[r, p]) * np.int32(e_t[oo, p]))
+                g2[r, oo] = np.int32(g2[r, oo] + a0)
+            r += 1
+        o += 4
+    while o < n_out:
+        for r in range(r_len):
+            a0 = np.int32(0)
+            for p in range(cols):
+                a0 = np.int32(a0 + np.int32(col_t[r, p]) * np.int32(e_t[o, p]))
+            g2[r, o] = np.int32(g2[r, o] + a0)
+        o += 1
+
+
 @njit(cache=True)
 def conv_weight_grad_dot(eq, a, stride, pad, g_out, col_t, e_t, have_cols):
     """Same result as :func:`conv_weight_grad` for an int32 ``g_out`` [K, K, C, O], as
@@ -646,57 +703,323 @@ def conv_weight_grad_dot(eq, a, stride, pad, g_out, col_t, e_t, have_cols):
                     p = (n - n0) * n_pix + y * w_out + x
                     for o in range(n_out):
                         e_t[o, p] = eq[n, y, x, o]
-        o = 0
-        while o + 4 <= n_out:
-            r = 0
-            while r + 2 <= r_len:
-                a0 = np.int32(0)
-                a1 = np.int32(0)
-                a2 = np.int32(0)
-                a3 = np.int32(0)
-                b0 = np.int32(0)
-                b1 = np.int32(0)
-                b2 = np.int32(0)
-                b3 = np.int32(0)
-                for p in range(cols):
-                    u = np.int32(col_t[r, p])
-                    v = np.int32(col_t[r + 1, p])
-                    e0 = np.int32(e_t[o, p])
-                    e1 = np.int32(e_t[o + 1, p])
-                    e2 = np.int32(e_t[o + 2, p])
-                    e3 = np.int32(e_t[o + 3, p])
-                    a0 = np.int32(a0 + u * e0)
-                    a1 = np.int32(a1 + u * e1)
-                    a2 = np.int32(a2 + u * e2)
-                    a3 = np.int32(a3 + u * e3)
-                    b0 = np.int32(b0 + v * e0)
-                    b1 = np.int32(b1 + v * e1)
-                    b2 = np.int32(b2 + v * e2)
-                    b3 = np.int32(b3 + v * e3)
-                g2[r, o] = np.int32(g2[r, o] + a0)
-                g2[r, o + 1] = np.int32(g2[r, o + 1] + a1)
-                g2[r, o + 2] = np.int32(g2[r, o + 2] + a2)
-                g2[r, o + 3] = np.int32(g2[r, o + 3] + a3)
-                g2[r + 1, o] = np.int32(g2[r + 1, o] + b0)
-                g2[r + 1, o + 1] = np.int32(g2[r + 1, o + 1] + b1)
-                g2[r + 1, o + 2] = np.int32(g2[r + 1, o + 2] + b2)
-                g2[r + 1, o + 3] = np.int32(g2[r + 1, o + 3] + b3)
-                r += 2
-            while r < r_len:
-                for oo in range(o, o + 4):
-                    a0 = np.int32(0)
-                    for p in range(cols):
-                        a0 = np.int32(a0 + np.int32(col_t[r, p]) * np.int32(e_t[oo, p]))
-                    g2[r, oo] = np.int32(g2[r, oo] + a0)
-                r += 1
-            o += 4
-        while o < n_out:
-            for r in range(r_len):
-                a0 = np.int32(0)
-                for p in range(cols):
-                    a0 = np.int32(a0 + np.int32(col_t[r, p]) * np.int32(e_t[o, p]))
-                g2[r, o] = np.int32(g2[r, o] + a0)
-            o += 1
+        _dots_rows(col_t, e_t, cols, g2, r_len, n_out)
+
+
+# --------------------------------------------------------------------------- stride-1 conv
+#
+# Padded planar layout ("plane") of a stride-1 convolution input: channel c of sample n,
+# row iy, column ix is stored at plane[c, s0 + n*hs + iy*wp + ix] with wp = W + pad,
+# hs = (H + pad) * wp and s0 = pad*wp + pad; the `pad` columns after every row and the
+# `pad` rows after every sample are zeros and serve as the right/bottom padding of one
+# row/sample and the left/top padding of the next. The output pixel (n, y, x) has the
+# position q = n*hs + y*wp + x and reads its input (kh, kw, c) at plane[c, q + kh*wp + kw]:
+# weight index r = (kh*k + kw)*C + c contributes a contiguous run of the plane to a
+# contiguous run of output positions (positions with x >= Wo or y >= Ho are computed and
+# discarded). The plane of a layer is small (it fits in L2), unlike an im2col.
+
+
+@njit(cache=True)
+def ternary_lists(t_o, lst, cnt):
+    """Per output channel o: lst[o, :cnt[o, 1]] = the flat indices r of the non-zero
+    ternary weights t_o[o] ([O, K, K, C] flattened per o), the +1 weights first
+    (cnt[o, 0] of them), then the -1 weights. lst: int32 [O, K*K*C]; cnt: int32 [O, 2]."""
+    n_out = t_o.shape[0]
+    t2 = t_o.reshape(n_out, -1)
+    for o in range(n_out):
+        m = 0
+        for r in range(t2.shape[1]):
+            if t2[o, r] > 0:
+                lst[o, m] = r
+                m += 1
+        cnt[o, 0] = m
+        for r in range(t2.shape[1]):
+            if t2[o, r] < 0:
+                lst[o, m] = r
+                m += 1
+        cnt[o, 1] = m
+
+
+@njit(cache=True, inline="always")
+def _to_plane(a, pad, plane):
+    """plane[c, s0 + n*hs + iy*wp + ix] = a[n, iy, ix, c], gaps zeroed (see above)."""
+    n_s = a.shape[0]
+    h_in = a.shape[1]
+    w_in = a.shape[2]
+    c_in = a.shape[3]
+    wp = w_in + pad
+    hs = (h_in + pad) * wp
+    s0 = pad * wp + pad
+    for c in range(c_in):
+        for i in range(s0):
+            plane[c, i] = 0
+    for n in range(n_s):
+        for iy in range(h_in):
+            base = s0 + n * hs + iy * wp
+            for ix in range(w_in):
+                for c in range(c_in):
+                    plane[c, base + ix] = a[n, iy, ix, c]
+            for c in range(c_in):
+                for ix in range(w_in, wp):
+                    plane[c, base + ix] = 0
+        for iy in range(h_in, h_in + pad):
+            base = s0 + n * hs + iy * wp
+            for c in range(c_in):
+                for ix in range(wp):
+                    plane[c, base + ix] = 0
+
+
+@njit(cache=True, inline="always")
+def _add_runs(accv, pf, offs, lst_o, i0, i1, npos, q0, m):
+    """accv[:m] += sum of the plane runs pf[offs[r] + q0:][:m] for the list entries
+    i0 <= i < i1 (added below npos, subtracted from npos on), four runs per pass."""
+    i = i0
+    pe = min(i1, npos)
+    while i + 4 <= pe:
+        b0 = offs[lst_o[i]] + q0
+        b1 = offs[lst_o[i + 1]] + q0
+        b2 = offs[lst_o[i + 2]] + q0
+        b3 = offs[lst_o[i + 3]] + q0
+        r0 = pf[b0:b0 + m]
+        r1 = pf[b1:b1 + m]
+        r2 = pf[b2:b2 + m]
+        r3 = pf[b3:b3 + m]
+        for j in range(m):
+            accv[j] = accv[j] + r0[j] + r1[j] + r2[j] + r3[j]
+        i += 4
+    while i < pe:
+        b0 = offs[lst_o[i]] + q0
+        r0 = pf[b0:b0 + m]
+        for j in range(m):
+            accv[j] = accv[j] + r0[j]
+        i += 1
+    if i < npos:
+        i = npos
+    while i + 4 <= i1:
+        b0 = offs[lst_o[i]] + q0
+        b1 = offs[lst_o[i + 1]] + q0
+        b2 = offs[lst_o[i + 2]] + q0
+        b3 = offs[lst_o[i + 3]] + q0
+        r0 = pf[b0:b0 + m]
+        r1 = pf[b1:b1 + m]
+        r2 = pf[b2:b2 + m]
+        r3 = pf[b3:b3 + m]
+        for j in range(m):
+            accv[j] = accv[j] - r0[j] - r1[j] - r2[j] - r3[j]
+        i += 4
+    while i < i1:
+        b0 = offs[lst_o[i]] + q0
+        r0 = pf[b0:b0 + m]
+        for j in range(m):
+            accv[j] = accv[j] - r0[j]
+        i += 1
+
+
+@njit(cache=True)
+def conv_forward_plane(a, lst, cnt, k, pad, shift, amax, relu, out, plane, offs, acc, acc16,
+                       tile):
+    """Same result as :func:`conv_forward` for stride 1, from the padded planar layout.
+
+    lst/cnt: the weights' :func:`ternary_lists`; plane: scratch [C, >= pad*wp + pad +
+    N*hs] (dtype of ``a``; left holding this input's plane for the weight gradient);
+    offs: int32 scratch [K*K*C]; acc: int32 scratch and acc16 int16 scratch (s <= 8;
+    else length 0) of a block of positions; tile: [O, block] scratch of out's dtype.
+    For every non-zero ternary weight a run of the plane is added or subtracted (no
+    multiplication; int16 partial sums over <= 256 runs when |a| <= 127, which cannot
+    overflow), then rounding shift + clip (+ ReLU) write the valid positions of ``out``.
+    """
+    n_s = a.shape[0]
+    h_in = a.shape[1]
+    w_in = a.shape[2]
+    c_in = a.shape[3]
+    h_out = out.shape[1]
+    w_out = out.shape[2]
+    n_out = out.shape[3]
+    wp = w_in + pad
+    hs = (h_in + pad) * wp
+    lp = plane.shape[1]
+    _to_plane(a, pad, plane)
+    for kh in range(k):
+        for kw in range(k):
+            for c in range(c_in):
+                offs[(kh * k + kw) * c_in + c] = c * lp + kh * wp + kw
+    pf = plane.reshape(-1)
+    q_end = (n_s - 1) * hs + (h_out - 1) * wp + w_out
+    block = acc.shape[0]
+    narrow = amax <= 127 and acc16.shape[0] >= block
+    for q0 in range(0, q_end, block):
+        m = min(q_end, q0 + block) - q0
+        for o in range(n_out):
+            npos = cnt[o, 0]
+            nnz = cnt[o, 1]
+            lst_o = lst[o]
+            for j in range(m):
+                acc[j] = 0
+            if narrow:
+                for s in range(0, nnz, 256):
+                    for j in range(m):
+                        acc16[j] = 0
+                    _add_runs(acc16, pf, offs, lst_o, s, min(nnz, s + 256), npos, q0, m)
+                    for j in range(m):
+                        acc[j] = np.int32(acc[j] + np.int32(acc16[j]))
+            else:
+                _add_runs(acc, pf, offs, lst_o, 0, nnz, npos, q0, m)
+            _finish_row(acc, m, shift, amax, relu, tile, o)
+        n = q0 // hs
+        rem = q0 - n * hs
+        y = rem // wp
+        x = rem - y * wp
+        for j in range(m):
+            if y < h_out and x < w_out:
+                for o in range(n_out):
+                    out[n, y, x, o] = tile[o, j]
+            x += 1
+            if x == wp:
+                x = 0
+                y += 1
+                if y * wp == hs:
+                    y = 0
+                    n += 1
+
+
+@njit(cache=True)
+def conv_weight_grad_plane(eq, a, k, pad, g_out, plane, col_t, e_t, have_plane):
+    """Same result as :func:`conv_weight_grad` for stride 1 and an int32 ``g_out``
+    [K, K, C, O], as dot products over output positions.
+
+    plane: [C, >= pad*wp + pad + N*hs] (left there by :func:`conv_forward_plane` when
+    ``have_plane``, else rebuilt from ``a``); col_t: scratch [K*K*C, N*Ho*wp] that
+    receives for every weight index r and sample n one contiguous run of Ho*wp plane
+    positions (a copy, no gather); e_t: scratch [O, N*Ho*wp] (dtype of eq), the errors at
+    the same positions, zero at the wp - Wo columns that are not output pixels.
+    """
+    c_in = g_out.shape[2]
+    n_out = g_out.shape[3]
+    g2 = g_out.reshape(-1, n_out)
+    r_len = g2.shape[0]
+    n_s = eq.shape[0]
+    h_out = eq.shape[1]
+    w_out = eq.shape[2]
+    h_in = a.shape[1]
+    w_in = a.shape[2]
+    wp = w_in + pad
+    hs = (h_in + pad) * wp
+    seg = h_out * wp
+    cols = n_s * seg
+    if not have_plane:
+        _to_plane(a, pad, plane)
+    for kh in range(k):
+        for kw in range(k):
+            off = kh * wp + kw
+            for c in range(c_in):
+                row = col_t[(kh * k + kw) * c_in + c]
+                for n in range(n_s):
+                    src = plane[c, n * hs + off:n * hs + off + seg]
+                    dst = row[n * seg:n * seg + seg]
+                    for j in range(seg):
+                        dst[j] = src[j]
+    for n in range(n_s):
+        for y in range(h_out):
+            p = n * seg + y * wp
+            for x in range(w_out):
+                for o in range(n_out):
+                    e_t[o, p + x] = eq[n, y, x, o]
+            for o in range(n_out):
+                for x in range(w_out, wp):
+                    e_t[o, p + x] = 0
+    g_out[...] = 0
+    _dots_rows(col_t, e_t, cols, g2, r_len, n_out)
+
+
+@njit(cache=True, inline="always")
+def _pad_nhwc(a, pad, a_pad):
+    """a_pad[n, pad + iy, pad + ix, c] = a[n, iy, ix, c], zero borders ([N, H+2p, W+2p, C])."""
+    n_s = a.shape[0]
+    h_in = a.shape[1]
+    w_in = a.shape[2]
+    c_in = a.shape[3]
+    hp = a_pad.shape[1]
+    wpp = a_pad.shape[2]
+    for n in range(n_s):
+        for iy in range(hp):
+            yy = iy - pad
+            if yy < 0 or yy >= h_in:
+                for ix in range(wpp):
+                    for c in range(c_in):
+                        a_pad[n, iy, ix, c] = 0
+                continue
+            for ix in range(pad):
+                for c in range(c_in):
+                    a_pad[n, iy, ix, c] = 0
+            for ix in range(w_in):
+                for c in range(c_in):
+                    a_pad[n, iy, pad + ix, c] = a[n, yy, ix, c]
+            for ix in range(pad + w_in, wpp):
+                for c in range(c_in):
+                    a_pad[n, iy, ix, c] = 0
+
+
+@njit(cache=True)
+def conv_weight_grad_sparse(eq, a, stride, pad, g_out, a_pad, gt):
+    """Same result as :func:`conv_weight_grad`, driven by the non-zero errors (after ReLU
+    masking and max-pool routing most are zero).
+
+    For output channel o, every non-zero eq[n, y, x, o] adds eq * patch to row o of
+    gt [O, K*K*C] (scratch of g_out's dtype, one row stays in L1): the patch is K rows of
+    K*C contiguous values of a_pad [N, H+2p, W+2p, C] (scratch of a's dtype, the input
+    with zero borders), two non-zero errors per pass. g_out [K, K, C, O] = gt transposed.
+    """
+    k = g_out.shape[0]
+    c_in = g_out.shape[2]
+    n_out = g_out.shape[3]
+    g2 = g_out.reshape(-1, n_out)
+    r_len = g2.shape[0]
+    n_s = eq.shape[0]
+    h_out = eq.shape[1]
+    w_out = eq.shape[2]
+    hp = a_pad.shape[1]
+    wpp = a_pad.shape[2]
+    kc = k * c_in
+    rowstep = wpp * c_in
+    _pad_nhwc(a, pad, a_pad)
+    apf = a_pad.reshape(-1)
+    e2d = eq.reshape(-1, n_out)
+    gt[...] = 0
+    for o in range(n_out):
+        gro = gt[o]
+        have = False
+        e1 = np.int64(0)
+        b1 = 0
+        p = 0
+        for n in range(n_s):
+            for y in range(h_out):
+                for x in range(w_out):
+                    e = np.int64(e2d[p, o])
+                    p += 1
+                    if e == 0:
+                        continue
+                    base = ((n * hp + y * stride) * wpp + x * stride) * c_in
+                    if not have:
+                        e1 = e
+                        b1 = base
+                        have = True
+                        continue
+                    have = False
+                    for kh in range(k):
+                        s1 = apf[b1 + kh * rowstep:b1 + kh * rowstep + kc]
+                        s2 = apf[base + kh * rowstep:base + kh * rowstep + kc]
+                        dst = gro[kh * kc:kh * kc + kc]
+                        for j in range(kc):
+                            dst[j] = dst[j] + e1 * s1[j] + e * s2[j]
+        if have:
+            for kh in range(k):
+                s1 = apf[b1 + kh * rowstep:b1 + kh * rowstep + kc]
+                dst = gro[kh * kc:kh * kc + kc]
+                for j in range(kc):
+                    dst[j] = dst[j] + e1 * s1[j]
+    for r in range(r_len):
+        for o in range(n_out):
+            g2[r, o] = gt[o, r]
 
 
 @njit(cache=True, inline="always")
@@ -875,5 +1198,6 @@ TRAINING_KERNELS = (
     sse_error, softmax_error, relu_mask, quantize_error, conv_backward_data, conv_weight_grad,
     conv_weight_grad_dot, linear_backward_data, linear_weight_grad, maxpool_backward,
     sgd_update, regularizer_terms, ternarize, transpose_kkco_okkc,
-    argmax_correct, stream_key,
+    argmax_correct, stream_key, ternary_lists, conv_forward_plane, conv_weight_grad_plane,
+    conv_weight_grad_sparse,
 )

@@ -54,6 +54,17 @@ INT32_LIMIT = (1 << 31) - 1
 DEFAULT_CE_TEMP_SHIFT = 5  # softmax temperature 2^-5 on the real logits (measured, see docs)
 GROUP_PIXELS = 4096  # output pixels per im2col group when evaluating (memory bound)
 PIXEL_BLOCK = 2048   # output pixels accumulated at a time by the conv forward (L1-sized)
+PLANE_BLOCK = 1024   # plane positions accumulated at a time by the stride-1 conv forward
+# conv weight gradient from the non-zero errors when a patch row (K*C values) is at least
+# this long (short rows do not vectorize: the dense dot products are faster there)
+SPARSE_GRAD_MIN_ROW = 32
+
+
+def plane_len(n: int, h: int, w: int, pad: int) -> int:
+    """Row length of the padded planar layout of n samples of h x w (kernels, stride-1
+    conv): ``pad*wp + pad + n*(h + pad)*wp`` with ``wp = w + pad``."""
+    wp = w + pad
+    return pad * wp + pad + n * (h + pad) * wp
 
 
 def _internal(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -76,6 +87,12 @@ class _Op:
     perm: np.ndarray | None = None  # Linear after Flatten: internal column -> spec column
     needs_input_error: bool = False
     grad_int64: bool = False
+    grad_mode: str = ""            # conv weight gradient: "int64" | "sparse" | "plane" | "dot"
+
+    @property
+    def plane(self) -> bool:
+        """A stride-1 conv: computed from the padded planar layout (kernels.*_plane)."""
+        return self.kind == "conv" and self.layer.stride == 1
 
 
 @dataclass
@@ -88,9 +105,14 @@ class Workspace:
     accumulators of the sparse conv, ``pbuf`` int32 [K*K*C] backward-data scratch,
     ``gacc`` [O] gradient scratch (int64 path), ``col_t`` the transposed im2col
     [K*K*C, pixels] (s-bit), ``e_t`` errors transposed [O, pixels], ``pacc``/``pacc16``/
-    ``ptile`` pixel-block accumulators and finished outputs of the conv forward. ``grad32``/``grad64``: one weight
-    gradient buffer shared by all layers; ``extra``: FedProx/FedFOR numerators (int64,
-    only touched when those terms are on).
+    ``ptile`` pixel-block accumulators and finished outputs of the conv forward;
+    stride-1 convs use ``plane`` (the input in the padded planar layout, [C, plane_len])
+    and ``offs`` (int32 [K*K*C] run offsets) instead of an im2col in the forward, and
+    ``col_t``/``e_t`` are then [K*K*C | O, N*Ho*(W+pad)] (runs copied from the plane).
+    ``a_pad`` (the input with zero borders, NHWC) and ``gt`` ([O, K*K*C], gradient
+    dtype) serve the error-driven conv weight gradient (``grad_mode == "sparse"``).
+    ``grad32``/``grad64``: one weight gradient buffer shared by all layers; ``extra``:
+    FedProx/FedFOR numerators (int64, only touched when those terms are on).
     """
 
     capacity: int
@@ -108,6 +130,10 @@ class Workspace:
     pacc: list[np.ndarray | None]
     pacc16: list[np.ndarray | None]
     ptile: list[np.ndarray | None]
+    plane: list[np.ndarray | None]
+    offs: list[np.ndarray | None]
+    a_pad: list[np.ndarray | None]
+    gt: list[np.ndarray | None]
     grad32: np.ndarray
     grad64: np.ndarray
     extra: np.ndarray
@@ -151,6 +177,11 @@ class IntModel:
         # conv ternary weights again in [O, K, K, C] for backward-data (None for linear)
         self.tb = [np.zeros((s[3], s[0], s[1], s[2]), np.int8) if op.kind == "conv" else None
                    for op, s in zip(self.param_ops, self.internal_shapes, strict=True)]
+        # stride-1 convs: per output channel, the indices of the +1 then the -1 weights
+        self.tlist = [np.zeros((s[3], s[0] * s[1] * s[2]), np.int32) if op.plane else None
+                      for op, s in zip(self.param_ops, self.internal_shapes, strict=True)]
+        self.tcnt = [np.zeros((s[3], 2), np.int32) if op.plane else None
+                     for op, s in zip(self.param_ops, self.internal_shapes, strict=True)]
         self._workspaces: dict[bool, Workspace] = {}
 
     # ------------------------------------------------------------------ structure
@@ -236,8 +267,14 @@ class IntModel:
                 raise TrainingError(f"{op.layer.name}: weights exceed the clip bound {self.wmax}")
             self.w[i][...] = self._to_internal(op, q.astype(self.wdtype))
             K.ternarize(self.w[i].reshape(-1), self.thr, self.t[i].reshape(-1))
-            if self.tb[i] is not None:
-                K.transpose_kkco_okkc(self.t[i], self.tb[i])
+            self._ternary_copies(i)
+
+    def _ternary_copies(self, p: int) -> None:
+        """Refresh the derived copies of ternary weights p (backward layout, run lists)."""
+        if self.tb[p] is not None:
+            K.transpose_kkco_okkc(self.t[p], self.tb[p])
+            if self.tlist[p] is not None:
+                K.ternary_lists(self.tb[p], self.tlist[p], self.tcnt[p])
 
     def load_shared(self, weights: list[np.ndarray]) -> None:
         """Set the weights from the shared float domain (``round(W * S(s_g))``)."""
@@ -267,6 +304,16 @@ class IntModel:
         pixels = int(np.prod(op.out_shape[:-1])) if op.kind == "conv" else 1
         return self.amax * self.amax * batch * pixels > INT32_LIMIT
 
+    def _grad_mode(self, op: _Op, batch: int) -> str:
+        """Which kernel computes this conv's weight gradient for ``batch`` samples."""
+        if self.grad_needs_int64(op, batch):
+            return "int64"
+        if op.layer.kernel * op.layer.in_channels >= SPARSE_GRAD_MIN_ROW:
+            return "sparse"
+        if op.plane and self.conv_impl == "col":
+            return "plane"
+        return "dot"
+
     def workspace(self, capacity: int, train: bool = True) -> Workspace:
         """Buffers for batches of up to ``capacity`` samples (cached per capacity)."""
         ws = self._workspaces.get(train)
@@ -287,6 +334,10 @@ class IntModel:
         pacc: list[np.ndarray | None] = []
         pacc16: list[np.ndarray | None] = []
         ptile: list[np.ndarray | None] = []
+        plane: list[np.ndarray | None] = []
+        offs: list[np.ndarray | None] = []
+        a_pad: list[np.ndarray | None] = []
+        gt: list[np.ndarray | None] = []
         e_t: list[np.ndarray | None] = []
         prev = x
         g32 = g64 = 0
@@ -304,19 +355,41 @@ class IntModel:
             err_in.append(np.zeros((n, *op.in_shape), np.int32)
                           if (train and op.needs_input_error and op.kind != "flatten"
                               and op.kind != "relu") else None)
+            use_plane = op.plane and self.conv_impl == "col"
             if op.kind == "conv":
                 r = op.layer.kernel * op.layer.kernel * op.layer.in_channels
                 pix = op.out_shape[0] * op.out_shape[1]
-                # training keeps the whole batch's im2col for the weight gradient
-                cols = pix * (n if train else max(1, min(n, GROUP_PIXELS // pix)))
-                block = min(cols, PIXEL_BLOCK)
+                h, w, c = op.in_shape
+                pad = op.layer.padding
+                gmode = self._grad_mode(op, n) if (train and is_param) else ""
+                if gmode:
+                    op.grad_mode = gmode
+                if use_plane:
+                    # the weight gradient copies runs of Ho * (W + pad) positions per sample
+                    cols = n * op.out_shape[0] * (w + pad) if gmode == "plane" else 0
+                    block = PLANE_BLOCK
+                    plane.append(np.zeros((c, plane_len(n, h, w, op.layer.padding)), ad))
+                    offs.append(np.zeros(r, np.int32))
+                else:
+                    # training keeps the whole batch's im2col for the weight gradient
+                    cols = pix * (n if train else max(1, min(n, GROUP_PIXELS // pix)))
+                    block = min(cols, PIXEL_BLOCK)
+                    plane.append(None)
+                    offs.append(None)
                 col_t.append(np.zeros((r, cols), ad))
+                sparse = gmode == "sparse"
+                a_pad.append(np.zeros((n, h + 2 * pad, w + 2 * pad, c), ad) if sparse else None)
+                gt.append(np.zeros((op.layer.out_channels, r), np.int32) if sparse else None)
                 pacc.append(np.zeros(block, np.int32))
                 pacc16.append(np.zeros(block if self.amax <= 127 else 0, np.int16))
                 ptile.append(np.zeros((op.layer.out_channels, block), ad))
                 patch.append(np.zeros(op.layer.out_channels, np.int32))
                 pbuf.append(np.zeros(r, np.int32) if train else None)
             else:
+                plane.append(None)
+                offs.append(None)
+                a_pad.append(None)
+                gt.append(None)
                 col_t.append(None)
                 pacc.append(None)
                 pacc16.append(None)
@@ -333,9 +406,9 @@ class IntModel:
                 if op.kind == "conv":
                     gacc.append(np.zeros(op.layer.out_channels,
                                          np.int64 if op.grad_int64 else np.int32))
-                    # dot-product gradient (int32) reuses col_t: errors of the same pixels
-                    e_t.append(None if op.grad_int64 else
-                               np.zeros((op.layer.out_channels, col_t[-1].shape[1]), ad))
+                    # dot-product gradients (int32) use col_t: errors of the same pixels
+                    e_t.append(np.zeros((op.layer.out_channels, col_t[-1].shape[1]), ad)
+                               if gmode in ("plane", "dot") else None)
                 else:
                     gacc.append(None)
                     e_t.append(None)
@@ -349,7 +422,7 @@ class IntModel:
             err_out=np.zeros((n, self.spec.num_classes), np.int32) if train else
             np.zeros((0, 0), np.int32),
             patch=patch, pbuf=pbuf, gacc=gacc, col_t=col_t, e_t=e_t,
-            pacc=pacc, pacc16=pacc16, ptile=ptile,
+            pacc=pacc, pacc16=pacc16, ptile=ptile, plane=plane, offs=offs, a_pad=a_pad, gt=gt,
             grad32=np.zeros(g32, np.int32), grad64=np.zeros(g64, np.int64),
             extra=np.zeros(max_param if train else 0, np.int64), train=train,
         )
@@ -401,7 +474,12 @@ class IntModel:
             out = ws.acts[i][:n]
             if op.kind == "conv":
                 lay = op.layer
-                if self.conv_impl == "col":
+                if self.conv_impl == "col" and op.plane:
+                    K.conv_forward_plane(prev, self.tlist[op.param], self.tcnt[op.param],
+                                         lay.kernel, lay.padding, op.shift, self.amax, op.relu,
+                                         out, ws.plane[i], ws.offs[i], ws.pacc[i], ws.pacc16[i],
+                                         ws.ptile[i])
+                elif self.conv_impl == "col":
                     K.conv_forward_col(prev, self.tb[op.param], lay.stride, lay.padding,
                                        op.shift, self.amax, op.relu, out, ws.col_t[i],
                                        ws.pacc[i], ws.pacc16[i], ws.ptile[i])
@@ -461,8 +539,14 @@ class IntModel:
             g = (ws.grad64 if op.grad_int64 else ws.grad32)[:size].reshape(self.w[p].shape)
             if op.kind == "conv":
                 lay = op.layer
-                if op.grad_int64:
+                if op.grad_mode == "int64":
                     K.conv_weight_grad(eq, a_in, lay.stride, lay.padding, g, ws.gacc[i])
+                elif op.grad_mode == "sparse":
+                    K.conv_weight_grad_sparse(eq, a_in, lay.stride, lay.padding, g, ws.a_pad[i],
+                                              ws.gt[i])
+                elif op.grad_mode == "plane":
+                    K.conv_weight_grad_plane(eq, a_in, lay.kernel, lay.padding, g, ws.plane[i],
+                                             ws.col_t[i], ws.e_t[i], True)
                 else:
                     K.conv_weight_grad_dot(eq, a_in, lay.stride, lay.padding, g, ws.col_t[i],
                                            ws.e_t[i], self.conv_impl == "col")
@@ -489,8 +573,7 @@ class IntModel:
             else:
                 K.sgd_update(wf, g.reshape(-1), lr_log2, self.wmax, self.thr, key,
                              self.t[p].reshape(-1), ws.extra[:0], -1, key)
-            if self.tb[p] is not None:
-                K.transpose_kkco_okkc(self.t[p], self.tb[p])
+            self._ternary_copies(p)
             if not op.needs_input_error:
                 break
         return int(sse)
