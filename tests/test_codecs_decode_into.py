@@ -1,7 +1,9 @@
 """Server-side decode: ``decode(t, out=buf)`` bit-exact against ``decode(t)``, and
 ``decode_accumulate(t, acc, w)`` bit-exact against numpy's ``acc += w * y.astype(acc.dtype)``
 (the documented rounding: one multiply and one add in the accumulator's dtype, see
-:mod:`edge_client.codecs.fused`), for every float codec, width and odd/even length."""
+:mod:`edge_client.codecs.fused`), or for ASYM its affine form
+``acc += T(w*lo) + q.astype(T) * T(w*step)``, for every float codec, width and odd/even
+length."""
 
 from __future__ import annotations
 
@@ -12,7 +14,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as hst
 
-from edge_client.codecs import available_codecs, decode, decode_accumulate, encode, get_codec
+from edge_client.codecs import (
+    available_codecs,
+    decode,
+    decode_accumulate,
+    encode,
+    get_codec,
+    unpack,
+)
 from edge_client.errors import CodecError, ProtocolError
 from edge_client.protocol import EncodedTensor, packed_length
 
@@ -62,7 +71,19 @@ def test_decode_accumulate_is_bit_exact(codec, bits, dtype, shape):
     acc = np.random.default_rng(5).normal(0, 1, shape).astype(dtype)
     for weight in (0.37, 1, -2.5e-3):
         ref = acc.copy()
-        ref += dtype(weight) * y.astype(dtype)
+        if codec == "asym":
+            lo, hi = t.aux["min"], t.aux["max"]
+            step = (hi - lo) / ((1 << bits) - 1)
+            q = unpack(t.data, y.size, bits).reshape(shape)
+            ref += dtype(weight * lo) + q.astype(dtype) * dtype(weight * step)
+            # the affine form is within a few ulps of the decoded one (whose levels are
+            # rounded to float32: one float32 ulp of the level, times |w|)
+            top = max(abs(lo), abs(hi))
+            tol = (abs(weight) * float(np.spacing(np.float32(top)))
+                   + 8 * float(np.spacing(dtype(abs(weight) * top + np.abs(acc).max(initial=0)))))
+            np.testing.assert_allclose(ref, acc + dtype(weight) * y.astype(dtype), rtol=0, atol=tol)
+        else:
+            ref += dtype(weight) * y.astype(dtype)
         decode_accumulate(t, acc, weight)
         assert acc.dtype == dtype
         np.testing.assert_array_equal(acc, ref)

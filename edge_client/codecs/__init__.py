@@ -16,7 +16,10 @@ tensors are supported by every codec (empty payload, neutral aux).
 from edge_client.codecs.base import Codec
 from edge_client.codecs.bitpack import pack, packed_nbytes, unpack
 from edge_client.codecs.registry import (
+    accumulate_many,
+    accumulator,
     available_codecs,
+    can_accumulate,
     decode,
     decode_accumulate,
     encode,
@@ -26,6 +29,9 @@ from edge_client.codecs.registry import (
 __all__ = [
     "Codec",
     "available_codecs",
+    "accumulate_many",
+    "accumulator",
+    "can_accumulate",
     "decode",
     "decode_accumulate",
     "encode",

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import numba
@@ -43,6 +44,8 @@ class Codec(ABC):
     finite_output: ClassVar[bool] = False
     #: ``encode`` options accepted besides ``bits`` and ``name``
     options: ClassVar[frozenset[str]] = frozenset()
+    #: True when :meth:`decode_accumulate` is supported (the decoded values are float32)
+    accumulates: ClassVar[bool] = False
 
     @abstractmethod
     def encode(self, x: np.ndarray, bits: int | None = None, *, name: str = "", **options: Any) -> EncodedTensor:
@@ -64,6 +67,14 @@ class Codec(ABC):
         ``acc += w * y.astype(acc.dtype)``). ``acc`` is untouched when ``t`` is rejected.
         Codecs whose decoded values are not float32 raise :class:`CodecError`.
         """
+        self.accumulator(t)(acc, weight)
+
+    def accumulator(self, t: EncodedTensor) -> Callable[[np.ndarray, float], None]:
+        """Validate ``t`` now (the :class:`ProtocolError` :meth:`decode` would raise) and
+        return ``add(acc, weight)``, which does :meth:`decode_accumulate` without checking
+        ``t`` again (only ``acc`` and ``weight``: :class:`CodecError`). So an update of many
+        tensors is checked whole before any of it is added. :class:`CodecError` when the
+        codec does not support accumulation (:attr:`accumulates` is False)."""
         raise CodecError(f"codec {self.name!r}: decode_accumulate is not supported")
 
     def is_lossy(self, t: EncodedTensor) -> bool:

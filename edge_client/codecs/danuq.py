@@ -37,8 +37,10 @@ def centred_sumsq(x, mu):
 
 
 def danuq_codebook(bits: int, zero_level: bool, sigma_g: float) -> np.ndarray:
-    """The sorted float32 codebook ``float32(levels * sigma_g)`` both sides use."""
-    return (normal_levels(bits, zero_level) * sigma_g).astype(np.float32)
+    """The sorted float32 codebook ``float32(levels * sigma_g)`` both sides use (entries
+    beyond float32's range become infinite; a receiver rejects such a table)."""
+    with np.errstate(over="ignore"):
+        return (normal_levels(bits, zero_level) * sigma_g).astype(np.float32)
 
 
 class DanuqCodec(TableCodec):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -33,6 +34,7 @@ class Float32Codec(Codec):
     default_bits = 32
     lossy = False
     finite_output = True
+    accumulates = True
     wire_dtype = "<f4"
 
     def encode(self, x: np.ndarray, bits: int | None = None, *, name: str = "", **options: Any) -> EncodedTensor:
@@ -73,17 +75,21 @@ class Float32Codec(Codec):
                 flat[:] = vals
         return flat.reshape(t.shape) if out is None else out
 
-    def decode_accumulate(self, t: EncodedTensor, acc: np.ndarray, weight: float) -> None:
-        """``acc += weight * decode(t)`` (see :meth:`Codec.decode_accumulate`)."""
+    def accumulator(self, t: EncodedTensor) -> Callable[[np.ndarray, float], None]:
+        """``add(acc, weight)``: ``acc += weight * decode(t)`` (see :meth:`Codec.accumulator`)."""
         n, vals = self._wire(t)
-        flat, w = self._acc(t, acc, weight)
-        if not n:
-            return
-        if self.wire_dtype == "<f2":
-            half_accumulate(vals, w, HALF_TO_FLOAT, flat)
-        elif vals.flags.aligned:
-            float_accumulate(vals, w, flat)
-        else:  # a payload at an odd address: numpy, in chunks of at most 64 Ki elements
-            for s in range(0, n, 1 << 16):
-                part = flat[s : s + (1 << 16)]
-                part += w * vals[s : s + (1 << 16)].astype(flat.dtype)
+
+        def add(acc: np.ndarray, weight: float) -> None:
+            flat, w = self._acc(t, acc, weight)
+            if not n:
+                return
+            if self.wire_dtype == "<f2":
+                half_accumulate(vals, w, HALF_TO_FLOAT, flat)
+            elif vals.flags.aligned:
+                float_accumulate(vals, w, flat)
+            else:  # a payload at an odd address: numpy, in chunks of at most 64 Ki elements
+                for s in range(0, n, 1 << 16):
+                    part = flat[s : s + (1 << 16)]
+                    part += w * vals[s : s + (1 << 16)].astype(flat.dtype)
+
+        return add

@@ -7,11 +7,18 @@ Every codec with at most 8 bits per element decodes through a table ``lut`` of i
 codebook), so decoding is a lookup per element; 8-bit streams are read byte by byte and
 4-bit streams a byte (two elements) at a time, other widths through the generic unpacker.
 
+The kernels release the GIL (``nogil``): a coordinator's committer thread checksums and
+writes the inbox on the other core while the loop decodes.
+
 Accumulation rounding (what the tests check bit for bit): with ``w = acc.dtype.type(weight)``
 every element does ``acc[i] = acc[i] + w * acc.dtype.type(y[i])`` where ``y = decode(t)``:
 one multiply and one add, each rounded to the accumulator's dtype (no FMA, numba does not
 contract without fastmath), i.e. numpy's ``acc += w * y.astype(acc.dtype)``. The products
-``w * lut[q]`` are precomputed per table entry, which rounds identically.
+``w * lut[q]`` are precomputed per table entry, which rounds identically. ASYM is the
+exception: it accumulates its affine form ``acc[i] + (a0 + q_i * a1)``, ``a0 = T(w * lo)``,
+``a1 = T(w * step)`` (T: the accumulator's dtype; ``w * lo`` and ``w * step`` in float64),
+which vectorizes; it differs from ``acc + w * decode(t)`` by a few units in the last place
+of ``w * max(|lo|, |hi|)``.
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ from edge_client.codecs.base import CHUNK
 from edge_client.codecs.bitpack import _unpack_into
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, nogil=True)
 def lut_decode(data, n, bits, lut, out):
     """``out[i] = lut[index i of the stream]`` for ``n`` elements of ``bits`` (1..8) bits.
 
@@ -50,7 +57,7 @@ def lut_decode(data, n, bits, lut, out):
                 out[start + i] = lut[q[i]]
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, nogil=True)
 def pair_decode(data, half, pair, out64):
     """4 bits: ``out64[i] = pair[data[i]]``, both float32 of a byte in one 8-byte store."""
     for i in range(half):
@@ -77,7 +84,7 @@ def decode_lut(data: np.ndarray, n: int, bits: int, lut: np.ndarray, out: np.nda
         lut_decode(data, n, bits, lut, out)
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, nogil=True)
 def lut_accumulate(data, n, bits, wlut, acc):
     """``acc[i] += wlut[index i]`` (``wlut = w * lut`` in ``acc``'s dtype), bits 1..8."""
     if bits == 8:
@@ -100,26 +107,80 @@ def lut_accumulate(data, n, bits, wlut, acc):
                 acc[start + i] += wlut[q[i]]
 
 
-@numba.njit(cache=True)
-def affine_accumulate(data, n, bits, lo, step, w, acc):
-    """ASYM with more than 8 bits: ``acc[i] += w * float32(lo + q_i * step)`` (``w``:
-    a scalar of ``acc``'s dtype, so the product and sum round to it)."""
+@numba.njit(cache=True, nogil=True)
+def affine_accumulate(data, n, bits, a0, a1, acc):
+    """ASYM's fused accumulate: ``acc[i] = acc[i] + (a0 + q_i * a1)`` with ``a0 = w * lo``
+    and ``a1 = w * step`` scalars of ``acc``'s dtype (each operation rounded to it), q_i
+    the ``bits``-bit index, any width, any float ``acc``. (:func:`affine_accumulate_f32`
+    is the fast path of a float32 ``acc``.)"""
     q = np.empty(CHUNK, dtype=np.uint16)
+    qf = np.empty(CHUNK, dtype=acc.dtype)  # the index in acc's dtype (exact)
     for start in range(0, n, CHUNK):
         m = min(CHUNK, n - start)
         _unpack_into(data, start, m, bits, q)
         for i in range(m):
-            acc[start + i] += w * np.float32(lo + q[i] * step)
+            qf[i] = q[i]
+        for i in range(m):
+            acc[start + i] += a0 + qf[i] * a1
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, nogil=True)
+def affine_accumulate_f32(data, n, bits, a0, a1, acc):
+    """:func:`affine_accumulate` for a float32 ``acc`` (``a0``, ``a1`` float32); 8- and
+    4-bit streams without a table lookup, so they vectorize (~0.7 vs ~1.0 ms for a table
+    on 2.1 M elements). The indices are converted with ``np.float32`` explicitly: numba
+    widens integer arithmetic to int64, and int64 * float32 would be float64."""
+    if bits == 8:
+        for i in range(n):
+            acc[i] += a0 + np.float32(data[i]) * a1
+    elif bits == 4:
+        half = n >> 1
+        for i in range(half):
+            b = data[i]
+            acc[2 * i] += a0 + np.float32(b & 15) * a1
+            acc[2 * i + 1] += a0 + np.float32(b >> 4) * a1
+        if n & 1:
+            acc[n - 1] += a0 + np.float32(data[half] & 15) * a1
+    else:
+        affine_accumulate(data, n, bits, a0, a1, acc)
+
+
+@numba.njit(cache=True, nogil=True)
+def affine4_accumulate_f32(d0, d1, d2, d3, n, bits, a0, a1, acc):
+    """Four ASYM streams of the same ``bits`` (4 or 8) and length ``n`` in one pass over a
+    float32 ``acc``: ``acc[i] + (c + ((q0·s0 + q1·s1) + (q2·s2 + q3·s3)))`` with
+    ``c = ((a0[0] + a0[1]) + a0[2]) + a0[3]``, ``s_k = a1[k]`` (float32 [4] each; see
+    :func:`affine_accumulate_f32`), every operation rounded to float32. One read and
+    write of ``acc`` per four updates instead of per update (~0.46 vs ~0.74 ms per
+    update on 2.1 M elements)."""
+    c = ((a0[0] + a0[1]) + a0[2]) + a0[3]
+    s0, s1, s2, s3 = a1[0], a1[1], a1[2], a1[3]
+    if bits == 8:
+        for i in range(n):
+            acc[i] += c + ((np.float32(d0[i]) * s0 + np.float32(d1[i]) * s1)
+                           + (np.float32(d2[i]) * s2 + np.float32(d3[i]) * s3))
+        return
+    half = n >> 1
+    for i in range(half):
+        b0, b1, b2, b3 = d0[i], d1[i], d2[i], d3[i]
+        acc[2 * i] += c + ((np.float32(b0 & 15) * s0 + np.float32(b1 & 15) * s1)
+                           + (np.float32(b2 & 15) * s2 + np.float32(b3 & 15) * s3))
+        acc[2 * i + 1] += c + ((np.float32(b0 >> 4) * s0 + np.float32(b1 >> 4) * s1)
+                               + (np.float32(b2 >> 4) * s2 + np.float32(b3 >> 4) * s3))
+    if n & 1:
+        b0, b1, b2, b3 = d0[half], d1[half], d2[half], d3[half]
+        acc[n - 1] += c + ((np.float32(b0 & 15) * s0 + np.float32(b1 & 15) * s1)
+                           + (np.float32(b2 & 15) * s2 + np.float32(b3 & 15) * s3))
+
+
+@numba.njit(cache=True, nogil=True)
 def float_accumulate(vals, w, acc):
     """``acc[i] += w * vals[i]`` for float32 ``vals`` (already checked finite)."""
     for i in range(vals.size):
         acc[i] += w * vals[i]
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, nogil=True)
 def half_bad(bits16):
     """How many of the float16 bit patterns are NaN/Inf (exponent all ones)."""
     bad = 0
@@ -129,14 +190,14 @@ def half_bad(bits16):
     return bad
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, nogil=True)
 def half_decode(bits16, lut, out):
     """``out[i] = float32(float16 with bit pattern bits16[i])`` through the 65536-entry table."""
     for i in range(bits16.size):
         out[i] = lut[bits16[i]]
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, nogil=True)
 def half_accumulate(bits16, w, lut, acc):
     """``acc[i] += w * float32(float16 bits16[i])`` (``w``: scalar of ``acc``'s dtype)."""
     for i in range(bits16.size):

@@ -4,11 +4,13 @@
 from __future__ import annotations
 
 from abc import abstractmethod
+from collections.abc import Callable
 
 import numpy as np
 
 from edge_client.codecs.base import Codec
 from edge_client.codecs.fused import decode_lut, lut_accumulate, weighted_lut
+from edge_client.errors import ProtocolError
 from edge_client.protocol import EncodedTensor
 
 
@@ -16,21 +18,37 @@ class TableCodec(Codec):
     """A :class:`Codec` that decodes ``table[index]``; subclasses say how a received
     tensor's table is validated and built (:meth:`_checked`)."""
 
+    accumulates = True
+    finite_output = True  # tables with a NaN/Inf entry are rejected (:meth:`_table`)
+
     @abstractmethod
     def _checked(self, t: EncodedTensor) -> tuple[int, np.ndarray, np.ndarray]:
         """Validate ``t``: (element count, packed uint8 payload, float32 table)."""
 
+    def _table(self, t: EncodedTensor) -> tuple[int, np.ndarray, np.ndarray]:
+        """:meth:`_checked` plus: every table entry finite (a huge ``sigma_g`` or codebook
+        entry can overflow float32), so decoded values are always finite."""
+        n, buf, table = self._checked(t)
+        if not np.isfinite(table).all():
+            raise ProtocolError(f"aux: codec {self.name!r} table has a non-finite entry (overflow)")
+        return n, buf, table
+
     def decode(self, t: EncodedTensor, out: np.ndarray | None = None) -> np.ndarray:
         """``table[index]`` per element, into ``out`` when given."""
-        n, buf, table = self._checked(t)
+        n, buf, table = self._table(t)
         flat = self._out(t, n, out)
         if n:
             decode_lut(buf, n, int(t.bits), table, flat)
         return flat.reshape(t.shape) if out is None else out
 
-    def decode_accumulate(self, t: EncodedTensor, acc: np.ndarray, weight: float) -> None:
-        """``acc += weight * decode(t)`` (see :meth:`Codec.decode_accumulate`)."""
-        n, buf, table = self._checked(t)
-        flat, _ = self._acc(t, acc, weight)
-        if n:
-            lut_accumulate(buf, n, int(t.bits), weighted_lut(table, flat, weight), flat)
+    def accumulator(self, t: EncodedTensor) -> Callable[[np.ndarray, float], None]:
+        """``add(acc, weight)``: ``acc += weight * decode(t)`` (see :meth:`Codec.accumulator`)."""
+        n, buf, table = self._table(t)
+        b = int(t.bits)
+
+        def add(acc: np.ndarray, weight: float) -> None:
+            flat, _ = self._acc(t, acc, weight)
+            if n:
+                lut_accumulate(buf, n, b, weighted_lut(table, flat, weight), flat)
+
+        return add

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from types import MappingProxyType
 from typing import Any
 
 import numpy as np
 
-from edge_client.codecs.asym import AsymCodec
+from edge_client.codecs.asym import FUSED4_BITS, AffineAccumulator, AsymCodec, accumulate_affine4
 from edge_client.codecs.base import Codec
 from edge_client.codecs.danuq import DanuqCodec
 from edge_client.codecs.float16 import Float16Codec
@@ -74,3 +75,46 @@ def decode_accumulate(t: EncodedTensor, acc: np.ndarray, weight: float) -> None:
     ``t.shape``); codecs asym, kmeans, danuq, float32, float16. Rounding: see
     :meth:`Codec.decode_accumulate`."""
     _codec_of(t).decode_accumulate(t, acc, weight)
+
+
+def accumulator(t: EncodedTensor) -> Callable[[np.ndarray, float], None]:
+    """Validate ``t`` (:class:`ProtocolError` naming the field) and return ``add(acc, w)``
+    doing ``acc += w * decode(t)`` fused, without checking ``t`` again
+    (:meth:`Codec.accumulator`); :class:`CodecError` for codecs that cannot."""
+    return _codec_of(t).accumulator(t)
+
+
+def accumulate_many(adders: Sequence[Callable[[np.ndarray, float], None]], acc: np.ndarray,
+                    weights: Sequence[float]) -> None:
+    """``acc += Σ_k weights[k] · decode(t_k)`` for adders made by :func:`accumulator`, in
+    order; ASYM tensors of 4 or 8 bits (float32 ``acc``) go three or four at a time
+    through one pass over ``acc`` (:func:`~edge_client.codecs.asym.accumulate_affine4`),
+    so their sum rounds differently from one at a time (within float32 rounding)."""
+    if len(adders) != len(weights):
+        raise ValueError(f"accumulate_many: {len(adders)} adders, {len(weights)} weights")
+    if acc.dtype == np.float32:
+        by_bits: dict[int, list[int]] = {}
+        for i, a in enumerate(adders):
+            if isinstance(a, AffineAccumulator) and a.bits in FUSED4_BITS:
+                by_bits.setdefault(a.bits, []).append(i)
+        fused: set[int] = set()
+        for idx in by_bits.values():
+            for s in range(0, len(idx) - 2, 4):
+                chunk = idx[s:s + 4]
+                if len(chunk) >= 3 and len({adders[i].n for i in chunk}) == 1:  # type: ignore[attr-defined]
+                    accumulate_affine4([adders[i] for i in chunk], acc,  # type: ignore[misc]
+                                       [weights[i] for i in chunk])
+                    fused.update(chunk)
+        for i, a in enumerate(adders):
+            if i not in fused:
+                a(acc, weights[i])
+        return
+    for a, w in zip(adders, weights, strict=True):
+        a(acc, w)
+
+
+def can_accumulate(t: EncodedTensor) -> bool:
+    """Whether :func:`decode_accumulate` supports ``t``'s codec (False for unknown codecs
+    and for codecs that decode to integers: ``int``, ``ternary``)."""
+    codec = _CODECS.get(getattr(t, "codec", None)) if isinstance(getattr(t, "codec", None), str) else None
+    return bool(codec is not None and codec.accumulates)
