@@ -5,6 +5,7 @@ combine (fedavg | fedshift | grouped | grouped-asym | fedpaq).
     strategy = build_strategy("prowd-swa+fedshift", tau=0.1)
     strategy.begin_round(r, global_weights)
     for update in updates: strategy.accept(update)     # streaming, O(model) memory
+    # or, straight from the wire (no decoded copy): strategy.accept_encoded(encoded_update)
     result = strategy.finish()
 """
 
@@ -12,7 +13,7 @@ from coordinator.strategies.base import Strategy
 from coordinator.strategies.decode import decode_update
 from coordinator.strategies.registry import available_strategies, build_strategy
 from coordinator.strategies.swa import swa_mask
-from coordinator.strategies.types import AggregateResult, ClientUpdate
+from coordinator.strategies.types import AggregateResult, ClientUpdate, EncodedUpdate
 
-__all__ = ["AggregateResult", "ClientUpdate", "Strategy", "available_strategies", "build_strategy",
+__all__ = ["AggregateResult", "ClientUpdate", "EncodedUpdate", "Strategy", "available_strategies", "build_strategy",
            "decode_update", "swa_mask"]

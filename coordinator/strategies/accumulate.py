@@ -12,11 +12,19 @@ Each bitwidth group holds up to ``batch`` updates and folds them in the order of
 before one rounding: a group of at most ``batch`` (<= 4) updates therefore sums to the
 same bits whatever order they arrived in (more updates: the same up to float rounding,
 about N/4 roundings).
+
+Encoded updates (:meth:`GroupSums.add_encoded`: per layer an ``add(acc, ω)`` that decodes
+a checked wire tensor into the sum, the codecs' fused ``decode_accumulate``) are held the
+same way (by reference: their payload bytes) and folded in the same key order with
+``edge_client.codecs.accumulate_many``: ``acc += ω·decode(t)`` per element, no decoded
+copy ever made, and ASYM 4/8-bit tensors four per pass over the accumulator.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -37,12 +45,23 @@ class GroupSums:
     total: dict[int, float] = field(default_factory=dict)
     count: dict[int, int] = field(default_factory=dict)
     delta_weight: dict[int, float] = field(default_factory=dict)
-    _pending: dict[int, list[tuple[str, list[np.ndarray], float]]] = field(default_factory=dict)
+    _pending: dict[int, list[tuple[str, Sequence[Any], float, bool]]] = field(default_factory=dict)
 
     def add(self, bits: int, flat_layers: list[np.ndarray], omega: float, is_delta: bool,
             key: str = "") -> None:
         """Add one validated update (1-D contiguous float32 layers) with weight ``omega``;
         ``key`` orders the held updates when they are folded in."""
+        self._hold(bits, flat_layers, omega, is_delta, key, encoded=False)
+
+    def add_encoded(self, bits: int, adders: Sequence[Callable[[np.ndarray, float], None]],
+                    omega: float, is_delta: bool, key: str = "") -> None:
+        """Add one update given, per layer, the ``add(acc, w)`` of its checked wire tensor
+        (``edge_client.codecs.accumulator``: ``acc += w * decode(t)``, ``acc`` of the
+        layer's shape; it must not fail), with weight ``omega``."""
+        self._hold(bits, adders, omega, is_delta, key, encoded=True)
+
+    def _hold(self, bits: int, layers: Sequence[Any], omega: float, is_delta: bool, key: str,
+              *, encoded: bool) -> None:
         if bits not in self.sums:
             self.sums[bits] = [np.zeros(int(np.prod(s)), dtype=self.acc_dtype) for s in self.shapes]
             self.total[bits] = 0.0
@@ -53,7 +72,7 @@ class GroupSums:
         if is_delta:
             self.delta_weight[bits] += omega
         held = self._pending.setdefault(bits, [])
-        held.append((key, flat_layers, omega))
+        held.append((key, layers, omega, encoded))
         if len(held) >= self.batch:
             self._fold(bits)
 
@@ -63,10 +82,30 @@ class GroupSums:
             self._fold(bits)
 
     def _fold(self, bits: int) -> None:
-        """Fold group ``bits``'s held updates, in key order, up to four per pass over
-        the accumulator."""
-        items = [(x, w) for _, x, w in sorted(self._pending.pop(bits, []), key=lambda p: p[0])]
+        """Fold group ``bits``'s held updates in key order: runs of decoded ones up to
+        four per pass over the accumulator, runs of encoded ones through the codecs'
+        ``accumulate_many`` (ASYM 4/8-bit: up to four per pass too)."""
+        held = sorted(self._pending.pop(bits, []), key=lambda p: p[0])
         acc = self.sums[bits]
+        i = 0
+        while i < len(held):
+            encoded = held[i][3]
+            j = i
+            while j < len(held) and held[j][3] == encoded:
+                j += 1
+            run = [(layers, w) for _, layers, w, _ in held[i:j]]
+            (self._add_encoded if encoded else self._add_decoded)(acc, run)
+            i = j
+
+    def _add_encoded(self, acc: list[np.ndarray], items: list[tuple[Sequence[Any], float]]) -> None:
+        from edge_client.codecs import accumulate_many
+
+        weights = [w for _, w in items]
+        for li, (a, shape) in enumerate(zip(acc, self.shapes, strict=True)):
+            accumulate_many([adders[li] for adders, _ in items], a.reshape(shape), weights)
+
+    @staticmethod
+    def _add_decoded(acc: list[np.ndarray], items: list[tuple[Sequence[Any], float]]) -> None:
         for i in range(0, len(items), 4):
             chunk = items[i:i + 4]
             xs, ws = [x for x, _ in chunk], [w for _, w in chunk]

@@ -20,7 +20,7 @@ from coordinator.strategies.kernels import has_nonfinite
 from coordinator.strategies.mask import MaskStage, NoMask
 from coordinator.strategies.serialize import arrays_from_state, arrays_to_state
 from coordinator.strategies.server_state import ServerState, global_step, sigma_ema
-from coordinator.strategies.types import UPDATE_KINDS, AggregateResult, ClientUpdate
+from coordinator.strategies.types import UPDATE_KINDS, AggregateResult, ClientUpdate, EncodedUpdate
 from edge_client.errors import ConfigError, ProtocolError
 
 STATE_VERSION = 1
@@ -95,6 +95,52 @@ class Strategy:
         omega = float(update.num_samples) if self.weighted else 1.0
         self._sums.add(int(update.compute_bits), flat, omega, update.kind == "delta",
                        key=update.device_id)
+        self._count(update)
+
+    def takes_encoded(self, update: EncodedUpdate) -> bool:
+        """Whether :meth:`accept_encoded` folds ``update`` without decoding it: there is
+        no dequantizer (it needs decoded values) and every layer's codec has a fused
+        ``decode_accumulate`` (not ``int``/``ternary``, whose integers the caller maps to
+        the shared domain itself)."""
+        from edge_client.codecs import can_accumulate
+
+        return isinstance(self.dequantizer, NoDequantizer) and all(can_accumulate(t) for t in update.tensors)
+
+    def accept_encoded(self, update: EncodedUpdate) -> None:
+        """Fold one update straight from its wire tensors (see :meth:`takes_encoded`):
+        the same checks as :meth:`accept`, then every tensor is checked by its codec
+        (header, aux, table, NaN/Inf of float payloads) before any of it is added, then
+        each layer is decoded into the sums (``acc += ω·decode(t)``) in one fused pass.
+        ProtocolError, with nothing added, when the update is bad; ValueError when
+        :meth:`takes_encoded` is False. The tensors are held by reference until folded."""
+        from edge_client.codecs import accumulator
+
+        if self._sums is None or self._global is None:
+            raise ProtocolError(f"update from {update.device_id!r}: no round is open")
+        if not self.takes_encoded(update):
+            raise ValueError(f"{self.name}: update from {update.device_id!r} must be decoded first "
+                             f"(codecs {sorted({t.codec for t in update.tensors})}, "
+                             f"dequantizer {self.dequantizer.name!r})")
+        self._check_fields(update)
+        who = f"update from {update.device_id!r}"
+        if len(update.tensors) != len(self._shapes):
+            raise ProtocolError(f"{who}: weights has {len(update.tensors)} layers, the model has {len(self._shapes)}")
+        adders = []
+        for i, (t, shape) in enumerate(zip(update.tensors, self._shapes, strict=True)):
+            if tuple(t.shape) != shape:
+                raise ProtocolError(f"{who}: weights[{i}].shape {list(t.shape)} != {list(shape)}")
+            if t.dtype != "float32":
+                raise ProtocolError(f"{who}: weights[{i}].dtype {t.dtype} is not float32")
+            try:
+                adders.append(accumulator(t))  # checks t, decodes nothing
+            except ProtocolError as exc:
+                raise ProtocolError(f"{who}: tensors[{i}]: {exc}") from None
+        omega = float(update.num_samples) if self.weighted else 1.0
+        self._sums.add_encoded(int(update.compute_bits), adders, omega, update.kind == "delta",
+                               key=update.device_id)
+        self._count(update)
+
+    def _count(self, update: ClientUpdate | EncodedUpdate) -> None:
         self._seen.add(update.device_id)
         self._n_inferior += int(update.inferior)
         if update.sigma_loc is not None:
@@ -135,6 +181,10 @@ class Strategy:
 
     # ------------------------------------------------------------------ validation
     def _validate(self, u: ClientUpdate) -> list[np.ndarray]:
+        self._check_fields(u)
+        return self._check_layers(u)
+
+    def _check_fields(self, u: ClientUpdate | EncodedUpdate) -> None:
         who = f"update from {u.device_id!r}"
         if not isinstance(u.device_id, str) or not u.device_id:
             raise ProtocolError(f"{who}: device_id must be a non-empty string")
@@ -152,7 +202,6 @@ class Strategy:
             if len(s) != len(self._shapes) or not all(
                     isinstance(x, (int, float, np.floating)) and math.isfinite(x) and x >= 0 for x in s):
                 raise ProtocolError(f"{who}: sigma_loc must be {len(self._shapes)} finite floats >= 0")
-        return self._check_layers(u)
 
     def _check_layers(self, u: ClientUpdate) -> list[np.ndarray]:
         who = f"update from {u.device_id!r}"

@@ -45,6 +45,30 @@ class ClientUpdate:
 
 
 @dataclass
+class EncodedUpdate:
+    """One device's update for one round as it came off the wire, not yet decoded.
+
+    The fields mean what they mean in :class:`ClientUpdate`; ``tensors`` holds one
+    ``EncodedTensor`` per model layer (the protocol already checked their byte lengths).
+    A strategy without a dequantizer folds such an update into its sums with the codecs'
+    fused ``decode_accumulate`` (:meth:`Strategy.accept_encoded`): no float32 copy of the
+    update is ever made.
+    """
+
+    device_id: str
+    num_samples: int
+    tensors: tuple
+    kind: str = "weights"
+    compute_bits: int = FLOAT_BITS
+    lossy: bool = False
+    sigma_loc: list[float] | None = None
+
+    @property
+    def inferior(self) -> bool:
+        return self.lossy or self.compute_bits < FLOAT_BITS
+
+
+@dataclass
 class AggregateResult:
     """What one round's aggregation produced.
 

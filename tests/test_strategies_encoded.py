@@ -1,0 +1,163 @@
+"""Folding updates straight from their wire tensors (``Strategy.accept_encoded``): the
+same aggregate as decoding first, checked whole before anything is added, and the
+codecs' multi-update pass (``accumulate_many``) bit-exact against numpy."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as hst
+
+from coordinator.strategies import EncodedUpdate, build_strategy, decode_update
+from edge_client.codecs import accumulate_many, accumulator, decode, encode, unpack
+from edge_client.errors import ProtocolError
+from edge_client.protocol import EncodedTensor
+
+SHAPES = [(6, 5), (17,), (4, 3, 3)]
+CODECS = [("asym", 4), ("kmeans", 3), ("float32", None), ("asym", 8), ("float16", None), ("asym", 5)]
+
+
+def model(seed: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.normal(0, 0.1, s).astype(np.float32) for s in SHAPES]
+
+
+def encoded(i: int, base: list[np.ndarray], codec: str, bits: int | None, *, kind="weights") -> EncodedUpdate:
+    w = [b + np.float32(0.01) * np.random.default_rng(100 + i).standard_normal(b.shape).astype(np.float32)
+         for b in base]
+    ts = tuple(encode(x, codec, bits) for x in w)
+    return EncodedUpdate(f"dev{i:02d}", 10 + i, ts, kind, 32 if i % 3 else 8, codec != "float32")
+
+
+def decoded(u: EncodedUpdate):
+    return decode_update(u.device_id, u.num_samples, u.tensors, kind=u.kind, compute_bits=u.compute_bits)
+
+
+@pytest.mark.parametrize("name", ["fedavg", "fedshift", "prowd-swa+fedshift", "grouped-asym", "fedpaq"])
+def test_encoded_path_matches_the_decoded_path(name: str) -> None:
+    base = model(0)
+    kind = "delta" if name == "fedpaq" else "weights"
+    ups = [encoded(i, base if kind == "weights" else [np.zeros_like(b) for b in base], *CODECS[i % len(CODECS)],
+                   kind=kind) for i in range(11)]
+    a, b = build_strategy(name), build_strategy(name)
+    a.begin_round(3, base)
+    b.begin_round(3, base)
+    for u in ups:
+        assert a.takes_encoded(u)
+        a.accept_encoded(u)
+    for u in reversed(ups):  # any order
+        b.accept(decoded(u))
+    ra, rb = a.finish(), b.finish()
+    for x, y in zip(ra.weights, rb.weights, strict=True):
+        np.testing.assert_allclose(x, y, rtol=0, atol=2e-6)
+    assert ra.stats["n_inferior"] == rb.stats["n_inferior"] > 0
+    assert set(ra.group_weights) == set(rb.group_weights)
+
+
+def test_a_bad_tensor_anywhere_rejects_the_whole_update_before_the_sum() -> None:
+    base = model(1)
+    good = [encoded(i, base, "asym", 4) for i in range(3)]
+    bad = encoded(7, base, "asym", 4)
+    broken = list(bad.tensors)
+    broken[2] = EncodedTensor(broken[2].shape, "float32", "asym", 4, broken[2].data,
+                              {"min": 1.0, "max": -1.0})  # the last layer: max < min
+    cases = [
+        (EncodedUpdate(bad.device_id, 5, tuple(broken), "weights", 32, True), "aux.max"),
+        (EncodedUpdate(bad.device_id, 5, bad.tensors[:2], "weights", 32, True), "layers"),
+        (EncodedUpdate(bad.device_id, 0, bad.tensors, "weights", 32, True), "num_samples"),
+        (EncodedUpdate(bad.device_id, 5, (*bad.tensors[:2], EncodedTensor(
+            (4, 3, 3), "float32", "float32", 32, np.full(36, np.nan, np.float32).tobytes(), {})),
+            "weights", 32, False), "NaN"),
+    ]
+    ref = build_strategy("fedshift")
+    ref.begin_round(1, base)
+    for u in good:
+        ref.accept_encoded(u)
+    want = ref.finish().weights
+    for u, match in cases:
+        s = build_strategy("fedshift")
+        s.begin_round(1, base)
+        s.accept_encoded(good[0])
+        with pytest.raises(ProtocolError, match=match):
+            s.accept_encoded(u)
+        for g in good[1:]:
+            s.accept_encoded(g)
+        for x, y in zip(s.finish().weights, want, strict=True):
+            assert np.array_equal(x, y)
+
+
+def test_danuq_table_overflow_is_rejected() -> None:
+    x = np.random.default_rng(0).normal(0, 1, 50).astype(np.float32)
+    t = encode(x, "danuq", 4, sigma_g=1.0)
+    huge = EncodedTensor(t.shape, t.dtype, t.codec, t.bits, t.data, {**t.aux, "sigma_g": 3e38})
+    with pytest.raises(ProtocolError, match="non-finite"):
+        accumulator(huge)
+    with pytest.raises(ProtocolError, match="non-finite"):
+        decode(huge)
+
+
+def test_integer_codecs_and_dequantizers_take_the_decoded_path() -> None:
+    base = model(2)
+    ints = EncodedUpdate("d", 1, tuple(encode(np.zeros(s, np.int8), "int", 8) for s in SHAPES), "weights", 8)
+    s = build_strategy("fedshift")
+    s.begin_round(1, base)
+    assert not s.takes_encoded(ints)
+    with pytest.raises(ValueError, match="decoded first"):
+        s.accept_encoded(ints)
+
+
+def _affine4_reference(adders, acc: np.ndarray, weights) -> np.ndarray:
+    """numpy: acc + (c + ((q0 s0 + q1 s1) + (q2 s2 + q3 s3))), all float32."""
+    f = np.float32
+    a0 = [f(w * a.lo) for a, w in zip(adders, weights, strict=True)] + [f(0)] * (4 - len(adders))
+    a1 = [f(w * a.step) for a, w in zip(adders, weights, strict=True)] + [f(0)] * (4 - len(adders))
+    q = [unpack(a.tensor.data, a.n, a.bits).astype(np.float32) for a in adders]
+    q += [q[0]] * (4 - len(q))
+    c = ((a0[0] + a0[1]) + a0[2]) + a0[3]
+    return acc + (c + ((q[0] * a1[0] + q[1] * a1[1]) + (q[2] * a1[2] + q[3] * a1[3])))
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=hst.integers(0, 300), bits=hst.sampled_from([4, 8]), k=hst.integers(1, 6),
+       seed=hst.integers(0, 2**16))
+def test_accumulate_many_is_bit_exact_and_close_to_one_at_a_time(n: int, bits: int, k: int, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    ts = [encode(rng.normal(0, 0.1, n).astype(np.float32), "asym", bits) for _ in range(k)]
+    adders = [accumulator(t) for t in ts]
+    weights = [float(w) for w in rng.uniform(0.5, 200, k)]
+    acc0 = rng.normal(0, 1, n).astype(np.float32)
+    acc = acc0.copy()
+    accumulate_many(adders, acc, weights)
+    # the reference: fours (and a trailing three) fused, the rest one at a time, in order
+    ref = acc0.copy()
+    fused = list(range(0, k - 2, 4))
+    done = set()
+    for s in fused:
+        chunk = list(range(s, min(s + 4, k)))
+        if len(chunk) >= 3:
+            ref = _affine4_reference([adders[i] for i in chunk], ref, [weights[i] for i in chunk])
+            done.update(chunk)
+    for i in range(k):
+        if i not in done:
+            one = ref.copy()
+            adders[i](one, weights[i])
+            ref = one
+    assert np.array_equal(acc, ref)
+    seq = acc0.astype(np.float64)
+    for t, w in zip(ts, weights, strict=True):
+        seq += w * decode(t).astype(np.float64)
+    scale = sum(weights) * 0.5 + 1
+    np.testing.assert_allclose(acc, seq, rtol=0, atol=scale * 4e-7 * k)
+
+
+def test_accumulate_many_with_mixed_codecs_and_a_float64_sum() -> None:
+    rng = np.random.default_rng(3)
+    x = [rng.normal(0, 0.1, 40).astype(np.float32) for _ in range(6)]
+    ts = [encode(x[0], "asym", 4), encode(x[1], "kmeans", 4), encode(x[2], "asym", 4),
+          encode(x[3], "asym", 4), encode(x[4], "float32"), encode(x[5], "asym", 4)]
+    for dtype in (np.float32, np.float64):
+        acc = np.zeros(40, dtype)
+        accumulate_many([accumulator(t) for t in ts], acc, [1.0] * 6)
+        want = sum(decode(t).astype(np.float64) for t in ts)
+        np.testing.assert_allclose(acc, want, rtol=0, atol=1e-5)
