@@ -9,8 +9,10 @@
    loop decodes the next batch), one update at a time (one sync each), and the burst
    without fsync (what durability costs); best of 3 passes each. The floor is the best
    of 5 passes. The first line also carries the milliseconds per update of each stage
-   (validate, decode, aggregate, persist = append + one sync per update, measured one
-   stage at a time, so without the group commit's overlap).
+   (validate; decode + aggregate, fused: the update is folded into the sums straight
+   from its 4-bit payload, never decoded to float32; persist = append + one sync per
+   update; finish() per update; measured one stage at a time, so without the group
+   commit's overlap).
 2. ``digits_cnn 20 devices``: rounds with 20 emulated devices (10 Int8 + 10 float32,
    real trainers, 1 epoch, threads of one separate process with one MQTT session each)
    over mosquitto (amqtt when mosquitto is not installed), after the first round (JIT,
@@ -168,27 +170,34 @@ def per_update(quick: bool, workdir: Path) -> None:
 
 
 def _breakdown(base, ids: list[str], payloads: list[bytes], run_dir: Path) -> dict[str, float]:
-    """Milliseconds per update in each stage of the path, measured stage by stage."""
+    """Milliseconds per update in each stage of the path, measured stage by stage:
+    validate (msgpack + fields), decode + aggregate (one fused pass, ``accept_encoded``,
+    as the coordinator runs it for asym), persist (append + one sync per update), and
+    ``finish()`` of the round divided by the updates."""
     from edge_client.protocol import decode_message
 
     co = _coordinator(base, run_dir, True, "fedshift")
     co.strategy.begin_round(1, [b.copy() for b in base])
-    t = {"validate_ms": 0.0, "decode_ms": 0.0, "aggregate_ms": 0.0, "persist_ms": 0.0}
+    t = {"validate_ms": 0.0, "decode_aggregate_ms": 0.0, "persist_ms": 0.0}
     for i, (dev, p) in enumerate(zip(ids, payloads, strict=True)):
         t0 = time.perf_counter()
         m = decode_message(p)
         t1 = time.perf_counter()
-        cu = co._decode_update(m)
+        eu = co._encoded_update(m)
+        assert co.strategy.takes_encoded(eu)
+        co.strategy.accept_encoded(eu)
+        co.strategy._sums.flush()  # fold now: the stage's cost, not the next one's
         t2 = time.perf_counter()
-        co.strategy.accept(cu)
-        t3 = time.perf_counter()
         co.state.inbox_put(1, dev, p)
-        t4 = time.perf_counter()
+        t3 = time.perf_counter()
         if i >= 2:  # the first two warm up the JIT
-            for k, dt in zip(t, (t1 - t0, t2 - t1, t3 - t2, t4 - t3), strict=True):
+            for k, dt in zip(t, (t1 - t0, t2 - t1, t3 - t2), strict=True):
                 t[k] += dt
+    t0 = time.perf_counter()
     co.strategy.finish()
-    return {k: round(v * 1e3 / max(1, len(ids) - 2), 3) for k, v in t.items()}
+    out = {k: round(v * 1e3 / max(1, len(ids) - 2), 3) for k, v in t.items()}
+    out["finish_ms"] = round((time.perf_counter() - t0) * 1e3 / len(ids), 3)
+    return out
 
 
 # --------------------------------------------------------------------------- part 2

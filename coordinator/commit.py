@@ -1,16 +1,24 @@
-"""Background group commit: make persisted updates durable, then acknowledge them.
+"""Background group commit: persist accepted updates, make them durable, then acknowledge.
 
-The round loop appends accepted updates to the inbox log (page cache) and hands each
-handled batch to an :class:`AckCommitter`; its thread calls ``sync()`` once for every
-batch queued meanwhile (one ``fdatasync`` covers all of them: group commit) and only then
-acks the batch's messages, in arrival order (MQTT wants PUBACKs in order). So the sync's
-I/O wait overlaps with waiting for the next device instead of stalling the loop, and the
-persist-then-ack rule (DESIGN.md, "Failure semantics") still holds: nothing is acked
-before the sync that covers it returned.
+The round loop hands each handled batch to an :class:`AckCommitter` with the records of
+its accepted updates. Two background threads form a pipeline:
 
-A failure in ``sync`` or ``ack`` (any exception, ``BaseException`` included) stops the
-committer: nothing later is acked, and the exception is raised in the loop's thread by the
-next :meth:`AckCommitter.submit` or :meth:`AckCommitter.drain`.
+1. ``fedbit-persist`` appends each batch's records (``persist``: the inbox log's checksum
+   and write, which release the GIL, so they run beside the loop's decoding), then passes
+   the batch on;
+2. ``fedbit-committer`` calls ``sync()`` once for every batch passed on meanwhile (one
+   ``fdatasync`` covers all of them: group commit) and only then acks the batches'
+   messages, in arrival order (MQTT wants PUBACKs in order).
+
+So the appends of one batch overlap the sync of the one before, both overlap the loop's
+handling of the next, and the persist-then-ack rule (DESIGN.md, "Failure semantics")
+still holds: nothing is acked before the sync that covers it returned. A crash before
+that leaves the message unacked: the broker redelivers it.
+
+A failure in ``persist``, ``sync`` or ``ack`` (any exception, ``BaseException`` included)
+stops the committer: nothing later is persisted or acked, and the exception is raised in
+the loop's thread by the next :meth:`AckCommitter.submit`, :meth:`AckCommitter.check` or
+:meth:`AckCommitter.drain`.
 """
 
 from __future__ import annotations
@@ -22,54 +30,69 @@ from collections.abc import Callable, Sequence
 from typing import Generic, TypeVar
 
 M = TypeVar("M")
+R = TypeVar("R")
 
 
-class AckCommitter(Generic[M]):
-    """One background thread: ``sync()`` then ``ack(m)`` for each submitted message.
+class AckCommitter(Generic[M, R]):
+    """``persist(r)`` for each submitted record, then ``sync()``, then ``ack(m)`` for each
+    submitted message, in submit order, in two background threads.
 
     Args:
-        sync: makes everything appended so far durable (called in the committer thread).
-        ack: acknowledges one message (called in the committer thread, in submit order).
-        idle_exit_s: the thread exits after this many idle seconds (s); restarted on demand.
+        sync: makes everything persisted so far durable (committer thread).
+        ack: acknowledges one message (committer thread, in submit order).
+        persist: appends one record, not yet durable (persist thread, in submit order);
+            None when records are never submitted.
+        idle_exit_s: a thread exits after this many idle seconds (s); restarted on demand.
 
-    ``cpu_seconds`` accumulates the committer thread's CPU time (s).
+    ``cpu_seconds`` accumulates both threads' CPU time (s).
     """
 
     def __init__(self, sync: Callable[[], None], ack: Callable[[M], None], *,
-                 idle_exit_s: float = 1.0) -> None:
+                 persist: Callable[[R], None] | None = None, idle_exit_s: float = 1.0) -> None:
         self._sync = sync
         self._ack = ack
+        self._persist = persist
         self._idle_exit_s = idle_exit_s
         self._cv = threading.Condition()
-        self._queue: deque[Sequence[M]] = deque()
-        self._busy = False
+        self._to_persist: deque[tuple[Sequence[M], Sequence[R]]] = deque()
+        self._to_sync: deque[Sequence[M]] = deque()
+        self._busy = {"persist": False, "commit": False}
         self._error: BaseException | None = None
-        self._thread: threading.Thread | None = None
+        self._threads: dict[str, threading.Thread] = {}
         self.cpu_seconds = 0.0
 
-    def submit(self, msgs: Sequence[M]) -> None:
-        """Queue a handled batch (its updates already appended); returns at once."""
+    def submit(self, msgs: Sequence[M], records: Sequence[R] = ()) -> None:
+        """Queue a handled batch and the records to persist before its sync; returns at
+        once."""
+        if records and self._persist is None:
+            raise ValueError("AckCommitter: records submitted but no persist function")
         with self._cv:
             self._raise_error()
-            if not msgs:
+            if not msgs and not records:
                 return
-            self._queue.append(msgs)
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._run, name="fedbit-committer", daemon=True)
-                self._thread.start()
+            if records:
+                self._to_persist.append((msgs, records))
+                self._start("persist", self._run_persist)
+            elif self._to_persist or self._busy["persist"]:  # keep the order: behind the
+                # batches still queued for or being persisted
+                self._to_persist.append((msgs, ()))
+                self._start("persist", self._run_persist)
+            else:
+                self._to_sync.append(msgs)
+                self._start("commit", self._run_commit)
             self._cv.notify_all()
 
     def pending(self) -> int:
-        """Batches queued or being committed."""
+        """Batches queued or being persisted or committed."""
         with self._cv:
-            return len(self._queue) + (1 if self._busy else 0)
+            return len(self._to_persist) + len(self._to_sync) + sum(self._busy.values())
 
     def drain(self, timeout: float | None = None) -> None:
-        """Block until every submitted message is synced and acked (or raise the
-        committer's error); TimeoutError after ``timeout`` s."""
+        """Block until every submitted message is persisted, synced and acked (or raise
+        the committer's error); TimeoutError after ``timeout`` s."""
         end = None if timeout is None else time.monotonic() + timeout
         with self._cv:
-            while (self._queue or self._busy) and self._error is None:
+            while self._in_flight() and self._error is None:
                 left = None if end is None else end - time.monotonic()
                 if left is not None and left <= 0:
                     raise TimeoutError("the committer did not finish in time")
@@ -81,31 +104,72 @@ class AckCommitter(Generic[M]):
         with self._cv:
             self._raise_error()
 
+    # ------------------------------------------------------------------ threads (under _cv)
+
+    def _in_flight(self) -> bool:
+        return bool(self._to_persist or self._to_sync or any(self._busy.values()))
+
     def _raise_error(self) -> None:
         if self._error is not None:
             raise self._error
 
-    def _run(self) -> None:
+    def _start(self, name: str, target: Callable[[], None]) -> None:
+        t = self._threads.get(name)
+        if t is None or not t.is_alive():
+            t = threading.Thread(target=target, name=f"fedbit-{name}", daemon=True)
+            self._threads[name] = t
+            t.start()
+
+    def _take(self, stage: str, queue: deque) -> list | None:
+        """Wait for work in ``queue``: all of it, or None when idle too long or stopped."""
+        if not queue and self._error is None:
+            self._cv.wait(self._idle_exit_s)
+        if not queue or self._error is not None:
+            # forget this thread while still holding the lock, so that a submit from
+            # now on starts a new one instead of relying on one that is exiting
+            if self._threads.get(stage) is threading.current_thread():
+                del self._threads[stage]
+            return None
+        items = list(queue)
+        queue.clear()
+        self._busy[stage] = True
+        return items
+
+    def _stage(self, stage: str, queue: deque, work: Callable[[list], None]) -> None:
         while True:
             with self._cv:
-                if not self._queue and self._error is None:
-                    self._cv.wait(self._idle_exit_s)
-                if not self._queue or self._error is not None:
+                items = self._take(stage, queue)
+                if items is None:
                     return
-                batches = list(self._queue)
-                self._queue.clear()
-                self._busy = True
             c0 = time.thread_time()
             try:
-                self._sync()  # one sync covers every batch taken
-                for batch in batches:
-                    for m in batch:
-                        self._ack(m)
+                work(items)
             except BaseException as exc:  # noqa: BLE001 - handed to the loop's thread
                 with self._cv:
                     self._error = exc
             finally:
                 with self._cv:
                     self.cpu_seconds += time.thread_time() - c0
-                    self._busy = False
+                    self._busy[stage] = False
                     self._cv.notify_all()
+
+    def _run_persist(self) -> None:
+        def work(batches: list[tuple[Sequence[M], Sequence[R]]]) -> None:
+            for msgs, records in batches:
+                for r in records:
+                    self._persist(r)  # type: ignore[misc]
+                with self._cv:
+                    self._to_sync.append(msgs)
+                    self._start("commit", self._run_commit)
+                    self._cv.notify_all()
+
+        self._stage("persist", self._to_persist, work)
+
+    def _run_commit(self) -> None:
+        def work(batches: list[Sequence[M]]) -> None:
+            self._sync()  # one sync covers every batch taken
+            for msgs in batches:
+                for m in msgs:
+                    self._ack(m)
+
+        self._stage("commit", self._to_sync, work)

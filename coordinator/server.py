@@ -139,6 +139,16 @@ def model_tensors(weights: list[np.ndarray], names: list[str], variant: str) -> 
                  for q, n in zip(ints, names, strict=True))
 
 
+def _sigma_loc(m: Update) -> list[float] | None:
+    """Per-layer ``aux["sigma_loc"]`` when every tensor carries one (DANUQ), else None."""
+    sig = [t.aux.get("sigma_loc") for t in m.tensors]
+    if not sig or any(x is None for x in sig):
+        return None
+    if not all(isinstance(x, int | float) and not isinstance(x, bool) for x in sig):
+        raise ProtocolError("aux.sigma_loc: expected a number in every tensor")
+    return [float(x) for x in sig]
+
+
 def classify(exc: ProtocolError) -> str:
     """A short reason label for metrics from a ProtocolError's message."""
     text = str(exc)
@@ -207,8 +217,13 @@ class Coordinator:
         #: of one overlap the decoding of the next (fedshift_cnn bursts: 8 -> ~1.1x of 64)
         self.batch_max = 8
         #: syncs the inbox, then acks, in a background thread while ``pump`` waits
-        self.committer: AckCommitter[Inbound] = AckCommitter(lambda: self.state.inbox_sync(),
-                                                             lambda m: self.fleet.ack(m))
+        #: appends the accepted updates to the inbox, syncs, then acks, in a background
+        #: thread while ``pump`` goes on (the append's checksum and write release the GIL)
+        self.committer: AckCommitter[Inbound, tuple[int, str, bytes]] = AckCommitter(
+            lambda: self.state.inbox_sync(), lambda m: self.fleet.ack(m),
+            persist=lambda rec: self.state.inbox_append(*rec))
+        #: accepted updates of the batch being handled, to persist before its acks
+        self._to_persist: list[tuple[int, str, bytes]] = []
 
     # ------------------------------------------------------------------ presence
 
@@ -240,10 +255,12 @@ class Coordinator:
         commit), then acknowledge every message (rejected ones too: never redelivered).
         Nothing is acked when persisting fails (the exception propagates).
 
-        ``background``: the sync and the acks are left to :attr:`committer` (same order,
-        same rule); the caller must :meth:`AckCommitter.drain` it before the round ends.
+        ``background``: the appends, the sync and the acks are left to :attr:`committer`
+        (same order, same rule); the caller must :meth:`AckCommitter.drain` it before the
+        round ends.
         """
         t0, c0 = time.perf_counter(), time.thread_time()
+        self._to_persist = []
         try:
             for msg in batch:
                 if msg.kind == "update":
@@ -252,10 +269,13 @@ class Coordinator:
                     self._handle_device(msg)
                 else:
                     self._reject(msg, "bad_topic", msg.raw.topic)
+            records, self._to_persist = self._to_persist, []
             if background:
-                self.committer.submit(batch)
+                self.committer.submit(batch, records)
                 return
-            self.committer.drain()  # earlier batches' acks come first
+            self.committer.drain()  # earlier batches' appends and acks come first
+            for rec in records:
+                self.state.inbox_append(*rec)
             self.state.inbox_sync()
             for msg in batch:
                 self.fleet.ack(msg)
@@ -287,6 +307,24 @@ class Coordinator:
             info.online = True
         else:
             info.online = m.online
+
+    def _encoded_update(self, m: Update) -> Any:
+        """Wire update -> ``EncodedUpdate`` (layer count and shapes checked, nothing decoded)."""
+        from coordinator.strategies.types import EncodedUpdate
+
+        if len(m.tensors) != len(self.shapes):
+            raise ProtocolError(f"tensors: {len(m.tensors)} layers, model {self.cfg.model} has {len(self.shapes)}")
+        for i, (t, shape) in enumerate(zip(m.tensors, self.shapes, strict=True)):
+            if tuple(t.shape) != shape:
+                raise ProtocolError(f"tensors[{i}].shape: {list(t.shape)} != {list(shape)}")
+        bits = m.compute_bits if m.compute_bits <= 16 else 32
+        sigma_loc = _sigma_loc(m)
+        return EncodedUpdate(m.device_id, m.num_samples, m.tensors, m.content, bits,
+                             any(t.codec != "float32" for t in m.tensors), sigma_loc)
+
+    def _takes_encoded(self, eu: Any) -> bool:
+        takes = getattr(self.strategy, "takes_encoded", None)
+        return bool(takes is not None and takes(eu))
 
     def _decode_update(self, m: Update) -> Any:
         """Wire update -> ``ClientUpdate`` in the shared domain; ProtocolError if unusable.
@@ -322,8 +360,7 @@ class Coordinator:
                 a = a.astype(np.float32) * np.float32(2.0 ** -(max(bits, 8) - 1))
             weights.append(np.asarray(a, dtype=np.float32))
         lossy = any(t.codec != "float32" for t in m.tensors)
-        sig = [t.aux.get("sigma_loc") for t in m.tensors]
-        sigma_loc = [float(x) for x in sig] if sig and all(x is not None for x in sig) else None
+        sigma_loc = _sigma_loc(m)
         # every value already proved finite by the codecs' decode: the strategy need not re-read
         finite = all(get_codec(t.codec).finite_output for t in m.tensors)
         return ClientUpdate(m.device_id, m.num_samples, weights, m.content, bits, lossy, sigma_loc,
@@ -359,20 +396,27 @@ class Coordinator:
             self._drop(msg, "duplicate", f"round {r} already counted")
             return False
         try:
-            cu = self._decode_update(m)
+            eu = self._encoded_update(m)
+            fused = self._takes_encoded(eu)
+            cu = None if fused else self._decode_update(m)
         except ProtocolError as exc:
             self._reject(msg, classify(exc), str(exc))
             return False
         try:
-            # the strategy checks shapes and finiteness before it changes its sums
-            self.strategy.accept(cu)
+            # the strategy checks shapes and finiteness before it changes its sums; an
+            # update it can fold straight from the wire is never decoded to float32
+            if cu is None:
+                self.strategy.accept_encoded(eu)
+            else:
+                self.strategy.accept(cu)
         except ProtocolError as exc:
             self._reject(msg, classify(exc), f"strategy: {exc}")
             return False
         if not replay:
-            # persist (synced by handle_batch), then acked. A crash before the sync leaves
-            # the update unacked: the broker redelivers it to the resumed session.
-            self.state.inbox_append(r, m.device_id, msg.payload)
+            # persisted and synced by handle_batch (or its committer), then acked. A crash
+            # before the sync leaves the update unacked: the broker redelivers it to the
+            # resumed session.
+            self._to_persist.append((r, m.device_id, msg.payload))
         self._accepted[m.device_id] = time.monotonic()
         self._counts["accepted"] += 1
         self.on_event("update", {"round": r, "device": m.device_id, "accepted": len(self._accepted),

@@ -10,10 +10,11 @@ Layout under the run directory ``DIR`` (``fedbit serve --out DIR``)::
 Every file but the inbox is written atomically (temporary file in the same directory,
 ``fsync``, ``rename``, ``fsync`` of the directory), so a ``kill -9`` at any instant leaves
 either the old or the new version. The inbox is an append-only log per round of framed
-records (magic, length, CRC-32, device id, the update's exact received bytes); updates
+records (magic, length, 64-bit checksum (:mod:`coordinator.checksum`), device id, the
+update's exact received bytes); updates
 are appended, the log is ``fdatasync``-ed once per batch (group commit), and only then are
 they acknowledged to the broker (persist, then ack), so an acked update survives a crash.
-A record torn by a crash fails its length/CRC check and ends the replay; it was never
+A record torn by a crash fails its length/checksum check and ends the replay; it was never
 acked, so the broker redelivers it. On resume the open round's log is replayed.
 
 Arrays are stored as ``{"shape", "dtype", "data"}`` maps (little-endian), msgpack-framed.
@@ -33,10 +34,18 @@ from typing import Any
 import msgpack
 import numpy as np
 
+from coordinator.checksum import checksum
 from edge_client.errors import ConfigError
 
 STATE_VERSION = 1
-_MAGIC = b"FBU1"  # inbox record: magic, payload length, crc32(id + payload), id length
+#: inbox record header: magic, payload length, checksum(id then payload), id length
+_MAGIC, _HEAD = b"FBU2", struct.Struct("<4sIQH")
+#: record formats by magic: header layout, checksum of (device id, payload). FBU1 (CRC-32)
+#: is the previous format, still read so that a log written by it replays.
+_RECORD_FORMATS = {
+    _MAGIC: (_HEAD, lambda did, payload: checksum(payload, checksum(did))),
+    b"FBU1": (struct.Struct("<4sIIH"), lambda did, payload: zlib.crc32(payload, zlib.crc32(did))),
+}
 
 
 def _fsync_dir(path: Path) -> None:
@@ -222,7 +231,7 @@ class RunState:
             # the new log's directory entry is made durable by the next inbox_sync
             self._dir_dirty = created
         did = device_id.encode()
-        head = struct.pack("<4sIIH", _MAGIC, len(payload), zlib.crc32(payload, zlib.crc32(did)), len(did))
+        head = _HEAD.pack(_MAGIC, len(payload), checksum(payload, checksum(did)), len(did))
         assert self._log is not None
         parts = [head + did, payload]
         want = len(parts[0]) + len(payload)
@@ -276,14 +285,18 @@ class RunState:
             return []
         data = path.read_bytes()
         out, seen, pos = [], set(), 0
-        hsize = struct.calcsize("<4sIIH")
-        while pos + hsize <= len(data):
-            magic, n, crc, idn = struct.unpack_from("<4sIIH", data, pos)
+        while pos + 4 <= len(data):
+            fmt = _RECORD_FORMATS.get(bytes(data[pos:pos + 4]))
+            if fmt is None or pos + fmt[0].size > len(data):
+                break
+            head, record_sum = fmt
+            _, n, crc, idn = head.unpack_from(data, pos)
+            hsize = head.size
             end = pos + hsize + idn + n
-            if magic != _MAGIC or end > len(data):
+            if end > len(data):
                 break
             did, payload = data[pos + hsize: pos + hsize + idn], data[pos + hsize + idn: end]
-            if zlib.crc32(payload, zlib.crc32(did)) != crc:
+            if record_sum(did, payload) != crc:
                 break
             dev = did.decode(errors="replace")
             if dev not in seen:

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as hst
 
 from coordinator.state import Checkpoint, RoundPlan, RunState, atomic_write, dumps, loads
 from edge_client.errors import ConfigError
@@ -76,9 +78,45 @@ def test_inbox_log_ignores_a_torn_tail(tmp_path: Path) -> None:
     log.write_bytes(data[:-10])                # killed in the middle of the second record
     assert RunState(tmp_path).inbox_items(1) == [("a", b"x" * 100)]
     corrupt = bytearray(data)
-    corrupt[-1] ^= 0xFF                        # a flipped byte fails the CRC
+    corrupt[-1] ^= 0xFF                        # a flipped byte fails the checksum
     log.write_bytes(bytes(corrupt))
     assert RunState(tmp_path).inbox_items(1) == [("a", b"x" * 100)]
+    zeroed = bytearray(data)
+    zeroed[-60:-20] = bytes(40)                # a block that never reached the disk
+    log.write_bytes(bytes(zeroed))
+    assert RunState(tmp_path).inbox_items(1) == [("a", b"x" * 100)]
+
+
+def test_inbox_reads_logs_of_the_crc32_record_format(tmp_path: Path) -> None:
+    """A log written before the 64-bit checksum (FBU1 records, CRC-32) still replays,
+    followed by records of the current format."""
+    import struct
+    import zlib
+
+    (tmp_path / "inbox").mkdir()
+    log = tmp_path / "inbox" / "r000003.log"
+    did, payload = b"old", b"p" * 33
+    log.write_bytes(struct.pack("<4sIIH", b"FBU1", len(payload), zlib.crc32(payload, zlib.crc32(did)),
+                                len(did)) + did + payload)
+    st = RunState(tmp_path)
+    st.inbox_put(3, "new", b"q" * 5)
+    assert RunState(tmp_path).inbox_items(3) == [("old", b"p" * 33), ("new", b"q" * 5)]
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=hst.binary(max_size=300), seed=hst.integers(0, 2**64 - 1), cut=hst.integers(0, 299))
+def test_checksum_matches_its_reference_and_sees_changes(data: bytes, seed: int, cut: int) -> None:
+    from coordinator.checksum import checksum, checksum_reference
+
+    c = checksum(data, seed)
+    assert c == checksum_reference(data, seed)
+    assert checksum(memoryview(b"_" + data)[1:], seed) == c  # an unaligned buffer
+    if data:
+        i = cut % len(data)
+        flipped = bytearray(data)
+        flipped[i] ^= 0x01
+        assert checksum(bytes(flipped), seed) != c
+        assert checksum(data[:i], seed) != c  # truncated
 
 
 def test_plan_roundtrip(tmp_path: Path) -> None:
