@@ -451,6 +451,10 @@ def test_conv_backward_kernels_match_reference(bits, stride, pad, k):
     back = np.zeros((4, 8, 7, 3), np.int32)
     K.conv_backward_data(eq_k, t_k, stride, pad, back, np.zeros(k * k * 3, np.int32))
     assert np.array_equal(nchw(back), ref_conv_back_data(eq, t, stride, pad, a.shape))
+    if 5 * amax <= 32767:  # int16 per-pixel sums (O * amax fits)
+        back16 = np.full((4, 8, 7, 3), 7, np.int32)
+        K.conv_backward_data_narrow(eq_k, t_k, stride, pad, back16, np.zeros(k * k * 3, np.int16))
+        assert np.array_equal(back16, back)
     for gdt in ((np.int32, np.int64) if bits <= 8 else (np.int64,)):  # int32 when it fits
         g = np.zeros((k, k, 3, 5), gdt)
         K.conv_weight_grad(eq_k, a_k, stride, pad, g, np.zeros(5, gdt))

@@ -51,6 +51,7 @@ from edge_client.intnn.quant import (
 from firmware_models import Conv2d, Flatten, Linear, MaxPool2d, ModelSpec, ReLU
 
 INT32_LIMIT = (1 << 31) - 1
+INT16_LIMIT = (1 << 15) - 1
 DEFAULT_CE_TEMP_SHIFT = 5  # softmax temperature 2^-5 on the real logits (measured, see docs)
 GROUP_PIXELS = 4096  # output pixels per im2col group when evaluating (memory bound)
 PIXEL_BLOCK = 2048   # output pixels accumulated at a time by the conv forward (L1-sized)
@@ -102,7 +103,8 @@ class Workspace:
     Per op (lists indexed like ``IntModel.ops``, None where unused): ``acts`` outputs
     (s-bit), ``idx`` max-pool winners (int32), ``eq`` quantized errors at conv/linear
     outputs (s-bit), ``err_in`` raw errors at op inputs (int32), ``patch`` int32 [O]
-    accumulators of the sparse conv, ``pbuf`` int32 [K*K*C] backward-data scratch,
+    accumulators of the sparse conv, ``pbuf`` [K*K*C] backward-data scratch (int16
+    when ``O * amax`` fits, else int32),
     ``gacc`` [O] gradient scratch (int64 path), ``col_t`` the transposed im2col
     [K*K*C, pixels] (s-bit), ``e_t`` errors transposed [O, pixels], ``pacc``/``pacc16``/
     ``ptile`` pixel-block accumulators and finished outputs of the conv forward;
@@ -384,7 +386,9 @@ class IntModel:
                 pacc16.append(np.zeros(block if self.amax <= 127 else 0, np.int16))
                 ptile.append(np.zeros((op.layer.out_channels, block), ad))
                 patch.append(np.zeros(op.layer.out_channels, np.int32))
-                pbuf.append(np.zeros(r, np.int32) if train else None)
+                # backward-data scratch: int16 when sum_o |eq| <= O * amax cannot overflow it
+                narrow_bd = op.layer.out_channels * self.amax <= INT16_LIMIT
+                pbuf.append(np.zeros(r, np.int16 if narrow_bd else np.int32) if train else None)
             else:
                 plane.append(None)
                 offs.append(None)
@@ -552,8 +556,12 @@ class IntModel:
                                            ws.e_t[i], self.conv_impl == "col")
                 if op.needs_input_error:
                     dst = ws.err_in[i][:n]
-                    K.conv_backward_data(eq, self.tb[p], lay.stride, lay.padding, dst,
-                                         ws.pbuf[i])
+                    if ws.pbuf[i].dtype == np.int16:
+                        K.conv_backward_data_narrow(eq, self.tb[p], lay.stride, lay.padding,
+                                                    dst, ws.pbuf[i])
+                    else:
+                        K.conv_backward_data(eq, self.tb[p], lay.stride, lay.padding, dst,
+                                             ws.pbuf[i])
                     cur = dst
             else:
                 K.linear_weight_grad(eq, a_in.reshape(n, -1), g)
