@@ -3,7 +3,8 @@
 Cases (fedshift_cnn, ~2.16 M float32 parameters, updates generated on the fly):
 - throughput of streaming ``fedshift`` and ``prowd-swa`` (half Int8, half Float32) over
   N updates (accept + finish), in updates/s, against ``np.mean(stacked, axis=0)`` over the
-  same N updates stacked, timed in the same run (stacking not timed);
+  same N updates stacked, timed in the same run (stacking not timed); and of ``fedshift``
+  fed asym-4 wire tensors (``accept_encoded``: decoded straight into the sums);
 - peak RSS of a fresh subprocess streaming 1,000 vs 10 updates into ``fedshift``.
 
 Run: ``.venv/bin/python benchmarks/aggregate.py [--quick]``; prints JSON lines.
@@ -20,7 +21,7 @@ import time
 
 import numpy as np
 
-from coordinator.strategies import ClientUpdate, build_strategy
+from coordinator.strategies import ClientUpdate, EncodedUpdate, build_strategy
 from edge_client.codecs import decode, encode, get_codec
 from firmware_models import get_spec
 
@@ -47,13 +48,28 @@ def base_model(seed: int = 0) -> list[np.ndarray]:
     return [(0.05 * rng.standard_normal(s)).astype(np.float32) for s in SHAPES]
 
 
+def encoded_sets(base: list[np.ndarray], k: int = 4) -> list[tuple]:
+    """``k`` distinct asym-4 encodings of perturbed base models (re-labelled per device)."""
+    rng = np.random.default_rng(1)
+    return [tuple(encode(b + rng.normal(0, 0.01, b.shape).astype(np.float32), codec="asym", bits=4)
+                  for b in base) for _ in range(k)]
+
+
 def stream_seconds(name: str, n: int, base: list[np.ndarray], via_codec: bool = False,
-                   **params) -> float:
+                   encoded: list[tuple] | None = None, **params) -> float:
+    """accept (or, with ``encoded`` wire tensors, accept_encoded) of ``n`` updates + finish."""
     strat = build_strategy(name, **params)
     strat.begin_round(1, base)
     spent = 0.0
     for i in range(n):
-        u = make_update(i, base, 8 if (name.startswith("prowd") and i % 2) else 32, via_codec)
+        bits = 8 if (name.startswith("prowd") and i % 2) else 32
+        if encoded is not None:
+            eu = EncodedUpdate(f"d{i}", 100 + i % 7, encoded[i % len(encoded)], "weights", bits, True)
+            t0 = time.perf_counter()
+            strat.accept_encoded(eu)
+            spent += time.perf_counter() - t0
+            continue
+        u = make_update(i, base, bits, via_codec)
         t0 = time.perf_counter()
         strat.accept(u)
         spent += time.perf_counter() - t0
@@ -127,6 +143,8 @@ def main() -> None:
         ("fedshift", {}, " (raw arrays: the strategy checks finiteness)"),
         ("fedshift", {"acc_dtype": "float64"}, " acc=float64 (raw arrays)"),
         ("prowd-swa", {"tau": 0.1, "via_codec": True}, " (decoded)"),
+        ("fedshift", {"encoded": encoded_sets(base)},
+         " (asym-4 wire tensors: fused decode+accumulate, the coordinator's path)"),
     )
     # interleaved: each pass times the anchor and every case once, so that a burst of
     # load elsewhere on the machine hits one pass of all of them, not one case's passes;
