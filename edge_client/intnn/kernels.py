@@ -248,6 +248,7 @@ def maxpool_forward(a, k, stride, pad, out, idx, want_idx):
 
     When ``want_idx``, idx[n, y, x, c] receives the flat index (iy*W + ix)*C + c of the
     winner in sample n (for backward); otherwise idx is not touched (may be a dummy).
+    The channel loops are branch-free (selects) so that they vectorize.
     """
     h_in = a.shape[1]
     w_in = a.shape[2]
@@ -255,6 +256,8 @@ def maxpool_forward(a, k, stride, pad, out, idx, want_idx):
     for n in range(out.shape[0]):
         for y in range(out.shape[1]):
             for x in range(out.shape[2]):
+                o_row = out[n, y, x]
+                i_row = idx[n, y, x] if want_idx else idx[0, 0, 0]
                 first = True
                 for kh in range(k):
                     iy = y * stride + kh - pad
@@ -264,21 +267,24 @@ def maxpool_forward(a, k, stride, pad, out, idx, want_idx):
                         ix = x * stride + kw - pad
                         if ix < 0 or ix >= w_in:
                             continue
-                        base = (iy * w_in + ix) * c_in
+                        b32 = np.int32((iy * w_in + ix) * c_in)
+                        src = a[n, iy, ix]
                         if first:
                             for c in range(c_in):
-                                out[n, y, x, c] = a[n, iy, ix, c]
+                                o_row[c] = src[c]
                             if want_idx:
                                 for c in range(c_in):
-                                    idx[n, y, x, c] = base + c
+                                    i_row[c] = np.int32(b32 + np.int32(c))
                             first = False
+                        elif want_idx:
+                            for c in range(c_in):
+                                v = src[c]
+                                cur = o_row[c]
+                                o_row[c] = max(v, cur)
+                                i_row[c] = np.int32(b32 + np.int32(c)) if v > cur else i_row[c]
                         else:
                             for c in range(c_in):
-                                v = a[n, iy, ix, c]
-                                if v > out[n, y, x, c]:
-                                    out[n, y, x, c] = v
-                                    if want_idx:
-                                        idx[n, y, x, c] = base + c
+                                o_row[c] = max(src[c], o_row[c])
 
 
 @njit(cache=True)
