@@ -1,0 +1,42 @@
+"""Every benchmark script still runs (``make bench --quick``'s path) and reports the
+figures its issue asks for, each against an anchor measured in the same run."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+#: per benchmark, the (case substring, metric) lines its issue names
+WANTED = {
+    "aggregate": [("fedshift n=", "throughput"), ("prowd-swa", "throughput"), ("wire tensors", "throughput"),
+                  ("vs 10 updates", "rss")],
+    "codecs": [("kmeans-8", "encode_ms"), ("kmeans-4", "encode_ms"), ("asym-8", "encode_ms"),
+               ("kmeans-4", "mse")],
+    "round_overhead": [("fedshift_cnn asym-4", "updates_per_s"), ("20 devices", "coordinator_seconds_per_round")],
+    "train_throughput": [("fedshift_cnn int8", "throughput"), ("digits_cnn int8", "throughput"),
+                         ("fedshift_cnn int8", "rss"), ("fedshift_cnn int8", "warm_start_s")],
+}
+
+
+@pytest.mark.slow
+def test_run_all_quick_writes_every_benchmarks_lines(tmp_path: Path) -> None:
+    out = tmp_path / "quick.jsonl"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "run_all.py"), "--quick", "--out", str(out)],
+                          capture_output=True, text=True, timeout=540, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    recs = [json.loads(line) for line in out.read_text().splitlines()]
+    assert recs and all(r["quick"] is True for r in recs)
+    for r in recs:
+        assert {"bench", "case", "metric", "value", "unit", "anchor", "anchor_value", "ratio"} <= set(r)
+        assert r["value"] == r["value"] and r["value"] >= 0  # not NaN
+    for bench, wanted in WANTED.items():
+        mine = [r for r in recs if r["bench"] == bench]
+        for case, metric in wanted:
+            assert any(case in r["case"] and r["metric"] == metric and r["anchor_value"] for r in mine), \
+                (bench, case, metric, [(r["case"], r["metric"]) for r in mine])
