@@ -1,18 +1,18 @@
 """Coordinator overhead: per received update, and in an end-to-end round over mosquitto.
 
 1. ``fedshift_cnn asym-4``: the coordinator's whole per-update path — validate (msgpack
-   + fields), decode to float32 (asym 4-bit, 2.16 M weights), stream into FedShift,
-   persist to the inbox log (fdatasync), ack — plus the round's ``finish()`` amortised,
-   as updates/s. Anchor (same run, same bytes): reading each payload back from a file and
-   summing its bytes with numpy (the floor any handler pays). Cases: a burst taken by the
-   round loop (group commit: one sync per batch, run by the committer thread while the
-   loop decodes the next batch), one update at a time (one sync each), and the burst
-   without fsync (what durability costs). The floor and the three cases are timed in
-   interleaved passes (5; 3 with ``--quick``), the best pass of each kept. The first line also carries the milliseconds per update of each stage
-   (validate; decode + aggregate, fused: the update is folded into the sums straight
-   from its 4-bit payload, never decoded to float32; persist = append + one sync per
-   update; finish() per update; measured one stage at a time, so without the group
-   commit's overlap).
+   + fields), decode asym 4-bit (2.16 M weights) straight into FedShift's running sums
+   (fused, four updates per pass), persist to the inbox log (checksum, write, fdatasync),
+   ack — plus the round's ``finish()`` amortised, as updates/s. Anchor (same run, same
+   bytes): reading each payload back from a file and summing its bytes with numpy (the
+   floor any handler pays). Cases: a burst taken by the round loop (group commit: the
+   appends, one sync per batch and the acks run in the persist and committer threads
+   while the loop decodes the next batch), one update at a time (one sync each), and the
+   burst without fsync (what durability costs). The floor and the three cases are timed
+   in interleaved passes (5; 3 with ``--quick``), the best pass of each kept. The first
+   line also carries the milliseconds per update of each stage (validate; decode +
+   aggregate, one update per pass; persist = append + one sync per update; finish() per
+   update; measured one stage at a time, so without the overlap of the threads).
 2. ``digits_cnn 20 devices``: rounds with 20 emulated devices (10 Int8 + 10 float32,
    real trainers, 1 epoch, threads of one separate process with one MQTT session each)
    over mosquitto (amqtt when mosquitto is not installed), after the first round (JIT,
