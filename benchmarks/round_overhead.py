@@ -19,18 +19,18 @@
    imports). **Coordinator overhead** (``value``) is the wall time the round spends in
    coordinator work, i.e. not waiting for devices: the round loop's own steps, timed
    with ``perf_counter`` around each — handling received messages (validate, decode,
-   aggregate, append to the inbox), building the model variants, saving the round plan
+   aggregate), building the model variants, saving the round plan
    and queueing the publishes (``announce_seconds``, which also holds the wait, after
    collection, for the announcement's PUBACKs still missing: ~0, they came back while
-   the devices trained), waiting for the last inbox sync + acks at the end of
-   collection, ``finish()`` (``aggregate_seconds``), the checkpoint + metrics line +
+   the devices trained), waiting for the last inbox append + sync + acks at the
+   end of collection, ``finish()`` (``aggregate_seconds``), the checkpoint + metrics line +
    status publish (``checkpoint_seconds``). It is wall time, so it includes being
    descheduled while 20 training devices share the 2 cores. Not in it: evaluation
    (``eval_seconds``, reported apart), the 50 ms wait for simultaneous hellos to settle
    at selection, and what runs in the background while the loop waits for devices —
-   the committer thread's ``fdatasync`` + PUBACKs of received updates and the broker's
-   PUBACKs of our publishes (their CPU time is in ``cpu_seconds``, the CPU time of the
-   loop's and the committer's threads).
+   the persist and committer threads' appends, ``fdatasync`` and PUBACKs of received
+   updates, and the broker's PUBACKs of our publishes (their CPU time is in
+   ``cpu_seconds``, the CPU time of the loop's thread and of those two).
    Two local data sizes: 1/20 of the digits training split per device (72 samples) and
    1/4 (~360 samples, as in ``fedbit demo``). Target: < 10 %.
 
