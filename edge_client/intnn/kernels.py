@@ -14,14 +14,22 @@ ternary weights ``int8``; stored weights ``int8``/``int16``; raw (pre-quantizati
 errors and forward accumulators ``int32``; weight gradients ``int32`` when the bound
 ``amax^2 * pixels`` fits, else ``int64``.
 
-Convolution forward comes in two bit-identical variants: :func:`conv_forward_col` (the
-default: a transposed im2col of the batch, then each non-zero ternary weight adds or
-subtracts a whole block of pixels, int16 partial sums for s <= 8; the im2col is kept for
-the weight gradient) and :func:`conv_forward` (per output pixel, the non-zero inputs are
-compacted and accumulated over contiguous output channels; it wins when inputs are very
-sparse). The weight gradient is a dot product over pixels (:func:`conv_weight_grad_dot`,
-int32) or a row-blocked accumulation (:func:`conv_weight_grad`, any width, int64 for
-s > 8).
+Convolution forward comes in three bit-identical variants: :func:`conv_forward_plane`
+(the default for stride 1: the input in a padded planar layout that fits in L2, and per
+output channel lists of its +1 and -1 weights; each list entry adds or subtracts a
+contiguous run of the plane to a block of output positions, int16 partial sums for
+s <= 8, no im2col), :func:`conv_forward_col` (other strides: a transposed im2col of the
+batch, then each non-zero ternary weight adds or subtracts a whole block of pixels; the
+im2col is kept for the weight gradient) and :func:`conv_forward` (per output pixel, the
+non-zero inputs are compacted and accumulated over contiguous output channels; it wins
+when inputs are very sparse). The weight gradient is driven by the non-zero errors
+(:func:`conv_weight_grad_sparse`: after ReLU masking and max-pool routing 5-20% of them
+are non-zero; used when the K*C values of a patch row are enough to vectorize), a dot
+product over pixels (:func:`conv_weight_grad_plane` from runs of the stride-1 plane, or
+:func:`conv_weight_grad_dot` from the im2col, int32) or a row-blocked accumulation
+(:func:`conv_weight_grad`, any width, int64 for s > 8).
+Backward-data sums per pixel in int16 when O * amax fits
+(:func:`conv_backward_data_narrow`), else in int32 (:func:`conv_backward_data`).
 
 Rounding: ``round_shift(v, k)`` divides by ``2^k`` rounding half away from zero
 (``k > 0``), multiplies by ``2^-k`` (``k < 0``), and is the identity for ``k == 0``.
@@ -847,21 +855,15 @@ def _to_plane(a, pad, plane):
 @njit(cache=True, inline="always")
 def _add_runs(accv, pf, offs, lst_o, i0, i1, npos, q0, m):
     """accv[:m] += sum of the plane runs pf[offs[r] + q0:][:m] for the list entries
-    i0 <= i < i1 (added below npos, subtracted from npos on), four runs per pass."""
+    i0 <= i < i1 (added below npos, subtracted from npos on), eight runs per pass."""
     i = i0
     pe = min(i1, npos)
-    while i + 4 <= pe:
-        b0 = offs[lst_o[i]] + q0
-        b1 = offs[lst_o[i + 1]] + q0
-        b2 = offs[lst_o[i + 2]] + q0
-        b3 = offs[lst_o[i + 3]] + q0
-        r0 = pf[b0:b0 + m]
-        r1 = pf[b1:b1 + m]
-        r2 = pf[b2:b2 + m]
-        r3 = pf[b3:b3 + m]
+    while i + 8 <= pe:
+        r0, r1, r2, r3, r4, r5, r6, r7 = _eight_runs(pf, offs, lst_o, i, q0, m)
         for j in range(m):
-            accv[j] = accv[j] + r0[j] + r1[j] + r2[j] + r3[j]
-        i += 4
+            accv[j] = accv[j] + (((r0[j] + r1[j]) + (r2[j] + r3[j]))
+                                 + ((r4[j] + r5[j]) + (r6[j] + r7[j])))
+        i += 8
     while i < pe:
         b0 = offs[lst_o[i]] + q0
         r0 = pf[b0:b0 + m]
@@ -870,24 +872,32 @@ def _add_runs(accv, pf, offs, lst_o, i0, i1, npos, q0, m):
         i += 1
     if i < npos:
         i = npos
-    while i + 4 <= i1:
-        b0 = offs[lst_o[i]] + q0
-        b1 = offs[lst_o[i + 1]] + q0
-        b2 = offs[lst_o[i + 2]] + q0
-        b3 = offs[lst_o[i + 3]] + q0
-        r0 = pf[b0:b0 + m]
-        r1 = pf[b1:b1 + m]
-        r2 = pf[b2:b2 + m]
-        r3 = pf[b3:b3 + m]
+    while i + 8 <= i1:
+        r0, r1, r2, r3, r4, r5, r6, r7 = _eight_runs(pf, offs, lst_o, i, q0, m)
         for j in range(m):
-            accv[j] = accv[j] - r0[j] - r1[j] - r2[j] - r3[j]
-        i += 4
+            accv[j] = accv[j] - (((r0[j] + r1[j]) + (r2[j] + r3[j]))
+                                 + ((r4[j] + r5[j]) + (r6[j] + r7[j])))
+        i += 8
     while i < i1:
         b0 = offs[lst_o[i]] + q0
         r0 = pf[b0:b0 + m]
         for j in range(m):
             accv[j] = accv[j] - r0[j]
         i += 1
+
+
+@njit(cache=True, inline="always")
+def _eight_runs(pf, offs, lst_o, i, q0, m):
+    b0 = offs[lst_o[i]] + q0
+    b1 = offs[lst_o[i + 1]] + q0
+    b2 = offs[lst_o[i + 2]] + q0
+    b3 = offs[lst_o[i + 3]] + q0
+    b4 = offs[lst_o[i + 4]] + q0
+    b5 = offs[lst_o[i + 5]] + q0
+    b6 = offs[lst_o[i + 6]] + q0
+    b7 = offs[lst_o[i + 7]] + q0
+    return (pf[b0:b0 + m], pf[b1:b1 + m], pf[b2:b2 + m], pf[b3:b3 + m],
+            pf[b4:b4 + m], pf[b5:b5 + m], pf[b6:b6 + m], pf[b7:b7 + m])
 
 
 @njit(cache=True)
@@ -900,8 +910,9 @@ def conv_forward_plane(a, lst, cnt, k, pad, shift, amax, relu, out, plane, offs,
     offs: int32 scratch [K*K*C]; acc: int32 scratch and acc16 int16 scratch (s <= 8;
     else length 0) of a block of positions; tile: [O, block] scratch of out's dtype.
     For every non-zero ternary weight a run of the plane is added or subtracted (no
-    multiplication; int16 partial sums over <= 256 runs when |a| <= 127, which cannot
-    overflow), then rounding shift + clip (+ ReLU) write the valid positions of ``out``.
+    multiplication, eight runs per pass; int16 partial sums over <= 256 runs when
+    |a| <= 127, which cannot overflow), then rounding shift + clip (+ ReLU) write the valid
+    positions of ``out``.
     """
     n_s = a.shape[0]
     h_in = a.shape[1]
