@@ -1204,26 +1204,46 @@ def sgd_update(w, g, lr_log2, wmax, thr, key, t, extra, extra_shift, key2):
 @njit(cache=True, inline="always")
 def _update_common(w, g, sh, wmax, thr, key, t):
     """The usual case of :func:`sgd_update` (0 < sh <= 62, no extra term), branch-free so
-    that it vectorizes; same results as the general loop."""
+    that it vectorizes; same results as the general loop. Blocks of 256 all-zero gradients
+    (whole rows of a linear layer whose errors are all zero) skip the random draws: their
+    update is zero, only the clip and the ternarization remain."""
     frac_mask = (np.int64(1) << sh) - 1
     top = 62 - sh
-    for j in range(w.shape[0]):
-        gv = np.int64(g[j])
-        av = -gv if gv < 0 else gv
-        fl = av >> sh
-        fr = av & frac_mask
-        z = key + (j + 1) * _GOLDEN
-        z = (z ^ ((z >> 30) & 0x3FFFFFFFF)) * _MIX1
-        z = (z ^ ((z >> 27) & 0x1FFFFFFFFF)) * _MIX2
-        z = z ^ ((z >> 31) & 0x1FFFFFFFF)
-        r = ((z >> 2) & _MASK62) >> top
-        fl += np.int64(r < fr)
-        d = -fl if gv < 0 else fl
-        v = np.int64(w[j]) - d
-        v = wmax if v > wmax else v
-        v = -wmax if v < -wmax else v
-        w[j] = v
-        t[j] = 1 if v > thr else (-1 if v < -thr else 0)
+    n = w.shape[0]
+    for b0 in range(0, n, 256):
+        m = min(n, b0 + 256) - b0
+        gb = g[b0:b0 + m]
+        wb = w[b0:b0 + m]
+        tb = t[b0:b0 + m]
+        nz = np.int64(0)
+        for j in range(m):
+            nz |= np.int64(gb[j])
+        if nz == 0:
+            for j in range(m):
+                v = np.int64(wb[j])
+                v = wmax if v > wmax else v
+                v = -wmax if v < -wmax else v
+                wb[j] = v
+                tb[j] = 1 if v > thr else (-1 if v < -thr else 0)
+            continue
+        kb = key + b0 * _GOLDEN
+        for j in range(m):
+            gv = np.int64(gb[j])
+            av = -gv if gv < 0 else gv
+            fl = av >> sh
+            fr = av & frac_mask
+            z = kb + (j + 1) * _GOLDEN
+            z = (z ^ ((z >> 30) & 0x3FFFFFFFF)) * _MIX1
+            z = (z ^ ((z >> 27) & 0x1FFFFFFFFF)) * _MIX2
+            z = z ^ ((z >> 31) & 0x1FFFFFFFF)
+            r = ((z >> 2) & _MASK62) >> top
+            fl += np.int64(r < fr)
+            d = -fl if gv < 0 else fl
+            v = np.int64(wb[j]) - d
+            v = wmax if v > wmax else v
+            v = -wmax if v < -wmax else v
+            wb[j] = v
+            tb[j] = 1 if v > thr else (-1 if v < -thr else 0)
 
 
 @njit(cache=True)
