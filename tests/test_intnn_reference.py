@@ -501,16 +501,20 @@ def test_linear_kernels_match_reference(bits):
     dt = np.int8 if bits <= 8 else np.int16
     a = rng.integers(-amax, amax + 1, size=(6, 37))
     t = rng.integers(-1, 2, size=(11, 37))
-    out = np.zeros((6, 11), dt)
-    K.linear_forward(a.astype(dt), t.astype(np.int8), 3, amax, True, out)
-    assert np.array_equal(out, ref_finish(a @ t.T, 3, amax, True))
+    for n in (6, 5):  # an odd number of samples: one left after the pairs
+        out = np.zeros((n, 11), dt)
+        K.linear_forward(a[:n].astype(dt), t.astype(np.int8), 3, amax, True, out,
+                         np.full((6, 11), 5, np.int32))
+        assert np.array_equal(out, ref_finish(a[:n] @ t.T, 3, amax, True))
     eq = rng.integers(-amax, amax + 1, size=(6, 11))
-    back = np.zeros((6, 37), np.int32)
+    eq[rng.random(eq.shape) < 0.3] = 0  # odd and even numbers of non-zero errors
+    back = np.full((6, 37), 3, np.int32)
     K.linear_backward_data(eq.astype(dt), t.astype(np.int8), back)
     assert np.array_equal(back, eq @ t)
-    g = np.zeros((11, 37), np.int64)
-    K.linear_weight_grad(eq.astype(dt), a.astype(dt), g)
-    assert np.array_equal(g, eq.T @ a)
+    for gdt in ((np.int32, np.int64) if bits <= 8 else (np.int64,)):
+        g = np.full((11, 37), 3, gdt)
+        K.linear_weight_grad(eq.astype(dt), a.astype(dt), g)
+        assert np.array_equal(g, eq.T @ a)
 
 
 @pytest.mark.parametrize("bits", BITS)

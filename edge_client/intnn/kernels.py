@@ -138,36 +138,6 @@ def _finish(acc: int, shift: int, amax: int, relu: bool) -> int:
     return v
 
 
-@njit(cache=True, inline="always")
-def _dot_all(patch, t2, out, n, y, x, shift, amax, relu):
-    """out[n, y, x, o] = finish(sum_r patch[r] * t2[o, r]) for every o (4 at a time)."""
-    n_out = t2.shape[0]
-    r_len = t2.shape[1]
-    o = 0
-    while o + 4 <= n_out:
-        a0 = np.int32(0)
-        a1 = np.int32(0)
-        a2 = np.int32(0)
-        a3 = np.int32(0)
-        for r in range(r_len):
-            v = np.int32(patch[r])
-            a0 = np.int32(a0 + v * np.int32(t2[o, r]))
-            a1 = np.int32(a1 + v * np.int32(t2[o + 1, r]))
-            a2 = np.int32(a2 + v * np.int32(t2[o + 2, r]))
-            a3 = np.int32(a3 + v * np.int32(t2[o + 3, r]))
-        out[n, y, x, o] = _finish(a0, shift, amax, relu)
-        out[n, y, x, o + 1] = _finish(a1, shift, amax, relu)
-        out[n, y, x, o + 2] = _finish(a2, shift, amax, relu)
-        out[n, y, x, o + 3] = _finish(a3, shift, amax, relu)
-        o += 4
-    while o < n_out:
-        a0 = np.int32(0)
-        for r in range(r_len):
-            a0 = np.int32(a0 + np.int32(patch[r]) * np.int32(t2[o, r]))
-        out[n, y, x, o] = _finish(a0, shift, amax, relu)
-        o += 1
-
-
 @njit(cache=True)
 def conv_forward(a, t, stride, pad, shift, amax, relu, out, acc):
     """Fused direct conv: ternary accumulate + rounding shift + clip (+ ReLU).
@@ -242,12 +212,18 @@ def conv_forward(a, t, stride, pad, shift, amax, relu, out, acc):
 
 
 @njit(cache=True)
-def linear_forward(a, t, shift, amax, relu, out):
-    """a: [N, F]; t: [O, F] int8 ternary; out: [N, O] = finish(a @ t.T)."""
-    a4 = a.reshape(a.shape[0], 1, 1, a.shape[1])
-    o4 = out.reshape(out.shape[0], 1, 1, out.shape[1])
-    for n in range(a.shape[0]):
-        _dot_all(a4[n, 0, 0], t, o4, n, 0, 0, shift, amax, relu)
+def linear_forward(a, t, shift, amax, relu, out, acc):
+    """a: [N, F]; t: [O, F] int8 ternary; out: [N, O] = finish(a @ t.T); acc: int32
+    scratch [>= N, O]. Dot products of 2 samples x 4 outputs per pass (t is read from
+    memory N/2 times, not N times)."""
+    n = a.shape[0]
+    n_out = t.shape[0]
+    acc2 = acc[:n]
+    acc2[...] = 0
+    _dots_rows(a, t, a.shape[1], acc2, n, n_out)
+    for i in range(n):
+        for o in range(n_out):
+            out[i, o] = _finish(acc2[i, o], shift, amax, relu)
 
 
 @njit(cache=True)
@@ -1108,40 +1084,78 @@ def conv_weight_grad_sparse(eq, a, stride, pad, g_out, a_pad, gt):
             g2[r, o] = gt[o, r]
 
 
-@njit(cache=True, inline="always")
-def _axpy_row(g2, o, e, v, r_len):
-    """g2[o, :] += e * v, wrapping to g2's integer width (the caller sizes it)."""
-    e64 = np.int64(e)
-    for r in range(r_len):
-        g2[o, r] += e64 * v[r]
-
-
 @njit(cache=True)
 def linear_backward_data(eq, t, out):
-    """out[n, :] = sum_o eq[n, o] * t[o, :]; eq [N, O], t [O, F] ternary, out [N, F] int32."""
+    """out[n, :] = sum_o eq[n, o] * t[o, :]; eq [N, O], t [O, F] ternary, out [N, F] int32.
+    Two non-zero errors per pass over the row."""
     f = t.shape[1]
     for n in range(eq.shape[0]):
+        row = out[n]
         for i in range(f):
-            out[n, i] = 0
+            row[i] = 0
+        have = False
+        g1 = np.int32(0)
+        o1 = 0
         for o in range(eq.shape[1]):
             g = np.int32(eq[n, o])
             if g == 0:
                 continue
+            if not have:
+                g1 = g
+                o1 = o
+                have = True
+                continue
+            have = False
+            t1 = t[o1]
+            t2 = t[o]
             for i in range(f):
-                out[n, i] = np.int32(out[n, i] + g * np.int32(t[o, i]))
+                row[i] = np.int32(row[i] + g1 * np.int32(t1[i]) + g * np.int32(t2[i]))
+        if have:
+            t1 = t[o1]
+            for i in range(f):
+                row[i] = np.int32(row[i] + g1 * np.int32(t1[i]))
 
 
 @njit(cache=True)
 def linear_weight_grad(eq, a, g_out):
-    """g_out[o, :] = sum_n eq[n, o] * a[n, :]; g_out [O, F] int32 or int64."""
-    g_out[...] = 0
+    """g_out[o, :] = sum_n eq[n, o] * a[n, :]; g_out [O, F] int32 or int64.
+
+    One output row at a time (it stays in L1 while the samples are added); for int32,
+    two non-zero errors per pass."""
     f = g_out.shape[1]
-    for n in range(eq.shape[0]):
-        for o in range(eq.shape[1]):
-            e = eq[n, o]
+    n_s = eq.shape[0]
+    wide = g_out.itemsize > 4
+    for o in range(g_out.shape[0]):
+        row = g_out[o]
+        for j in range(f):
+            row[j] = 0
+        have = False
+        e1 = np.int32(0)
+        n1 = 0
+        for n in range(n_s):
+            e = np.int32(eq[n, o])
             if e == 0:
                 continue
-            _axpy_row(g_out, o, e, a[n], f)
+            if wide:
+                x = a[n]
+                e64 = np.int64(e)
+                for j in range(f):
+                    row[j] += e64 * x[j]
+                continue
+            if not have:
+                e1 = e
+                n1 = n
+                have = True
+                continue
+            have = False
+            x1 = a[n1]
+            x2 = a[n]
+            for j in range(f):
+                row[j] = np.int32(row[j] + e1 * np.int32(x1[j]) + e * np.int32(x2[j]))
+        if have:
+            x1 = a[n1]
+            for j in range(f):
+                row[j] = np.int32(row[j] + e1 * np.int32(x1[j]))
 
 
 @njit(cache=True)

@@ -103,8 +103,8 @@ class Workspace:
     Per op (lists indexed like ``IntModel.ops``, None where unused): ``acts`` outputs
     (s-bit), ``idx`` max-pool winners (int32), ``eq`` quantized errors at conv/linear
     outputs (s-bit), ``err_in`` raw errors at op inputs (int32), ``patch`` int32 [O]
-    accumulators of the sparse conv, ``pbuf`` [K*K*C] backward-data scratch (int16
-    when ``O * amax`` fits, else int32),
+    accumulators of the sparse conv (int32 [N, O] for a linear layer's forward), ``pbuf``
+    [K*K*C] backward-data scratch (int16 when ``O * amax`` fits, else int32),
     ``gacc`` [O] gradient scratch (int64 path), ``col_t`` the transposed im2col
     [K*K*C, pixels] (s-bit), ``e_t`` errors transposed [O, pixels], ``pacc``/``pacc16``/
     ``ptile`` pixel-block accumulators and finished outputs of the conv forward;
@@ -398,7 +398,9 @@ class IntModel:
                 pacc.append(None)
                 pacc16.append(None)
                 ptile.append(None)
-                patch.append(None)
+                # linear: int32 [N, O] dot-product accumulators of the forward
+                patch.append(np.zeros((n, op.out_shape[0]), np.int32)
+                             if op.kind == "linear" else None)
                 pbuf.append(None)
             if train and is_param:
                 size = int(np.prod(self.internal_shapes[op.param]))
@@ -491,7 +493,8 @@ class IntModel:
                     K.conv_forward(prev, self.t[op.param], lay.stride, lay.padding, op.shift,
                                    self.amax, op.relu, out, ws.patch[i])
             elif op.kind == "linear":
-                K.linear_forward(prev, self.t[op.param], op.shift, self.amax, op.relu, out)
+                K.linear_forward(prev, self.t[op.param], op.shift, self.amax, op.relu, out,
+                                 ws.patch[i])
             elif op.kind == "pool":
                 lay = op.layer
                 K.maxpool_forward(prev, lay.kernel, lay.step, lay.padding, out,
