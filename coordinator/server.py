@@ -139,16 +139,6 @@ def model_tensors(weights: list[np.ndarray], names: list[str], variant: str) -> 
                  for q, n in zip(ints, names, strict=True))
 
 
-def _sigma_loc(m: Update) -> list[float] | None:
-    """Per-layer ``aux["sigma_loc"]`` when every tensor carries one (DANUQ), else None."""
-    sig = [t.aux.get("sigma_loc") for t in m.tensors]
-    if not sig or any(x is None for x in sig):
-        return None
-    if not all(isinstance(x, int | float) and not isinstance(x, bool) for x in sig):
-        raise ProtocolError("aux.sigma_loc: expected a number in every tensor")
-    return [float(x) for x in sig]
-
-
 def classify(exc: ProtocolError) -> str:
     """A short reason label for metrics from a ProtocolError's message."""
     text = str(exc)
@@ -309,7 +299,11 @@ class Coordinator:
             info.online = m.online
 
     def _encoded_update(self, m: Update) -> Any:
-        """Wire update -> ``EncodedUpdate`` (layer count and shapes checked, nothing decoded)."""
+        """Wire update -> ``EncodedUpdate`` (layer count and shapes checked, nothing
+        decoded; integer devices' bitwidth as sent, float devices' as 32). Every codec but
+        float32 counts as lossy (FedShift's inferior set also includes every integer
+        device)."""
+        from coordinator.strategies.decode import is_lossy, sigma_loc_of
         from coordinator.strategies.types import EncodedUpdate
 
         if len(m.tensors) != len(self.shapes):
@@ -318,33 +312,28 @@ class Coordinator:
             if tuple(t.shape) != shape:
                 raise ProtocolError(f"tensors[{i}].shape: {list(t.shape)} != {list(shape)}")
         bits = m.compute_bits if m.compute_bits <= 16 else 32
-        sigma_loc = _sigma_loc(m)
         return EncodedUpdate(m.device_id, m.num_samples, m.tensors, m.content, bits,
-                             any(t.codec != "float32" for t in m.tensors), sigma_loc)
+                             is_lossy(m.tensors), sigma_loc_of(m.tensors))
 
     def _takes_encoded(self, eu: Any) -> bool:
         takes = getattr(self.strategy, "takes_encoded", None)
         return bool(takes is not None and takes(eu))
 
-    def _decode_update(self, m: Update) -> Any:
-        """Wire update -> ``ClientUpdate`` in the shared domain; ProtocolError if unusable.
+    def _decode_update(self, eu: Any) -> Any:
+        """Checked ``EncodedUpdate`` -> ``ClientUpdate`` in the shared domain (the path
+        for updates the strategy cannot fold encoded); ProtocolError if unusable.
 
         Integer tensors (codec ``int``) are mapped exactly to ``q / 2^(max(s, 8) - 1)``
-        (ALGORITHMS.md §2); every codec but float32 counts as lossy (FedShift's inferior
-        set also includes every integer device).
+        (ALGORITHMS.md §2); float ones are decoded into reused buffers.
         """
         from coordinator.strategies.types import ClientUpdate
         from edge_client.codecs import decode, get_codec
         from edge_client.runtime import decode_tensor
 
-        if len(m.tensors) != len(self.shapes):
-            raise ProtocolError(f"tensors: {len(m.tensors)} layers, model {self.cfg.model} has {len(self.shapes)}")
-        bits = m.compute_bits if m.compute_bits <= 16 else 32
+        bits = eu.compute_bits
         bufs = self._decode_buffers.take()
         weights = []
-        for i, (t, shape) in enumerate(zip(m.tensors, self.shapes, strict=True)):
-            if tuple(t.shape) != shape:
-                raise ProtocolError(f"tensors[{i}].shape: {list(t.shape)} != {list(shape)}")
+        for i, (t, shape) in enumerate(zip(eu.tensors, self.shapes, strict=True)):
             try:
                 # float32 results straight into a reused buffer; integer ones the old way
                 a = decode(t, out=bufs[i]) if t.dtype == "float32" else np.asarray(decode_tensor(t))
@@ -359,11 +348,9 @@ class Coordinator:
                     raise ProtocolError(f"tensors[{i}]: integer tensor from a float device")
                 a = a.astype(np.float32) * np.float32(2.0 ** -(max(bits, 8) - 1))
             weights.append(np.asarray(a, dtype=np.float32))
-        lossy = any(t.codec != "float32" for t in m.tensors)
-        sigma_loc = _sigma_loc(m)
         # every value already proved finite by the codecs' decode: the strategy need not re-read
-        finite = all(get_codec(t.codec).finite_output for t in m.tensors)
-        return ClientUpdate(m.device_id, m.num_samples, weights, m.content, bits, lossy, sigma_loc,
+        finite = all(get_codec(t.codec).finite_output for t in eu.tensors)
+        return ClientUpdate(eu.device_id, eu.num_samples, weights, eu.kind, bits, eu.lossy, eu.sigma_loc,
                             finite=finite)
 
     def _handle_update(self, msg: Inbound, *, replay: bool = False) -> bool:
@@ -398,7 +385,7 @@ class Coordinator:
         try:
             eu = self._encoded_update(m)
             fused = self._takes_encoded(eu)
-            cu = None if fused else self._decode_update(m)
+            cu = None if fused else self._decode_update(eu)
         except ProtocolError as exc:
             self._reject(msg, classify(exc), str(exc))
             return False

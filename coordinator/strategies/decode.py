@@ -39,13 +39,27 @@ def decode_tensors(tensors: Sequence[EncodedTensor], compute_bits: int = FLOAT_B
     return out
 
 
+def is_lossy(tensors: Sequence[EncodedTensor]) -> bool:
+    """Whether any layer came through a lossy codec (every codec but ``float32``)."""
+    return any(t.codec not in LOSSLESS_CODECS for t in tensors)
+
+
+def sigma_loc_of(tensors: Sequence[EncodedTensor]) -> list[float] | None:
+    """Per-layer ``aux["sigma_loc"]`` (DANUQ) when every layer carries one, else None;
+    ProtocolError when one is not a number."""
+    sig = [t.aux.get("sigma_loc") for t in tensors]
+    if not sig or any(s is None for s in sig):
+        return None
+    if not all(isinstance(s, int | float) and not isinstance(s, bool) for s in sig):
+        raise ProtocolError("aux.sigma_loc: expected a number in every tensor")
+    return [float(s) for s in sig]
+
+
 def decode_update(device_id: str, num_samples: int, tensors: Sequence[EncodedTensor], *,
                   kind: str = "weights", compute_bits: int = FLOAT_BITS) -> ClientUpdate:
     """Build a :class:`ClientUpdate` from wire tensors. ``lossy`` is set when any layer
     used a lossy codec; ``sigma_loc`` is read from each layer's ``aux["sigma_loc"]`` when
     every layer carries one (DANUQ)."""
     weights = decode_tensors(tensors, compute_bits)
-    lossy = any(t.codec not in LOSSLESS_CODECS for t in tensors)
-    sig = [t.aux.get("sigma_loc") for t in tensors]
-    sigma_loc = [float(s) for s in sig] if sig and all(s is not None for s in sig) else None
-    return ClientUpdate(device_id, num_samples, weights, kind, compute_bits, lossy, sigma_loc)
+    return ClientUpdate(device_id, num_samples, weights, kind, compute_bits, is_lossy(tensors),
+                        sigma_loc_of(tensors))
