@@ -161,3 +161,16 @@ def test_accumulate_many_with_mixed_codecs_and_a_float64_sum() -> None:
         accumulate_many([accumulator(t) for t in ts], acc, [1.0] * 6)
         want = sum(decode(t).astype(np.float64) for t in ts)
         np.testing.assert_allclose(acc, want, rtol=0, atol=1e-5)
+
+
+def test_sigma_loc_is_read_from_every_layer_or_rejected() -> None:
+    from coordinator.strategies.decode import is_lossy, sigma_loc_of
+
+    x = np.random.default_rng(0).normal(0, 1, 20).astype(np.float32)
+    ts = [encode(x, "danuq", 2, sigma_g=1.0) for _ in range(2)]
+    assert sigma_loc_of(ts) == [pytest.approx(float(ts[0].aux["sigma_loc"]))] * 2 and is_lossy(ts)
+    assert sigma_loc_of([ts[0], encode(x, "float32")]) is None and is_lossy([ts[0]])
+    assert not is_lossy([encode(x, "float32")])
+    bad = EncodedTensor(ts[1].shape, ts[1].dtype, ts[1].codec, ts[1].bits, ts[1].data, {**ts[1].aux, "sigma_loc": "x"})
+    with pytest.raises(ProtocolError, match="sigma_loc"):
+        sigma_loc_of([ts[0], bad])
