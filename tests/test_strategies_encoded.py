@@ -174,3 +174,45 @@ def test_sigma_loc_is_read_from_every_layer_or_rejected() -> None:
     bad = EncodedTensor(ts[1].shape, ts[1].dtype, ts[1].codec, ts[1].bits, ts[1].data, {**ts[1].aux, "sigma_loc": "x"})
     with pytest.raises(ProtocolError, match="sigma_loc"):
         sigma_loc_of([ts[0], bad])
+
+
+_AUX_VALUES = hst.one_of(hst.floats(allow_nan=True, allow_infinity=True), hst.integers(-2**40, 2**40),
+                         hst.booleans(), hst.text(max_size=3), hst.none())
+
+
+@settings(max_examples=300, deadline=None)
+@given(layer=hst.integers(0, 2), codec=hst.sampled_from(["asym", "kmeans", "danuq", "float32", "float16"]),
+       key=hst.sampled_from(["min", "max", "codebook", "sigma_g", "sigma_loc", "zero_level", "extra"]),
+       value=_AUX_VALUES, bits=hst.integers(-1, 40), cut=hst.integers(-3, 3))
+def test_malformed_wire_tensors_raise_protocol_errors_and_leave_the_sums_alone(layer, codec, key, value, bits, cut):
+    base = model(9)
+    s = build_strategy("fedshift")
+    s.begin_round(1, base)
+    bits0 = {"asym": 4, "kmeans": 3, "danuq": 2}.get(codec)
+    kw = {"sigma_g": 0.1} if codec == "danuq" else {}
+    ts = [encode(b + np.float32(0.01), codec, bits0, **kw) for b in base]
+    t = ts[layer]
+    aux = dict(t.aux)
+    if isinstance(aux.get("codebook"), list) and key == "codebook":
+        aux[key] = [value] * len(aux["codebook"])
+    else:
+        aux[key] = value
+    data = t.data[:max(0, len(t.data) + cut)] if cut < 0 else t.data + b"\0" * cut
+    ts[layer] = EncodedTensor(t.shape, t.dtype, t.codec, bits if bits != -1 else t.bits, data, aux)
+    u = EncodedUpdate("fuzz", 3, tuple(ts), "weights", 32, True)
+    s.accept_encoded(encoded(1, base, "asym", 4))
+    if not s.takes_encoded(u):  # bits/codec combinations the decode path handles
+        return
+    try:
+        s.accept_encoded(u)
+    except ProtocolError:
+        # rejected: the sums hold exactly the good update
+        s._sums.flush()
+        ref = build_strategy("fedshift")
+        ref.begin_round(1, base)
+        ref.accept_encoded(encoded(1, base, "asym", 4))
+        ref._sums.flush()
+        for x, y in zip(s._sums.sums[32], ref._sums.sums[32], strict=True):
+            assert np.array_equal(x, y)
+        return
+    assert s.finish().stats["n_updates"] == 2  # accepted: it folds without error
