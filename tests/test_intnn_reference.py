@@ -487,9 +487,10 @@ def test_conv_backward_kernels_match_reference(bits, stride, pad, k):
                                          np.zeros(k * k * 3, np.int32), np.zeros(16, np.int32),
                                          np.zeros(16, np.int16), np.zeros((2, 16), dt))
                 g = np.full((k, k, 3, 5), 7, np.int32)
+                group = 3 if have_plane else 4  # 3: groups of 3 and 1 samples
                 K.conv_weight_grad_plane(eq_k, a_k, k, pad, g, plane,
-                                         np.full((k * k * 3, 4 * ho * wp), 5, dt),
-                                         np.full((5, 4 * ho * wp), 5, dt), have_plane)
+                                         np.full((k * k * 3, group * ho * wp), 5, dt),
+                                         np.full((5, group * ho * wp), 5, dt), have_plane)
                 assert np.array_equal(g.transpose(3, 2, 0, 1),
                                       ref_conv_wgrad(eq, a, stride, pad, k))
 

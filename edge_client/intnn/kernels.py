@@ -950,10 +950,11 @@ def conv_weight_grad_plane(eq, a, k, pad, g_out, plane, col_t, e_t, have_plane):
     [K, K, C, O], as dot products over output positions.
 
     plane: [C, >= pad*wp + pad + N*hs] (left there by :func:`conv_forward_plane` when
-    ``have_plane``, else rebuilt from ``a``); col_t: scratch [K*K*C, N*Ho*wp] that
-    receives for every weight index r and sample n one contiguous run of Ho*wp plane
-    positions (a copy, no gather); e_t: scratch [O, N*Ho*wp] (dtype of eq), the errors at
-    the same positions, zero at the wp - Wo columns that are not output pixels.
+    ``have_plane``, else rebuilt from ``a``); col_t: scratch [K*K*C, G*Ho*wp] that
+    receives, for G samples at a time, for every weight index r and sample one contiguous
+    run of Ho*wp plane positions (a copy, no gather); e_t: scratch [O, G*Ho*wp] (dtype of
+    eq), the errors at the same positions, zero at the wp - Wo columns that are not
+    output pixels.
     """
     c_in = g_out.shape[2]
     n_out = g_out.shape[3]
@@ -967,30 +968,32 @@ def conv_weight_grad_plane(eq, a, k, pad, g_out, plane, col_t, e_t, have_plane):
     wp = w_in + pad
     hs = (h_in + pad) * wp
     seg = h_out * wp
-    cols = n_s * seg
+    group = max(1, col_t.shape[1] // seg)
     if not have_plane:
         _to_plane(a, pad, plane)
-    for kh in range(k):
-        for kw in range(k):
-            off = kh * wp + kw
-            for c in range(c_in):
-                row = col_t[(kh * k + kw) * c_in + c]
-                for n in range(n_s):
-                    src = plane[c, n * hs + off:n * hs + off + seg]
-                    dst = row[n * seg:n * seg + seg]
-                    for j in range(seg):
-                        dst[j] = src[j]
-    for n in range(n_s):
-        for y in range(h_out):
-            p = n * seg + y * wp
-            for x in range(w_out):
-                for o in range(n_out):
-                    e_t[o, p + x] = eq[n, y, x, o]
-            for o in range(n_out):
-                for x in range(w_out, wp):
-                    e_t[o, p + x] = 0
     g_out[...] = 0
-    _dots_rows(col_t, e_t, cols, g2, r_len, n_out)
+    for n0 in range(0, n_s, group):
+        n1 = min(n_s, n0 + group)
+        for kh in range(k):
+            for kw in range(k):
+                off = kh * wp + kw
+                for c in range(c_in):
+                    row = col_t[(kh * k + kw) * c_in + c]
+                    for n in range(n0, n1):
+                        src = plane[c, n * hs + off:n * hs + off + seg]
+                        dst = row[(n - n0) * seg:(n - n0) * seg + seg]
+                        for j in range(seg):
+                            dst[j] = src[j]
+        for n in range(n0, n1):
+            for y in range(h_out):
+                p = (n - n0) * seg + y * wp
+                for x in range(w_out):
+                    for o in range(n_out):
+                        e_t[o, p + x] = eq[n, y, x, o]
+                for o in range(n_out):
+                    for x in range(w_out, wp):
+                        e_t[o, p + x] = 0
+        _dots_rows(col_t, e_t, (n1 - n0) * seg, g2, r_len, n_out)
 
 
 @njit(cache=True, inline="always")

@@ -56,6 +56,7 @@ DEFAULT_CE_TEMP_SHIFT = 5  # softmax temperature 2^-5 on the real logits (measur
 GROUP_PIXELS = 4096  # output pixels per im2col group when evaluating (memory bound)
 PIXEL_BLOCK = 2048   # output pixels accumulated at a time by the conv forward (L1-sized)
 PLANE_BLOCK = 1024   # plane positions accumulated at a time by the stride-1 conv forward
+PLANE_GRAD_GROUP = 8  # samples per copy of plane runs in the dot-product conv gradient
 # conv weight gradient from the non-zero errors when a patch row (K*C values) is at least
 # this long (short rows do not vectorize: the dense dot products are faster there)
 SPARSE_GRAD_MIN_ROW = 32
@@ -110,7 +111,8 @@ class Workspace:
     ``ptile`` pixel-block accumulators and finished outputs of the conv forward;
     stride-1 convs use ``plane`` (the input in the padded planar layout, [C, plane_len])
     and ``offs`` (int32 [K*K*C] run offsets) instead of an im2col in the forward, and
-    ``col_t``/``e_t`` are then [K*K*C | O, N*Ho*(W+pad)] (runs copied from the plane).
+    ``col_t``/``e_t`` are then [K*K*C | O, G*Ho*(W+pad)] (runs copied from the plane for
+    G = PLANE_GRAD_GROUP samples at a time).
     ``a_pad`` (the input with zero borders, NHWC) and ``gt`` ([O, K*K*C], gradient
     dtype) serve the error-driven conv weight gradient (``grad_mode == "sparse"``).
     ``grad32``/``grad64``: one weight gradient buffer shared by all layers; ``extra``:
@@ -367,8 +369,10 @@ class IntModel:
                 if gmode:
                     op.grad_mode = gmode
                 if use_plane:
-                    # the weight gradient copies runs of Ho * (W + pad) positions per sample
-                    cols = n * op.out_shape[0] * (w + pad) if gmode == "plane" else 0
+                    # the weight gradient copies runs of Ho * (W + pad) positions per sample,
+                    # PLANE_GRAD_GROUP samples at a time
+                    cols = (min(n, PLANE_GRAD_GROUP) * op.out_shape[0] * (w + pad)
+                            if gmode == "plane" else 0)
                     block = PLANE_BLOCK
                     plane.append(np.zeros((c, plane_len(n, h, w, op.layer.padding)), ad))
                     offs.append(np.zeros(r, np.int32))
