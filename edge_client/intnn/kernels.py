@@ -484,10 +484,10 @@ def conv_backward_data_narrow(eq, t, stride, pad, out, pbuf16):
             for x in range(eq.shape[2]):
                 init = False
                 have = False
-                g1 = np.int16(0)
+                g1 = np.int32(0)
                 o1 = 0
                 for o in range(n_out):
-                    g = np.int16(eq[n, y, x, o])
+                    g = np.int32(eq[n, y, x, o])
                     if g == 0:
                         continue
                     if not have:
@@ -496,10 +496,10 @@ def conv_backward_data_narrow(eq, t, stride, pad, out, pbuf16):
                         have = True
                         continue
                     have = False
-                    _acc_pair(pbuf16, t2[o1], t2[o], g1, g, init)
+                    _acc_pair(pbuf16, t2[o1], t2[o], np.int16(g1), np.int16(g), init)
                     init = True
                 if have:
-                    _acc_pair(pbuf16, t2[o1], t2[o1], g1, np.int16(0), init)
+                    _acc_pair(pbuf16, t2[o1], t2[o1], np.int16(g1), np.int16(0), init)
                     init = True
                 if not init:
                     continue
@@ -1053,13 +1053,13 @@ def conv_weight_grad_sparse(eq, a, stride, pad, g_out, a_pad, gt):
     for o in range(n_out):
         gro = gt[o]
         have = False
-        e1 = np.int64(0)
+        e1 = np.int32(0)
         b1 = 0
         p = 0
         for n in range(n_s):
             for y in range(h_out):
                 for x in range(w_out):
-                    e = np.int64(e2d[p, o])
+                    e = np.int32(e2d[p, o])
                     p += 1
                     if e == 0:
                         continue
