@@ -364,10 +364,10 @@ def argmax_correct(z, y):
 
 @njit(cache=True)
 def relu_mask(e, act):
-    """Zero e (flat int32) where the layer's output activation is <= 0."""
+    """Zero e (flat int32) where the layer's output activation is <= 0 (a select: it
+    vectorizes)."""
     for i in range(e.shape[0]):
-        if act[i] <= 0:
-            e[i] = 0
+        e[i] = e[i] if act[i] > 0 else 0
 
 
 @njit(cache=True, inline="always")
