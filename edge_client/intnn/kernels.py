@@ -1243,13 +1243,14 @@ def _update_common(w, g, sh, wmax, thr, key, t):
                 wb[j] = v
                 tb[j] = 1 if v > thr else (-1 if v < -thr else 0)
             continue
-        kb = key + b0 * _GOLDEN
+        z0 = key + b0 * _GOLDEN  # z = key + (j + 1) * GOLDEN as an induction variable
         for j in range(m):
             gv = np.int64(gb[j])
             av = -gv if gv < 0 else gv
             fl = av >> sh
             fr = av & frac_mask
-            z = kb + (j + 1) * _GOLDEN
+            z0 += _GOLDEN
+            z = z0
             z = (z ^ ((z >> 30) & 0x3FFFFFFFF)) * _MIX1
             z = (z ^ ((z >> 27) & 0x1FFFFFFFFF)) * _MIX2
             z = z ^ ((z >> 31) & 0x1FFFFFFFF)
