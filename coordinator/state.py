@@ -290,13 +290,13 @@ class RunState:
             if fmt is None or pos + fmt[0].size > len(data):
                 break
             head, record_sum = fmt
-            _, n, crc, idn = head.unpack_from(data, pos)
+            _, n, stored, idn = head.unpack_from(data, pos)
             hsize = head.size
             end = pos + hsize + idn + n
             if end > len(data):
                 break
             did, payload = data[pos + hsize: pos + hsize + idn], data[pos + hsize + idn: end]
-            if record_sum(did, payload) != crc:
+            if record_sum(did, payload) != stored:
                 break
             dev = did.decode(errors="replace")
             if dev not in seen:
