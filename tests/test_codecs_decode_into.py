@@ -100,10 +100,28 @@ def test_ternary_and_int_decode_into_their_dtype():
     t16 = encode(np.arange(-300, 300, dtype=np.int16), "int", 11)
     b16 = np.empty(600, np.int16)
     assert np.array_equal(decode(t16, out=b16), np.arange(-300, 300))
-    with pytest.raises(CodecError, match="decode_accumulate"):
-        decode_accumulate(t16, np.zeros(600, np.float32), 1.0)
-    with pytest.raises(CodecError, match="decode_accumulate"):
+    with pytest.raises(CodecError, match="decode_accumulate"):  # ternary does not accumulate
         decode_accumulate(t, np.zeros((5, 7), np.float32), 1.0)
+
+
+@pytest.mark.parametrize("bits", [2, 4, 7, 8, 11, 16])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_int_accumulates_its_integers_exactly(bits, dtype):
+    """``int`` adds ``w * q`` exactly (an affine code: lo = -2**(s-1), step 1), and an
+    integer device's shared-domain values ``q / 2**(s-1)`` through ``scaled``."""
+    from edge_client.codecs import accumulator
+
+    rng = np.random.default_rng(bits)
+    half = 1 << (bits - 1)
+    x = rng.integers(-half, half, 4097).astype(np.int8 if bits <= 8 else np.int16)
+    t = encode(x, "int", bits)
+    acc = np.zeros(x.shape, dtype)
+    decode_accumulate(t, acc, 3.0)
+    assert np.array_equal(acc, 3.0 * x.astype(dtype))
+    acc = rng.normal(0, 1, x.shape).astype(dtype)
+    ref = acc + dtype(7.0) * (x.astype(dtype) * dtype(2.0 ** -(max(bits, 8) - 1)))
+    accumulator(t).scaled(2.0 ** -(max(bits, 8) - 1))(acc, 7.0)
+    np.testing.assert_array_equal(acc, ref)
 
 
 @pytest.mark.parametrize("codec", ["asym", "kmeans", "danuq", "float32", "float16"])

@@ -309,10 +309,10 @@ def test_resumed_run_selects_like_an_uninterrupted_one(tmp_path: Path) -> None:
         assert a["weight_change_l2"] == pytest.approx(b["weight_change_l2"], rel=1e-6)
 
 
-def test_lossy_float_updates_are_folded_without_a_decoded_copy(tmp_path: Path) -> None:
-    """An ASYM/K-means update goes from its payload straight into the sums (no decode
-    buffer is ever taken); an integer one is decoded; both are persisted before the ack
-    and the aggregate equals decoding every update first."""
+def test_updates_are_folded_without_a_decoded_copy(tmp_path: Path) -> None:
+    """ASYM, K-means and an integer device's ``int`` updates go from the payload straight
+    into the sums (no decode buffer is ever taken); a ternary one is decoded; all are
+    persisted before the ack and the aggregate equals decoding every update first."""
     from coordinator.fleet import Inbound
     from coordinator.strategies import decode_update
     from edge_client.codecs import encode
@@ -324,12 +324,14 @@ def test_lossy_float_updates_are_folded_without_a_decoded_copy(tmp_path: Path) -
     base = init_shared(SPEC, 0)
     rng = np.random.default_rng(1)
     plans = [("a", "asym", 4, 32), ("b", "kmeans", 3, 32), ("c", "asym", 8, 32), ("d", "asym", 4, 32),
-             ("e", "int", 8, 8)]
+             ("e", "int", 8, 8), ("f", "ternary", 2, 8)]
     payloads, ref = {}, build_strategy("fedavg")
     ref.begin_round(1, base)
     for dev, codec, bits, cbits in plans:
         if codec == "int":
             ts = tuple(encode(np.clip(np.round(w * 127), -127, 127).astype(np.int8), "int", 8) for w in base)
+        elif codec == "ternary":
+            ts = tuple(encode(np.sign(w).astype(np.int8), "ternary") for w in base)
         else:
             ts = tuple(encode(w + rng.normal(0, 0.01, w.shape).astype(np.float32), codec, bits) for w in base)
         payloads[dev] = encode_message(Update(dev, 1, 50, cbits, "weights", ts))
@@ -338,10 +340,10 @@ def test_lossy_float_updates_are_folded_without_a_decoded_copy(tmp_path: Path) -
     co.strategy.begin_round(1, [b.copy() for b in base])
     batch = [Inbound("update", dev, p, time.monotonic(), Received(topic(JOB, "update", dev), p, 1))
              for dev, p in payloads.items()]
-    co.handle_batch(batch[:4])
-    assert co._decode_buffers.allocated == 0  # four lossy float updates: nothing decoded
-    co.handle_batch(batch[4:])
-    assert co._decode_buffers.allocated == 1  # the integer one
+    co.handle_batch(batch[:5])
+    assert co._decode_buffers.allocated == 0  # float codecs and int: nothing decoded
+    co.handle_batch(batch[5:])
+    assert co._decode_buffers.allocated == 1  # the ternary one
     assert sorted(co._accepted) == sorted(payloads)
     assert [d for d, _ in co.state.inbox_items(1)] == list(payloads)  # persisted, in order
     got, want = co.strategy.finish().weights, ref.finish().weights

@@ -97,14 +97,37 @@ def test_danuq_table_overflow_is_rejected() -> None:
         decode(huge)
 
 
-def test_integer_codecs_and_dequantizers_take_the_decoded_path() -> None:
+def test_integer_device_updates_are_folded_in_the_shared_domain() -> None:
+    """``int`` tensors of an Int8 / Int6 / Int16 device fold straight into the sums as
+    ``q / 2^(max(s, 8) - 1)``, the same as decoding them first; from a float device, or
+    through ``ternary``, they do not."""
     base = model(2)
-    ints = EncodedUpdate("d", 1, tuple(encode(np.zeros(s, np.int8), "int", 8) for s in SHAPES), "weights", 8)
+    rng = np.random.default_rng(4)
+    ups = []
+    for i, s_bits in enumerate((8, 6, 16, 8, 8)):
+        dtype = np.int8 if s_bits <= 8 else np.int16
+        half = 1 << (max(s_bits, 8) - 1)
+        q = [rng.integers(-half // 2, half // 2, s).astype(dtype) for s in SHAPES]
+        ups.append(EncodedUpdate(f"i{i}", 5 + i, tuple(encode(x, "int", max(s_bits, 8)) for x in q),
+                                 "weights", s_bits, True))
+    a, b = build_strategy("fedshift"), build_strategy("fedshift")
+    a.begin_round(1, base)
+    b.begin_round(1, base)
+    for u in ups:
+        assert a.takes_encoded(u)
+        a.accept_encoded(u)
+        b.accept(decoded(u))
+    for x, y in zip(a.finish().weights, b.finish().weights, strict=True):
+        np.testing.assert_allclose(x, y, rtol=0, atol=1e-6)
     s = build_strategy("fedshift")
     s.begin_round(1, base)
-    assert not s.takes_encoded(ints)
+    from_float = EncodedUpdate("f", 1, ups[0].tensors, "weights", 32, True)
+    with pytest.raises(ProtocolError, match="integer tensor"):
+        s.accept_encoded(from_float)
+    tern = EncodedUpdate("t", 1, tuple(encode(np.zeros(sh, np.int8), "ternary") for sh in SHAPES), "weights", 8)
+    assert not s.takes_encoded(tern)
     with pytest.raises(ValueError, match="decoded first"):
-        s.accept_encoded(ints)
+        s.accept_encoded(tern)
 
 
 def _affine4_reference(adders, acc: np.ndarray, weights) -> np.ndarray:

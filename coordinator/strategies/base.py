@@ -15,12 +15,19 @@ import numpy as np
 
 from coordinator.strategies.accumulate import GroupSums
 from coordinator.strategies.combine import Combiner, RoundSums
+from coordinator.strategies.decode import integer_scale
 from coordinator.strategies.dequantize import Dequantizer, NoDequantizer
 from coordinator.strategies.kernels import has_nonfinite
 from coordinator.strategies.mask import MaskStage, NoMask
 from coordinator.strategies.serialize import arrays_from_state, arrays_to_state
 from coordinator.strategies.server_state import ServerState, global_step, sigma_ema
-from coordinator.strategies.types import UPDATE_KINDS, AggregateResult, ClientUpdate, EncodedUpdate
+from coordinator.strategies.types import (
+    FLOAT_BITS,
+    UPDATE_KINDS,
+    AggregateResult,
+    ClientUpdate,
+    EncodedUpdate,
+)
 from edge_client.errors import ConfigError, ProtocolError
 
 STATE_VERSION = 1
@@ -100,8 +107,9 @@ class Strategy:
     def takes_encoded(self, update: EncodedUpdate) -> bool:
         """Whether :meth:`accept_encoded` folds ``update`` without decoding it: there is
         no dequantizer (it needs decoded values) and every layer's codec has a fused
-        ``decode_accumulate`` (not ``int``/``ternary``, whose integers the caller maps to
-        the shared domain itself)."""
+        ``decode_accumulate`` (every codec but ``ternary``). An integer device's ``int``
+        tensors are mapped to the shared domain on the way (``q / 2^(s_g - 1)``,
+        ALGORITHMS.md §2)."""
         from edge_client.codecs import can_accumulate
 
         return isinstance(self.dequantizer, NoDequantizer) and all(can_accumulate(t) for t in update.tensors)
@@ -126,15 +134,19 @@ class Strategy:
         if len(update.tensors) != len(self._shapes):
             raise ProtocolError(f"{who}: weights has {len(update.tensors)} layers, the model has {len(self._shapes)}")
         adders = []
+        bits = int(update.compute_bits)
         for i, (t, shape) in enumerate(zip(update.tensors, self._shapes, strict=True)):
             if tuple(t.shape) != shape:
                 raise ProtocolError(f"{who}: weights[{i}].shape {list(t.shape)} != {list(shape)}")
-            if t.dtype != "float32":
-                raise ProtocolError(f"{who}: weights[{i}].dtype {t.dtype} is not float32")
+            integer = t.dtype != "float32"
+            if integer and bits >= FLOAT_BITS:
+                raise ProtocolError(f"{who}: tensors[{i}]: integer tensor ({t.dtype}) from a float device")
             try:
-                adders.append(accumulator(t))  # checks t, decodes nothing
+                add = accumulator(t)  # checks t, decodes nothing
             except ProtocolError as exc:
                 raise ProtocolError(f"{who}: tensors[{i}]: {exc}") from None
+            # an integer device's own integers q: q / 2^(s_g - 1) in the shared domain
+            adders.append(add.scaled(integer_scale(bits)) if integer else add)
         omega = float(update.num_samples) if self.weighted else 1.0
         self._sums.add_encoded(int(update.compute_bits), adders, omega, update.kind == "delta",
                                key=update.device_id)

@@ -9,21 +9,15 @@ tensor (``max == min``) encodes every element as 0 and decodes exactly. Error bo
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import numba
 import numpy as np
 
+from edge_client.codecs.affine import AffineAccumulator
 from edge_client.codecs.base import CHUNK, Codec
 from edge_client.codecs.bitpack import _pack_into, _unpack_into, packed_nbytes
-from edge_client.codecs.fused import (
-    affine4_accumulate_f32,
-    affine_accumulate,
-    affine_accumulate_f32,
-    decode_lut,
-)
+from edge_client.codecs.fused import decode_lut
 from edge_client.errors import CodecError, ProtocolError
 from edge_client.protocol import EncodedTensor
 
@@ -128,59 +122,6 @@ class AsymCodec(Codec):
         b = int(t.bits)
         return AffineAccumulator(t, self._acc, buf, n, b, lo, (hi - lo) / ((1 << b) - 1))
 
-
-@dataclass(frozen=True, eq=False)
-class AffineAccumulator:
-    """A checked ASYM tensor ready to be added into a sum (see :meth:`AsymCodec.accumulator`).
-
-    ``buf``: the packed indices (uint8); ``n`` elements of ``bits`` bits; ``lo`` and
-    ``step`` the level ``lo + q * step`` (float64).
-    """
-
-    tensor: EncodedTensor
-    check_acc: Callable[[EncodedTensor, np.ndarray, float], tuple[np.ndarray, Any]]
-    buf: np.ndarray
-    n: int
-    bits: int
-    lo: float
-    step: float
-
-    def coefficients(self, weight: float, dtype: np.dtype) -> tuple[np.floating, np.floating]:
-        """``(T(w * lo), T(w * step))``, T = ``dtype``."""
-        w = float(weight)
-        return dtype.type(w * self.lo), dtype.type(w * self.step)
-
-    def __call__(self, acc: np.ndarray, weight: float) -> None:
-        flat, _ = self.check_acc(self.tensor, acc, weight)
-        if self.n:
-            a0, a1 = self.coefficients(weight, flat.dtype)
-            kernel = affine_accumulate_f32 if flat.dtype == np.float32 else affine_accumulate
-            kernel(self.buf, self.n, self.bits, a0, a1, flat)
-
-
-#: bit widths that :func:`accumulate_affine4` takes four at a time
-FUSED4_BITS = (4, 8)
-
-
-def accumulate_affine4(adders: list[AffineAccumulator], acc: np.ndarray, weights: list[float]) -> None:
-    """``acc += Σ_k w_k · decode(t_k)`` for 3 or 4 ASYM tensors of one width in
-    :data:`FUSED4_BITS` in one pass over the float32 ``acc``
-    (:func:`~edge_client.codecs.fused.affine4_accumulate_f32`; a missing fourth adds 0)."""
-    k = len(adders)
-    if not 3 <= k <= 4 or len({a.bits for a in adders}) != 1 or adders[0].bits not in FUSED4_BITS:
-        raise ValueError("accumulate_affine4: 3 or 4 adders of one width in (4, 8)")
-    flats = [a.check_acc(a.tensor, acc, w)[0] for a, w in zip(adders, weights, strict=True)]
-    flat = flats[0]
-    if flat.dtype != np.float32:
-        raise ValueError("accumulate_affine4: float32 accumulators only")
-    if not adders[0].n:
-        return
-    a0 = np.zeros(4, np.float32)
-    a1 = np.zeros(4, np.float32)
-    for i, (a, w) in enumerate(zip(adders, weights, strict=True)):
-        a0[i], a1[i] = a.coefficients(w, flat.dtype)
-    data = [a.buf for a in adders] + [adders[0].buf] * (4 - k)  # the padding's a0 = a1 = 0
-    affine4_accumulate_f32(*data, adders[0].n, adders[0].bits, a0, a1, flat)
 
 
 def asym_levels(bits: int, lo: float, hi: float) -> np.ndarray:

@@ -44,7 +44,7 @@ class Codec(ABC):
     finite_output: ClassVar[bool] = False
     #: ``encode`` options accepted besides ``bits`` and ``name``
     options: ClassVar[frozenset[str]] = frozenset()
-    #: True when :meth:`decode_accumulate` is supported (the decoded values are float32)
+    #: True when :meth:`decode_accumulate` is supported (float32 or integer decoded values)
     accumulates: ClassVar[bool] = False
 
     @abstractmethod
@@ -64,8 +64,9 @@ class Codec(ABC):
         ``acc``: writable C-contiguous float32 or float64 array of shape ``t.shape``;
         ``weight``: a finite number. Every element does ``acc[i] + w * y[i]`` with
         ``w = acc.dtype.type(weight)``, each operation rounded to ``acc``'s dtype (numpy's
-        ``acc += w * y.astype(acc.dtype)``). ``acc`` is untouched when ``t`` is rejected.
-        Codecs whose decoded values are not float32 raise :class:`CodecError`.
+        ``acc += w * y.astype(acc.dtype)``; integer values (``int``) convert exactly).
+        ``acc`` is untouched when ``t`` is rejected. Codecs without :attr:`accumulates`
+        raise :class:`CodecError`.
         """
         self.accumulator(t)(acc, weight)
 

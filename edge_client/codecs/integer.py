@@ -13,9 +13,10 @@ from typing import Any
 import numba
 import numpy as np
 
+from edge_client.codecs.affine import AffineAccumulator
 from edge_client.codecs.base import CHUNK, Codec
 from edge_client.codecs.bitpack import _pack_into, _unpack_into, packed_nbytes
-from edge_client.errors import CodecError
+from edge_client.errors import CodecError, ProtocolError
 from edge_client.protocol import EncodedTensor
 
 _WIDTH = {"int8": 8, "int16": 16}
@@ -55,6 +56,7 @@ class IntCodec(Codec):
     default_bits = 8
     lossy = False
     finite_output = True
+    accumulates = True  # the integers, as the accumulator's float dtype
 
     def encode(self, x: np.ndarray, bits: int | None = None, *, name: str = "", **options: Any) -> EncodedTensor:
         """``x``: int8/int16 array; ``bits=None`` means the dtype's width. No aux."""
@@ -74,15 +76,26 @@ class IntCodec(Codec):
             )
         return self._tensor(a, b, out.tobytes(), {}, name)
 
-    def decode(self, t: EncodedTensor, out: np.ndarray | None = None) -> np.ndarray:
-        """Decodes to ``t.dtype`` (int8/int16); ``out`` must have that dtype."""
-        from edge_client.errors import ProtocolError
-
+    def _checked(self, t: EncodedTensor) -> tuple[int, np.ndarray]:
         n, buf = self._check_encoded(t, ("int8", "int16"))
         self._aux_keys(t, ())
         if t.bits > _WIDTH[t.dtype]:
             raise ProtocolError(f"bits: {t.bits} does not fit dtype {t.dtype}")
+        return n, buf
+
+    def decode(self, t: EncodedTensor, out: np.ndarray | None = None) -> np.ndarray:
+        """Decodes to ``t.dtype`` (int8/int16); ``out`` must have that dtype."""
+        n, buf = self._checked(t)
         flat = self._out(t, n, out, t.dtype)
         if n:
             offset_unpack_kernel(buf, n, int(t.bits), 1 << (int(t.bits) - 1), flat)
         return flat.reshape(t.shape) if out is None else out
+
+    def accumulator(self, t: EncodedTensor) -> AffineAccumulator:
+        """``add(acc, weight)``: ``acc += weight * decode(t)``, the integers ``q - 2**(s-1)``
+        as an affine code (``lo = -2**(s-1)``, ``step = 1``; exact while ``weight * 2**s``
+        is representable). A coordinator maps an integer device's values to the shared
+        domain with :meth:`AffineAccumulator.scaled` (see :meth:`Codec.accumulator`)."""
+        n, buf = self._checked(t)
+        b = int(t.bits)
+        return AffineAccumulator(t, self._acc, buf, n, b, -float(1 << (b - 1)), 1.0)

@@ -8,7 +8,8 @@ from typing import Any
 
 import numpy as np
 
-from edge_client.codecs.asym import FUSED4_BITS, AffineAccumulator, AsymCodec, accumulate_affine4
+from edge_client.codecs.affine import FUSED4_BITS, AffineAccumulator, accumulate_affine4
+from edge_client.codecs.asym import AsymCodec
 from edge_client.codecs.base import Codec
 from edge_client.codecs.danuq import DanuqCodec
 from edge_client.codecs.float16 import Float16Codec
@@ -72,7 +73,7 @@ def decode(t: EncodedTensor, out: np.ndarray | None = None) -> np.ndarray:
 
 def decode_accumulate(t: EncodedTensor, acc: np.ndarray, weight: float) -> None:
     """``acc += weight * decode(t)`` fused, no temporary (float32/float64 ``acc`` of shape
-    ``t.shape``); codecs asym, kmeans, danuq, float32, float16. Rounding: see
+    ``t.shape``); codecs asym, kmeans, danuq, int, float32, float16. Rounding: see
     :meth:`Codec.decode_accumulate`."""
     _codec_of(t).decode_accumulate(t, acc, weight)
 
@@ -87,7 +88,7 @@ def accumulator(t: EncodedTensor) -> Callable[[np.ndarray, float], None]:
 def accumulate_many(adders: Sequence[Callable[[np.ndarray, float], None]], acc: np.ndarray,
                     weights: Sequence[float]) -> None:
     """``acc += Σ_k weights[k] · decode(t_k)`` for adders made by :func:`accumulator`, in
-    order; ASYM tensors of 4 or 8 bits (float32 ``acc``) go three or four at a time
+    order; affine tensors (ASYM, ``int``) of 4 or 8 bits (float32 ``acc``) go three or four at a time
     through one pass over ``acc`` (:func:`~edge_client.codecs.asym.accumulate_affine4`),
     so their sum rounds differently from one at a time (within float32 rounding)."""
     if len(adders) != len(weights):
@@ -115,6 +116,6 @@ def accumulate_many(adders: Sequence[Callable[[np.ndarray, float], None]], acc: 
 
 def can_accumulate(t: EncodedTensor) -> bool:
     """Whether :func:`decode_accumulate` supports ``t``'s codec (False for unknown codecs
-    and for codecs that decode to integers: ``int``, ``ternary``)."""
+    and ``ternary``)."""
     codec = _CODECS.get(getattr(t, "codec", None)) if isinstance(getattr(t, "codec", None), str) else None
     return bool(codec is not None and codec.accumulates)
