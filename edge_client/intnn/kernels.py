@@ -1088,35 +1088,41 @@ def conv_weight_grad_sparse(eq, a, stride, pad, g_out, a_pad, gt):
 
 
 @njit(cache=True)
+def _rows_combination(row, coef, mat):
+    """row[:] = sum_k coef[k] * mat[k, :] in int32 (row int32 [F], coef [K], mat [K, F]),
+    two non-zero coefficients per pass over the row (most errors are zero)."""
+    f = row.shape[0]
+    for i in range(f):
+        row[i] = 0
+    have = False
+    c1 = np.int32(0)
+    k1 = 0
+    for k in range(coef.shape[0]):
+        c = np.int32(coef[k])
+        if c == 0:
+            continue
+        if not have:
+            c1 = c
+            k1 = k
+            have = True
+            continue
+        have = False
+        x1 = mat[k1]
+        x2 = mat[k]
+        for i in range(f):
+            row[i] = np.int32(row[i] + c1 * np.int32(x1[i]) + c * np.int32(x2[i]))
+    if have:
+        x1 = mat[k1]
+        for i in range(f):
+            row[i] = np.int32(row[i] + c1 * np.int32(x1[i]))
+
+
+@njit(cache=True)
 def linear_backward_data(eq, t, out):
     """out[n, :] = sum_o eq[n, o] * t[o, :]; eq [N, O], t [O, F] ternary, out [N, F] int32.
     Two non-zero errors per pass over the row."""
-    f = t.shape[1]
     for n in range(eq.shape[0]):
-        row = out[n]
-        for i in range(f):
-            row[i] = 0
-        have = False
-        g1 = np.int32(0)
-        o1 = 0
-        for o in range(eq.shape[1]):
-            g = np.int32(eq[n, o])
-            if g == 0:
-                continue
-            if not have:
-                g1 = g
-                o1 = o
-                have = True
-                continue
-            have = False
-            t1 = t[o1]
-            t2 = t[o]
-            for i in range(f):
-                row[i] = np.int32(row[i] + g1 * np.int32(t1[i]) + g * np.int32(t2[i]))
-        if have:
-            t1 = t[o1]
-            for i in range(f):
-                row[i] = np.int32(row[i] + g1 * np.int32(t1[i]))
+        _rows_combination(out[n], eq[n], t)
 
 
 @njit(cache=True)
@@ -1130,35 +1136,17 @@ def linear_weight_grad(eq, a, g_out):
     wide = g_out.itemsize > 4
     for o in range(g_out.shape[0]):
         row = g_out[o]
+        if not wide:
+            _rows_combination(row, eq[:, o], a)
+            continue
         for j in range(f):
             row[j] = 0
-        have = False
-        e1 = np.int32(0)
-        n1 = 0
         for n in range(n_s):
-            e = np.int32(eq[n, o])
-            if e == 0:
-                continue
-            if wide:
+            e = np.int64(eq[n, o])
+            if e != 0:
                 x = a[n]
-                e64 = np.int64(e)
                 for j in range(f):
-                    row[j] += e64 * x[j]
-                continue
-            if not have:
-                e1 = e
-                n1 = n
-                have = True
-                continue
-            have = False
-            x1 = a[n1]
-            x2 = a[n]
-            for j in range(f):
-                row[j] = np.int32(row[j] + e1 * np.int32(x1[j]) + e * np.int32(x2[j]))
-        if have:
-            x1 = a[n1]
-            for j in range(f):
-                row[j] = np.int32(row[j] + e1 * np.int32(x1[j]))
+                    row[j] += e * x[j]
 
 
 @njit(cache=True)
