@@ -206,9 +206,8 @@ class Coordinator:
         #: queued since its last sync at once (group commit). Small batches let the sync
         #: of one overlap the decoding of the next (fedshift_cnn bursts: 8 -> ~1.1x of 64)
         self.batch_max = 8
-        #: syncs the inbox, then acks, in a background thread while ``pump`` waits
-        #: appends the accepted updates to the inbox, syncs, then acks, in a background
-        #: thread while ``pump`` goes on (the append's checksum and write release the GIL)
+        #: appends the accepted updates to the inbox, syncs, then acks, in two background
+        #: threads while ``pump`` goes on (the append's checksum and write release the GIL)
         self.committer: AckCommitter[Inbound, tuple[int, str, bytes]] = AckCommitter(
             lambda: self.state.inbox_sync(), lambda m: self.fleet.ack(m),
             persist=lambda rec: self.state.inbox_append(*rec))
@@ -354,7 +353,8 @@ class Coordinator:
                             finite=finite)
 
     def _handle_update(self, msg: Inbound, *, replay: bool = False) -> bool:
-        """Validate -> decode -> persist -> (ack by caller) -> aggregate. True if accepted."""
+        """Validate -> decode into the strategy's sums (fused where the strategy can) ->
+        queue for the inbox (``handle_batch`` persists, syncs, then acks). True if accepted."""
         if len(msg.payload) > self.cfg.limits.max_payload_bytes:
             self._reject(msg, "oversized", f"{len(msg.payload)} bytes > {self.cfg.limits.max_payload_bytes}")
             return False

@@ -17,7 +17,7 @@ Encoded updates (:meth:`GroupSums.add_encoded`: per layer an ``add(acc, ω)`` th
 a checked wire tensor into the sum, the codecs' fused ``decode_accumulate``) are held the
 same way (by reference: their payload bytes) and folded in the same key order with
 ``edge_client.codecs.accumulate_many``: ``acc += ω·decode(t)`` per element, no decoded
-copy ever made, and ASYM 4/8-bit tensors four per pass over the accumulator.
+copy ever made, and ASYM / int 4- or 8-bit tensors four per pass over the accumulator.
 """
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ class GroupSums:
     def _fold(self, bits: int) -> None:
         """Fold group ``bits``'s held updates in key order: runs of decoded ones up to
         four per pass over the accumulator, runs of encoded ones through the codecs'
-        ``accumulate_many`` (ASYM 4/8-bit: up to four per pass too)."""
+        ``accumulate_many`` (ASYM / int 4- or 8-bit: up to four per pass too)."""
         held = sorted(self._pending.pop(bits, []), key=lambda p: p[0])
         acc = self.sums[bits]
         i = 0

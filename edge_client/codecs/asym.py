@@ -123,7 +123,6 @@ class AsymCodec(Codec):
         return AffineAccumulator(t, self._acc, buf, n, b, lo, (hi - lo) / ((1 << b) - 1))
 
 
-
 def asym_levels(bits: int, lo: float, hi: float) -> np.ndarray:
     """The ``2**bits`` float32 decoded values ``float32(lo + q * (hi - lo) / (2**bits - 1))``
     (the same float64 arithmetic as :func:`asym_decode_kernel`)."""

@@ -64,9 +64,10 @@ class Codec(ABC):
         ``acc``: writable C-contiguous float32 or float64 array of shape ``t.shape``;
         ``weight``: a finite number. Every element does ``acc[i] + w * y[i]`` with
         ``w = acc.dtype.type(weight)``, each operation rounded to ``acc``'s dtype (numpy's
-        ``acc += w * y.astype(acc.dtype)``; integer values (``int``) convert exactly).
-        ``acc`` is untouched when ``t`` is rejected. Codecs without :attr:`accumulates`
-        raise :class:`CodecError`.
+        ``acc += w * y.astype(acc.dtype)``). ASYM and ``int`` add their affine form
+        instead, ``acc[i] + (T(w·lo) + q_i·T(w·step))`` (exact for ``int``; see
+        :mod:`edge_client.codecs.fused`). ``acc`` is untouched when ``t`` is rejected.
+        Codecs without :attr:`accumulates` raise :class:`CodecError`.
         """
         self.accumulator(t)(acc, weight)
 

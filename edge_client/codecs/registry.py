@@ -87,10 +87,12 @@ def accumulator(t: EncodedTensor) -> Callable[[np.ndarray, float], None]:
 
 def accumulate_many(adders: Sequence[Callable[[np.ndarray, float], None]], acc: np.ndarray,
                     weights: Sequence[float]) -> None:
-    """``acc += Σ_k weights[k] · decode(t_k)`` for adders made by :func:`accumulator`, in
-    order; affine tensors (ASYM, ``int``) of 4 or 8 bits (float32 ``acc``) go three or four at a time
-    through one pass over ``acc`` (:func:`~edge_client.codecs.asym.accumulate_affine4`),
-    so their sum rounds differently from one at a time (within float32 rounding)."""
+    """``acc += Σ_k weights[k] · decode(t_k)`` for adders made by :func:`accumulator`.
+    With a float32 ``acc``, affine tensors (ASYM, ``int``) of 4 or 8 bits go three or four
+    at a time through one pass over ``acc``
+    (:func:`~edge_client.codecs.affine.accumulate_affine4`), the others one at a time
+    after them, in order; so the sum rounds differently from one at a time (within float32
+    rounding), and the same way for the same adders in the same order."""
     if len(adders) != len(weights):
         raise ValueError(f"accumulate_many: {len(adders)} adders, {len(weights)} weights")
     if acc.dtype == np.float32:
@@ -117,5 +119,6 @@ def accumulate_many(adders: Sequence[Callable[[np.ndarray, float], None]], acc: 
 def can_accumulate(t: EncodedTensor) -> bool:
     """Whether :func:`decode_accumulate` supports ``t``'s codec (False for unknown codecs
     and ``ternary``)."""
-    codec = _CODECS.get(getattr(t, "codec", None)) if isinstance(getattr(t, "codec", None), str) else None
+    name = getattr(t, "codec", None)
+    codec = _CODECS.get(name) if isinstance(name, str) else None
     return bool(codec is not None and codec.accumulates)
