@@ -14,11 +14,14 @@ Accumulation rounding (what the tests check bit for bit): with ``w = acc.dtype.t
 every element does ``acc[i] = acc[i] + w * acc.dtype.type(y[i])`` where ``y = decode(t)``:
 one multiply and one add, each rounded to the accumulator's dtype (no FMA, numba does not
 contract without fastmath), i.e. numpy's ``acc += w * y.astype(acc.dtype)``. The products
-``w * lut[q]`` are precomputed per table entry, which rounds identically. ASYM is the
-exception: it accumulates its affine form ``acc[i] + (a0 + q_i * a1)``, ``a0 = T(w * lo)``,
-``a1 = T(w * step)`` (T: the accumulator's dtype; ``w * lo`` and ``w * step`` in float64),
-which vectorizes; it differs from ``acc + w * decode(t)`` by a few units in the last place
-of ``w * max(|lo|, |hi|)``.
+``w * lut[q]`` are precomputed per table entry, which rounds identically. ASYM and
+``int`` are the exception: they accumulate their affine form ``acc[i] + (a0 + q_i * a1)``,
+``a0 = T(w * lo)``, ``a1 = T(w * step)`` (T: the accumulator's dtype; ``w * lo`` and
+``w * step`` in float64), which vectorizes; for ASYM it differs from
+``acc + w * decode(t)`` by at most one float32 unit of the level times ``|w|`` plus a few
+units of the accumulator; for ``int`` (``lo = -2**(s-1)``, ``step = 1``) it is exact.
+Four such tensors can share one pass (:func:`affine4_accumulate_f32`): their terms are
+summed in float32, then added to ``acc`` once.
 """
 
 from __future__ import annotations
