@@ -161,6 +161,44 @@ def test_unacked_message_is_redelivered_after_a_crash(mosquitto: MosquittoBroker
         pub.close()
 
 
+def test_local_hub_session_redelivers_what_was_not_acked() -> None:
+    """The in-process hub keeps a manual-ack client's session as a persistent MQTT session
+    does: read-but-unacked and offline-queued messages come back on the next connect (same
+    transport or a new one with the same id), acked ones do not, retained ones once."""
+    hub = LocalHub()
+    hub.route("q/status", b"retained", True)
+    c1 = hub.client("coord", subscriptions=["q/#"], manual_ack=True)
+    c1.connect()
+    pub = hub.client("pub")
+    pub.connect()
+    assert (m := c1.recv(1)) is not None and m.retain and m.payload == b"retained"
+    c1.ack(m)
+    for p in (b"u1", b"u2", b"u3"):
+        pub.publish("q/u", p)
+    got = [c1.recv(1) for _ in range(2)]           # u1, u2 read; u3 still queued
+    c1.ack(got[0])                                  # u1 persisted and acked; u2 not
+    c1.close()                                      # gone (a crash leaves it the same)
+    pub.publish("q/u", b"u4")                       # arrives while it is away
+    assert hub.unacked("coord") == 3
+    for fresh in (False, True):
+        c = hub.client("coord", subscriptions=["q/#"], manual_ack=True) if fresh else c1
+        c.connect()
+        msgs = []
+        while (m := c.recv(0.2)) is not None:
+            msgs.append(m)
+        assert [m.payload for m in msgs] == [b"u2", b"u3", b"u4", b"retained"]
+        if fresh:                                   # this time they are persisted and acked
+            for m in msgs:
+                c.ack(m)
+        c.close()
+    c.connect()
+    seen = []
+    while (m := c.recv(0.2)) is not None:
+        seen.append(m.payload)
+        c.ack(m)
+    assert seen == [b"retained"] and hub.unacked("coord") == 0
+
+
 def test_embedded_prefers_mosquitto_and_falls_back(mosquitto_bin: str) -> None:
     b = start_embedded_broker()
     try:

@@ -276,6 +276,35 @@ def test_crash_mid_round_then_resume_counts_each_update_once(tmp_path: Path) -> 
     assert [m["round"] for m in st.read_metrics()] == [1, 2, 3]
 
 
+def test_update_read_but_not_persisted_before_a_crash_comes_back(tmp_path: Path) -> None:
+    """The coordinator crashes after reading round 2's updates but before any is in its
+    inbox: the in-process hub, like a broker's persistent session, redelivers them (they
+    were never acked), so the resumed round counts both, none replayed from disk."""
+    fleet = InProcessFleet(JOB)
+    start_device(fleet, tmp_path, "a", 0.01, 20)
+    start_device(fleet, tmp_path, "b", 0.03, 20)
+    out = tmp_path / "out"
+    co = coordinator(fleet, out, rounds=3, round_timeout_s=20)
+    real_append = co.state.inbox_append
+
+    def crashing_append(round_id, device_id, payload):
+        if round_id == 2:
+            raise Crash("killed while persisting")
+        real_append(round_id, device_id, payload)
+
+    co.state.inbox_append = crashing_append  # type: ignore[method-assign]
+    with pytest.raises(Crash):
+        co.run()
+    assert fleet.hub.unacked("coordinator") >= 1
+    assert [d for d, _ in RunState(out).inbox_items(2)] == []
+    hist = coordinator(fleet, out, rounds=3, round_timeout_s=20).run(resume=True)
+    assert [h["round"] for h in hist] == [1, 2, 3]
+    r2 = hist[1]
+    assert r2["resumed"] and r2["replayed"] == 0
+    assert r2["accepted_ids"] == ["a", "b"] and r2["stragglers"] == 0
+    assert fleet.hub.unacked("coordinator") == 0
+
+
 def test_resumed_run_selects_like_an_uninterrupted_one(tmp_path: Path) -> None:
     """fraction C = 0.5 of 4 devices: the seeded selection of every round is the same
     whether or not the coordinator crashed (and resumed) in the middle of round 2."""
