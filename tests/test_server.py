@@ -188,7 +188,7 @@ def test_straggler_excluded_at_deadline_and_late_update_dropped(tmp_path: Path) 
         (topic(JOB, "hello", "quiet"), encode_message(Hello("quiet", "p", 32, "torch", "float32", 32, 9, "0")), True),
     ])
     silent.connect()
-    co = coordinator(fleet, tmp_path / "out", rounds=2, round_timeout_s=1.5)
+    co = coordinator(fleet, tmp_path / "out", rounds=2, round_timeout_s=3.0)
     t0 = time.monotonic()
     result: dict = {}
     th = threading.Thread(target=lambda: result.setdefault("h", co.run()), daemon=True)
@@ -209,7 +209,7 @@ def test_straggler_excluded_at_deadline_and_late_update_dropped(tmp_path: Path) 
     for h in hist:
         assert h["accepted"] == 1 and h["accepted_ids"] == ["a"]
         assert h["stragglers"] == 1 and h["straggler_ids"] == ["quiet"]
-        assert h["round_seconds"] < 5                   # closed at the 1.5 s deadline
+        assert h["round_seconds"] < 8                   # closed at the 3 s deadline
     assert counts(hist).get("dropped_late") == 1
 
 
