@@ -12,6 +12,7 @@ import signal
 import sys
 import threading
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from coordinator import __version__
@@ -82,7 +83,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         if args.steps:
             hparams["steps"] = args.steps
         hparams |= _kv(args.hparam, "--hparam")
-        limits = Limits(max_payload_bytes=args.max_payload) if args.max_payload else Limits()
+        limits = Limits()
+        if args.max_payload:
+            limits = replace(limits, max_payload_bytes=args.max_payload)
+        if args.max_abs_value is not None:  # checked with the rest by ServerConfig.validate
+            limits = replace(limits, max_abs_value=args.max_abs_value)
         cfg = ServerConfig(
             job=args.job, model=args.model, rounds=args.rounds, strategy=args.strategy,
             strategy_params=_kv(args.strategy_param, "--strategy-param"), fraction=args.fraction,
@@ -204,6 +209,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hparam", action="append", metavar="K=V", help="extra announced hyper-parameter")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-payload", type=int, default=0, metavar="BYTES", help="largest accepted update")
+    p.add_argument("--max-abs-value", type=float, default=None, metavar="X",
+                   help="reject updates carrying a value with |v| > X (shared float domain; "
+                        "default 1e6)")
     p.add_argument("--mqtt-version", choices=["auto", "5", "3.1.1"], default="auto")
     p.add_argument("--username")
     p.add_argument("--password")

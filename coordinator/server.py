@@ -111,6 +111,15 @@ class ServerConfig:
             raise ConfigError(f"min/max devices: need 1 <= {self.min_devices} <= {self.max_devices}")
         if self.round_timeout_s <= 0 or self.presence_timeout_s <= 0:
             raise ConfigError("round_timeout_s and presence_timeout_s must be > 0")
+        v = self.limits.max_abs_value
+        if not (isinstance(v, int | float) and 0.0 < v <= MAX_ABS_VALUE_CAP):
+            raise ConfigError(f"limits.max_abs_value: must be in (0, {MAX_ABS_VALUE_CAP:g}], got {v!r} "
+                              f"(larger values let the float32 sums overflow)")
+
+
+#: The largest allowed ``Limits.max_abs_value``: with ``num_samples <= 2**40`` as weights and
+#: at most 10**5 updates a round, a float32 sum then stays below 1.2e38 (finite).
+MAX_ABS_VALUE_CAP = 1e21
 
 
 @dataclass
@@ -148,6 +157,8 @@ def classify(exc: ProtocolError) -> str:
         return "oversized"
     if ".shape" in text or " layers, model " in text or "decoded shape" in text:
         return "wrong_shape"
+    if "max_abs_value" in text:
+        return "out_of_range"
     return "malformed"
 
 
@@ -298,12 +309,13 @@ class Coordinator:
             info.online = m.online
 
     def _encoded_update(self, m: Update) -> Any:
-        """Wire update -> ``EncodedUpdate`` (layer count and shapes checked, nothing
-        decoded; integer devices' bitwidth as sent, float devices' as 32). Every codec but
-        float32 counts as lossy (FedShift's inferior set also includes every integer
-        device)."""
-        from coordinator.strategies.decode import is_lossy, sigma_loc_of
+        """Wire update -> ``EncodedUpdate`` (layer count, shapes and the magnitude of the
+        values checked, nothing decoded; integer devices' bitwidth as sent, float devices'
+        as 32). Every codec but float32 counts as lossy (FedShift's inferior set also
+        includes every integer device)."""
+        from coordinator.strategies.decode import integer_scale, is_lossy, sigma_loc_of
         from coordinator.strategies.types import EncodedUpdate
+        from edge_client.codecs import max_abs
 
         if len(m.tensors) != len(self.shapes):
             raise ProtocolError(f"tensors: {len(m.tensors)} layers, model {self.cfg.model} has {len(self.shapes)}")
@@ -311,6 +323,20 @@ class Coordinator:
             if tuple(t.shape) != shape:
                 raise ProtocolError(f"tensors[{i}].shape: {list(t.shape)} != {list(shape)}")
         bits = m.compute_bits if m.compute_bits <= 16 else 32
+        limit = self.cfg.limits.max_abs_value
+        for i, t in enumerate(m.tensors):
+            # from the header for every codec but float32/float16 (one pass over the bits)
+            try:
+                bound = max_abs(t)
+            except ProtocolError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - a codec failing on received bytes
+                raise ProtocolError(f"tensors[{i}]: cannot read ({type(exc).__name__}: {exc})") from None
+            if t.dtype in ("int8", "int16") and bits < 32:
+                bound *= integer_scale(bits)  # the integers' value in the shared domain
+            if not bound <= limit:
+                raise ProtocolError(f"tensors[{i}]: values up to |v| = {bound:.4g} exceed the "
+                                    f"limit max_abs_value = {limit:.4g}")
         return EncodedUpdate(m.device_id, m.num_samples, m.tensors, m.content, bits,
                              is_lossy(m.tensors), sigma_loc_of(m.tensors))
 

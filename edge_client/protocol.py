@@ -49,7 +49,12 @@ _FLOAT_CODECS = {"float32": "<f4", "float16": "<f2"}
 @dataclass(frozen=True)
 class Limits:
     """Caps enforced before allocation. The defaults fit a 2.2 M-parameter model in
-    float32 with room; a deployment with bigger models raises them on both sides."""
+    float32 with room; a deployment with bigger models raises them on both sides.
+
+    ``max_abs_value`` bounds the magnitude of the values an update may carry (in the
+    shared float domain, where weights are O(1)); the coordinator checks it before an
+    update touches the sums, so finite but huge values cannot overflow them to Inf.
+    """
 
     max_payload_bytes: int = 64 * 1024 * 1024
     max_layers: int = 256
@@ -61,6 +66,7 @@ class Limits:
     max_str: int = 256
     max_devices: int = 100_000
     max_map_items: int = 64
+    max_abs_value: float = 1e6
 
 
 DEFAULT_LIMITS = Limits()

@@ -40,3 +40,10 @@ def test_unknown_subcommand_fails() -> None:
     out = run("fedbit-edge", "fly")
     assert out.returncode == 2
     assert "invalid choice" in out.stderr
+
+
+def test_serve_refuses_a_magnitude_limit_that_lets_sums_overflow(tmp_path: Path) -> None:
+    out = run("fedbit", "serve", "--out", str(tmp_path / "run"), "--max-abs-value", "1e30")
+    assert out.returncode == 1
+    assert "max_abs_value" in out.stderr and "1e+30" in out.stderr
+    assert not (tmp_path / "run").exists()       # refused before anything started

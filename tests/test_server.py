@@ -239,6 +239,52 @@ def test_duplicate_update_counted_once(tmp_path: Path) -> None:
     assert h["counts"].get("dropped_duplicate") == 1
 
 
+def _filled(dev: str, value: float, *, codec: str = "float32", bits: int = 32, cbits: int = 32) -> bytes:
+    from edge_client.codecs import encode
+
+    ts = []
+    for s in SPEC.param_shapes():
+        if codec == "int":
+            ts.append(encode(np.full(s, value, np.int16), codec="int", bits=bits))
+        else:
+            ts.append(float32_tensor(np.full(s, value, np.float32)))
+    return encode_message(Update(dev, 1, 5, cbits, "weights", tuple(ts)))
+
+
+def test_huge_finite_update_is_rejected_before_the_sums(tmp_path: Path) -> None:
+    """|v| beyond Limits.max_abs_value (here 100) is rejected as out_of_range, whatever the
+    codec, before it can overflow the sums; at the limit it is accepted; an integer
+    device's values count in the shared domain (q / 2^(s-1))."""
+    fleet = InProcessFleet(JOB)
+    co = coordinator(fleet, tmp_path / "out", rounds=1, min_devices=3, round_timeout_s=5,
+                     limits=Limits(max_abs_value=100.0))
+    d, e, f = _scripted(fleet, "d"), _scripted(fleet, "e"), _scripted(fleet, "f")
+    result: dict = {}
+    th = threading.Thread(target=lambda: result.setdefault("h", co.run()), daemon=True)
+    th.start()
+    assert next_payload(d) is not None
+    up = lambda dev: topic(JOB, "update", dev)  # noqa: E731
+    d.publish(up("d"), _filled("d", 3e38))                                   # would overflow
+    d.publish(up("d"), _filled("d", 100.5))                                  # just over
+    f.publish(up("f"), _filled("f", -1, codec="int", bits=16, cbits=8))      # int16 grid: 256
+    d.publish(up("d"), _filled("d", 100.0))                                  # at the limit
+    e.publish(up("e"), _filled("e", -2.0))
+    f.publish(up("f"), _filled("f", -64, codec="int", bits=8, cbits=8))      # int8 grid: -0.5
+    th.join(10)
+    h = result["h"][0]
+    assert h["accepted_ids"] == ["d", "e", "f"]
+    assert h["counts"].get("rejected_out_of_range") == 3
+    for w in co.weights:
+        np.testing.assert_allclose(w, (100.0 - 2.0 - 0.5) / 3, rtol=1e-6)
+
+
+def test_max_abs_value_is_validated() -> None:
+    for bad in (0.0, -1.0, float("nan"), float("inf"), 1e30):
+        with pytest.raises(ConfigError, match="max_abs_value"):
+            ServerConfig(limits=Limits(max_abs_value=bad)).validate()
+    ServerConfig(limits=Limits(max_abs_value=1e21)).validate()
+
+
 class Crash(BaseException):
     pass
 

@@ -24,6 +24,7 @@ from edge_client.codecs.registry import (
     decode_accumulate,
     encode,
     get_codec,
+    max_abs,
 )
 
 __all__ = [
@@ -36,6 +37,7 @@ __all__ = [
     "decode_accumulate",
     "encode",
     "get_codec",
+    "max_abs",
     "pack",
     "packed_nbytes",
     "unpack",

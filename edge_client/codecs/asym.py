@@ -100,6 +100,11 @@ class AsymCodec(Codec):
             raise ProtocolError(f"aux.max: {hi!r} is below aux.min {lo!r}")
         return n, buf, lo, hi
 
+    def max_abs(self, t: EncodedTensor) -> float:
+        """From the header: every level lies in ``[min, max]`` (no pass over the data)."""
+        n, _, lo, hi = self._checked(t)
+        return max(abs(lo), abs(hi)) if n else 0.0
+
     def decode(self, t: EncodedTensor, out: np.ndarray | None = None) -> np.ndarray:
         """Levels ``float32(lo + q * step)``; bits <= 8 through a ``2**bits`` table."""
         n, buf, lo, hi = self._checked(t)

@@ -83,6 +83,15 @@ class Codec(ABC):
         """Whether this particular encoded tensor may differ from what was encoded."""
         return self.lossy
 
+    def max_abs(self, t: EncodedTensor) -> float:
+        """An upper bound of ``|v|`` over the values :meth:`decode` gives for ``t`` (0.0
+        for an empty tensor), in the decoded dtype's units; :class:`ProtocolError` where
+        ``decode`` would raise one. A receiver checks it against its magnitude limit
+        before adding the tensor to anything. Codecs with a table or an affine code bound
+        it from the header alone; this default decodes."""
+        a = self.decode(t)
+        return float(np.max(np.abs(a.astype(np.float64, copy=False)))) if a.size else 0.0
+
     def __repr__(self) -> str:
         return f"<codec {self.name} bits {self.bits_range[0]}..{self.bits_range[1]}>"
 

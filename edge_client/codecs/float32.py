@@ -10,6 +10,7 @@ import numpy as np
 from edge_client.codecs.base import Codec, count_nonfinite
 from edge_client.codecs.fused import (
     HALF_TO_FLOAT,
+    abs_bits_max,
     float_accumulate,
     half_accumulate,
     half_bad,
@@ -64,6 +65,23 @@ class Float32Codec(Codec):
         if bad:
             raise ProtocolError(f"data: {bad} non-finite (NaN/Inf) value(s) in a {self.name} tensor")
         return n, vals
+
+    def max_abs(self, t: EncodedTensor) -> float:
+        """Exact, by one pass over the wire values' bit patterns with the sign masked off
+        (for IEEE floats their order is the order of ``|v|``; NaN and Inf patterns lie
+        above every finite one, so they are found too: :class:`ProtocolError`)."""
+        n, buf = self._check_encoded(t, ("float32",))
+        self._aux_keys(t, ())
+        if not n:
+            return 0.0
+        fdt, udt, mask, inf = ((np.float16, np.uint16, 0x7FFF, 0x7C00) if self.wire_dtype == "<f2"
+                               else (np.float32, np.uint32, 0x7FFFFFFF, 0x7F800000))
+        bits = buf.view(np.dtype(udt).newbyteorder("<"))
+        m = int(abs_bits_max(bits, mask) if bits.flags.aligned else np.max(bits & udt(mask)))
+        if m >= inf:
+            bad = int(np.count_nonzero((bits & udt(mask)) >= inf))
+            raise ProtocolError(f"data: {bad} non-finite (NaN/Inf) value(s) in a {self.name} tensor")
+        return float(np.array(m, udt).view(fdt))
 
     def decode(self, t: EncodedTensor, out: np.ndarray | None = None) -> np.ndarray:
         n, vals = self._wire(t)

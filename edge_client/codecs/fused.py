@@ -184,6 +184,19 @@ def float_accumulate(vals, w, acc):
 
 
 @numba.njit(cache=True, nogil=True)
+def abs_bits_max(bits, mask):
+    """Largest ``bits[i] & mask`` of a 1-D unsigned array (int64): with the sign bit masked
+    off, the bit pattern of the float of largest magnitude (float32: ``uint32`` and
+    ``0x7FFFFFFF``; float16: ``uint16`` and ``0x7FFF``)."""
+    m = 0
+    for i in range(bits.size):
+        v = bits[i] & mask
+        if v > m:
+            m = v
+    return m
+
+
+@numba.njit(cache=True, nogil=True)
 def half_bad(bits16):
     """How many of the float16 bit patterns are NaN/Inf (exponent all ones)."""
     bad = 0

@@ -83,6 +83,11 @@ class IntCodec(Codec):
             raise ProtocolError(f"bits: {t.bits} does not fit dtype {t.dtype}")
         return n, buf
 
+    def max_abs(self, t: EncodedTensor) -> float:
+        """From the header: ``2**(bits-1)``, the most negative ``bits``-bit integer."""
+        n, _ = self._checked(t)
+        return float(1 << (int(t.bits) - 1)) if n else 0.0
+
     def decode(self, t: EncodedTensor, out: np.ndarray | None = None) -> np.ndarray:
         """Decodes to ``t.dtype`` (int8/int16); ``out`` must have that dtype."""
         n, buf = self._checked(t)

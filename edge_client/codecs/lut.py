@@ -33,6 +33,11 @@ class TableCodec(Codec):
             raise ProtocolError(f"aux: codec {self.name!r} table has a non-finite entry (overflow)")
         return n, buf, table
 
+    def max_abs(self, t: EncodedTensor) -> float:
+        """From the header: the largest ``|entry|`` of the table (no pass over the data)."""
+        n, _, table = self._table(t)
+        return float(np.max(np.abs(table))) if n and table.size else 0.0
+
     def decode(self, t: EncodedTensor, out: np.ndarray | None = None) -> np.ndarray:
         """``table[index]`` per element, into ``out`` when given."""
         n, buf, table = self._table(t)

@@ -71,6 +71,12 @@ def decode(t: EncodedTensor, out: np.ndarray | None = None) -> np.ndarray:
     return _codec_of(t).decode(t, out)
 
 
+def max_abs(t: EncodedTensor) -> float:
+    """An upper bound of ``|v|`` over ``decode(t)`` (see :meth:`Codec.max_abs`): from the
+    header for asym, kmeans, danuq, ternary and int, one pass for float32/float16."""
+    return _codec_of(t).max_abs(t)
+
+
 def decode_accumulate(t: EncodedTensor, acc: np.ndarray, weight: float) -> None:
     """``acc += weight * decode(t)`` fused, no temporary (float32/float64 ``acc`` of shape
     ``t.shape``); codecs asym, kmeans, danuq, int, float32, float16. Rounding: see

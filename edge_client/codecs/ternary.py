@@ -106,6 +106,17 @@ class TernaryCodec(Codec):
         scale = (s / kept if kept else 0.0) if scale is None else _nonneg(scale, "scale")
         return self._tensor(a, b, out.tobytes(), {"scale": float(np.float32(scale))}, name)
 
+    def max_abs(self, t: EncodedTensor) -> float:
+        """From the header: 1 for int8 tensors, ``aux.scale`` for float ones (the codes
+        themselves are checked by :meth:`decode`)."""
+        n, _ = self._check_encoded(t, ("int8", "float32"))
+        if t.dtype == "int8":
+            self._aux_keys(t, ())
+            return 1.0 if n else 0.0
+        self._aux_keys(t, ("scale",))
+        scale = self._aux_float(t, "scale", nonneg=True)
+        return scale if n else 0.0
+
     def decode(self, t: EncodedTensor, out: np.ndarray | None = None) -> np.ndarray:
         """int8 tensors decode to int8 (``out``: int8), float ones to ``scale * t``."""
         n, buf = self._check_encoded(t, ("int8", "float32"))
