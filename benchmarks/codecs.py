@@ -11,7 +11,9 @@ reused float32 buffer) and ``decode_accumulate_ms`` (``acc += w * decode(t)``, f
 ``acc``), against the memory floor measured in the same run: ``np.add(acc, x, out=acc)``
 over a ready float32 array of the same size.
 
-Prints one JSON line per result (DESIGN.md, "Benchmarks").
+Times are the best of 7 rounds (3 with ``--quick``) in which every case of both data
+kinds runs once, in turn (see :func:`interleaved_best_ms`). Prints one JSON line per result (DESIGN.md,
+"Benchmarks").
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from edge_client.codecs import decode, decode_accumulate, encode
 
 N = 2_105_000
 PAPER_MS = {"asym-4": 10.0, "asym-8": 10.0, "kmeans-4": 179.0, "kmeans-8": 2172.0}
+CASES = (("asym", 4), ("asym", 8), ("kmeans", 4), ("kmeans", 8))
 
 
 def emit(case: str, metric: str, value: float, unit: str, anchor: str, anchor_value: float) -> None:
@@ -44,14 +47,41 @@ def data(kind: str, n: int, seed: int = 0) -> np.ndarray:
     return np.where(tail, rng.standard_t(2, n) * 0.2, rng.normal(0, 0.05, n)).astype(np.float32)
 
 
-def best_ms(fn, reps: int) -> tuple[float, object]:
-    out = fn()  # warm (JIT cache load)
-    best = float("inf")
-    for _ in range(reps):
-        t = time.perf_counter()
-        out = fn()
-        best = min(best, (time.perf_counter() - t) * 1e3)
-    return best, out
+def interleaved_best_ms(fns: dict[str, object], rounds: int) -> dict[str, float]:
+    """Best time (ms) of each zero-argument callable over ``rounds`` rounds, every round
+    running each callable once, in turn, after one warm-up call each (JIT cache load).
+
+    Interleaving spreads every case over the whole measurement, so a slow spell of the
+    machine (these are shared vCPUs) costs each case one round instead of whole cases."""
+    for fn in fns.values():
+        fn()
+    best = dict.fromkeys(fns, float("inf"))
+    for _ in range(rounds):
+        for key, fn in fns.items():
+            t = time.perf_counter()
+            fn()
+            best[key] = min(best[key], (time.perf_counter() - t) * 1e3)
+    return best
+
+
+def time_cases(xs: dict[str, np.ndarray], rounds: int):
+    """For each data kind in ``xs``: its encoded tensors per (codec, bits) of
+    :data:`CASES`, and the best times (ms) of ``"<kind> <codec>-<bits> encode|decode|into|
+    accumulate"`` and ``"<kind> floor"`` (the memory floor), all cases of all kinds
+    interleaved in the same rounds."""
+    fns: dict[str, object] = {}
+    tensors: dict[str, dict[tuple[str, int], object]] = {}
+    for kind, x in xs.items():
+        buf = np.empty_like(x)
+        acc = np.zeros_like(x)
+        ts = tensors[kind] = {(c, b): encode(x, c, b) for c, b in CASES}
+        fns[f"{kind} floor"] = lambda x=x, acc=acc: np.add(acc, x, out=acc)
+        for (c, b), t in ts.items():
+            fns[f"{kind} {c}-{b} encode"] = lambda x=x, c=c, b=b: encode(x, c, b)
+            fns[f"{kind} {c}-{b} decode"] = lambda t=t: decode(t)
+            fns[f"{kind} {c}-{b} into"] = lambda t=t, buf=buf: decode(t, out=buf)
+            fns[f"{kind} {c}-{b} accumulate"] = lambda t=t, acc=acc: decode_accumulate(t, acc, 0.01)
+    return tensors, interleaved_best_ms(fns, rounds)
 
 
 def mse(x: np.ndarray, y: np.ndarray) -> float:
@@ -73,37 +103,32 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="CI mode: sklearn 8-bit on a 100k subsample")
     args = ap.parse_args()
-    reps = 3 if args.quick else 7
-    for kind in ("gauss", "heavy"):
-        x = data(kind, N)
-        buf = np.empty_like(x)
-        acc = np.zeros_like(x)
-        floor_ms, _ = best_ms(lambda x=x, acc=acc: np.add(acc, x, out=acc), 5 * reps)
-        for codec, bits in (("asym", 4), ("asym", 8), ("kmeans", 4), ("kmeans", 8)):
-            case = f"{codec}-{bits} {kind} n={N}"
-            enc_ms, t = best_ms(lambda x=x, c=codec, b=bits: encode(x, c, b), reps)
-            dec_ms, y = best_ms(lambda t=t: decode(t), reps)
+    rounds = 3 if args.quick else 7
+    xs = {kind: data(kind, N) for kind in ("gauss", "heavy")}
+    tensors, best = time_cases(xs, rounds)
+    floor_name = "np.add(acc, x, out=acc) float32 (memory floor)"
+    for kind, x in xs.items():
+        ts = tensors[kind]
+        floor_ms = round(best[f"{kind} floor"], 4)
+        for (codec, bits), t in ts.items():
+            key, case = f"{kind} {codec}-{bits}", f"{codec}-{bits} {kind} n={N}"
+            enc_ms = best[f"{key} encode"]
             emit(case, "encode_ms", enc_ms, "ms", "FedShift Table 2 (M1 Pro)", PAPER_MS[f"{codec}-{bits}"])
-            emit(case, "decode_ms", dec_ms, "ms", "target", 10.0)
-            into_ms, _ = best_ms(lambda t=t, buf=buf: decode(t, out=buf), 5 * reps)
-            emit(f"{case} out=", "decode_ms", into_ms, "ms", "np.add(acc, x, out=acc) float32 (memory floor)", round(floor_ms, 4))
-            accu_ms, _ = best_ms(lambda t=t, acc=acc: decode_accumulate(t, acc, 0.01), 5 * reps)
-            emit(case, "decode_accumulate_ms", accu_ms, "ms", "np.add(acc, x, out=acc) float32 (memory floor)", round(floor_ms, 4))
-            m = mse(x, y)
-            if codec == "kmeans":
-                asym_m = mse(x, decode(encode(x, "asym", bits)))
-                emit(case, "mse", m, "", f"asym-{bits} mse", asym_m)
-                sub = x[:100_000] if args.quick and bits == 8 else x
-                sk_ms, sk_mse = sklearn_kmeans(sub, bits)
-                ours = m if sub is x else mse(sub, decode(encode(sub, "kmeans", bits)))
-                tag = f"{codec}-{bits} {kind} n={sub.size}" + (" (subsample)" if sub is not x else "")
-                emit(tag, "mse", ours, "", "sklearn KMeans n_init=1 mse", sk_mse)
-                if sub is x:
-                    emit(case, "encode_ms", enc_ms, "ms", "sklearn KMeans n_init=1 fit ms (1 thread)", sk_ms)
-                else:
-                    sub_ms, _ = best_ms(lambda s=sub, b=bits: encode(s, "kmeans", b), reps)
-                    emit(tag, "encode_ms", sub_ms, "ms", "sklearn KMeans n_init=1 fit ms (1 thread)", sk_ms)
-
+            emit(case, "decode_ms", best[f"{key} decode"], "ms", "target", 10.0)
+            emit(f"{case} out=", "decode_ms", best[f"{key} into"], "ms", floor_name, floor_ms)
+            emit(case, "decode_accumulate_ms", best[f"{key} accumulate"], "ms", floor_name, floor_ms)
+            if codec != "kmeans":
+                continue
+            m = mse(x, decode(t))
+            emit(case, "mse", m, "", f"asym-{bits} mse", mse(x, decode(ts["asym", bits])))
+            sub = x[:100_000] if args.quick and bits == 8 else x
+            sk_ms, sk_mse = sklearn_kmeans(sub, bits)
+            ours = m if sub is x else mse(sub, decode(encode(sub, "kmeans", bits)))
+            tag = f"{codec}-{bits} {kind} n={sub.size}" + (" (subsample)" if sub is not x else "")
+            emit(tag, "mse", ours, "", "sklearn KMeans n_init=1 mse", sk_mse)
+            if sub is not x:
+                enc_ms = interleaved_best_ms({"sub": lambda s=sub, b=bits: encode(s, "kmeans", b)}, rounds)["sub"]
+            emit(tag, "encode_ms", enc_ms, "ms", "sklearn KMeans n_init=1 fit ms (1 thread)", sk_ms)
 
 if __name__ == "__main__":
     main()
