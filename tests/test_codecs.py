@@ -267,6 +267,8 @@ def test_decode_rejects_wrong_length_bits_dtype_codec(codec):
         ("asym", "min", "0"), ("asym", "max", 1e300),
         ("kmeans", "codebook", [0.0] * 15), ("kmeans", "codebook", [0.0] * 15 + [float("nan")]),
         ("kmeans", "codebook", "abc"), ("kmeans", "codebook", [0.0] * 15 + ["x"]),
+        ("kmeans", "codebook", [0.0] * 15 + [True]), ("kmeans", "codebook", [-1e39] + [0.0] * 15),
+        ("kmeans", "codebook", [0.0] * 15 + [float("-inf")]), ("kmeans", "codebook", [0.0] * 15 + [None]),
         ("danuq", "sigma_g", -1.0), ("danuq", "sigma_loc", float("nan")), ("danuq", "zero_level", 2),
         ("ternary", "scale", -0.5),
     ],
