@@ -121,9 +121,15 @@ class AckCommitter(Generic[M, R]):
             t.start()
 
     def _take(self, stage: str, queue: deque) -> list | None:
-        """Wait for work in ``queue``: all of it, or None when idle too long or stopped."""
-        if not queue and self._error is None:
-            self._cv.wait(self._idle_exit_s)
+        """Wait for work in ``queue``: all of it, or None when idle for ``idle_exit_s``
+        or stopped. (A wake-up meant for the other stage is not idleness: the wait goes
+        on until the full idle time has passed, so a busy round keeps its two threads.)"""
+        end = time.monotonic() + self._idle_exit_s
+        while not queue and self._error is None:
+            left = end - time.monotonic()
+            if left <= 0:
+                break
+            self._cv.wait(left)
         if not queue or self._error is not None:
             # forget this thread while still holding the lock, so that a submit from
             # now on starts a new one instead of relying on one that is exiting

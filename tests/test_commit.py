@@ -123,6 +123,22 @@ def test_the_threads_exit_when_idle_and_restart_on_demand() -> None:
     assert persisted == ["ra", *[f"r{i}" for i in range(1, 200, 2)]]
 
 
+def test_busy_threads_are_not_restarted_by_the_other_stage_s_wakeups() -> None:
+    """Each stage's notify wakes the other stage's idle thread too; that is not idleness:
+    over a stream of batches (gaps far below idle_exit_s) each stage runs on one thread
+    (a thread start costs the loop ~1 ms on a loaded machine)."""
+    persist_threads: set[int] = set()
+    ack_threads: set[int] = set()
+    c: AckCommitter[int, int] = AckCommitter(
+        lambda: None, lambda m: ack_threads.add(threading.get_ident()),
+        persist=lambda r: persist_threads.add(threading.get_ident()), idle_exit_s=30.0)
+    for i in range(60):
+        c.submit([i], [i] if i % 3 else [])
+        time.sleep(0.003)
+    c.drain(timeout=10)
+    assert len(persist_threads) == 1 and len(ack_threads) == 1
+
+
 def test_a_message_without_records_is_not_acked_before_earlier_records_persist() -> None:
     order: list[str] = []
     gate = threading.Event()
