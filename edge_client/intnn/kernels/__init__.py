@@ -1,0 +1,78 @@
+"""Numba kernels of the integer-only training step (ProWD appendix B / WAGE), split by
+what they compute:
+
+- :mod:`.arith` rounding shifts, exact ``round(log2)``, the forward's finishing step;
+- :mod:`.rng` the counter-based stochastic-rounding stream;
+- :mod:`.layout` NHWC / ``[K, K, C, O]`` conversions, ternarization, im2col and planes;
+- :mod:`.conv_forward` the three convolution forward variants (and when each is used);
+- :mod:`.conv_backward` backward-data and the four weight-gradient variants;
+- :mod:`.linear`, :mod:`.pool` (max-pool, ReLU), :mod:`.loss` (SSE, integer softmax);
+- :mod:`.update` error quantization (eq. 12) and the stochastic weight update (eq. 15-16).
+
+Every kernel takes and returns integers (or booleans) only; no float value exists in any
+of them (``tests/test_intnn_integer_only.py`` inspects the compiled type maps of
+:data:`TRAINING_KERNELS`). Integer widths: activations and quantized errors are ``int8``
+(s <= 8) or ``int16``; ternary weights ``int8``; stored weights ``int8``/``int16``; raw
+errors and forward accumulators ``int32``; weight gradients ``int32`` when the bound
+``amax^2 * pixels`` fits, else ``int64``.
+
+This package re-exports every kernel, so ``from edge_client.intnn import kernels as K;
+K.conv_forward(...)`` works as before the split.
+"""
+
+from edge_client.intnn.kernels.arith import LOG2_HALF_THRESH, max_abs, round_log2, round_shift
+from edge_client.intnn.kernels.conv_backward import (
+    conv_backward_data,
+    conv_backward_data_narrow,
+    conv_weight_grad,
+    conv_weight_grad_dot,
+    conv_weight_grad_plane,
+    conv_weight_grad_sparse,
+)
+from edge_client.intnn.kernels.conv_forward import (
+    conv_forward,
+    conv_forward_col,
+    conv_forward_plane,
+)
+from edge_client.intnn.kernels.layout import (
+    quantize_inputs_nhwc,
+    ternarize,
+    ternary_lists,
+    transpose_kkco_okkc,
+)
+from edge_client.intnn.kernels.linear import (
+    linear_backward_data,
+    linear_forward,
+    linear_weight_grad,
+)
+from edge_client.intnn.kernels.loss import SOFTMAX_ONE, argmax_correct, softmax_error, sse_error
+from edge_client.intnn.kernels.pool import (
+    maxpool_backward,
+    maxpool_forward,
+    relu_forward,
+    relu_mask,
+)
+from edge_client.intnn.kernels.rng import mix64, rand62, stream_key
+from edge_client.intnn.kernels.update import quantize_error, regularizer_terms, sgd_update
+
+# The kernels a training step runs from Python (their compiled signatures must be
+# integer-only). The jitted helpers they call are all inline="always": their bodies are
+# typed inside these kernels.
+TRAINING_KERNELS = (
+    conv_forward, conv_forward_col, linear_forward, maxpool_forward, relu_forward,
+    sse_error, softmax_error, relu_mask, quantize_error, conv_backward_data, conv_weight_grad,
+    conv_weight_grad_dot, linear_backward_data, linear_weight_grad, maxpool_backward,
+    sgd_update, regularizer_terms, ternarize, transpose_kkco_okkc,
+    argmax_correct, stream_key, ternary_lists, conv_forward_plane, conv_weight_grad_plane,
+    conv_weight_grad_sparse, conv_backward_data_narrow,
+)
+
+__all__ = [
+    "LOG2_HALF_THRESH", "SOFTMAX_ONE", "TRAINING_KERNELS", "argmax_correct", "conv_backward_data",
+    "conv_backward_data_narrow", "conv_forward", "conv_forward_col", "conv_forward_plane",
+    "conv_weight_grad", "conv_weight_grad_dot", "conv_weight_grad_plane", "conv_weight_grad_sparse",
+    "linear_backward_data", "linear_forward", "linear_weight_grad", "max_abs", "maxpool_backward",
+    "maxpool_forward", "mix64", "quantize_error", "quantize_inputs_nhwc", "rand62", "regularizer_terms",
+    "relu_forward", "relu_mask", "round_log2", "round_shift", "sgd_update", "softmax_error",
+    "sse_error", "stream_key", "ternarize", "ternary_lists", "transpose_kkco_okkc",
+]

@@ -1,0 +1,155 @@
+"""Layout conversions between the spec's tensors and the kernels' buffers.
+
+Activations and errors are NHWC (``[N, H, W, C]``) or ``[N, F]``; conv weights, their
+ternary copies and gradients are ``[K, K, C, O]`` so the innermost loops run over
+contiguous output channels (they vectorize); backward-data uses a second ternary copy in
+``[O, K, K, C]`` (:func:`transpose_kkco_okkc`). The spec's ``[O, C, K, K]`` layout is
+only used at the module boundary (``model.py``).
+
+- :func:`ternarize`: stored weights -> ternary {-1, 0, +1} (``|w| > thr``);
+- :func:`ternary_lists`: per output channel, the lists of +1 and -1 weights that the
+  stride-1 plane forward walks;
+- ``_im2col_t`` (transposed im2col of a batch), ``_to_plane`` (the padded planar layout
+  of stride-1 convs, which fits in L2) and ``_pad_nhwc`` (zero borders for the
+  error-driven gradient): the inputs of the conv kernels;
+- :func:`quantize_inputs_nhwc`: NCHW integers into the NHWC activation layout.
+"""
+
+from __future__ import annotations
+
+from numba import njit
+
+
+@njit(cache=True, inline="always")
+def _im2col_t(a, n0, n1, h_out, w_out, k, stride, pad, col_t):
+    """col_t[(kh*k + kw)*C + c, (n - n0)*Ho*Wo + y*Wo + x] = a[n, iy, ix, c] (0 if padded)."""
+    h_in = a.shape[1]
+    w_in = a.shape[2]
+    c_in = a.shape[3]
+    n_pix = h_out * w_out
+    for n in range(n0, n1):
+        for y in range(h_out):
+            for x in range(w_out):
+                p = (n - n0) * n_pix + y * w_out + x
+                for kh in range(k):
+                    iy = y * stride + kh - pad
+                    for kw in range(k):
+                        ix = x * stride + kw - pad
+                        r0 = (kh * k + kw) * c_in
+                        if iy >= 0 and iy < h_in and ix >= 0 and ix < w_in:
+                            for c in range(c_in):
+                                col_t[r0 + c, p] = a[n, iy, ix, c]
+                        else:
+                            for c in range(c_in):
+                                col_t[r0 + c, p] = 0
+
+
+@njit(cache=True)
+def ternary_lists(t_o, lst, cnt):
+    """Per output channel o: lst[o, :cnt[o, 1]] = the flat indices r of the non-zero
+    ternary weights t_o[o] ([O, K, K, C] flattened per o), the +1 weights first
+    (cnt[o, 0] of them), then the -1 weights. lst: int32 [O, K*K*C]; cnt: int32 [O, 2]."""
+    n_out = t_o.shape[0]
+    t2 = t_o.reshape(n_out, -1)
+    for o in range(n_out):
+        m = 0
+        for r in range(t2.shape[1]):
+            if t2[o, r] > 0:
+                lst[o, m] = r
+                m += 1
+        cnt[o, 0] = m
+        for r in range(t2.shape[1]):
+            if t2[o, r] < 0:
+                lst[o, m] = r
+                m += 1
+        cnt[o, 1] = m
+
+
+@njit(cache=True, inline="always")
+def _to_plane(a, pad, plane):
+    """plane[c, s0 + n*hs + iy*wp + ix] = a[n, iy, ix, c], gaps zeroed (see above)."""
+    n_s = a.shape[0]
+    h_in = a.shape[1]
+    w_in = a.shape[2]
+    c_in = a.shape[3]
+    wp = w_in + pad
+    hs = (h_in + pad) * wp
+    s0 = pad * wp + pad
+    for c in range(c_in):
+        for i in range(s0):
+            plane[c, i] = 0
+    for n in range(n_s):
+        for iy in range(h_in):
+            base = s0 + n * hs + iy * wp
+            for ix in range(w_in):
+                for c in range(c_in):
+                    plane[c, base + ix] = a[n, iy, ix, c]
+            for c in range(c_in):
+                for ix in range(w_in, wp):
+                    plane[c, base + ix] = 0
+        for iy in range(h_in, h_in + pad):
+            base = s0 + n * hs + iy * wp
+            for c in range(c_in):
+                for ix in range(wp):
+                    plane[c, base + ix] = 0
+
+
+@njit(cache=True, inline="always")
+def _pad_nhwc(a, pad, a_pad):
+    """a_pad[n, pad + iy, pad + ix, c] = a[n, iy, ix, c], zero borders ([N, H+2p, W+2p, C])."""
+    n_s = a.shape[0]
+    h_in = a.shape[1]
+    w_in = a.shape[2]
+    c_in = a.shape[3]
+    hp = a_pad.shape[1]
+    wpp = a_pad.shape[2]
+    for n in range(n_s):
+        for iy in range(hp):
+            yy = iy - pad
+            if yy < 0 or yy >= h_in:
+                for ix in range(wpp):
+                    for c in range(c_in):
+                        a_pad[n, iy, ix, c] = 0
+                continue
+            for ix in range(pad):
+                for c in range(c_in):
+                    a_pad[n, iy, ix, c] = 0
+            for ix in range(w_in):
+                for c in range(c_in):
+                    a_pad[n, iy, pad + ix, c] = a[n, yy, ix, c]
+            for ix in range(pad + w_in, wpp):
+                for c in range(c_in):
+                    a_pad[n, iy, ix, c] = 0
+
+
+@njit(cache=True)
+def transpose_kkco_okkc(t, out):
+    """Ternary conv weights [K, K, C, O] -> [O, K, K, C] (the backward-data layout)."""
+    for kh in range(t.shape[0]):
+        for kw in range(t.shape[1]):
+            for c in range(t.shape[2]):
+                for o in range(t.shape[3]):
+                    out[o, kh, kw, c] = t[kh, kw, c, o]
+
+
+@njit(cache=True)
+def ternarize(w, thr, t):
+    """t = +1 where w > thr, -1 where w < -thr, 0 elsewhere (flat)."""
+    for j in range(w.shape[0]):
+        v = w[j]
+        if v > thr:
+            t[j] = 1
+        elif v < -thr:
+            t[j] = -1
+        else:
+            t[j] = 0
+
+
+@njit(cache=True)
+def quantize_inputs_nhwc(xq, out):
+    """Copy NCHW integers into the NHWC activation layout (data loading, integers)."""
+    for n in range(xq.shape[0]):
+        for c in range(xq.shape[1]):
+            for h in range(xq.shape[2]):
+                for w in range(xq.shape[3]):
+                    out[n, h, w, c] = xq[n, c, h, w]
