@@ -10,7 +10,21 @@ class FedbitError(Exception):
 
 
 class ProtocolError(FedbitError, ValueError):
-    """A wire message or encoded tensor is malformed; the message names the field."""
+    """A wire message or encoded tensor is malformed; the message names the field.
+
+    ``reason`` labels the kind of fault for metrics and logs (the coordinator counts a
+    rejected update under ``rejected_<reason>``): ``malformed`` (the default),
+    ``oversized``, ``nonfinite`` (a NaN/Inf or float32-overflowing value anywhere),
+    ``wrong_shape`` or ``out_of_range`` (|v| beyond the magnitude limit).
+    """
+
+    REASONS = frozenset({"malformed", "oversized", "nonfinite", "wrong_shape", "out_of_range"})
+
+    def __init__(self, message: str, *, reason: str = "malformed") -> None:
+        super().__init__(message)
+        if reason not in self.REASONS:
+            raise ValueError(f"ProtocolError reason {reason!r} not in {sorted(self.REASONS)}")
+        self.reason = reason
 
 
 class CodecError(FedbitError, ValueError):

@@ -304,7 +304,7 @@ class _Reader:
             raise ProtocolError(f"{self.where(key)}: expected a number, got {type(v).__name__}")
         v = float(v)
         if not math.isfinite(v):
-            raise ProtocolError(f"{self.where(key)}: not finite ({v})")
+            raise ProtocolError(f"{self.where(key)}: not finite ({v})", reason="nonfinite")
         if not lo <= v <= hi:
             raise ProtocolError(f"{self.where(key)}: {v} out of range [{lo}, {hi}]")
         return v
@@ -378,10 +378,13 @@ def _read_aux(r: _Reader) -> dict[str, Any]:
             if len(v) > r.limits.max_aux_list:
                 raise ProtocolError(f"{where}: {len(v)} items exceed the limit {r.limits.max_aux_list}")
             for x in v:
-                if isinstance(x, bool) or not isinstance(x, int | float) or not math.isfinite(x):
+                if isinstance(x, bool) or not isinstance(x, int | float):
                     raise ProtocolError(f"{where}: items must be finite numbers")
+                if not math.isfinite(x):
+                    raise ProtocolError(f"{where}: items must be finite numbers", reason="nonfinite")
         elif not _scalar_ok(v):
-            raise ProtocolError(f"{where}: not a finite number, string or bytes")
+            raise ProtocolError(f"{where}: not a finite number, string or bytes",
+                                reason="nonfinite" if isinstance(v, float) else "malformed")
     return aux
 
 
@@ -392,11 +395,13 @@ def _read_tensor(raw: Any, path: str, limits: Limits) -> EncodedTensor:
     shape: list[int] = []
     for i, d in enumerate(shape_raw):
         if isinstance(d, bool) or not isinstance(d, int) or not 0 <= d <= limits.max_tensor_elements:
-            raise ProtocolError(f"{r.where('shape')}[{i}]: {d!r} is not a valid dimension")
+            raise ProtocolError(f"{r.where('shape')}[{i}]: {d!r} is not a valid dimension",
+                                reason="wrong_shape")
         shape.append(d)
     n = math.prod(shape)
     if n > limits.max_tensor_elements:
-        raise ProtocolError(f"{r.where('shape')}: {n} elements exceed the limit {limits.max_tensor_elements}")
+        raise ProtocolError(f"{r.where('shape')}: {n} elements exceed the limit {limits.max_tensor_elements}",
+                            reason="wrong_shape")
     dtype = r.str("dtype", DTYPES)
     codec = r.str("codec", frozenset(CODEC_BITS))
     lo, hi = CODEC_BITS[codec]
@@ -411,7 +416,7 @@ def _read_tensor(raw: Any, path: str, limits: Limits) -> EncodedTensor:
         )
     if codec in _FLOAT_CODECS:
         if n and not np.isfinite(np.frombuffer(data, dtype=_FLOAT_CODECS[codec])).all():
-            raise ProtocolError(f"{r.where('data')}: contains NaN or Inf")
+            raise ProtocolError(f"{r.where('data')}: contains NaN or Inf", reason="nonfinite")
     aux = _read_aux(r)
     return EncodedTensor(tuple(shape), dtype, codec, bits, data, aux, name)
 
@@ -440,7 +445,8 @@ def _read_floats(r: _Reader, key: str) -> tuple[float, ...]:
     items = r.list(key, r.limits.max_layers, default=[])
     for i, x in enumerate(items):
         if isinstance(x, bool) or not isinstance(x, int | float) or not math.isfinite(x):
-            raise ProtocolError(f"{r.where(key)}[{i}]: not a finite number")
+            raise ProtocolError(f"{r.where(key)}[{i}]: not a finite number",
+                                reason="nonfinite" if isinstance(x, float) else "malformed")
     return tuple(float(x) for x in items)
 
 
@@ -514,8 +520,8 @@ def decode_message(payload: bytes | bytearray | memoryview, limits: Limits = DEF
         raise ProtocolError(f"payload: expected bytes, got {type(payload).__name__}")
     if len(payload) > limits.max_payload_bytes:
         raise ProtocolError(
-            f"payload: {len(payload)} bytes exceed the limit of {limits.max_payload_bytes}"
-        )
+            f"payload: {len(payload)} bytes exceed the limit of {limits.max_payload_bytes}",
+            reason="oversized")
     try:
         body = msgpack.unpackb(
             payload, raw=False, strict_map_key=True, use_list=True,

@@ -196,7 +196,7 @@ class Codec(ABC):
             raise ProtocolError(f"aux.{key}: expected a number, got {type(v).__name__}")
         f = float(v)
         if not math.isfinite(f) or abs(f) > float(np.finfo(np.float32).max):
-            raise ProtocolError(f"aux.{key}: {f!r} is not a finite float32")
+            raise ProtocolError(f"aux.{key}: {f!r} is not a finite float32", reason="nonfinite")
         if nonneg and f < 0:
             raise ProtocolError(f"aux.{key}: {f!r} must be >= 0")
         return f
@@ -205,11 +205,12 @@ class Codec(ABC):
 def shape_size(shape: object) -> int:
     """Number of elements of a wire ``shape`` (ProtocolError when it is not a tuple of ints >= 0)."""
     if not isinstance(shape, tuple | list):
-        raise ProtocolError(f"shape: expected a sequence of ints, got {type(shape).__name__}")
+        raise ProtocolError(f"shape: expected a sequence of ints, got {type(shape).__name__}",
+                            reason="wrong_shape")
     n = 1
     for d in shape:
         if isinstance(d, bool) or not isinstance(d, int | np.integer) or d < 0:
-            raise ProtocolError(f"shape: {shape!r} must contain ints >= 0")
+            raise ProtocolError(f"shape: {shape!r} must contain ints >= 0", reason="wrong_shape")
         n *= int(d)
     return n
 

@@ -63,7 +63,8 @@ class Float32Codec(Codec):
             vals = buf.view(self.wire_dtype)
             bad = _count_bad(vals)
         if bad:
-            raise ProtocolError(f"data: {bad} non-finite (NaN/Inf) value(s) in a {self.name} tensor")
+            raise ProtocolError(f"data: {bad} non-finite (NaN/Inf) value(s) in a {self.name} tensor",
+                                reason="nonfinite")
         return n, vals
 
     def max_abs(self, t: EncodedTensor) -> float:
@@ -80,7 +81,8 @@ class Float32Codec(Codec):
         m = int(abs_bits_max(bits, mask) if bits.flags.aligned else np.max(bits & udt(mask)))
         if m >= inf:
             bad = int(np.count_nonzero((bits & udt(mask)) >= inf))
-            raise ProtocolError(f"data: {bad} non-finite (NaN/Inf) value(s) in a {self.name} tensor")
+            raise ProtocolError(f"data: {bad} non-finite (NaN/Inf) value(s) in a {self.name} tensor",
+                                reason="nonfinite")
         return float(np.array(m, udt).view(fdt))
 
     def decode(self, t: EncodedTensor, out: np.ndarray | None = None) -> np.ndarray:

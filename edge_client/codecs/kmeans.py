@@ -134,5 +134,5 @@ def codebook_from_aux(value: object, k: int, field: str = "aux.codebook") -> np.
         raise ProtocolError(f"{field}: entries must be numbers")
     arr = np.array(value, dtype=np.float64)
     if arr.size and not float(np.max(np.abs(arr))) <= _F32_MAX:  # NaN fails the comparison too
-        raise ProtocolError(f"{field}: entries must be finite float32 values")
+        raise ProtocolError(f"{field}: entries must be finite float32 values", reason="nonfinite")
     return arr.astype(np.float32)

@@ -30,7 +30,8 @@ class TableCodec(Codec):
         entry can overflow float32), so decoded values are always finite."""
         n, buf, table = self._checked(t)
         if not np.isfinite(table).all():
-            raise ProtocolError(f"aux: codec {self.name!r} table has a non-finite entry (overflow)")
+            raise ProtocolError(f"aux: codec {self.name!r} table has a non-finite entry (overflow)",
+                                reason="nonfinite")
         return n, buf, table
 
     def max_abs(self, t: EncodedTensor) -> float:

@@ -1,10 +1,10 @@
-"""MQTT sessions (paho-mqtt 2.x) and an in-memory stand-in with the same interface.
+"""MQTT sessions through paho-mqtt 2.x: the one module that talks to paho.
 
-:class:`MqttTransport` is the one place that talks to paho, used by devices
-(``runtime.py``) and by the coordinator's ``MqttFleet``:
+:class:`MqttTransport` is used by devices (``runtime.py``) and by the coordinator's
+``MqttFleet``:
 
 - URLs ``mqtt://[user:pass@]host[:1883]`` and ``mqtts://...[:8883]`` (TLS with an optional
-  CA file and client certificate/key);
+  CA file and client certificate/key; :func:`parse_broker_url`, :class:`TlsOptions`);
 - MQTT v5 when the broker offers it, else 3.1.1 (``protocol="auto"``: one probe connect
   with v5; amqtt refuses v5 at connect, so the session then uses 3.1.1);
 - last-will set before connect; "birth" messages and subscriptions (re)sent on every
@@ -16,9 +16,7 @@
 - every paho callback only hands data to a queue and catches everything (an exception in
   a callback silently stops paho's network thread: MQTT-NOTES.md).
 
-:class:`LocalHub` / :class:`LocalTransport`: the same interface without sockets (retained
-messages, wildcards, last-will on :meth:`LocalTransport.drop`, persistent sessions with
-redelivery of unacknowledged messages for ``manual_ack`` clients) for the in-process fleet.
+paho itself is imported when a session is made, not with this module.
 """
 
 from __future__ import annotations
@@ -27,24 +25,13 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
-from typing import Protocol
+from dataclasses import dataclass
 from urllib.parse import unquote, urlsplit
 
 from edge_client.errors import ConfigError, ProtocolError
+from edge_client.transport.base import Received
 
 log = logging.getLogger("fedbit.transport")
-
-
-@dataclass(frozen=True)
-class Received:
-    """One delivered message. ``token`` identifies it for :meth:`Transport.ack`."""
-
-    topic: str
-    payload: bytes
-    qos: int = 0
-    retain: bool = False
-    token: int = 0
 
 
 @dataclass(frozen=True)
@@ -85,30 +72,6 @@ def parse_broker_url(url: str) -> BrokerAddress:
         username=unquote(parts.username) if parts.username else None,
         password=unquote(parts.password) if parts.password else None,
     )
-
-
-class Transport(Protocol):
-    """What the device loop and the fleet need from a message session."""
-
-    @property
-    def connected(self) -> bool: ...
-
-    @property
-    def connects(self) -> int: ...
-
-    def connect(self, timeout: float = 10.0) -> None: ...
-
-    def publish(self, topic: str, payload: bytes, *, qos: int = 1, retain: bool = False,
-                timeout: float = 10.0) -> bool: ...
-
-    def recv(self, timeout: float | None = None) -> Received | None: ...
-
-    def ack(self, msg: Received) -> None: ...
-
-    def close(self) -> None: ...
-
-
-# --------------------------------------------------------------------------- paho
 
 
 class PublishHandle:
@@ -399,7 +362,7 @@ class MqttTransport:
         None when it could not be queued (not connected)."""
         if len(payload) > self.max_payload:
             raise ProtocolError(f"payload: {len(payload)} bytes exceed the transport limit "
-                                f"{self.max_payload}")
+                                f"{self.max_payload}", reason="oversized")
         client = self._client
         if client is None or self._closed:
             return None
@@ -473,190 +436,3 @@ class MqttTransport:
             _stop_network_thread(client)
         self._closed = True
         self._connected.clear()
-
-
-# --------------------------------------------------------------------------- in-memory
-
-
-def topic_matches(pattern: str, name: str) -> bool:
-    """MQTT topic-filter match with ``+`` and ``#``."""
-    p, n = pattern.split("/"), name.split("/")
-    for i, part in enumerate(p):
-        if part == "#":
-            return True
-        if i >= len(n) or (part != "+" and part != n[i]):
-            return False
-    return len(p) == len(n)
-
-
-class LocalHub:
-    """A tiny in-process broker: retained messages, wildcard subscriptions, last-will, and
-    persistent sessions for manual-ack clients.
-
-    Payloads are delivered as the same bytes a broker would carry (copied per receiver).
-    A client created with ``manual_ack=True`` has a session that outlives its connection,
-    as an MQTT persistent session does (``clean_start=False``): every message delivered to
-    it stays in the session until :meth:`LocalTransport.ack`; messages routed while it is
-    not connected are queued there; on (re)connect the client starts with an empty inbox
-    and the session's unacknowledged messages are redelivered first, in order, then the
-    retained ones. So a coordinator that read an update and crashed before acknowledging
-    it gets the update again, whether it reconnects with the same transport or a new one
-    under the same client id.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._retained: dict[str, bytes] = {}
-        self._clients: list[LocalTransport] = []
-        self._sessions: dict[str, _LocalSession] = {}
-        self._token = 0
-        self.published = 0
-
-    def client(self, client_id: str, *, will: tuple[str, bytes] | None = None,
-               birth: list[tuple[str, bytes, bool]] | None = None,
-               subscriptions: list[str] | None = None, manual_ack: bool = False,
-               max_payload: int = 64 * 1024 * 1024 + 64 * 1024) -> LocalTransport:
-        """A transport attached to this hub (call ``connect()`` on it)."""
-        return LocalTransport(self, client_id, will=will, birth=birth,
-                              subscriptions=subscriptions, manual_ack=manual_ack,
-                              max_payload=max_payload)
-
-    def unacked(self, client_id: str) -> int:
-        """How many messages the session of ``client_id`` holds unacknowledged (0: none)."""
-        with self._lock:
-            s = self._sessions.get(client_id)
-            return len(s.unacked) if s is not None else 0
-
-    def _attach(self, t: LocalTransport) -> None:
-        with self._lock:
-            self._clients = [c for c in self._clients if c.client_id != t.client_id] + [t]
-            redeliver: list[tuple[str, bytes]] = []
-            if t.manual_ack:
-                t._inbox = queue.Queue()  # what the old connection held is redelivered below
-                s = self._sessions.setdefault(t.client_id, _LocalSession())
-                s.subscriptions = list(t.subscriptions)
-                # retained deliveries come again below with their current payload
-                redeliver = [(m.topic, m.payload) for m in s.unacked.values() if not m.retain]
-                s.unacked.clear()
-            for name, payload in redeliver:
-                self._deliver_locked(t, name, payload, retain=False)
-            for name, payload in self._retained.items():
-                if any(topic_matches(f, name) for f in t.subscriptions):
-                    self._deliver_locked(t, name, payload, retain=True)
-
-    def _detach(self, t: LocalTransport) -> None:
-        with self._lock:
-            self._clients = [c for c in self._clients if c is not t]
-
-    def _ack(self, t: LocalTransport, token: int) -> None:
-        with self._lock:
-            s = self._sessions.get(t.client_id)
-            if s is not None:
-                s.unacked.pop(token, None)
-
-    def _deliver_locked(self, t: LocalTransport, name: str, payload: bytes, retain: bool) -> None:
-        self._token += 1
-        msg = Received(name, payload, 1, retain, self._token)
-        if t.manual_ack:
-            s = self._sessions.get(t.client_id)
-            if s is not None:
-                s.unacked[msg.token] = msg
-        t._inbox.put(msg)
-
-    def route(self, topic: str, payload: bytes, retain: bool) -> None:
-        with self._lock:
-            self.published += 1
-            if retain:
-                if payload:
-                    self._retained[topic] = bytes(payload)
-                else:
-                    self._retained.pop(topic, None)
-            online = set()
-            for c in self._clients:
-                online.add(c.client_id)
-                if any(topic_matches(f, topic) for f in c.subscriptions):
-                    self._deliver_locked(c, topic, bytes(payload), retain=False)
-            for cid, s in self._sessions.items():  # offline persistent sessions queue it
-                if cid not in online and any(topic_matches(f, topic) for f in s.subscriptions):
-                    self._token += 1
-                    s.unacked[self._token] = Received(topic, bytes(payload), 1, False, self._token)
-
-
-@dataclass
-class _LocalSession:
-    """A persistent session of the hub: its subscriptions and the messages delivered or
-    queued to it that were not acknowledged yet (by token, in delivery order)."""
-
-    subscriptions: list[str] = field(default_factory=list)
-    unacked: dict[int, Received] = field(default_factory=dict)
-
-
-@dataclass
-class LocalTransport:
-    """:class:`Transport` over a :class:`LocalHub` (no sockets)."""
-
-    hub: LocalHub
-    client_id: str
-    will: tuple[str, bytes] | None = None
-    birth: list[tuple[str, bytes, bool]] | None = None
-    subscriptions: list[str] = field(default_factory=list)
-    manual_ack: bool = False
-    max_payload: int = 64 * 1024 * 1024 + 64 * 1024
-    version: str = "local"
-
-    def __post_init__(self) -> None:
-        self._inbox: queue.Queue[Received] = queue.Queue()
-        self._connected = False
-        self._connects = 0
-        self.subscriptions = list(self.subscriptions or [])
-
-    @property
-    def connected(self) -> bool:
-        return self._connected
-
-    @property
-    def connects(self) -> int:
-        return self._connects
-
-    def connect(self, timeout: float = 10.0) -> None:
-        self._connected = True
-        self._connects += 1
-        self.hub._attach(self)
-        for t, payload, retain in self.birth or []:
-            self.hub.route(t, payload, retain)
-
-    def publish(self, topic: str, payload: bytes, *, qos: int = 1, retain: bool = False,
-                timeout: float = 10.0) -> bool:
-        if len(payload) > self.max_payload:
-            raise ProtocolError(f"payload: {len(payload)} bytes exceed the transport limit "
-                                f"{self.max_payload}")
-        if not self._connected:
-            return False
-        self.hub.route(topic, bytes(payload), retain)
-        return True
-
-    def recv(self, timeout: float | None = None) -> Received | None:
-        try:
-            return self._inbox.get(timeout=timeout) if timeout != 0 else self._inbox.get_nowait()
-        except queue.Empty:
-            return None
-
-    def ack(self, msg: Received) -> None:
-        """Acknowledge (``manual_ack`` sessions only): the hub forgets the message."""
-        if self.manual_ack:
-            self.hub._ack(self, msg.token)
-
-    def drop(self) -> None:
-        """Lose the connection (the hub publishes the will)."""
-        if self._connected:
-            self._connected = False
-            self.hub._detach(self)
-            if self.will is not None:
-                self.hub.route(self.will[0], self.will[1], True)
-
-    def close(self, clear_will: tuple[str, bytes] | None = None) -> None:
-        if self._connected:
-            if clear_will is not None:
-                self.hub.route(clear_will[0], clear_will[1], True)
-            self._connected = False
-            self.hub._detach(self)

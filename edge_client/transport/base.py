@@ -1,0 +1,44 @@
+"""What the device loop and the coordinator's fleet need from a message session.
+
+:class:`Transport` is the protocol both implementations follow: :class:`~.mqtt.MqttTransport`
+(paho-mqtt, a real broker) and :class:`~.local.LocalTransport` (the in-process
+:class:`~.local.LocalHub`). A received message is a :class:`Received`; ``ack`` takes it back
+after the receiver has persisted it (manual-ack sessions).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+
+@dataclass(frozen=True)
+class Received:
+    """One delivered message. ``token`` identifies it for :meth:`Transport.ack`."""
+
+    topic: str
+    payload: bytes
+    qos: int = 0
+    retain: bool = False
+    token: int = 0
+
+
+class Transport(Protocol):
+    """What the device loop and the fleet need from a message session."""
+
+    @property
+    def connected(self) -> bool: ...
+
+    @property
+    def connects(self) -> int: ...
+
+    def connect(self, timeout: float = 10.0) -> None: ...
+
+    def publish(self, topic: str, payload: bytes, *, qos: int = 1, retain: bool = False,
+                timeout: float = 10.0) -> bool: ...
+
+    def recv(self, timeout: float | None = None) -> Received | None: ...
+
+    def ack(self, msg: Received) -> None: ...
+
+    def close(self) -> None: ...
