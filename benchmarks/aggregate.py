@@ -4,7 +4,7 @@ Cases (fedshift_cnn, ~2.16 M float32 parameters, updates generated on the fly):
 - throughput of streaming ``fedshift`` and ``prowd-swa`` (half Int8, half Float32) over
   N updates (accept + finish), in updates/s, against ``np.mean(stacked, axis=0)`` over the
   same N updates stacked, timed in the same run (stacking not timed); and of ``fedshift``
-  fed asym-4 wire tensors (``accept_encoded``: decoded straight into the sums);
+  fed asym-4 wire tensors (``fold``: decoded straight into the sums);
 - peak RSS of a fresh subprocess streaming 1,000 vs 10 updates into ``fedshift``.
 
 Run: ``.venv/bin/python benchmarks/aggregate.py [--quick]``; prints JSON lines.
@@ -57,7 +57,7 @@ def encoded_sets(base: list[np.ndarray], k: int = 4) -> list[tuple]:
 
 def stream_seconds(name: str, n: int, base: list[np.ndarray], via_codec: bool = False,
                    encoded: list[tuple] | None = None, **params) -> float:
-    """accept (or, with ``encoded`` wire tensors, accept_encoded) of ``n`` updates + finish."""
+    """accept (or, with ``encoded`` wire tensors, fold) of ``n`` updates + finish."""
     strat = build_strategy(name, **params)
     strat.begin_round(1, base)
     spent = 0.0
@@ -66,7 +66,7 @@ def stream_seconds(name: str, n: int, base: list[np.ndarray], via_codec: bool = 
         if encoded is not None:
             eu = EncodedUpdate(f"d{i}", 100 + i % 7, encoded[i % len(encoded)], "weights", bits, True)
             t0 = time.perf_counter()
-            strat.accept_encoded(eu)
+            strat.fold(eu)
             spent += time.perf_counter() - t0
             continue
         u = make_update(i, base, bits, via_codec)

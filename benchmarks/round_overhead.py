@@ -90,8 +90,9 @@ def _payloads(n: int, seed: int = 0) -> tuple[list[np.ndarray], list[str], list[
 
 
 def _coordinator(base, run_dir: Path, durable: bool, strategy: str):
+    from coordinator.config import ServerConfig
     from coordinator.fleet import InProcessFleet
-    from coordinator.server import Coordinator, ServerConfig
+    from coordinator.server import Coordinator
     from coordinator.state import RunState
     from coordinator.strategies import build_strategy
 
@@ -113,22 +114,22 @@ def _handle_all(co, base, ids: list[str], payloads: list[bytes], burst: bool) ->
     from edge_client.protocol import topic
     from edge_client.transport import Received
 
-    co._round, co._selected, co._accepted = 1, set(ids), {}
-    co.strategy.begin_round(1, [b.copy() for b in base])
+    rnd = co.open_round(1, ids)
     if burst:
         sender = co.fleet.hub.client("sender")
         sender.connect()
         for dev, p in zip(ids, payloads, strict=True):
             sender.publish(topic("bench", "update", dev), p)
         t0 = time.perf_counter()
-        co.pump(time.monotonic() + 600, stop=lambda: len(co._accepted) >= len(ids))
+        co.collector.pump(time.monotonic() + 600, stop=lambda: len(rnd.accepted) >= len(ids))
     else:
         t0 = time.perf_counter()
         for dev, p in zip(ids, payloads, strict=True):
-            co.handle(Inbound("update", dev, p, time.monotonic(), Received(topic("bench", "update", dev), p, 1)))
+            t = topic("bench", "update", dev)
+            co.collector.handle_batch([Inbound("update", dev, p, time.monotonic(), t, Received(t, p, 1))])
     co.strategy.finish()
     dt = time.perf_counter() - t0
-    assert len(co._accepted) == len(ids), co.totals
+    assert len(rnd.accepted) == len(ids), co.collector.totals
     return dt
 
 
@@ -178,7 +179,7 @@ def per_update(quick: bool, workdir: Path) -> None:
 
 def _breakdown(base, ids: list[str], payloads: list[bytes], run_dir: Path) -> dict[str, float]:
     """Milliseconds per update in each stage of the path, measured stage by stage:
-    validate (msgpack + fields), decode + aggregate (one fused pass, ``accept_encoded``,
+    validate (msgpack + fields), decode + aggregate (one fused pass, ``fold``,
     as the coordinator runs it for asym), persist (append + one sync per update), and
     ``finish()`` of the round divided by the updates."""
     from edge_client.protocol import decode_message
@@ -190,9 +191,9 @@ def _breakdown(base, ids: list[str], payloads: list[bytes], run_dir: Path) -> di
         t0 = time.perf_counter()
         m = decode_message(p)
         t1 = time.perf_counter()
-        eu = co._encoded_update(m)
+        eu = co.collector.ingest.encoded(m)
         assert co.strategy.takes_encoded(eu)
-        co.strategy.accept_encoded(eu)
+        co.strategy.fold(eu)
         co.strategy._sums.flush()  # fold now: the stage's cost, not the next one's
         t2 = time.perf_counter()
         co.state.inbox_put(1, dev, p)
@@ -238,8 +239,10 @@ def device_farm(url: str, n: int, job: str, seconds: float, shards: int) -> int:
 
 def end_to_end(quick: bool, workdir: Path, shards: int) -> None:
     from coordinator.broker import start_embedded_broker
+    from coordinator.config import ServerConfig
+    from coordinator.evaluate import make_evaluator
     from coordinator.fleet import MqttFleet
-    from coordinator.server import Coordinator, ServerConfig, make_evaluator
+    from coordinator.server import Coordinator
     from coordinator.state import RunState
     from coordinator.strategies import build_strategy
     from edge_client.data import load_digits

@@ -64,9 +64,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     import json
 
     from coordinator.broker import start_embedded_broker
+    from coordinator.config import ServerConfig
+    from coordinator.evaluate import make_evaluator
     from coordinator.fleet import MqttFleet
     from coordinator.logs import ProgressDisplay, setup_logging
-    from coordinator.server import Coordinator, RoundError, ServerConfig, make_evaluator
+    from coordinator.server import Coordinator, RoundError
     from coordinator.state import RunState
     from coordinator.strategies import build_strategy
     from edge_client.errors import ConfigError

@@ -27,9 +27,11 @@ def run_demo(*, rounds: int = 8, devices: str = DEFAULT_DEVICES,
              keep: str | None = None, epochs: int = 2) -> int:
     """Run the demo; returns the process exit status."""
     from coordinator.broker import start_embedded_broker
+    from coordinator.config import ServerConfig
+    from coordinator.evaluate import make_evaluator
     from coordinator.fleet import MqttFleet
     from coordinator.logs import ProgressDisplay, setup_logging
-    from coordinator.server import Coordinator, ServerConfig, make_evaluator
+    from coordinator.server import Coordinator
     from coordinator.state import RunState
     from coordinator.strategies import build_strategy
     from edge_client.data import load_digits

@@ -1,8 +1,9 @@
 """The coordinator's view of the devices: the :class:`Fleet` interface and two fleets.
 
-The round loop (``server.py``) never touches MQTT: it publishes retained round, model and
-status payloads and receives hello / presence / update payloads through a ``Fleet``, and
-acknowledges each received message once it is handled (persist, then ack).
+The round loop (``server.py``) never touches MQTT or a topic name: it hands a ``Fleet`` the
+round's model, announcement and status payloads (published retained), receives hello /
+presence / update payloads from it as :class:`Inbound` messages, and acknowledges each
+once it is handled (persist, then ack).
 
 - :class:`MqttFleet`: a real broker through :class:`edge_client.transport.MqttTransport`:
   MQTT v5 where offered (else 3.1.1), QoS 1, retained round/model/status messages, a
@@ -20,30 +21,44 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from edge_client.errors import ProtocolError
 from edge_client.protocol import Status, encode_message, parse_topic, topic
-from edge_client.transport import LocalHub, MqttTransport, Received, TlsOptions, Transport
+from edge_client.transport import LocalHub, MqttTransport, TlsOptions, Transport
 
 
 @dataclass(frozen=True)
 class Inbound:
-    """One received message: ``kind`` is ``hello``, ``presence``, ``update`` or
-    ``invalid`` (a topic outside the protocol); ``topic_id`` is the id in the topic;
-    ``payload`` the exact bytes; ``received_at`` a ``time.monotonic()`` stamp (s)."""
+    """One received message.
+
+    - ``kind``: ``hello``, ``presence``, ``update``, or ``invalid`` (a topic outside the
+      protocol: ``device_id`` is then empty);
+    - ``device_id``: the id in the topic (the payload's own id is checked against it);
+    - ``payload``: the exact bytes; ``received_at``: a ``time.monotonic()`` stamp (s);
+    - ``topic``: the topic as received (for logs);
+    - ``receipt``: what the fleet that delivered it needs to :meth:`Fleet.ack` it (opaque
+      to everyone else).
+    """
 
     kind: str
-    topic_id: str
+    device_id: str
     payload: bytes
     received_at: float
-    raw: Received
+    topic: str
+    receipt: Any = field(default=None, repr=False, compare=False)
 
 
 class Fleet(ABC):
-    """Messages between the coordinator and the devices of job ``job``."""
+    """Messages between the coordinator and the devices of job ``job``; the fleet owns
+    the topic names both ways (the round loop never formats one).
+
+    Outbound, every message is retained and sent with QoS 1, in call order: the models,
+    the round announcement and the coordinator status. Inbound, hello / presence /
+    update messages come out of :meth:`recv` and each is acknowledged with :meth:`ack`
+    once handled (persist, then ack)."""
 
     job: str
 
@@ -52,31 +67,25 @@ class Fleet(ABC):
         """Connect (and subscribe); ConnectionError when impossible within ``timeout`` s."""
 
     @abstractmethod
-    def publish_round(self, payload: bytes) -> None:
-        """Retained round announcement (an empty payload clears it)."""
+    def announce_round(self, models: Mapping[str, bytes], announcement: bytes, status: bytes) -> None:
+        """Queue the round's messages without waiting: each model variant (retained on its
+        variant's topic), then the announcement, then the status. :meth:`flush` waits for
+        the broker's acknowledgements (devices act on the messages, not on our PUBACKs,
+        so that wait is kept off the round's critical path)."""
 
     @abstractmethod
-    def publish_model(self, variant: str, payload: bytes) -> None:
-        """Retained global model of one variant (``float32``, ``int8`` ...)."""
+    def publish_status(self, status: bytes, *, wait: bool = False) -> None:
+        """The retained coordinator status; ``wait``: return once the broker has it
+        (ConnectionError when it does not in time), else as :meth:`announce_round`."""
 
     @abstractmethod
-    def publish_status(self, payload: bytes) -> None:
-        """Retained coordinator status."""
-
-    @abstractmethod
-    def publish_retained(self, items: list[tuple[str, bytes]]) -> None:
-        """Publish ``(topic, payload)`` retained with QoS 1, in order, pipelined; return
-        once the broker acknowledged all (ConnectionError when it did not in time)."""
-
-    def publish_retained_nowait(self, items: list[tuple[str, bytes]]) -> None:
-        """Queue ``(topic, payload)`` retained QoS 1 publishes, in order, without waiting
-        for the broker; :meth:`flush` (or the next :meth:`publish_retained`) waits for
-        their PUBACKs and re-sends what was not acknowledged. Default: blocking."""
-        self.publish_retained(items)
+    def reset(self, status: bytes) -> None:
+        """A fresh run: clear the previous run's retained announcement and publish
+        ``status``; returns once the broker has both."""
 
     def flush(self) -> None:
-        """Wait until every publish queued by :meth:`publish_retained_nowait` is
-        acknowledged (ConnectionError when it is not within the publish timeout)."""
+        """Wait until every queued publish is acknowledged, re-sending what was not
+        (ConnectionError when that fails within the publish timeout)."""
         return None
 
     @abstractmethod
@@ -99,8 +108,9 @@ class TransportFleet(Fleet):
     """A :class:`Fleet` over any :class:`~edge_client.transport.Transport`."""
 
     def __init__(self, job: str, transport: Transport, *, publish_timeout: float = 60.0) -> None:
-        topic(job, "round")  # validates the job id
         self.job = job
+        self.t_round = topic(job, "round")  # validates the job id
+        self.t_status = topic(job, "status")
         self.transport = transport
         self.publish_timeout = publish_timeout
         self.invalid_topics = 0
@@ -114,7 +124,23 @@ class TransportFleet(Fleet):
     def start(self, timeout: float = 30.0) -> None:
         self.transport.connect(timeout=timeout)
 
+    # ------------------------------------------------------------------ outbound
+
+    def announce_round(self, models: Mapping[str, bytes], announcement: bytes, status: bytes) -> None:
+        items = [(topic(self.job, "model", v), p) for v, p in models.items()]
+        self._queue([*items, (self.t_round, announcement), (self.t_status, status)])
+
+    def publish_status(self, status: bytes, *, wait: bool = False) -> None:
+        self._queue([(self.t_status, status)])
+        if wait:
+            self.flush()
+
+    def reset(self, status: bytes) -> None:
+        self._queue([(self.t_round, b""), (self.t_status, status)])
+        self.flush()
+
     def _publish_retained(self, name: str, payload: bytes) -> None:
+        """One retained QoS 1 publish, re-sent until acknowledged (or the timeout)."""
         end = time.monotonic() + self.publish_timeout
         while True:
             left = end - time.monotonic()
@@ -125,11 +151,9 @@ class TransportFleet(Fleet):
                                       f"within {self.publish_timeout:.0f} s")
             time.sleep(0.2)
 
-    def publish_retained(self, items: list[tuple[str, bytes]]) -> None:
-        self.publish_retained_nowait(items)
-        self.flush()
-
-    def publish_retained_nowait(self, items: list[tuple[str, bytes]]) -> None:
+    def _queue(self, items: list[tuple[str, bytes]]) -> None:
+        """Queue ``(topic, payload)`` retained QoS 1 publishes in order without waiting
+        (a transport without ``publish_start`` publishes each and waits)."""
         start = getattr(self.transport, "publish_start", None)
         if start is None:
             for name, payload in items:
@@ -154,14 +178,7 @@ class TransportFleet(Fleet):
             if failed:
                 self._publish_retained(name, payload)
 
-    def publish_round(self, payload: bytes) -> None:
-        self._publish_retained(topic(self.job, "round"), payload)
-
-    def publish_model(self, variant: str, payload: bytes) -> None:
-        self._publish_retained(topic(self.job, "model", variant), payload)
-
-    def publish_status(self, payload: bytes) -> None:
-        self.publish_retained([(topic(self.job, "status"), payload)])
+    # ------------------------------------------------------------------ inbound
 
     def recv(self, timeout: float) -> Inbound | None:
         msg = self.transport.recv(timeout=timeout)
@@ -173,11 +190,11 @@ class TransportFleet(Fleet):
                 raise ProtocolError(f"topic: {msg.topic!r} is not an inbound topic of job {self.job!r}")
         except ProtocolError:
             self.invalid_topics += 1
-            return Inbound("invalid", "", msg.payload, time.monotonic(), msg)
-        return Inbound(kind, ident, msg.payload, time.monotonic(), msg)
+            return Inbound("invalid", "", msg.payload, time.monotonic(), msg.topic, msg)
+        return Inbound(kind, ident, msg.payload, time.monotonic(), msg.topic, msg)
 
     def ack(self, msg: Inbound) -> None:
-        self.transport.ack(msg.raw)
+        self.transport.ack(msg.receipt)
 
     def close(self, linger_s: float = 2.0) -> None:
         """Disconnect, after waiting up to ``linger_s`` s for queued publishes' PUBACKs

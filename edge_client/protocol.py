@@ -544,6 +544,30 @@ def decode_message(payload: bytes | bytearray | memoryview, limits: Limits = DEF
         raise ProtocolError(f"{kind}: structure too deep") from None
 
 
+# --------------------------------------------------------------------------- variants
+
+#: the model variant of float devices (the shared weights, lossless)
+FLOAT_VARIANT = "float32"
+
+
+def model_variant(compute_bits: int, trainer: str) -> str:
+    """The model variant a device downloads and trains: ``float32`` for float devices
+    (trainer ``torch`` or 32 bits), ``int<s>`` for s-bit integer devices (its weights on
+    the device's storage grid, ALGORITHMS.md §2). Variant names are topic levels
+    (``model/<variant>``)."""
+    return FLOAT_VARIANT if trainer == "torch" or compute_bits >= 32 else f"int{int(compute_bits)}"
+
+
+def variant_bits(variant: str) -> int:
+    """The compute bitwidth of a variant name: 32 for ``float32``, s for ``int<s>``
+    (ProtocolError for anything else)."""
+    if variant == FLOAT_VARIANT:
+        return 32
+    if variant.startswith("int") and variant[3:].isdigit() and 2 <= int(variant[3:]) <= 16:
+        return int(variant[3:])
+    raise ProtocolError(f"variant: {variant!r} is not float32 or int2..int16")
+
+
 # --------------------------------------------------------------------------- topics
 
 TOPIC_ROOT = "fedbit"

@@ -46,8 +46,10 @@ from edge_client.protocol import (
     decode_message,
     encode_message,
     float32_tensor,
+    model_variant,
     parse_topic,
     topic,
+    variant_bits,
 )
 from edge_client.transport import Received, Transport
 
@@ -59,31 +61,20 @@ TRAIN_HPARAMS: dict[str, Any] = {
 }
 
 
-def variant_for(compute_bits: int, trainer: str) -> str:
-    """The model variant a device downloads: ``float32`` or ``int<s>``."""
-    return "float32" if trainer == "torch" or compute_bits >= 32 else f"int{compute_bits}"
-
-
 # --------------------------------------------------------------------------- tensors
-
-
-def decode_tensor(t: EncodedTensor) -> np.ndarray:
-    """Decode one wire tensor (float32 inline; others via ``edge_client.codecs``)."""
-    if t.codec == "float32":
-        return np.frombuffer(t.data, dtype="<f4").reshape(t.shape).astype(np.float32)
-    from edge_client.codecs import decode
-
-    return decode(t)
 
 
 def model_to_shared(msg: ModelMessage) -> list[np.ndarray]:
     """The shared-domain float32 weights a model message carries (``int<s>`` variants
     hold ``round(W * S(s_g))`` integers: converted exactly with ``intnn.to_shared``)."""
-    arrays = [decode_tensor(t) for t in msg.tensors]
-    if msg.variant.startswith("int"):
+    from edge_client.codecs import decode
+
+    arrays = [decode(t) for t in msg.tensors]
+    bits = variant_bits(msg.variant)
+    if bits < 32:
         from edge_client.intnn import to_shared
 
-        return to_shared(arrays, int(msg.variant[3:]))
+        return to_shared(arrays, bits)
     return [np.asarray(a, dtype=np.float32) for a in arrays]
 
 
@@ -182,7 +173,7 @@ class DeviceRuntime:
         self._connect = connect
         self._trainer_factory = trainer_factory
         self.log = logger or log
-        self.variant = variant_for(cfg.compute_bits, cfg.trainer)
+        self.variant = model_variant(cfg.compute_bits, cfg.trainer)
         self.outbox = Outbox(Path(cfg.workdir) / "outbox")
         self._state_path = Path(cfg.workdir) / "device-state.json"
         self.rounds_done: list[int] = []
@@ -378,7 +369,9 @@ class DeviceRuntime:
         weights = model_to_shared(m)
         trainer.load_shared(weights)
         hp = {k: a.hparams.get(k, v) for k, v in TRAIN_HPARAMS.items()}
-        lgs = [decode_tensor(t) for t in m.last_global_step] or None
+        from edge_client.codecs import decode
+
+        lgs = [decode(t) for t in m.last_global_step] or None
         t0 = time.perf_counter()
         report = trainer.train(self.data, epochs=int(hp["epochs"]),
                                steps=int(hp["steps"]) or None, batch=int(hp["batch"]),

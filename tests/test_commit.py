@@ -159,7 +159,7 @@ def test_a_message_without_records_is_not_acked_before_earlier_records_persist()
 
 
 def test_decode_buffers_are_reused_only_once_nothing_holds_them() -> None:
-    from coordinator.buffers import LayerBufferPool
+    from coordinator.strategies.buffers import LayerBufferPool
 
     pool = LayerBufferPool([(3, 4), (5,)], max_sets=2)
     a = pool.take()

@@ -86,3 +86,31 @@ sys.exit(1 if leaked else 0)
 """
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+#: what the coordinator may import from the device SDK: its library, not its application
+COORDINATOR_MAY_USE = {"errors", "protocol", "codecs", "intnn", "trainers", "data", "transport"}
+#: the one coordinator module that runs real device runtimes, by design
+RUNS_DEVICES = {"coordinator/emulator.py"}
+
+
+def test_coordinator_uses_only_the_device_sdk_library() -> None:
+    """DESIGN.md: ``coordinator`` may import ``edge_client``'s library modules, never its
+    application layer (``runtime``, ``cli``), except the emulator; checked for every import
+    statement, function-level ones included."""
+    bad = []
+    for f in _files("coordinator"):
+        rel = str(f.relative_to(ROOT))
+        for m, _ in _imports(f):
+            parts = m.split(".")
+            if parts[0] != "edge_client" or rel in RUNS_DEVICES:
+                continue
+            if len(parts) < 2 or parts[1] not in COORDINATOR_MAY_USE:
+                bad.append((rel, m))
+    assert not bad
+
+
+def test_the_dependency_check_sees_function_level_imports(tmp_path: Path) -> None:
+    f = tmp_path / "m.py"
+    f.write_text("def f():\n    from edge_client.runtime import DeviceRuntime\n")
+    assert ("edge_client.runtime", False) in _imports(f)

@@ -9,8 +9,9 @@ from types import SimpleNamespace
 
 import numpy as np
 
+from coordinator.config import ServerConfig
 from coordinator.fleet import InProcessFleet, MqttFleet
-from coordinator.server import Coordinator, ServerConfig
+from coordinator.server import Coordinator
 from coordinator.state import RunState
 from coordinator.strategies import build_strategy
 from edge_client.intnn import init_shared
@@ -104,17 +105,18 @@ def test_in_process_fleet_carries_the_same_bytes_as_mosquitto(mosquitto, tmp_pat
 
 
 def test_queued_retained_publishes_are_confirmed_and_kept_in_order(mosquitto) -> None:
-    """``publish_retained_nowait`` queues without waiting; ``flush`` waits for every PUBACK;
-    the retained topic ends on the last payload queued (MQTT keeps the order)."""
+    """``publish_status`` queues without waiting; ``flush`` waits for every PUBACK; the
+    retained topic ends on the last payload queued (MQTT keeps the order)."""
     fleet = MqttFleet(mosquitto.url, JOB)
     fleet.start()
     t = topic(JOB, "status")
     try:
-        fleet.publish_retained_nowait([(t, b"s%02d" % i) for i in range(20)])
+        for i in range(20):
+            fleet.publish_status(b"s%02d" % i)
         assert len(fleet._unconfirmed) == 20
         fleet.flush()
         assert fleet._unconfirmed == []
-        fleet.publish_retained_nowait([(t, b"last")])  # close() lingers for its PUBACK
+        fleet.publish_status(b"last")  # close() lingers for its PUBACK
     finally:
         fleet.close()
     watcher = MqttTransport(mosquitto.url, "watch", subscriptions=[t])

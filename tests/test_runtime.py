@@ -15,8 +15,9 @@ import numpy as np
 import pytest
 
 from coordinator.broker import MosquittoBroker
+from coordinator.config import ServerConfig
 from coordinator.fleet import InProcessFleet, MqttFleet
-from coordinator.server import Coordinator, ServerConfig
+from coordinator.server import Coordinator
 from coordinator.state import RunState
 from coordinator.strategies import build_strategy
 from edge_client.intnn import init_shared

@@ -13,8 +13,9 @@ import msgpack
 import numpy as np
 import pytest
 
+from coordinator.config import ServerConfig
 from coordinator.fleet import InProcessFleet
-from coordinator.server import Coordinator, ServerConfig
+from coordinator.server import Coordinator
 from coordinator.state import RunState
 from coordinator.strategies import build_strategy
 from edge_client.errors import ConfigError
@@ -177,7 +178,8 @@ def test_bad_updates_are_rejected_counted_and_the_loop_goes_on(tmp_path: Path) -
                       ("rejected_oversized", 1), ("rejected_nonfinite", 1),
                       ("rejected_wrong_shape", 1), ("rejected_not_selected", 1)]:
         assert c.get(reason) == n, (reason, c)
-    assert "x1" not in co.present() and "x2" not in co.present()
+    present = co.collector.devices.present()
+    assert "x1" not in present and "x2" not in present
 
 
 def test_straggler_excluded_at_deadline_and_late_update_dropped(tmp_path: Path) -> None:
@@ -298,7 +300,8 @@ def test_crash_mid_round_then_resume_counts_each_update_once(tmp_path: Path) -> 
     real_ack = fleet.ack
 
     def crashing_ack(msg):
-        if co._round == 2 and msg.kind == "update" and co._accepted:
+        rnd = co.collector.round
+        if rnd is not None and rnd.round_id == 2 and msg.kind == "update" and rnd.accepted:
             raise Crash("killed after persisting, before the ack")
         real_ack(msg)
 
@@ -369,7 +372,8 @@ def test_resumed_run_selects_like_an_uninterrupted_one(tmp_path: Path) -> None:
     real_ack = fleet.ack
 
     def crashing_ack(msg):
-        if co._round == 2 and msg.kind == "update" and co._accepted:
+        rnd = co.collector.round
+        if rnd is not None and rnd.round_id == 2 and msg.kind == "update" and rnd.accepted:
             raise Crash("killed mid-round")
         real_ack(msg)
 
@@ -389,7 +393,9 @@ def test_updates_are_folded_without_a_decoded_copy(tmp_path: Path) -> None:
     into the sums (no decode buffer is ever taken); a ternary one is decoded; all are
     persisted before the ack and the aggregate equals decoding every update first."""
     from coordinator.fleet import Inbound
-    from coordinator.strategies import decode_update
+    from coordinator.strategies import EncodedUpdate
+    from coordinator.strategies.checks import is_lossy
+    from coordinator.strategies.decode import decode_update
     from edge_client.codecs import encode
     from edge_client.transport import Received
 
@@ -410,16 +416,15 @@ def test_updates_are_folded_without_a_decoded_copy(tmp_path: Path) -> None:
         else:
             ts = tuple(encode(w + rng.normal(0, 0.01, w.shape).astype(np.float32), codec, bits) for w in base)
         payloads[dev] = encode_message(Update(dev, 1, 50, cbits, "weights", ts))
-        ref.accept(decode_update(dev, 50, ts, compute_bits=cbits))
-    co._round, co._selected, co._accepted = 1, set(payloads), {}
-    co.strategy.begin_round(1, [b.copy() for b in base])
-    batch = [Inbound("update", dev, p, time.monotonic(), Received(topic(JOB, "update", dev), p, 1))
-             for dev, p in payloads.items()]
-    co.handle_batch(batch[:5])
-    assert co._decode_buffers.allocated == 0  # float codecs and int: nothing decoded
-    co.handle_batch(batch[5:])
-    assert co._decode_buffers.allocated == 1  # the ternary one
-    assert sorted(co._accepted) == sorted(payloads)
+        ref.accept(decode_update(EncodedUpdate(dev, 50, ts, "weights", cbits, is_lossy(ts))))
+    rnd = co.open_round(1, list(payloads))
+    batch = [Inbound("update", dev, p, time.monotonic(), topic(JOB, "update", dev),
+                     Received(topic(JOB, "update", dev), p, 1)) for dev, p in payloads.items()]
+    co.collector.handle_batch(batch[:5])
+    assert co.strategy._decode_buffers.allocated == 0  # float codecs and int: nothing decoded
+    co.collector.handle_batch(batch[5:])
+    assert co.strategy._decode_buffers.allocated == 1  # the ternary one
+    assert sorted(rnd.accepted) == sorted(payloads)
     assert [d for d, _ in co.state.inbox_items(1)] == list(payloads)  # persisted, in order
     got, want = co.strategy.finish().weights, ref.finish().weights
     for x, y in zip(got, want, strict=True):

@@ -12,8 +12,9 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from coordinator.config import ServerConfig
 from coordinator.fleet import Inbound, InProcessFleet
-from coordinator.server import Coordinator, ServerConfig
+from coordinator.server import Coordinator
 from coordinator.state import RunState
 from coordinator.strategies import build_strategy
 from edge_client.codecs import decode, encode
@@ -73,18 +74,18 @@ def test_fuzzed_updates_never_escape_and_never_poison_the_sums(tmp_path: Path) -
     cfg = ServerConfig(job=JOB, model="mlp", rounds=1, limits=Limits(max_abs_value=LIMIT))
     co = Coordinator(cfg, fleet, build_strategy("fedavg"), RunState(tmp_path / "run"), evaluator=None,
                      init_weights=init_shared(SPEC, 0))
-    co._round, co._selected = 1, {"d"}
+    col = co.collector
     seen = {"accepted": 0}
 
     @settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
     @given(mutated())
     def one(p: bytes) -> None:
-        before = sum(co._counts.values())
-        co._accepted = {}                                     # a fresh round for each message
-        co.strategy.begin_round(1, init_shared(SPEC, 0))
-        co.handle_batch([Inbound("update", "d", p, time.monotonic(), Received(topic(JOB, "update", "d"), p, 1))])
-        assert sum(co._counts.values()) == before + 1       # accepted, or one reason
-        if co._accepted:
+        before = sum(col.counts.values())
+        rnd = co.open_round(1, ["d"])                         # a fresh round for each message
+        t = topic(JOB, "update", "d")
+        col.handle_batch([Inbound("update", "d", p, time.monotonic(), t, Received(t, p, 1))])
+        assert sum(col.counts.values()) + len(rnd.accepted) == before + 1  # accepted, or one reason
+        if rnd.accepted:
             seen["accepted"] += 1
             for t in decode_message(p).tensors:
                 if t.dtype == "float32":
@@ -96,6 +97,6 @@ def test_fuzzed_updates_never_escape_and_never_poison_the_sums(tmp_path: Path) -
     try:
         one()
         assert seen["accepted"] > 0                          # the valid ones got through
-        assert co._counts["rejected_out_of_range"] > 0 and co._counts["rejected_nonfinite"] > 0
+        assert col.counts["rejected_out_of_range"] > 0 and col.counts["rejected_nonfinite"] > 0
     finally:
         fleet.close()

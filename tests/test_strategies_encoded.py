@@ -1,6 +1,6 @@
-"""Folding updates straight from their wire tensors (``Strategy.accept_encoded``): the
-same aggregate as decoding first, checked whole before anything is added, and the
-codecs' multi-update pass (``accumulate_many``) bit-exact against numpy."""
+"""Folding updates straight from their wire tensors (``Strategy.fold``): the same
+aggregate as decoding first, checked whole before anything is added, and the codecs'
+multi-update pass (``accumulate_many``) bit-exact against numpy."""
 
 from __future__ import annotations
 
@@ -9,7 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as hst
 
-from coordinator.strategies import EncodedUpdate, build_strategy, decode_update
+from coordinator.strategies import EncodedUpdate, build_strategy
+from coordinator.strategies.checks import check_encoded
+from coordinator.strategies.decode import decode_update
 from edge_client.codecs import accumulate_many, accumulator, decode, encode, unpack
 from edge_client.errors import ProtocolError
 from edge_client.protocol import EncodedTensor
@@ -31,7 +33,7 @@ def encoded(i: int, base: list[np.ndarray], codec: str, bits: int | None, *, kin
 
 
 def decoded(u: EncodedUpdate):
-    return decode_update(u.device_id, u.num_samples, u.tensors, kind=u.kind, compute_bits=u.compute_bits)
+    return decode_update(u)
 
 
 @pytest.mark.parametrize("name", ["fedavg", "fedshift", "prowd-swa+fedshift", "grouped-asym", "fedpaq"])
@@ -45,7 +47,7 @@ def test_encoded_path_matches_the_decoded_path(name: str) -> None:
     b.begin_round(3, base)
     for u in ups:
         assert a.takes_encoded(u)
-        a.accept_encoded(u)
+        a.fold(u)
     for u in reversed(ups):  # any order
         b.accept(decoded(u))
     ra, rb = a.finish(), b.finish()
@@ -62,10 +64,8 @@ def test_a_bad_tensor_anywhere_rejects_the_whole_update_before_the_sum() -> None
     broken = list(bad.tensors)
     broken[2] = EncodedTensor(broken[2].shape, "float32", "asym", 4, broken[2].data,
                               {"min": 1.0, "max": -1.0})  # the last layer: max < min
-    cases = [
+    cases = [  # the codecs' checks when folding (the ingest's rules: test_ingest.py)
         (EncodedUpdate(bad.device_id, 5, tuple(broken), "weights", 32, True), "aux.max"),
-        (EncodedUpdate(bad.device_id, 5, bad.tensors[:2], "weights", 32, True), "layers"),
-        (EncodedUpdate(bad.device_id, 0, bad.tensors, "weights", 32, True), "num_samples"),
         (EncodedUpdate(bad.device_id, 5, (*bad.tensors[:2], EncodedTensor(
             (4, 3, 3), "float32", "float32", 32, np.full(36, np.nan, np.float32).tobytes(), {})),
             "weights", 32, False), "NaN"),
@@ -73,16 +73,16 @@ def test_a_bad_tensor_anywhere_rejects_the_whole_update_before_the_sum() -> None
     ref = build_strategy("fedshift")
     ref.begin_round(1, base)
     for u in good:
-        ref.accept_encoded(u)
+        ref.fold(u)
     want = ref.finish().weights
     for u, match in cases:
         s = build_strategy("fedshift")
         s.begin_round(1, base)
-        s.accept_encoded(good[0])
+        s.fold(good[0])
         with pytest.raises(ProtocolError, match=match):
-            s.accept_encoded(u)
+            s.fold(u)
         for g in good[1:]:
-            s.accept_encoded(g)
+            s.fold(g)
         for x, y in zip(s.finish().weights, want, strict=True):
             assert np.array_equal(x, y)
 
@@ -115,19 +115,25 @@ def test_integer_device_updates_are_folded_in_the_shared_domain() -> None:
     b.begin_round(1, base)
     for u in ups:
         assert a.takes_encoded(u)
-        a.accept_encoded(u)
+        a.fold(u)
         b.accept(decoded(u))
     for x, y in zip(a.finish().weights, b.finish().weights, strict=True):
         np.testing.assert_allclose(x, y, rtol=0, atol=1e-6)
-    s = build_strategy("fedshift")
-    s.begin_round(1, base)
     from_float = EncodedUpdate("f", 1, ups[0].tensors, "weights", 32, True)
     with pytest.raises(ProtocolError, match="integer tensor"):
-        s.accept_encoded(from_float)
-    tern = EncodedUpdate("t", 1, tuple(encode(np.zeros(sh, np.int8), "ternary") for sh in SHAPES), "weights", 8)
+        check_encoded(from_float, SHAPES, 1e6)
+    # a ternary uplink is decoded first (no fused decode), with the same result
+    tern = EncodedUpdate("t", 1, tuple(encode(np.sign(b).astype(np.int8), "ternary") for b in base),
+                         "weights", 8, True)
+    s, ref = build_strategy("fedshift"), build_strategy("fedshift")
+    s.begin_round(1, base)
+    ref.begin_round(1, base)
     assert not s.takes_encoded(tern)
-    with pytest.raises(ValueError, match="decoded first"):
-        s.accept_encoded(tern)
+    s.fold(tern)
+    ref.accept(decode_update(tern))
+    assert s._decode_buffers.allocated == 1
+    for x, y in zip(s.finish().weights, ref.finish().weights, strict=True):
+        np.testing.assert_array_equal(x, y)
 
 
 def _affine4_reference(adders, acc: np.ndarray, weights) -> np.ndarray:
@@ -187,16 +193,17 @@ def test_accumulate_many_with_mixed_codecs_and_a_float64_sum() -> None:
 
 
 def test_sigma_loc_is_read_from_every_layer_or_rejected() -> None:
-    from coordinator.strategies.decode import is_lossy, sigma_loc_of
+    from coordinator.strategies.checks import is_lossy, sigma_loc_of
 
     x = np.random.default_rng(0).normal(0, 1, 20).astype(np.float32)
     ts = [encode(x, "danuq", 2, sigma_g=1.0) for _ in range(2)]
-    assert sigma_loc_of(ts) == [pytest.approx(float(ts[0].aux["sigma_loc"]))] * 2 and is_lossy(ts)
-    assert sigma_loc_of([ts[0], encode(x, "float32")]) is None and is_lossy([ts[0]])
+    assert sigma_loc_of("d", ts) == [pytest.approx(float(ts[0].aux["sigma_loc"]))] * 2 and is_lossy(ts)
+    assert sigma_loc_of("d", [ts[0], encode(x, "float32")]) is None and is_lossy([ts[0]])
     assert not is_lossy([encode(x, "float32")])
-    bad = EncodedTensor(ts[1].shape, ts[1].dtype, ts[1].codec, ts[1].bits, ts[1].data, {**ts[1].aux, "sigma_loc": "x"})
-    with pytest.raises(ProtocolError, match="sigma_loc"):
-        sigma_loc_of([ts[0], bad])
+    for v in ("x", -1.0, True):
+        bad = EncodedTensor(ts[1].shape, ts[1].dtype, ts[1].codec, ts[1].bits, ts[1].data, {**ts[1].aux, "sigma_loc": v})
+        with pytest.raises(ProtocolError, match="sigma_loc"):
+            sigma_loc_of("d", [ts[0], bad])
 
 
 _AUX_VALUES = hst.one_of(hst.floats(allow_nan=True, allow_infinity=True), hst.integers(-2**40, 2**40),
@@ -223,17 +230,17 @@ def test_malformed_wire_tensors_raise_protocol_errors_and_leave_the_sums_alone(l
     data = t.data[:max(0, len(t.data) + cut)] if cut < 0 else t.data + b"\0" * cut
     ts[layer] = EncodedTensor(t.shape, t.dtype, t.codec, bits if bits != -1 else t.bits, data, aux)
     u = EncodedUpdate("fuzz", 3, tuple(ts), "weights", 32, True)
-    s.accept_encoded(encoded(1, base, "asym", 4))
+    s.fold(encoded(1, base, "asym", 4))
     if not s.takes_encoded(u):  # bits/codec combinations the decode path handles
         return
     try:
-        s.accept_encoded(u)
+        s.fold(u)
     except ProtocolError:
         # rejected: the sums hold exactly the good update
         s._sums.flush()
         ref = build_strategy("fedshift")
         ref.begin_round(1, base)
-        ref.accept_encoded(encoded(1, base, "asym", 4))
+        ref.fold(encoded(1, base, "asym", 4))
         ref._sums.flush()
         for x, y in zip(s._sums.sums[32], ref._sums.sums[32], strict=True):
             assert np.array_equal(x, y)

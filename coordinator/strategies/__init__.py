@@ -5,15 +5,15 @@ combine (fedavg | fedshift | grouped | grouped-asym | fedpaq).
     strategy = build_strategy("prowd-swa+fedshift", tau=0.1)
     strategy.begin_round(r, global_weights)
     for update in updates: strategy.accept(update)     # streaming, O(model) memory
-    # or, straight from the wire (no decoded copy): strategy.accept_encoded(encoded_update)
+    # or a checked wire update (fused into the sums where its codecs allow):
+    #     strategy.fold(encoded_update)
     result = strategy.finish()
 """
 
 from coordinator.strategies.base import Strategy
-from coordinator.strategies.decode import decode_update
 from coordinator.strategies.registry import available_strategies, build_strategy
 from coordinator.strategies.swa import swa_mask
 from coordinator.strategies.types import AggregateResult, ClientUpdate, EncodedUpdate
 
 __all__ = ["AggregateResult", "ClientUpdate", "EncodedUpdate", "Strategy", "available_strategies", "build_strategy",
-           "decode_update", "swa_mask"]
+           "swa_mask"]

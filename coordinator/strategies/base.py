@@ -1,6 +1,7 @@
-"""The Strategy: validate -> dequantize -> accumulate (streaming) -> mask -> combine.
+"""The Strategy: [decode ->] dequantize -> accumulate (streaming) -> mask -> combine.
 
-One instance lives for the whole job: ``begin_round`` / ``accept``* / ``finish`` per
+One instance lives for the whole job: ``begin_round`` / ``fold``* (checked wire updates,
+the coordinator's path) or ``accept``* (updates built from arrays) / ``finish`` per
 round, ``server_state`` for what devices need, ``state_dict`` / ``load_state_dict`` for
 checkpoints. Memory per round is O(model size x distinct bitwidths), whatever the number
 of updates (see ``accumulate``).
@@ -8,22 +9,27 @@ of updates (see ``accumulate``).
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import numpy as np
 
 from coordinator.strategies.accumulate import GroupSums
+from coordinator.strategies.buffers import LayerBufferPool
+from coordinator.strategies.checks import (
+    INTEGER_DTYPES,
+    check_header,
+    check_shapes,
+    check_sigma_loc,
+    integer_scale,
+)
 from coordinator.strategies.combine import Combiner, RoundSums
-from coordinator.strategies.decode import integer_scale
+from coordinator.strategies.decode import decode_update
 from coordinator.strategies.dequantize import Dequantizer, NoDequantizer
 from coordinator.strategies.kernels import has_nonfinite
 from coordinator.strategies.mask import MaskStage, NoMask
 from coordinator.strategies.serialize import arrays_from_state, arrays_to_state
 from coordinator.strategies.server_state import ServerState, global_step, sigma_ema
 from coordinator.strategies.types import (
-    FLOAT_BITS,
-    UPDATE_KINDS,
     AggregateResult,
     ClientUpdate,
     EncodedUpdate,
@@ -69,8 +75,8 @@ class Strategy:
         self.round_id: int | None = None
         self._global: list[np.ndarray] | None = None
         self._shapes: list[tuple[int, ...]] = []
+        self._decode_buffers: LayerBufferPool | None = None
         self._sums: GroupSums | None = None
-        self._seen: set[str] = set()
         self._n_inferior = 0
         self._sigma_sum: np.ndarray | None = None
         self._sigma_n = 0
@@ -80,80 +86,107 @@ class Strategy:
         """Open round ``round_id`` from the model every device received (float32 list)."""
         self.round_id = int(round_id)
         self._global = [np.asarray(w, dtype=np.float32) for w in global_weights]
-        self._shapes = [tuple(w.shape) for w in self._global]
+        shapes = [tuple(w.shape) for w in self._global]
+        if shapes != self._shapes or self._decode_buffers is None:
+            #: decode targets of the updates that are decoded first, reused once folded
+            self._decode_buffers = LayerBufferPool(shapes)
+        self._shapes = shapes
         self._sums = GroupSums(self._shapes, self.acc_dtype, self.batch)
-        self._seen = set()
         self._n_inferior = 0
         self._sigma_sum = None
         self._sigma_n = 0
 
-    def accept(self, update: ClientUpdate) -> None:
-        """Validate then fold one update into the running sums. Raises ProtocolError
-        (naming the device and field) before anything is added when the update is bad:
-        duplicate device, bad kind/num_samples/compute_bits, layer count or shape
-        mismatch, non-float dtype, NaN/Inf, bad σ_loc. The arrays are read, not copied;
-        do not modify them after the call."""
-        if self._sums is None or self._global is None:
-            raise ProtocolError(f"update from {update.device_id!r}: no round is open")
-        flat = self._validate(update)
-        update = self.dequantizer(update)
-        if not isinstance(self.dequantizer, NoDequantizer):
-            flat = self._check_layers(update)
-        omega = float(update.num_samples) if self.weighted else 1.0
-        self._sums.add(int(update.compute_bits), flat, omega, update.kind == "delta",
-                       key=update.device_id)
+    def fold(self, update: EncodedUpdate) -> None:
+        """Fold one checked wire update into the running sums (the coordinator's path: its
+        ingest applied ``checks`` first). Where every layer's codec can, each layer is
+        decoded straight into the sums (``acc += ω·decode(t)``, one fused pass, no float32
+        copy of the update ever made); otherwise (a ternary uplink, or a dequantizer that
+        needs the values) the update is decoded into reused buffers first
+        (:func:`~coordinator.strategies.decode.decode_update`), then dequantized and added.
+        Every tensor is checked by its codec (header, aux, table, NaN/Inf of float
+        payloads) before any of it is added: ProtocolError, with nothing added, when one is
+        bad. The tensors are held by reference until folded."""
+        from edge_client.codecs import accumulator
+
+        self._require_round(update.device_id)
+        if not self.takes_encoded(update):
+            cu = decode_update(update, self._decode_buffers.take())
+            self._add_decoded(cu, self._finite_layers(cu))
+            return
+        who = f"update from {update.device_id!r}"
+        adders = []
+        for i, t in enumerate(update.tensors):
+            try:
+                add = accumulator(t)  # checks t, decodes nothing
+            except ProtocolError as exc:
+                raise ProtocolError(f"{who}: tensors[{i}]: {exc}", reason=exc.reason) from None
+            # an integer device's own integers q: q / 2^(s_g - 1) in the shared domain
+            adders.append(add.scaled(integer_scale(update.compute_bits))
+                          if t.dtype in INTEGER_DTYPES else add)
+        self._sums.add_encoded(int(update.compute_bits), adders, self._omega(update),
+                               update.kind == "delta", key=update.device_id)
         self._count(update)
 
+    def accept(self, update: ClientUpdate) -> None:
+        """Fold one update a caller built from arrays (tests, benchmarks, scripts): the
+        same rules as the wire path (``checks``: fields, layer shapes, σ_loc), plus float
+        dtypes and no NaN/Inf, before anything is added (ProtocolError naming the device
+        and field). The arrays are read, not copied; do not modify them after the call.
+        Refusing a device's second update in a round is the caller's job (the
+        coordinator's ingest does it)."""
+        who = f"update from {update.device_id!r}"
+        self._require_round(update.device_id)
+        check_header(who, update.device_id, update.kind, update.num_samples, update.compute_bits)
+        if not isinstance(update.weights, list | tuple):
+            raise ProtocolError(f"{who}: weights must be a list of arrays, got {type(update.weights).__name__}")
+        for i, w in enumerate(update.weights):
+            if not isinstance(w, np.ndarray):
+                raise ProtocolError(f"{who}: weights[{i}] is {type(w).__name__}, not an ndarray")
+            if not np.issubdtype(w.dtype, np.floating):
+                raise ProtocolError(f"{who}: weights[{i}].dtype {w.dtype} is not a float (decode first)")
+        check_shapes(who, [w.shape for w in update.weights], self._shapes)
+        if update.sigma_loc is not None:
+            check_sigma_loc(who, update.sigma_loc, len(self._shapes))
+        self._add_decoded(update, self._finite_layers(update))
+
     def takes_encoded(self, update: EncodedUpdate) -> bool:
-        """Whether :meth:`accept_encoded` folds ``update`` without decoding it: there is
-        no dequantizer (it needs decoded values) and every layer's codec has a fused
-        ``decode_accumulate`` (every codec but ``ternary``). An integer device's ``int``
-        tensors are mapped to the shared domain on the way (``q / 2^(s_g - 1)``,
-        ALGORITHMS.md §2)."""
+        """Whether :meth:`fold` adds ``update`` without decoding it first: there is no
+        dequantizer (it needs decoded values) and every layer's codec has a fused
+        ``decode_accumulate`` (every codec but ``ternary``)."""
         from edge_client.codecs import can_accumulate
 
         return isinstance(self.dequantizer, NoDequantizer) and all(can_accumulate(t) for t in update.tensors)
 
-    def accept_encoded(self, update: EncodedUpdate) -> None:
-        """Fold one update straight from its wire tensors (see :meth:`takes_encoded`):
-        the same checks as :meth:`accept`, then every tensor is checked by its codec
-        (header, aux, table, NaN/Inf of float payloads) before any of it is added, then
-        each layer is decoded into the sums (``acc += ω·decode(t)``) in one fused pass.
-        ProtocolError, with nothing added, when the update is bad; ValueError when
-        :meth:`takes_encoded` is False. The tensors are held by reference until folded."""
-        from edge_client.codecs import accumulator
-
+    def _require_round(self, device_id: str) -> None:
         if self._sums is None or self._global is None:
-            raise ProtocolError(f"update from {update.device_id!r}: no round is open")
-        if not self.takes_encoded(update):
-            raise ValueError(f"{self.name}: update from {update.device_id!r} must be decoded first "
-                             f"(codecs {sorted({t.codec for t in update.tensors})}, "
-                             f"dequantizer {self.dequantizer.name!r})")
-        self._check_fields(update)
-        who = f"update from {update.device_id!r}"
-        if len(update.tensors) != len(self._shapes):
-            raise ProtocolError(f"{who}: weights has {len(update.tensors)} layers, the model has {len(self._shapes)}")
-        adders = []
-        bits = int(update.compute_bits)
-        for i, (t, shape) in enumerate(zip(update.tensors, self._shapes, strict=True)):
-            if tuple(t.shape) != shape:
-                raise ProtocolError(f"{who}: weights[{i}].shape {list(t.shape)} != {list(shape)}")
-            integer = t.dtype != "float32"
-            if integer and bits >= FLOAT_BITS:
-                raise ProtocolError(f"{who}: tensors[{i}]: integer tensor ({t.dtype}) from a float device")
-            try:
-                add = accumulator(t)  # checks t, decodes nothing
-            except ProtocolError as exc:
-                raise ProtocolError(f"{who}: tensors[{i}]: {exc}") from None
-            # an integer device's own integers q: q / 2^(s_g - 1) in the shared domain
-            adders.append(add.scaled(integer_scale(bits)) if integer else add)
-        omega = float(update.num_samples) if self.weighted else 1.0
-        self._sums.add_encoded(int(update.compute_bits), adders, omega, update.kind == "delta",
-                               key=update.device_id)
+            raise ProtocolError(f"update from {device_id!r}: no round is open")
+
+    def _omega(self, update: ClientUpdate | EncodedUpdate) -> float:
+        return float(update.num_samples) if self.weighted else 1.0
+
+    def _finite_layers(self, update: ClientUpdate) -> list[np.ndarray]:
+        """1-D float32 views of the layers, NaN/Inf rejected (skipped when the decode
+        already proved every value finite)."""
+        flat = []
+        for i, w in enumerate(update.weights):
+            f = _flat32(w)
+            if not (update.finite and f.dtype == w.dtype) and has_nonfinite(f):
+                raise ProtocolError(f"update from {update.device_id!r}: weights[{i}] holds NaN or Inf",
+                                    reason="nonfinite")
+            flat.append(f)
+        return flat
+
+    def _add_decoded(self, update: ClientUpdate, flat: list[np.ndarray]) -> None:
+        """Dequantize (when a dequantizer is set) and add a checked decoded update."""
+        assert self._sums is not None
+        if not isinstance(self.dequantizer, NoDequantizer):
+            update = self.dequantizer(update)
+            flat = self._finite_layers(update)
+        self._sums.add(int(update.compute_bits), flat, self._omega(update), update.kind == "delta",
+                       key=update.device_id)
         self._count(update)
 
     def _count(self, update: ClientUpdate | EncodedUpdate) -> None:
-        self._seen.add(update.device_id)
         self._n_inferior += int(update.inferior)
         if update.sigma_loc is not None:
             s = np.asarray(update.sigma_loc, dtype=np.float64)
@@ -190,49 +223,6 @@ class Strategy:
         self._sums = None
         self._global = None
         return AggregateResult(new, {b: [w.copy() for w in ws] for b, ws in group_weights.items()}, stats)
-
-    # ------------------------------------------------------------------ validation
-    def _validate(self, u: ClientUpdate) -> list[np.ndarray]:
-        self._check_fields(u)
-        return self._check_layers(u)
-
-    def _check_fields(self, u: ClientUpdate | EncodedUpdate) -> None:
-        who = f"update from {u.device_id!r}"
-        if not isinstance(u.device_id, str) or not u.device_id:
-            raise ProtocolError(f"{who}: device_id must be a non-empty string")
-        if u.device_id in self._seen:
-            raise ProtocolError(f"{who}: duplicate in round {self.round_id}")
-        if u.kind not in UPDATE_KINDS:
-            raise ProtocolError(f"{who}: kind {u.kind!r} not in {list(UPDATE_KINDS)}")
-        if isinstance(u.num_samples, bool) or not isinstance(u.num_samples, (int, np.integer)) or u.num_samples <= 0:
-            raise ProtocolError(f"{who}: num_samples must be a positive int, got {u.num_samples!r}")
-        if isinstance(u.compute_bits, bool) or not isinstance(u.compute_bits, (int, np.integer)) \
-                or not 1 <= u.compute_bits <= 32:
-            raise ProtocolError(f"{who}: compute_bits must be an int in 1..32, got {u.compute_bits!r}")
-        if u.sigma_loc is not None:
-            s = u.sigma_loc
-            if len(s) != len(self._shapes) or not all(
-                    isinstance(x, (int, float, np.floating)) and math.isfinite(x) and x >= 0 for x in s):
-                raise ProtocolError(f"{who}: sigma_loc must be {len(self._shapes)} finite floats >= 0")
-
-    def _check_layers(self, u: ClientUpdate) -> list[np.ndarray]:
-        who = f"update from {u.device_id!r}"
-        if not isinstance(u.weights, (list, tuple)) or len(u.weights) != len(self._shapes):
-            n = len(u.weights) if isinstance(u.weights, (list, tuple)) else type(u.weights).__name__
-            raise ProtocolError(f"{who}: weights has {n} layers, the model has {len(self._shapes)}")
-        flat: list[np.ndarray] = []
-        for i, (w, shape) in enumerate(zip(u.weights, self._shapes, strict=True)):
-            if not isinstance(w, np.ndarray):
-                raise ProtocolError(f"{who}: weights[{i}] is {type(w).__name__}, not an ndarray")
-            if tuple(w.shape) != shape:
-                raise ProtocolError(f"{who}: weights[{i}].shape {list(w.shape)} != {list(shape)}")
-            if not np.issubdtype(w.dtype, np.floating):
-                raise ProtocolError(f"{who}: weights[{i}].dtype {w.dtype} is not a float (decode first)")
-            f = _flat32(w)
-            if not (u.finite and f.dtype == w.dtype) and has_nonfinite(f):
-                raise ProtocolError(f"{who}: weights[{i}] holds NaN or Inf")
-            flat.append(f)
-        return flat
 
     # ------------------------------------------------------------------ state
     def server_state(self) -> dict[str, Any]:

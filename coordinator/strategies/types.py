@@ -49,10 +49,10 @@ class EncodedUpdate:
     """One device's update for one round as it came off the wire, not yet decoded.
 
     The fields mean what they mean in :class:`ClientUpdate`; ``tensors`` holds one
-    ``EncodedTensor`` per model layer (the protocol already checked their byte lengths).
-    A strategy without a dequantizer folds such an update into its sums with the codecs'
-    fused ``decode_accumulate`` (:meth:`Strategy.accept_encoded`): no float32 copy of the
-    update is ever made.
+    ``EncodedTensor`` per model layer (the protocol already checked their byte lengths,
+    ``coordinator.ingest`` their shapes, sources and magnitudes). :meth:`Strategy.fold`
+    adds it to the sums with the codecs' fused ``decode_accumulate`` where it can (no
+    float32 copy of the update is ever made), or decodes it first.
     """
 
     device_id: str
