@@ -12,8 +12,10 @@
    rule, once) -> ``Strategy.fold`` (into the running sums) -> the inbox, synced, then
    acked in the background. Refused messages are acked too (never redelivered), logged
    with their reason and counted. Stragglers past the deadline are excluded and counted;
-4. ``strategy.finish()`` -> new global weights (and per-group weights), evaluation on the
-   held-out set, atomic checkpoint, one metrics line, retained status.
+4. ``strategy.finish()`` -> new global weights (and per-group weights), evaluation of
+   every bitwidth variant the devices run on the held-out set, atomic checkpoint, one
+   metrics line (with the uplink bytes by codec and the fleet's own figures), retained
+   status.
 
 ``run(resume=True)`` continues from the checkpoint of the last completed round. When the
 coordinator died inside a round, that round's plan (same selection, same model digests)
@@ -48,6 +50,7 @@ from edge_client.protocol import (
     Status,
     encode_message,
     model_variant,
+    variant_bits,
 )
 
 log = logging.getLogger("fedbit.server")
@@ -66,7 +69,10 @@ class Coordinator:
         strategy: a ``coordinator.strategies`` strategy (``begin_round``/``fold``/
             ``finish``/``server_state``/``state_dict``/``load_state_dict``).
         state: the run directory.
-        evaluator: ``weights -> (loss, accuracy)`` on the held-out set (None: skipped).
+        evaluator: ``{variant: weights} -> {variant: (loss, accuracy)}`` on the held-out
+            set (``coordinator.evaluate.ModelEvaluator``; None: skipped). Every round it
+            scores each variant the known devices run; ``accuracy``/``loss`` of the record
+            are the float32 (global) model's, ``groups`` has them all.
         init_weights: the initial shared weights (``intnn.init_shared(spec, seed)``).
         on_event: progress callback ``(event, fields)``; events ``round_start``,
             ``update``, ``reject``, ``round_end``, ``waiting``.
@@ -168,7 +174,8 @@ class Coordinator:
                       f", resumed with {replayed} update(s) from the inbox" if resumed else "",
                       extra={"event": "round_start", "round": r, "selected": selected})
         need = max(1, math.ceil(cfg.quorum * len(selected)))
-        col.pump(time.monotonic() + cfg.round_timeout_s, stop=lambda: len(rnd.accepted) >= need)
+        col.pump(time.monotonic() + cfg.round_timeout_s,
+                 stop=lambda: len(rnd.accepted) >= need or not self.fleet.more_expected(r))
         t_collect = time.monotonic()
         with clock.timed("announce"):
             self.fleet.flush()  # the announcement's PUBACKs (long arrived, as a rule)
@@ -193,7 +200,8 @@ class Coordinator:
                 self.log.warning("round %d: %d update(s) < min_updates %d; the model is unchanged",
                                  r, len(rnd.accepted), cfg.min_updates)
         te = time.perf_counter()
-        loss, acc = self.evaluator(self.weights) if self.evaluator else (float("nan"), float("nan"))
+        scores = self._evaluate()
+        loss, acc = scores.get(FLOAT_VARIANT, (math.nan, math.nan))
         eval_s = time.perf_counter() - te
         change = float(math.sqrt(sum(float(np.sum((a - b) ** 2)) for a, b in zip(self.weights, old, strict=True))))
         finite = lambda v: v if math.isfinite(v) else None  # noqa: E731
@@ -210,6 +218,8 @@ class Coordinator:
             "eval_seconds": eval_s, "announce_seconds": parts["announce"],
             "handle_seconds": clock.wall - parts["announce"] - parts["aggregate"],
             "counts": dict(col.counts), "stats": stats,
+            "groups": {v: {"loss": finite(lo), "accuracy": finite(ac)} for v, (lo, ac) in scores.items()},
+            "uplink_bytes": dict(col.uplink_bytes), **self.fleet.round_report(r),
         }
         with clock.timed("checkpoint"):
             self.completed = r
@@ -230,6 +240,13 @@ class Coordinator:
                       f"{acc:.4f}" if math.isfinite(acc) else "n/a",
                       extra={"event": "round_end", "round": r, "accuracy": record["accuracy"]})
         return record
+
+    def _evaluate(self) -> dict[str, tuple[float, float]]:
+        """(loss, accuracy) of every model variant the known devices run (float32 always)."""
+        if self.evaluator is None:
+            return {}
+        return self.evaluator({v: self.group_weights.get(variant_bits(v), self.weights)
+                               for v in self.collector.devices.variants()})
 
     # ------------------------------------------------------------------ checkpoints
 

@@ -120,9 +120,11 @@ class DeviceConfig:
 
     ``workdir`` holds the outbox and the last completed round; ``exit_when_done`` stops
     the loop on the coordinator's ``done`` status (seen after this device took part or
-    saw it active); ``publish_timeout_s`` bounds the wait for a PUBACK before the update
-    is left to the outbox; ``train_delay_s`` sleeps before each local training (emulates
-    a slow device in trials and tests).
+    saw it active); ``max_rounds`` (> 0) stops it once the device has trained and sent
+    that many rounds (a device that wakes up for one round; the emulator's devices);
+    ``publish_timeout_s`` bounds the wait for a PUBACK before the update is left to the
+    outbox; ``train_delay_s`` sleeps before each local training (emulates a slow device
+    in trials and tests).
     """
 
     device_id: str
@@ -140,12 +142,27 @@ class DeviceConfig:
     connect_timeout_s: float = 30.0
     publish_timeout_s: float = 10.0
     train_delay_s: float = 0.0
+    max_rounds: int = 0
 
     @classmethod
     def from_profile(cls, device_id: str, profile: Any, **kw: Any) -> DeviceConfig:
         """From a :class:`hw_profiles.HardwareProfile`."""
         return cls(device_id=device_id, compute_bits=profile.compute_bits, trainer=profile.trainer,
                    codec=profile.codec, codec_bits=profile.codec_bits, profile=profile.name, **kw)
+
+
+def device_hello(cfg: DeviceConfig, num_samples: int) -> Hello:
+    """The hello a device with ``cfg`` and ``num_samples`` local samples publishes."""
+    return Hello(device_id=cfg.device_id, profile=cfg.profile, compute_bits=cfg.compute_bits,
+                 trainer=cfg.trainer, codec=cfg.codec, codec_bits=cfg.codec_bits,
+                 num_samples=int(num_samples), sdk_version=__version__)
+
+
+def birth_messages(cfg: DeviceConfig, num_samples: int) -> list[tuple[str, bytes, bool]]:
+    """``(topic, payload, retain)`` a device publishes on every connect: presence online,
+    then its hello (both retained)."""
+    return [(topic(cfg.job, "presence", cfg.device_id), encode_message(Presence(cfg.device_id, True)), True),
+            (topic(cfg.job, "hello", cfg.device_id), encode_message(device_hello(cfg, num_samples)), True)]
 
 
 TrainerFactory = Callable[[Any, int, int], Any]  # (spec, bits, seed) -> Trainer
@@ -213,19 +230,14 @@ class DeviceRuntime:
         tmp.replace(self._state_path)
 
     def hello(self) -> Hello:
-        return Hello(device_id=self.cfg.device_id, profile=self.cfg.profile,
-                     compute_bits=self.cfg.compute_bits, trainer=self.cfg.trainer,
-                     codec=self.cfg.codec, codec_bits=self.cfg.codec_bits,
-                     num_samples=int(len(self.data.y)), sdk_version=__version__)
+        return device_hello(self.cfg, int(len(self.data.y)))
 
     def session_spec(self) -> dict[str, Any]:
         """will / birth / subscriptions for the transport."""
-        online = encode_message(Presence(self.cfg.device_id, True))
         offline = encode_message(Presence(self.cfg.device_id, False))
         return {
             "will": (self.t_presence, offline),
-            "birth": [(self.t_presence, online, True),
-                      (self.t_hello, encode_message(self.hello()), True)],
+            "birth": birth_messages(self.cfg, int(len(self.data.y))),
             "subscriptions": [self.t_round, self.t_model, self.t_status],
         }
 
@@ -255,13 +267,20 @@ class DeviceRuntime:
                       getattr(t, "version", "?"), self.variant)
         seen_connects = t.connects
         next_resend = 0.0
+        idle = False  # True once a work pass found nothing queued: then block in recv
         try:
             while not self.stop_event.is_set() and time.monotonic() < end:
-                msg = t.recv(timeout=0.1)
+                if self.cfg.max_rounds and len(self.rounds_done) >= self.cfg.max_rounds and not self.outbox.pending():
+                    self.log.info("device %s: %d round(s) done, stopping", self.cfg.device_id,
+                                  len(self.rounds_done))
+                    break
+                msg = t.recv(timeout=0.1 if idle else 0)
                 if msg is not None:
+                    idle = False
                     if self._handle(msg):
                         break
                     continue  # drain the queue before working
+                idle = True  # the queue is drained: work now, then wait for the next message
                 now = time.monotonic()
                 if t.connected and (t.connects != seen_connects or now >= next_resend):
                     seen_connects = t.connects

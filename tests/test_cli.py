@@ -47,3 +47,12 @@ def test_serve_refuses_a_magnitude_limit_that_lets_sums_overflow(tmp_path: Path)
     assert out.returncode == 1
     assert "max_abs_value" in out.stderr and "1e+30" in out.stderr
     assert not (tmp_path / "run").exists()       # refused before anything started
+
+
+def test_emulate_refuses_a_bad_config_naming_file_and_key(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text('name = "x"\n[devices]\nraspberry-pi-4 = 2\n[round]\nquorum = 2.0\n')
+    out = run("fedbit", "emulate", str(bad), "--out", str(tmp_path / "run"))
+    assert out.returncode == 1
+    assert str(bad) in out.stderr and "round.quorum" in out.stderr
+    assert not (tmp_path / "run").exists()
