@@ -114,7 +114,9 @@ class Coordinator:
         end = time.monotonic() + cfg.presence_timeout_s
         last_note = 0.0
         need = max(cfg.min_devices, cfg.min_present)
+        waited = False
         while len(devices.present()) < need:
+            waited = True
             if time.monotonic() >= end:
                 raise RoundError(f"only {len(devices.present())} device(s) present after "
                                  f"{cfg.presence_timeout_s:.0f} s; need {need}")
@@ -122,7 +124,8 @@ class Coordinator:
                 last_note = time.monotonic()
                 self.on_event("waiting", {"present": len(devices.present()), "need": need})
             self.collector.pump(min(end, time.monotonic() + 0.5))
-        self.collector.pump(time.monotonic() + 0.05)  # let hellos that arrive together settle
+        if waited:  # let hellos that arrive together settle
+            self.collector.pump(time.monotonic() + 0.05)
         present = devices.present()
         k = max(cfg.min_devices, min(cfg.max_devices, math.ceil(cfg.fraction * len(present))))
         idx = self.rng.choice(len(present), size=min(k, len(present)), replace=False)
@@ -224,6 +227,9 @@ class Coordinator:
         with clock.timed("checkpoint"):
             self.completed = r
             col.close(r)
+            if col.devices.changed:
+                self.state.save_devices(col.devices.to_state())
+                col.devices.changed = False
             self.state.save_checkpoint(self._checkpoint(record))
             self.state.append_metrics(record)
             self.state.inbox_prune(r + 1)
@@ -256,7 +262,7 @@ class Coordinator:
             weights=self.weights, group_weights=self.group_weights,
             strategy_state=self.strategy.state_dict() if hasattr(self.strategy, "state_dict") else {},
             rng_state={"json": json.dumps(self.rng.bit_generator.state)},
-            metrics=record, devices=self.collector.devices.to_state(),
+            metrics=record,
             config={"run_id": self.run_id, "rounds": self.cfg.rounds, "strategy": self.cfg.strategy,
                     "totals": dict(self.collector.totals)},
         )
@@ -276,7 +282,7 @@ class Coordinator:
                 self.strategy.load_state_dict(ckpt.strategy_state)
             if ckpt.rng_state.get("json"):
                 self.rng.bit_generator.state = json.loads(ckpt.rng_state["json"])
-            self.collector.devices = DeviceRegistry.from_state(ckpt.devices)
+            self.collector.devices = DeviceRegistry.from_state(self.state.load_devices() or ckpt.devices)
             self.run_id = str(ckpt.config.get("run_id", self.run_id))
             self.collector.totals.update(ckpt.config.get("totals", {}))
         elif plan is not None:
