@@ -23,6 +23,12 @@ A config (``fedbit emulate FILE``; the bundled default is ``coordinator/default.
     [sweep]                    # dotted key = [values]: every combination is run
     strategy = ["fedavg", "fedshift"]
     "data.partition" = ["shards", "parity"]
+    "@mix" = [                 # "@name": values set together, each a table with a label
+      {label = "50/50", "devices.raspberry-pi-4" = 5, "devices.desktop" = 5},
+      {label = "80/20", "devices.raspberry-pi-4" = 8, "devices.desktop" = 2}]
+
+``target_accuracy`` (0 < t <= 1, optional) makes the reports count the rounds and the
+simulated seconds each group's model takes to reach it.
 
 Unknown keys, wrong types and out-of-range values raise :class:`ConfigError` naming the
 file and the key.
@@ -46,7 +52,8 @@ DEFAULT_CONFIG = Path(__file__).with_name("default.toml")
 #: section -> key -> (type, default); "" is the top level
 SCHEMA: dict[str, dict[str, tuple[type | tuple[type, ...], Any]]] = {
     "": {"name": (str, "run"), "model": (str, "digits_cnn"), "rounds": (int, 10), "seeds": (list, [0]),
-         "strategy": (str, "fedavg"), "transport": (str, "inproc"), "broker": (str, "")},
+         "strategy": (str, "fedavg"), "transport": (str, "inproc"), "broker": (str, ""),
+         "target_accuracy": ((int, float), 0.0)},
     "data": {"dataset": (str, "digits"), "path": (str, ""), "partition": (str, "iid"),
              "shards_per_device": (int, 2), "alpha": ((int, float), 0.5), "per_device": (int, 32),
              "seed": (int, 0)},
@@ -70,6 +77,7 @@ class ExperimentConfig:
     strategy: str = "fedavg"
     transport: str = "inproc"
     broker: str = ""
+    target_accuracy: float = 0.0
     strategy_params: dict[str, Any] = field(default_factory=dict)
     devices: dict[str, int] = field(default_factory=dict)
     codecs: dict[str, str] = field(default_factory=dict)
@@ -82,7 +90,7 @@ class ExperimentConfig:
 
     def as_dict(self) -> dict[str, Any]:
         """The config as the TOML table it came from (for reports and run folders)."""
-        keys = ("name", "model", "rounds", "seeds", "strategy", "transport", "broker")
+        keys = ("name", "model", "rounds", "seeds", "strategy", "transport", "broker", "target_accuracy")
         out: dict[str, Any] = {k: copy.deepcopy(getattr(self, k)) for k in keys}
         for sec in ("strategy_params", "devices", "codecs", "data", "train", "round", "clock", "sweep"):
             out[sec] = copy.deepcopy(getattr(self, sec))
@@ -218,11 +226,16 @@ def _check_values(cfg: ExperimentConfig, bad) -> None:
     for key, t in cfg.train.items():
         if isinstance(t, dict | list):
             raise bad(f"train.{key}", "must be a number, boolean or string")
+    if not 0 <= cfg.target_accuracy <= 1:
+        raise bad("target_accuracy", f"must be in (0, 1] (0: none), got {cfg.target_accuracy}")
     for key, values in cfg.sweep.items():
         if not isinstance(values, list) or not values:
             raise bad(f"sweep.{key}", "must be a non-empty list of values")
         if key in ("sweep", "seeds"):
             raise bad(f"sweep.{key}", "cannot be swept (seeds: list them in `seeds`)")
+        if key.startswith("@") and not all(
+                isinstance(v, dict) and isinstance(v.get("label"), str) and len(v) > 1 for v in values):
+            raise bad(f"sweep.{key}", "each value must be a table with a `label` and the keys it sets")
 
 
 def parse_codec(spec: Any, key: str = "codec", bad=None) -> tuple[str, int]:
@@ -254,11 +267,18 @@ def expand_sweep(cfg: ExperimentConfig) -> list[tuple[dict[str, Any], Experiment
     keys = list(cfg.sweep)
     out = []
     for values in itertools.product(*(cfg.sweep[k] for k in keys)):
-        combo = dict(zip(keys, values, strict=True))
         raw = cfg.as_dict()
         raw["sweep"] = {}
-        for k, v in combo.items():
-            set_dotted(raw, k, v, f"{cfg.source} [sweep]")
+        combo = {}
+        for k, v in zip(keys, values, strict=True):
+            if k.startswith("@"):  # a group of keys set together, named by its label
+                combo[k[1:]] = v["label"]
+                for kk, vv in v.items():
+                    if kk != "label":
+                        set_dotted(raw, kk, vv, f"{cfg.source} [sweep.{k}]")
+            else:
+                combo[k] = v
+                set_dotted(raw, k, v, f"{cfg.source} [sweep]")
         out.append((combo, from_dict(raw, f"{cfg.source} [sweep {combo}]")))
     return out
 

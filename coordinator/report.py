@@ -49,18 +49,33 @@ def group_curves(records: Sequence[dict[str, Any]]) -> dict[str, list[float]]:
     return {g: [_num(r.get("groups", {}).get(g, {}).get("accuracy")) for r in records] for g in groups}
 
 
+def to_target(records: Sequence[dict[str, Any]], group: str, target: float) -> tuple[int | None, float | None]:
+    """(first round, simulated time at its end) when ``group``'s accuracy reached
+    ``target``; (None, None) if it never did."""
+    for r in records:
+        acc = r.get("groups", {}).get(group, {}).get("accuracy")
+        if isinstance(acc, int | float) and acc >= target:
+            return int(r["round"]), r.get("sim_time")
+    return None, None
+
+
 def summarize_run(info: dict[str, Any], records: Sequence[dict[str, Any]], last: int = LAST_ROUNDS) -> dict[str, Any]:
-    """The figures of one run: per group the final accuracy and the mean of the last
-    ``last`` rounds, uplink bytes by codec, wall and simulated seconds."""
+    """The figures of one run: per group the final accuracy, the mean of the last ``last``
+    rounds and (with the config's ``target_accuracy``) the rounds and simulated seconds to
+    reach it; uplink bytes by codec, wall and simulated seconds."""
     curves = group_curves(records)
+    target = float(info.get("config", {}).get("target_accuracy") or 0.0)
     uplink: dict[str, int] = {}
     for r in records:
         for codec, n in r.get("uplink_bytes", {}).items():
             uplink[codec] = uplink.get(codec, 0) + int(n)
     return {
         "rounds": len(records),
-        "groups": {g: {"final": c[-1] if c else math.nan, f"last{last}": _nanmean(c[-last:])}
+        "groups": {g: {"final": c[-1] if c else math.nan, f"last{last}": _nanmean(c[-last:]),
+                       **(dict(zip(("rounds_to_target", "sim_seconds_to_target"), to_target(records, g, target),
+                                   strict=True)) if target else {})}
                    for g, c in curves.items()},
+        "target_accuracy": target,
         "uplink_bytes": uplink,
         "wall_seconds": info.get("wall_seconds", sum(r.get("round_seconds", 0.0) for r in records)),
         "sim_seconds": records[-1].get("sim_time", math.nan) if records else math.nan,
@@ -80,9 +95,16 @@ def write_report(run_dir: str | Path) -> Path:
     lines += [f"Run folder: `{run}`. Config: `{info.get('source', '?')}`. Plots: `accuracy.png` (accuracy per "
               "bitwidth group vs round and vs simulated time), `bytes.png` (uplink bytes per round by codec).", ""]
     lines += _config_lines(cfg)
-    lines += ["## Result", "", f"| group | final accuracy | mean of the last {LAST_ROUNDS} rounds |", "|---|---|---|"]
+    t = s["target_accuracy"]
+    head = f" rounds / simulated s to {100 * t:.0f}% |" if t else ""
+    lines += ["## Result", "", f"| group | final accuracy | mean of the last {LAST_ROUNDS} rounds |{head}",
+              "|---|---|---|" + ("---|" if t else "")]
     for g, v in s["groups"].items():
-        lines.append(f"| {g} | {_pct(v['final'])} | {_pct(v[f'last{LAST_ROUNDS}'])} |")
+        reach = ""
+        if t:
+            r, sim = v["rounds_to_target"], v["sim_seconds_to_target"]
+            reach = f" {r} / {sim:.1f} |" if r is not None else " not reached |"
+        lines.append(f"| {g} | {_pct(v['final'])} | {_pct(v[f'last{LAST_ROUNDS}'])} |{reach}")
     lines += ["", f"{s['rounds']} rounds in {s['wall_seconds']:.1f} s of wall time and "
               f"{s['sim_seconds']:.1f} s of simulated time; {s['stragglers']} straggler(s) in all.", "",
               "Uplink bytes by codec: " + ", ".join(f"{k} {v:,}" for k, v in sorted(s["uplink_bytes"].items())), ""]
@@ -99,15 +121,20 @@ def write_sweep_report(root: str | Path, runs: Sequence[tuple[dict[str, Any], in
     rows: dict[str, dict[str, Any]] = {}
     curves: dict[str, list[list[dict[str, Any]]]] = {}
     results = []
+    target = 0.0
     for combo, seed, run in runs:
         info, records = load_run(run)
         label = combo_label(combo)
         s = summarize_run(info, records)
         results.append({"combination": combo, "seed": seed, "run": str(run.relative_to(root)), **s})
-        row = rows.setdefault(label, {"combination": combo, "seeds": [], "groups": {}})
+        row = rows.setdefault(label, {"combination": combo, "seeds": [], "groups": {}, "rounds": {}, "sim": {}})
         row["seeds"].append(seed)
+        target = s["target_accuracy"] or target
         for g, v in s["groups"].items():
             row["groups"].setdefault(g, []).append(v[f"last{LAST_ROUNDS}"])
+            if target:
+                row["rounds"].setdefault(g, []).append(v["rounds_to_target"])
+                row["sim"].setdefault(g, []).append(v["sim_seconds_to_target"])
         curves.setdefault(label, []).append(records)
     (root / "results.json").write_text(json.dumps(_clean(results), indent=1))
     groups = sorted({g for r in rows.values() for g in r["groups"]})
@@ -119,6 +146,14 @@ def write_sweep_report(root: str | Path, runs: Sequence[tuple[dict[str, Any], in
     for label, row in rows.items():
         cells = [mean_std(row["groups"].get(g, [])) for g in groups]
         lines.append(f"| {label} | {len(row['seeds'])} | " + " | ".join(cells) + " |")
+    if target:
+        lines += ["", f"Rounds / simulated seconds to reach {100 * target:.0f}% accuracy (mean ± std over the "
+                  "seeds that reached it; `k/n`: k of n seeds reached it):", "",
+                  "| combination | " + " | ".join(groups) + " |", "|---|" + "---|" * len(groups)]
+        for label, row in rows.items():
+            cells = [f"{_reach(row['rounds'].get(g, []), 1.0, '')} rounds / {_reach(row['sim'].get(g, []), 1.0, ' s')}"
+                     for g in groups]
+            lines.append(f"| {label} | " + " | ".join(cells) + " |")
     path = root / "summary.md"
     path.write_text("\n".join(lines) + "\n")
     _plot_sweep(root / "accuracy.png", curves)
@@ -259,6 +294,14 @@ def _split_lines(info: dict[str, Any], limit: int = 40) -> list[str]:
     if len(devices) > limit:
         out.append(f"| ... {len(devices) - limit} more | | " + " | " * k + " |")
     return [*out, ""]
+
+
+def _reach(values: Sequence[float | None], scale: float, unit: str) -> str:
+    got = [float(v) for v in values if v is not None]
+    if not got:
+        return f"never (0/{len(values)})"
+    tail = "" if len(got) == len(values) else f" ({len(got)}/{len(values)})"
+    return f"{scale * np.mean(got):.1f} ± {scale * np.std(got):.1f}{unit}{tail}"
 
 
 def _num(v: Any) -> float:

@@ -16,6 +16,8 @@ ROOT = Path(__file__).resolve().parent.parent
 WANTED = {
     "aggregate": [("fedshift n=", "throughput"), ("prowd-swa", "throughput"), ("wire tensors", "throughput"),
                   ("vs 10 updates", "rss")],
+    "emulator_scale": [("N=10,000", "round_seconds"), ("N=10,000", "rss"), ("N=10,000", "startup_seconds"),
+                       ("N=10,000", "coordinator_seconds")],
     "codecs": [("kmeans-8", "encode_ms"), ("kmeans-4", "encode_ms"), ("asym-8", "encode_ms"),
                ("kmeans-4", "mse")],
     "round_overhead": [("fedshift_cnn asym-4", "updates_per_s"), ("20 devices", "coordinator_seconds_per_round")],

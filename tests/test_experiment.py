@@ -78,6 +78,13 @@ def test_overrides_and_sweeps(tmp_path: Path) -> None:
     assert len({run_slug(c) for c, _ in runs}) == 4
     with pytest.raises(ConfigError, match="sweep"):
         expand_sweep(load_config(write(tmp_path, BASE + '[sweep]\n"data.partition" = ["iid", "nope"]\n')))
+    mix = load_config(write(tmp_path, BASE + '[sweep]\n"@mix" = [{label = "a", "devices.desktop" = 3, rounds = 4},'
+                                               ' {label = "b", "devices.desktop" = 0}]\n'))
+    (ca, a), (cb, b) = expand_sweep(mix)
+    assert ca == {"mix": "a"} and a.devices["desktop"] == 3 and a.rounds == 4
+    assert cb == {"mix": "b"} and b.devices == {"raspberry-pi-4": 2, "desktop": 0} and b.rounds == 10
+    with pytest.raises(ConfigError, match="sweep.@mix"):
+        load_config(write(tmp_path, BASE + '[sweep]\n"@mix" = [{"devices.desktop" = 3}]\n'))
     with pytest.raises(ConfigError, match="unknown section"):
         load_config(path, {"nosuch.key": 1})
 
