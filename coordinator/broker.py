@@ -66,6 +66,12 @@ def wait_for_port(host: str, port: int, timeout: float = 10.0) -> bool:
     return False
 
 
+def dial_host(host: str) -> str:
+    """The address to connect to for a listener bound to ``host`` (loopback for a
+    wildcard bind)."""
+    return {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}.get(host, host)
+
+
 def mosquitto_path() -> str | None:
     """Path of the ``mosquitto`` binary on ``PATH``, or None."""
     return shutil.which("mosquitto")
@@ -83,8 +89,14 @@ class MosquittoBroker:
         persistence: keep sessions and queued QoS 1 messages on disk (``autosave_interval 1``).
         password_file / acl_file: optional mosquitto files (anonymous access otherwise).
         tls: optional ``{"port", "cafile", "certfile", "keyfile", "require_certificate"}``
-            for an extra TLS listener (``url_tls`` then names it).
+            for an extra TLS listener (``url_tls`` then names it); ``"host"`` binds it
+            elsewhere than ``host`` (``0.0.0.0``: every interface), and
+            ``"identity_as_username": False`` keeps the CONNECT username (checked against
+            the password file) instead of the certificate's CN.
         binary: the mosquitto executable (``PATH`` lookup by default).
+
+    A listener on a wildcard address (``0.0.0.0``, ``::``) is dialled through loopback.
+    :meth:`reload` (SIGHUP) makes mosquitto re-read its password file and ACL.
     """
 
     kind = "mosquitto"
@@ -109,10 +121,11 @@ class MosquittoBroker:
         self.acl_file = acl_file
         self.tls = dict(tls) if tls else None
         if self.tls is not None:
-            self.tls.setdefault("port", free_port(host))
+            self.tls.setdefault("host", host)
+            self.tls.setdefault("port", free_port(dial_host(self.tls["host"])))
         self.proc: subprocess.Popen[bytes] | None = None
-        self.url = f"mqtt://{host}:{self.port}"
-        self.url_tls = f"mqtts://{host}:{self.tls['port']}" if self.tls else ""
+        self.url = f"mqtt://{dial_host(host)}:{self.port}"
+        self.url_tls = f"mqtts://{dial_host(self.tls['host'])}:{self.tls['port']}" if self.tls else ""
         self.config_path = self.workdir / "mosquitto.conf"
         self.log_path = self.workdir / "mosquitto.log"
 
@@ -128,6 +141,7 @@ class MosquittoBroker:
             "log_type error", "log_type warning", "log_type notice",
             f"log_dest file {self.log_path}",
             "connection_messages true",
+            f"pid_file {self.workdir / 'mosquitto.pid'}",
         ]
         if hasattr(os, "geteuid") and os.geteuid() == 0:
             lines.append("user root")  # else it drops to `mosquitto` before reading files
@@ -144,12 +158,15 @@ class MosquittoBroker:
             lines.append(f"acl_file {self.acl_file}")
         lines.append(f"listener {self.port} {self.host}")
         if self.tls:
-            lines.append(f"listener {self.tls['port']} {self.host}")
+            lines.append(f"listener {self.tls['port']} {self.tls['host']}")
             lines.append(f"cafile {self.tls['cafile']}")
             lines.append(f"certfile {self.tls['certfile']}")
             lines.append(f"keyfile {self.tls['keyfile']}")
+            lines.append("tls_version tlsv1.2")
             if self.tls.get("require_certificate"):
-                lines += ["require_certificate true", "use_identity_as_username true"]
+                lines.append("require_certificate true")
+                if self.tls.get("identity_as_username", True):
+                    lines.append("use_identity_as_username true")
         return "\n".join(lines) + "\n"
 
     def start(self, timeout: float = 10.0) -> MosquittoBroker:
@@ -159,13 +176,19 @@ class MosquittoBroker:
             [self.binary, "-c", str(self.config_path)],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
         )
-        ports = [self.port] + ([self.tls["port"]] if self.tls else [])
-        for p in ports:
-            if not wait_for_port(self.host, p, timeout) or self.proc.poll() is not None:
+        ports = [(self.host, self.port)] + ([(self.tls["host"], self.tls["port"])] if self.tls else [])
+        for h, p in ports:
+            if not wait_for_port(dial_host(h), p, timeout) or self.proc.poll() is not None:
                 err = self._drain_stderr()
                 self.stop()
-                raise ConfigError(f"mosquitto: did not start on {self.host}:{p}: {err}")
+                raise ConfigError(f"mosquitto: did not start on {h}:{p}: {err}")
         return self
+
+    def reload(self) -> None:
+        """SIGHUP: mosquitto re-reads its password file and ACL (new connections see
+        them; sessions already up keep going)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGHUP)
 
     def _drain_stderr(self) -> str:
         if self.proc is None or self.proc.stderr is None:
@@ -325,3 +348,104 @@ def start_embedded_broker(port: int | None = None, *, prefer: str = "auto",
         return MosquittoBroker(port, workdir=workdir, max_packet_size=max_packet_size,
                                persistence=workdir is not None).start()
     return AmqttBroker(port).start()
+
+
+#: what ``--security`` may say: ``auto`` = ``none`` on loopback, ``tls`` beyond it
+SECURITY_MODES = ("auto", "none", "password", "tls")
+
+
+def parse_listen(value: str) -> tuple[str, int]:
+    """``HOST:PORT`` (``[::]:PORT`` for IPv6; ``:PORT`` = every interface) -> (host, port)."""
+    host, sep, port = value.rpartition(":")
+    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"--listen: {value!r} is not HOST:PORT")
+    host = host.strip("[]") or "0.0.0.0"
+    return host, int(port)
+
+
+def resolve_security(mode: str, host: str) -> str:
+    """The security a listener on ``host`` gets: ``auto`` is ``none`` (anonymous) on
+    loopback and ``tls`` beyond it; anonymous access beyond loopback is refused."""
+    from coordinator.security import is_loopback
+
+    if mode not in SECURITY_MODES:
+        raise ConfigError(f"--security: {mode!r} is not one of {', '.join(SECURITY_MODES)}")
+    if mode == "auto":
+        return "none" if is_loopback(host) else "tls"
+    if mode == "none" and not is_loopback(host):
+        raise ConfigError(f"--listen {host}: anonymous access beyond loopback is refused; "
+                          f"use --security tls (the default there) or password")
+    return mode
+
+
+class JobBroker:
+    """The embedded broker of ``fedbit serve``: what devices dial (``device_url``), what
+    the coordinator dials (``coordinator_url``, with ``credentials`` unless anonymous),
+    and the ``security`` it runs with (``none``, ``password``, ``tls``).
+
+    - ``none``: the anonymous loopback broker of demos (mosquitto, else amqtt).
+    - ``password``: mosquitto, one plaintext listener, per-device passwords and the ACL.
+    - ``tls``: mosquitto, devices on a TLS listener that wants a client certificate of the
+      job CA and the device's password; the coordinator on a loopback listener with its
+      own password (its traffic, the round's bulk, skips TLS); the ACL on both.
+    """
+
+    def __init__(self, broker: MosquittoBroker | AmqttBroker, device_url: str, coordinator_url: str,
+                 security: str, credentials: Any = None) -> None:
+        self.broker = broker
+        self.device_url = device_url
+        self.coordinator_url = coordinator_url
+        self.security = security
+        self.credentials = credentials
+        self.kind = broker.kind
+
+    def stop(self) -> None:
+        self.broker.stop()
+
+
+def start_job_broker(host: str, port: int | None, *, security: str, job_security: Any = None,
+                     hosts: list[str] | None = None, workdir: str | Path | None = None,
+                     prefer: str = "auto", max_packet_size: int = DEFAULT_MAX_PACKET) -> JobBroker:
+    """Start ``fedbit serve``'s broker on ``host:port`` with ``security`` (resolved: see
+    :func:`resolve_security`); ``job_security`` is the job's
+    :class:`~coordinator.security.JobSecurity` (needed unless ``none``), ``hosts`` the
+    names devices dial (the server certificate's SAN)."""
+    if security == "none":
+        b = start_embedded_broker(port, prefer=prefer, workdir=workdir, max_packet_size=max_packet_size) \
+            if host == "127.0.0.1" else _anonymous_on(host, port, prefer, workdir, max_packet_size)
+        return JobBroker(b, b.url, b.url, "none")
+    if prefer == "amqtt" or not mosquitto_path():
+        raise ConfigError(f"--security {security}: needs mosquitto (apt-get install mosquitto); "
+                          "the amqtt fallback serves anonymous loopback demos only")
+    sec = job_security
+    if sec is None:
+        raise ConfigError(f"--security {security}: no security folder")
+    port = port or (8883 if security == "tls" else 1883)
+    if security == "tls":
+        from coordinator.security import default_hosts
+
+        sec.ensure_server_cert(hosts or default_hosts(host))
+        tls = {"host": host, "port": port, "cafile": str(sec.ca_path), "certfile": str(sec.server_cert),
+               "keyfile": str(sec.server_key), "require_certificate": True, "identity_as_username": False}
+        b = MosquittoBroker(None, host="127.0.0.1", workdir=workdir, max_packet_size=max_packet_size,
+                            persistence=workdir is not None, password_file=str(sec.passwd_path),
+                            acl_file=str(sec.acl_path), tls=tls)
+        public = f"mqtts://{(hosts or [dial_host(host)])[0] if host in ('0.0.0.0', '::', '') else host}:{port}"
+    else:
+        b = MosquittoBroker(port, host=host, workdir=workdir, max_packet_size=max_packet_size,
+                            persistence=workdir is not None, password_file=str(sec.passwd_path),
+                            acl_file=str(sec.acl_path))
+        public = f"mqtt://{(hosts or [dial_host(host)])[0] if host in ('0.0.0.0', '::', '') else host}:{port}"
+    creds = sec.coordinator(b.url, tls=False)  # (before start: the password file must hold it)
+    sec.stop_recorded_broker()  # a broker left behind by a coordinator killed with -9
+    b.start()
+    sec.record_broker(b.pid or 0, b.config_path)
+    return JobBroker(b, public, b.url, security, creds)
+
+
+def _anonymous_on(host: str, port: int | None, prefer: str, workdir: str | Path | None,
+                  max_packet_size: int) -> MosquittoBroker | AmqttBroker:
+    if prefer == "mosquitto" or (prefer == "auto" and mosquitto_path()):
+        return MosquittoBroker(port, host=host, workdir=workdir, max_packet_size=max_packet_size,
+                               persistence=workdir is not None).start()
+    return AmqttBroker(port, host=host).start()

@@ -130,7 +130,8 @@ class Collector:
                     self.update(msg.device_id, msg.payload)
                 elif msg.kind in ("hello", "presence"):
                     try:
-                        self.devices.apply(self.ingest.device(msg.kind, msg.device_id, msg.payload))
+                        self.devices.apply(self.ingest.device(msg.kind, msg.device_id, msg.payload,
+                                                              self.devices, msg.received_at))
                     except Rejected as exc:
                         self._refused(exc, msg.kind, msg.device_id)
                 else:
@@ -151,7 +152,8 @@ class Collector:
         ``replay``: it came from there). True if accepted."""
         rnd = self.round
         try:
-            eu = self.ingest.update(device_id, payload, rnd, self.completed)
+            self.ingest.notes.clear()
+            eu = self.ingest.update(device_id, payload, rnd, self.completed, self.devices)
             try:
                 self.strategy.fold(eu)
             except ProtocolError as exc:
@@ -160,6 +162,9 @@ class Collector:
             self._refused(exc, "update", device_id)
             return False
         assert rnd is not None
+        if self.ingest.notes:  # changed rather than refused (clipped_num_samples)
+            self.counts.update(self.ingest.notes)
+            self.totals.update(self.ingest.notes)
         if not replay:
             # persisted and synced by handle_batch (or its committer), then acked. A crash
             # before the sync leaves the update unacked: the broker redelivers it.
@@ -175,6 +180,9 @@ class Collector:
         self.totals[exc.metric] += 1
         fields = {"reason": exc.reason, "device": device_id,
                   "round": self.round.round_id if self.round else None}
+        if exc.quiet:
+            self.log.debug("%s %s from %r: %s", exc.metric, kind, device_id, exc.detail)
+            return
         if exc.dropped:
             self.log.info("dropped %s from %r: %s (%s)", kind, device_id, exc.reason, exc.detail,
                           extra={"event": "drop", **fields})

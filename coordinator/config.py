@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from coordinator.admission import AdmissionConfig
 from edge_client.errors import ConfigError
 from edge_client.protocol import DEFAULT_LIMITS, Limits
 
@@ -26,7 +27,9 @@ class ServerConfig:
     - ``hparams``: local training hyper-parameters announced to devices;
     - ``strategy``/``strategy_params``: recorded in metrics and checkpoints;
     - ``limits``: the protocol limits, ``max_abs_value`` included (at most
-      :data:`MAX_ABS_VALUE_CAP`).
+      :data:`MAX_ABS_VALUE_CAP`);
+    - ``admission``: enrolment, the ``num_samples`` bound, hello rates, registry size
+      (:class:`~coordinator.admission.AdmissionConfig`).
     """
 
     job: str = "default"
@@ -45,6 +48,7 @@ class ServerConfig:
     hparams: dict[str, Any] = field(default_factory=lambda: {"epochs": 1, "batch": 32})
     seed: int = 0
     limits: Limits = DEFAULT_LIMITS
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
 
     def validate(self) -> None:
         """ConfigError naming the first bad setting."""
@@ -62,3 +66,4 @@ class ServerConfig:
         if not (isinstance(v, int | float) and 0.0 < v <= MAX_ABS_VALUE_CAP):
             raise ConfigError(f"limits.max_abs_value: must be in (0, {MAX_ABS_VALUE_CAP:g}], got {v!r} "
                               f"(larger values let the float32 sums overflow)")
+        self.admission.validate()

@@ -104,7 +104,7 @@ class Coordinator:
         self.run_id = f"{int(time.time())}-{os.getpid()}"
         self.history: list[dict[str, Any]] = []
         #: the inbound side: devices, ingest, folding, the inbox and acks
-        self.collector = Collector(fleet, Ingest(cfg.model, shapes, cfg.limits), strategy, state,
+        self.collector = Collector(fleet, Ingest(cfg.model, shapes, cfg.limits, cfg.admission, cfg.job), strategy, state,
                                    on_event=self.on_event, logger=self.log)
 
     # ------------------------------------------------------------------ rounds

@@ -35,6 +35,47 @@ class _JsonFormatter(logging.Formatter):
         return json.dumps(out, default=str)
 
 
+def _identity(args: argparse.Namespace) -> dict:
+    """Who this device is and how it proves it: from ``--credentials FILE`` (which fills in
+    ``--broker``, ``--id``, ``--job`` unless given), else ``--username`` and a password from
+    ``--password-file``/``FEDBIT_PASSWORD`` (never from the command line)."""
+    import os
+    from pathlib import Path
+
+    from edge_client.errors import ConfigError
+    from edge_client.transport import TlsOptions, parse_broker_url
+
+    out = {"username": args.username, "password": None, "tls": None, "mac_key": b"", "max_samples": 0}
+    if args.credentials:
+        from edge_client.auth import load_credentials, tls_files
+
+        c = load_credentials(args.credentials)
+        if args.id and args.id != c.device_id:
+            raise ConfigError(f"--id {args.id} != the credentials' device {c.device_id} ({args.credentials})")
+        if args.job not in (None, c.job):
+            raise ConfigError(f"--job {args.job} != the credentials' job {c.job} ({args.credentials})")
+        args.id, args.job, args.broker = c.device_id, c.job, args.broker or c.broker
+        out |= {"username": c.username, "password": c.password, "max_samples": c.max_samples,
+                "mac_key": c.mac_key_bytes if c.mac_key else b""}
+        if c.ca or c.cert:
+            workdir = Path(args.workdir or f".fedbit-device-{c.device_id}")
+            out["tls"] = TlsOptions(*tls_files(c, workdir / "tls"))
+    if not args.broker or not args.id:
+        raise ConfigError("--broker and --id are required (or --credentials FILE, which has both)")
+    if parse_broker_url(args.broker).password is not None:
+        raise ConfigError("--broker: a password in the URL is visible to every user in `ps`; use "
+                          "--credentials FILE, --password-file FILE or FEDBIT_PASSWORD")
+    if args.password_file:
+        try:
+            out["password"] = Path(args.password_file).read_text(encoding="utf-8").splitlines()[0]
+        except (OSError, IndexError) as exc:
+            raise ConfigError(f"--password-file {args.password_file}: cannot read it ({exc})") from None
+    elif out["password"] is None:
+        out["password"] = os.environ.get("FEDBIT_PASSWORD") or None
+    args.job = args.job or "default"
+    return out
+
+
 def _cmd_run(args: argparse.Namespace) -> int:
     import signal
     from pathlib import Path
@@ -50,6 +91,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
                          logging.Formatter("%(asctime)s %(levelname)-7s %(name)s: %(message)s"))
     logging.basicConfig(level=args.log_level.upper(), handlers=[handler])
     try:
+        ident = _identity(args)
         profile = load_profile(args.profile)
         data = load_source(args.data)
         overrides = {}
@@ -61,14 +103,22 @@ def _cmd_run(args: argparse.Namespace) -> int:
             exit_when_done=not args.stay, train_delay_s=args.delay)
         for k, v in overrides.items():
             setattr(cfg, k, v)
-        tls = None
+        tls = ident["tls"]
         if args.ca or args.cert or args.insecure:
             tls = TlsOptions(args.ca, args.cert, args.key, args.insecure)
 
         def connect(**kw):
-            return MqttTransport(args.broker, args.id, username=args.username,
-                                 password=args.password, tls=tls, protocol=args.mqtt_version, **kw)
+            return MqttTransport(args.broker, args.id, username=ident["username"],
+                                 password=ident["password"], tls=tls, protocol=args.mqtt_version, **kw)
 
+        if ident["mac_key"]:
+            from edge_client.auth import signing_connector
+
+            connect = signing_connector(connect, ident["mac_key"])
+        if ident["max_samples"] and len(data.y) > ident["max_samples"]:
+            logging.getLogger("fedbit.device").warning(
+                "%d local samples, enrolled with %d: the coordinator bounds this device's weight by %d",
+                len(data.y), ident["max_samples"], ident["max_samples"])
         rt = DeviceRuntime(cfg, data, connect)
     except (ConfigError, OSError, ValueError) as exc:
         print(f"fedbit-edge run: error: {exc}", file=sys.stderr)
@@ -100,18 +150,24 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("run", help="run the device loop against a coordinator's broker",
                        description="Connect, say hello, train when selected, publish updates.")
-    p.add_argument("--broker", required=True, metavar="URL", help="mqtt://[user:pass@]host:port or mqtts://...")
+    p.add_argument("--credentials", metavar="FILE",
+                   help="the credentials file `fedbit enroll` wrote (broker, id, job, password, "
+                        "certificates, MAC key; mode 0600)")
+    p.add_argument("--broker", metavar="URL", help="mqtt://[user@]host:port or mqtts://... "
+                   "(default: the credentials file's)")
     p.add_argument("--profile", required=True, metavar="NAME", help="hardware profile name or TOML path")
     p.add_argument("--data", required=True, metavar="SRC", help="a local folder or digits:K/N")
-    p.add_argument("--id", required=True, help="device id ([A-Za-z0-9._-]+)")
-    p.add_argument("--job", default="default")
+    p.add_argument("--id", help="device id ([A-Za-z0-9._-]+; default: the credentials file's)")
+    p.add_argument("--job", default=None, help="job id (default: the credentials file's, else 'default')")
     p.add_argument("--workdir", metavar="DIR", help="outbox and state (default .fedbit-device-<id>)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--codec", help="override the profile's uplink codec")
     p.add_argument("--codec-bits", type=int, default=0)
     p.add_argument("--mqtt-version", choices=["auto", "5", "3.1.1"], default="auto")
     p.add_argument("--username")
-    p.add_argument("--password")
+    p.add_argument("--password-file", metavar="FILE",
+                   help="the broker password, first line of FILE (or FEDBIT_PASSWORD; never on "
+                        "the command line)")
     p.add_argument("--ca", metavar="PEM", help="CA certificate for mqtts://")
     p.add_argument("--cert", metavar="PEM", help="client certificate")
     p.add_argument("--key", metavar="PEM", help="client key")
