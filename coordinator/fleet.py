@@ -126,6 +126,11 @@ class TransportFleet(Fleet):
         self.publish_timeout = publish_timeout
         self.invalid_topics = 0
         self._unconfirmed: list[tuple[str, bytes, Any]] = []  # (topic, payload, handle)
+        #: what the broker should retain (topic -> last payload), published again after a
+        #: reconnect: a broker restarted without persistence has lost it
+        self._retained: dict[str, bytes] = {}
+        self._connects = 0
+        self.republished = 0
 
     @staticmethod
     def subscriptions(job: str) -> list[str]:
@@ -165,6 +170,9 @@ class TransportFleet(Fleet):
     def _queue(self, items: list[tuple[str, bytes]]) -> None:
         """Queue ``(topic, payload)`` retained QoS 1 publishes in order without waiting
         (a transport without ``publish_start`` publishes each and waits)."""
+        for name, payload in items:
+            self._retained.pop(name, None)
+            self._retained[name] = payload  # (in publish order)
         start = getattr(self.transport, "publish_start", None)
         if start is None:
             for name, payload in items:
@@ -191,7 +199,21 @@ class TransportFleet(Fleet):
 
     # ------------------------------------------------------------------ inbound
 
+    def _check_reconnect(self) -> None:
+        """After a reconnect, publish the retained messages again (the round and models of
+        the open round, the status): a broker back from a restart without persistence
+        has none, and devices that join would wait for a round nobody announces."""
+        n = getattr(self.transport, "connects", 0)
+        if n == self._connects:
+            return
+        again = self._connects > 0
+        self._connects = n
+        if again and self._retained:
+            self.republished += 1
+            self._queue(list(self._retained.items()))
+
     def recv(self, timeout: float) -> Inbound | None:
+        self._check_reconnect()
         msg = self.transport.recv(timeout=timeout)
         if msg is None:
             return None

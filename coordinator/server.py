@@ -21,6 +21,9 @@
 coordinator died inside a round, that round's plan (same selection, same model digests)
 is re-announced with a fresh deadline and the updates already in its inbox are replayed,
 so every acked update is counted exactly once and no round is repeated or skipped.
+A checkpoint that fails its checksum is reported by name and the previous one is loaded
+instead; the round after it is then replayed from its kept plan and inbox (the same
+updates in the same order: the same model), so even then no acked update is lost.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ from coordinator.devices import DeviceRegistry
 from coordinator.evaluate import Evaluator
 from coordinator.fleet import Fleet
 from coordinator.ingest import Ingest, OpenRound
-from coordinator.state import Checkpoint, RoundPlan, RunState
+from coordinator.state import Checkpoint, CorruptFile, RoundPlan, RunState
 from coordinator.variants import model_messages
 from edge_client.errors import ConfigError, FedbitError
 from edge_client.protocol import (
@@ -166,7 +169,10 @@ class Coordinator:
                              started_at=time.time(), rng_state=json.dumps(self.rng.bit_generator.state))
             self.state.save_plan(plan)
             rnd = self.open_round(r, selected)
+            n_damaged = len(self.state.damaged)
             replayed = sum(col.update(dev, payload, replay=True) for dev, payload in self.state.inbox_items(r))
+            if len(self.state.damaged) > n_damaged:
+                col.counts["inbox_damaged"] += len(self.state.damaged) - n_damaged
             ann = RoundAnnouncement(job=cfg.job, round_id=r, model=cfg.model, selected=tuple(selected),
                                     deadline=plan.deadline, variants=digests, hparams=dict(plan.hparams))
             self.fleet.announce_round({v: p for v, (p, _) in payloads.items()}, encode_message(ann, cfg.limits),
@@ -232,7 +238,7 @@ class Coordinator:
                 col.devices.changed = False
             self.state.save_checkpoint(self._checkpoint(record))
             self.state.append_metrics(record)
-            self.state.inbox_prune(r + 1)
+            self.state.inbox_prune(r)  # round r's is kept until the next checkpoint (fallback)
             # PUBACK waited for by the next round's flush (or run()'s, after the last round)
             self.fleet.publish_status(encode_message(Status(
                 "waiting" if r < cfg.rounds else "done", r, f"round {r} complete",
@@ -267,9 +273,20 @@ class Coordinator:
                     "totals": dict(self.collector.totals)},
         )
 
-    def _restore(self) -> RoundPlan | None:
-        ckpt = self.state.load_checkpoint()
-        plan = self.state.load_plan()
+    def _restore(self) -> dict[int, RoundPlan]:
+        """Load the last good checkpoint; returns the kept plans of the rounds after it
+        (by round id) to resume."""
+        ckpt = self._load(self.state.load_checkpoint, "checkpoint")
+        if ckpt is False:  # damaged: the generation before it, and replay the round after
+            ckpt = self.state.load_checkpoint(previous=True)
+            self.log.warning("resuming from %s (round %s)", self.state.checkpoint_prev_path,
+                             ckpt.completed_round if ckpt else 0, extra={"event": "fallback"})
+        plans = {}
+        for previous in (True, False):
+            p = self._load(lambda previous=previous: self.state.load_plan(previous=previous), "round plan")
+            if p:
+                plans[p.round_id] = p
+        plan = plans.get(max(plans)) if plans else None
         if ckpt is not None:
             if ckpt.model != self.cfg.model or ckpt.job != self.cfg.job:
                 raise ConfigError(f"{self.state.checkpoint_path}: job/model {ckpt.job}/{ckpt.model} "
@@ -282,39 +299,45 @@ class Coordinator:
                 self.strategy.load_state_dict(ckpt.strategy_state)
             if ckpt.rng_state.get("json"):
                 self.rng.bit_generator.state = json.loads(ckpt.rng_state["json"])
-            self.collector.devices = DeviceRegistry.from_state(self.state.load_devices() or ckpt.devices)
+            devices = self._load(self.state.load_devices, "device registry") or {}
+            self.collector.devices = DeviceRegistry.from_state(devices or ckpt.devices)
             self.run_id = str(ckpt.config.get("run_id", self.run_id))
             self.collector.totals.update(ckpt.config.get("totals", {}))
         elif plan is not None:
             self.run_id = str(plan.hparams.get("run", self.run_id))
         self.state.repair_metrics(ckpt)
         self.history = self.state.read_metrics()
-        if plan is not None and plan.round_id == self.completed + 1:
-            return plan
-        return None
+        return {r: p for r, p in plans.items() if r > self.completed}
+
+    def _load(self, read: Callable[[], Any], what: str) -> Any:
+        """``read()``, or False after logging a damaged file by name (CorruptFile)."""
+        try:
+            return read()
+        except CorruptFile as exc:
+            self.log.error("%s: %s not loaded", exc, what, extra={"event": "corrupt", "path": str(exc.path)})
+            return False
 
     # ------------------------------------------------------------------ main
 
     def run(self, *, resume: bool = False) -> list[dict[str, Any]]:
         """Run the remaining rounds; returns the metrics records of all completed rounds."""
-        plan = None
+        plans: dict[int, RoundPlan] = {}
         if resume:
-            plan = self._restore()
+            plans = self._restore()
             self.log.info("resuming after round %d%s", self.completed,
-                          f" (round {plan.round_id} in progress)" if plan else "")
-        elif self.state.checkpoint_path.exists() or self.state.plan_path.exists():
+                          f" (round(s) {sorted(plans)} in progress)" if plans else "")
+        elif self.state.has_run():
             raise ConfigError(f"{self.state.dir} holds a previous run: pass --resume or use another --out")
         self.fleet.start()
         # (no pump here: on resume, messages queued for this session, such as updates of
         # the open round, are handled once that round is set up again)
-        if not resume or self.completed == 0 and plan is None:
+        if not resume or self.completed == 0 and not plans:
             # a fresh run: clear a previous run's retained announcement, say we are here
             self.fleet.reset(encode_message(Status("waiting", 0, "coordinator started")))
         try:
             while self.completed < self.cfg.rounds:
                 r = self.completed + 1
-                self.run_round(r, plan if plan is not None and plan.round_id == r else None)
-                plan = None
+                self.run_round(r, plans.pop(r, None))
             self.fleet.flush()  # the last status reached the broker
         except BaseException:
             try:

@@ -10,13 +10,23 @@ Layout under the run directory ``DIR`` (``fedbit serve --out DIR``)::
 
 Every file but the inbox is written atomically (temporary file in the same directory,
 ``fsync``, ``rename``, ``fsync`` of the directory), so a ``kill -9`` at any instant leaves
-either the old or the new version. The inbox is an append-only log per round of framed
+either the old or the new version, and framed with a 64-bit checksum of its body
+(``FBS1``, checksum, length, body): a truncated or damaged file is refused by name
+(:class:`CorruptFile`), never loaded. The checkpoint and the round plan keep their
+previous generation (``checkpoint.prev.msgpack``, ``round.prev.msgpack``) and the inbox of
+the last completed round is kept until the next checkpoint, so a damaged checkpoint of
+round r falls back to round r-1's and round r is replayed from its plan and its inbox
+(``server.py``). The inbox is an append-only log per round of framed
 records (magic, length, 64-bit checksum (:mod:`coordinator.checksum`), device id, the
 update's exact received bytes); updates
 are appended, the log is ``fdatasync``-ed once per batch (group commit), and only then are
 they acknowledged to the broker (persist, then ack), so an acked update survives a crash.
-A record torn by a crash fails its length/checksum check and ends the replay; it was never
-acked, so the broker redelivers it. On resume the open round's log is replayed.
+A record torn by a crash fails its length/checksum check at the log's tail; it was never
+acked, so the broker redelivers it. A record damaged inside the log fails its checksum: it
+is reported by name (file, offset, record number) and skipped, and the records after it
+still replay; its device re-sends its update when the round is announced again
+(``runtime.py`` keeps a sent update until its round closes). On resume the open round's
+log is replayed.
 
 Arrays are stored as ``{"shape", "dtype", "data"}`` maps (little-endian), msgpack-framed.
 """
@@ -24,6 +34,7 @@ Arrays are stored as ``{"shape", "dtype", "data"}`` maps (little-endian), msgpac
 from __future__ import annotations
 
 import json
+import logging
 import os
 import struct
 import threading
@@ -39,6 +50,38 @@ from coordinator.checksum import checksum
 from edge_client.errors import ConfigError
 
 STATE_VERSION = 1
+#: framing of every atomically written file: magic, checksum of the body, body length
+_FILE_MAGIC, _FILE_HEAD = b"FBS1", struct.Struct("<4sQQ")
+log = logging.getLogger("fedbit.state")
+
+
+class CorruptFile(ConfigError):
+    """A state file that fails its checksum or cannot be parsed; ``path`` names it."""
+
+    def __init__(self, path: Path, detail: str) -> None:
+        super().__init__(f"{path}: {detail}")
+        self.path = path
+
+
+def frame(body: bytes) -> bytes:
+    """``body`` with its checksum header (what :func:`unframe` checks)."""
+    return _FILE_HEAD.pack(_FILE_MAGIC, checksum(body), len(body)) + body
+
+
+def unframe(data: bytes, path: Path) -> bytes:
+    """The body of a framed file (CorruptFile when truncated or damaged). A file without
+    the frame (written before it existed) is returned as is; its parser judges it."""
+    if data[:4] != _FILE_MAGIC:
+        return data
+    if len(data) < _FILE_HEAD.size:
+        raise CorruptFile(path, f"truncated ({len(data)} bytes, shorter than its header)")
+    _, stored, n = _FILE_HEAD.unpack_from(data)
+    body = memoryview(data)[_FILE_HEAD.size:]
+    if len(body) != n:
+        raise CorruptFile(path, f"truncated or extended: {len(body)} body bytes, the header says {n}")
+    if checksum(body) != stored:
+        raise CorruptFile(path, "fails its checksum (damaged on disk)")
+    return bytes(body)
 #: inbox record header: magic, payload length, checksum(id then payload), id length
 _MAGIC, _HEAD = b"FBU2", struct.Struct("<4sIQH")
 #: record formats by magic: header layout, checksum of (device id, payload). FBU1 (CRC-32)
@@ -160,14 +203,21 @@ class RoundPlan:
 
 
 class RunState:
-    """The files of one run directory (see the module docstring)."""
+    """The files of one run directory (see the module docstring).
+
+    ``damaged`` lists what :meth:`inbox_items` found damaged (messages naming the file,
+    offset and record), for the caller's log and metrics.
+    """
 
     def __init__(self, out_dir: str | Path, *, durable: bool = True) -> None:
         self.dir = Path(out_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.durable = durable
         self.checkpoint_path = self.dir / "checkpoint.msgpack"
+        self.checkpoint_prev_path = self.dir / "checkpoint.prev.msgpack"
         self.plan_path = self.dir / "round.msgpack"
+        self.plan_prev_path = self.dir / "round.prev.msgpack"
+        self.damaged: list[str] = []
         self.devices_path = self.dir / "devices.msgpack"
         self.inbox_dir = self.dir / "inbox"
         self.metrics_path = self.dir / "metrics.jsonl"
@@ -181,56 +231,95 @@ class RunState:
 
     # ------------------------------------------------------------------ checkpoint
 
+    def has_run(self) -> bool:
+        """Whether the directory holds a previous run (a checkpoint or a round plan)."""
+        return any(p.exists() for p in (self.checkpoint_path, self.checkpoint_prev_path,
+                                        self.plan_path, self.plan_prev_path))
+
+    def _rotate(self, path: Path, prev: Path) -> None:
+        """Keep ``path``'s current version as ``prev`` (made durable by the atomic write
+        that follows, which syncs the directory)."""
+        if path.exists():
+            os.replace(path, prev)
+
     def save_checkpoint(self, ckpt: Checkpoint) -> None:
+        """Write the checkpoint (framed, atomically); the one it replaces becomes
+        ``checkpoint.prev.msgpack``. (A crash between the two leaves no current
+        checkpoint: :meth:`load_checkpoint` then reads the previous one.)"""
         body = {f.name: getattr(ckpt, f.name) for f in fields(ckpt)}  # no deep copy of the weights
         body["state_version"] = STATE_VERSION
         body["group_weights"] = {int(k): v for k, v in ckpt.group_weights.items()}
-        atomic_write(self.checkpoint_path, dumps(body), durable=self.durable)
+        data = frame(dumps(body))
+        self._rotate(self.checkpoint_path, self.checkpoint_prev_path)
+        atomic_write(self.checkpoint_path, data, durable=self.durable)
 
-    def load_checkpoint(self) -> Checkpoint | None:
-        """The last checkpoint, or None when the directory has none."""
-        if not self.checkpoint_path.exists():
+    def load_checkpoint(self, *, previous: bool = False) -> Checkpoint | None:
+        """The last checkpoint (``previous``: the one before it), or None when there is
+        none; :class:`CorruptFile` when it is truncated, damaged or unreadable."""
+        path = self.checkpoint_prev_path if previous else self.checkpoint_path
+        if not previous and not path.exists() and self.checkpoint_prev_path.exists():
+            path = self.checkpoint_prev_path  # killed between the rotation and the write
+        if not path.exists():
             return None
+        body = self._read(path, "checkpoint")
         try:
-            body = loads(self.checkpoint_path.read_bytes())
-            if body.pop("state_version", None) != STATE_VERSION:
-                raise ConfigError(f"{self.checkpoint_path}: unsupported state version")
+            if not isinstance(body, dict) or body.pop("state_version", None) != STATE_VERSION:
+                raise CorruptFile(path, "unsupported state version")
             body["group_weights"] = {int(k): v for k, v in body.get("group_weights", {}).items()}
             return Checkpoint(**body)
-        except (ValueError, TypeError, KeyError) as exc:
-            raise ConfigError(f"{self.checkpoint_path}: unreadable checkpoint ({exc})") from None
+        except (ValueError, TypeError, KeyError, AttributeError) as exc:
+            raise CorruptFile(path, f"unreadable checkpoint ({exc})") from None
+
+    @staticmethod
+    def _read(path: Path, what: str) -> Any:
+        """A framed msgpack file's content (CorruptFile naming ``path``)."""
+        data = unframe(path.read_bytes(), path)
+        try:
+            return loads(data)
+        except Exception as exc:  # noqa: BLE001 - msgpack raises many types
+            raise CorruptFile(path, f"unreadable {what} ({type(exc).__name__}: {exc})") from None
 
     # ------------------------------------------------------------------ device registry
 
     def save_devices(self, devices: dict[str, dict[str, Any]]) -> None:
         """The coordinator's device registry (hello fields by device id), atomically; written
         when it changed, not with every checkpoint (a fleet of 10,000 is ~1.5 MB)."""
-        atomic_write(self.devices_path, dumps(devices), durable=self.durable)
+        atomic_write(self.devices_path, frame(dumps(devices)), durable=self.durable)
 
     def load_devices(self) -> dict[str, dict[str, Any]]:
-        """The saved registry ({} when none)."""
+        """The saved registry ({} when none; CorruptFile when damaged)."""
         if not self.devices_path.exists():
             return {}
-        try:
-            devices = loads(self.devices_path.read_bytes())
-            if not isinstance(devices, dict):
-                raise TypeError(f"expected a map, got {type(devices).__name__}")
-            return devices
-        except (ValueError, TypeError) as exc:
-            raise ConfigError(f"{self.devices_path}: unreadable device registry ({exc})") from None
+        devices = self._read(self.devices_path, "device registry")
+        if not isinstance(devices, dict):
+            raise CorruptFile(self.devices_path, f"unreadable device registry (a {type(devices).__name__})")
+        return devices
 
     # ------------------------------------------------------------------ round plan
 
     def save_plan(self, plan: RoundPlan) -> None:
-        atomic_write(self.plan_path, dumps(asdict(plan)), durable=self.durable)
-
-    def load_plan(self) -> RoundPlan | None:
-        if not self.plan_path.exists():
-            return None
+        """Write the plan; a plan of another round it replaces becomes
+        ``round.prev.msgpack``."""
+        data = frame(dumps(asdict(plan)))
         try:
-            return RoundPlan(**loads(self.plan_path.read_bytes()))
+            current = self.load_plan()
+        except CorruptFile:
+            current = None
+        if current is not None and current.round_id != plan.round_id:
+            self._rotate(self.plan_path, self.plan_prev_path)
+        atomic_write(self.plan_path, data, durable=self.durable)
+
+    def load_plan(self, *, previous: bool = False) -> RoundPlan | None:
+        """The plan of the round in progress (``previous``: of the round before it), None
+        when there is none; :class:`CorruptFile` when it is damaged."""
+        path = self.plan_prev_path if previous else self.plan_path
+        if not path.exists():
+            return None
+        body = self._read(path, "round plan")
+        try:
+            return RoundPlan(**body)
         except (ValueError, TypeError) as exc:
-            raise ConfigError(f"{self.plan_path}: unreadable round plan ({exc})") from None
+            raise CorruptFile(path, f"unreadable round plan ({exc})") from None
 
     # ------------------------------------------------------------------ inbox
 
@@ -298,34 +387,66 @@ class RunState:
                 self._appended = self._synced = 0
         self._log_round = None
 
+    @staticmethod
+    def _record(data: bytes, pos: int) -> tuple[int, bytes, bytes] | None:
+        """The record starting at ``pos``: (its end, device id, payload), or None when the
+        bytes there are not one whole record whose checksum holds."""
+        fmt = _RECORD_FORMATS.get(bytes(data[pos:pos + 4]))
+        if fmt is None or pos + fmt[0].size > len(data):
+            return None
+        head, record_sum = fmt
+        _, n, stored, idn = head.unpack_from(data, pos)
+        start = pos + head.size
+        end = start + idn + n
+        if end > len(data):
+            return None
+        did, payload = data[start:start + idn], data[start + idn:end]
+        return (end, did, payload) if record_sum(did, payload) == stored else None
+
+    def _next_record(self, data: bytes, pos: int) -> int | None:
+        """Where the next whole record after ``pos`` starts (a scan for a record magic
+        whose record checks out), None when none does."""
+        i = pos
+        while True:
+            i = data.find(b"FBU", i + 1)
+            if i < 0:
+                return None
+            if self._record(data, i) is not None:
+                return i
+
     def inbox_items(self, round_id: int) -> list[tuple[str, bytes]]:
         """``(device_id, payload)`` persisted for ``round_id``, in arrival order; the first
-        record of a device wins; a record torn by a crash (the log's tail) is ignored."""
+        record of a device wins. Bytes that are not a whole record are skipped and
+        reported (``damaged``, the log): at the log's tail, a write torn by a crash (never
+        acknowledged: re-sent); inside it, a damaged record (its device re-sends when the
+        round is announced again); the records after it still count."""
         if self._log_round == round_id:
             self.inbox_sync()
         path = self._round_log(round_id)
         if not path.exists():
             return []
         data = path.read_bytes()
-        out, seen, pos = [], set(), 0
-        while pos + 4 <= len(data):
-            fmt = _RECORD_FORMATS.get(bytes(data[pos:pos + 4]))
-            if fmt is None or pos + fmt[0].size > len(data):
-                break
-            head, record_sum = fmt
-            _, n, stored, idn = head.unpack_from(data, pos)
-            hsize = head.size
-            end = pos + hsize + idn + n
-            if end > len(data):
-                break
-            did, payload = data[pos + hsize: pos + hsize + idn], data[pos + hsize + idn: end]
-            if record_sum(did, payload) != stored:
-                break
+        out, seen, pos, index = [], set(), 0, 0
+        while pos < len(data):
+            rec = self._record(data, pos)
+            if rec is None:
+                nxt = self._next_record(data, pos)
+                end = len(data) if nxt is None else nxt
+                what = ("a torn write at the log's end (a crash before its sync: never acknowledged)"
+                        if nxt is None else "a damaged record: skipped")
+                msg = f"{path}: bytes {pos}..{end} (record {index}) fail their length or checksum: {what}"
+                self.damaged.append(msg)
+                (log.warning if nxt is None else log.error)(msg)
+                if nxt is None:
+                    break
+                pos, index = nxt, index + 1
+                continue
+            end, did, payload = rec
             dev = did.decode(errors="replace")
             if dev not in seen:
                 seen.add(dev)
                 out.append((dev, payload))
-            pos = end
+            pos, index = end, index + 1
         return out
 
     def inbox_has(self, round_id: int, device_id: str) -> bool:

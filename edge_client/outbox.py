@@ -1,13 +1,16 @@
-"""On-disk outbox for updates that are not yet acknowledged by the broker.
+"""On-disk outbox for updates whose round is still open.
 
-A device writes its encoded update here *before* publishing it and deletes it once the
-broker has PUBACKed it. What is left (the broker was away, the process was killed) is
-re-sent after a reconnect while its round is still open, and discarded once the round is
-over (a newer round was announced, or the deadline passed). The coordinator drops
-duplicates, so re-sending an update that did arrive is harmless.
+A device writes its encoded update here *before* publishing it and marks it *sent* once
+the broker has PUBACKed it. What is still pending (the broker was away, the process was
+killed) is re-sent after a reconnect while its round is open. A sent update is kept until
+its round is over too: a broker that restarted without persistence, or a coordinator that
+lost the record of it, gets it again when the round is announced again. Both are
+discarded once the round is over (a newer round was announced, or the deadline passed).
+The coordinator drops duplicates, so re-sending an update that did arrive is harmless.
 
-Files: ``DIR/<round_id:08d>-<topic-id>.msgpack``, each holding the exact payload bytes,
-written atomically (tmp + fsync + rename) so a crash never leaves half an update.
+Files: ``DIR/<round_id:08d>-<topic-id>.msgpack`` (pending) or ``.sent``, each holding the
+exact payload bytes, written atomically (tmp + fsync + rename) so a crash never leaves
+half an update.
 """
 
 from __future__ import annotations
@@ -52,16 +55,32 @@ class Outbox:
         return OutboxItem(round_id, topic, path)
 
     def pending(self) -> list[OutboxItem]:
-        """Pending items, oldest round first."""
+        """Pending items (not yet acknowledged), oldest round first."""
+        return self._items(".msgpack")
+
+    def sent(self) -> list[OutboxItem]:
+        """Sent items (acknowledged by the broker, their round maybe still open)."""
+        return self._items(".sent")
+
+    def _items(self, suffix: str) -> list[OutboxItem]:
         items = []
-        for p in sorted(self.dir.glob("*.msgpack")):
+        for p in sorted(self.dir.glob("*" + suffix)):
             head, _, rest = p.name.partition("-")
             try:
                 r = int(head)
             except ValueError:
                 continue
-            items.append(OutboxItem(r, rest[: -len(".msgpack")].replace("~", "/"), p))
+            items.append(OutboxItem(r, rest[: -len(suffix)].replace("~", "/"), p))
         return items
+
+    def mark_sent(self, item: OutboxItem) -> OutboxItem:
+        """The broker acknowledged ``item``: keep it, as sent, until its round closes."""
+        path = item.path.with_suffix(".sent")
+        try:
+            os.replace(item.path, path)
+        except FileNotFoundError:
+            pass
+        return OutboxItem(item.round_id, item.topic, path)
 
     def remove(self, item: OutboxItem) -> None:
         """Forget an item (acknowledged, or its round is closed)."""
@@ -70,11 +89,14 @@ class Outbox:
         except FileNotFoundError:
             pass
 
-    def discard_closed(self, open_round: int | None) -> int:
-        """Delete every item whose round is not ``open_round``; returns how many."""
+    def discard_closed(self, open_round: int | None, *, keep_newer: bool = False) -> int:
+        """Delete every item (pending or sent) whose round is not ``open_round`` (with
+        ``keep_newer``, only those of older rounds: an older round announced again is not
+        the end of a newer one); returns how many."""
         n = 0
-        for item in self.pending():
-            if item.round_id != open_round:
+        for item in self.pending() + self.sent():
+            if item.round_id != open_round and not (keep_newer and open_round is not None
+                                                    and item.round_id > open_round):
                 self.remove(item)
                 n += 1
         return n

@@ -10,8 +10,10 @@ the future, the device waits for the model variant of its bitwidth group (``floa
 float devices, ``int<s>`` for s-bit integer devices) whose digest matches the announcement,
 loads it, trains locally with the announced hyper-parameters, encodes the result per its
 hardware profile (``codec``/``codec_bits``) and publishes the :class:`Update` with QoS 1.
-The update is written to the outbox first and removed once the broker acknowledged it;
-after a reconnect the outbox is re-sent while the round is open and discarded after.
+The update is written to the outbox first and marked sent once the broker acknowledged it;
+what is still pending is re-sent after a reconnect while the round is open, a sent update
+once more when its round is announced again (a resumed coordinator, a broker back without
+its retained messages), and both are discarded when the round closes.
 
 Nothing here imports torch (a float device's trainer imports it lazily) or ``coordinator``.
 """
@@ -204,6 +206,9 @@ class DeviceRuntime:
         self.stop_event = threading.Event()
         self.sent = 0
         self.resent = 0
+        #: the open round was announced again (a resumed coordinator, a broker that lost its
+        #: retained messages, a reconnect): its sent update goes out once more
+        self._announced_again = False
         j, d = cfg.job, cfg.device_id
         self.t_presence = topic(j, "presence", d)
         self.t_hello = topic(j, "hello", d)
@@ -282,10 +287,11 @@ class DeviceRuntime:
                     continue  # drain the queue before working
                 idle = True  # the queue is drained: work now, then wait for the next message
                 now = time.monotonic()
-                if t.connected and (t.connects != seen_connects or now >= next_resend):
+                if t.connected and (t.connects != seen_connects or now >= next_resend or self._announced_again):
                     seen_connects = t.connects
                     next_resend = now + self.cfg.resend_interval_s
-                    self._flush_outbox()
+                    self._flush_outbox(self._announced_again)
+                    self._announced_again = False
                 self._maybe_train()
         finally:
             t.close(clear_will=(self.t_presence, encode_message(Presence(self.cfg.device_id, False))))
@@ -304,9 +310,12 @@ class DeviceRuntime:
             self.log.warning("ignored message on %s: %s", msg.topic, exc)
             return False
         if isinstance(m, RoundAnnouncement) and kind == "round":
+            prev = self.announcement
+            same_run = prev is not None and prev.hparams.get("run") == m.hparams.get("run")
+            self._announced_again |= same_run and prev.round_id == m.round_id
             self.announcement = m
             self.coordinator_active = True
-            n = self.outbox.discard_closed(m.round_id)
+            n = self.outbox.discard_closed(m.round_id, keep_newer=same_run)
             if n:
                 self.log.info("discarded %d outbox item(s) of closed rounds", n)
         elif isinstance(m, ModelMessage) and kind == "model" and ident == m.variant:
@@ -324,10 +333,12 @@ class DeviceRuntime:
         a = self.announcement
         return a is not None and a.round_id == round_id and time.time() < a.deadline
 
-    def _flush_outbox(self) -> None:
+    def _flush_outbox(self, again: bool = False) -> None:
+        """Re-send pending updates of the open round (and, ``again``, the sent ones: the
+        round was announced again); forget those of closed rounds."""
         t = self.transport
         assert t is not None
-        for item in self.outbox.pending():
+        for item in self.outbox.pending() + (self.outbox.sent() if again else []):
             if not self._round_open(item.round_id):
                 if self.announcement is not None and (
                         item.round_id < self.announcement.round_id
@@ -335,7 +346,7 @@ class DeviceRuntime:
                     self.outbox.remove(item)
                 continue
             if t.publish(item.topic, item.payload(), qos=1, timeout=self.cfg.publish_timeout_s):
-                self.outbox.remove(item)
+                self.outbox.mark_sent(item)
                 self.resent += 1
                 self.log.info("re-sent update of round %d from the outbox", item.round_id)
 
@@ -365,7 +376,7 @@ class DeviceRuntime:
         t = self.transport
         assert t is not None
         if t.publish(self.t_update, payload, qos=1, timeout=self.cfg.publish_timeout_s):
-            self.outbox.remove(item)
+            self.outbox.mark_sent(item)
             self.sent += 1
             self.log.info("round %d: update sent (%d bytes)", a.round_id, len(payload))
         else:
