@@ -352,6 +352,22 @@ def _cmd_revoke(args: argparse.Namespace) -> int:
     return 0
 
 
+def _broker_owns(path: Any) -> None:
+    """Make the persistence folder; hand it to the ``mosquitto`` user when we are root
+    (mosquitto started as root writes it as that user)."""
+    import os
+
+    path.mkdir(mode=0o700, exist_ok=True)
+    if hasattr(os, "geteuid") and os.geteuid() == 0:
+        import pwd
+
+        try:
+            u = pwd.getpwnam("mosquitto")
+        except KeyError:
+            return
+        os.chown(path, u.pw_uid, u.pw_gid)
+
+
 def _cmd_broker_config(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -377,7 +393,7 @@ def _cmd_broker_config(args: argparse.Namespace) -> int:
         conf = out / "mosquitto.conf"
         conf.write_text(sec.mosquitto_conf(host=host, port=port, tls=tls, workdir=out / "data",
                                            max_packet_size=max_packet))
-        (out / "data").mkdir(exist_ok=True)
+        _broker_owns(out / "data")
     except ConfigError as exc:
         print(f"fedbit broker-config: error: {exc}", file=sys.stderr)
         return 1
@@ -385,8 +401,8 @@ def _cmd_broker_config(args: argparse.Namespace) -> int:
   {conf}            mosquitto.conf ({'TLS with client certificates, ' if tls else ''}passwords, ACL, persistence)
   {out / 'devices'}/<id>.toml   {len(rows)} device credentials file(s): copy each to its device (mode 0600)
   {sec.coordinator_path}   the coordinator's credentials
-run the broker:     mosquitto -c {conf}   (as a service: reference this file; the mosquitto user must
-                    read passwd, acl and server.key, or add `user root`)
+run the broker:     mosquitto -c {conf}   (or as a service with this file; started as root it reads
+                    passwd, acl and server.key as user mosquitto: they are group-readable to it)
 run the job:        fedbit serve --broker {url} --credentials {sec.coordinator_path} --out RUN ...
 on each device:     fedbit-edge run --credentials ID.toml --profile PROFILE --data DATA
 devices dial {url}; the server certificate names {', '.join(hosts) if tls else '(no TLS)'}.
@@ -471,8 +487,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"fedbit {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
+    # (allow_abbrev=False: an old `--password x` must not turn into `--password-file x`)
     p = sub.add_parser("serve", help="run the round loop (starts an embedded broker without --broker)",
-                       description="Run federated rounds against the devices of one job.")
+                       description="Run federated rounds against the devices of one job.", allow_abbrev=False)
     p.add_argument("--broker", metavar="URL", help="mqtt://[user:pass@]host:port or mqtts://...; "
                    "without it an embedded broker starts and its URL is printed")
     p.add_argument("--embedded", choices=["auto", "mosquitto", "amqtt"], default="auto",

@@ -2,7 +2,8 @@
 password file and ACL, and the files devices take with them.
 
 One folder per job (``fedbit serve --out DIR`` uses ``DIR/security``; ``fedbit
-broker-config --out DIR`` writes one for a broker run elsewhere), mode 0700::
+broker-config --out DIR`` writes one for a broker run elsewhere), mode 0711 (not listable;
+secrets 0600; what the broker reads, 0640 to the ``mosquitto`` group when run as root)::
 
     ca.crt, ca.key              the job CA (EC P-256, 10 years), made once
     server.crt, server.key      the broker's certificate (SAN: the names devices dial)
@@ -202,8 +203,27 @@ class JobSecurity:
     # ------------------------------------------------------------------ files
 
     def _mkdir(self) -> None:
+        """The folder: 0711, so that a broker running as another user (mosquitto drops to
+        the ``mosquitto`` user) can open the files shared with it by name, and nobody can
+        list it; the secrets in it are 0600."""
         self.dir.mkdir(parents=True, exist_ok=True)
-        os.chmod(self.dir, 0o700)
+        os.chmod(self.dir, 0o711)
+
+    @staticmethod
+    def share_with_broker(path: Path) -> None:
+        """Let the ``mosquitto`` group read ``path`` (0640) when we are root and that group
+        exists (a broker started as root reads its files as user ``mosquitto``); else the
+        broker runs as us and 0600 is enough."""
+        if not hasattr(os, "geteuid") or os.geteuid() != 0:
+            return
+        import grp
+
+        try:
+            gid = grp.getgrnam("mosquitto").gr_gid
+        except KeyError:
+            return
+        os.chown(path, -1, gid)
+        os.chmod(path, 0o640)
 
     def job_info(self) -> dict[str, Any]:
         """``{"job", "broker", "tls"}`` as last saved ({} when none)."""
@@ -246,6 +266,8 @@ class JobSecurity:
         lines += [f"{d}:{e.password_hash}" for d, e in sorted(devices.items())]
         write_private(self.passwd_path, "\n".join(lines) + "\n")
         write_private(self.acl_path, acl_text(self.job))
+        for p in (self.passwd_path, self.acl_path):
+            self.share_with_broker(p)
 
     # ------------------------------------------------------------------ material
 
@@ -270,6 +292,7 @@ class JobSecurity:
                 return
             want = sorted(have | set(want))
         issue(self.dir, "server", want[0], hosts=want)
+        self.share_with_broker(self.server_key)
         names_file.write_text("\n".join(want) + "\n")
 
     def coordinator(self, broker: str, *, tls: bool) -> Credentials:

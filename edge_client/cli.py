@@ -148,8 +148,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("profiles", help="list the bundled hardware profiles")
     p.set_defaults(func=_cmd_profiles)
 
+    # (allow_abbrev=False: an old `--password x` must not turn into `--password-file x`)
     p = sub.add_parser("run", help="run the device loop against a coordinator's broker",
-                       description="Connect, say hello, train when selected, publish updates.")
+                       description="Connect, say hello, train when selected, publish updates.",
+                       allow_abbrev=False)
     p.add_argument("--credentials", metavar="FILE",
                    help="the credentials file `fedbit enroll` wrote (broker, id, job, password, "
                         "certificates, MAC key; mode 0600)")

@@ -28,6 +28,29 @@ def mosquitto_bin() -> str:
     return path
 
 
+def need_tool(name: str, install: str) -> str:
+    """Path of command ``name``; skip without it (fail under CI=true: .ci/run installs it)."""
+    path = shutil.which(name)
+    if path is None:
+        msg = f"{name} is not on PATH ({install})"
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail(f"CI=true: {msg}")
+        pytest.skip(msg)
+    return path
+
+
+@pytest.fixture(scope="session")
+def openssl_bin() -> str:
+    """Path of ``openssl`` (makes the job CA and certificates)."""
+    return need_tool("openssl", "apt-get install openssl")
+
+
+@pytest.fixture(scope="session")
+def mosquitto_passwd_bin() -> str:
+    """Path of ``mosquitto_passwd`` (Debian's mosquitto package has it)."""
+    return need_tool("mosquitto_passwd", "apt-get install mosquitto")
+
+
 @pytest.fixture
 def mosquitto(mosquitto_bin: str, tmp_path: Path) -> Iterator[MosquittoBroker]:
     """A mosquitto child process on a free loopback port (persistence on, in tmp_path)."""

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -237,10 +236,8 @@ def _openssl(*args: str, cwd: Path) -> None:
 
 
 @pytest.fixture
-def certs(tmp_path: Path) -> Path:
+def certs(tmp_path: Path, openssl_bin: str) -> Path:
     """A throw-away CA, a server certificate for 127.0.0.1 and a client certificate."""
-    if not shutil.which("openssl"):
-        pytest.skip("openssl is not on PATH")
     d = tmp_path / "pki"
     d.mkdir()
     ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
@@ -279,11 +276,9 @@ def test_mqtts_with_client_certificates(mosquitto_bin: str, certs: Path) -> None
         bad.close()
 
 
-def test_username_and_password(mosquitto_bin: str, tmp_path: Path) -> None:
-    if not shutil.which("mosquitto_passwd"):
-        pytest.skip("mosquitto_passwd is not on PATH")
+def test_username_and_password(mosquitto_bin: str, mosquitto_passwd_bin: str, tmp_path: Path) -> None:
     pw = tmp_path / "passwd"
-    subprocess.run(["mosquitto_passwd", "-b", "-c", str(pw), "dev1", "s3cret"], check=True,
+    subprocess.run([mosquitto_passwd_bin, "-b", "-c", str(pw), "dev1", "s3cret"], check=True,
                    capture_output=True)
     with MosquittoBroker(binary=mosquitto_bin, password_file=str(pw)) as b:
         host = b.url.split("//")[1]

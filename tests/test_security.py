@@ -1,0 +1,378 @@
+"""Enrolment, credentials, MACs, and the generated broker configuration proven against a
+real mosquitto: TLS works; plaintext, missing certificates, foreign CAs and bad passwords
+are refused; a device cannot publish as another device, nor a round, a model or a status;
+a revoked device is refused on its next connect; oversized packets are dropped; the
+``broker-config`` files run a mosquitto as written."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import os
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import msgpack
+import pytest
+
+from coordinator.broker import JobBroker, free_port, start_job_broker
+from coordinator.security import (
+    COORDINATOR_USER,
+    EnrolledDevices,
+    JobSecurity,
+    acl_text,
+    check_device_id,
+    mosquitto_password_hash,
+)
+from edge_client import auth
+from edge_client.errors import ConfigError, ProtocolError
+from edge_client.protocol import Hello, Presence, Status, decode_message, encode_message, topic
+from edge_client.transport import MqttTransport, TlsOptions
+
+JOB = "sec"
+BIN = Path(sys.executable).parent
+pytestmark = pytest.mark.mosquitto
+
+
+# --------------------------------------------------------------------------- units
+
+
+def test_password_hash_is_what_mosquitto_passwd_writes(mosquitto_passwd_bin: str, tmp_path: Path) -> None:
+    f = tmp_path / "pw"
+    subprocess.run([mosquitto_passwd_bin, "-b", "-c", str(f), "dev1", "s3cret pass"], check=True,
+                   capture_output=True)
+    user, _, line = f.read_text().strip().partition(":")
+    _, kind, rounds, salt, _ = line.split("$")
+    assert (user, kind, rounds) == ("dev1", "7", "101")
+    assert mosquitto_password_hash("s3cret pass", base64.b64decode(salt)) == line
+    assert mosquitto_password_hash("s3cret pasS", base64.b64decode(salt)) != line
+    assert mosquitto_password_hash("x") != mosquitto_password_hash("x")  # fresh salts
+
+
+def test_mac_covers_every_byte_and_leaves_the_message_readable() -> None:
+    key, other = os.urandom(32), os.urandom(32)
+    hello = encode_message(Hello("d1", "pi", 8, "int", "int", 8, 120, "0.1"))
+    signed = auth.sign(hello, key)
+    assert auth.verify(signed, key) and not auth.verify(signed, other) and not auth.verify(hello, key)
+    assert decode_message(signed) == decode_message(hello)          # a keyless reader sees the same
+    assert auth.sign(signed, key) == signed                          # idempotent
+    assert auth.strip_mac(signed) == hello
+    for i in range(len(signed)):                                     # any flipped byte is seen
+        bad = bytearray(signed)
+        bad[i] ^= 0x20
+        assert not auth.verify(bytes(bad), key), i
+    assert not auth.verify(signed[:-1], key) and not auth.verify(signed + b"\0", key)
+    # a map with 15 entries grows into a map16 header
+    body = {f"k{i}": i for i in range(15)}
+    s15 = auth.sign(msgpack.packb(body), key)
+    assert s15[0] == 0xDE and auth.verify(s15, key) and msgpack.unpackb(s15)["k14"] == 14
+    with pytest.raises(ProtocolError):
+        auth.sign(b"\x93\x01\x02\x03", key)                          # not a map
+
+
+def test_credentials_file_roundtrip_mode_and_errors(tmp_path: Path) -> None:
+    c = auth.Credentials("j", "dev1", "mqtts://h:8883", "dev1", "pw\"'", auth.new_mac_key(), 300,
+                         "-----BEGIN CERTIFICATE-----\nAA==\n-----END CERTIFICATE-----\n", "", "")
+    p = auth.write_private(tmp_path / "d.toml", c.to_toml())
+    assert stat.S_IMODE(p.stat().st_mode) == 0o600
+    assert auth.load_credentials(p) == c
+    os.chmod(p, 0o644)
+    with pytest.raises(ConfigError, match="readable by others.*chmod 600"):
+        auth.load_credentials(p)
+    os.chmod(p, 0o600)
+    for line, culprit in (("device_id = \"a/b\"", "device_id"), ("mac_key = \"xyz\"", "mac_key"),
+                          ("colour = 1", "unknown keys"), ("broker = \"http://x\"", "broker")):
+        bad = tmp_path / "bad.toml"
+        text = "\n".join(ln for ln in c.to_toml().splitlines() if not ln.startswith(line.split()[0] + " "))
+        auth.write_private(bad, text + "\n" + line + "\n")
+        with pytest.raises(ConfigError, match=culprit):
+            auth.load_credentials(bad)
+    with pytest.raises(ConfigError, match="cannot read"):
+        auth.load_credentials(tmp_path / "missing.toml")
+
+
+def test_device_ids_and_the_acl() -> None:
+    for bad in ("", "a/b", "+", "#", COORDINATOR_USER, f"{COORDINATOR_USER}-x", "x" * 129):
+        with pytest.raises(ConfigError):
+            check_device_id(bad)
+    text = acl_text("farm")
+    assert "pattern write fedbit/farm/update/%u" in text and "pattern read fedbit/farm/round" in text
+    assert f"user {COORDINATOR_USER}\ntopic readwrite fedbit/farm/#" in text
+    assert "pattern write fedbit/farm/round" not in text and "pattern write fedbit/farm/model" not in text
+
+
+def test_enrolment_registry_and_its_coordinator_view(openssl_bin: str, tmp_path: Path) -> None:
+    sec = JobSecurity(tmp_path / "s", JOB)
+    c1, p1 = sec.enroll("dev1", broker="mqtt://127.0.0.1:1883", max_samples=500)
+    assert not c1.cert and stat.S_IMODE(p1.stat().st_mode) == 0o600      # plain mqtt: no certificate
+    view = EnrolledDevices(sec.registry_path, JOB, recheck_s=0.0)
+    assert view.key("dev1") == c1.mac_key_bytes and view.max_samples("dev1") == 500
+    assert view.key("dev2") is None
+    c2, _ = sec.enroll("dev2")
+    assert view.key("dev2") == c2.mac_key_bytes                         # re-read when the file changes
+    passwd = sec.passwd_path.read_text()
+    assert f"{COORDINATOR_USER}:$7$" in passwd and "dev1:$7$" in passwd and c1.password not in passwd
+    assert sec.revoke("dev1") and not sec.revoke("dev1")
+    assert view.key("dev1") is None and "dev1:" not in sec.passwd_path.read_text()
+    assert not (sec.dir / "devices" / "dev1.toml").exists()
+    with pytest.raises(ConfigError, match="registry of job"):
+        EnrolledDevices(sec.registry_path, "otherjob")
+
+
+# --------------------------------------------------------------------------- a real mosquitto
+
+
+def refused(url: str, client_id: str, *, username: str | None = None, password: str | None = None,
+            tls: TlsOptions | None = None, timeout: float = 5.0) -> str:
+    """Connect once with paho; '' when the broker accepted the session, else why not
+    (returns as soon as the broker answers or hangs up)."""
+    import paho.mqtt.client as mqtt
+    from paho.mqtt.enums import CallbackAPIVersion
+
+    from edge_client.transport import parse_broker_url
+
+    a = parse_broker_url(url)
+    res: dict[str, str] = {}
+    done = threading.Event()
+    c = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=client_id, protocol=mqtt.MQTTv5)
+    if username:
+        c.username_pw_set(username, password)
+    if tls is not None:
+        c.tls_set(ca_certs=tls.ca_file, certfile=tls.cert_file, keyfile=tls.key_file)
+
+    def on_connect(_c, _u, _f, rc, _p=None):
+        res.setdefault("why", "" if not rc.is_failure else f"refused: {rc}")
+        done.set()
+
+    def on_disconnect(_c, _u, _f, rc, _p=None):
+        res.setdefault("why", f"disconnected: {rc}")
+        done.set()
+
+    c.on_connect, c.on_disconnect = on_connect, on_disconnect
+    try:
+        c.connect(a.host, a.port, keepalive=5)
+    except Exception as exc:  # noqa: BLE001 - a TLS handshake refused
+        return f"{type(exc).__name__}: {exc}"
+    c.loop_start()
+    done.wait(timeout)
+    c.disconnect()
+    c.loop_stop()
+    return res.get("why", "no answer")
+
+
+class Job:
+    """A job secured as `fedbit serve --listen` does it, with its broker."""
+
+    def __init__(self, tmp: Path, max_packet: int = 200_000) -> None:
+        self.port = free_port()
+        self.sec = JobSecurity(tmp / "security", JOB)
+        self.creds = {d: self.sec.enroll(d, broker=f"mqtts://127.0.0.1:{self.port}")[0] for d in ("dev1", "dev2")}
+        self.broker: JobBroker = start_job_broker("127.0.0.1", self.port, security="tls", job_security=self.sec,
+                                                  hosts=["127.0.0.1", "localhost"], workdir=tmp / "broker",
+                                                  max_packet_size=max_packet)
+        self.tmp = tmp
+        self.clients: list[MqttTransport] = []
+
+    def tls(self, dev: str) -> TlsOptions:
+        return TlsOptions(*auth.tls_files(self.creds[dev], self.tmp / f"tls-{dev}"))
+
+    def device(self, dev: str, **kw) -> MqttTransport:
+        c = self.creds[dev]
+        t = MqttTransport(c.broker, dev, username=c.username, password=c.password, tls=self.tls(dev),
+                          **({"protocol": "5"} | kw))
+        t.connect(10)
+        self.clients.append(t)
+        return t
+
+    def coordinator(self) -> MqttTransport:
+        c = self.broker.credentials
+        t = MqttTransport(self.broker.coordinator_url, "fedbit-coordinator-sec", username=c.username,
+                          password=c.password, subscriptions=[f"fedbit/{JOB}/#"])
+        t.connect(10)
+        self.clients.append(t)
+        return t
+
+    def close(self) -> None:
+        for t in self.clients:
+            t.close()
+        self.broker.stop()
+
+
+@pytest.fixture
+def job(mosquitto_bin: str, openssl_bin: str, tmp_path: Path):
+    j = Job(tmp_path)
+    try:
+        yield j
+    finally:
+        j.close()
+
+
+def drain(t: MqttTransport, until: bytes, timeout: float = 10.0) -> list[tuple[str, bytes]]:
+    """Messages ``t`` receives up to and including one whose payload is ``until``."""
+    got: list[tuple[str, bytes]] = []
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        m = t.recv(0.2)
+        if m is not None:
+            got.append((m.topic, m.payload))
+            if m.payload == until:
+                return got
+    raise AssertionError(f"{until!r} never arrived; got {got}")
+
+
+def test_devices_publish_only_under_their_own_id(job: Job) -> None:
+    coord = job.coordinator()
+    assert job.broker.coordinator_url.startswith("mqtt://127.0.0.1:") and coord.version == "5"
+    dev2 = job.device("dev2", subscriptions=[topic(JOB, "round"), topic(JOB, "model", "float32"),
+                                             topic(JOB, "status")])
+    for name, payload in [(topic(JOB, "update", "dev2"), b"spoofed update"),
+                          (topic(JOB, "hello", "dev2"), b"spoofed hello"),
+                          (topic(JOB, "presence", "dev2"), b"spoofed presence"),
+                          (topic(JOB, "round"), b"fake round"),
+                          (topic(JOB, "model", "float32"), b"fake model"),
+                          (topic(JOB, "status"), b"fake status")]:
+        # mosquitto 2.0 drops the message and the publisher's connection (v5 and 3.1.1)
+        dev1 = job.device("dev1", backoff=(5, 5))
+        assert dev1.version == "5" and dev1.address.tls
+        dev1.publish(name, payload, qos=1, timeout=3)
+        end = time.monotonic() + 5
+        while dev1.connected and time.monotonic() < end:
+            time.sleep(0.02)
+        assert not dev1.connected, name
+        dev1.close()
+    dev1 = job.device("dev1", subscriptions=[topic(JOB, "round"), f"fedbit/{JOB}/update/+"])
+    assert dev1.publish(topic(JOB, "update", "dev1"), b"dev1's own", timeout=5)
+    got = drain(coord, b"dev1's own")
+    assert got == [(topic(JOB, "update", "dev1"), b"dev1's own")]     # in order: nothing else came
+    assert coord.publish(topic(JOB, "round"), b"real round", retain=True, timeout=5)
+    assert [p for _, p in drain(dev2, b"real round")] == [b"real round"]
+    dev2.publish(topic(JOB, "update", "dev2"), b"dev2's update", timeout=5)
+    drain(coord, b"dev2's update")
+    assert all(p != b"dev2's update" for _, p in drain(dev1, b"real round"))  # nor read another's
+
+
+def test_plaintext_bad_credentials_and_foreign_certificates_are_refused(job: Job, tmp_path: Path) -> None:
+    c = job.creds["dev1"]
+    url, tls = c.broker, job.tls("dev1")
+    assert refused(url, "dev1", username="dev1", password=c.password, tls=tls) == ""
+    assert refused(url.replace("mqtts", "mqtt"), "dev1", username="dev1", password=c.password)
+    assert refused(url, "dev1", username="dev1", password="wrong", tls=tls)
+    assert refused(url, "dev1", username="nobody", password=c.password, tls=tls)
+    assert refused(url, "dev1", username="dev1", password=job.creds["dev2"].password, tls=tls)
+    assert refused(url, "dev1", username="dev1", password=c.password, tls=TlsOptions(tls.ca_file))
+    other = JobSecurity(tmp_path / "other", "other")                   # a certificate of another CA
+    oc, _ = other.enroll("dev1", broker=url)
+    assert refused(url, "dev1", username="dev1", password=c.password,
+                   tls=TlsOptions(tls.ca_file, *auth.tls_files(oc, tmp_path / "otls")[1:]))
+    assert refused(job.broker.coordinator_url, "anon")                 # no anonymous coordinator
+    assert refused(job.broker.coordinator_url, "dev1x", username="dev1", password=c.password) == ""
+    # (a device on the loopback listener is still bound by the ACL: it has no TLS, same rules)
+
+
+def test_revoked_device_is_refused_on_its_next_connect(job: Job) -> None:
+    dev2 = job.device("dev2")
+    assert dev2.connected
+    env = os.environ | {"PATH": os.environ.get("PATH", "") + ":/usr/sbin"}
+    proc = subprocess.run([str(BIN / "fedbit"), "revoke", "dev2", "--security-dir", str(job.sec.dir),
+                           "--job", JOB], capture_output=True, text=True, env=env, timeout=60)
+    assert proc.returncode == 0 and "reloaded it" in proc.stdout, proc.stdout + proc.stderr
+    c2 = job.creds["dev2"]
+    end = time.monotonic() + 5
+    while (why := refused(c2.broker, "dev2", username="dev2", password=c2.password, tls=job.tls("dev2"))) == "" \
+            and time.monotonic() < end:
+        time.sleep(0.1)  # the SIGHUP is handled by mosquitto's main loop
+    assert why, "the revoked device still connects"
+    c1 = job.creds["dev1"]
+    assert refused(c1.broker, "dev1", username="dev1", password=c1.password, tls=job.tls("dev1")) == ""
+    assert EnrolledDevices(job.sec.registry_path, JOB).key("dev2") is None
+
+
+def test_the_broker_drops_packets_over_its_limit(job: Job) -> None:
+    coord = job.coordinator()
+    c = job.creds["dev1"]
+    dev1 = MqttTransport(c.broker, "dev1", username="dev1", password=c.password, tls=job.tls("dev1"),
+                         max_payload=10_000_000, backoff=(1, 2))
+    dev1.connect(10)
+    job.clients.append(dev1)
+    dev1.publish(topic(JOB, "update", "dev1"), b"x" * 300_000, qos=0)   # > max_packet_size 200,000
+    end = time.monotonic() + 10
+    while dev1.connects < 2 and time.monotonic() < end:
+        time.sleep(0.05)
+    assert dev1.connects >= 2                                            # the broker hung up on it
+    dev1.publish(topic(JOB, "update", "dev1"), b"small", timeout=5)
+    assert [p for _, p in drain(coord, b"small")] == [b"small"]          # the big one never came
+
+
+def test_broker_config_runs_a_mosquitto_as_written(mosquitto_bin: str, openssl_bin: str, tmp_path: Path) -> None:
+    csv = tmp_path / "devices.csv"
+    csv.write_text("device_id,max_samples\npi-1,400\npi-2\n")
+    # (outside pytest's 0700 tmp folder: mosquitto started as root reads its files as
+    # user mosquitto, as a system service would)
+    base = Path(tempfile.mkdtemp(prefix="fedbit-broker-config-"))
+    os.chmod(base, 0o711)
+    port, out = free_port(), base / "cfg"
+    proc = subprocess.run([str(BIN / "fedbit"), "broker-config", "--devices", str(csv), "--out", str(out),
+                           "--job", JOB, "--listen", f"127.0.0.1:{port}", "--hostname", "127.0.0.1"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    for d in ("pi-1", "pi-2"):
+        c = auth.load_credentials(out / "devices" / f"{d}.toml")        # (mode 0600, or it refuses)
+        assert c.password not in proc.stdout and c.broker == f"mqtts://127.0.0.1:{port}"
+    assert auth.load_credentials(out / "devices" / "pi-1.toml").max_samples == 400
+    conf = (out / "mosquitto.conf").read_text()
+    assert "allow_anonymous false" in conf and "require_certificate true" in conf
+    assert f"listener {port} 127.0.0.1" in conf and "max_packet_size" in conf
+    p = subprocess.Popen([mosquitto_bin, "-c", str(out / "mosquitto.conf")], stdout=subprocess.DEVNULL,
+                         stderr=subprocess.PIPE)
+    try:
+        from coordinator.broker import wait_for_port
+
+        assert wait_for_port("127.0.0.1", port, 10), p.stderr.read().decode() if p.poll() is not None else ""
+        cc = auth.load_credentials(out / "coordinator.toml")
+        coord = MqttTransport(cc.broker, "fedbit-coordinator-x", username=cc.username, password=cc.password,
+                              tls=TlsOptions(*auth.tls_files(cc, tmp_path / "ctls")),
+                              subscriptions=[f"fedbit/{JOB}/update/+"])
+        coord.connect(10)
+        c1 = auth.load_credentials(out / "devices" / "pi-1.toml")
+        dev = MqttTransport(c1.broker, "pi-1", username=c1.username, password=c1.password,
+                            tls=TlsOptions(*auth.tls_files(c1, tmp_path / "dtls")))
+        dev.connect(10)
+        try:
+            dev.publish(topic(JOB, "update", "pi-2"), b"spoof", timeout=5)
+            dev.publish(topic(JOB, "update", "pi-1"), b"own", timeout=5)
+            assert [m for _, m in drain(coord, b"own")] == [b"own"]
+        finally:
+            dev.close()
+            coord.close()
+    finally:
+        p.send_signal(signal.SIGTERM)
+        p.wait(timeout=10)
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def test_secrets_never_reach_the_command_line(tmp_path: Path) -> None:
+    for cmd in (["fedbit", "serve", "--out", str(tmp_path), "--password", "x"],
+                ["fedbit-edge", "run", "--broker", "mqtt://h:1", "--id", "d", "--profile", "desktop",
+                 "--data", "digits:1/9", "--password", "x"]):
+        r = subprocess.run([str(BIN / cmd[0]), *cmd[1:]], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 2 and "unrecognized arguments: --password" in r.stderr
+    r = subprocess.run([str(BIN / "fedbit-edge"), "run", "--broker", "mqtt://u:secret@h:1", "--id", "d",
+                        "--profile", "desktop", "--data", "digits:1/9"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and "visible to every user" in r.stderr
+
+
+def test_hello_status_bytes_are_what_they_were() -> None:
+    """Signing adds exactly one map entry (the wire format of unsigned messages is unchanged)."""
+    key = os.urandom(32)
+    for m in (Presence("d", True), Status("waiting", 0, "x")):
+        plain = encode_message(m)
+        signed = auth.sign(plain, key)
+        assert len(signed) == len(plain) + len(auth.MAC_TAG) + auth.MAC_BYTES
+        assert hashlib.sha256(auth.strip_mac(signed)).digest() == hashlib.sha256(plain).digest()
