@@ -175,12 +175,16 @@ class Collector:
                                  "accepted": len(rnd.accepted), "selected": len(rnd.selected)})
         return True
 
+    #: refusals of one reason logged per round at their level; more go to debug (a flood
+    #: must not flood the log; every one is counted)
+    log_per_reason = 20
+
     def _refused(self, exc: Rejected, kind: str, device_id: str) -> None:
         self.counts[exc.metric] += 1
         self.totals[exc.metric] += 1
         fields = {"reason": exc.reason, "device": device_id,
                   "round": self.round.round_id if self.round else None}
-        if exc.quiet:
+        if exc.quiet or self.counts[exc.metric] > self.log_per_reason:
             self.log.debug("%s %s from %r: %s", exc.metric, kind, device_id, exc.detail)
             return
         if exc.dropped:

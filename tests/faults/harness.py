@@ -18,6 +18,9 @@ N-th time it reaches POINT:
 - ``aggregate``: round N's aggregation started;
 - ``checkpoint``: half of round N's checkpoint was written to its temporary file;
 - ``crash_after_publish`` (devices): the broker acknowledged round N's update.
+
+``--samples`` is the sample count a device reports (its hello and updates); the shift
+trainer reads no data.
 """
 
 from __future__ import annotations
@@ -112,8 +115,12 @@ def run_coordinator(a: argparse.Namespace) -> int:
 
     install_coordinator_fault(*parse_fault(a.fault))
     logger = setup_logging(json_lines=True, level="info")
+    from coordinator.admission import AdmissionConfig
+
+    admission = AdmissionConfig(enrolment=a.enrolment or "", max_registered=a.max_registered,
+                                samples_policy=a.samples_policy)
     cfg = ServerConfig(job=a.job, model=MODEL, rounds=a.rounds, min_devices=a.devices,
-                       round_timeout_s=a.round_timeout, presence_timeout_s=60, seed=0)
+                       round_timeout_s=a.round_timeout, presence_timeout_s=60, seed=0, admission=admission)
     fleet = MqttFleet(a.broker, a.job, username="fedbit-coordinator")
     co = Coordinator(cfg, fleet, build_strategy("fedavg"), RunState(a.out), evaluator=None,
                      init_weights=init_shared(get_spec(MODEL), 0), logger=logger.getChild("server"))
@@ -161,9 +168,16 @@ def run_device(a: argparse.Namespace) -> int:
 
     cfg = DeviceConfig(a.id, 32, "torch", "float32", 32, job=a.job, workdir=Path(a.workdir),
                        train_delay_s=a.delay, publish_timeout_s=5.0, connect_timeout_s=5.0)
-    data = SimpleNamespace(x=np.zeros((a.samples, 1, 8, 8), np.float32), y=np.zeros(a.samples, np.int64))
-    rt = DeviceRuntime(cfg, data, lambda **kw: Transport(a.broker, a.id, backoff=(0.5, 1.0), **kw),
-                       trainer_factory=lambda spec, bits, seed: ShiftTrainer(a.shift))
+    data = SimpleNamespace(x=np.zeros((1, 1, 8, 8), np.float32), y=np.zeros(a.samples, np.int64))
+
+    def connect(**kw):
+        return Transport(a.broker, a.id, backoff=(0.5, 1.0), **kw)
+
+    if a.mac_key:
+        from edge_client.auth import signing_connector
+
+        connect = signing_connector(connect, bytes.fromhex(a.mac_key))
+    rt = DeviceRuntime(cfg, data, connect, trainer_factory=lambda spec, bits, seed: ShiftTrainer(a.shift))
     signal.signal(signal.SIGTERM, lambda *_: rt.stop())
     rounds = rt.run(max_seconds=a.max_seconds)
     print(json.dumps({"device": a.id, "rounds": rounds, "sent": rt.sent, "resent": rt.resent}), flush=True)
@@ -182,6 +196,9 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--fault")
     c.add_argument("--resume", action="store_true")
     c.add_argument("--job", default="faults")
+    c.add_argument("--enrolment", help="the job's enrolled.json: MACs checked")
+    c.add_argument("--max-registered", type=int, default=100_000)
+    c.add_argument("--samples-policy", default="clip")
     d = sub.add_parser("device")
     d.add_argument("--broker", required=True)
     d.add_argument("--id", required=True)
@@ -192,6 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--max-seconds", type=float, default=90.0)
     d.add_argument("--fault")
     d.add_argument("--job", default="faults")
+    d.add_argument("--mac-key", help="sign every message with this key (hex)")
     a = p.parse_args(argv)
     return run_coordinator(a) if a.role == "coordinator" else run_device(a)
 

@@ -17,6 +17,7 @@ import multiprocessing
 import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -66,6 +67,10 @@ class Proc:
     """A forked harness process (``wait``/``poll``/``send_signal`` like ``Popen``)."""
 
     def __init__(self, argv: list[str], out: Path, err: Path) -> None:
+        # a thread inside a network call while we fork (getaddrinfo's lock, paho's) would
+        # leave the child waiting forever: fork before any client thread starts
+        busy = [t.name for t in threading.enumerate() if t.name.startswith(("paho", "Thread-"))]
+        assert not busy, f"fork with live network threads {busy}: start the processes first"
         self.log = err
         self.out = out
         self._p = _FORK.Process(target=_child, args=(argv, str(out), str(err)), daemon=False)
@@ -90,12 +95,15 @@ class Run:
     """The processes and files of one trial; every process is ended by PID in ``close``."""
 
     def __init__(self, tmp: Path, url: str, *, job: str, rounds: int = 3,
-                 devices: list[tuple[str, float, int]] = DEVICES) -> None:
+                 devices: list[tuple[str, float, int]] = DEVICES, coordinator_args: tuple[str, ...] = (),
+                 device_args: dict[str, list[str]] | None = None) -> None:
         self.tmp = tmp
         self.url = url
         self.job = job
         self.rounds = rounds
         self.devices = devices
+        self.coordinator_args = list(coordinator_args)
+        self.device_args = device_args or {}
         self.out = tmp / "run"
         self.procs: list[Proc] = []
         self.n = 0
@@ -110,7 +118,7 @@ class Run:
                     round_timeout: float = 20.0) -> Proc:
         args = ["coordinator", "--broker", self.url, "--out", str(self.out), "--rounds", str(self.rounds),
                 "--devices", str(len(self.devices)), "--round-timeout", str(round_timeout)]
-        args += ["--job", self.job]
+        args += ["--job", self.job, *self.coordinator_args]
         if fault:
             args += ["--fault", fault]
         if resume:
@@ -120,7 +128,8 @@ class Run:
     def device(self, dev: str, fault: str | None = None, delay: float = 0.0) -> Proc:
         _, shift, n = next(d for d in self.devices if d[0] == dev)
         args = ["device", "--broker", self.url, "--id", dev, "--shift", str(shift), "--samples", str(n),
-                "--workdir", str(self.tmp / dev), "--delay", str(delay), "--job", self.job]
+                "--workdir", str(self.tmp / dev), "--delay", str(delay), "--job", self.job,
+                *self.device_args.get(dev, [])]
         if fault:
             args += ["--fault", fault]
         return self._start(dev, *args)
@@ -153,8 +162,10 @@ class Run:
             out += [json.loads(ln) for ln in f.read_text(errors="replace").splitlines() if ln.startswith("{")]
         return out
 
-    def check(self) -> dict[str, int]:
-        """The checks of the module docstring; returns the summed per-round counts."""
+    def check(self, samples: dict[str, int] | None = None) -> dict[str, int]:
+        """The checks of the module docstring (``samples``: the weights the coordinator
+        should have used, where they differ from what devices report); returns the summed
+        per-round counts."""
         st = RunState(self.out)
         lines = st.read_metrics()
         want = sorted(d for d, _, _ in self.devices)
@@ -163,7 +174,8 @@ class Run:
             assert m["accepted_ids"] == want and m["accepted"] == len(want), m
         ck = st.load_checkpoint()
         assert ck is not None and ck.completed_round == self.rounds
-        step = sum(n * s for _, s, n in self.devices) / sum(n for _, _, n in self.devices)
+        ns = [(samples or {}).get(d, n) for d, _, n in self.devices]
+        step = sum(n * s for n, (_, s, _) in zip(ns, self.devices, strict=True)) / sum(ns)
         for w, w0 in zip(ck.weights, init_shared(get_spec("mlp"), 0), strict=True):
             np.testing.assert_allclose(w, w0 + self.rounds * step, atol=1e-5, rtol=0)
         total: dict[str, int] = {}

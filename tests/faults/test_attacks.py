@@ -1,0 +1,170 @@
+"""Attacks on a running coordinator, real processes and a real mosquitto *without* the
+generated ACL (a misconfigured broker: anyone may publish anywhere), so that only the
+coordinator's own rules stand between the attacker and the model:
+
+- the issue's attack: a client with no device key publishes, the moment each round is
+  announced, a negated copy of the model as device ``dev1`` claiming 100,000 samples;
+- an enrolled device claiming 100,000 samples (enrolled with 10);
+- a hello / presence flood from a compromised device, and under a thousand new ids.
+
+Each trial must still end with every round counting each real device once and the exact
+model (``scenario.Run.check``).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from scenario import DEVICES, Run, report, trials
+
+from coordinator.broker import MosquittoBroker
+from coordinator.security import JobSecurity
+from edge_client import auth
+from edge_client.protocol import (
+    Hello,
+    Presence,
+    RoundAnnouncement,
+    Update,
+    decode_message,
+    encode_message,
+    float32_tensor,
+    topic,
+)
+from edge_client.runtime import model_to_shared
+from edge_client.transport import MqttTransport
+
+pytestmark = pytest.mark.mosquitto
+
+
+def enrolled_run(d: Path, broker: MosquittoBroker, job: str, max_samples: dict[str, int] | None = None,
+                 **kw) -> tuple[Run, dict[str, auth.Credentials]]:
+    sec = JobSecurity(d / "security", job)
+    creds = {dev: sec.enroll(dev, broker=broker.url, max_samples=(max_samples or {}).get(dev, 0))[0]
+             for dev, _, _ in kw.get("devices", DEVICES)}
+    run = Run(d, broker.url, job=job, coordinator_args=("--enrolment", str(sec.registry_path)),
+              device_args={dev: ["--mac-key", c.mac_key] for dev, c in creds.items()}, **kw)
+    return run, creds
+
+
+class Attacker(threading.Thread):
+    """Waits for each round announcement and model, then publishes ``forge(round, model)``
+    on ``dev1``'s update topic (what the issue's attacker did)."""
+
+    def __init__(self, url: str, job: str, forge) -> None:
+        super().__init__(daemon=True)
+        self.t = MqttTransport(url, f"attacker-{job}", subscriptions=[topic(job, "round"), topic(job, "model", "float32")])
+        self.job, self.forge, self.sent = job, forge, 0
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        self.t.connect(10)
+        ann, model = None, None
+        while not self.stop.is_set():
+            m = self.t.recv(0.1)
+            if m is None or not m.payload:
+                continue
+            msg = decode_message(m.payload)
+            ann = msg if isinstance(msg, RoundAnnouncement) else ann
+            model = msg if not isinstance(msg, RoundAnnouncement) else model
+            if ann is not None and model is not None and model.round_id == ann.round_id:
+                self.t.publish(topic(self.job, "update", "dev1"), self.forge(ann, model), timeout=5)
+                self.sent += 1
+                ann = None
+
+    def close(self) -> None:
+        self.stop.set()
+        self.join(10)
+        self.t.close()
+
+
+def negated(ann: RoundAnnouncement, model) -> bytes:
+    w = model_to_shared(model)
+    return encode_message(Update("dev1", ann.round_id, 100_000, 32, "weights",
+                                 tuple(float32_tensor(-x) for x in w)))
+
+
+def test_spoofed_update_on_a_broker_without_acl_is_never_counted(mosquitto: MosquittoBroker, tmp_path: Path) -> None:
+    for trial in range(trials()):
+        d = tmp_path / f"t{trial}"
+        d.mkdir()
+        run, _ = enrolled_run(d, mosquitto, f"a{trial}")
+        attacker = Attacker(mosquitto.url, run.job, negated)
+        try:
+            devs = run.all_devices()
+            coord = run.coordinator()
+            attacker.start()  # (after the forks)
+            run.finish(coord, devs)
+            totals = run.check()
+        except BaseException:
+            report("spoofed update as dev1 (negated model, 100,000 samples), broker without ACL", trial, "FAILED")
+            raise
+        finally:
+            attacker.close()
+            run.close()
+        assert attacker.sent >= run.rounds and totals.get("rejected_bad_mac", 0) >= run.rounds
+        report("spoofed update as dev1 (negated model, 100,000 samples), broker without ACL", trial,
+               f"rejected (bad_mac) x{totals['rejected_bad_mac']}; real dev1 counted every round; exact model",
+               attempts=attacker.sent)
+
+
+def test_enrolled_device_inflating_num_samples_is_clipped(mosquitto: MosquittoBroker, tmp_path: Path) -> None:
+    """dev2 reports 100,000 samples in its hello and updates; it was enrolled with 10, so
+    it weighs 10: the model is exactly the one of a dev2 with 10 samples."""
+    devices = [("dev1", 0.01, 30), ("dev2", -0.02, 100_000)]
+    for trial in range(trials()):
+        d = tmp_path / f"t{trial}"
+        d.mkdir()
+        run, _ = enrolled_run(d, mosquitto, f"n{trial}", max_samples={"dev2": 10}, devices=devices)
+        try:
+            run.finish(run.coordinator(), run.all_devices())
+            totals = run.check(samples={"dev2": 10})
+        except BaseException:
+            report("enrolled device claiming 100,000 samples (enrolled with 10)", trial, "FAILED")
+            raise
+        finally:
+            run.close()
+        assert totals.get("clipped_num_samples") == run.rounds
+        report("enrolled device claiming 100,000 samples (enrolled with 10)", trial,
+               f"clipped to 10 x{totals['clipped_num_samples']}; exact model")
+
+
+def test_hello_and_presence_floods_are_rate_limited(mosquitto: MosquittoBroker, tmp_path: Path) -> None:
+    """A compromised device (dev1's key) floods 1,000 hellos and 1,000 presences under its
+    own id, and 1,000 hellos come under new ids, while the job runs: dev1's are
+    rate-limited, the strangers' refused as unenrolled, the registry holds the two real
+    devices, every round counts them."""
+    fault = "hello/presence flood (2,000 signed as dev1, 1,000 new ids)"
+    for trial in range(trials()):
+        d = tmp_path / f"t{trial}"
+        d.mkdir()
+        run, creds = enrolled_run(d, mosquitto, f"h{trial}")
+        flood = MqttTransport(mosquitto.url, f"flood-{trial}")
+        key = creds["dev1"].mac_key_bytes
+        try:
+            devs = run.all_devices()
+            coord = run.coordinator()
+            flood.connect(10)  # (after the forks)
+            hello = auth.sign(encode_message(Hello("dev1", "custom", 32, "torch", "float32", 32, 30, "x")), key)
+            online = auth.sign(encode_message(Presence("dev1", True)), key)
+            for i in range(1000):
+                flood.publish(topic(run.job, "hello", "dev1"), hello, qos=0)
+                flood.publish(topic(run.job, "presence", "dev1"), online, qos=0)
+                flood.publish(topic(run.job, "hello", f"x{i}"),
+                              encode_message(Hello(f"x{i}", "p", 8, "int", "int", 8, 5, "x")), qos=0)
+            run.finish(coord, devs)
+            totals = run.check()
+        except BaseException:
+            report(fault, trial, "FAILED")
+            raise
+        finally:
+            flood.close()
+            run.close()
+        from coordinator.state import RunState
+
+        assert sorted(RunState(run.out).load_devices()) == ["dev1", "dev2"]
+        assert totals.get("rejected_rate_limited", 0) > 0 and totals.get("rejected_unenrolled", 0) > 0
+        report(fault, trial, f"rate_limited x{totals.get('rejected_rate_limited', 0)}, unenrolled "
+               f"x{totals.get('rejected_unenrolled', 0)}; registry = the 2 real devices; exact model")
