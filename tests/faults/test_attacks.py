@@ -14,7 +14,6 @@ model (``scenario.Run.check``).
 from __future__ import annotations
 
 import threading
-import time
 from pathlib import Path
 
 import pytest
