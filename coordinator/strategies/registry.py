@@ -5,7 +5,9 @@ A name is ``[<mask>+]<combiner>``: combiners ``fedavg``, ``fedshift``, ``grouped
 The dequantize stage is a parameter (``dequantize="none"``), not part of the name.
 Params go to the stage that owns them: ``tau``, ``fill`` (mask); ``layers`` (fedshift);
 ``server_lr`` (fedpaq); ``weighted``, ``sigma_momentum``, ``acc_dtype``, ``batch``
-(strategy); ``dequantize`` and ``dequantize_params``. Unknown params are errors.
+(strategy); ``dequantize`` and ``dequantize_params``; ``clip``, ``robust``, ``trim``
+(robust aggregation: a :class:`~coordinator.strategies.robust.RobustStrategy`, which holds
+the round's updates; without them the strategy streams). Unknown params are errors.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ MASKS: dict[str, Callable[..., MaskStage]] = {"prowd-swa": ProwdSwaMask}
 #: combiners a mask may precede (a per-group model has no high/low split)
 MASKABLE = ("fedavg", "fedshift", "fedpaq")
 _STRATEGY_PARAMS = ("weighted", "sigma_momentum", "acc_dtype", "batch")
+_ROBUST_PARAMS = ("clip", "robust", "trim")
 
 
 def available_strategies() -> list[str]:
@@ -66,6 +69,11 @@ def build_strategy(name: str, **params: Any) -> Strategy:
     combiner = COMBINERS[comb_name](**_take(COMBINERS[comb_name], params))
     deq = build_dequantizer(params.pop("dequantize", "none"), **params.pop("dequantize_params", {}))
     strat = {k: params.pop(k) for k in _STRATEGY_PARAMS if k in params}
+    robust = {k: params.pop(k) for k in _ROBUST_PARAMS if k in params}
     if params:
         raise ConfigError(f"strategy {name!r}: unknown parameters {sorted(params)}")
+    if robust:
+        from coordinator.strategies.robust import RobustStrategy
+
+        return RobustStrategy(name, combiner, mask, deq, **robust, **strat)
     return Strategy(name, combiner, mask, deq, **strat)
