@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from edge_client import __version__
-from edge_client.errors import CodecError, ConfigError, ProtocolError
+from edge_client.errors import CodecError, ConfigError, ProtocolError, TrainingError
 from edge_client.outbox import Outbox
 from edge_client.protocol import (
     DEFAULT_LIMITS,
@@ -50,6 +50,7 @@ from edge_client.protocol import (
     float32_tensor,
     model_variant,
     parse_topic,
+    tensors_digest,
     topic,
     variant_bits,
 )
@@ -319,6 +320,9 @@ class DeviceRuntime:
             if n:
                 self.log.info("discarded %d outbox item(s) of closed rounds", n)
         elif isinstance(m, ModelMessage) and kind == "model" and ident == m.variant:
+            if tensors_digest(m.tensors) != m.digest:  # (what the announcement's digest names)
+                self.log.warning("ignored model on %s: its digest does not match its tensors", msg.topic)
+                return False
             self.models[m.variant] = m
         elif isinstance(m, Status) and kind == "status":
             if m.state in ("waiting", "round"):
@@ -368,7 +372,13 @@ class DeviceRuntime:
                           self.cfg.train_delay_s)
             if self.stop_event.wait(self.cfg.train_delay_s):
                 return
-        payload = self.train_round(a, m)
+        try:
+            payload = self.train_round(a, m)
+        except (ProtocolError, CodecError, TrainingError) as exc:  # a model that will not load
+            self.log.warning("round %d: cannot train on the received model (%s); waiting for another",
+                             a.round_id, exc)
+            self.models.pop(self.variant, None)
+            return
         self.last_done = a.round_id
         self.rounds_done.append(a.round_id)
         self._save_last_done(a.round_id)
@@ -394,9 +404,19 @@ class DeviceRuntime:
         return self._trainers[model]
 
     def train_round(self, a: RoundAnnouncement, m: ModelMessage) -> bytes:
-        """Train on the downloaded model; return the encoded update payload."""
-        spec, trainer = self._trainer(a.model)
+        """Train on the downloaded model; return the encoded update payload. ProtocolError
+        when the model is not one this SDK knows or its layers do not fit it."""
+        from firmware_models import SpecError
+
+        try:
+            spec, trainer = self._trainer(a.model)
+        except SpecError as exc:
+            raise ProtocolError(f"round {a.round_id}: model {a.model!r}: {exc}") from None
         weights = model_to_shared(m)
+        want = [tuple(s) for s in spec.param_shapes()]
+        if [w.shape for w in weights] != want:
+            raise ProtocolError(f"model {m.variant} of round {m.round_id}: layer shapes "
+                                f"{[w.shape for w in weights]} do not fit {a.model} {want}", reason="wrong_shape")
         trainer.load_shared(weights)
         hp = {k: a.hparams.get(k, v) for k, v in TRAIN_HPARAMS.items()}
         from edge_client.codecs import decode
