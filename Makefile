@@ -9,7 +9,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 EXTRAS ?= coordinator,data,dev
 
-.PHONY: demo test bench experiments install lint clean
+.PHONY: demo test bench experiments fuzz faults install lint clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +35,20 @@ bench: install
 # results under runs/experiments/, summaries copied to benchmarks/results/experiments/.
 experiments: install
 	$(PY) experiments/run_all.py --out runs/experiments
+
+# Fuzzing of every network input, 105,000 inputs with fresh randomness (make test runs
+# 5,600 of the same inputs every time).
+FUZZ_EXAMPLES ?= 105000
+fuzz: install
+	FEDBIT_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) FEDBIT_FUZZ_RANDOM=1 $(PY) -m pytest -q -p no:cacheprovider tests/test_fuzz_network.py
+
+# The fault-injection suite, every fault and attack FAULT_TRIALS times at other kill points
+# (make test runs each once); prints the table of outcomes (runs/faults.jsonl).
+FAULT_TRIALS ?= 10
+faults: install
+	@mkdir -p runs && rm -f runs/faults.jsonl
+	FEDBIT_FAULT_TRIALS=$(FAULT_TRIALS) FEDBIT_FAULT_REPORT=runs/faults.jsonl $(PY) -m pytest -q -p no:cacheprovider tests/faults
+	$(PY) tests/faults/table.py runs/faults.jsonl
 
 lint: install
 	$(PY) -m ruff check edge_client coordinator firmware_models hw_profiles tests benchmarks experiments

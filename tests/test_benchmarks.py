@@ -21,6 +21,8 @@ WANTED = {
     "codecs": [("kmeans-8", "encode_ms"), ("kmeans-4", "encode_ms"), ("asym-8", "encode_ms"),
                ("kmeans-4", "mse")],
     "round_overhead": [("fedshift_cnn asym-4", "updates_per_s"), ("20 devices", "coordinator_seconds_per_round")],
+    "security": [("MAC verified", "updates_per_s"), ("robust clip", "round_seconds"), ("robust median", "round_seconds"),
+                 ("robust trimmed_mean", "peak_memory"), ("robust median", "peak_memory")],
     "train_throughput": [("fedshift_cnn int8", "throughput"), ("digits_cnn int8", "throughput"),
                          ("fedshift_cnn int8", "rss"), ("fedshift_cnn int8", "warm_start_s")],
 }

@@ -37,6 +37,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+import numba
 import numpy as np
 
 from coordinator.strategies.accumulate import GroupSums
@@ -63,6 +64,22 @@ class _Held:
     norm: float
     encoded: EncodedUpdate | None = None
     layers: list[np.ndarray] | None = None
+
+
+@numba.njit(cache=True, nogil=True)
+def sq_distance(x: np.ndarray, g: np.ndarray, delta: bool) -> float:
+    """``Σ (x - g)²`` (``Σ x²`` when ``delta``) over two flat float32 arrays, accumulated in
+    float64, in one pass (no temporaries)."""
+    s = 0.0
+    if delta:
+        for i in range(x.size):
+            v = np.float64(x[i])
+            s += v * v
+    else:
+        for i in range(x.size):
+            v = np.float64(x[i]) - np.float64(g[i])
+            s += v * v
+    return s
 
 
 def trimmed_mean(m: np.ndarray, k: int) -> np.ndarray:
@@ -137,11 +154,7 @@ class RobustStrategy(Strategy):
 
     def _norm(self, flat: list[np.ndarray], delta: bool) -> float:
         """‖Δ‖ over every layer (float64 accumulation)."""
-        total = 0.0
-        for f, g in zip(flat, self._global_flat, strict=True):
-            d = f.astype(np.float64) if delta else f.astype(np.float64) - g
-            total += float(np.dot(d, d))
-        return math.sqrt(total)
+        return math.sqrt(sum(sq_distance(f, g, delta) for f, g in zip(flat, self._global_flat, strict=True)))
 
     # ------------------------------------------------------------------ end of round
     def finish(self) -> AggregateResult:

@@ -105,8 +105,8 @@ def test_spoofed_update_on_a_broker_without_acl_is_never_counted(mosquitto: Mosq
             run.close()
         assert attacker.sent >= run.rounds and totals.get("rejected_bad_mac", 0) >= run.rounds
         report("spoofed update as dev1 (negated model, 100,000 samples), broker without ACL", trial,
-               f"rejected (bad_mac) x{totals['rejected_bad_mac']}; real dev1 counted every round; exact model",
-               attempts=attacker.sent)
+               "every forgery refused (bad MAC); the real dev1 counted every round; exact model",
+               forged_updates_sent=attacker.sent, rejected_bad_mac=totals["rejected_bad_mac"])
 
 
 def test_enrolled_device_inflating_num_samples_is_clipped(mosquitto: MosquittoBroker, tmp_path: Path) -> None:
@@ -127,7 +127,7 @@ def test_enrolled_device_inflating_num_samples_is_clipped(mosquitto: MosquittoBr
             run.close()
         assert totals.get("clipped_num_samples") == run.rounds
         report("enrolled device claiming 100,000 samples (enrolled with 10)", trial,
-               f"clipped to 10 x{totals['clipped_num_samples']}; exact model")
+               "its weight clipped to 10 every round; exact model", clipped_num_samples=totals["clipped_num_samples"])
 
 
 def test_hello_and_presence_floods_are_rate_limited(mosquitto: MosquittoBroker, tmp_path: Path) -> None:
@@ -165,5 +165,6 @@ def test_hello_and_presence_floods_are_rate_limited(mosquitto: MosquittoBroker, 
 
         assert sorted(RunState(run.out).load_devices()) == ["dev1", "dev2"]
         assert totals.get("rejected_rate_limited", 0) > 0 and totals.get("rejected_unenrolled", 0) > 0
-        report(fault, trial, f"rate_limited x{totals.get('rejected_rate_limited', 0)}, unenrolled "
-               f"x{totals.get('rejected_unenrolled', 0)}; registry = the 2 real devices; exact model")
+        report(fault, trial, "dev1's flood rate-limited, strangers refused; registry = the 2 real devices; "
+               "exact model", rejected_rate_limited=totals.get("rejected_rate_limited", 0),
+               rejected_unenrolled=totals.get("rejected_unenrolled", 0))

@@ -41,9 +41,9 @@ def each_trial(tmp_path: Path, broker: MosquittoBroker, fault: str, body) -> Non
             raise
         finally:
             run.close()
-        report(fault, trial, "completed; every round counted each device once; exact model",
-               redelivered=totals.get("dropped_duplicate", 0) + totals.get("dropped_late", 0),
-               damaged=totals.get("inbox_damaged", 0))
+        report(fault, trial, "run completed; every round counted each device once; exact model",
+               copies_dropped=totals.get("dropped_duplicate", 0) + totals.get("dropped_late", 0),
+               damaged_records_reported=totals.get("inbox_damaged", 0))
 
 
 def kill_then_resume(run: Run, fault: str) -> None:
