@@ -382,3 +382,45 @@ def test_hello_status_bytes_are_what_they_were() -> None:
         signed = auth.sign(plain, key)
         assert len(signed) == len(plain) + len(auth.MAC_TAG) + auth.MAC_BYTES
         assert hashlib.sha256(auth.strip_mac(signed)).digest() == hashlib.sha256(plain).digest()
+
+
+@pytest.mark.slow
+def test_secure_serve_end_to_end(mosquitto_bin: str, openssl_bin: str, tmp_path: Path) -> None:
+    """The secure setup as a user runs it: `fedbit enroll --devices`, `fedbit serve --listen`
+    (TLS, passwords, ACL, MACs), two `fedbit-edge run --credentials`; no secret is printed."""
+    port, run = free_port(), tmp_path / "run"
+    csv = tmp_path / "devices.csv"
+    csv.write_text("pi-1\npi-2,500\n")
+    env = os.environ | {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "NUMBA_NUM_THREADS": "1"}
+    r = subprocess.run([str(BIN / "fedbit"), "enroll", "--devices", str(csv), "--job", JOB, "--run", str(run),
+                        "--broker-url", f"mqtts://127.0.0.1:{port}"], capture_output=True, text=True, env=env, timeout=60)
+    assert r.returncode == 0, r.stderr
+    files = {d: run / "security" / "devices" / f"{d}.toml" for d in ("pi-1", "pi-2")}
+    secrets = [auth.load_credentials(f).password for f in files.values()]
+    logs = {n: open(tmp_path / f"{n}.log", "wb") for n in ("serve", "pi-1", "pi-2")}  # noqa: SIM115
+    procs = [subprocess.Popen([str(BIN / "fedbit"), "serve", "--listen", f"127.0.0.1:{port}", "--security", "tls",
+                               "--hostname", "127.0.0.1", "--job", JOB, "--out", str(run), "--model", "mlp",
+                               "--rounds", "2", "--min-devices", "2", "--steps", "4", "--quiet", "--log-json"],
+                              stdout=logs["serve"], stderr=subprocess.STDOUT, env=env)]
+    for i, d in enumerate(files):
+        procs.append(subprocess.Popen([str(BIN / "fedbit-edge"), "run", "--credentials", str(files[d]),
+                                       "--profile", "raspberry-pi-4", "--data", f"digits:{i + 1}/2",
+                                       "--workdir", str(tmp_path / d), "--max-seconds", "120"],
+                                      stdout=logs[d], stderr=subprocess.STDOUT, env=env))
+    try:
+        assert procs[0].wait(timeout=150) == 0, (tmp_path / "serve.log").read_text()[-3000:]
+        for p in procs[1:]:
+            assert p.wait(timeout=30) == 0
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    from coordinator.state import RunState
+
+    lines = RunState(run).read_metrics()
+    assert [m["accepted_ids"] for m in lines] == [["pi-1", "pi-2"]] * 2
+    assert not any(k.startswith("rejected") for m in lines for k in m["counts"])
+    text = "".join((tmp_path / f"{n}.log").read_text() for n in logs)
+    assert "TLS with client certificates" in text and f"mqtts://127.0.0.1:{port}" in text
+    assert not any(s in text for s in secrets)
