@@ -47,7 +47,7 @@ from typing import Any
 from coordinator.admission import AdmissionConfig, RateLimiter
 from coordinator.strategies.checks import check_encoded, is_lossy, sigma_loc_of
 from coordinator.strategies.types import FLOAT_BITS, EncodedUpdate
-from edge_client import auth
+from edge_client.auth import verify as verify_mac
 from edge_client.errors import FedbitError, ProtocolError
 from edge_client.protocol import Hello, Limits, Presence, Update, decode_message
 
@@ -203,7 +203,7 @@ class Ingest:
             key = self.enrolled.key(device_id)
             if key is None:
                 raise Rejected("unenrolled", f"{device_id!r} is not enrolled in this job")
-            if not auth.verify(payload, key):
+            if not verify_mac(payload, key):
                 raise Rejected("bad_mac", "no MAC, or one that does not verify under the device's key")
         try:
             return decode_message(payload, self.limits)

@@ -89,7 +89,7 @@ sys.exit(1 if leaked else 0)
 
 
 #: what the coordinator may import from the device SDK: its library, not its application
-COORDINATOR_MAY_USE = {"errors", "protocol", "codecs", "intnn", "trainers", "data", "transport"}
+COORDINATOR_MAY_USE = {"errors", "protocol", "codecs", "intnn", "trainers", "data", "transport", "auth"}
 #: the one coordinator module that runs real device runtimes, by design
 RUNS_DEVICES = {"coordinator/emulator.py"}
 
