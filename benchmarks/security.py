@@ -80,7 +80,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="CI size (< 60 s)")
     args = ap.parse_args()
-    n_ingest, n_round, reps = (12, 6, 2) if args.quick else (40, 20, 3)
+    n_ingest, n_round, reps = (8, 4, 1) if args.quick else (40, 20, 3)
     sets, base = wire_sets(4)
 
     with tempfile.TemporaryDirectory() as tmp:
