@@ -25,7 +25,6 @@ are refused by the round rules, repeats of the open round by the duplicate rule.
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import json
 import os
@@ -276,7 +275,3 @@ def new_mac_key() -> str:
     """A fresh random MAC key, hex."""
     return os.urandom(KEY_BYTES).hex()
 
-
-def fingerprint(key_hex: str) -> str:
-    """A short, non-secret name of a key for logs (first 8 hex digits of its SHA-256)."""
-    return hashlib.sha256(bytes.fromhex(key_hex)).hexdigest()[:8]

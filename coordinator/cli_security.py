@@ -1,0 +1,327 @@
+"""The ``fedbit`` commands and options of a secured job: ``enroll``, ``revoke``,
+``broker-config``, and what ``serve`` needs to start or reach a secured broker
+(``--listen``, ``--security``, ``--credentials``, the admission limits). ``cli.py`` wires
+them in; heavy imports happen inside the functions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+
+def add_serve_security_options(p: argparse.ArgumentParser) -> None:
+    """``fedbit serve``'s options for the broker's security and the admission limits."""
+    p.add_argument("--listen", metavar="HOST:PORT",
+                   help="where the embedded broker listens for devices (0.0.0.0:8883: every "
+                        "interface); beyond loopback it takes TLS, per-device passwords and an ACL")
+    p.add_argument("--security", choices=["auto", "none", "password", "tls"], default="auto",
+                   help="embedded broker security (auto: none on loopback, tls beyond it)")
+    p.add_argument("--security-dir", metavar="DIR",
+                   help="the job's CA, registry, password file and ACL (default OUT/security; "
+                        "with --broker: the folder fedbit broker-config wrote)")
+    p.add_argument("--hostname", action="append", metavar="NAME",
+                   help="a name devices dial, for the server certificate (repeatable; default: "
+                        "this host's names)")
+    p.add_argument("--credentials", metavar="FILE",
+                   help="the coordinator's credentials file for --broker (fedbit broker-config "
+                        "writes DIR/coordinator.toml)")
+    p.add_argument("--max-samples", type=int, default=0, metavar="N",
+                   help="job-wide cap of an update's num_samples (0: none; enrolment and hello "
+                        "declarations bound it too)")
+    p.add_argument("--samples-policy", choices=["clip", "reject"], default="clip",
+                   help="an update claiming more samples than its bound: clipped or rejected")
+    p.add_argument("--max-registered", type=int, default=100_000, metavar="N",
+                   help="most devices the job registers")
+    p.add_argument("--hello-rate", type=float, default=1.0, metavar="PER_S",
+                   help="hello/presence messages per device per second (after --hello-burst)")
+    p.add_argument("--hello-burst", type=int, default=20, metavar="N")
+
+
+def add_security_commands(sub: Any) -> None:
+    """The ``enroll``, ``revoke`` and ``broker-config`` subcommands."""
+
+    def job_folder(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--job", default="default", help="job id (topic prefix fedbit/<job>/)")
+        p.add_argument("--run", metavar="DIR", help="the job's run folder, as `fedbit serve --out DIR` "
+                       "(security material in DIR/security; default runs/<job>)")
+        p.add_argument("--security-dir", metavar="DIR",
+                       help="the security folder itself (e.g. what fedbit broker-config wrote)")
+
+    p = sub.add_parser("enroll", help="create a device's credentials for a job",
+                       description="Enroll a device: a random password (hashed into the broker's "
+                                   "password file), a MAC key, and a client certificate of the job CA "
+                                   "when the broker speaks TLS; writes one credentials file (mode 0600) "
+                                   "for `fedbit-edge run --credentials FILE`. Secrets are never printed.")
+    p.add_argument("device_id", nargs="?", metavar="DEVICE_ID")
+    p.add_argument("--devices", metavar="CSV", help="enroll many: device_id[,max_samples] per line")
+    p.add_argument("--out", metavar="FILE", help="credentials file (with --devices: a folder; "
+                   "default SECURITY/devices/<id>.toml)")
+    p.add_argument("--broker-url", metavar="URL",
+                   help="the URL devices dial (default: what serve/broker-config recorded, else "
+                        "mqtts://<this host>:8883)")
+    p.add_argument("--max-samples", type=int, default=0, metavar="N",
+                   help="samples the device may claim per update (0: what its hello declares)")
+    job_folder(p)
+    p.set_defaults(func=_cmd_enroll)
+
+    p = sub.add_parser("revoke", help="revoke a device's credentials",
+                       description="Remove a device from the job's registry and the broker's password "
+                                   "file; a running embedded broker reloads it at once.")
+    p.add_argument("device_id", metavar="DEVICE_ID")
+    job_folder(p)
+    p.set_defaults(func=_cmd_revoke)
+
+    p = sub.add_parser("broker-config", help="write a mosquitto configuration for a broker you run",
+                       description="The configuration `fedbit serve --listen` uses, for a mosquitto run "
+                                   "elsewhere (systemd, another host): mosquitto.conf, CA and server "
+                                   "certificate, password file, ACL, and credentials for the coordinator "
+                                   "and every device.")
+    p.add_argument("--devices", required=True, metavar="CSV", help="device_id[,max_samples] per line")
+    p.add_argument("--out", required=True, metavar="DIR")
+    p.add_argument("--job", default="default", help="job id (topic prefix fedbit/<job>/)")
+    p.add_argument("--listen", default="0.0.0.0:8883", metavar="HOST:PORT")
+    p.add_argument("--hostname", action="append", metavar="NAME",
+                   help="a name devices dial (repeatable; the first goes into their URL)")
+    p.add_argument("--security", choices=["tls", "password"], default="tls")
+    p.add_argument("--max-payload", type=int, default=0, metavar="BYTES",
+                   help="largest update (the broker's max_packet_size is this plus 64 KiB)")
+    p.set_defaults(func=_cmd_broker_config)
+
+
+
+def _secret_from(file: str | None, env: str, what: str) -> str | None:
+    """A secret from ``file`` (its first line) or the environment variable ``env``; never
+    from the command line (``ps`` shows it to every user)."""
+    import os
+
+    from edge_client.errors import ConfigError
+
+    if file:
+        try:
+            return open(file, encoding="utf-8").read().splitlines()[0]
+        except (OSError, IndexError) as exc:
+            raise ConfigError(f"{what} {file}: cannot read a password from it ({exc})") from None
+    return os.environ.get(env) or None
+
+
+def _no_password_in_url(url: str, what: str) -> None:
+    from edge_client.errors import ConfigError
+    from edge_client.transport import parse_broker_url
+
+    if parse_broker_url(url).password is not None:
+        raise ConfigError(f"{what}: a password in the URL is visible to every user in `ps`; "
+                          f"put it in --password-file FILE or FEDBIT_PASSWORD")
+
+
+def serve_broker(args: argparse.Namespace, max_packet: int) -> tuple[Any, dict[str, Any]]:
+    """The broker ``fedbit serve`` talks to: (the embedded one it started, or None;
+    MqttFleet's ``url``/``username``/``password``/``tls`` plus ``enrolment``, the job's
+    registry path or "" when devices are not enrolled)."""
+    from pathlib import Path
+
+    from coordinator.broker import parse_listen, resolve_security, start_job_broker
+    from coordinator.security import JobSecurity
+    from edge_client.auth import load_credentials, tls_files
+    from edge_client.errors import ConfigError
+    from edge_client.transport import TlsOptions
+
+    out = Path(args.out)
+    sec_dir = Path(args.security_dir) if args.security_dir else out / "security"
+    if args.broker:  # a broker someone else runs (fedbit broker-config writes its files)
+        _no_password_in_url(args.broker, "--broker")
+        conn: dict[str, Any] = {"url": args.broker, "username": args.username, "tls": None,
+                                "password": _secret_from(args.password_file, "FEDBIT_PASSWORD", "--password-file")}
+        if args.credentials:
+            c = load_credentials(args.credentials)
+            conn |= {"username": c.username, "password": c.password}
+            if c.ca or c.cert:
+                conn["tls"] = TlsOptions(*tls_files(c, out / "tls"))
+            sec_dir = Path(args.security_dir) if args.security_dir else Path(args.credentials).parent
+        if args.ca or args.cert or args.insecure:
+            conn["tls"] = TlsOptions(args.ca, args.cert, args.key, args.insecure)
+        registry = JobSecurity(sec_dir, args.job).registry_path
+        if args.security_dir and not registry.exists():
+            raise ConfigError(f"{registry}: no enrolment registry (fedbit broker-config or enroll makes it)")
+        conn["enrolment"] = str(registry) if registry.exists() else ""
+        if not conn["enrolment"]:
+            print("note: no enrolment registry: updates are not checked for a device MAC "
+                  "(fedbit broker-config writes one; pass --security-dir DIR)", flush=True)
+        return None, conn
+    if args.listen and args.port:
+        raise ConfigError("--port and --listen: give one (--listen 127.0.0.1:PORT is --port PORT)")
+    host, port = parse_listen(args.listen) if args.listen else ("127.0.0.1", args.port)
+    mode = resolve_security(args.security, host)
+    sec = JobSecurity(sec_dir, args.job) if mode != "none" else None
+    jb = start_job_broker(host, port, security=mode, job_security=sec, hosts=args.hostname or None,
+                          workdir=out / "broker" if mode != "none" else None, prefer=args.embedded,
+                          max_packet_size=max_packet)
+    if sec is None:
+        print(f"broker: {jb.device_url} (embedded {jb.kind}; anonymous and unencrypted: loopback "
+              f"only, for demos; devices connect with --broker {jb.device_url}; devices on other "
+              f"machines: --listen HOST:PORT, TLS and per-device credentials)", flush=True)
+        # amqtt keeps offline sessions only for clients with a username
+        return jb, {"url": jb.coordinator_url, "username": "fedbit-coordinator", "password": None,
+                    "tls": None, "enrolment": ""}
+    info = sec.job_info()
+    if not info or not str(info.get("broker", "")).endswith(f":{jb.device_url.rsplit(':', 1)[1]}"):
+        if info:
+            print(f"warning: credentials files made earlier name {info.get('broker')}; devices now dial "
+                  f"{jb.device_url} (fedbit-edge run --broker URL overrides the file's)", flush=True)
+        sec.save_job_info(jb.device_url, mode == "tls")
+    n = len(sec.registry())
+    what = ("TLS with client certificates of the job CA" if mode == "tls" else "no TLS (trusted network)")
+    print(f"broker: {sec.job_info()['broker']} (embedded {jb.kind}; {what}, per-device passwords, "
+          f"ACL; {n} device(s) enrolled in {sec.dir}; enrol one with: fedbit enroll ID --run {out})",
+          flush=True)
+    c = jb.credentials
+    return jb, {"url": jb.coordinator_url, "username": c.username, "password": c.password, "tls": None,
+                "enrolment": str(sec.registry_path)}
+
+
+def _security_dir(args: argparse.Namespace) -> Any:
+    from pathlib import Path
+
+    if args.security_dir:
+        return Path(args.security_dir)
+    return Path(args.run or f"runs/{args.job}") / "security"
+
+
+def _read_devices_csv(path: str) -> list[tuple[str, int]]:
+    """``device_id[,max_samples]`` rows (a header row naming ``device_id`` is skipped)."""
+    import csv
+
+    from edge_client.errors import ConfigError
+
+    rows: list[tuple[str, int]] = []
+    try:
+        with open(path, newline="", encoding="utf-8") as f:
+            for n, row in enumerate(csv.reader(f), 1):
+                cells = [c.strip() for c in row]
+                if not cells or not cells[0] or cells[0].startswith("#") or (n == 1 and cells[0] == "device_id"):
+                    continue
+                try:
+                    ms = int(cells[1]) if len(cells) > 1 and cells[1] else 0
+                except ValueError:
+                    raise ConfigError(f"{path}:{n}: max_samples {cells[1]!r} is not an integer") from None
+                rows.append((cells[0], ms))
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read ({exc.strerror or exc})") from None
+    if not rows:
+        raise ConfigError(f"{path}: no devices (one device_id[,max_samples] per line)")
+    ids = [d for d, _ in rows]
+    if len(set(ids)) != len(ids):
+        raise ConfigError(f"{path}: a device id appears twice")
+    return rows
+
+
+def _cmd_enroll(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from coordinator.security import JobSecurity
+    from edge_client.errors import ConfigError
+
+    try:
+        if bool(args.device_id) == bool(args.devices):
+            raise ConfigError("give one DEVICE_ID or --devices CSV")
+        sec = JobSecurity(_security_dir(args), args.job)
+        if args.devices:
+            rows = _read_devices_csv(args.devices)
+            out_dir = Path(args.out) if args.out else None
+        else:
+            rows = [(args.device_id, args.max_samples)]
+            out_dir = None
+        for dev, ms in rows:
+            out = (out_dir / f"{dev}.toml") if out_dir else (args.out if not args.devices else None)
+            creds, path = sec.enroll(dev, broker=args.broker_url, max_samples=ms or args.max_samples, out=out)
+            tls = "TLS client certificate, " if creds.cert else ""
+            print(f"enrolled {dev} in job {args.job}: {tls}password and MAC key in {path} (mode 0600; "
+                  f"broker {creds.broker}); on the device: fedbit-edge run --credentials {path.name} "
+                  f"--profile PROFILE --data DATA", flush=True)
+    except ConfigError as exc:
+        print(f"fedbit enroll: error: {exc}", file=sys.stderr)
+        return 1
+    if sec.reload_broker():
+        print("the job's running broker reloaded its password file", flush=True)
+    return 0
+
+
+def _cmd_revoke(args: argparse.Namespace) -> int:
+    from coordinator.security import JobSecurity
+    from edge_client.errors import ConfigError
+
+    try:
+        sec = JobSecurity(_security_dir(args), args.job)
+        if not sec.revoke(args.device_id):
+            raise ConfigError(f"{args.device_id!r} is not enrolled in job {args.job} ({sec.registry_path})")
+    except ConfigError as exc:
+        print(f"fedbit revoke: error: {exc}", file=sys.stderr)
+        return 1
+    reloaded = sec.reload_broker()
+    print(f"revoked {args.device_id}: removed from {sec.passwd_path} and {sec.registry_path}; "
+          + ("the job's running broker reloaded it (new connections are refused)" if reloaded else
+             "reload the broker (SIGHUP, systemctl reload mosquitto) to refuse its next connect"),
+          flush=True)
+    return 0
+
+
+def _broker_owns(path: Any) -> None:
+    """Make the persistence folder; hand it to the ``mosquitto`` user when we are root
+    (mosquitto started as root writes it as that user)."""
+    import os
+
+    path.mkdir(mode=0o700, exist_ok=True)
+    if hasattr(os, "geteuid") and os.geteuid() == 0:
+        import pwd
+
+        try:
+            u = pwd.getpwnam("mosquitto")
+        except KeyError:
+            return
+        os.chown(path, u.pw_uid, u.pw_gid)
+
+
+def _cmd_broker_config(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from coordinator.broker import DEFAULT_MAX_PACKET, parse_listen
+    from coordinator.security import JobSecurity, default_hosts
+    from edge_client.errors import ConfigError
+
+    try:
+        out = Path(args.out)
+        host, port = parse_listen(args.listen)
+        tls = args.security == "tls"
+        rows = _read_devices_csv(args.devices)
+        hosts = args.hostname or default_hosts(host)
+        sec = JobSecurity(out, args.job)
+        url = f"{'mqtts' if tls else 'mqtt'}://{hosts[0] if host in ('0.0.0.0', '::') else host}:{port}"
+        if tls:
+            sec.ensure_server_cert(hosts)
+        sec.save_job_info(url, tls)
+        sec.coordinator(url, tls=tls)
+        for dev, ms in rows:
+            sec.enroll(dev, broker=url, max_samples=ms)
+        max_packet = args.max_payload + 65536 if args.max_payload else DEFAULT_MAX_PACKET
+        conf = out / "mosquitto.conf"
+        conf.write_text(sec.mosquitto_conf(host=host, port=port, tls=tls, workdir=out / "data",
+                                           max_packet_size=max_packet))
+        _broker_owns(out / "data")
+    except ConfigError as exc:
+        print(f"fedbit broker-config: error: {exc}", file=sys.stderr)
+        return 1
+    print(f"""broker configuration for job {args.job} in {out}:
+  {conf}            mosquitto.conf ({'TLS with client certificates, ' if tls else ''}passwords, ACL, persistence)
+  {out / 'devices'}/<id>.toml   {len(rows)} device credentials file(s): copy each to its device (mode 0600)
+  {sec.coordinator_path}   the coordinator's credentials
+run the broker:     mosquitto -c {conf}   (or as a service with this file; started as root it reads
+                    passwd, acl and server.key as user mosquitto: they are group-readable to it)
+run the job:        fedbit serve --broker {url} --credentials {sec.coordinator_path} --out RUN ...
+on each device:     fedbit-edge run --credentials ID.toml --profile PROFILE --data DATA
+devices dial {url}; the server certificate names {', '.join(hosts) if tls else '(no TLS)'}.
+later:              fedbit enroll ID --security-dir {out} / fedbit revoke ID --security-dir {out},
+                    then reload the broker (kill -HUP its pid; systemctl reload mosquitto)""", flush=True)
+    return 0
+
+
