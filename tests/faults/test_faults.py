@@ -61,7 +61,9 @@ def test_coordinator_killed_around_an_ack(mosquitto: MosquittoBroker, tmp_path: 
     def body(run: Run, trial: int) -> None:
         k = 1 + (2 + trial) % UPDATES  # the 3rd update first: round 2's first
         kill_then_resume(run, f"{point}:{k}")
-        if point == "before_ack":
+        if point == "before_ack" and (k - 1) // len(DEVICES) + 1 < R:
+            # (in the last round the run may end before the broker redelivers it: then it
+            # stays in the broker's session, counted once all the same)
             lines = RunState(run.out).read_metrics()
             dropped = sum(m["counts"].get("dropped_duplicate", 0) + m["counts"].get("dropped_late", 0)
                           for m in lines)
