@@ -222,7 +222,10 @@ def _cmd_emulate(args: argparse.Namespace) -> int:
     finally:
         for b in bars:
             b.close()
-    print(summary.read_text(), flush=True)
+    text = summary.read_text()
+    # the result (a single run) or the whole table (a sweep); the rest is in the file
+    start = text.find("## Result")
+    print(text[start:text.find("\n## ", start + 1)] if start >= 0 else text, flush=True)
     print(f"fedbit emulate: report: {summary} (plots beside it); run folder kept: {out}", flush=True)
     return 0
 
