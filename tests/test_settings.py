@@ -466,3 +466,35 @@ def test_a_device_reports_what_it_cannot_honour(tmp_path):
     assert set(upd.not_applied) == {"foo", "lr", "ws", "codec_bits"}
     assert "unknown" in upd.not_applied["foo"] and "range" in upd.not_applied["lr"]
     assert {(t.codec, t.bits) for t in upd.tensors} == {("float16", 16)}  # announced codec
+
+
+def test_round_settings_device_rules():
+    from edge_client.hparams import round_settings
+
+    st = round_settings({}, variant="int8", codec="danuq", codec_bits=2)
+    assert st.content == "delta" and st.not_applied == {}  # DANUQ quantizes the update
+    st = round_settings({}, variant="float32", codec="kmeans", codec_bits=4)
+    assert (st.content, st.kmeans_method, st.lr, st.ws) == ("weights", "fast", None, None)
+    st = round_settings({"codec": "danuq", "lr_scale": 0.5, "lr_scale.int8": 0.25, "lr_shift": 2,
+                         "grad_clip": 1.0}, variant="int8", codec="int", codec_bits=8)
+    assert (st.codec, st.codec_bits, st.content) == ("danuq", 8, "delta")  # bits clamped to 1..8
+    assert (st.lr_scale, st.lr_shift, st.grad_clip) == (0.25, 2, None)
+    st = round_settings({"lr_scale.int8": 0.25, "lr_shift": 2, "codec": "int"}, variant="float32",
+                        codec="float32", codec_bits=32)
+    assert (st.lr_scale, st.lr_shift, st.codec) == (1.0, None, "float32")
+    assert set(st.not_applied) == {"codec"}
+
+
+def test_update_not_applied_on_the_wire_is_optional_and_checked():
+    import msgpack
+
+    from edge_client.errors import ProtocolError
+    from edge_client.protocol import Update, encode_message, float32_tensor
+
+    t = (float32_tensor(np.zeros(3, np.float32)),)
+    body = msgpack.unpackb(encode_message(Update("d", 1, 5, 32, "weights", t, not_applied={"ws": "no"})))
+    assert decode_message(msgpack.packb(body)).not_applied == {"ws": "no"}
+    old = {k: v for k, v in body.items() if k != "not_applied"}  # an older device's update
+    assert decode_message(msgpack.packb(old)).not_applied == {}
+    with pytest.raises(ProtocolError, match="not_applied"):
+        decode_message(msgpack.packb(body | {"not_applied": {"ws": 1}}))
