@@ -134,7 +134,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             tls = TlsOptions(args.ca, args.cert, args.key, args.insecure)
         fleet = MqttFleet(url, args.job, username=username, password=args.password, tls=tls,
                           protocol=args.mqtt_version, max_payload=limits.max_payload_bytes + 65536)
-        evaluator = make_evaluator(args.model, _eval_data(args.eval_data), seed=args.seed)
+        evaluator = make_evaluator(args.model, _eval_data(args.eval_data), seed=args.seed,
+                                   weight_standardization=bool(
+                                       strategy.device_hparams(cfg.hparams).get("ws", False)))
         progress = None if args.quiet else ProgressDisplay(args.rounds)
         coord = Coordinator(cfg, fleet, strategy, RunState(args.out), evaluator=evaluator,
                             init_weights=init_shared(spec, args.seed), on_event=progress,

@@ -160,6 +160,8 @@ class Collector:
             self._refused(exc, "update", device_id)
             return False
         assert rnd is not None
+        if eu.not_applied:
+            self._not_applied(device_id, rnd.round_id, eu.not_applied)
         if not replay:
             # persisted and synced by handle_batch (or its committer), then acked. A crash
             # before the sync leaves the update unacked: the broker redelivers it.
@@ -169,6 +171,17 @@ class Collector:
         self.on_event("update", {"round": rnd.round_id, "device": device_id,
                                  "accepted": len(rnd.accepted), "selected": len(rnd.selected)})
         return True
+
+    def _not_applied(self, device_id: str, round_id: int, items: dict[str, str]) -> None:
+        """An accepted update whose device reports announced hyper-parameters it did not
+        apply: logged, and counted per key (``not_applied_<key>``)."""
+        for key in items:
+            self.counts[f"not_applied_{key}"] += 1
+            self.totals[f"not_applied_{key}"] += 1
+        self.log.warning("round %d: %r did not apply %s", round_id, device_id,
+                         "; ".join(f"{k} ({v})" for k, v in items.items()),
+                         extra={"event": "not_applied", "round": round_id, "device": device_id,
+                                "keys": sorted(items)})
 
     def _refused(self, exc: Rejected, kind: str, device_id: str) -> None:
         self.counts[exc.metric] += 1

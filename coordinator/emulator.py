@@ -519,7 +519,8 @@ class Emulator:
             registrar.connect(timeout=30.0)
             host.register(registrar)
             coord = Coordinator(server_cfg, fleet, strategy, RunState(self.run_dir / "out"),
-                                evaluator=make_evaluator(cfg.model, data.test, seed=seed),
+                                evaluator=make_evaluator(cfg.model, data.test, seed=seed, weight_standardization=bool(
+                                    strategy.device_hparams(cfg.train).get("ws", False))),
                                 init_weights=init_shared(get_spec(cfg.model), seed), on_event=self.on_event,
                                 logger=log.getChild("server"))
             history = coord.run()

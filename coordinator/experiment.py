@@ -171,7 +171,7 @@ def _check_type(key: str, v: Any, tp: type | tuple[type, ...], bad) -> None:
 
 
 def _check_values(cfg: ExperimentConfig, bad) -> None:
-    from coordinator.strategies import available_strategies
+    from coordinator.strategies import available_strategies, build_strategy
     from firmware_models import MODELS
 
     if cfg.model not in MODELS:
@@ -226,6 +226,10 @@ def _check_values(cfg: ExperimentConfig, bad) -> None:
     for key, t in cfg.train.items():
         if isinstance(t, dict | list):
             raise bad(f"train.{key}", "must be a number, boolean or string")
+    try:  # the strategy's parameters, and the announced settings as the coordinator checks them
+        build_strategy(cfg.strategy, **cfg.strategy_params).device_hparams(cfg.train)
+    except ConfigError as exc:
+        raise bad("[strategy_params] / [train]", str(exc)) from None
     if not 0 <= cfg.target_accuracy <= 1:
         raise bad("target_accuracy", f"must be in (0, 1] (0: none), got {cfg.target_accuracy}")
     for key, values in cfg.sweep.items():

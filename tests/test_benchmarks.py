@@ -20,6 +20,8 @@ WANTED = {
                        ("N=10,000", "coordinator_seconds")],
     "codecs": [("kmeans-8", "encode_ms"), ("kmeans-4", "encode_ms"), ("asym-8", "encode_ms"),
                ("kmeans-4", "mse")],
+    "regularizer_strength": [("int8 fedprox", "relative_pull"), ("int16 fedprox", "relative_pull"),
+                             ("int8 fedfor", "penalty_drop")],
     "round_overhead": [("fedshift_cnn asym-4", "updates_per_s"), ("20 devices", "coordinator_seconds_per_round")],
     "train_throughput": [("fedshift_cnn int8", "throughput"), ("digits_cnn int8", "throughput"),
                          ("fedshift_cnn int8", "rss"), ("fedshift_cnn int8", "warm_start_s")],
