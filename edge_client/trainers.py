@@ -457,7 +457,7 @@ class TorchTrainer:
         gsteps = None
         if fedfor_alpha > 0 and last_global_step is not None:
             gsteps = [torch.from_numpy(np.asarray(g, dtype=np.float32)) for g in last_global_step]
-        opt = torch.optim.SGD(self.params, lr=lr, momentum=momentum)
+        buffers: list = [None] * len(self.params)  # momentum buffers, fresh each call
         x_all = torch.from_numpy(np.ascontiguousarray(data.x, dtype=np.float32))
         y_all = torch.from_numpy(np.ascontiguousarray(data.y, dtype=np.int64))
         total = 0.0
@@ -465,7 +465,9 @@ class TorchTrainer:
         for idx in _batches(len(data), batch, n_steps, rng):
             ti = torch.from_numpy(idx)
             xb, yb = x_all[ti], y_all[ti]
-            opt.zero_grad(set_to_none=False)
+            for p in self.params:
+                if p.grad is not None:
+                    p.grad.zero_()
             loss = self._loss(self.forward(xb, ws), yb)
             loss.backward()
             if grad_clip > 0:
@@ -480,8 +482,8 @@ class TorchTrainer:
                             g = gsteps[i]
                             p.grad.add_(torch.where(g * d > 0, g, torch.zeros_like(g)),
                                         alpha=fedfor_alpha)
-            opt.step()
             with torch.no_grad():
+                _sgd_step(self.params, buffers, lr, momentum)
                 for p in self.params:
                     p.clamp_(-self.clip, self.clip)
             total += float(loss.detach()) * len(idx)
@@ -505,6 +507,22 @@ class TorchTrainer:
                 total += float(self._loss(logits, yb)) * len(yb)
                 hits += int((logits.argmax(dim=1) == yb).sum())
         return total / len(data), hits / len(data)
+
+
+def _sgd_step(params: list, buffers: list, lr: float, momentum: float) -> None:
+    """One step of SGD with momentum, as ``torch.optim.SGD`` computes it (dampening 0, no
+    Nesterov, no weight decay; the same operations, so the same bits): ``b <- grad`` on the
+    first step, then ``b <- momentum * b + grad``; ``p <- p - lr * b``. Written out because
+    constructing ``torch.optim.SGD`` imports ``torch._dynamo`` (~70 MB of RSS on a device)."""
+    for i, p in enumerate(params):
+        g = p.grad
+        if momentum:
+            if buffers[i] is None:
+                buffers[i] = g.detach().clone()
+            else:
+                buffers[i].mul_(momentum).add_(g)
+            g = buffers[i]
+        p.add_(g, alpha=-lr)
 
 
 def make_trainer(spec: ModelSpec | str, bits: int, seed: int = 0, **hparams) -> Trainer:
