@@ -16,6 +16,10 @@ ROOT = Path(__file__).resolve().parent.parent
 WANTED = {
     "aggregate": [("fedshift n=", "throughput"), ("prowd-swa", "throughput"), ("wire tensors", "throughput"),
                   ("vs 10 updates", "rss")],
+    "inference": [("int8 onnxruntime batch 1", "throughput"), ("int8 onnxruntime batch 32", "throughput"),
+                  ("int8 onnxruntime batch 1", "throughput_vs_float"),
+                  ("int8 onnxruntime batch 32", "throughput_vs_float"),
+                  ("int8 numba engine batch 1", "throughput"), ("int8 numba engine batch 32", "throughput")],
     "codecs": [("kmeans-8", "encode_ms"), ("kmeans-4", "encode_ms"), ("asym-8", "encode_ms"),
                ("kmeans-4", "mse")],
     "round_overhead": [("fedshift_cnn asym-4", "updates_per_s"), ("20 devices", "coordinator_seconds_per_round")],
