@@ -159,7 +159,7 @@ def _export_finished_run(run_dir: str) -> None:
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
-    from coordinator.export import ONNX_DIR, export_model, export_run, load_final
+    from coordinator.export import ONNX_DIR, export_model, export_run, load_final, variant_name
     from edge_client.errors import ConfigError
 
     try:
@@ -171,8 +171,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
         else:
             ckpt = load_final(args.run_dir, args.round)
             bits = 8 if args.bits is None else args.bits
-            variant = "float32" if bits == 32 else f"int{bits}"
-            out = args.out or f"{args.run_dir}/{ONNX_DIR}/{variant}.onnx"
+            out = args.out or f"{args.run_dir}/{ONNX_DIR}/{variant_name(bits)}.onnx"
             paths = [export_model(ckpt, bits, out)]
     except ConfigError as exc:
         print(f"fedbit export: error: {exc}", file=sys.stderr)

@@ -22,7 +22,6 @@ import numpy as np
 from coordinator.state import Checkpoint, RunState, atomic_write
 from edge_client.errors import ConfigError, FedbitError
 from edge_client.protocol import (
-    FLOAT_VARIANT,
     Limits,
     ModelMessage,
     encode_message,
@@ -77,12 +76,11 @@ def variant_weights(ckpt: Checkpoint, bits: int) -> list[np.ndarray]:
     return [np.asarray(w, dtype=np.float32) for w in ws]
 
 
-def _variant(bits: int) -> str:
-    if bits == 32:
-        return FLOAT_VARIANT
-    if isinstance(bits, bool) or not 2 <= int(bits) <= 16:
+def variant_name(bits: int) -> str:
+    """``int<s>`` for 2 <= s <= 16, ``float32`` for 32; ConfigError otherwise."""
+    if isinstance(bits, bool) or not (bits == 32 or 2 <= int(bits) <= 16):
         raise ConfigError(f"--bits must be 2..16 or 32 (float32), got {bits}")
-    return f"int{int(bits)}"
+    return model_variant(int(bits), "int")
 
 
 def export_model(ckpt: Checkpoint, bits: int, out: str | Path) -> Path:
@@ -90,7 +88,7 @@ def export_model(ckpt: Checkpoint, bits: int, out: str | Path) -> Path:
     message when ``out`` ends in ``.msgpack``. Returns the path."""
     from coordinator.variants import model_tensors
 
-    variant = _variant(bits)
+    variant = variant_name(bits)
     spec = _spec(ckpt)
     weights = variant_weights(ckpt, bits)
     out = Path(out)
@@ -123,4 +121,4 @@ def export_run(run_dir: str | Path, bitwidths: Sequence[int] | None = None) -> l
     ckpt = load_final(run_dir)
     out_dir = Path(run_dir) / ONNX_DIR
     bits_list = list(bitwidths) if bitwidths is not None else run_bitwidths(ckpt)
-    return [export_model(ckpt, b, out_dir / f"{_variant(b)}.onnx") for b in bits_list]
+    return [export_model(ckpt, b, out_dir / f"{variant_name(b)}.onnx") for b in bits_list]

@@ -68,7 +68,9 @@ class LoadedModel:
 
     @property
     def variant(self) -> str:
-        return "float32" if self.bits == 32 else f"int{self.bits}"
+        from edge_client.protocol import model_variant
+
+        return model_variant(self.bits, "int")
 
 
 # ============================================================================ model files
