@@ -144,6 +144,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         print(f"fedbit serve: job {args.job}, model {args.model}, strategy {args.strategy}, "
               f"{args.rounds} round(s), out {args.out}", flush=True)
         history = coord.run(resume=args.resume)
+        _export_finished_run(args.out)
         last = history[-1] if history else {}
         print(json.dumps({"rounds": len(history), "final_accuracy": last.get("accuracy"),
                           "broker": fleet.describe(), "metrics": str(coord.state.metrics_path)}),
@@ -156,6 +157,50 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     finally:
         if broker is not None:
             broker.stop()
+
+
+def _export_finished_run(run_dir: str) -> None:
+    """After a complete run: the ONNX export of every bitwidth variant of the final model
+    into ``RUN_DIR/onnx/`` (a note on stderr when onnx is not installed or the export
+    fails; the run itself succeeded and ``fedbit export`` can be run again)."""
+    import importlib.util
+
+    from coordinator.export import export_run
+    from edge_client.errors import ConfigError
+
+    if importlib.util.find_spec("onnx") is None:
+        print("fedbit serve: note: no ONNX export of the final model (pip install "
+              "'fedbit[onnx]', then `fedbit export RUN_DIR --all`)", file=sys.stderr)
+        return
+    try:
+        paths = export_run(run_dir)
+    except ConfigError as exc:
+        print(f"fedbit serve: ONNX export failed: {exc}", file=sys.stderr)
+        return
+    print(f"onnx: {', '.join(str(p) for p in paths)}", flush=True)
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    from coordinator.export import ONNX_DIR, export_model, export_run, load_final, variant_name
+    from edge_client.errors import ConfigError
+
+    try:
+        if args.all:
+            if args.out or args.bits is not None or args.round is not None:
+                raise ConfigError("--all writes every variant of the final model to "
+                                  f"RUN_DIR/{ONNX_DIR}/: no --bits, --out or --round with it")
+            paths = export_run(args.run_dir)
+        else:
+            ckpt = load_final(args.run_dir, args.round)
+            bits = 8 if args.bits is None else args.bits
+            out = args.out or f"{args.run_dir}/{ONNX_DIR}/{variant_name(bits)}.onnx"
+            paths = [export_model(ckpt, bits, out)]
+    except ConfigError as exc:
+        print(f"fedbit export: error: {exc}", file=sys.stderr)
+        return 1
+    for p in paths:
+        print(p, flush=True)
+    return 0
 
 
 def _cmd_broker(args: argparse.Namespace) -> int:
@@ -310,6 +355,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", default="info")
     p.add_argument("--quiet", action="store_true", help="no progress display")
     p.set_defaults(func=_cmd_serve)
+
+    p = sub.add_parser("export", help="export a run's final model (ONNX or a model message)",
+                       description="Write a bitwidth variant of a run's final global model: "
+                                   "ONNX (integer graph bit-exact with the Numba engine, or "
+                                   "float32), or the model message a device downloads "
+                                   "(an --out ending in .msgpack).")
+    p.add_argument("run_dir", metavar="RUN_DIR", help="the run directory (fedbit serve --out)")
+    p.add_argument("--bits", type=int, default=None,
+                   help="compute bitwidth of the variant, 2..16, or 32 for float32 (default 8)")
+    p.add_argument("--out", metavar="FILE",
+                   help="output file (default RUN_DIR/onnx/<variant>.onnx; .msgpack: a model message)")
+    p.add_argument("--round", type=int, default=None, metavar="N",
+                   help="refuse unless N is the run's last completed round (the model a run keeps)")
+    p.add_argument("--all", action="store_true",
+                   help="every variant of the run (float32 and the devices' bitwidths) to RUN_DIR/onnx/")
+    p.set_defaults(func=_cmd_export)
 
     p = sub.add_parser("broker", help="run the embedded MQTT broker",
                        description="mosquitto child process (when on PATH) or amqtt, on loopback.")

@@ -530,6 +530,7 @@ class Emulator:
         finally:
             if broker is not None:
                 broker.stop()
+        info["onnx"] = _export(self.run_dir / "out")
         info["wall_seconds"] = time.monotonic() - t_start
         info["sim_seconds"] = fleet.sim_time
         (self.run_dir / "emulation.json").write_text(json.dumps(info, indent=1))
@@ -572,6 +573,22 @@ class Emulator:
                          "samples": len(d.shard), "class_counts": counts[i].tolist()}
                         for i, d in enumerate(devices)],
         }
+
+
+def _export(run_dir: Path) -> list[str] | str:
+    """The ONNX export of every bitwidth variant of the final model into ``RUN_DIR/onnx/``,
+    as ``fedbit serve`` writes it (the paths; or why not: onnx missing, an export error)."""
+    import importlib.util
+
+    if importlib.util.find_spec("onnx") is None:
+        return "skipped: onnx is not installed (pip install 'fedbit[onnx]')"
+    from coordinator.export import export_run
+
+    try:
+        return [p.name for p in export_run(run_dir)]
+    except Exception as exc:  # noqa: BLE001 - the run itself succeeded; say why there is no export
+        log.warning("no ONNX export of %s: %s", run_dir, exc)
+        return f"failed: {type(exc).__name__}: {exc}"
 
 
 def _one_thread_torch() -> None:
