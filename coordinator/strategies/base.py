@@ -20,7 +20,7 @@ from coordinator.strategies.checks import (
     check_header,
     check_shapes,
     check_sigma_loc,
-    integer_scale,
+    unit_value,
 )
 from coordinator.strategies.combine import Combiner, RoundSums
 from coordinator.strategies.decode import decode_update
@@ -121,7 +121,7 @@ class Strategy:
             except ProtocolError as exc:
                 raise ProtocolError(f"{who}: tensors[{i}]: {exc}", reason=exc.reason) from None
             # an integer device's own integers q: q / 2^(s_g - 1) in the shared domain
-            adders.append(add.scaled(integer_scale(update.compute_bits))
+            adders.append(add.scaled(unit_value(t, update.compute_bits))
                           if t.dtype in INTEGER_DTYPES else add)
         self._sums.add_encoded(int(update.compute_bits), adders, self._omega(update),
                                update.kind == "delta", key=update.device_id)
