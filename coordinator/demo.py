@@ -73,7 +73,7 @@ def run_demo(*, rounds: int = 8, devices: str = DEFAULT_DEVICES,
                            round_timeout_s=max(30.0, timeout / 2),
                            presence_timeout_s=60.0, hparams={"epochs": epochs, "batch": 32})
         fleet = MqttFleet(broker.url, "demo", username="fedbit-coordinator")
-        coord = Coordinator(cfg, fleet, build_strategy(strategy), RunState(run_dir / "out"),
+        coord = Coordinator(cfg, fleet, build_strategy(strategy, model=model), RunState(run_dir / "out"),
                             evaluator=make_evaluator(model, load_digits("test")),
                             init_weights=init_shared(spec, 0), on_event=ProgressDisplay(rounds))
         history = coord.run()
