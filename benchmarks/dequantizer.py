@@ -235,21 +235,23 @@ def time_apply(run: Run, split: int, reps: int) -> None:
 
 
 def sweep(run: Run, split: int) -> None:
-    """What was tried to make the dequantizer help: one line per configuration and input."""
-    ladders = {"fleet": (6, 8, 12, 16, 32), "paper": (2, 4, 8, 16, 32)}
+    """What was tried to make the dequantizer help: one line per configuration, ladder and
+    input (the paper's ladders, single steps straight to the float weights; block size,
+    epochs, learning rate, optimizer, λ, the buffer, the residual form, 3x3 sub-networks)."""
+    ladders = {"fleet": (6, 8, 12, 16, 32), "paper": (2, 4, 8, 16, 32), "2->32": (2, 32),
+               "6->32": (6, 32), "8->32": (8, 32)}
     configs = [
+        ("defaults", {}),
         ("epochs=20", {"epochs": 20}),
         ("block=2x4x4", {"block": (2, 4, 4)}),
         ("block=2x4x4 epochs=20", {"block": (2, 4, 4), "epochs": 20}),
-        ("block=2x4x4 lr=0.1 epochs=20", {"block": (2, 4, 4), "lr": 0.1, "epochs": 20}),
-        ("block=2x4x4 adam lr=1e-3 epochs=20", {"block": (2, 4, 4), "optimizer": "adam", "lr": 1e-3, "epochs": 20}),
-        ("block=2x16x16", {"block": (2, 16, 16)}),
+        ("block=2x4x4 lr=0.1", {"block": (2, 4, 4), "lr": 0.1}),
+        ("block=2x4x4 adam lr=1e-3", {"block": (2, 4, 4), "optimizer": "adam", "lr": 1e-3}),
         ("block=4x8x8", {"block": (4, 8, 8)}),
         ("lam=0", {"lam": 0.0}),
         ("buffer=digits:test", {"buffer": "digits:test"}),
         ("residual=literal", {"residual": "literal"}),
-        ("kernel=3 block=2x16x16", {"kernel": 3, "block": (2, 16, 16)}),
-        ("tau=0.5 block=2x4x4 lr=0.1 epochs=20", {"tau": 0.5, "block": (2, 4, 4), "lr": 0.1, "epochs": 20}),
+        ("kernel=3", {"kernel": 3}),
     ]
     for label, params in configs:
         report_l1(run, split, params, f" [{label}]", ladders, {"sweep": True})

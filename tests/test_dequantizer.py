@@ -120,8 +120,12 @@ def test_blocks_round_trip_for_every_model_spec(name: str) -> None:
     weights = init_shared(spec, 1)
     for block, modules in (((2, 16, 16), False), ((64, 24, 24), True), ((4, 8, 8), False)):
         layout = BlockLayout(spec.param_shapes(), block, modules)
-        _, mask, owner, index = layout.cut_model(weights)
-        assert len(owner) == layout.n_blocks and mask.sum() == spec.param_count
+        blocks, layers, ks = layout.cut_model(weights)
+        assert len(blocks) == len(layers) == len(ks) == layout.n_blocks
+        assert sum(layout.mask(i).sum() for i in range(len(weights))) == spec.param_count
+        index = layout.model_index(layers, ks)
+        flat = np.concatenate([w.reshape(-1) for w in weights])
+        np.testing.assert_array_equal(blocks.reshape(len(blocks), -1)[index >= 0], flat[index[index >= 0]])
         real = index[index >= 0]
         assert real.size == spec.param_count and np.array_equal(np.sort(real), np.arange(spec.param_count))
         for i, w in enumerate(weights):

@@ -14,6 +14,7 @@ from coordinator.strategies.decode import decode_update
 from coordinator.variants import model_messages
 from edge_client.codecs import decode, encode
 from edge_client.data import digits_shard, load_digits
+from edge_client.errors import CodecError
 from edge_client.intnn import TERNARY_WEIGHT, IntModel, alpha_shifts, init_shared
 from edge_client.protocol import Limits, RoundAnnouncement, decode_message, model_variant
 from edge_client.runtime import DeviceConfig, DeviceRuntime
@@ -58,6 +59,10 @@ def test_int8_ternary_codes_decode_at_the_ternary_weight_value() -> None:
     sent = encode(t, "ternary", scale=0.25)
     assert sent.dtype == "float32" and sent.aux == {"scale": 0.25} and len(sent.data) == 1
     np.testing.assert_array_equal(decode(sent), 0.25 * t)
+    with pytest.raises(CodecError, match="threshold"):  # only the scale applies to codes
+        encode(t, "ternary", threshold=0.1, scale=0.5)
+    with pytest.raises(CodecError, match="scale"):
+        encode(t, "ternary", scale=-1.0)
 
 
 @pytest.mark.parametrize("bits", [6, 8, 16])

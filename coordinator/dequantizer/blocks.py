@@ -83,19 +83,23 @@ class BlockLayout:
         m[:self.sizes[i]] = True
         return m.reshape(self.counts[i], *self.block)
 
-    def model_index(self, i: int) -> np.ndarray:
-        """int64 [counts[i], D]: each block element's index in the model's concatenated
-        flat weights (spec order), -1 for padding."""
-        perm = self.perms[i]
-        local = perm if perm is not None else np.arange(self.sizes[i], dtype=np.int64)
-        out = np.full(self.counts[i] * self.size, -1, np.int64)
-        out[:local.size] = local + self.offsets[i]
-        return out.reshape(self.counts[i], self.size)
+    def model_index(self, layers: np.ndarray, ks: np.ndarray) -> np.ndarray:
+        """int64 [len(layers), D]: for block ``ks[r]`` of layer ``layers[r]``, each element's
+        index in the model's concatenated flat weights (spec order), -1 for padding."""
+        local = ks.astype(np.int64)[:, None] * self.size + np.arange(self.size, dtype=np.int64)
+        out = np.empty(local.shape, np.int64)
+        for r, i in enumerate(layers):
+            perm = self.perms[int(i)]
+            if perm is not None:
+                out[r] = perm[local[r]] + self.offsets[i]
+            else:
+                out[r] = np.where(local[r] < self.sizes[i], local[r] + self.offsets[i], -1)
+        return out
 
-    def cut_model(self, weights: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """Every layer's blocks: (blocks float32 [N, C, H, W], mask bool [N, C, H, W],
-        layer index int64 [N], model index int64 [N, D])."""
-        blocks = [self.cut(i, w) for i, w in enumerate(weights)]
-        return (np.concatenate(blocks), np.concatenate([self.mask(i) for i in range(len(self.shapes))]),
-                np.repeat(np.arange(len(self.shapes), dtype=np.int64), self.counts),
-                np.concatenate([self.model_index(i) for i in range(len(self.shapes))]))
+    def cut_model(self, weights: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Every layer's blocks: (blocks float32 [N, C, H, W], layer int64 [N], block
+        number within its layer int64 [N]); :meth:`model_index` gives their positions."""
+        blocks = np.concatenate([self.cut(i, w) for i, w in enumerate(weights)])
+        layers = np.repeat(np.arange(len(self.shapes), dtype=np.int64), self.counts)
+        ks = np.concatenate([np.arange(c, dtype=np.int64) for c in self.counts])
+        return blocks, layers, ks

@@ -73,7 +73,7 @@ class DequantizerConfig:
     distill_batch: int = 32
     noise_std: float = 0.1
     pool_rounds: int = 3
-    models_per_round: int = 8
+    models_per_round: int = 4
     gate_margin: float = 0.0
     table_limit: int = 1 << 20
     clip: float = 0.5

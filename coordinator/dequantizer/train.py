@@ -65,17 +65,17 @@ def quantize_t(x: torch.Tensor, bits: int, clip: float) -> torch.Tensor:
 @dataclass
 class _Model:
     blocks: np.ndarray       # float32 [N, C, H, W]
-    mask: np.ndarray         # bool [N, C, H, W]
-    index: np.ndarray        # int64 [N, D], -1 = padding
-    flat: torch.Tensor       # float32 [n_params], the model's weights concatenated
+    layers: np.ndarray       # int64 [N]: the layer of each block
+    ks: np.ndarray           # int64 [N]: its number within the layer
+    flat: torch.Tensor | None  # float32 [n_params], the weights concatenated (distillation)
 
 
-def _prepare(layout: BlockLayout, models: Sequence[Sequence[np.ndarray]]) -> list[_Model]:
+def _prepare(layout: BlockLayout, models: Sequence[Sequence[np.ndarray]], flat: bool) -> list[_Model]:
     out = []
     for w in models:
-        blocks, mask, _, index = layout.cut_model(w)
-        flat = torch.from_numpy(np.concatenate([np.asarray(x, np.float32).reshape(-1) for x in w]))
-        out.append(_Model(blocks, mask, index, flat))
+        blocks, layers, ks = layout.cut_model(w)
+        f = torch.from_numpy(np.concatenate([np.asarray(x, np.float32).reshape(-1) for x in w])) if flat else None
+        out.append(_Model(blocks, layers, ks, f))
     return out
 
 
@@ -116,12 +116,12 @@ def _train(net: ProgressiveDequantizer, cfg: DequantizerConfig, layout: BlockLay
     t0 = time.perf_counter()
     rng = np.random.default_rng(seed)
     gen = torch.Generator().manual_seed(int(seed))
-    data = _prepare(layout, models)
+    use_distill = distill is not None and cfg.lam > 0
+    data = _prepare(layout, models, use_distill)
     params = list(net.parameters())
     opt = (torch.optim.Adam(params, lr=cfg.lr) if cfg.optimizer == "adam"
            else torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum))
     lad = cfg.ladder
-    use_distill = distill is not None and cfg.lam > 0
     sizes = [int(np.prod(s)) for s in layout.shapes]
     steps = seen = 0
     recon_sum = distill_sum = 0.0
@@ -132,7 +132,8 @@ def _train(net: ProgressiveDequantizer, cfg: DequantizerConfig, layout: BlockLay
         for k, idx in batches:
             m = data[k]
             x = torch.from_numpy(m.blocks[idx])
-            mask = torch.from_numpy(m.mask[idx]).to(x.dtype)
+            index = layout.model_index(m.layers[idx], m.ks[idx])  # -1 = padding
+            mask = torch.from_numpy(index >= 0).to(x.dtype).reshape(x.shape)
             n_real = mask.sum().clamp_min(1.0)
             q = [quantize_t(x, b, cfg.clip) for b in lad]
             recon = x.new_zeros(())
@@ -140,7 +141,7 @@ def _train(net: ProgressiveDequantizer, cfg: DequantizerConfig, layout: BlockLay
                 recon = recon + ((net.step(q[j], j) - q[j + 1]).abs() * mask).sum() / n_real
             loss = recon
             if use_distill:
-                d = _distill_loss(net, q[0], m, idx, distill, sizes, layout, cfg, gen)
+                d = _distill_loss(net, q[0], m, index, distill, sizes, layout, cfg, gen)
                 loss = loss + cfg.lam * d
                 distill_sum += float(d.detach())
             opt.zero_grad(set_to_none=True)
@@ -155,17 +156,19 @@ def _train(net: ProgressiveDequantizer, cfg: DequantizerConfig, layout: BlockLay
     return TrainStats(steps, seen, recon_sum, distill_sum, time.perf_counter() - t0)
 
 
-def _distill_loss(net: ProgressiveDequantizer, q0: torch.Tensor, m: _Model, idx: np.ndarray,
+def _distill_loss(net: ProgressiveDequantizer, q0: torch.Tensor, m: _Model, index: np.ndarray,
                   distill: Distillation, sizes: list[int], layout: BlockLayout, cfg: DequantizerConfig,
                   gen: torch.Generator) -> torch.Tensor:
-    """eq. 5 for one batch of one model's blocks (see the module docstring)."""
+    """eq. 5 for one batch of one model's blocks (``index``: their elements' positions in
+    the model, -1 = padding; see the module docstring)."""
+    assert m.flat is not None
     n = distill.inputs.shape[0]
     pick = torch.randint(n, (min(cfg.distill_batch, n),), generator=gen)
     u = distill.inputs[pick]
     if cfg.noise_std > 0:
         u = u + cfg.noise_std * torch.randn(u.shape, generator=gen)
-    deq = net(q0, 0).reshape(len(idx), -1)
-    gi = torch.from_numpy(m.index[idx])
+    deq = net(q0, 0).reshape(len(index), -1)
+    gi = torch.from_numpy(index)
     real = gi >= 0
     w_new = m.flat.index_put((gi[real],), deq[real])
     layers = [t.reshape(s) for t, s in zip(torch.split(w_new, sizes), layout.shapes, strict=True)]
