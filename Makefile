@@ -9,7 +9,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 EXTRAS ?= coordinator,data,dev
 
-.PHONY: demo test bench install lint clean
+.PHONY: demo test bench experiments install lint clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -31,8 +31,13 @@ test: install
 bench: install
 	$(PY) benchmarks/run_all.py --out benchmarks/results/latest.jsonl
 
+# The papers' experiments on the emulator (every config in experiments/, 3 seeds each);
+# results under runs/experiments/, summaries copied to benchmarks/results/experiments/.
+experiments: install
+	$(PY) experiments/run_all.py --out runs/experiments
+
 lint: install
-	$(PY) -m ruff check edge_client coordinator firmware_models hw_profiles tests benchmarks
+	$(PY) -m ruff check edge_client coordinator firmware_models hw_profiles tests benchmarks experiments
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis build *.egg-info

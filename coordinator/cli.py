@@ -1,8 +1,10 @@
 """``fedbit``: the coordinator-side command line.
 
-Subcommands: ``serve`` (the round loop), ``broker`` (the embedded broker on its own),
-``demo`` (broker + coordinator + a few mixed devices, a few rounds on digits). Heavy
-imports (numpy, torch, paho) happen inside the commands so ``fedbit --help`` stays fast.
+Subcommands: ``serve`` (the round loop), ``emulate`` (a whole fleet on this machine: the
+emulator, from a TOML experiment or the bundled default), ``demo`` (``emulate`` with the
+bundled default), ``report`` (plots and summaries of emulated runs), ``broker`` (the
+embedded broker on its own). Heavy imports (numpy, torch, paho) happen inside the
+commands so ``fedbit --help`` stays fast.
 """
 
 from __future__ import annotations
@@ -16,7 +18,6 @@ from dataclasses import replace
 from typing import Any
 
 from coordinator import __version__
-from coordinator.demo import DEFAULT_DEVICES
 
 
 def _kv(items: list[str] | None, what: str) -> dict[str, Any]:
@@ -39,6 +40,25 @@ def _kv(items: list[str] | None, what: str) -> dict[str, Any]:
                 except ValueError:
                     continue
         out[k] = val
+    return out
+
+
+def _toml_kv(items: list[str] | None) -> dict[str, Any]:
+    """``["k=v", ...]`` with TOML values (``5``, ``0.1``, ``true``, ``[0, 1]``, ``"x"``); a
+    bare word is a string."""
+    import tomllib
+
+    from edge_client.errors import ConfigError
+
+    out: dict[str, Any] = {}
+    for item in items or []:
+        k, sep, v = item.partition("=")
+        if not sep or not k.strip():
+            raise ConfigError(f"--set: {item!r} is not KEY=VALUE")
+        try:
+            out[k.strip()] = tomllib.loads(f"v = {v}")["v"]
+        except tomllib.TOMLDecodeError:
+            out[k.strip()] = v
     return out
 
 
@@ -114,7 +134,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             tls = TlsOptions(args.ca, args.cert, args.key, args.insecure)
         fleet = MqttFleet(url, args.job, username=username, password=args.password, tls=tls,
                           protocol=args.mqtt_version, max_payload=limits.max_payload_bytes + 65536)
-        evaluator = make_evaluator(args.model, _eval_data(args.eval_data), seed=args.seed)
+        evaluator = make_evaluator(args.model, _eval_data(args.eval_data), seed=args.seed,
+                                   weight_standardization=bool(
+                                       strategy.device_hparams(cfg.hparams).get("ws", False)))
         progress = None if args.quiet else ProgressDisplay(args.rounds)
         coord = Coordinator(cfg, fleet, strategy, RunState(args.out), evaluator=evaluator,
                             init_weights=init_shared(spec, args.seed), on_event=progress,
@@ -162,12 +184,75 @@ def _cmd_broker(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_demo(args: argparse.Namespace) -> int:
-    from coordinator.demo import run_demo
+def _cmd_emulate(args: argparse.Namespace) -> int:
+    import time
+    from pathlib import Path
 
-    return run_demo(rounds=args.rounds, devices=args.devices, kind=args.embedded,
-                    model=args.model, timeout=args.timeout, keep=args.keep,
-                    strategy=args.strategy)
+    from coordinator.experiment import load_config, run_experiment
+    from coordinator.logs import LiveProgress, setup_logging
+    from edge_client.errors import ConfigError
+
+    setup_logging(level=args.log_level)
+    _sigterm_to_exit()
+    try:
+        cfg = load_config(args.config, _toml_kv(args.set))
+    except ConfigError as exc:
+        print(f"fedbit emulate: error: {exc}", file=sys.stderr)
+        return 1
+    out = Path(args.out) if args.out else Path("runs") / f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    if out.exists() and any(out.iterdir()):
+        print(f"fedbit emulate: error: {out} is not empty: pick another --out", file=sys.stderr)
+        return 1
+    n_dev = sum(cfg.devices.values())
+    print(f"fedbit emulate: {cfg.name} ({cfg.source}): {n_dev} devices "
+          f"({', '.join(f'{n} {p}' for p, n in cfg.devices.items() if n)}), model {cfg.model}, "
+          f"strategy {cfg.strategy}, {cfg.rounds} rounds, transport {cfg.transport}, "
+          f"seeds {cfg.seeds}; run folder {out}", flush=True)
+    bars: list[LiveProgress] = []
+
+    def progress(rounds: int) -> LiveProgress | None:
+        if args.quiet:
+            return None
+        bars.append(LiveProgress(rounds))
+        return bars[-1]
+
+    try:
+        summary = run_experiment(cfg, out, on_event=progress, echo=lambda m: print(m, flush=True))
+    except (ConfigError, ConnectionError) as exc:
+        print(f"fedbit emulate: error: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        for b in bars:
+            b.close()
+    text = summary.read_text()
+    # the result (a single run) or the whole table (a sweep); the rest is in the file
+    start = text.find("## Result")
+    print(text[start:text.find("\n## ", start + 1)] if start >= 0 else text, flush=True)
+    print(f"fedbit emulate: report: {summary} (plots beside it); run folder kept: {out}", flush=True)
+    return 0
+
+
+def _cmd_report(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    from coordinator.report import write_report, write_sweep_report
+    from edge_client.errors import ConfigError
+
+    root = Path(args.run_dir)
+    try:
+        if (root / "out" / "metrics.jsonl").is_file():
+            summary = write_report(root)
+        elif (root / "results.json").is_file():
+            results = json.loads((root / "results.json").read_text())
+            summary = write_sweep_report(root, [(r["combination"], r["seed"], root / r["run"]) for r in results])
+        else:
+            raise ConfigError(f"{root}: not a run folder (no out/metrics.jsonl) nor a sweep folder (no results.json)")
+    except ConfigError as exc:
+        print(f"fedbit report: error: {exc}", file=sys.stderr)
+        return 1
+    print(f"fedbit report: {summary}")
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -235,19 +320,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kind", choices=["auto", "mosquitto", "amqtt"], default="auto")
     p.set_defaults(func=_cmd_broker)
 
-    p = sub.add_parser("demo", help="embedded broker + coordinator + mixed devices, a few rounds",
-                       description="Runs a coordinator and a few mixed devices (Int6, Int8, Int16, float32; "
-                                   "integer, K-means, ASYM and float32 uplinks) "
-                                   "as subprocesses on the embedded broker; prints accuracy per round.")
-    p.add_argument("--rounds", type=int, default=8)
-    p.add_argument("--devices", default=DEFAULT_DEVICES,
-                   help="comma-separated hardware profiles, one per device")
-    p.add_argument("--strategy", default="fedshift", help="aggregation strategy (see `fedbit serve --help`)")
-    p.add_argument("--model", default="digits_cnn")
-    p.add_argument("--embedded", choices=["auto", "mosquitto", "amqtt"], default="auto")
-    p.add_argument("--timeout", type=float, default=110.0, metavar="S", help="give up after S seconds")
-    p.add_argument("--keep", metavar="DIR", help="keep the run directory here")
-    p.set_defaults(func=_cmd_demo)
+    for name in ("emulate", "demo"):
+        if name == "emulate":
+            p = sub.add_parser("emulate", help="a whole fleet on this machine: devices, links, coordinator",
+                               description="Run an emulated fleet (real device runtimes, simulated links and "
+                                           "compute, the real coordinator) from a TOML experiment; without one, "
+                                           "the bundled default (20 mixed devices on non-IID digits). Writes a "
+                                           "run folder with metrics, plots and a summary.")
+            p.add_argument("config", nargs="?", help="experiment TOML file (default: the bundled one)")
+        else:
+            p = sub.add_parser("demo", help="`fedbit emulate` with the bundled default experiment",
+                               description="The bundled default experiment: what `make demo` runs.")
+            p.set_defaults(config=None)
+        p.add_argument("--out", metavar="DIR", help="run folder (default: runs/<name>-<time>)")
+        p.add_argument("--set", action="append", metavar="KEY=VALUE",
+                       help="override a config key, dotted for sections (rounds=5, round.deadline_s=20)")
+        p.add_argument("--quiet", action="store_true", help="no progress display")
+        p.add_argument("--log-level", default="warning")
+        p.set_defaults(func=_cmd_emulate)
+
+    p = sub.add_parser("report", help="plots and a summary of an emulated run (or sweep) folder",
+                       description="Writes accuracy.png, bytes.png and summary.md into a run folder, or the "
+                                   "sweep summary into a sweep folder.")
+    p.add_argument("run_dir", metavar="RUN_DIR")
+    p.set_defaults(func=_cmd_report)
     return parser
 
 

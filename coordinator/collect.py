@@ -27,6 +27,15 @@ from coordinator.state import RunState
 from edge_client.errors import ProtocolError
 
 
+def codec_label(tensors: Any) -> str:
+    """``<codec>-<bits>`` of an update's first layer (devices use one codec), ``mixed`` when
+    its layers use different codecs."""
+    codecs = {t.codec for t in tensors}
+    if len(codecs) != 1:
+        return "mixed" if codecs else "none"
+    return f"{tensors[0].codec}-{tensors[0].bits}"
+
+
 class Stopwatch:
     """Wall and CPU seconds the coordinator itself spends on a round (s)."""
 
@@ -75,6 +84,7 @@ class Collector:
         self.completed = 0  # the last closed round: older updates are late
         self.counts: Counter[str] = Counter()  # this round's refusals (and stragglers)
         self.totals: Counter[str] = Counter()
+        self.uplink_bytes: Counter[str] = Counter()  # this round's accepted payload bytes by codec
         self.clock = Stopwatch()
         #: most messages handled before they go to the committer, which syncs every batch
         #: queued since its last sync at once (group commit). Small batches let the sync
@@ -90,6 +100,7 @@ class Collector:
     def new_round(self) -> None:
         """Reset the per-round counters and the stopwatch (before selection)."""
         self.counts = Counter()
+        self.uplink_bytes = Counter()
         self.clock = Stopwatch()
 
     def open(self, rnd: OpenRound) -> None:
@@ -149,14 +160,28 @@ class Collector:
             self._refused(exc, "update", device_id)
             return False
         assert rnd is not None
+        if eu.not_applied:
+            self._not_applied(device_id, rnd.round_id, eu.not_applied)
         if not replay:
             # persisted and synced by handle_batch (or its committer), then acked. A crash
             # before the sync leaves the update unacked: the broker redelivers it.
             self._to_persist.append((rnd.round_id, device_id, payload))
         rnd.accepted[device_id] = time.monotonic()
+        self.uplink_bytes[codec_label(eu.tensors)] += len(payload)
         self.on_event("update", {"round": rnd.round_id, "device": device_id,
                                  "accepted": len(rnd.accepted), "selected": len(rnd.selected)})
         return True
+
+    def _not_applied(self, device_id: str, round_id: int, items: dict[str, str]) -> None:
+        """An accepted update whose device reports announced hyper-parameters it did not
+        apply: logged, and counted per key (``not_applied_<key>``)."""
+        for key in items:
+            self.counts[f"not_applied_{key}"] += 1
+            self.totals[f"not_applied_{key}"] += 1
+        self.log.warning("round %d: %r did not apply %s", round_id, device_id,
+                         "; ".join(f"{k} ({v})" for k, v in items.items()),
+                         extra={"event": "not_applied", "round": round_id, "device": device_id,
+                                "keys": sorted(items)})
 
     def _refused(self, exc: Rejected, kind: str, device_id: str) -> None:
         self.counts[exc.metric] += 1

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import asdict
 from typing import Any
 
-from edge_client.protocol import Hello, Presence
+from edge_client.protocol import FLOAT_VARIANT, Hello, Presence, model_variant
 
 
 class DeviceRegistry:
@@ -18,26 +19,55 @@ class DeviceRegistry:
     def __init__(self) -> None:
         self.hellos: dict[str, Hello] = {}
         self.online: set[str] = set()
+        self._variants: Counter[str] = Counter()  # devices per model variant
+        self._state: dict[str, dict[str, Any]] = {}  # hellos as plain maps
+        #: a hello was added or changed since :meth:`to_state` was last saved
+        self.changed = False
+        self._present: list[str] | None = None  # cache of present(), dropped on any change
 
     def apply(self, m: Hello | Presence | None) -> None:
         """Record a checked hello (the device is then online) or presence message."""
         if isinstance(m, Hello):
-            self.hellos[m.device_id] = m
-            self.online.add(m.device_id)
+            old = self.hellos.get(m.device_id)
+            if old != m:
+                if old is not None:
+                    self._variants[model_variant(old.compute_bits, old.trainer)] -= 1
+                self.hellos[m.device_id] = m
+                self._variants[model_variant(m.compute_bits, m.trainer)] += 1
+                self._state[m.device_id] = asdict(m)
+                self.changed = True
+                self._present = None
+            self._set_online(m.device_id, True)
         elif isinstance(m, Presence):
-            (self.online.add if m.online else self.online.discard)(m.device_id)
+            self._set_online(m.device_id, m.online)
+
+    def _set_online(self, device_id: str, online: bool) -> None:
+        if (device_id in self.online) != online:
+            (self.online.add if online else self.online.discard)(device_id)
+            self._present = None
+
+    def variants(self) -> set[str]:
+        """The model variants the known devices run, ``float32`` always included."""
+        return {FLOAT_VARIANT} | {v for v, n in self._variants.items() if n > 0}
 
     def present(self) -> list[str]:
-        """Ids of devices that said hello and are online, sorted."""
-        return sorted(d for d in self.online if d in self.hellos)
+        """Ids of devices that said hello and are online, sorted (a new list)."""
+        if self._present is None:
+            self._present = sorted(d for d in self.online if d in self.hellos)
+        return list(self._present)
 
     def to_state(self) -> dict[str, dict[str, Any]]:
-        """The hellos as plain maps, for a checkpoint."""
-        return {d: asdict(h) for d, h in self.hellos.items()}
+        """The hellos as plain maps, for the run state (kept up to date by :meth:`apply`;
+        do not modify)."""
+        return self._state
 
     @classmethod
     def from_state(cls, state: dict[str, dict[str, Any]]) -> DeviceRegistry:
         """The registry a checkpoint recorded; every device offline until it speaks."""
         reg = cls()
-        reg.hellos = {d: Hello(**h) for d, h in state.items()}
+        for h in state.values():
+            reg.apply(Hello(**h))
+        reg.online.clear()
+        reg._present = None
+        reg.changed = False
         return reg

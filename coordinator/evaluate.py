@@ -1,26 +1,64 @@
-"""Evaluating a global model on a held-out set."""
+"""Evaluating the global model as each bitwidth group runs it, on a held-out set.
+
+A float32 device runs the shared weights through the float forward; an s-bit integer
+device runs ``from_shared(W, s)`` through the integer forward (ternary weights, shifts,
+s-bit activations). :class:`ModelEvaluator` scores every variant it is given with the
+same trainer code the devices use (``edge_client.trainers.make_trainer``), one trainer
+per variant, kept between rounds.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
 
-Evaluator = Callable[[list[np.ndarray]], tuple[float, float]]  # weights -> (loss, accuracy)
+from edge_client.protocol import variant_bits
+
+#: ``{variant: weights}`` -> ``{variant: (loss, accuracy)}``
+Evaluator = Callable[[Mapping[str, list[np.ndarray]]], dict[str, tuple[float, float]]]
 
 
-def make_evaluator(model: str, data: Any, *, seed: int = 0) -> Evaluator:
-    """``weights -> (loss, accuracy)`` on ``data`` with the float32 torch path
-    (``edge_client.trainers.make_trainer(spec, 32)``; torch is imported here, lazily)."""
-    from edge_client.trainers import make_trainer
-    from firmware_models import get_spec
+class ModelEvaluator:
+    """``{variant: shared-domain weights}`` -> ``{variant: (loss, accuracy in [0, 1])}``.
 
-    trainer = make_trainer(get_spec(model), 32, seed=seed)
+    Args:
+        model: the model spec's name.
+        data: the held-out ``edge_client.data.Dataset``.
+        seed: the trainers' seed (evaluation itself draws nothing).
+        weight_standardization: evaluate the float forward the devices train (FedWSQ's
+            ``ws``; integer variants are unaffected).
+    """
 
-    def evaluate(weights: list[np.ndarray]) -> tuple[float, float]:
-        trainer.load_shared([np.asarray(w, dtype=np.float32) for w in weights])
-        loss, acc = trainer.evaluate(data)
-        return float(loss), float(acc)
+    def __init__(self, model: str, data: Any, *, seed: int = 0, weight_standardization: bool = False) -> None:
+        self.model = model
+        self.data = data
+        self.seed = seed
+        self.weight_standardization = bool(weight_standardization)
+        self._trainers: dict[str, Any] = {}
 
-    return evaluate
+    def _trainer(self, variant: str) -> Any:
+        if variant not in self._trainers:
+            from edge_client.trainers import make_trainer
+            from firmware_models import get_spec
+
+            bits = variant_bits(variant)
+            extra = {"weight_standardization": True} if bits == 32 and self.weight_standardization else {}
+            self._trainers[variant] = make_trainer(get_spec(self.model), bits, seed=self.seed, **extra)
+        return self._trainers[variant]
+
+    def __call__(self, variants: Mapping[str, list[np.ndarray]]) -> dict[str, tuple[float, float]]:
+        out = {}
+        for v in sorted(variants):
+            trainer = self._trainer(v)
+            trainer.load_shared([np.asarray(w, dtype=np.float32) for w in variants[v]])
+            loss, acc = trainer.evaluate(self.data)
+            out[v] = (float(loss), float(acc))
+        return out
+
+
+def make_evaluator(model: str, data: Any, *, seed: int = 0, weight_standardization: bool = False) -> ModelEvaluator:
+    """A :class:`ModelEvaluator` of ``model`` on ``data`` (torch is imported lazily, for
+    the float32 variant only)."""
+    return ModelEvaluator(model, data, seed=seed, weight_standardization=weight_standardization)

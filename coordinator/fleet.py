@@ -88,6 +88,17 @@ class Fleet(ABC):
         (ConnectionError when that fails within the publish timeout)."""
         return None
 
+    def more_expected(self, round_id: int) -> bool:
+        """False once the fleet knows that no further update of round ``round_id`` will
+        arrive (an emulated fleet knows; a broker cannot): the round then closes without
+        waiting for its deadline."""
+        return True
+
+    def round_report(self, round_id: int) -> dict[str, Any]:
+        """Figures the fleet measured about round ``round_id`` (an emulated fleet's
+        simulated time, dropouts ...), merged into the round's metrics record."""
+        return {}
+
     @abstractmethod
     def recv(self, timeout: float) -> Inbound | None:
         """Next received message, or None after ``timeout`` seconds."""

@@ -12,8 +12,10 @@
    rule, once) -> ``Strategy.fold`` (into the running sums) -> the inbox, synced, then
    acked in the background. Refused messages are acked too (never redelivered), logged
    with their reason and counted. Stragglers past the deadline are excluded and counted;
-4. ``strategy.finish()`` -> new global weights (and per-group weights), evaluation on the
-   held-out set, atomic checkpoint, one metrics line, retained status.
+4. ``strategy.finish()`` -> new global weights (and per-group weights), evaluation of
+   every bitwidth variant the devices run on the held-out set, atomic checkpoint, one
+   metrics line (with the uplink bytes by codec and the fleet's own figures), retained
+   status.
 
 ``run(resume=True)`` continues from the checkpoint of the last completed round. When the
 coordinator died inside a round, that round's plan (same selection, same model digests)
@@ -48,6 +50,7 @@ from edge_client.protocol import (
     Status,
     encode_message,
     model_variant,
+    variant_bits,
 )
 
 log = logging.getLogger("fedbit.server")
@@ -66,7 +69,10 @@ class Coordinator:
         strategy: a ``coordinator.strategies`` strategy (``begin_round``/``fold``/
             ``finish``/``server_state``/``state_dict``/``load_state_dict``).
         state: the run directory.
-        evaluator: ``weights -> (loss, accuracy)`` on the held-out set (None: skipped).
+        evaluator: ``{variant: weights} -> {variant: (loss, accuracy)}`` on the held-out
+            set (``coordinator.evaluate.ModelEvaluator``; None: skipped). Every round it
+            scores each variant the known devices run; ``accuracy``/``loss`` of the record
+            are the float32 (global) model's, ``groups`` has them all.
         init_weights: the initial shared weights (``intnn.init_shared(spec, seed)``).
         on_event: progress callback ``(event, fields)``; events ``round_start``,
             ``update``, ``reject``, ``round_end``, ``waiting``.
@@ -76,7 +82,7 @@ class Coordinator:
                  evaluator: Evaluator | None, init_weights: list[np.ndarray],
                  on_event: Callable[[str, dict[str, Any]], None] | None = None,
                  logger: logging.Logger | None = None) -> None:
-        cfg.validate()
+        cfg.validate(strategy)
         self.cfg = cfg
         self.fleet = fleet
         self.strategy = strategy
@@ -108,7 +114,9 @@ class Coordinator:
         end = time.monotonic() + cfg.presence_timeout_s
         last_note = 0.0
         need = max(cfg.min_devices, cfg.min_present)
+        waited = False
         while len(devices.present()) < need:
+            waited = True
             if time.monotonic() >= end:
                 raise RoundError(f"only {len(devices.present())} device(s) present after "
                                  f"{cfg.presence_timeout_s:.0f} s; need {need}")
@@ -116,7 +124,8 @@ class Coordinator:
                 last_note = time.monotonic()
                 self.on_event("waiting", {"present": len(devices.present()), "need": need})
             self.collector.pump(min(end, time.monotonic() + 0.5))
-        self.collector.pump(time.monotonic() + 0.05)  # let hellos that arrive together settle
+        if waited:  # let hellos that arrive together settle
+            self.collector.pump(time.monotonic() + 0.05)
         present = devices.present()
         k = max(cfg.min_devices, min(cfg.max_devices, math.ceil(cfg.fraction * len(present))))
         idx = self.rng.choice(len(present), size=min(k, len(present)), replace=False)
@@ -153,7 +162,8 @@ class Coordinator:
             if plan is not None and digests != plan.variants:
                 raise ConfigError(f"round {r}: the resumed model differs from the announced one")
             plan = RoundPlan(round_id=r, selected=selected, deadline=time.time() + cfg.round_timeout_s,
-                             variants=digests, hparams=dict(cfg.hparams) | {"run": self.run_id},
+                             variants=digests, hparams=dict(plan.hparams) if resumed else
+                             self.strategy.device_hparams(cfg.hparams, hellos) | {"run": self.run_id},
                              started_at=time.time(), rng_state=json.dumps(self.rng.bit_generator.state))
             self.state.save_plan(plan)
             rnd = self.open_round(r, selected)
@@ -168,7 +178,8 @@ class Coordinator:
                       f", resumed with {replayed} update(s) from the inbox" if resumed else "",
                       extra={"event": "round_start", "round": r, "selected": selected})
         need = max(1, math.ceil(cfg.quorum * len(selected)))
-        col.pump(time.monotonic() + cfg.round_timeout_s, stop=lambda: len(rnd.accepted) >= need)
+        col.pump(time.monotonic() + cfg.round_timeout_s,
+                 stop=lambda: len(rnd.accepted) >= need or not self.fleet.more_expected(r))
         t_collect = time.monotonic()
         with clock.timed("announce"):
             self.fleet.flush()  # the announcement's PUBACKs (long arrived, as a rule)
@@ -193,7 +204,8 @@ class Coordinator:
                 self.log.warning("round %d: %d update(s) < min_updates %d; the model is unchanged",
                                  r, len(rnd.accepted), cfg.min_updates)
         te = time.perf_counter()
-        loss, acc = self.evaluator(self.weights) if self.evaluator else (float("nan"), float("nan"))
+        scores = self._evaluate()
+        loss, acc = scores.get(FLOAT_VARIANT, (math.nan, math.nan))
         eval_s = time.perf_counter() - te
         change = float(math.sqrt(sum(float(np.sum((a - b) ** 2)) for a, b in zip(self.weights, old, strict=True))))
         finite = lambda v: v if math.isfinite(v) else None  # noqa: E731
@@ -210,10 +222,15 @@ class Coordinator:
             "eval_seconds": eval_s, "announce_seconds": parts["announce"],
             "handle_seconds": clock.wall - parts["announce"] - parts["aggregate"],
             "counts": dict(col.counts), "stats": stats,
+            "groups": {v: {"loss": finite(lo), "accuracy": finite(ac)} for v, (lo, ac) in scores.items()},
+            "uplink_bytes": dict(col.uplink_bytes), **self.fleet.round_report(r),
         }
         with clock.timed("checkpoint"):
             self.completed = r
             col.close(r)
+            if col.devices.changed:
+                self.state.save_devices(col.devices.to_state())
+                col.devices.changed = False
             self.state.save_checkpoint(self._checkpoint(record))
             self.state.append_metrics(record)
             self.state.inbox_prune(r + 1)
@@ -231,6 +248,13 @@ class Coordinator:
                       extra={"event": "round_end", "round": r, "accuracy": record["accuracy"]})
         return record
 
+    def _evaluate(self) -> dict[str, tuple[float, float]]:
+        """(loss, accuracy) of every model variant the known devices run (float32 always)."""
+        if self.evaluator is None:
+            return {}
+        return self.evaluator({v: self.group_weights.get(variant_bits(v), self.weights)
+                               for v in self.collector.devices.variants()})
+
     # ------------------------------------------------------------------ checkpoints
 
     def _checkpoint(self, record: dict[str, Any]) -> Checkpoint:
@@ -239,7 +263,7 @@ class Coordinator:
             weights=self.weights, group_weights=self.group_weights,
             strategy_state=self.strategy.state_dict() if hasattr(self.strategy, "state_dict") else {},
             rng_state={"json": json.dumps(self.rng.bit_generator.state)},
-            metrics=record, devices=self.collector.devices.to_state(),
+            metrics=record,
             config={"run_id": self.run_id, "rounds": self.cfg.rounds, "strategy": self.cfg.strategy,
                     "totals": dict(self.collector.totals)},
         )
@@ -259,7 +283,7 @@ class Coordinator:
                 self.strategy.load_state_dict(ckpt.strategy_state)
             if ckpt.rng_state.get("json"):
                 self.rng.bit_generator.state = json.loads(ckpt.rng_state["json"])
-            self.collector.devices = DeviceRegistry.from_state(ckpt.devices)
+            self.collector.devices = DeviceRegistry.from_state(self.state.load_devices() or ckpt.devices)
             self.run_id = str(ckpt.config.get("run_id", self.run_id))
             self.collector.totals.update(ckpt.config.get("totals", {}))
         elif plan is not None:

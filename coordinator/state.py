@@ -4,6 +4,7 @@ Layout under the run directory ``DIR`` (``fedbit serve --out DIR``)::
 
     DIR/checkpoint.msgpack      last completed round: weights, strategy + RNG state, metrics
     DIR/round.msgpack           the plan of the round in progress (selected, deadline, ...)
+    DIR/devices.msgpack         the device registry (every hello), rewritten when it changes
     DIR/inbox/r000007.log       raw update payloads received for round 7 (append-only)
     DIR/metrics.jsonl           one JSON object per completed round
 
@@ -27,7 +28,7 @@ import os
 import struct
 import threading
 import zlib
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -122,7 +123,9 @@ class Checkpoint:
     - ``strategy_state``: ``Strategy.state_dict()``;
     - ``rng_state``: the selection RNG (``numpy.random.Generator.bit_generator.state``);
     - ``metrics``: the metrics record of ``completed_round`` (for repairing metrics.jsonl);
-    - ``devices``: the hello registry ({device_id: hello fields}).
+    - ``devices``: the hello registry ({device_id: hello fields}) as checkpoints held it
+      before it got its own file (``devices.msgpack``, written when it changes); read on
+      resume only when that file is missing.
     """
 
     job: str
@@ -165,6 +168,7 @@ class RunState:
         self.durable = durable
         self.checkpoint_path = self.dir / "checkpoint.msgpack"
         self.plan_path = self.dir / "round.msgpack"
+        self.devices_path = self.dir / "devices.msgpack"
         self.inbox_dir = self.dir / "inbox"
         self.metrics_path = self.dir / "metrics.jsonl"
         self.inbox_dir.mkdir(exist_ok=True)
@@ -178,7 +182,7 @@ class RunState:
     # ------------------------------------------------------------------ checkpoint
 
     def save_checkpoint(self, ckpt: Checkpoint) -> None:
-        body = asdict(ckpt)
+        body = {f.name: getattr(ckpt, f.name) for f in fields(ckpt)}  # no deep copy of the weights
         body["state_version"] = STATE_VERSION
         body["group_weights"] = {int(k): v for k, v in ckpt.group_weights.items()}
         atomic_write(self.checkpoint_path, dumps(body), durable=self.durable)
@@ -195,6 +199,25 @@ class RunState:
             return Checkpoint(**body)
         except (ValueError, TypeError, KeyError) as exc:
             raise ConfigError(f"{self.checkpoint_path}: unreadable checkpoint ({exc})") from None
+
+    # ------------------------------------------------------------------ device registry
+
+    def save_devices(self, devices: dict[str, dict[str, Any]]) -> None:
+        """The coordinator's device registry (hello fields by device id), atomically; written
+        when it changed, not with every checkpoint (a fleet of 10,000 is ~1.5 MB)."""
+        atomic_write(self.devices_path, dumps(devices), durable=self.durable)
+
+    def load_devices(self) -> dict[str, dict[str, Any]]:
+        """The saved registry ({} when none)."""
+        if not self.devices_path.exists():
+            return {}
+        try:
+            devices = loads(self.devices_path.read_bytes())
+            if not isinstance(devices, dict):
+                raise TypeError(f"expected a map, got {type(devices).__name__}")
+            return devices
+        except (ValueError, TypeError) as exc:
+            raise ConfigError(f"{self.devices_path}: unreadable device registry ({exc})") from None
 
     # ------------------------------------------------------------------ round plan
 

@@ -54,15 +54,29 @@ def quantize_images(x: np.ndarray, bits: int) -> np.ndarray:
     return q.astype(np.int8 if bits <= 8 else np.int16)
 
 
+def _digits_file() -> str:
+    """The digits CSV that scikit-learn bundles (found without importing scikit-learn,
+    whose import alone costs a device ~80 MB of RSS)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("sklearn")
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    for loc in locations:
+        path = os.path.join(loc, "datasets", "data", "digits.csv.gz")
+        if os.path.isfile(path):
+            return path
+    raise ConfigError("the digits data set needs scikit-learn's bundled copy (pip install 'fedbit[data]')")
+
+
 def _digits_all() -> Dataset:
-    try:
-        from sklearn.datasets import load_digits as _sk_load_digits
-    except ImportError as exc:  # pragma: no cover - depends on the install
-        raise ConfigError("the digits data set needs scikit-learn (pip install "
-                          "'fedbit[data]')") from exc
-    bunch = _sk_load_digits()
-    x = (bunch.images.astype(np.float32) / np.float32(16.0))[:, None, :, :]
-    return Dataset(np.ascontiguousarray(x), bunch.target.astype(np.int64))
+    """All 1797 digits: scikit-learn's ``load_digits()`` images / 16 and targets, read
+    from its bundled CSV (64 pixel columns 0..16, then the label)."""
+    import gzip
+
+    with gzip.open(_digits_file(), "rt") as fh:
+        table = np.loadtxt(fh, delimiter=",", dtype=np.float32)
+    x = (table[:, :-1] / np.float32(16.0)).reshape(-1, 1, 8, 8)
+    return Dataset(np.ascontiguousarray(x), table[:, -1].astype(np.int64))
 
 
 def load_digits(split: str = "train") -> Dataset:

@@ -8,8 +8,10 @@ presence + hello as birth messages, subscriptions to ``round``, its model varian
 Per round: when a retained round announcement selects this device and its deadline is in
 the future, the device waits for the model variant of its bitwidth group (``float32`` for
 float devices, ``int<s>`` for s-bit integer devices) whose digest matches the announcement,
-loads it, trains locally with the announced hyper-parameters, encodes the result per its
-hardware profile (``codec``/``codec_bits``) and publishes the :class:`Update` with QoS 1.
+loads it, trains locally with the announced hyper-parameters (:mod:`edge_client.hparams`),
+encodes the result per its hardware profile (``codec``/``codec_bits``, unless announced)
+and publishes the :class:`Update` with QoS 1. Announced settings the device cannot honour
+are listed, with the reason, in the update's ``not_applied`` (and logged here).
 The update is written to the outbox first and removed once the broker acknowledged it;
 after a reconnect the outbox is re-sent while the round is open and discarded after.
 
@@ -32,9 +34,11 @@ import numpy as np
 
 from edge_client import __version__
 from edge_client.errors import CodecError, ConfigError, ProtocolError
+from edge_client.hparams import RoundSettings, round_settings
 from edge_client.outbox import Outbox
 from edge_client.protocol import (
     DEFAULT_LIMITS,
+    FLOAT_VARIANT,
     EncodedTensor,
     Hello,
     Limits,
@@ -54,11 +58,6 @@ from edge_client.protocol import (
 from edge_client.transport import Received, Transport
 
 log = logging.getLogger("fedbit.device")
-
-#: Local training hyper-parameters a round announcement may carry, with defaults.
-TRAIN_HPARAMS: dict[str, Any] = {
-    "epochs": 1, "steps": 0, "batch": 32, "prox_mu": 0.0, "fedfor_alpha": 0.0,
-}
 
 
 # --------------------------------------------------------------------------- tensors
@@ -80,19 +79,22 @@ def model_to_shared(msg: ModelMessage) -> list[np.ndarray]:
 
 def encode_update_tensors(weights: list[np.ndarray], names: list[str], codec: str, bits: int,
                           *, int_weights: list[np.ndarray] | None = None,
-                          compute_bits: int = 32,
+                          compute_bits: int = 32, delta: bool = False,
+                          options: list[dict[str, Any]] | None = None,
                           ternary_weights: list[np.ndarray] | None = None) -> tuple[EncodedTensor, ...]:
     """Encode a device's result per its profile.
 
     ``codec == "int"``: the device's own integers (``int_weights``) with ``bits`` bits, or
     the storage-grid width ``max(s, 8)`` when the integers need more (an Int6 device keeps
-    its weights on the 8-bit grid, ALGORITHMS.md §1). ``codec == "ternary"`` with
-    ``ternary_weights`` (an integer device): its own ternary forward weights ``t``, sent
-    exactly with ``aux.scale = intnn.TERNARY_WEIGHT`` (what ``t = +1`` computes in the
-    shared domain), so the coordinator decodes them to the weights the device computes
-    with. ``float32``: lossless. Any other codec (``ternary`` included, without
-    ``ternary_weights``: the TWN rule): the shared-domain float32 ``weights`` through
-    ``edge_client.codecs.encode``.
+    its weights on the 8-bit grid, ALGORITHMS.md §1); with ``delta``, ``int_weights`` are
+    the differences ``q - q_global`` (int8 or int16) and take the fewest bits that hold
+    them. ``codec == "ternary"`` with ``ternary_weights`` (an integer device): its own
+    ternary forward weights ``t``, sent exactly with ``aux.scale = intnn.TERNARY_WEIGHT``
+    (what ``t = +1`` computes in the shared domain), so the coordinator decodes them to
+    the weights the device computes with. ``float32``: lossless. Any other codec
+    (``ternary`` included, without ``ternary_weights``: the TWN rule): the shared-domain
+    float32 ``weights`` through ``edge_client.codecs.encode`` with the layer's
+    ``options`` (e.g. DANUQ's ``sigma_g``, K-means' ``method``).
     """
     if codec == "float32":
         return tuple(float32_tensor(w, n) for w, n in zip(weights, names, strict=True))
@@ -112,15 +114,34 @@ def encode_update_tensors(weights: list[np.ndarray], names: list[str], codec: st
 
         for q, n in zip(int_weights, names, strict=True):
             need = int(np.abs(q.astype(np.int64)).max(initial=0)).bit_length() + 1
+            if delta:
+                out.append(encode(q, codec="int", bits=max(2, need), name=n))
+                continue
             b = bits if need <= bits else max(bits, storage_grid_bits(compute_bits))
             try:
                 out.append(encode(q, codec="int", bits=b, name=n))
             except CodecError:
                 out.append(encode(q, codec="int", bits=storage_grid_bits(compute_bits), name=n))
         return tuple(out)
-    for w, n in zip(weights, names, strict=True):
-        out.append(encode(np.ascontiguousarray(w, dtype=np.float32), codec=codec, bits=bits, name=n))
+    opts = options or [{} for _ in weights]
+    for w, n, o in zip(weights, names, opts, strict=True):
+        out.append(encode(np.ascontiguousarray(w, dtype=np.float32), codec=codec, bits=bits,
+                          name=n, **o))
     return tuple(out)
+
+
+def int_delta(after: list[np.ndarray], before: list[np.ndarray]) -> list[np.ndarray] | None:
+    """An integer device's update on its grid, ``q - q_global`` per layer (int8 when it
+    fits, else int16); None when a layer's differences do not fit 16 bits (a weight that
+    crossed the whole range of an Int16 grid in one round)."""
+    out = []
+    for q, b in zip(after, before, strict=True):
+        d = q.astype(np.int32) - b.astype(np.int32)
+        m = int(np.abs(d).max(initial=0))
+        if m > 32767:
+            return None
+        out.append(d.astype(np.int8 if m <= 127 else np.int16))
+    return out
 
 
 # --------------------------------------------------------------------------- runtime
@@ -132,9 +153,12 @@ class DeviceConfig:
 
     ``workdir`` holds the outbox and the last completed round; ``exit_when_done`` stops
     the loop on the coordinator's ``done`` status (seen after this device took part or
-    saw it active); ``publish_timeout_s`` bounds the wait for a PUBACK before the update
-    is left to the outbox; ``train_delay_s`` sleeps before each local training (emulates
-    a slow device in trials and tests).
+    saw it active); ``max_rounds`` (> 0) stops it once the device has trained and sent
+    that many rounds (a device that wakes up for one round; the emulator's devices);
+    ``publish_timeout_s`` bounds the wait for a PUBACK before the update is left to the
+    outbox; ``train_delay_s`` sleeps before each local training (emulates a slow device
+    in trials and tests); ``kmeans_method`` picks the K-means uplink's method (``fast`` |
+    ``authors``) unless a round announces one.
     """
 
     device_id: str
@@ -143,6 +167,7 @@ class DeviceConfig:
     codec: str
     codec_bits: int
     profile: str = "custom"
+    kmeans_method: str = "fast"
     job: str = "default"
     workdir: Path = field(default_factory=lambda: Path(".fedbit-device"))
     seed: int = 0
@@ -152,12 +177,28 @@ class DeviceConfig:
     connect_timeout_s: float = 30.0
     publish_timeout_s: float = 10.0
     train_delay_s: float = 0.0
+    max_rounds: int = 0
 
     @classmethod
     def from_profile(cls, device_id: str, profile: Any, **kw: Any) -> DeviceConfig:
         """From a :class:`hw_profiles.HardwareProfile`."""
+        kw.setdefault("kmeans_method", getattr(profile, "kmeans_method", "fast"))
         return cls(device_id=device_id, compute_bits=profile.compute_bits, trainer=profile.trainer,
                    codec=profile.codec, codec_bits=profile.codec_bits, profile=profile.name, **kw)
+
+
+def device_hello(cfg: DeviceConfig, num_samples: int) -> Hello:
+    """The hello a device with ``cfg`` and ``num_samples`` local samples publishes."""
+    return Hello(device_id=cfg.device_id, profile=cfg.profile, compute_bits=cfg.compute_bits,
+                 trainer=cfg.trainer, codec=cfg.codec, codec_bits=cfg.codec_bits,
+                 num_samples=int(num_samples), sdk_version=__version__)
+
+
+def birth_messages(cfg: DeviceConfig, num_samples: int) -> list[tuple[str, bytes, bool]]:
+    """``(topic, payload, retain)`` a device publishes on every connect: presence online,
+    then its hello (both retained)."""
+    return [(topic(cfg.job, "presence", cfg.device_id), encode_message(Presence(cfg.device_id, True)), True),
+            (topic(cfg.job, "hello", cfg.device_id), encode_message(device_hello(cfg, num_samples)), True)]
 
 
 TrainerFactory = Callable[[Any, int, int], Any]  # (spec, bits, seed) -> Trainer
@@ -225,19 +266,14 @@ class DeviceRuntime:
         tmp.replace(self._state_path)
 
     def hello(self) -> Hello:
-        return Hello(device_id=self.cfg.device_id, profile=self.cfg.profile,
-                     compute_bits=self.cfg.compute_bits, trainer=self.cfg.trainer,
-                     codec=self.cfg.codec, codec_bits=self.cfg.codec_bits,
-                     num_samples=int(len(self.data.y)), sdk_version=__version__)
+        return device_hello(self.cfg, int(len(self.data.y)))
 
     def session_spec(self) -> dict[str, Any]:
         """will / birth / subscriptions for the transport."""
-        online = encode_message(Presence(self.cfg.device_id, True))
         offline = encode_message(Presence(self.cfg.device_id, False))
         return {
             "will": (self.t_presence, offline),
-            "birth": [(self.t_presence, online, True),
-                      (self.t_hello, encode_message(self.hello()), True)],
+            "birth": birth_messages(self.cfg, int(len(self.data.y))),
             "subscriptions": [self.t_round, self.t_model, self.t_status],
         }
 
@@ -267,13 +303,20 @@ class DeviceRuntime:
                       getattr(t, "version", "?"), self.variant)
         seen_connects = t.connects
         next_resend = 0.0
+        idle = False  # True once a work pass found nothing queued: then block in recv
         try:
             while not self.stop_event.is_set() and time.monotonic() < end:
-                msg = t.recv(timeout=0.1)
+                if self.cfg.max_rounds and len(self.rounds_done) >= self.cfg.max_rounds and not self.outbox.pending():
+                    self.log.info("device %s: %d round(s) done, stopping", self.cfg.device_id,
+                                  len(self.rounds_done))
+                    break
+                msg = t.recv(timeout=0.1 if idle else 0)
                 if msg is not None:
+                    idle = False
                     if self._handle(msg):
                         break
                     continue  # drain the queue before working
+                idle = True  # the queue is drained: work now, then wait for the next message
                 now = time.monotonic()
                 if t.connected and (t.connects != seen_connects or now >= next_resend):
                     seen_connects = t.connects
@@ -375,38 +418,97 @@ class DeviceRuntime:
                                                                  self.cfg.seed))
         return self._trainers[model]
 
+    def round_settings(self, a: RoundAnnouncement) -> RoundSettings:
+        """This device's settings for round ``a`` (announcement + profile)."""
+        return round_settings(a.hparams, variant=self.variant, codec=self.cfg.codec,
+                              codec_bits=self.cfg.codec_bits, kmeans_method=self.cfg.kmeans_method)
+
+    def train_kwargs(self, st: RoundSettings, trainer: Any) -> dict[str, Any]:
+        """The ``trainer.train`` arguments of ``st`` beyond epochs/steps/batch (the ones left
+        out keep the trainer's own values). ``lr_scale`` multiplies a float device's learning
+        rate; on an integer device it moves ``lr_shift`` by ``round(log2 lr_scale)`` (its
+        step is a power of two) and scales the FedProx/FedFOR step like a float device's."""
+        kw: dict[str, Any] = {"prox_mu": st.prox_mu, "fedfor_alpha": st.fedfor_alpha}
+        lr = st.lr
+        if st.lr_scale != 1.0:
+            from edge_client.trainers import DEFAULT_TORCH_LR
+
+            lr = (lr if lr is not None else getattr(trainer, "lr", DEFAULT_TORCH_LR)) * st.lr_scale
+        for key, value in (("lr", lr), ("momentum", st.momentum), ("grad_clip", st.grad_clip),
+                           ("weight_standardization", st.ws)):
+            if value is not None:
+                kw[key] = value
+        if self.variant != FLOAT_VARIANT:
+            from edge_client.trainers import DEFAULT_LR_SHIFT
+
+            shift = st.lr_shift if st.lr_shift is not None else getattr(trainer, "lr_shift", DEFAULT_LR_SHIFT)
+            shift += round(math.log2(st.lr_scale))
+            if not -8 <= shift <= 8:
+                st.not_applied["lr_scale"] = f"lr_shift {shift} outside -8..8; clamped"
+                shift = min(8, max(-8, shift))
+            if st.lr_shift is not None or st.lr_scale != 1.0:
+                kw["lr_shift"] = shift
+            kw.pop("weight_standardization", None)
+        return kw
+
     def train_round(self, a: RoundAnnouncement, m: ModelMessage) -> bytes:
         """Train on the downloaded model; return the encoded update payload."""
         spec, trainer = self._trainer(a.model)
+        st = self.round_settings(a)
         weights = model_to_shared(m)
         trainer.load_shared(weights)
-        hp = {k: a.hparams.get(k, v) for k, v in TRAIN_HPARAMS.items()}
         from edge_client.codecs import decode
 
         lgs = [decode(t) for t in m.last_global_step] or None
+        kw = self.train_kwargs(st, trainer)
         t0 = time.perf_counter()
-        report = trainer.train(self.data, epochs=int(hp["epochs"]),
-                               steps=int(hp["steps"]) or None, batch=int(hp["batch"]),
-                               prox_mu=float(hp["prox_mu"]), fedfor_alpha=float(hp["fedfor_alpha"]),
-                               last_global_step=lgs)
+        report = trainer.train(self.data, epochs=st.epochs, steps=st.steps or None, batch=st.batch,
+                               last_global_step=lgs, **kw)
         secs = time.perf_counter() - t0
-        content = str(a.hparams.get("content", "weights"))
+        names = spec.param_names()
         shared = [np.asarray(w, dtype=np.float32) for w in trainer.to_shared()]
         ints = tern = None
-        if self.cfg.codec == "int" and hasattr(trainer, "int_weights"):
+        if st.codec == "int" and hasattr(trainer, "int_weights"):
             ints = trainer.int_weights()
-        if self.cfg.codec == "ternary" and hasattr(trainer, "ternary_weights"):
+        if st.codec == "ternary" and hasattr(trainer, "ternary_weights"):
             tern = trainer.ternary_weights()  # the weights its forward computes with
-        if content == "delta":
+        delta = st.content == "delta"
+        if delta:
             shared = [w - g for w, g in zip(shared, weights, strict=True)]
-            ints = tern = None
-        codec = self.cfg.codec if (self.cfg.codec != "int" or ints is not None) else "float32"
-        tensors = encode_update_tensors(shared, spec.param_names(), codec, self.cfg.codec_bits,
-                                        int_weights=ints, compute_bits=self.cfg.compute_bits,
+            tern = None
+            if ints is not None:
+                ints = int_delta(ints, [decode(t) for t in m.tensors])
+        codec = st.codec if (st.codec != "int" or ints is not None) else "float32"
+        tensors = encode_update_tensors(shared, names, codec, st.codec_bits, int_weights=ints,
+                                        compute_bits=self.cfg.compute_bits, delta=delta,
+                                        options=self._codec_options(st, m, a.round_id, len(names)),
                                         ternary_weights=tern)
         loss = float(getattr(report, "loss", 0.0))
+        not_applied = {k: v[:self.cfg.limits.max_str] for k, v in st.not_applied.items()}
+        if not_applied:
+            self.log.warning("round %d: announced settings not applied: %s", a.round_id,
+                             "; ".join(f"{k}: {v}" for k, v in not_applied.items()))
         upd = Update(device_id=self.cfg.device_id, round_id=a.round_id,
                      num_samples=int(len(self.data.y)), compute_bits=self.cfg.compute_bits,
-                     content=content, tensors=tensors, model_digest=m.digest,
-                     train_loss=loss if math.isfinite(loss) else 0.0, train_seconds=secs)
+                     content=st.content, tensors=tensors, model_digest=m.digest,
+                     train_loss=loss if math.isfinite(loss) else 0.0, train_seconds=secs,
+                     not_applied=not_applied)
         return encode_message(upd, self.cfg.limits)
+
+    def _codec_options(self, st: RoundSettings, m: ModelMessage, round_id: int,
+                       n_layers: int) -> list[dict[str, Any]]:
+        """Per-layer encode options: DANUQ standardizes an update by the server's σ_g when
+        the model carries one per layer (FedWSQ; else by the update's own σ), K-means takes
+        the announced or profile ``method`` (the authors' random init seeded per device and
+        round)."""
+        opts: list[dict[str, Any]] = [{} for _ in range(n_layers)]
+        if st.codec == "danuq" and st.content == "delta" and len(m.sigma_g) == n_layers:
+            for o, sg in zip(opts, m.sigma_g, strict=True):
+                if sg > 0:
+                    o["sigma_g"] = float(sg)
+        elif st.codec == "kmeans":
+            for o in opts:
+                o["method"] = st.kmeans_method
+                if st.kmeans_method == "authors":
+                    o["seed"] = [int(self.cfg.seed), int(round_id)]
+        return opts

@@ -57,3 +57,12 @@ def test_serve_names_a_bad_dequantizer_parameter(tmp_path: Path) -> None:
     assert out.returncode == 1
     assert "epoch" in out.stderr and "unknown parameters" in out.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_emulate_refuses_a_bad_config_naming_file_and_key(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text('name = "x"\n[devices]\nraspberry-pi-4 = 2\n[round]\nquorum = 2.0\n')
+    out = run("fedbit", "emulate", str(bad), "--out", str(tmp_path / "run"))
+    assert out.returncode == 1
+    assert str(bad) in out.stderr and "round.quorum" in out.stderr
+    assert not (tmp_path / "run").exists()

@@ -101,3 +101,22 @@ def test_load_source():
 def test_dataset_checks_shapes():
     with pytest.raises(ConfigError):
         Dataset(np.zeros((3, 1, 8, 8), np.float32), np.zeros(2, np.int64))
+
+
+def test_digits_are_scikit_learns_without_importing_it():
+    """The bundled CSV is read directly (a device saves the ~80 MB scikit-learn import);
+    the images and labels are exactly ``sklearn.datasets.load_digits()``'s."""
+    import subprocess
+    import sys
+
+    from sklearn.datasets import load_digits as sk_load_digits
+
+    from edge_client.data import _digits_all
+
+    ref = sk_load_digits()
+    mine = _digits_all()
+    np.testing.assert_array_equal(mine.x[:, 0], ref.images.astype(np.float32) / np.float32(16.0))
+    np.testing.assert_array_equal(mine.y, ref.target)
+    code = ("import sys; from edge_client.data import load_digits; load_digits('train'); "
+            "sys.exit(1 if 'sklearn' in sys.modules else 0)")
+    assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0

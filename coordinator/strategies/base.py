@@ -9,11 +9,13 @@ of updates (see ``accumulate``).
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from coordinator.strategies.accumulate import GroupSums
+from coordinator.strategies.announce import announced_hparams
 from coordinator.strategies.buffers import LayerBufferPool
 from coordinator.strategies.checks import (
     INTEGER_DTYPES,
@@ -35,6 +37,7 @@ from coordinator.strategies.types import (
     EncodedUpdate,
 )
 from edge_client.errors import ConfigError, ProtocolError
+from edge_client.protocol import Hello
 
 STATE_VERSION = 1
 
@@ -47,7 +50,8 @@ def _flat32(a: np.ndarray) -> np.ndarray:
 class Strategy:
     """A named composition of stages (build one with ``build_strategy``).
 
-    Params: ``weighted`` (FedAvg weights by ``num_samples``; False = unweighted),
+    Params: ``weighted`` (FedAvg weights by ``num_samples``; False = unweighted, 1/N: the
+    FedShift and ProWD papers' averaging, ALGORITHMS.md §4),
     ``sigma_momentum`` (σ_g EMA, 0.9), ``acc_dtype`` ("float32" default | "float64"
     running sums; float32 halves the accumulator traffic, measured 0.85x vs 0.59x of the
     stacked-mean anchor for float64), ``batch`` (updates folded into the sums together, >= 1).
@@ -229,6 +233,15 @@ class Strategy:
         self._sums = None
         self._global = None
         return AggregateResult(new, {b: [w.copy() for w in ws] for b, ws in group_weights.items()}, stats)
+
+    # ------------------------------------------------------------------ devices
+    def device_hparams(self, hparams: Mapping[str, Any], devices: Sequence[Hello] = ()) -> dict[str, Any]:
+        """The hyper-parameters to announce for a round whose selected devices said
+        ``devices``: ``hparams`` plus what the stages need from devices
+        (``coordinator.strategies.announce``); ConfigError naming a key that is unknown, out
+        of range, or contradicts the strategy."""
+        need = getattr(self.combiner, "device_hparams", None)
+        return announced_hparams(self.name, hparams, need(devices) if need else {})
 
     # ------------------------------------------------------------------ state
     def server_state(self) -> dict[str, Any]:

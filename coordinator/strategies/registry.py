@@ -1,15 +1,17 @@
 """Strategy names -> stage compositions.
 
 A name is ``[<mask>+]<combiner>``: combiners ``fedavg``, ``fedshift``, ``grouped``,
-``grouped-asym``, ``fedpaq``; mask ``prowd-swa`` (alone it means ``prowd-swa+fedavg``).
-The dequantize stage is a parameter (``dequantize="none"`` | ``"prowd"``), not part of
-the name, except in ``prowd``: ProWD in full, ``dequantize="prowd"`` + ``prowd-swa`` +
-``fedavg``. Params go to the stage that owns them: ``tau``, ``fill`` (mask); ``layers``
-(fedshift); ``server_lr`` (fedpaq); ``weighted``, ``sigma_momentum``, ``acc_dtype``,
-``batch`` (strategy); ``dequantize`` and ``dequantize_params`` (a dict), or
-``dequantize.<key>`` one at a time (``fedbit serve --strategy-param dequantize.epochs=2``).
-``model`` (the model spec's name, which the coordinator knows) goes to a dequantizer that
-uses it. Unknown params are errors.
+``grouped-asym``, ``fedpaq``, ``fedwsq``; mask ``prowd-swa`` (alone it means
+``prowd-swa+fedavg``). The dequantize stage is a parameter (``dequantize="none"`` |
+``"prowd"``), not part of the name, except in ``prowd``: ProWD in full,
+``dequantize="prowd"`` + ``prowd-swa`` + ``fedavg``. Params go to the stage that owns them:
+``tau``, ``fill`` (mask); ``layers`` (fedshift); ``server_lr`` (fedpaq, fedwsq); ``bits``
+(fedwsq); ``scale_lr`` (grouped, grouped-asym); ``weighted`` (False: 1/N averaging, the
+FedShift and ProWD papers' choice), ``sigma_momentum``, ``acc_dtype``, ``batch``
+(strategy); ``dequantize`` and ``dequantize_params`` (a dict), or ``dequantize.<key>`` one
+at a time (``fedbit serve --strategy-param dequantize.epochs=2``). ``model`` (the model
+spec's name, which the coordinator knows) goes to a dequantizer that uses it. Unknown
+params are errors.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from coordinator.strategies.combine import (
     FedAvgCombine,
     FedPaqCombine,
     FedShiftCombine,
+    FedWsqCombine,
     GroupedCombine,
 )
 from coordinator.strategies.dequantize import build_dequantizer
@@ -34,8 +37,9 @@ COMBINERS: dict[str, Callable[..., Combiner]] = {
     "fedavg": FedAvgCombine,
     "fedshift": FedShiftCombine,
     "fedpaq": FedPaqCombine,
-    "grouped": lambda: GroupedCombine(asymmetric=False),
-    "grouped-asym": lambda: GroupedCombine(asymmetric=True),
+    "fedwsq": FedWsqCombine,
+    "grouped": lambda scale_lr=False: GroupedCombine(asymmetric=False, scale_lr=scale_lr),
+    "grouped-asym": lambda scale_lr=False: GroupedCombine(asymmetric=True, scale_lr=scale_lr),
 }
 MASKS: dict[str, Callable[..., MaskStage]] = {"prowd-swa": ProwdSwaMask}
 #: combiners a mask may precede (a per-group model has no high/low split)

@@ -79,9 +79,16 @@ class LocalHub:
                 s.unacked.clear()
             for name, payload in redeliver:
                 self._deliver_locked(t, name, payload, retain=False)
-            for name, payload in self._retained.items():
-                if any(topic_matches(f, name) for f in t.subscriptions):
-                    self._deliver_locked(t, name, payload, retain=True)
+            for name in self._retained_for(t.subscriptions):
+                self._deliver_locked(t, name, self._retained[name], retain=True)
+
+    def _retained_for(self, filters: list[str]) -> list[str]:
+        """Retained topics matching any of ``filters``, each once: exact filters are
+        looked up (a device's subscriptions: no scan of a fleet's worth of retained
+        hellos), wildcard ones scan the retained topics."""
+        if any("+" in f or "#" in f for f in filters):
+            return [n for n in self._retained if any(topic_matches(f, n) for f in filters)]
+        return [f for f in dict.fromkeys(filters) if f in self._retained]
 
     def _detach(self, t: LocalTransport) -> None:
         with self._lock:
