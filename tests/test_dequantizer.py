@@ -401,3 +401,22 @@ def test_round_loop_trains_uses_and_checkpoints_the_dequantizer(tmp_path: Path) 
     for x, y, z in zip(a, b, q, strict=True):
         assert x is not z
         np.testing.assert_array_equal(x, y)
+
+
+def test_close_stops_a_running_training(digits_weights, caplog) -> None:
+    """``close`` (also run at interpreter exit: torch still training in a daemon thread
+    while the interpreter finalizes can abort the process) ends a background training at
+    its next step, keeps the last version, counts no failure and starts no other."""
+    import time
+
+    caplog.set_level(logging.INFO, "fedbit.dequantizer")
+    s = build_strategy("prowd", model="digits_cnn", dequantize_params={"ladder": (8, 32), "epochs": 10_000})
+    _run_rounds(s, _rounds(digits_weights)[:1])
+    assert s.dequantizer.training
+    t0 = time.monotonic()
+    s.dequantizer.close()
+    assert time.monotonic() - t0 < 10 and not s.dequantizer.training
+    assert s.dequantizer.version is None and s.dequantizer.stats()["dequantizer_failures"] == 0
+    assert "stopped" in caplog.text
+    _run_rounds(s, _rounds(digits_weights)[1:2])
+    assert not s.dequantizer.training

@@ -5,8 +5,8 @@
 the global model (``train``), judged per layer on held-out weights (``version``), applied
 to low-bit updates before masking and combining. ``config`` holds the settings,
 ``ladder`` the quantizers and the grid detection, ``blocks`` the weight blocks,
-``network`` the torch blocks φ(w) = w + τ·ρ(ρ(w)). torch is imported only when a
-version is trained or restored.
+``network`` the torch blocks φ(w) = w + τ·(ρ'(ρ(w)) - w). Importing this package imports
+torch (the coordinator's ``dequantize="prowd"`` imports it when the stage is built).
 """
 
 from coordinator.dequantizer.config import LADDERS, DequantizerConfig

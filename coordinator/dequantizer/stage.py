@@ -27,11 +27,13 @@ in the rounds after a restart).
 
 from __future__ import annotations
 
+import atexit
 import copy
 import logging
 import math
 import threading
 import time
+import weakref
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
@@ -41,12 +43,25 @@ import numpy as np
 from coordinator.dequantizer.blocks import BlockLayout
 from coordinator.dequantizer.config import DequantizerConfig
 from coordinator.dequantizer.ladder import grid_precision
+from coordinator.dequantizer.network import build_network
+from coordinator.dequantizer.train import Distillation, TrainingStopped, train_network
+from coordinator.dequantizer.version import Version, decide_gates, heldout_l1, make_tables
 from coordinator.strategies.types import FLOAT_BITS, ClientUpdate
 from edge_client.errors import ConfigError, ProtocolError
 
 log = logging.getLogger("fedbit.dequantizer")
 
 STATE_FORMAT = 1
+CLOSE_TIMEOUT_S = 30.0
+#: every stage alive, closed at interpreter exit: a torch training still running in a
+#: daemon thread while the interpreter finalizes can abort the process
+_LIVE: weakref.WeakSet = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all() -> None:
+    for stage in list(_LIVE):
+        stage.close()
 
 
 def load_buffer(source: Any, input_shape: Sequence[int], size: int, seed: int) -> np.ndarray:
@@ -96,7 +111,7 @@ class ProwdDequantizer:
             if self.cfg.lam > 0:
                 self._buffer = load_buffer(buffer, self.spec.input_shape, self.cfg.buffer_size, self.cfg.seed)
         self._lock = threading.Lock()
-        self._version = None  # the last finished Version, or None (plain dequantization)
+        self._version: Version | None = None  # the last finished one; None: plain dequantization
         self._next_number = 1
         self._failures = 0
         self._thread: threading.Thread | None = None
@@ -106,6 +121,8 @@ class ProwdDequantizer:
         self._layout: BlockLayout | None = None
         self._round_id = 0
         self._counts: dict[str, int] = {}
+        self._stop = threading.Event()
+        _LIVE.add(self)
 
     # ------------------------------------------------------------------ hooks
     def begin_round(self, round_id: int, global_weights: Sequence[np.ndarray]) -> None:
@@ -205,7 +222,7 @@ class ProwdDequantizer:
 
     # ------------------------------------------------------------------ training
     @property
-    def version(self):  # -> Version | None
+    def version(self) -> Version | None:
         """The last finished version (None: plain dequantization)."""
         return self._version
 
@@ -221,8 +238,14 @@ class ProwdDequantizer:
             t.join(timeout)
         return not self.training
 
+    def close(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
+        """Stop a running training (it ends at its next step) and start no other; the last
+        finished version stays in use. Called at interpreter exit for every stage."""
+        self._stop.set()
+        self.wait(timeout)
+
     def _start_training(self) -> None:
-        if self.training or self._layout is None:
+        if self.training or self._layout is None or self._stop.is_set():
             return
         split = _split(self._pool)
         if split is None:
@@ -235,11 +258,14 @@ class ProwdDequantizer:
         self._thread = threading.Thread(target=self._train, args=job, name=f"prowd-train-{number}", daemon=True)
         self._thread.start()
 
-    def _train(self, split, number: int, round_id: int, layout: BlockLayout, previous) -> None:
+    def _train(self, split, number: int, round_id: int, layout: BlockLayout, previous: Version | None) -> None:
         """Train version ``number`` (warm-started from ``previous``); on any failure, log
         it and fall back to plain dequantization."""
         try:
             version = self.train_version(split[0], split[1], number, round_id, layout, previous)
+        except TrainingStopped:
+            log.info("dequantizer: training v%d stopped (closing)", number)
+            return
         except Exception:  # noqa: BLE001 - the coordinator never dies of the dequantizer
             log.exception("dequantizer: training v%d failed; falling back to plain dequantization", number)
             with self._lock:
@@ -251,30 +277,26 @@ class ProwdDequantizer:
         _log_version(version, layout)
 
     def train_version(self, train_models, heldout_models, number: int, round_id: int,
-                      layout: BlockLayout, previous=None):  # -> Version
+                      layout: BlockLayout, previous: Version | None = None) -> Version:
         """Train a version on ``train_models``, judge it on ``heldout_models`` (each a list
         of float32 layers); ``previous``: a version to continue from."""
-        from coordinator.dequantizer.network import build_network
-        from coordinator.dequantizer.train import train_network
-        from coordinator.dequantizer.version import Version, decide_gates, heldout_l1, make_tables
-
         t0 = time.perf_counter()
         net = copy.deepcopy(previous.net) if previous is not None else build_network(self.cfg, self.cfg.seed)
-        st = train_network(net, self.cfg, layout, train_models, self._distillation(), seed=self.cfg.seed + number)
+        st = train_network(net, self.cfg, layout, train_models, self._distillation(), seed=self.cfg.seed + number,
+                           stop=self._stop)
         version = Version(number, round_id, self.cfg, net, make_tables(net, self.cfg))
-        version.heldout = heldout_l1(version, layout, heldout_models)
+        version.heldout = heldout_l1(version, layout, heldout_models, self._stop)
         version.gates = decide_gates(version.heldout, self.cfg.gate_margin)
         version.info = {"steps": st.steps, "blocks": st.blocks, "recon": st.recon, "distill": st.distill,
                         "train_seconds": st.seconds, "seconds": time.perf_counter() - t0,
                         "train_models": len(train_models), "heldout_models": len(heldout_models)}
         return version
 
-    def _distillation(self):  # -> Distillation | None
+    def _distillation(self) -> Distillation | None:
         if self.spec is None or self._buffer is None or self.cfg.lam <= 0:
             return None
         import torch
 
-        from coordinator.dequantizer.train import Distillation
         from edge_client.intnn import alpha_shifts
 
         return Distillation(self.spec, [float(1 << a) for a in alpha_shifts(self.spec)],
@@ -288,8 +310,6 @@ class ProwdDequantizer:
                 "failures": self._failures, "version": None if v is None else v.to_state()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        from coordinator.dequantizer.version import Version
-
         if state.get("format") != STATE_FORMAT:
             raise ProtocolError(f"dequantizer checkpoint: format {state.get('format')!r} != {STATE_FORMAT}")
         if state.get("network") != self.cfg.network_key():
@@ -313,7 +333,7 @@ def _split(pool: list[tuple[int, list[list[np.ndarray]]]]):
     return None
 
 
-def _log_version(version, layout: BlockLayout) -> None:
+def _log_version(version: Version, layout: BlockLayout) -> None:
     info = version.info
     log.info("dequantizer v%d ready (after round %d): %d steps on %d blocks of %d model(s), %.1f s",
              version.number, version.round_id, info.get("steps", 0), info.get("blocks", 0),

@@ -17,6 +17,7 @@ even), so the full ladder of a large model is never materialized.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -30,6 +31,10 @@ from coordinator.dequantizer.config import FULL_PRECISION, DequantizerConfig
 from coordinator.dequantizer.ladder import level_max, level_scale
 from coordinator.dequantizer.network import ProgressiveDequantizer, spec_forward
 from firmware_models import ModelSpec
+
+
+class TrainingStopped(Exception):
+    """Raised inside a training when its stop event is set (the stage is closing)."""
 
 
 @dataclass
@@ -135,22 +140,23 @@ def _batches(models: list[_Model], cfg: DequantizerConfig, rng: np.random.Genera
 
 def train_network(net: ProgressiveDequantizer, cfg: DequantizerConfig, layout: BlockLayout,
                   models: Sequence[Sequence[np.ndarray]], distill: Distillation | None, *,
-                  seed: int, epochs: int | None = None) -> TrainStats:
+                  seed: int, epochs: int | None = None, stop: threading.Event | None = None) -> TrainStats:
     """Train ``net`` in place on ``models`` (each a list of float32 layers, spec order) for
     ``epochs`` (default ``cfg.epochs``), with torch limited to ``cfg.threads`` threads
-    (restored after)."""
+    (restored after). ``stop``: checked before every step (:class:`TrainingStopped`)."""
     threads = torch.get_num_threads()
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     try:
-        return _train(net, cfg, layout, models, distill, seed, cfg.epochs if epochs is None else int(epochs))
+        return _train(net, cfg, layout, models, distill, seed, cfg.epochs if epochs is None else int(epochs),
+                      stop or threading.Event())
     finally:
         torch.set_num_threads(threads)
 
 
 def _train(net: ProgressiveDequantizer, cfg: DequantizerConfig, layout: BlockLayout,
            models: Sequence[Sequence[np.ndarray]], distill: Distillation | None, seed: int,
-           n_epochs: int) -> TrainStats:
+           n_epochs: int, stop: threading.Event) -> TrainStats:
     t0 = time.perf_counter()
     rng = np.random.default_rng(seed)
     gen = torch.Generator().manual_seed(int(seed))
@@ -166,6 +172,8 @@ def _train(net: ProgressiveDequantizer, cfg: DequantizerConfig, layout: BlockLay
         recon_sum = distill_sum = 0.0
         batches = _batches(data, cfg, rng)
         for k, idx in batches:
+            if stop.is_set():
+                raise TrainingStopped
             m = data[k]
             x = torch.from_numpy(m.blocks[idx])
             index = layout.model_index(m.layers[idx], m.ks[idx])  # -1 = padding

@@ -17,6 +17,7 @@ dequantized only where it is lower.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -128,16 +129,20 @@ class Version:
             raise ProtocolError(f"dequantizer checkpoint: {type(exc).__name__}: {exc}") from None
 
 
-def heldout_l1(version: Version, layout: BlockLayout, models: Sequence[Sequence[np.ndarray]]
-               ) -> dict[tuple[int, int], tuple[float, float]]:
+def heldout_l1(version: Version, layout: BlockLayout, models: Sequence[Sequence[np.ndarray]],
+               stop: threading.Event | None = None) -> dict[tuple[int, int], tuple[float, float]]:
     """(layer, entry bits) -> (plain L1, dequantized L1), mean per weight over ``models``:
     each layer quantized to each rung below the top, compared with the top rung's weights
-    (the float weights when the ladder ends at 32)."""
+    (the float weights when the ladder ends at 32). ``stop``: checked before every layer."""
+    from coordinator.dequantizer.train import TrainingStopped
+
     cfg = version.cfg
     top = cfg.ladder[-1]
     sums: dict[tuple[int, int], list[float]] = {}
     for w in models:
         for i, layer in enumerate(w):
+            if stop is not None and stop.is_set():
+                raise TrainingStopped
             flat = np.asarray(layer, dtype=np.float32).reshape(-1)
             target = quantize(flat, top, cfg.clip)
             for bits in cfg.ladder[:-1]:

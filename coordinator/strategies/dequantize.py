@@ -64,7 +64,7 @@ class NoDequantizer:
 
 
 def _prowd(**params: Any) -> Dequantizer:
-    from coordinator.dequantizer import ProwdDequantizer  # numba kernels; torch only when trained
+    from coordinator.dequantizer import ProwdDequantizer  # imports torch
 
     return ProwdDequantizer(**params)
 
