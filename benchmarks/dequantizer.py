@@ -29,8 +29,9 @@ Prints JSON lines (DESIGN.md, Benchmarks):
   anchored on the plain path's fold of the same update (``fedavg`` ``accept``); target
   50 ms. And the same for an Int16 update (no table: the network runs on the blocks).
 
-``--quick``: a shorter run (CI). ``--sweep``: also the configurations tried to make the
-dequantizer help (ladder, block size, epochs, optimizer, λ, buffer), one line each.
+``--quick``: a shorter run and 2 training epochs (CI). ``--sweep``: also the
+configurations tried to make the dequantizer help (ladder, block size, epochs, optimizer,
+λ, buffer), one line each.
 """
 
 from __future__ import annotations
@@ -155,9 +156,11 @@ def train_and_judge(run: Run, split: int, params: dict):
 
 def report_l1(run: Run, split: int, params: dict, label: str, ladders: dict[str, tuple[int, ...]],
               extra: dict | None = None) -> dict:
+    """Train and judge one version per ladder; print its l1 lines; returns the versions."""
     out = {}
     for name, ladder in ladders.items():
         _, version, layout, held, secs = train_and_judge(run, split, params | {"ladder": ladder})
+        out[name] = version
         for bits in [b for b in (2, 6, 8) if b in ladder[:-1]]:
             plain, net, gated = l1_figures(version, layout, held, bits)
             case = f"digits_cnn int{bits} {name} ladder{label}"
@@ -165,7 +168,6 @@ def report_l1(run: Run, split: int, params: dict, label: str, ladders: dict[str,
             emit(f"{case} network", "l1", net, "mean |w_hat - w|", "plain dequantization", plain, **common)
             emit(f"{case} gated", "l1", gated, "mean |w_hat - w|", "plain dequantization", plain,
                  layers_on=sum(version.is_on(i, bits) for i in range(len(layout.shapes))), **common)
-            out[bits] = (plain, net, gated)
     return out
 
 
@@ -196,7 +198,7 @@ def time_epoch(run: Run, split: int) -> None:
          "one federated round of the run", float(np.median(run.round_s)), steps=st.steps, blocks=st.blocks)
 
 
-def time_apply(run: Run, split: int, reps: int) -> None:
+def time_apply(version, reps: int) -> None:
     import torch
 
     from coordinator.dequantizer import ProwdDequantizer
@@ -206,7 +208,6 @@ def time_apply(run: Run, split: int, reps: int) -> None:
     from firmware_models import get_spec
 
     torch.set_num_threads(1)
-    _, version, _, _, _ = train_and_judge(run, split, {"epochs": 1})
     spec = get_spec("fedshift_cnn")
     base = init_shared(spec, 0)
     deq = ProwdDequantizer(background=False)  # blocks are generic: a digits-trained version applies
@@ -269,13 +270,13 @@ def main() -> None:
     split = rounds * 2 // 3  # train on [0, split), gates on round split, figures after
     run = federated_run(rounds, n_float, n_int)
     ladders = {"fleet": (6, 8, 12, 16, 32), "paper": (2, 4, 8, 16, 32)}
-    report_l1(run, split, {}, "", ladders)
+    versions = report_l1(run, split, {"epochs": 2} if args.quick else {}, "", ladders)
     for bits in (2, 6, 8):
         plain, anch = anchored_l1(run, range(split + 1, rounds), bits)
         emit(f"digits_cnn int{bits} global-anchored rule (reference, not a dequantizer)", "l1", anch,
              "mean |w_hat - w|", "plain dequantization", plain)
     time_epoch(run, split)
-    time_apply(run, split, 3 if args.quick else 7)
+    time_apply(versions["fleet"], 3 if args.quick else 7)
     if args.sweep:
         sweep(run, split)
 

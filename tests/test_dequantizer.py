@@ -420,3 +420,23 @@ def test_close_stops_a_running_training(digits_weights, caplog) -> None:
     assert "stopped" in caplog.text
     _run_rounds(s, _rounds(digits_weights)[1:2])
     assert not s.dequantizer.training
+
+
+def test_a_diverged_network_passes_layers_through(digits_weights, caplog) -> None:
+    """A version whose network gives NaN has no tables (their outputs are checked when
+    built) and its direct outputs are checked per layer: the layers pass through unchanged,
+    logged, and the update stays finite."""
+    caplog.set_level(logging.ERROR, "fedbit.dequantizer")
+    cfg = _cfg(ladder=(8, 32))
+    deq = ProwdDequantizer(background=False, ladder=(8, 32), lam=0.0)
+    deq.begin_round(1, digits_weights[0])
+    v = _version(cfg, deq._layout, [], [], epochs=0)
+    v.net.steps[0].rho1.alpha.out.bias.data.fill_(float("nan"))
+    v.tables = make_tables(v.net, cfg)
+    assert v.tables == {}
+    v.gates = {(i, 8): True for i in range(4)}
+    deq._version = v
+    q = [quantize(w, 8) for w in digits_weights[1]]
+    out = deq(ClientUpdate("d", 1, q, "weights", 8))
+    assert out.weights == q and "non-finite" in caplog.text
+    assert deq.stats()["dequantizer_layers_off"] == 4

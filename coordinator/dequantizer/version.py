@@ -47,7 +47,8 @@ def uses_tables(cfg: DequantizerConfig) -> bool:
 
 def make_tables(net: ProgressiveDequantizer, cfg: DequantizerConfig) -> dict[int, np.ndarray]:
     """Entry bitwidth -> float32 [L·L, 2] table of every level pair's output, for the
-    rungs whose L·L (L = 2·m + 1 levels) is at most ``cfg.table_limit``."""
+    rungs whose L·L (L = 2·m + 1 levels) is at most ``cfg.table_limit`` and whose outputs
+    are all finite (what a table gives is then finite by construction)."""
     if not uses_tables(cfg):
         return {}
     tables = {}
@@ -58,8 +59,9 @@ def make_tables(net: ProgressiveDequantizer, cfg: DequantizerConfig) -> dict[int
                 continue
             a, b = pair_levels(bits, cfg.clip)
             x = torch.from_numpy(np.stack([a, b])[None, :, :, None])  # [1, 2, L*L, 1]
-            y = net(x, j)[0, :, :, 0].numpy()
-            tables[bits] = np.ascontiguousarray(y.T, dtype=np.float32)
+            y = np.ascontiguousarray(net(x, j)[0, :, :, 0].numpy().T, dtype=np.float32)
+            if np.all(np.isfinite(y)):  # else the network runs (and its output is checked)
+                tables[bits] = y
     return tables
 
 
@@ -94,11 +96,16 @@ class Version:
     def dequantize(self, layout: BlockLayout, i: int, flat: np.ndarray, bits: int) -> np.ndarray:
         """Layer ``i`` (flat float32, every value on the ``bits`` grid, ``bits`` a rung
         below the top) run through the steps from ``bits`` up: a new float32 array."""
-        table = self.tables.get(bits)
-        if table is not None and layout.perms[i] is None:
+        table = self.table_for(layout, i, bits)
+        if table is not None:
             c, h, w = layout.block
             return apply_pair_table(flat, h * w, bits, table, self.cfg.clip)
         return run_direct(self.net, layout, i, flat, self.cfg.ladder.index(bits))
+
+    def table_for(self, layout: BlockLayout, i: int, bits: int) -> np.ndarray | None:
+        """The table layer ``i`` entering at ``bits`` is looked up in (None: the network
+        runs on its blocks)."""
+        return self.tables.get(bits) if layout.perms[i] is None else None
 
     def is_on(self, layer: int, bits: int) -> bool:
         return self.gates.get((layer, bits), False)
