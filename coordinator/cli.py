@@ -120,7 +120,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         )
         cfg.validate()
         spec = get_spec(args.model)
-        strategy = build_strategy(args.strategy, **cfg.strategy_params)
+        strategy = build_strategy(args.strategy, model=args.model, **cfg.strategy_params)
         url = args.broker
         username = args.username
         if not url:
@@ -318,8 +318,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="TCP port of the embedded broker (default: a free one)")
     p.add_argument("--model", default="digits_cnn", metavar="SPEC", help="model spec name (digits_cnn)")
     p.add_argument("--rounds", type=int, default=5, metavar="N")
-    p.add_argument("--strategy", default="fedavg", metavar="NAME", help="aggregation strategy (fedavg)")
-    p.add_argument("--strategy-param", action="append", metavar="K=V", help="strategy parameter")
+    p.add_argument("--strategy", default="fedavg", metavar="NAME",
+                   help="aggregation strategy (fedavg); prowd = ProWD's dequantizer + selective aggregation")
+    p.add_argument("--strategy-param", action="append", metavar="K=V",
+                   help="strategy parameter (tau=0.1; the dequantizer's as dequantize.K=V, "
+                        "e.g. dequantize.ladder=paper)")
     p.add_argument("--out", required=True, metavar="DIR", help="run directory (checkpoint, inbox, metrics.jsonl)")
     p.add_argument("--resume", action="store_true", help="continue the run in --out")
     p.add_argument("--job", default="default", help="job id (topic prefix fedbit/<job>/)")

@@ -500,7 +500,7 @@ class Emulator:
         info = self._describe(devices, data, sps, measured)
         (self.run_dir / "emulation.json").write_text(json.dumps(info, indent=1))
         rnd = cfg.round
-        strategy = build_strategy(cfg.strategy, **cfg.strategy_params)
+        strategy = build_strategy(cfg.strategy, model=cfg.model, **cfg.strategy_params)
         server_cfg = ServerConfig(
             job=job, model=cfg.model, rounds=cfg.rounds, strategy=cfg.strategy,
             strategy_params=dict(cfg.strategy_params), fraction=float(rnd["fraction"]), min_devices=1,

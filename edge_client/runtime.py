@@ -80,21 +80,32 @@ def model_to_shared(msg: ModelMessage) -> list[np.ndarray]:
 def encode_update_tensors(weights: list[np.ndarray], names: list[str], codec: str, bits: int,
                           *, int_weights: list[np.ndarray] | None = None,
                           compute_bits: int = 32, delta: bool = False,
-                          options: list[dict[str, Any]] | None = None) -> tuple[EncodedTensor, ...]:
+                          options: list[dict[str, Any]] | None = None,
+                          ternary_weights: list[np.ndarray] | None = None) -> tuple[EncodedTensor, ...]:
     """Encode a device's result per its profile.
 
     ``codec == "int"``: the device's own integers (``int_weights``) with ``bits`` bits, or
     the storage-grid width ``max(s, 8)`` when the integers need more (an Int6 device keeps
     its weights on the 8-bit grid, ALGORITHMS.md §1); with ``delta``, ``int_weights`` are
     the differences ``q - q_global`` (int8 or int16) and take the fewest bits that hold
-    them. ``float32``: lossless. Any other codec: the shared-domain float32 ``weights``
-    through ``edge_client.codecs.encode`` with the layer's ``options`` (e.g. DANUQ's
-    ``sigma_g``, K-means' ``method``).
+    them. ``codec == "ternary"`` with ``ternary_weights`` (an integer device): its own
+    ternary forward weights ``t``, sent exactly with ``aux.scale = intnn.TERNARY_WEIGHT``
+    (what ``t = +1`` computes in the shared domain), so the coordinator decodes them to
+    the weights the device computes with. ``float32``: lossless. Any other codec
+    (``ternary`` included, without ``ternary_weights``: the TWN rule): the shared-domain
+    float32 ``weights`` through ``edge_client.codecs.encode`` with the layer's
+    ``options`` (e.g. DANUQ's ``sigma_g``, K-means' ``method``).
     """
     if codec == "float32":
         return tuple(float32_tensor(w, n) for w, n in zip(weights, names, strict=True))
     from edge_client.codecs import encode
 
+    if codec == "ternary" and ternary_weights is not None:
+        from edge_client.intnn import TERNARY_WEIGHT
+
+        return tuple(encode(np.ascontiguousarray(t, dtype=np.int8), codec="ternary", bits=2, name=n,
+                            scale=TERNARY_WEIGHT)
+                     for t, n in zip(ternary_weights, names, strict=True))
     out = []
     if codec == "int":
         if int_weights is None:
@@ -456,18 +467,22 @@ class DeviceRuntime:
         secs = time.perf_counter() - t0
         names = spec.param_names()
         shared = [np.asarray(w, dtype=np.float32) for w in trainer.to_shared()]
-        ints = None
+        ints = tern = None
         if st.codec == "int" and hasattr(trainer, "int_weights"):
             ints = trainer.int_weights()
+        if st.codec == "ternary" and hasattr(trainer, "ternary_weights"):
+            tern = trainer.ternary_weights()  # the weights its forward computes with
         delta = st.content == "delta"
         if delta:
             shared = [w - g for w, g in zip(shared, weights, strict=True)]
+            tern = None
             if ints is not None:
                 ints = int_delta(ints, [decode(t) for t in m.tensors])
         codec = st.codec if (st.codec != "int" or ints is not None) else "float32"
         tensors = encode_update_tensors(shared, names, codec, st.codec_bits, int_weights=ints,
                                         compute_bits=self.cfg.compute_bits, delta=delta,
-                                        options=self._codec_options(st, m, a.round_id, len(names)))
+                                        options=self._codec_options(st, m, a.round_id, len(names)),
+                                        ternary_weights=tern)
         loss = float(getattr(report, "loss", 0.0))
         not_applied = {k: v[:self.cfg.limits.max_str] for k, v in st.not_applied.items()}
         if not_applied:

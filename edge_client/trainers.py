@@ -211,6 +211,11 @@ class IntTrainer:
         """The device's own integers (int8 for s <= 8, int16 above), spec layout."""
         return self.model.int_weights()
 
+    def ternary_weights(self) -> list[np.ndarray]:
+        """The ternary forward weights (int8 in {-1, 0, 1}), spec layout; ``t = +1`` stands
+        for ``intnn.TERNARY_WEIGHT`` (0.5) in the shared domain."""
+        return self.model.ternary_weights()
+
     # data ------------------------------------------------------------------
 
     def _inputs(self, data: Dataset) -> np.ndarray:

@@ -300,6 +300,11 @@ class IntModel:
         """float32 shared-domain weights, exact on the grid."""
         return to_shared(self.int_weights(), self.bits)
 
+    def ternary_weights(self) -> list[np.ndarray]:
+        """The ternary forward weights ``t`` (int8 in {-1, 0, 1}), spec layout and order
+        (copies); ``t = +1`` stands for ``quant.TERNARY_WEIGHT`` in the shared domain."""
+        return [self._to_spec(op, t) for op, t in zip(self.param_ops, self.t, strict=True)]
+
     # ------------------------------------------------------------------ buffers
 
     def grad_needs_int64(self, op: _Op, batch: int) -> bool:
