@@ -261,6 +261,7 @@ class SimLinks:
 def calibrate(model: str, variants: list[str], sample: Any, *, batch: int = 32, steps: int = 4) -> dict[str, float]:
     """Seconds per training sample of each variant's trainer on this machine (one thread,
     after a warm-up step that compiles the kernels); the best of ``steps`` timed steps."""
+    _one_thread_torch()  # as the emulated devices train (torch's default uses every core)
     from edge_client.protocol import variant_bits
     from edge_client.trainers import make_trainer
     from firmware_models import get_spec
