@@ -7,7 +7,7 @@
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
-EXTRAS ?= coordinator,data,dev
+EXTRAS ?= coordinator,data,dev,onnx
 
 .PHONY: demo test bench experiments fuzz faults install lint clean
 

@@ -14,10 +14,16 @@ devices, FedAvg. Each N runs in a fresh subprocess; per N it prints:
 - ``coordinator_seconds``: the coordinator's own time per round (median), anchored on
   the devices' training time in that round.
 
-Flower 1.40's simulation engine (Ray), measured on this kind of machine with 10 clients
-per round of a tiny softmax regression on digits (issue 10): 0.24 s/round at N = 1,000,
-0.68 s/round at N = 10,000 (2.8x), peak RSS 1.06-1.09 GB, 5-6 s start-up. When
-``flwr[simulation]`` is importable, ``--flower`` measures it in this run too.
+Start-up is measured alike on both sides: process start to the end of the first round,
+minus one steady round. Peak RSS sums the whole process tree (psutil, sampled every 0.2 s).
+
+The anchor users would pick instead is Flower's simulation engine (Ray): issue 10 quotes
+Flower 1.40 on this kind of machine, 10 clients per round of a tiny softmax regression on
+digits: 0.24 s/round at N = 1,000, 0.68 s/round at N = 10,000 (2.8x), peak RSS 1.06-1.09 GB,
+5-6 s start-up. ``--flower PYTHON`` (or ``FEDBIT_FLOWER_PYTHON``) names an interpreter with
+``flwr[simulation]`` installed (never a fedbit dependency); the same job then runs on
+Flower in this run (``benchmarks/_flower_side.py``) and each fedbit figure gets a
+``flower`` line with Flower's as its anchor.
 
 Run: ``.venv/bin/python benchmarks/emulator_scale.py [--quick]``; prints JSON lines.
 """
@@ -26,13 +32,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
+import os
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
 
 ROUNDS = 6
 SELECTED = 10
@@ -67,30 +76,69 @@ def worker(n: int, rounds: int) -> None:
     with tempfile.TemporaryDirectory(prefix="fedbit-scale-") as tmp:
         hist = Emulator(cfg, 0, Path(tmp) / "run", on_event=on_event).run().history
     steady = hist[1:]
+    round_s = statistics.median(h["round_seconds"] for h in steady)
     print(json.dumps({
-        "n": n, "startup_s": starts[1] - t0,
-        "round_s": statistics.median(h["round_seconds"] for h in steady),
+        "n": n, "startup_s": starts[1] + hist[0]["round_seconds"] - t0 - round_s,
+        "round_s": round_s,
         "coordinator_s": statistics.median(h["coordinator_seconds"] for h in steady),
         "device_train_s": statistics.median(h["device_train_seconds"] for h in steady),
         "selected": [h["selected"] for h in hist],
     }), flush=True)
 
 
-def run_worker(n: int, rounds: int) -> tuple[dict, float]:
-    """(figures, peak RSS in MB) of a fresh worker process."""
-    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    proc = subprocess.run([sys.executable, __file__, "--worker", str(n), "--rounds", str(rounds)],
-                          capture_output=True, text=True, timeout=3600)
+def run_tree(cmd: list[str], timeout: float = 3600) -> tuple[dict, float]:
+    """Run ``cmd``; (its last JSON line, peak RSS in MB of it and all its descendants)."""
+    import psutil
+
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    peak = [0.0]
+    done = threading.Event()
+
+    def sample() -> None:
+        root = psutil.Process(proc.pid)
+        while not done.wait(0.2):
+            try:
+                procs = [root, *root.children(recursive=True)]
+                total = 0
+                for p in procs:
+                    try:
+                        total += p.memory_info().rss
+                    except psutil.Error:
+                        pass
+                peak[0] = max(peak[0], total / 2**20)
+            except psutil.Error:
+                return
+
+    th = threading.Thread(target=sample, daemon=True)
+    th.start()
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        done.set()
+        th.join()
     if proc.returncode != 0:
-        raise SystemExit(f"worker N={n} failed:\n{proc.stderr[-4000:]}")
-    rss_kb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    line = next(ln for ln in reversed(proc.stdout.splitlines()) if ln.startswith("{"))
-    return json.loads(line), max(rss_kb, before) / 1024.0
+        raise SystemExit(f"{cmd[1:]} failed:\n{err[-4000:]}")
+    line = next(ln for ln in reversed(out.splitlines()) if ln.startswith("{"))
+    return json.loads(line), peak[0]
+
+
+def flower_python(arg: str | None) -> str | None:
+    """An interpreter that has flwr: ``--flower``, ``FEDBIT_FLOWER_PYTHON``, or this one."""
+    for cand in (arg, os.environ.get("FEDBIT_FLOWER_PYTHON")):
+        if cand:
+            return cand
+    try:
+        import importlib.util
+
+        return sys.executable if importlib.util.find_spec("flwr") else None
+    except (ImportError, ValueError):
+        return None
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="N = 1,000 and 10,000 only, fewer rounds")
+    ap.add_argument("--flower", metavar="PYTHON", help="an interpreter with flwr[simulation] (the anchor)")
     ap.add_argument("--worker", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--rounds", type=int, default=ROUNDS, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -98,12 +146,16 @@ def main() -> None:
         worker(args.worker, args.rounds)
         return
     sizes = [1_000, 10_000] if args.quick else [1_000, 10_000, 100_000]
-    rounds = 4 if args.quick else ROUNDS
-    results = {}
+    rounds = 6 if args.quick else ROUNDS + 4
+    flwr_py = flower_python(args.flower)
+    results, flower = {}, {}
     for n in sizes:
-        results[n], rss = run_worker(n, rounds)
-        results[n]["rss_mb"] = rss  # ru_maxrss of the children: the largest worker so far
+        results[n], results[n]["rss_mb"] = run_tree([sys.executable, __file__, "--worker", str(n),
+                                                     "--rounds", str(rounds)])
         assert all(s == SELECTED for s in results[n]["selected"]), results[n]["selected"]
+        if flwr_py and n <= 10_000 or flwr_py and not args.quick:
+            flower[n], flower[n]["rss_mb"] = run_tree([flwr_py, str(HERE / "_flower_side.py"), str(n),
+                                                       str(rounds), str(SELECTED)])
     base = results[1_000]
     for n in sizes:
         r = results[n]
@@ -113,6 +165,11 @@ def main() -> None:
         emit(case, "startup_seconds", r["startup_s"], "s", "same at N=1,000", base["startup_s"])
         emit(case, "coordinator_seconds", r["coordinator_s"], "s/round", "devices' training s/round",
              r["device_train_s"])
+        if n in flower:
+            f = flower[n]
+            for metric, key, unit in (("round_seconds", "round_s", "s"), ("rss", "rss_mb", "MB"),
+                                      ("startup_seconds", "startup_s", "s")):
+                emit(f"{case} vs Flower", metric, r[key], unit, "Flower run_simulation (Ray), same run", f[key])
 
 
 if __name__ == "__main__":

@@ -125,12 +125,14 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         )
         cfg.validate()
         spec = get_spec(args.model)
-        strategy = build_strategy(args.strategy, **cfg.strategy_params)
+        strategy = build_strategy(args.strategy, model=args.model, **cfg.strategy_params)
         broker, conn = serve_broker(args, limits.max_payload_bytes + 65536)
         admission.enrolment = conn.pop("enrolment")
         fleet = MqttFleet(conn.pop("url"), args.job, protocol=args.mqtt_version,
                           max_payload=limits.max_payload_bytes + 65536, **conn)
-        evaluator = make_evaluator(args.model, _eval_data(args.eval_data), seed=args.seed)
+        evaluator = make_evaluator(args.model, _eval_data(args.eval_data), seed=args.seed,
+                                   weight_standardization=bool(
+                                       strategy.device_hparams(cfg.hparams).get("ws", False)))
         progress = None if args.quiet else ProgressDisplay(args.rounds)
         coord = Coordinator(cfg, fleet, strategy, RunState(args.out), evaluator=evaluator,
                             init_weights=init_shared(spec, args.seed), on_event=progress,
@@ -138,6 +140,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         print(f"fedbit serve: job {args.job}, model {args.model}, strategy {args.strategy}, "
               f"{args.rounds} round(s), out {args.out}", flush=True)
         history = coord.run(resume=args.resume)
+        _export_finished_run(args.out)
         last = history[-1] if history else {}
         print(json.dumps({"rounds": len(history), "final_accuracy": last.get("accuracy"),
                           "broker": fleet.describe(), "metrics": str(coord.state.metrics_path)}),
@@ -150,6 +153,50 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     finally:
         if broker is not None:
             broker.stop()
+
+
+def _export_finished_run(run_dir: str) -> None:
+    """After a complete run: the ONNX export of every bitwidth variant of the final model
+    into ``RUN_DIR/onnx/`` (a note on stderr when onnx is not installed or the export
+    fails; the run itself succeeded and ``fedbit export`` can be run again)."""
+    import importlib.util
+
+    from coordinator.export import export_run
+    from edge_client.errors import ConfigError
+
+    if importlib.util.find_spec("onnx") is None:
+        print("fedbit serve: note: no ONNX export of the final model (pip install "
+              "'fedbit[onnx]', then `fedbit export RUN_DIR --all`)", file=sys.stderr)
+        return
+    try:
+        paths = export_run(run_dir)
+    except ConfigError as exc:
+        print(f"fedbit serve: ONNX export failed: {exc}", file=sys.stderr)
+        return
+    print(f"onnx: {', '.join(str(p) for p in paths)}", flush=True)
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    from coordinator.export import ONNX_DIR, export_model, export_run, load_final, variant_name
+    from edge_client.errors import ConfigError
+
+    try:
+        if args.all:
+            if args.out or args.bits is not None or args.round is not None:
+                raise ConfigError("--all writes every variant of the final model to "
+                                  f"RUN_DIR/{ONNX_DIR}/: no --bits, --out or --round with it")
+            paths = export_run(args.run_dir)
+        else:
+            ckpt = load_final(args.run_dir, args.round)
+            bits = 8 if args.bits is None else args.bits
+            out = args.out or f"{args.run_dir}/{ONNX_DIR}/{variant_name(bits)}.onnx"
+            paths = [export_model(ckpt, bits, out)]
+    except ConfigError as exc:
+        print(f"fedbit export: error: {exc}", file=sys.stderr)
+        return 1
+    for p in paths:
+        print(p, flush=True)
+    return 0
 
 
 def _cmd_broker(args: argparse.Namespace) -> int:
@@ -218,7 +265,10 @@ def _cmd_emulate(args: argparse.Namespace) -> int:
     finally:
         for b in bars:
             b.close()
-    print(summary.read_text(), flush=True)
+    text = summary.read_text()
+    # the result (a single run) or the whole table (a sweep); the rest is in the file
+    start = text.find("## Result")
+    print(text[start:text.find("\n## ", start + 1)] if start >= 0 else text, flush=True)
     print(f"fedbit emulate: report: {summary} (plots beside it); run folder kept: {out}", flush=True)
     return 0
 
@@ -266,8 +316,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_security_options(p)
     p.add_argument("--model", default="digits_cnn", metavar="SPEC", help="model spec name (digits_cnn)")
     p.add_argument("--rounds", type=int, default=5, metavar="N")
-    p.add_argument("--strategy", default="fedavg", metavar="NAME", help="aggregation strategy (fedavg)")
-    p.add_argument("--strategy-param", action="append", metavar="K=V", help="strategy parameter")
+    p.add_argument("--strategy", default="fedavg", metavar="NAME",
+                   help="aggregation strategy (fedavg); prowd = ProWD's dequantizer + selective aggregation")
+    p.add_argument("--strategy-param", action="append", metavar="K=V",
+                   help="strategy parameter (tau=0.1; the dequantizer's as dequantize.K=V, "
+                        "e.g. dequantize.ladder=paper)")
     p.add_argument("--out", required=True, metavar="DIR", help="run directory (checkpoint, inbox, metrics.jsonl)")
     p.add_argument("--resume", action="store_true", help="continue the run in --out")
     p.add_argument("--job", default="default", help="job id (topic prefix fedbit/<job>/)")
@@ -305,6 +358,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", default="info")
     p.add_argument("--quiet", action="store_true", help="no progress display")
     p.set_defaults(func=_cmd_serve)
+
+    p = sub.add_parser("export", help="export a run's final model (ONNX or a model message)",
+                       description="Write a bitwidth variant of a run's final global model: "
+                                   "ONNX (integer graph bit-exact with the Numba engine, or "
+                                   "float32), or the model message a device downloads "
+                                   "(an --out ending in .msgpack).")
+    p.add_argument("run_dir", metavar="RUN_DIR", help="the run directory (fedbit serve --out)")
+    p.add_argument("--bits", type=int, default=None,
+                   help="compute bitwidth of the variant, 2..16, or 32 for float32 (default 8)")
+    p.add_argument("--out", metavar="FILE",
+                   help="output file (default RUN_DIR/onnx/<variant>.onnx; .msgpack: a model message)")
+    p.add_argument("--round", type=int, default=None, metavar="N",
+                   help="refuse unless N is the run's last completed round (the model a run keeps)")
+    p.add_argument("--all", action="store_true",
+                   help="every variant of the run (float32 and the devices' bitwidths) to RUN_DIR/onnx/")
+    p.set_defaults(func=_cmd_export)
 
     p = sub.add_parser("broker", help="run the embedded MQTT broker",
                        description="mosquitto child process (when on PATH) or amqtt, on loopback.")

@@ -165,6 +165,8 @@ class Collector:
         if self.ingest.notes:  # changed rather than refused (clipped_num_samples)
             self.counts.update(self.ingest.notes)
             self.totals.update(self.ingest.notes)
+        if eu.not_applied:
+            self._not_applied(device_id, rnd.round_id, eu.not_applied)
         if not replay:
             # persisted and synced by handle_batch (or its committer), then acked. A crash
             # before the sync leaves the update unacked: the broker redelivers it.
@@ -178,6 +180,17 @@ class Collector:
     #: refusals of one reason logged per round at their level; more go to debug (a flood
     #: must not flood the log; every one is counted)
     log_per_reason = 20
+
+    def _not_applied(self, device_id: str, round_id: int, items: dict[str, str]) -> None:
+        """An accepted update whose device reports announced hyper-parameters it did not
+        apply: logged, and counted per key (``not_applied_<key>``)."""
+        for key in items:
+            self.counts[f"not_applied_{key}"] += 1
+            self.totals[f"not_applied_{key}"] += 1
+        self.log.warning("round %d: %r did not apply %s", round_id, device_id,
+                         "; ".join(f"{k} ({v})" for k, v in items.items()),
+                         extra={"event": "not_applied", "round": round_id, "device": device_id,
+                                "keys": sorted(items)})
 
     def _refused(self, exc: Rejected, kind: str, device_id: str) -> None:
         self.counts[exc.metric] += 1

@@ -7,6 +7,7 @@ from typing import Any
 
 from coordinator.admission import AdmissionConfig
 from edge_client.errors import ConfigError
+from edge_client.hparams import validate_hparams
 from edge_client.protocol import DEFAULT_LIMITS, Limits
 
 #: The largest allowed ``Limits.max_abs_value``: with ``num_samples <= 2**40`` as weights and
@@ -24,7 +25,8 @@ class ServerConfig:
       ``min_devices``; waited for up to ``presence_timeout_s``);
     - ``quorum``: the fraction of the selected whose accepted updates close a round early;
     - ``min_updates``: fewer accepted at the deadline keep the previous global model;
-    - ``hparams``: local training hyper-parameters announced to devices;
+    - ``hparams``: local training hyper-parameters announced to devices (the keys and
+      ranges of :data:`edge_client.hparams.HPARAMS`; the strategy adds what it needs);
     - ``strategy``/``strategy_params``: recorded in metrics and checkpoints;
     - ``limits``: the protocol limits, ``max_abs_value`` included (at most
       :data:`MAX_ABS_VALUE_CAP`);
@@ -50,8 +52,9 @@ class ServerConfig:
     limits: Limits = DEFAULT_LIMITS
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
 
-    def validate(self) -> None:
-        """ConfigError naming the first bad setting."""
+    def validate(self, strategy: Any = None) -> None:
+        """ConfigError naming the first bad setting; with ``strategy``, also a configured
+        hyper-parameter that contradicts what it announces (``Strategy.device_hparams``)."""
         if self.rounds < 1:
             raise ConfigError(f"rounds: must be >= 1, got {self.rounds}")
         if not 0.0 < self.fraction <= 1.0:
@@ -67,3 +70,6 @@ class ServerConfig:
             raise ConfigError(f"limits.max_abs_value: must be in (0, {MAX_ABS_VALUE_CAP:g}], got {v!r} "
                               f"(larger values let the float32 sums overflow)")
         self.admission.validate()
+        validate_hparams(self.hparams)
+        if strategy is not None and hasattr(strategy, "device_hparams"):
+            strategy.device_hparams(self.hparams)

@@ -261,6 +261,7 @@ class SimLinks:
 def calibrate(model: str, variants: list[str], sample: Any, *, batch: int = 32, steps: int = 4) -> dict[str, float]:
     """Seconds per training sample of each variant's trainer on this machine (one thread,
     after a warm-up step that compiles the kernels); the best of ``steps`` timed steps."""
+    _one_thread_torch()  # as the emulated devices train (torch's default uses every core)
     from edge_client.protocol import variant_bits
     from edge_client.trainers import make_trainer
     from firmware_models import get_spec
@@ -500,7 +501,7 @@ class Emulator:
         info = self._describe(devices, data, sps, measured)
         (self.run_dir / "emulation.json").write_text(json.dumps(info, indent=1))
         rnd = cfg.round
-        strategy = build_strategy(cfg.strategy, **cfg.strategy_params)
+        strategy = build_strategy(cfg.strategy, model=cfg.model, **cfg.strategy_params)
         server_cfg = ServerConfig(
             job=job, model=cfg.model, rounds=cfg.rounds, strategy=cfg.strategy,
             strategy_params=dict(cfg.strategy_params), fraction=float(rnd["fraction"]), min_devices=1,
@@ -519,7 +520,8 @@ class Emulator:
             registrar.connect(timeout=30.0)
             host.register(registrar)
             coord = Coordinator(server_cfg, fleet, strategy, RunState(self.run_dir / "out"),
-                                evaluator=make_evaluator(cfg.model, data.test, seed=seed),
+                                evaluator=make_evaluator(cfg.model, data.test, seed=seed, weight_standardization=bool(
+                                    strategy.device_hparams(cfg.train).get("ws", False))),
                                 init_weights=init_shared(get_spec(cfg.model), seed), on_event=self.on_event,
                                 logger=log.getChild("server"))
             history = coord.run()
@@ -529,6 +531,7 @@ class Emulator:
         finally:
             if broker is not None:
                 broker.stop()
+        info["onnx"] = _export(self.run_dir / "out")
         info["wall_seconds"] = time.monotonic() - t_start
         info["sim_seconds"] = fleet.sim_time
         (self.run_dir / "emulation.json").write_text(json.dumps(info, indent=1))
@@ -571,6 +574,22 @@ class Emulator:
                          "samples": len(d.shard), "class_counts": counts[i].tolist()}
                         for i, d in enumerate(devices)],
         }
+
+
+def _export(run_dir: Path) -> list[str] | str:
+    """The ONNX export of every bitwidth variant of the final model into ``RUN_DIR/onnx/``,
+    as ``fedbit serve`` writes it (the paths; or why not: onnx missing, an export error)."""
+    import importlib.util
+
+    if importlib.util.find_spec("onnx") is None:
+        return "skipped: onnx is not installed (pip install 'fedbit[onnx]')"
+    from coordinator.export import export_run
+
+    try:
+        return [p.name for p in export_run(run_dir)]
+    except Exception as exc:  # noqa: BLE001 - the run itself succeeded; say why there is no export
+        log.warning("no ONNX export of %s: %s", run_dir, exc)
+        return f"failed: {type(exc).__name__}: {exc}"
 
 
 def _one_thread_torch() -> None:

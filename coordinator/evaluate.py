@@ -27,12 +27,15 @@ class ModelEvaluator:
         model: the model spec's name.
         data: the held-out ``edge_client.data.Dataset``.
         seed: the trainers' seed (evaluation itself draws nothing).
+        weight_standardization: evaluate the float forward the devices train (FedWSQ's
+            ``ws``; integer variants are unaffected).
     """
 
-    def __init__(self, model: str, data: Any, *, seed: int = 0) -> None:
+    def __init__(self, model: str, data: Any, *, seed: int = 0, weight_standardization: bool = False) -> None:
         self.model = model
         self.data = data
         self.seed = seed
+        self.weight_standardization = bool(weight_standardization)
         self._trainers: dict[str, Any] = {}
 
     def _trainer(self, variant: str) -> Any:
@@ -40,7 +43,9 @@ class ModelEvaluator:
             from edge_client.trainers import make_trainer
             from firmware_models import get_spec
 
-            self._trainers[variant] = make_trainer(get_spec(self.model), variant_bits(variant), seed=self.seed)
+            bits = variant_bits(variant)
+            extra = {"weight_standardization": True} if bits == 32 and self.weight_standardization else {}
+            self._trainers[variant] = make_trainer(get_spec(self.model), bits, seed=self.seed, **extra)
         return self._trainers[variant]
 
     def __call__(self, variants: Mapping[str, list[np.ndarray]]) -> dict[str, tuple[float, float]]:
@@ -53,7 +58,7 @@ class ModelEvaluator:
         return out
 
 
-def make_evaluator(model: str, data: Any, *, seed: int = 0) -> ModelEvaluator:
+def make_evaluator(model: str, data: Any, *, seed: int = 0, weight_standardization: bool = False) -> ModelEvaluator:
     """A :class:`ModelEvaluator` of ``model`` on ``data`` (torch is imported lazily, for
     the float32 variant only)."""
-    return ModelEvaluator(model, data, seed=seed)
+    return ModelEvaluator(model, data, seed=seed, weight_standardization=weight_standardization)

@@ -20,6 +20,10 @@ A config (``fedbit emulate FILE``; the bundled default is ``coordinator/default.
     [round]                    # fraction, quorum, min_updates, deadline_s (simulated),
                                # wall_timeout_s, parallel (devices training at once)
     [clock]                    # seconds_per_sample = {variant = s}: pin the compute model
+
+``paper = "<name>"`` (``coordinator.papers``: fedshift, prowd, prowd-fedprox, prowd-grouped,
+prowd-grouped-asym, fedfor, fedwsq) starts from that paper's strategy, its parameters and
+the settings it trains devices with; the config's own keys override them.
     [sweep]                    # dotted key = [values]: every combination is run
     strategy = ["fedavg", "fedshift"]
     "data.partition" = ["shards", "parity"]
@@ -53,7 +57,7 @@ DEFAULT_CONFIG = Path(__file__).with_name("default.toml")
 SCHEMA: dict[str, dict[str, tuple[type | tuple[type, ...], Any]]] = {
     "": {"name": (str, "run"), "model": (str, "digits_cnn"), "rounds": (int, 10), "seeds": (list, [0]),
          "strategy": (str, "fedavg"), "transport": (str, "inproc"), "broker": (str, ""),
-         "target_accuracy": ((int, float), 0.0)},
+         "target_accuracy": ((int, float), 0.0), "paper": (str, "")},
     "data": {"dataset": (str, "digits"), "path": (str, ""), "partition": (str, "iid"),
              "shards_per_device": (int, 2), "alpha": ((int, float), 0.5), "per_device": (int, 32),
              "seed": (int, 0)},
@@ -78,6 +82,7 @@ class ExperimentConfig:
     transport: str = "inproc"
     broker: str = ""
     target_accuracy: float = 0.0
+    paper: str = ""
     strategy_params: dict[str, Any] = field(default_factory=dict)
     devices: dict[str, int] = field(default_factory=dict)
     codecs: dict[str, str] = field(default_factory=dict)
@@ -90,7 +95,7 @@ class ExperimentConfig:
 
     def as_dict(self) -> dict[str, Any]:
         """The config as the TOML table it came from (for reports and run folders)."""
-        keys = ("name", "model", "rounds", "seeds", "strategy", "transport", "broker", "target_accuracy")
+        keys = ("name", "model", "rounds", "seeds", "strategy", "transport", "broker", "target_accuracy", "paper")
         out: dict[str, Any] = {k: copy.deepcopy(getattr(self, k)) for k in keys}
         for sec in ("strategy_params", "devices", "codecs", "data", "train", "round", "clock", "sweep"):
             out[sec] = copy.deepcopy(getattr(self, sec))
@@ -134,6 +139,19 @@ def from_dict(raw: dict[str, Any], source: str = "<config>") -> ExperimentConfig
         return ConfigError(f"{source}: {key}: {why}")
 
     raw = copy.deepcopy(raw)
+    if raw.get("paper"):  # a paper's settings first; the config's own keys override them
+        from coordinator.papers import paper_settings
+
+        for sec in ("strategy_params", "train"):
+            if not isinstance(raw.get(sec, {}), dict):
+                raise bad(sec, "expected a table")
+        try:
+            ps = paper_settings(str(raw["paper"]), **raw.get("train", {}))
+        except ConfigError as exc:
+            raise bad("paper", str(exc)) from None
+        raw.setdefault("strategy", ps.strategy)
+        raw["strategy_params"] = ps.strategy_params | raw.get("strategy_params", {})
+        raw["train"] = ps.hparams
     cfg = ExperimentConfig(source=source)
     for key in raw:
         if key not in SCHEMA[""] and key not in SCHEMA and key not in FREE:
@@ -171,7 +189,7 @@ def _check_type(key: str, v: Any, tp: type | tuple[type, ...], bad) -> None:
 
 
 def _check_values(cfg: ExperimentConfig, bad) -> None:
-    from coordinator.strategies import available_strategies
+    from coordinator.strategies import available_strategies, build_strategy
     from firmware_models import MODELS
 
     if cfg.model not in MODELS:
@@ -226,6 +244,10 @@ def _check_values(cfg: ExperimentConfig, bad) -> None:
     for key, t in cfg.train.items():
         if isinstance(t, dict | list):
             raise bad(f"train.{key}", "must be a number, boolean or string")
+    try:  # the strategy's parameters, and the announced settings as the coordinator checks them
+        build_strategy(cfg.strategy, **cfg.strategy_params).device_hparams(cfg.train)
+    except ConfigError as exc:
+        raise bad("[strategy_params] / [train]", str(exc)) from None
     if not 0 <= cfg.target_accuracy <= 1:
         raise bad("target_accuracy", f"must be in (0, 1] (0: none), got {cfg.target_accuracy}")
     for key, values in cfg.sweep.items():

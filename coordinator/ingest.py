@@ -167,7 +167,8 @@ class Ingest:
         an integer device's bitwidth as sent, a float device's as 32."""
         bits = m.compute_bits if m.compute_bits <= 16 else FLOAT_BITS
         eu = EncodedUpdate(m.device_id, m.num_samples, m.tensors, m.content, bits,
-                           is_lossy(m.tensors), sigma_loc_of(f"update from {m.device_id!r}", m.tensors))
+                           is_lossy(m.tensors), sigma_loc_of(f"update from {m.device_id!r}", m.tensors),
+                           dict(m.not_applied))
         check_encoded(eu, self.shapes, self.limits.max_abs_value)
         return eu
 

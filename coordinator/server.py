@@ -85,7 +85,7 @@ class Coordinator:
                  evaluator: Evaluator | None, init_weights: list[np.ndarray],
                  on_event: Callable[[str, dict[str, Any]], None] | None = None,
                  logger: logging.Logger | None = None) -> None:
-        cfg.validate()
+        cfg.validate(strategy)
         self.cfg = cfg
         self.fleet = fleet
         self.strategy = strategy
@@ -165,7 +165,8 @@ class Coordinator:
             if plan is not None and digests != plan.variants:
                 raise ConfigError(f"round {r}: the resumed model differs from the announced one")
             plan = RoundPlan(round_id=r, selected=selected, deadline=time.time() + cfg.round_timeout_s,
-                             variants=digests, hparams=dict(cfg.hparams) | {"run": self.run_id},
+                             variants=digests, hparams=dict(plan.hparams) if resumed else
+                             self.strategy.device_hparams(cfg.hparams, hellos) | {"run": self.run_id},
                              started_at=time.time(), rng_state=json.dumps(self.rng.bit_generator.state))
             self.state.save_plan(plan)
             rnd = self.open_round(r, selected)

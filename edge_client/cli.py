@@ -138,6 +138,33 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_predict(args: argparse.Namespace) -> int:
+    from edge_client.errors import ConfigError
+    from edge_client.predict import (
+        check_expected,
+        load_data,
+        load_model,
+        predict,
+        write_predictions,
+    )
+
+    try:
+        model = load_model(args.model)
+        check_expected(model, spec=args.spec, bits=args.bits)
+        data = load_data(args.data)
+        pred = predict(model, data, engine=args.engine, batch=args.batch, threads=args.threads)
+        if args.out:
+            write_predictions(args.out, pred, data.y)
+    except ConfigError as exc:
+        print(f"fedbit-edge predict: error: {exc}", file=sys.stderr)
+        return 1
+    acc = pred.accuracy(data.y)
+    print(json.dumps({"model": str(args.model), "spec": model.spec.name, "variant": model.variant,
+                      "engine": pred.engine, "samples": len(data), "accuracy": acc,
+                      "seconds": round(pred.seconds, 4), "out": args.out}), flush=True)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fedbit-edge",
@@ -181,6 +208,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-json", action="store_true")
     p.add_argument("--log-level", default="info")
     p.set_defaults(func=_cmd_run)
+
+    p = sub.add_parser("predict", help="run a model file on a data set (accuracy, predictions)",
+                       description="Predict with a fedbit ONNX export or a global model "
+                                   "(msgpack), on ONNX Runtime when installed, else on the "
+                                   "Numba integer engine (the same answers either way).")
+    p.add_argument("--model", required=True, metavar="FILE",
+                   help="model.onnx (fedbit export) or global.msgpack (a model message)")
+    p.add_argument("--data", required=True, metavar="SRC",
+                   help="digits:test, digits:K/N, a .npz with x [N, C, H, W] in [0, 1] (and y), "
+                        "or a CIFAR-10 folder (its test batch)")
+    p.add_argument("--out", metavar="FILE", help="write the predictions (CSV, or .npz with the logits)")
+    p.add_argument("--engine", choices=["auto", "onnxruntime", "numba"], default="auto",
+                   help="auto: onnxruntime when installed, else numba")
+    p.add_argument("--spec", metavar="NAME", help="refuse a model of another architecture")
+    p.add_argument("--bits", type=int, default=None, help="refuse a model of another bitwidth (32: float32)")
+    p.add_argument("--batch", type=int, default=256)
+    p.add_argument("--threads", type=int, default=1, help="ONNX Runtime intra-op threads")
+    p.set_defaults(func=_cmd_predict)
     return parser
 
 

@@ -197,6 +197,9 @@ class Update:
 
     ``content`` says what the tensors hold: ``"weights"`` (full local weights) or ``"delta"``
     (local minus global). ``model_digest`` names the model the device started from.
+    ``not_applied``: announced hyper-parameters the device did not apply, each with the
+    reason (an unknown key, a bad value, a setting it cannot honour); the coordinator logs
+    and counts them. Absent from an older device's update (read as empty).
     """
 
     KIND: ClassVar[str] = "update"
@@ -209,6 +212,7 @@ class Update:
     model_digest: str = ""
     train_loss: float = 0.0
     train_seconds: float = 0.0
+    not_applied: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -441,6 +445,15 @@ def _read_hparams(r: _Reader) -> dict[str, Any]:
     return hp
 
 
+def _read_str_map(r: _Reader, key: str) -> dict[str, str]:
+    m = r.map(key, {})
+    for k, v in m.items():
+        if not isinstance(v, str) or len(v) > r.limits.max_str:
+            raise ProtocolError(f"{r.where(key)}.{k}: expected a string of at most "
+                                f"{r.limits.max_str} characters")
+    return dict(m)
+
+
 def _read_floats(r: _Reader, key: str) -> tuple[float, ...]:
     items = r.list(key, r.limits.max_layers, default=[])
     for i, x in enumerate(items):
@@ -501,6 +514,7 @@ def _parse(kind: str, r: _Reader) -> Message:
             model_digest=_read_digest(r, "model_digest", default=""),
             train_loss=r.float("train_loss", default=0.0),
             train_seconds=r.float("train_seconds", 0.0, default=0.0),
+            not_applied=_read_str_map(r, "not_applied"),
         )
     if kind == "status":
         metrics = r.map("metrics", {})

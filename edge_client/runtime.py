@@ -8,8 +8,10 @@ presence + hello as birth messages, subscriptions to ``round``, its model varian
 Per round: when a retained round announcement selects this device and its deadline is in
 the future, the device waits for the model variant of its bitwidth group (``float32`` for
 float devices, ``int<s>`` for s-bit integer devices) whose digest matches the announcement,
-loads it, trains locally with the announced hyper-parameters, encodes the result per its
-hardware profile (``codec``/``codec_bits``) and publishes the :class:`Update` with QoS 1.
+loads it, trains locally with the announced hyper-parameters (:mod:`edge_client.hparams`),
+encodes the result per its hardware profile (``codec``/``codec_bits``, unless announced)
+and publishes the :class:`Update` with QoS 1. Announced settings the device cannot honour
+are listed, with the reason, in the update's ``not_applied`` (and logged here).
 The update is written to the outbox first and marked sent once the broker acknowledged it;
 what is still pending is re-sent after a reconnect while the round is open, a sent update
 once more when its round is announced again (a resumed coordinator, a broker back without
@@ -34,9 +36,11 @@ import numpy as np
 
 from edge_client import __version__
 from edge_client.errors import CodecError, ConfigError, ProtocolError, TrainingError
+from edge_client.hparams import RoundSettings, round_settings
 from edge_client.outbox import Outbox
 from edge_client.protocol import (
     DEFAULT_LIMITS,
+    FLOAT_VARIANT,
     EncodedTensor,
     Hello,
     Limits,
@@ -58,11 +62,6 @@ from edge_client.transport import Received, Transport
 
 log = logging.getLogger("fedbit.device")
 
-#: Local training hyper-parameters a round announcement may carry, with defaults.
-TRAIN_HPARAMS: dict[str, Any] = {
-    "epochs": 1, "steps": 0, "batch": 32, "prox_mu": 0.0, "fedfor_alpha": 0.0,
-}
-
 
 # --------------------------------------------------------------------------- tensors
 
@@ -83,18 +82,33 @@ def model_to_shared(msg: ModelMessage) -> list[np.ndarray]:
 
 def encode_update_tensors(weights: list[np.ndarray], names: list[str], codec: str, bits: int,
                           *, int_weights: list[np.ndarray] | None = None,
-                          compute_bits: int = 32) -> tuple[EncodedTensor, ...]:
+                          compute_bits: int = 32, delta: bool = False,
+                          options: list[dict[str, Any]] | None = None,
+                          ternary_weights: list[np.ndarray] | None = None) -> tuple[EncodedTensor, ...]:
     """Encode a device's result per its profile.
 
     ``codec == "int"``: the device's own integers (``int_weights``) with ``bits`` bits, or
     the storage-grid width ``max(s, 8)`` when the integers need more (an Int6 device keeps
-    its weights on the 8-bit grid, ALGORITHMS.md §1). ``float32``: lossless. Any other
-    codec: the shared-domain float32 ``weights`` through ``edge_client.codecs.encode``.
+    its weights on the 8-bit grid, ALGORITHMS.md §1); with ``delta``, ``int_weights`` are
+    the differences ``q - q_global`` (int8 or int16) and take the fewest bits that hold
+    them. ``codec == "ternary"`` with ``ternary_weights`` (an integer device): its own
+    ternary forward weights ``t``, sent exactly with ``aux.scale = intnn.TERNARY_WEIGHT``
+    (what ``t = +1`` computes in the shared domain), so the coordinator decodes them to
+    the weights the device computes with. ``float32``: lossless. Any other codec
+    (``ternary`` included, without ``ternary_weights``: the TWN rule): the shared-domain
+    float32 ``weights`` through ``edge_client.codecs.encode`` with the layer's
+    ``options`` (e.g. DANUQ's ``sigma_g``, K-means' ``method``).
     """
     if codec == "float32":
         return tuple(float32_tensor(w, n) for w, n in zip(weights, names, strict=True))
     from edge_client.codecs import encode
 
+    if codec == "ternary" and ternary_weights is not None:
+        from edge_client.intnn import TERNARY_WEIGHT
+
+        return tuple(encode(np.ascontiguousarray(t, dtype=np.int8), codec="ternary", bits=2, name=n,
+                            scale=TERNARY_WEIGHT)
+                     for t, n in zip(ternary_weights, names, strict=True))
     out = []
     if codec == "int":
         if int_weights is None:
@@ -103,15 +117,34 @@ def encode_update_tensors(weights: list[np.ndarray], names: list[str], codec: st
 
         for q, n in zip(int_weights, names, strict=True):
             need = int(np.abs(q.astype(np.int64)).max(initial=0)).bit_length() + 1
+            if delta:
+                out.append(encode(q, codec="int", bits=max(2, need), name=n))
+                continue
             b = bits if need <= bits else max(bits, storage_grid_bits(compute_bits))
             try:
                 out.append(encode(q, codec="int", bits=b, name=n))
             except CodecError:
                 out.append(encode(q, codec="int", bits=storage_grid_bits(compute_bits), name=n))
         return tuple(out)
-    for w, n in zip(weights, names, strict=True):
-        out.append(encode(np.ascontiguousarray(w, dtype=np.float32), codec=codec, bits=bits, name=n))
+    opts = options or [{} for _ in weights]
+    for w, n, o in zip(weights, names, opts, strict=True):
+        out.append(encode(np.ascontiguousarray(w, dtype=np.float32), codec=codec, bits=bits,
+                          name=n, **o))
     return tuple(out)
+
+
+def int_delta(after: list[np.ndarray], before: list[np.ndarray]) -> list[np.ndarray] | None:
+    """An integer device's update on its grid, ``q - q_global`` per layer (int8 when it
+    fits, else int16); None when a layer's differences do not fit 16 bits (a weight that
+    crossed the whole range of an Int16 grid in one round)."""
+    out = []
+    for q, b in zip(after, before, strict=True):
+        d = q.astype(np.int32) - b.astype(np.int32)
+        m = int(np.abs(d).max(initial=0))
+        if m > 32767:
+            return None
+        out.append(d.astype(np.int8 if m <= 127 else np.int16))
+    return out
 
 
 # --------------------------------------------------------------------------- runtime
@@ -127,7 +160,8 @@ class DeviceConfig:
     that many rounds (a device that wakes up for one round; the emulator's devices);
     ``publish_timeout_s`` bounds the wait for a PUBACK before the update is left to the
     outbox; ``train_delay_s`` sleeps before each local training (emulates a slow device
-    in trials and tests).
+    in trials and tests); ``kmeans_method`` picks the K-means uplink's method (``fast`` |
+    ``authors``) unless a round announces one.
     """
 
     device_id: str
@@ -136,6 +170,7 @@ class DeviceConfig:
     codec: str
     codec_bits: int
     profile: str = "custom"
+    kmeans_method: str = "fast"
     job: str = "default"
     workdir: Path = field(default_factory=lambda: Path(".fedbit-device"))
     seed: int = 0
@@ -150,6 +185,7 @@ class DeviceConfig:
     @classmethod
     def from_profile(cls, device_id: str, profile: Any, **kw: Any) -> DeviceConfig:
         """From a :class:`hw_profiles.HardwareProfile`."""
+        kw.setdefault("kmeans_method", getattr(profile, "kmeans_method", "fast"))
         return cls(device_id=device_id, compute_bits=profile.compute_bits, trainer=profile.trainer,
                    codec=profile.codec, codec_bits=profile.codec_bits, profile=profile.name, **kw)
 
@@ -403,6 +439,39 @@ class DeviceRuntime:
                                                                  self.cfg.seed))
         return self._trainers[model]
 
+    def round_settings(self, a: RoundAnnouncement) -> RoundSettings:
+        """This device's settings for round ``a`` (announcement + profile)."""
+        return round_settings(a.hparams, variant=self.variant, codec=self.cfg.codec,
+                              codec_bits=self.cfg.codec_bits, kmeans_method=self.cfg.kmeans_method)
+
+    def train_kwargs(self, st: RoundSettings, trainer: Any) -> dict[str, Any]:
+        """The ``trainer.train`` arguments of ``st`` beyond epochs/steps/batch (the ones left
+        out keep the trainer's own values). ``lr_scale`` multiplies a float device's learning
+        rate; on an integer device it moves ``lr_shift`` by ``round(log2 lr_scale)`` (its
+        step is a power of two) and scales the FedProx/FedFOR step like a float device's."""
+        kw: dict[str, Any] = {"prox_mu": st.prox_mu, "fedfor_alpha": st.fedfor_alpha}
+        lr = st.lr
+        if st.lr_scale != 1.0:
+            from edge_client.trainers import DEFAULT_TORCH_LR
+
+            lr = (lr if lr is not None else getattr(trainer, "lr", DEFAULT_TORCH_LR)) * st.lr_scale
+        for key, value in (("lr", lr), ("momentum", st.momentum), ("grad_clip", st.grad_clip),
+                           ("weight_standardization", st.ws)):
+            if value is not None:
+                kw[key] = value
+        if self.variant != FLOAT_VARIANT:
+            from edge_client.trainers import DEFAULT_LR_SHIFT
+
+            shift = st.lr_shift if st.lr_shift is not None else getattr(trainer, "lr_shift", DEFAULT_LR_SHIFT)
+            shift += round(math.log2(st.lr_scale))
+            if not -8 <= shift <= 8:
+                st.not_applied["lr_scale"] = f"lr_shift {shift} outside -8..8; clamped"
+                shift = min(8, max(-8, shift))
+            if st.lr_shift is not None or st.lr_scale != 1.0:
+                kw["lr_shift"] = shift
+            kw.pop("weight_standardization", None)
+        return kw
+
     def train_round(self, a: RoundAnnouncement, m: ModelMessage) -> bytes:
         """Train on the downloaded model; return the encoded update payload. ProtocolError
         when the model is not one this SDK knows or its layers do not fit it."""
@@ -412,36 +481,65 @@ class DeviceRuntime:
             spec, trainer = self._trainer(a.model)
         except SpecError as exc:
             raise ProtocolError(f"round {a.round_id}: model {a.model!r}: {exc}") from None
+        st = self.round_settings(a)
         weights = model_to_shared(m)
         want = [tuple(s) for s in spec.param_shapes()]
         if [w.shape for w in weights] != want:
             raise ProtocolError(f"model {m.variant} of round {m.round_id}: layer shapes "
                                 f"{[w.shape for w in weights]} do not fit {a.model} {want}", reason="wrong_shape")
         trainer.load_shared(weights)
-        hp = {k: a.hparams.get(k, v) for k, v in TRAIN_HPARAMS.items()}
         from edge_client.codecs import decode
 
         lgs = [decode(t) for t in m.last_global_step] or None
+        kw = self.train_kwargs(st, trainer)
         t0 = time.perf_counter()
-        report = trainer.train(self.data, epochs=int(hp["epochs"]),
-                               steps=int(hp["steps"]) or None, batch=int(hp["batch"]),
-                               prox_mu=float(hp["prox_mu"]), fedfor_alpha=float(hp["fedfor_alpha"]),
-                               last_global_step=lgs)
+        report = trainer.train(self.data, epochs=st.epochs, steps=st.steps or None, batch=st.batch,
+                               last_global_step=lgs, **kw)
         secs = time.perf_counter() - t0
-        content = str(a.hparams.get("content", "weights"))
+        names = spec.param_names()
         shared = [np.asarray(w, dtype=np.float32) for w in trainer.to_shared()]
-        ints = None
-        if self.cfg.codec == "int" and hasattr(trainer, "int_weights"):
+        ints = tern = None
+        if st.codec == "int" and hasattr(trainer, "int_weights"):
             ints = trainer.int_weights()
-        if content == "delta":
+        if st.codec == "ternary" and hasattr(trainer, "ternary_weights"):
+            tern = trainer.ternary_weights()  # the weights its forward computes with
+        delta = st.content == "delta"
+        if delta:
             shared = [w - g for w, g in zip(shared, weights, strict=True)]
-            ints = None
-        codec = self.cfg.codec if (self.cfg.codec != "int" or ints is not None) else "float32"
-        tensors = encode_update_tensors(shared, spec.param_names(), codec, self.cfg.codec_bits,
-                                        int_weights=ints, compute_bits=self.cfg.compute_bits)
+            tern = None
+            if ints is not None:
+                ints = int_delta(ints, [decode(t) for t in m.tensors])
+        codec = st.codec if (st.codec != "int" or ints is not None) else "float32"
+        tensors = encode_update_tensors(shared, names, codec, st.codec_bits, int_weights=ints,
+                                        compute_bits=self.cfg.compute_bits, delta=delta,
+                                        options=self._codec_options(st, m, a.round_id, len(names)),
+                                        ternary_weights=tern)
         loss = float(getattr(report, "loss", 0.0))
+        not_applied = {k: v[:self.cfg.limits.max_str] for k, v in st.not_applied.items()}
+        if not_applied:
+            self.log.warning("round %d: announced settings not applied: %s", a.round_id,
+                             "; ".join(f"{k}: {v}" for k, v in not_applied.items()))
         upd = Update(device_id=self.cfg.device_id, round_id=a.round_id,
                      num_samples=int(len(self.data.y)), compute_bits=self.cfg.compute_bits,
-                     content=content, tensors=tensors, model_digest=m.digest,
-                     train_loss=loss if math.isfinite(loss) else 0.0, train_seconds=secs)
+                     content=st.content, tensors=tensors, model_digest=m.digest,
+                     train_loss=loss if math.isfinite(loss) else 0.0, train_seconds=secs,
+                     not_applied=not_applied)
         return encode_message(upd, self.cfg.limits)
+
+    def _codec_options(self, st: RoundSettings, m: ModelMessage, round_id: int,
+                       n_layers: int) -> list[dict[str, Any]]:
+        """Per-layer encode options: DANUQ standardizes an update by the server's σ_g when
+        the model carries one per layer (FedWSQ; else by the update's own σ), K-means takes
+        the announced or profile ``method`` (the authors' random init seeded per device and
+        round)."""
+        opts: list[dict[str, Any]] = [{} for _ in range(n_layers)]
+        if st.codec == "danuq" and st.content == "delta" and len(m.sigma_g) == n_layers:
+            for o, sg in zip(opts, m.sigma_g, strict=True):
+                if sg > 0:
+                    o["sigma_g"] = float(sg)
+        elif st.codec == "kmeans":
+            for o in opts:
+                o["method"] = st.kmeans_method
+                if st.kmeans_method == "authors":
+                    o["seed"] = [int(self.cfg.seed), int(round_id)]
+        return opts

@@ -9,7 +9,29 @@ torch is imported lazily, only by :class:`TorchTrainer`: integer training never 
 
 FedProx (``prox_mu``) and FedFOR (``fedfor_alpha`` with ``last_global_step``) add
 ``mu (w - w_g)`` and ``alpha g [g (w - w_g) > 0]`` to each step's gradient, ``w_g`` being
-the weights at the start of :meth:`train` (the received global model).
+the weights at the start of :meth:`train` (the received global model), with the same
+strength on both kinds of device in the shared domain:
+
+- float32 (:class:`TorchTrainer`): the terms join the data gradient after its norm is
+  clipped (clipping bounds the data gradient, not the regulariser), then SGD with learning
+  rate ``lr`` and momentum ``beta``. For a term that changes slowly from step to step the
+  momentum buffer settles at ``term / (1 - beta)``: each step moves ``W`` by
+  ``lr / (1 - beta) * (mu (W - W_g) + alpha g [.])``.
+- integer (:class:`IntTrainer`, ALGORITHMS.md §1-2): the device holds ``q = W S(s_g)``
+  (``S(s_g) = 2^(s_g - 1)``). Its data step is WAGE's normalized one (magnitude discarded),
+  so it has no float learning rate; the terms are applied beside it, with the float
+  device's step ``eta_r = lr / (1 - beta)`` (the float devices' ``lr`` and ``momentum``,
+  announced or default): per step, in LSBs,
+  ``dq = eta_r mu (q - q_g) + eta_r alpha g S(s_g) [g (q - q_g) > 0]``,
+  exactly the float device's ``dW * S(s_g)``. In integers: ``mu_q = round(eta_r mu 2^F)``,
+  ``alpha_q = round(eta_r alpha 2^F)`` (F = 20 fractional bits, fewer only when the
+  coefficients are so large that the int64 numerator could overflow), FedFOR's
+  ``g_q = round(g 2^29)`` (int32: ``g`` keeps a resolution of 2^-29 in the shared domain,
+  ``2^(30 - s_g)`` times finer than the weights, so its sign pattern survives: on Int8 a
+  ``|g| = 1e-3`` is 0.128 LSB, which the grid would round to 0), and
+  ``dq = stoch_round(((mu_q (q - q_g)) << (30 - s_g) + alpha_q g_q [.]) / 2^(F + 30 - s_g))``
+  on its own random stream: its expectation is the float step above (up to the rounding
+  of ``mu_q``/``alpha_q``, relative 2^-21 / (eta_r mu)).
 """
 
 from __future__ import annotations
@@ -28,7 +50,6 @@ from edge_client.intnn.model import IntModel, Regularizer
 from edge_client.intnn.quant import (
     DEFAULT_CLIP,
     alpha_shifts,
-    grid_scale,
     init_int,
     init_shared,
 )
@@ -40,8 +61,11 @@ DEFAULT_LR_SHIFT = 3      # eta_8 = 2^3 = 8 LSBs (ProWD appendix A: eta = 8)
 # The large value fits this domain: weights are clipped to +-0.5 and outputs divided by
 # alpha_l, so the gradients are small; the gradient norm is clipped to 2.0 anyway.
 DEFAULT_TORCH_LR = 1.0
+DEFAULT_MOMENTUM = 0.9    # float devices' SGD momentum (ProWD appendix A)
 EVAL_CAPACITY = 64        # integer evaluation runs at most this many samples at a time (RSS)
-FIXED_POINT_BITS = 16     # fractional bits of the FedProx/FedFOR coefficients on devices
+FIXED_POINT_BITS = 20     # fractional bits of the FedProx/FedFOR coefficients on devices
+STEP_G_BITS = 29          # FedFOR's g on integer devices: round(g * 2^29), int32
+INT32_MAX = (1 << 31) - 1
 
 
 @dataclass
@@ -65,7 +89,8 @@ class Trainer(Protocol):
 
     def train(self, data: Dataset, *, epochs: int = 1, steps: int | None = None,
               batch: int = 32, prox_mu: float = 0.0, fedfor_alpha: float = 0.0,
-              last_global_step: list[np.ndarray] | None = None) -> TrainReport: ...
+              last_global_step: list[np.ndarray] | None = None, lr: float | None = None,
+              momentum: float | None = None) -> TrainReport: ...
 
     def evaluate(self, data: Dataset, batch: int = 256) -> tuple[float, float]: ...
 
@@ -89,8 +114,9 @@ def _check_train_args(data: Dataset, spec: ModelSpec, epochs: int, steps: int | 
                             f"expected {list(spec.input_shape)}")
     if batch < 1:
         raise ConfigError(f"batch must be >= 1, got {batch}")
-    if prox_mu < 0 or fedfor_alpha < 0:
-        raise ConfigError("prox_mu and fedfor_alpha must be >= 0")
+    if not (prox_mu >= 0 and fedfor_alpha >= 0 and math.isfinite(prox_mu + fedfor_alpha)):
+        raise ConfigError(f"prox_mu and fedfor_alpha must be finite and >= 0, got {prox_mu}, "
+                          f"{fedfor_alpha}")
     if last_global_step is not None:
         shapes = spec.param_shapes()
         if len(last_global_step) != len(shapes) or any(
@@ -106,6 +132,13 @@ def _check_train_args(data: Dataset, spec: ModelSpec, epochs: int, steps: int | 
     if epochs < 0:
         raise ConfigError(f"epochs must be >= 0, got {epochs}")
     return int(epochs) * math.ceil(len(data) / batch)
+
+
+def _check_sgd(lr: float, momentum: float) -> None:
+    if not (math.isfinite(lr) and lr > 0):
+        raise ConfigError(f"lr must be > 0, got {lr}")
+    if not 0.0 <= momentum < 1.0:
+        raise ConfigError(f"momentum must be in [0, 1), got {momentum}")
 
 
 def _batches(n_samples: int, batch: int, n_steps: int, rng: np.random.Generator):
@@ -132,12 +165,15 @@ class IntTrainer:
     NITI style); the measurements behind the default are in :mod:`edge_client.intnn.model`.
     ``seed`` keys the shuffling and the stochastic rounding; the step counter runs on
     across calls of :meth:`train`, so two trainers with the same seed and the same calls
-    end bit for bit equal.
+    end bit for bit equal. ``lr``/``momentum``: the float devices' SGD settings whose
+    FedProx/FedFOR step ``lr / (1 - momentum)`` this device's terms match (module docstring);
+    they do not change the data step.
     """
 
     def __init__(self, spec_or_model: ModelSpec | IntModel | str, bits: int,
                  lr_shift: int = DEFAULT_LR_SHIFT, seed: int = 0,
-                 clip: float = DEFAULT_CLIP, loss: str = "sse") -> None:
+                 clip: float = DEFAULT_CLIP, loss: str = "sse", lr: float = DEFAULT_TORCH_LR,
+                 momentum: float = DEFAULT_MOMENTUM) -> None:
         if isinstance(spec_or_model, IntModel):
             self.model = spec_or_model
             if spec_or_model.bits != bits:
@@ -148,6 +184,9 @@ class IntTrainer:
             self.model.load_int(init_int(spec, seed, bits, clip))
         if not -8 <= lr_shift <= 8:
             raise ConfigError(f"lr_shift must be in -8..8, got {lr_shift}")
+        _check_sgd(lr, momentum)
+        self.lr = float(lr)
+        self.momentum = float(momentum)
         self.spec = self.model.spec
         self.bits = self.model.bits
         self.lr_shift = int(lr_shift)
@@ -172,6 +211,11 @@ class IntTrainer:
         """The device's own integers (int8 for s <= 8, int16 above), spec layout."""
         return self.model.int_weights()
 
+    def ternary_weights(self) -> list[np.ndarray]:
+        """The ternary forward weights (int8 in {-1, 0, 1}), spec layout; ``t = +1`` stands
+        for ``intnn.TERNARY_WEIGHT`` (0.5) in the shared domain."""
+        return self.model.ternary_weights()
+
     # data ------------------------------------------------------------------
 
     def _inputs(self, data: Dataset) -> np.ndarray:
@@ -183,31 +227,44 @@ class IntTrainer:
         return xq
 
     def _regularizer(self, prox_mu: float, fedfor_alpha: float,
-                     last_global_step: list[np.ndarray] | None) -> Regularizer | None:
-        mu_q = int(round(prox_mu * (1 << FIXED_POINT_BITS)))
-        alpha_q = int(round(fedfor_alpha * (1 << FIXED_POINT_BITS))) if last_global_step else 0
-        if mu_q == 0 and alpha_q == 0:
+                     last_global_step: list[np.ndarray] | None, lr: float,
+                     momentum: float) -> Regularizer | None:
+        """The integer form of the FedProx / FedFOR terms (module docstring)."""
+        alpha = fedfor_alpha if last_global_step is not None else 0.0
+        if prox_mu == 0 and alpha == 0:
             return None
         model = self.model
-        scale = grid_scale(self.bits)
+        step = lr / (1.0 - momentum)
+        # |mu_q (q - q_g)| << d_shift < mu_q 2^30 and |alpha_q g_q| < alpha_q 2^31: keep
+        # mu_q + 2 alpha_q <= 2^31 so that their sum stays below 2^62
+        frac = min(FIXED_POINT_BITS, 31 - math.ceil(math.log2(step * (prox_mu + 2 * alpha))))
+        if frac < 0:
+            raise ConfigError(f"prox_mu {prox_mu} / fedfor_alpha {fedfor_alpha} with step "
+                              f"lr / (1 - momentum) = {step:g} are too large")
+        mu_q = int(round(step * prox_mu * (1 << frac)))
+        alpha_q = int(round(step * alpha * (1 << frac)))
         step_g = []
         for i, op in enumerate(model.param_ops):
-            if alpha_q and last_global_step is not None:
-                g = np.rint(np.asarray(last_global_step[i], np.float64) * scale)
-                g = model._to_internal(op, np.clip(g, -(1 << 30), 1 << 30).astype(np.int32))
+            if alpha_q:
+                g = np.rint(np.asarray(last_global_step[i], np.float64) * (1 << STEP_G_BITS))
+                g = model._to_internal(op, np.clip(g, -INT32_MAX, INT32_MAX).astype(np.int32))
             else:
                 g = np.zeros(model.internal_shapes[i], np.int32)
             step_g.append(g)
+        d_shift = STEP_G_BITS + 1 - model.grid_bits
         anchor = [w.copy() for w in model.w]
         return Regularizer(anchor=anchor, step_g=step_g, mu_q=mu_q, alpha_q=alpha_q,
-                           shift=FIXED_POINT_BITS + 7 - self.lr_shift)
+                           d_shift=d_shift, shift=frac + d_shift)
 
     # training --------------------------------------------------------------
 
     def train(self, data: Dataset, *, epochs: int = 1, steps: int | None = None,
               batch: int = 32, prox_mu: float = 0.0, fedfor_alpha: float = 0.0,
-              last_global_step: list[np.ndarray] | None = None) -> TrainReport:
-        """Local SGD on ``data``; ``steps`` overrides ``epochs`` when given.
+              last_global_step: list[np.ndarray] | None = None, lr: float | None = None,
+              momentum: float | None = None, lr_shift: int | None = None) -> TrainReport:
+        """Local SGD on ``data``; ``steps`` overrides ``epochs`` when given. ``lr``,
+        ``momentum`` (the FedProx/FedFOR step) and ``lr_shift`` (the data step): this call's
+        values (None: the trainer's).
 
         Reported loss: with SSE (default) the mean per-sample
         ``sum_o ((z_o - T onehot_o) / S(s))^2``, ``T = S(s) - 1``; with the softmax loss the
@@ -215,15 +272,21 @@ class IntTrainer:
         """
         n_steps = _check_train_args(data, self.spec, epochs, steps, batch, prox_mu,
                                     fedfor_alpha, last_global_step)
+        lr = self.lr if lr is None else float(lr)
+        momentum = self.momentum if momentum is None else float(momentum)
+        _check_sgd(lr, momentum)
+        lr_shift = self.lr_shift if lr_shift is None else int(lr_shift)
+        if not -8 <= lr_shift <= 8:
+            raise ConfigError(f"lr_shift must be in -8..8, got {lr_shift}")
         t0 = time.perf_counter()
         model = self.model
         xq = self._inputs(data)
         y_all = np.ascontiguousarray(data.y, dtype=np.int64)
-        reg = self._regularizer(prox_mu, fedfor_alpha, last_global_step)
+        reg = self._regularizer(prox_mu, fedfor_alpha, last_global_step, lr, momentum)
         ws = model.workspace(min(batch, len(data)))
         rng = np.random.default_rng([self.seed, self._calls])
         self._calls += 1
-        lr_log2 = self.lr_shift + model.grid_bits - 8
+        lr_log2 = lr_shift + model.grid_bits - 8
         sse = 0
         samples = 0
         for idx in _batches(len(data), batch, n_steps, rng):
@@ -276,7 +339,8 @@ class TorchTrainer:
     """float32 local training of the same parameter domain (ALGORITHMS.md §2).
 
     Forward ``layer(a, W) / alpha_l`` (no quantization), softmax cross-entropy, SGD with
-    momentum (fresh each :meth:`train` call), gradient-norm clipping, and ``W`` clamped to
+    momentum (fresh each :meth:`train` call), gradient-norm clipping of the data gradient
+    (the FedProx / FedFOR terms are added after it), and ``W`` clamped to
     ``[-clip, clip]`` after every step. ``weight_standardization`` (FedWSQ): each output
     channel's weights are standardized, ``W~ = rho (W - mean) / std`` with ``rho = 1e-3``
     (FedWSQ's value), and, since these models have no normalization layer after it, the
@@ -284,7 +348,7 @@ class TorchTrainer:
     """
 
     def __init__(self, spec: ModelSpec | str, lr: float = DEFAULT_TORCH_LR, seed: int = 0,
-                 weight_standardization: bool = False, momentum: float = 0.9,
+                 weight_standardization: bool = False, momentum: float = DEFAULT_MOMENTUM,
                  grad_clip: float = 2.0, clip: float = DEFAULT_CLIP, ws_rho: float = 1e-3,
                  loss: str = "ce") -> None:
         import torch
@@ -292,8 +356,7 @@ class TorchTrainer:
         self._torch = torch
         self.spec = _as_spec(spec)
         self.bits = 32
-        if lr <= 0:
-            raise ConfigError(f"lr must be > 0, got {lr}")
+        _check_sgd(lr, momentum)
         if loss not in ("ce", "sse"):
             raise ConfigError(f"loss must be 'ce' or 'sse', got {loss!r}")
         self.lr = float(lr)
@@ -331,8 +394,8 @@ class TorchTrainer:
 
     # model -----------------------------------------------------------------
 
-    def _effective(self, i: int, w):
-        if not self.weight_standardization:
+    def _effective(self, i: int, w, ws: bool):
+        if not ws:
             return w, 1.0 / self._alpha[i]
         flat = w.reshape(w.shape[0], -1)
         mean = flat.mean(dim=1, keepdim=True)
@@ -341,18 +404,20 @@ class TorchTrainer:
         gain = math.sqrt(2.0 / flat.shape[1]) / self.ws_rho
         return ws.reshape(w.shape), gain
 
-    def forward(self, x):
-        """Logits of a float32 batch ``x`` [N, C, H, W] (torch tensor)."""
+    def forward(self, x, ws: bool | None = None):
+        """Logits of a float32 batch ``x`` [N, C, H, W] (torch tensor); ``ws``: weight
+        standardization (None: the trainer's setting)."""
         F = self._torch.nn.functional
+        ws = self.weight_standardization if ws is None else ws
         h = x
         p = 0
         for layer in self.spec.layers:
             if isinstance(layer, Conv2d):
-                w, scale = self._effective(p, self.params[p])
+                w, scale = self._effective(p, self.params[p], ws)
                 h = F.conv2d(h, w, stride=layer.stride, padding=layer.padding) * scale
                 p += 1
             elif isinstance(layer, Linear):
-                w, scale = self._effective(p, self.params[p])
+                w, scale = self._effective(p, self.params[p], ws)
                 h = F.linear(h, w) * scale
                 p += 1
             elif isinstance(layer, ReLU):
@@ -374,11 +439,22 @@ class TorchTrainer:
 
     def train(self, data: Dataset, *, epochs: int = 1, steps: int | None = None,
               batch: int = 32, prox_mu: float = 0.0, fedfor_alpha: float = 0.0,
-              last_global_step: list[np.ndarray] | None = None) -> TrainReport:
-        """Local SGD; loss reported is the mean training loss (CE or SSE) over the steps."""
+              last_global_step: list[np.ndarray] | None = None, lr: float | None = None,
+              momentum: float | None = None, grad_clip: float | None = None,
+              weight_standardization: bool | None = None) -> TrainReport:
+        """Local SGD; loss reported is the mean training loss (CE or SSE) over the steps.
+        ``lr``, ``momentum``, ``grad_clip``, ``weight_standardization``: this call's values
+        (None: the trainer's)."""
         torch = self._torch
         n_steps = _check_train_args(data, self.spec, epochs, steps, batch, prox_mu,
                                     fedfor_alpha, last_global_step)
+        lr = self.lr if lr is None else float(lr)
+        momentum = self.momentum if momentum is None else float(momentum)
+        _check_sgd(lr, momentum)
+        grad_clip = self.grad_clip if grad_clip is None else float(grad_clip)
+        if not grad_clip >= 0:
+            raise ConfigError(f"grad_clip must be >= 0, got {grad_clip}")
+        ws = self.weight_standardization if weight_standardization is None else bool(weight_standardization)
         t0 = time.perf_counter()
         rng = np.random.default_rng([self.seed, self._calls])
         self._calls += 1
@@ -386,7 +462,7 @@ class TorchTrainer:
         gsteps = None
         if fedfor_alpha > 0 and last_global_step is not None:
             gsteps = [torch.from_numpy(np.asarray(g, dtype=np.float32)) for g in last_global_step]
-        opt = torch.optim.SGD(self.params, lr=self.lr, momentum=self.momentum)
+        buffers: list = [None] * len(self.params)  # momentum buffers, fresh each call
         x_all = torch.from_numpy(np.ascontiguousarray(data.x, dtype=np.float32))
         y_all = torch.from_numpy(np.ascontiguousarray(data.y, dtype=np.int64))
         total = 0.0
@@ -394,22 +470,25 @@ class TorchTrainer:
         for idx in _batches(len(data), batch, n_steps, rng):
             ti = torch.from_numpy(idx)
             xb, yb = x_all[ti], y_all[ti]
-            opt.zero_grad(set_to_none=False)
-            loss = self._loss(self.forward(xb), yb)
+            for p in self.params:
+                if p.grad is not None:
+                    p.grad.zero_()
+            loss = self._loss(self.forward(xb, ws), yb)
             loss.backward()
+            if grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(self.params, grad_clip)
+            if prox_mu > 0 or gsteps is not None:
+                with torch.no_grad():
+                    for i, p in enumerate(self.params):
+                        d = p - anchor[i]
+                        if prox_mu > 0:
+                            p.grad.add_(d, alpha=prox_mu)
+                        if gsteps is not None:
+                            g = gsteps[i]
+                            p.grad.add_(torch.where(g * d > 0, g, torch.zeros_like(g)),
+                                        alpha=fedfor_alpha)
             with torch.no_grad():
-                for i, p in enumerate(self.params):
-                    d = p - anchor[i]
-                    if prox_mu > 0:
-                        p.grad.add_(d, alpha=prox_mu)
-                    if gsteps is not None:
-                        g = gsteps[i]
-                        p.grad.add_(torch.where(g * d > 0, g, torch.zeros_like(g)),
-                                    alpha=fedfor_alpha)
-            if self.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip)
-            opt.step()
-            with torch.no_grad():
+                _sgd_step(self.params, buffers, lr, momentum)
                 for p in self.params:
                     p.clamp_(-self.clip, self.clip)
             total += float(loss.detach()) * len(idx)
@@ -433,6 +512,22 @@ class TorchTrainer:
                 total += float(self._loss(logits, yb)) * len(yb)
                 hits += int((logits.argmax(dim=1) == yb).sum())
         return total / len(data), hits / len(data)
+
+
+def _sgd_step(params: list, buffers: list, lr: float, momentum: float) -> None:
+    """One step of SGD with momentum, as ``torch.optim.SGD`` computes it (dampening 0, no
+    Nesterov, no weight decay; the same operations, so the same bits): ``b <- grad`` on the
+    first step, then ``b <- momentum * b + grad``; ``p <- p - lr * b``. Written out because
+    constructing ``torch.optim.SGD`` imports ``torch._dynamo`` (~70 MB of RSS on a device)."""
+    for i, p in enumerate(params):
+        g = p.grad
+        if momentum:
+            if buffers[i] is None:
+                buffers[i] = g.detach().clone()
+            else:
+                buffers[i].mul_(momentum).add_(g)
+            g = buffers[i]
+        p.add_(g, alpha=-lr)
 
 
 def make_trainer(spec: ModelSpec | str, bits: int, seed: int = 0, **hparams) -> Trainer:

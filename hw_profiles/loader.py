@@ -42,7 +42,9 @@ class HardwareProfile:
     ``latency_ms`` one-way milliseconds; ``loss_rate`` probability a message is lost;
     ``relative_speed`` training speed relative to the ``desktop`` profile (1.0).
     ``compute_bits`` is 2..16 for integer devices (``trainer = "int"``) and 32 for float
-    devices (``trainer = "torch"``). ``codec``/``codec_bits`` pick the uplink codec.
+    devices (``trainer = "torch"``). ``codec``/``codec_bits`` pick the uplink codec;
+    ``kmeans_method`` (optional, ``"fast"`` by default) the K-means uplink's method:
+    ``"fast"`` (optimal 1-D MSE) or ``"authors"`` (the FedShift code's random-init Lloyd).
     """
 
     name: str
@@ -58,6 +60,7 @@ class HardwareProfile:
     loss_rate: float
     relative_speed: float
     notes: str = ""
+    kmeans_method: str = "fast"
 
     @property
     def is_integer(self) -> bool:
@@ -65,7 +68,8 @@ class HardwareProfile:
 
 
 FIELDS: tuple[str, ...] = tuple(f.name for f in fields(HardwareProfile))
-_OPTIONAL = {"notes"}
+_OPTIONAL = {"notes", "kmeans_method"}
+KMEANS_METHODS = ("fast", "authors")
 
 
 def profile_dir() -> Path:
@@ -127,6 +131,10 @@ def parse_profile(table: dict[str, Any], where: str = "<profile>") -> HardwarePr
             f"{where}: key 'codec_bits' = {codec_bits} must be the storage grid max(compute_bits, 8) "
             f"= {grid} for codec 'int'"
         )
+    kmeans_method = _check(where, "kmeans_method", v.get("kmeans_method", "fast"), str)
+    if kmeans_method not in KMEANS_METHODS:
+        raise ProfileError(f"{where}: key 'kmeans_method' = {kmeans_method!r} must be one of "
+                           f"{list(KMEANS_METHODS)}")
     return HardwareProfile(
         name=name,
         arch=v["arch"],
@@ -141,6 +149,7 @@ def parse_profile(table: dict[str, Any], where: str = "<profile>") -> HardwarePr
         loss_rate=_check(where, "loss_rate", v["loss_rate"], float, 0, 0.99),
         relative_speed=_check(where, "relative_speed", v["relative_speed"], float, 0, 1e4, lo_open=True),
         notes=_check(where, "notes", v.get("notes", ""), str),
+        kmeans_method=kmeans_method,
     )
 
 

@@ -77,3 +77,17 @@ def amqtt_broker() -> Iterator[AmqttBroker]:
 def any_broker(request: pytest.FixtureRequest):
     """Each broker kind in turn."""
     return request.getfixturevalue("mosquitto" if request.param == "mosquitto" else "amqtt_broker")
+
+
+@pytest.fixture(scope="session")
+def onnx_runtime() -> None:
+    """onnx and onnxruntime are importable (the ``onnx`` extra, which ``make test``
+    installs); skip without them, except under CI=true where that is a failure."""
+    import importlib.util
+
+    for module in ("onnx", "onnxruntime"):
+        if importlib.util.find_spec(module) is None:
+            msg = f"{module} is not installed (pip install 'fedbit[onnx]')"
+            if os.environ.get("CI", "").lower() == "true":
+                pytest.fail(f"CI=true: {msg}")
+            pytest.skip(msg)

@@ -49,6 +49,16 @@ def test_serve_refuses_a_magnitude_limit_that_lets_sums_overflow(tmp_path: Path)
     assert not (tmp_path / "run").exists()       # refused before anything started
 
 
+def test_serve_names_a_bad_dequantizer_parameter(tmp_path: Path) -> None:
+    """``--strategy prowd`` takes the dequantizer's settings as ``dequantize.K=V``; an
+    unknown one is refused before anything starts, and named."""
+    out = run("fedbit", "serve", "--out", str(tmp_path / "run"), "--strategy", "prowd",
+              "--strategy-param", "dequantize.ladder=paper", "--strategy-param", "dequantize.epoch=3")
+    assert out.returncode == 1
+    assert "epoch" in out.stderr and "unknown parameters" in out.stderr
+    assert not (tmp_path / "run").exists()
+
+
 def test_emulate_refuses_a_bad_config_naming_file_and_key(tmp_path: Path) -> None:
     bad = tmp_path / "bad.toml"
     bad.write_text('name = "x"\n[devices]\nraspberry-pi-4 = 2\n[round]\nquorum = 2.0\n')

@@ -88,8 +88,11 @@ sys.exit(1 if leaked else 0)
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
-#: what the coordinator may import from the device SDK: its library, not its application
-COORDINATOR_MAY_USE = {"errors", "protocol", "codecs", "intnn", "trainers", "data", "transport", "auth"}
+#: what the coordinator may import from the device SDK: its library (``hparams``: what an
+#: announcement may carry, part of the wire format; ``auth``: the credentials format and
+#: the MAC), not its application
+COORDINATOR_MAY_USE = {"errors", "protocol", "hparams", "codecs", "intnn", "trainers", "data",
+                       "transport", "auth"}
 #: the one coordinator module that runs real device runtimes, by design
 RUNS_DEVICES = {"coordinator/emulator.py"}
 

@@ -95,3 +95,13 @@ def test_codec_specs() -> None:
     for bad in ("kmeans", "zip-4", "asym-0", "asym-x", 8):
         with pytest.raises(ConfigError):
             parse_codec(bad)
+
+
+def test_a_paper_supplies_strategy_and_settings_and_the_config_overrides_them(tmp_path: Path) -> None:
+    cfg = load_config(write(tmp_path, 'paper = "fedshift"\n' + BASE + "[train]\nlr = 1.0\n"))
+    assert cfg.strategy == "fedshift" and cfg.strategy_params == {"weighted": False}
+    assert cfg.train["kmeans_method"] == "authors" and cfg.train["epochs"] == 10 and cfg.train["lr"] == 1.0
+    with pytest.raises(ConfigError, match="paper"):
+        load_config(write(tmp_path, 'paper = "fedfor"\n' + BASE))  # FedFOR's alpha must be given
+    with pytest.raises(ConfigError, match="paper"):
+        load_config(write(tmp_path, 'paper = "nope"\n' + BASE))

@@ -3,6 +3,7 @@ real brokers on loopback (embedded mosquitto, embedded amqtt, a mosquitto starte
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -155,6 +156,14 @@ def test_three_rounds_over_the_embedded_broker(procs: Procs, tmp_path: Path) -> 
     assert f"(embedded {want};" in text
     for d in ("dev1", "dev4"):
         assert "stopped after 3 round(s)" in procs.text(d)
+    # the ONNX export of every bitwidth variant of the final model (Int8 and float32 here)
+    if importlib.util.find_spec("onnx") is not None:
+        from edge_client.predict import load_model
+
+        assert sorted(p.name for p in (out / "onnx").iterdir()) == ["float32.onnx", "int8.onnx"]
+        assert load_model(out / "onnx" / "int8.onnx").variant == "int8"
+    else:
+        assert "no ONNX export" in procs.text("coord", "err")
 
 
 def _nan_update(dev: str, r: int) -> bytes:

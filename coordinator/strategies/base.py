@@ -9,18 +9,20 @@ of updates (see ``accumulate``).
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from coordinator.strategies.accumulate import GroupSums
+from coordinator.strategies.announce import announced_hparams
 from coordinator.strategies.buffers import LayerBufferPool
 from coordinator.strategies.checks import (
     INTEGER_DTYPES,
     check_header,
     check_shapes,
     check_sigma_loc,
-    integer_scale,
+    unit_value,
 )
 from coordinator.strategies.combine import Combiner, RoundSums
 from coordinator.strategies.decode import decode_update
@@ -35,6 +37,7 @@ from coordinator.strategies.types import (
     EncodedUpdate,
 )
 from edge_client.errors import ConfigError, ProtocolError
+from edge_client.protocol import Hello
 
 STATE_VERSION = 1
 
@@ -47,7 +50,8 @@ def _flat32(a: np.ndarray) -> np.ndarray:
 class Strategy:
     """A named composition of stages (build one with ``build_strategy``).
 
-    Params: ``weighted`` (FedAvg weights by ``num_samples``; False = unweighted),
+    Params: ``weighted`` (FedAvg weights by ``num_samples``; False = unweighted, 1/N: the
+    FedShift and ProWD papers' averaging, ALGORITHMS.md §4),
     ``sigma_momentum`` (σ_g EMA, 0.9), ``acc_dtype`` ("float32" default | "float64"
     running sums; float32 halves the accumulator traffic, measured 0.85x vs 0.59x of the
     stacked-mean anchor for float64), ``batch`` (updates folded into the sums together, >= 1).
@@ -95,6 +99,7 @@ class Strategy:
         self._n_inferior = 0
         self._sigma_sum = None
         self._sigma_n = 0
+        self.dequantizer.begin_round(self.round_id, self._global)
 
     def fold(self, update: EncodedUpdate) -> None:
         """Fold one checked wire update into the running sums (the coordinator's path: its
@@ -121,7 +126,7 @@ class Strategy:
             except ProtocolError as exc:
                 raise ProtocolError(f"{who}: tensors[{i}]: {exc}", reason=exc.reason) from None
             # an integer device's own integers q: q / 2^(s_g - 1) in the shared domain
-            adders.append(add.scaled(integer_scale(update.compute_bits))
+            adders.append(add.scaled(unit_value(t, update.compute_bits))
                           if t.dtype in INTEGER_DTYPES else add)
         self._sums.add_encoded(int(update.compute_bits), adders, self._omega(update),
                                update.kind == "delta", key=update.device_id)
@@ -177,11 +182,15 @@ class Strategy:
         return flat
 
     def _add_decoded(self, update: ClientUpdate, flat: list[np.ndarray]) -> None:
-        """Dequantize (when a dequantizer is set) and add a checked decoded update."""
+        """Dequantize (when a dequantizer is set: it observes every update, then maps it)
+        and add a checked decoded update."""
         assert self._sums is not None
         if not isinstance(self.dequantizer, NoDequantizer):
-            update = self.dequantizer(update)
-            flat = self._finite_layers(update)
+            self.dequantizer.observe(update)
+            mapped = self.dequantizer(update)
+            if mapped is not update:
+                update = mapped
+                flat = self._finite_layers(update)
         self._sums.add(int(update.compute_bits), flat, self._omega(update), update.kind == "delta",
                        key=update.device_id)
         self._count(update)
@@ -220,9 +229,19 @@ class Strategy:
             self.state.sigma_g = sigma_ema(self.state.sigma_g, mean, self.sigma_momentum)
         stats.update({"n_updates": n, "n_inferior": self._n_inferior,
                       "n_groups_present": len(sums.bits), "round_id": int(self.round_id or 0)})
+        stats.update(self.dequantizer.end_round())
         self._sums = None
         self._global = None
         return AggregateResult(new, {b: [w.copy() for w in ws] for b, ws in group_weights.items()}, stats)
+
+    # ------------------------------------------------------------------ devices
+    def device_hparams(self, hparams: Mapping[str, Any], devices: Sequence[Hello] = ()) -> dict[str, Any]:
+        """The hyper-parameters to announce for a round whose selected devices said
+        ``devices``: ``hparams`` plus what the stages need from devices
+        (``coordinator.strategies.announce``); ConfigError naming a key that is unknown, out
+        of range, or contradicts the strategy."""
+        need = getattr(self.combiner, "device_hparams", None)
+        return announced_hparams(self.name, hparams, need(devices) if need else {})
 
     # ------------------------------------------------------------------ state
     def server_state(self) -> dict[str, Any]:
@@ -234,7 +253,8 @@ class Strategy:
         """msgpack-able checkpoint (arrays as {dtype, shape, data bytes}); taken between
         rounds (an open round's sums are not saved: its updates are in the inbox)."""
         return {"version": STATE_VERSION, "name": self.name, "server": self.state.to_state(),
-                "group_models": {str(b): arrays_to_state(ws) for b, ws in self.group_models.items()}}
+                "group_models": {str(b): arrays_to_state(ws) for b, ws in self.group_models.items()},
+                "dequantizer": self.dequantizer.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("version") != STATE_VERSION:
@@ -244,3 +264,5 @@ class Strategy:
         self.state = ServerState.from_state(state.get("server") or {})
         self.group_models = {int(b): arrays_from_state(ws) or []
                              for b, ws in (state.get("group_models") or {}).items()}
+        if state.get("dequantizer"):
+            self.dequantizer.load_state_dict(state["dequantizer"])

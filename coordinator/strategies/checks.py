@@ -7,7 +7,9 @@ the field, with its ``reason`` (``wrong_shape``, ``out_of_range``, ``malformed``
 
 The shared domain (ALGORITHMS.md §2): an integer device's own integers ``q`` (codec
 ``int``) stand for ``q / 2^(s_g - 1)``, ``s_g = max(s, 8)`` (:func:`integer_scale`, from
-``edge_client.intnn``'s grid); every codec but ``float32`` is lossy.
+``edge_client.intnn``'s grid); its ternary codes ``t`` (codec ``ternary``, int8) for the
+ternary forward weights ``t * intnn.TERNARY_WEIGHT`` = ``t / 2`` (:func:`unit_value`);
+every codec but ``float32`` is lossy.
 """
 
 from __future__ import annotations
@@ -32,6 +34,17 @@ def integer_scale(compute_bits: int) -> float:
     from edge_client.intnn.quant import grid_scale
 
     return 1.0 / float(grid_scale(int(compute_bits)))
+
+
+def unit_value(t: EncodedTensor, compute_bits: int) -> float:
+    """The shared-domain value of one unit of an integer tensor ``t`` of an integer
+    device: ``intnn.TERNARY_WEIGHT`` for ternary codes (what ``t = +1`` computes in the
+    device's forward, ALGORITHMS.md §1-2), ``integer_scale(s)`` for grid integers."""
+    if t.codec == "ternary":
+        from edge_client.intnn.quant import TERNARY_WEIGHT
+
+        return TERNARY_WEIGHT
+    return integer_scale(compute_bits)
 
 
 def is_lossy(tensors: Sequence[EncodedTensor]) -> bool:
@@ -74,7 +87,7 @@ def check_magnitude(who: str, tensors: Sequence[EncodedTensor], compute_bits: in
         except Exception as exc:  # noqa: BLE001 - a codec failing on received bytes
             raise ProtocolError(f"{who}: tensors[{i}]: cannot read ({type(exc).__name__}: {exc})") from None
         if t.dtype in INTEGER_DTYPES and compute_bits < FLOAT_BITS:
-            bound *= integer_scale(compute_bits)
+            bound *= unit_value(t, compute_bits)
         if not bound <= limit:
             raise ProtocolError(f"{who}: tensors[{i}]: values up to |v| = {bound:.4g} exceed the "
                                 f"limit max_abs_value = {limit:.4g}", reason="out_of_range")

@@ -3,8 +3,9 @@ arrays in the shared domain, for the updates a strategy cannot fold straight fro
 wire (a ternary uplink, or a dequantizer that needs the values).
 
 Float tensors decode into caller-given buffers (``out``, reused by the strategy); integer
-tensors (a device's own grid values, or ternary codes) are mapped exactly to the shared
-domain, ``q * integer_scale(s)`` (ALGORITHMS.md §2).
+tensors are mapped exactly to the shared domain (ALGORITHMS.md §1-2, ``checks.unit_value``):
+a device's own grid values as ``q * integer_scale(s)``, ternary codes as the ternary forward
+weights they are, ``t * intnn.TERNARY_WEIGHT`` (``t / 2``, whatever the bitwidth).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from coordinator.strategies.checks import integer_scale
+from coordinator.strategies.checks import unit_value
 from coordinator.strategies.types import ClientUpdate, EncodedUpdate
 from edge_client.errors import ProtocolError
 
@@ -37,7 +38,7 @@ def decode_update(update: EncodedUpdate, out: Sequence[np.ndarray] | None = None
         except Exception as exc:  # noqa: BLE001 - a codec failing on received bytes
             raise ProtocolError(f"{who}: tensors[{i}]: cannot decode ({type(exc).__name__}: {exc})") from None
         if a.dtype.kind in "iu":
-            a = a.astype(np.float32) * np.float32(integer_scale(update.compute_bits))
+            a = a.astype(np.float32) * np.float32(unit_value(t, update.compute_bits))
         weights.append(np.asarray(a, dtype=np.float32))
     finite = all(get_codec(t.codec).finite_output for t in update.tensors)
     return ClientUpdate(update.device_id, update.num_samples, weights, update.kind, update.compute_bits,

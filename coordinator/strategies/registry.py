@@ -1,13 +1,19 @@
 """Strategy names -> stage compositions.
 
 A name is ``[<mask>+]<combiner>``: combiners ``fedavg``, ``fedshift``, ``grouped``,
-``grouped-asym``, ``fedpaq``; mask ``prowd-swa`` (alone it means ``prowd-swa+fedavg``).
-The dequantize stage is a parameter (``dequantize="none"``), not part of the name.
-Params go to the stage that owns them: ``tau``, ``fill`` (mask); ``layers`` (fedshift);
-``server_lr`` (fedpaq); ``weighted``, ``sigma_momentum``, ``acc_dtype``, ``batch``
-(strategy); ``dequantize`` and ``dequantize_params``; ``clip``, ``robust``, ``trim``
-(robust aggregation: a :class:`~coordinator.strategies.robust.RobustStrategy`, which holds
-the round's updates; without them the strategy streams). Unknown params are errors.
+``grouped-asym``, ``fedpaq``, ``fedwsq``; mask ``prowd-swa`` (alone it means
+``prowd-swa+fedavg``). The dequantize stage is a parameter (``dequantize="none"`` |
+``"prowd"``), not part of the name, except in ``prowd``: ProWD in full,
+``dequantize="prowd"`` + ``prowd-swa`` + ``fedavg``. Params go to the stage that owns them:
+``tau``, ``fill`` (mask); ``layers`` (fedshift); ``server_lr`` (fedpaq, fedwsq); ``bits``
+(fedwsq); ``scale_lr`` (grouped, grouped-asym); ``weighted`` (False: 1/N averaging, the
+FedShift and ProWD papers' choice), ``sigma_momentum``, ``acc_dtype``, ``batch``
+(strategy); ``dequantize`` and ``dequantize_params`` (a dict), or ``dequantize.<key>`` one
+at a time (``fedbit serve --strategy-param dequantize.epochs=2``); ``clip``, ``robust``,
+``trim`` (robust aggregation: a :class:`~coordinator.strategies.robust.RobustStrategy`,
+which holds the round's updates; without them the strategy streams). ``model`` (the model
+spec's name, which the coordinator knows) goes to a dequantizer that uses it. Unknown
+params are errors.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from coordinator.strategies.combine import (
     FedAvgCombine,
     FedPaqCombine,
     FedShiftCombine,
+    FedWsqCombine,
     GroupedCombine,
 )
 from coordinator.strategies.dequantize import build_dequantizer
@@ -32,14 +39,18 @@ COMBINERS: dict[str, Callable[..., Combiner]] = {
     "fedavg": FedAvgCombine,
     "fedshift": FedShiftCombine,
     "fedpaq": FedPaqCombine,
-    "grouped": lambda: GroupedCombine(asymmetric=False),
-    "grouped-asym": lambda: GroupedCombine(asymmetric=True),
+    "fedwsq": FedWsqCombine,
+    "grouped": lambda scale_lr=False: GroupedCombine(asymmetric=False, scale_lr=scale_lr),
+    "grouped-asym": lambda scale_lr=False: GroupedCombine(asymmetric=True, scale_lr=scale_lr),
 }
 MASKS: dict[str, Callable[..., MaskStage]] = {"prowd-swa": ProwdSwaMask}
 #: combiners a mask may precede (a per-group model has no high/low split)
 MASKABLE = ("fedavg", "fedshift", "fedpaq")
+#: names that stand for a whole composition: name -> (mask, combiner, default dequantizer)
+PRESETS: dict[str, tuple[str, str, str]] = {"prowd": ("prowd-swa", "fedavg", "prowd")}
 _STRATEGY_PARAMS = ("weighted", "sigma_momentum", "acc_dtype", "batch")
 _ROBUST_PARAMS = ("clip", "robust", "trim")
+_DEQ_PREFIX = "dequantize."
 
 
 def available_strategies() -> list[str]:
@@ -48,7 +59,7 @@ def available_strategies() -> list[str]:
     for m in MASKS:
         names.append(m)
         names += [f"{m}+{c}" for c in MASKABLE]
-    return names
+    return names + list(PRESETS)
 
 
 def _take(factory: Callable[..., Any], params: dict[str, Any]) -> dict[str, Any]:
@@ -56,18 +67,25 @@ def _take(factory: Callable[..., Any], params: dict[str, Any]) -> dict[str, Any]
     return {k: params.pop(k) for k in keys}
 
 
-def build_strategy(name: str, **params: Any) -> Strategy:
-    """Build the named strategy; ConfigError listing the valid names when unknown."""
+def build_strategy(name: str, *, model: str | None = None, **params: Any) -> Strategy:
+    """Build the named strategy; ConfigError listing the valid names when unknown.
+    ``model``: the model spec's name, for a dequantizer that uses it."""
     valid = available_strategies()
     if name not in valid:
         raise ConfigError(f"unknown strategy {name!r}; valid: {', '.join(valid)}")
+    params = dict(params)
     mask_name, _, comb_name = name.rpartition("+")
     if name in MASKS:
         mask_name, comb_name = name, "fedavg"
-    params = dict(params)
+    if name in PRESETS:
+        mask_name, comb_name, deq_name = PRESETS[name]
+        params.setdefault("dequantize", deq_name)
+    deq_params = dict(params.pop("dequantize_params", None) or {})
+    for key in [k for k in params if k.startswith(_DEQ_PREFIX)]:
+        deq_params[key[len(_DEQ_PREFIX):]] = params.pop(key)
     mask: MaskStage = MASKS[mask_name](**_take(MASKS[mask_name], params)) if mask_name else NoMask()
     combiner = COMBINERS[comb_name](**_take(COMBINERS[comb_name], params))
-    deq = build_dequantizer(params.pop("dequantize", "none"), **params.pop("dequantize_params", {}))
+    deq = build_dequantizer(params.pop("dequantize", "none"), model=model, **deq_params)
     strat = {k: params.pop(k) for k in _STRATEGY_PARAMS if k in params}
     robust = {k: params.pop(k) for k in _ROBUST_PARAMS if k in params}
     if params:

@@ -50,7 +50,8 @@ class EncodedUpdate:
 
     The fields mean what they mean in :class:`ClientUpdate`; ``tensors`` holds one
     ``EncodedTensor`` per model layer (the protocol already checked their byte lengths,
-    ``coordinator.ingest`` their shapes, sources and magnitudes). :meth:`Strategy.fold`
+    ``coordinator.ingest`` their shapes, sources and magnitudes); ``not_applied`` the
+    announced hyper-parameters the device reports it did not apply (key -> reason). :meth:`Strategy.fold`
     adds it to the sums with the codecs' fused ``decode_accumulate`` where it can (no
     float32 copy of the update is ever made), or decodes it first.
     """
@@ -62,6 +63,7 @@ class EncodedUpdate:
     compute_bits: int = FLOAT_BITS
     lossy: bool = False
     sigma_loc: list[float] | None = None
+    not_applied: dict[str, str] = field(default_factory=dict)
 
     @property
     def inferior(self) -> bool:

@@ -3,7 +3,10 @@ invalid), little-endian bit order.
 
 Input either
 - an ``int8`` ternary array (e.g. ProWD's Q_Int2(W) of an integer device): decoded to the
-  same ``int8`` values exactly, no aux; or
+  same ``int8`` values exactly, no aux; with the ``scale`` option (the value ``t = +1``
+  stands for), the codes are sent exactly in the float form below (dtype ``float32``,
+  aux ``{"scale": s}``, decoded as ``scale * t``): an integer device's own ternary
+  forward weights with their magnitude in the shared domain; or
 - a ``float32`` array: ``t = sign(x)`` where ``|x| > threshold`` else 0 (``threshold``:
   absolute, default ``0.7 * mean|x|``, the TWN rule), decoded as ``scale * t`` with aux
   ``{"scale": s}``; ``scale`` defaults to ``mean(|x|)`` over the kept elements (the
@@ -90,12 +93,18 @@ class TernaryCodec(Codec):
         flat = a.reshape(-1)
         out = np.empty(packed_nbytes(flat.size, b), dtype=np.uint8)
         if a.dtype == np.int8:
-            if options:
-                raise CodecError(f"codec {self.name!r}: options {sorted(options)} apply to float32 input only")
+            if set(options) - {"scale"}:
+                raise CodecError(f"codec {self.name!r}: options {sorted(set(options) - {'scale'})} "
+                                 f"apply to float32 input only")
             bad = offset_pack_kernel(flat, 1, -1, 1, 2, out) if flat.size else -1
             if bad >= 0:
                 raise CodecError(f"codec {self.name!r}: value {flat[bad]} at flat index {bad} is not in {{-1, 0, 1}}")
-            return self._tensor(a, b, out.tobytes(), {}, name)
+            if "scale" not in options:
+                return self._tensor(a, b, out.tobytes(), {}, name)
+            # the same codes, sent in the float form: decoded as scale * t
+            scale = float(np.float32(_nonneg(options["scale"], "scale")))
+            return EncodedTensor(shape=tuple(int(d) for d in a.shape), dtype="float32", codec=self.name,
+                                 bits=b, data=out.tobytes(), aux={"scale": scale}, name=name)
         bad = count_nonfinite(flat) if flat.size else 0
         if bad:
             raise CodecError(f"codec {self.name!r}: input has {bad} non-finite (NaN/Inf) value(s)")

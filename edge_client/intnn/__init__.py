@@ -8,6 +8,7 @@ package never imports torch.
 from edge_client.intnn.model import IntModel, Workspace
 from edge_client.intnn.quant import (
     DEFAULT_CLIP,
+    TERNARY_WEIGHT,
     act_dtype,
     act_max,
     alpha_log2,
@@ -24,7 +25,7 @@ from edge_client.intnn.quant import (
 )
 
 __all__ = [
-    "DEFAULT_CLIP", "IntModel", "Workspace", "act_dtype", "act_max", "alpha_log2",
+    "DEFAULT_CLIP", "TERNARY_WEIGHT", "IntModel", "Workspace", "act_dtype", "act_max", "alpha_log2",
     "alpha_shifts", "from_shared", "grid_scale", "init_int", "init_shared", "storage_grid_bits",
     "ternary_threshold", "to_shared", "weight_dtype", "weight_max",
 ]

@@ -300,6 +300,11 @@ class IntModel:
         """float32 shared-domain weights, exact on the grid."""
         return to_shared(self.int_weights(), self.bits)
 
+    def ternary_weights(self) -> list[np.ndarray]:
+        """The ternary forward weights ``t`` (int8 in {-1, 0, 1}), spec layout and order
+        (copies); ``t = +1`` stands for ``quant.TERNARY_WEIGHT`` in the shared domain."""
+        return [self._to_spec(op, t) for op, t in zip(self.param_ops, self.t, strict=True)]
+
     # ------------------------------------------------------------------ buffers
 
     def grad_needs_int64(self, op: _Op, batch: int) -> bool:
@@ -580,7 +585,7 @@ class IntModel:
             wf = self.w[p].reshape(-1)
             if reg is not None and reg.active:
                 extra = ws.extra[:size]
-                K.regularizer_terms(wf, reg.anchor[p].reshape(-1), reg.mu_q,
+                K.regularizer_terms(wf, reg.anchor[p].reshape(-1), reg.mu_q, reg.d_shift,
                                     reg.step_g[p].reshape(-1), reg.alpha_q, extra)
                 K.sgd_update(wf, g.reshape(-1), lr_log2, self.wmax, self.thr, key,
                              self.t[p].reshape(-1), extra, reg.shift,
@@ -596,13 +601,17 @@ class IntModel:
 
 @dataclass
 class _Regularizer:
-    """FedProx / FedFOR terms as integers on the storage grid (see IntTrainer.train)."""
+    """FedProx / FedFOR terms in integers (built by ``IntTrainer``; the derivation is in
+    :mod:`edge_client.trainers`). Per weight and step the update gets
+    ``stoch_round(((mu_q * (w - anchor)) << d_shift + alpha_q * g [g (w - anchor) > 0]) / 2^shift)``
+    LSBs of the storage grid."""
 
-    anchor: list[np.ndarray]      # received global weights, internal layout
-    step_g: list[np.ndarray]      # last global step w_{t-1} - w_t on the grid (int32)
-    mu_q: int                     # mu with 16 fractional bits
-    alpha_q: int                  # FedFOR alpha with 16 fractional bits
-    shift: int                    # 23 - lr_shift: fixed point -> LSBs incl. eta_8 / 2^7
+    anchor: list[np.ndarray]      # received global weights, storage grid, internal layout
+    step_g: list[np.ndarray]      # FedFOR's g = w_{t-1} - w_t, int32, 2^d_shift finer than the grid
+    mu_q: int                     # step * mu, fixed point (frac_bits fractional bits)
+    alpha_q: int                  # step * alpha, fixed point (frac_bits fractional bits)
+    d_shift: int                  # log2 of the g grid's refinement: 30 - s_g
+    shift: int                    # frac_bits + d_shift: the numerator's unit -> LSBs
 
     @property
     def active(self) -> bool:

@@ -18,6 +18,12 @@ from firmware_models import ModelSpec
 MIN_BITS = 2
 MAX_BITS = 16
 DEFAULT_CLIP = 0.5
+#: The shared-domain value of a ternary forward weight ``t = +1`` (any bitwidth, any layer):
+#: the integer forward divides ``sum t*a`` by ``2^(1 + log2 alpha_l)`` where the float
+#: forward divides ``sum W*a`` by ``alpha_l`` (activations have the scale 1/S(s) on both
+#: sides), so ``t`` computes what ``W = t / 2`` computes: WAGE's 2-bit weight levels
+#: {-0.5, 0, +0.5}, which is also ``W`` rounded on the 2-bit grid (threshold |W| > 0.25).
+TERNARY_WEIGHT = 0.5
 
 
 def check_bits(bits: int) -> int:

@@ -6,7 +6,8 @@
   2^k_g)`` in LSBs of the storage grid, plus an optional fixed-point FedProx / FedFOR term
   on its own random stream, then clip and re-ternarize. The usual case (no extra term)
   runs ``_update_common``, branch-free so that it vectorizes;
-- :func:`regularizer_terms`: the FedProx / FedFOR numerators of that extra term.
+- :func:`regularizer_terms`: the FedProx / FedFOR numerators of that extra term (FedFOR's
+  g on a finer grid than the weights, so that a step of 1e-3 survives on Int8).
 """
 
 from __future__ import annotations
@@ -131,16 +132,19 @@ def _update_common(w, g, sh, wmax, thr, key, t):
 
 
 @njit(cache=True)
-def regularizer_terms(w, anchor, mu_q, step_g, alpha_q, extra):
-    """FedProx + FedFOR gradient numerators in fixed point (flat arrays, int64 out).
+def regularizer_terms(w, anchor, mu_q, d_shift, step_g, alpha_q, extra):
+    """FedProx + FedFOR step numerators in fixed point (flat arrays, int64 out).
 
-    extra[j] = mu_q*(w[j] - anchor[j]) + alpha_q*step_g[j] if step_g[j]*(w[j]-anchor[j]) > 0.
-    ``mu_q``/``alpha_q`` are the coefficients with 16 fractional bits; w/anchor/step_g are
-    integers on the storage grid.
+    extra[j] = (mu_q * (w[j] - anchor[j])) << d_shift
+               + alpha_q * step_g[j]   if step_g[j] * (w[j] - anchor[j]) > 0.
+    ``w``/``anchor``: integers on the storage grid (LSBs); ``step_g``: FedFOR's g on a grid
+    ``2^d_shift`` times finer than the storage grid (int32); ``mu_q``/``alpha_q``: the
+    coefficients (step size included) in fixed point. The caller sizes them so that no
+    term overflows int64 (``IntTrainer``) and divides by ``2^(F + d_shift)``.
     """
     for j in range(w.shape[0]):
         d = np.int64(w[j]) - np.int64(anchor[j])
-        v = mu_q * d
+        v = (mu_q * d) << d_shift
         s = np.int64(step_g[j])
         if alpha_q != 0 and s * d > 0:
             v += alpha_q * s

@@ -1,0 +1,348 @@
+"""``dequantize="prowd"``: the ProWD progressive weight dequantizer as a strategy stage.
+
+Per round (the strategy calls the hooks):
+
+- ``begin_round``: the round's global model joins the round's training models;
+- ``observe``: every decoded update; a float32 device's lossless weights join them (at
+  most ``models_per_round``);
+- ``__call__``: a low-bit device's ``weights`` update; each layer whose values sit on a
+  ladder rung's grid (``ladder.grid_precision``: ``int`` uplinks of Int6/Int8 devices at 8,
+  Int16 at 16, ternary at 2) goes through the last finished version's steps from that
+  rung up, when that version's held-out check passed for the layer and rung; every other
+  layer (and every update while no version is ready) passes through unchanged: plain
+  dequantization;
+- ``end_round``: the round's models join the pool (last ``pool_rounds`` rounds) and a new
+  version is trained in a background thread, unless one is still training. It never
+  delays a round: a round uses the last finished version.
+
+Held out: the most recent round's models (the pool's older rounds are trained on); with
+one round in the pool, its last model. A failure while training is logged, counted
+(``dequantizer_failures``) and leaves no version: the stage falls back to plain
+dequantization until a later training succeeds. The coordinator never sees the exception.
+
+The finished version (network, tables, held-out verdicts) is saved with the strategy's
+checkpoint and restored on ``--resume``; the pool of training weights is not (it refills
+in the rounds after a restart).
+"""
+
+from __future__ import annotations
+
+import atexit
+import copy
+import logging
+import math
+import threading
+import time
+import weakref
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+
+from coordinator.dequantizer.blocks import BlockLayout
+from coordinator.dequantizer.config import DequantizerConfig
+from coordinator.dequantizer.ladder import grid_precision
+from coordinator.dequantizer.network import build_network
+from coordinator.dequantizer.train import Distillation, TrainingStopped, train_network
+from coordinator.dequantizer.version import Version, decide_gates, heldout_l1, make_tables
+from coordinator.strategies.kernels import has_nonfinite
+from coordinator.strategies.types import FLOAT_BITS, ClientUpdate
+from edge_client.errors import ConfigError, ProtocolError
+
+log = logging.getLogger("fedbit.dequantizer")
+
+STATE_FORMAT = 1
+CLOSE_TIMEOUT_S = 30.0
+#: every stage alive, closed at interpreter exit: a torch training still running in a
+#: daemon thread while the interpreter finalizes can abort the process
+_LIVE: weakref.WeakSet = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all() -> None:
+    for stage in list(_LIVE):
+        stage.close()
+
+
+def load_buffer(source: Any, input_shape: Sequence[int], size: int, seed: int) -> np.ndarray:
+    """The server's unlabeled inputs, float32 [size, *input_shape] in [0, 1]:
+    ``"noise"`` (uniform noise images), ``"digits:test"``/``"digits:train"`` (the bundled
+    digits), ``"digits:K/N"`` or a CIFAR-10 folder (``edge_client.data.load_source``), or
+    an array. ConfigError naming the source when it does not fit the model."""
+    shape = tuple(int(d) for d in input_shape)
+    rng = np.random.default_rng(seed)
+    if isinstance(source, np.ndarray):
+        x = np.asarray(source, dtype=np.float32)
+    elif source == "noise":
+        return rng.random((size, *shape), dtype=np.float32)
+    elif isinstance(source, str):
+        from edge_client.data import load_digits, load_source
+
+        x = (load_digits(source.split(":")[1]) if source in ("digits:test", "digits:train")
+             else load_source(source)).x
+    else:
+        raise ConfigError(f"dequantizer: buffer must be 'noise', a data source or an array, got {source!r}")
+    if x.ndim != len(shape) + 1 or tuple(x.shape[1:]) != shape or len(x) == 0:
+        raise ConfigError(f"dequantizer: buffer {source if isinstance(source, str) else 'array'} holds "
+                          f"samples of shape {list(x.shape[1:])}, the model takes {list(shape)}")
+    pick = rng.choice(len(x), min(size, len(x)), replace=False)
+    return np.ascontiguousarray(x[np.sort(pick)], dtype=np.float32)
+
+
+class ProwdDequantizer:
+    """The stage (see the module docstring). ``model``: the model spec's name (the
+    distillation term needs the network; without it only the reconstruction loss is
+    trained). ``buffer``: the unlabeled inputs (:func:`load_buffer`). Every other
+    parameter is a :class:`DequantizerConfig` field."""
+
+    name = "prowd"
+
+    def __init__(self, model: str | None = None, buffer: Any = "noise", **params: Any) -> None:
+        self.cfg = DequantizerConfig.from_params(**params)
+        self.spec = None
+        self._buffer: np.ndarray | None = None
+        if model is not None:
+            from firmware_models import SpecError, get_spec
+
+            try:
+                self.spec = get_spec(model)
+            except SpecError as exc:
+                raise ConfigError(f"dequantizer: {exc}") from None
+            if self.cfg.lam > 0:
+                self._buffer = load_buffer(buffer, self.spec.input_shape, self.cfg.buffer_size, self.cfg.seed)
+        self._lock = threading.Lock()
+        self._version: Version | None = None  # the last finished one; None: plain dequantization
+        self._next_number = 1
+        self._failures = 0
+        self._thread: threading.Thread | None = None
+        self._pool: list[tuple[int, list[list[np.ndarray]]]] = []
+        self._round_models: list[list[np.ndarray]] = []
+        self._global: list[np.ndarray] | None = None
+        self._layout: BlockLayout | None = None
+        self._round_id = 0
+        self._counts: dict[str, int] = {}
+        self._stop = threading.Event()
+        _LIVE.add(self)
+
+    # ------------------------------------------------------------------ hooks
+    def begin_round(self, round_id: int, global_weights: Sequence[np.ndarray]) -> None:
+        """A round opens from ``global_weights`` (float32, spec order)."""
+        shapes = [tuple(int(d) for d in w.shape) for w in global_weights]
+        if self.spec is not None and shapes != [tuple(s) for s in self.spec.param_shapes()]:
+            raise ConfigError(f"dequantizer: the round's model does not match {self.spec.name}")
+        if self._layout is None or self._layout.shapes != shapes:
+            self._layout = BlockLayout(shapes, self.cfg.block, self.cfg.modules)
+        self._round_id = int(round_id)
+        self._global = [np.array(w, dtype=np.float32) for w in global_weights]
+        self._round_models = [self._global]
+        self._counts = {"updates": 0, "passed": 0, "fallback": 0, "layers_on": 0, "layers_off": 0}
+
+    def observe(self, update: ClientUpdate) -> None:
+        """Keep a float32 device's lossless weights for training (copied: the strategy
+        reuses its decode buffers)."""
+        if (update.compute_bits < FLOAT_BITS or update.lossy or self._global is None
+                or len(self._round_models) > self.cfg.models_per_round):
+            return
+        if update.kind == "delta":
+            w = [np.add(g, np.asarray(d, np.float32).reshape(g.shape), dtype=np.float32)
+                 for g, d in zip(self._global, update.weights, strict=True)]
+        else:
+            w = [np.array(x, dtype=np.float32) for x in update.weights]
+        self._round_models.append(w)
+
+    def __call__(self, update: ClientUpdate) -> ClientUpdate:
+        """A low-bit device's weights, dequantized where the last finished version
+        applies (new arrays; the input arrays are not modified)."""
+        if update.compute_bits >= FLOAT_BITS or update.kind != "weights" or self._layout is None:
+            return update
+        version = self._version
+        if version is None:
+            self._count("fallback")
+            self._count("passed")
+            return update
+        out = list(update.weights)
+        changed = 0
+        for i, w in enumerate(update.weights):
+            bits = grid_precision(w, self.cfg.clip)
+            if bits not in self.cfg.ladder[:-1] or not version.is_on(i, bits):
+                self._count("layers_off")
+                continue
+            try:
+                y = version.dequantize(self._layout, i, w, bits)
+            except Exception as exc:  # noqa: BLE001 - never let the stage reject an update
+                log.error("dequantizer v%d failed on layer %d of %s: %s; passed through",
+                          version.number, i, update.device_id, exc)
+                self._count("layers_off")
+                continue
+            # a table's outputs are finite by construction (make_tables); the network's are checked
+            if version.table_for(self._layout, i, bits) is None and has_nonfinite(y.reshape(-1)):
+                log.error("dequantizer v%d: non-finite output on layer %d of %s; passed through",
+                          version.number, i, update.device_id)
+                self._count("layers_off")
+                continue
+            out[i] = y.reshape(np.shape(w))
+            changed += 1
+            self._count("layers_on")
+        self._count("updates" if changed else "passed")
+        return replace(update, weights=out) if changed else update
+
+    def end_round(self) -> dict[str, float | int]:
+        """Close the round: its models join the pool, a training starts when none runs;
+        returns the round's stats (see :meth:`stats`)."""
+        if self._global is not None and self._round_models:
+            self._pool.append((self._round_id, self._round_models))
+            self._pool = self._pool[-self.cfg.pool_rounds:]
+        stats = self.stats()
+        self._round_models = []
+        self._global = None
+        self._start_training()
+        return stats
+
+    def stats(self) -> dict[str, float | int]:
+        """``dequantizer_version`` (0: none), ``dequantizer_updates`` (low-bit updates
+        dequantized), ``dequantizer_passed`` (passed through), ``dequantizer_fallback``
+        (low-bit updates that came while no version was ready: plain dequantization),
+        ``dequantizer_layers_on/off``, ``dequantizer_failures`` (trainings that failed, in
+        all), ``dequantizer_training`` (1 while one runs), and per layer i and entry bits b
+        of the version in use ``dequantizer_on/i/intb`` (0/1) and
+        ``dequantizer_l1_ratio/i/intb`` (held-out L1, dequantized / plain)."""
+        v = self._version
+        out: dict[str, float | int] = {f"dequantizer_{k}": n for k, n in self._counts.items()}
+        out["dequantizer_version"] = v.number if v is not None else 0
+        out["dequantizer_failures"] = self._failures
+        out["dequantizer_training"] = int(self.training)
+        if v is not None:
+            for (i, b), (plain, deq) in v.heldout.items():
+                out[f"dequantizer_on/{i}/int{b}"] = int(v.is_on(i, b))
+                if plain > 0 and math.isfinite(deq):
+                    out[f"dequantizer_l1_ratio/{i}/int{b}"] = deq / plain
+        return out
+
+    def _count(self, key: str) -> None:
+        self._counts[key] = self._counts.get(key, 0) + 1
+
+    # ------------------------------------------------------------------ training
+    @property
+    def version(self) -> Version | None:
+        """The last finished version (None: plain dequantization)."""
+        return self._version
+
+    @property
+    def training(self) -> bool:
+        t = self._thread
+        return t is not None and t.is_alive()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait for a running training; True when none runs any more."""
+        t = self._thread
+        if t is not None:
+            t.join(timeout)
+        return not self.training
+
+    def close(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
+        """Stop a running training (it ends at its next step) and start no other; the last
+        finished version stays in use. Called at interpreter exit for every stage."""
+        self._stop.set()
+        self.wait(timeout)
+
+    def _start_training(self) -> None:
+        if self.training or self._layout is None or self._stop.is_set():
+            return
+        split = _split(self._pool)
+        if split is None:
+            return
+        number, self._next_number = self._next_number, self._next_number + 1
+        job = (split, number, self._pool[-1][0], self._layout, self._version)
+        if not self.cfg.background:
+            self._train(*job)
+            return
+        self._thread = threading.Thread(target=self._train, args=job, name=f"prowd-train-{number}", daemon=True)
+        self._thread.start()
+
+    def _train(self, split, number: int, round_id: int, layout: BlockLayout, previous: Version | None) -> None:
+        """Train version ``number`` (warm-started from ``previous``); on any failure, log
+        it and fall back to plain dequantization."""
+        try:
+            version = self.train_version(split[0], split[1], number, round_id, layout, previous)
+        except TrainingStopped:
+            log.info("dequantizer: training v%d stopped (closing)", number)
+            return
+        except Exception:  # noqa: BLE001 - the coordinator never dies of the dequantizer
+            log.exception("dequantizer: training v%d failed; falling back to plain dequantization", number)
+            with self._lock:
+                self._failures += 1
+                self._version = None
+            return
+        with self._lock:
+            self._version = version
+        _log_version(version, layout)
+
+    def train_version(self, train_models, heldout_models, number: int, round_id: int,
+                      layout: BlockLayout, previous: Version | None = None) -> Version:
+        """Train a version on ``train_models``, judge it on ``heldout_models`` (each a list
+        of float32 layers); ``previous``: a version to continue from."""
+        t0 = time.perf_counter()
+        net = copy.deepcopy(previous.net) if previous is not None else build_network(self.cfg, self.cfg.seed)
+        st = train_network(net, self.cfg, layout, train_models, self._distillation(), seed=self.cfg.seed + number,
+                           stop=self._stop)
+        version = Version(number, round_id, self.cfg, net, make_tables(net, self.cfg))
+        version.heldout = heldout_l1(version, layout, heldout_models, self._stop)
+        version.gates = decide_gates(version.heldout, self.cfg.gate_margin)
+        version.info = {"steps": st.steps, "blocks": st.blocks, "recon": st.recon, "distill": st.distill,
+                        "train_seconds": st.seconds, "seconds": time.perf_counter() - t0,
+                        "train_models": len(train_models), "heldout_models": len(heldout_models)}
+        return version
+
+    def _distillation(self) -> Distillation | None:
+        if self.spec is None or self._buffer is None or self.cfg.lam <= 0:
+            return None
+        import torch
+
+        from edge_client.intnn import alpha_shifts
+
+        return Distillation(self.spec, [float(1 << a) for a in alpha_shifts(self.spec)],
+                            torch.from_numpy(self._buffer))
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        """msgpack-able: the last finished version (or None), numbering, failures."""
+        v = self._version
+        return {"format": STATE_FORMAT, "network": self.cfg.network_key(), "next_number": self._next_number,
+                "failures": self._failures, "version": None if v is None else v.to_state()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("format") != STATE_FORMAT:
+            raise ProtocolError(f"dequantizer checkpoint: format {state.get('format')!r} != {STATE_FORMAT}")
+        if state.get("network") != self.cfg.network_key():
+            raise ConfigError(f"dequantizer checkpoint was made with {state.get('network')}, "
+                              f"this dequantizer is {self.cfg.network_key()}")
+        d = state.get("version")
+        version = None if d is None else Version.from_state(self.cfg, d)
+        with self._lock:
+            self._version = version
+            self._next_number = int(state.get("next_number", 1))
+            self._failures = int(state.get("failures", 0))
+
+
+def _split(pool: list[tuple[int, list[list[np.ndarray]]]]):
+    """(training models, held-out models): older rounds vs the latest round; with one
+    round, all its models but the last vs the last. None when nothing can be held out."""
+    if len(pool) >= 2:
+        return [m for _, ms in pool[:-1] for m in ms], list(pool[-1][1])
+    if pool and len(pool[0][1]) >= 2:
+        return list(pool[0][1][:-1]), [pool[0][1][-1]]
+    return None
+
+
+def _log_version(version: Version, layout: BlockLayout) -> None:
+    info = version.info
+    log.info("dequantizer v%d ready (after round %d): %d steps on %d blocks of %d model(s), %.1f s",
+             version.number, version.round_id, info.get("steps", 0), info.get("blocks", 0),
+             info.get("train_models", 0), info.get("seconds", 0.0))
+    for (i, b), (plain, deq) in sorted(version.heldout.items()):
+        verdict = ("on" if version.is_on(i, b)
+                   else "off: not better than plain dequantization, passes through unchanged")
+        ratio = deq / plain if plain > 0 else float("nan")
+        log.info("dequantizer v%d layer %d, Int%d input: held-out L1 %.3g plain -> %.3g (%.3f): %s",
+                 version.number, i, b, plain, deq, ratio, verdict)

@@ -1,0 +1,242 @@
+"""The hyper-parameters a round announcement may carry: one table, read by both sides.
+
+The coordinator validates what it will announce (:func:`validate_hparams`: an unknown key
+or a value out of range is a :class:`ConfigError` naming the key); a device reads an
+announcement with :func:`read_hparams`, which never raises: what it cannot use (an unknown
+key, a value out of range) is returned as ``{key: why}`` and the device reports it in its
+:class:`~edge_client.protocol.Update` (``not_applied``) instead of ignoring it silently.
+The wire format itself only requires scalar values (``protocol._read_hparams``), so a
+device of an older SDK still accepts announcements that carry keys it does not know.
+
+``lr_scale`` may also be given per model variant, ``lr_scale.<variant>`` (``lr_scale.int8``,
+``lr_scale.float32``): a device uses its own variant's value, else ``lr_scale``, else 1
+(FedGroupedAvg's per-group learning-rate scaling, ProWD appendix A).
+
+How the learning rates reach each kind of device (ALGORITHMS.md §1-2):
+
+- float devices: SGD with ``lr * lr_scale`` and ``momentum``;
+- integer devices: the data step is ``eta = 2^(lr_shift + round(log2 lr_scale))`` LSBs of the
+  8-bit grid (WAGE's normalized step: a float learning rate has no integer counterpart, the
+  gradient's magnitude is discarded; ProWD appendix B); ``lr`` and ``momentum`` set the step
+  of the FedProx / FedFOR terms, ``lr * lr_scale / (1 - momentum)``, so that those terms move
+  an integer device's weights as far in the shared domain as a float device's
+  (:class:`edge_client.trainers.IntTrainer`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from edge_client.errors import ConfigError, ProtocolError
+from edge_client.protocol import CODEC_BITS, variant_bits
+
+
+@dataclass(frozen=True)
+class HParam:
+    """One announced hyper-parameter: its type, its range (``lo``/``hi``, ``lo_open``
+    excludes ``lo``) or ``choices``, and what it does."""
+
+    name: str
+    kind: type
+    doc: str
+    lo: float | None = None
+    hi: float | None = None
+    lo_open: bool = False
+    choices: tuple[str, ...] = ()
+
+    def problem(self, value: Any) -> str | None:
+        """Why ``value`` is not acceptable, or None."""
+        if self.kind is bool:
+            return None if isinstance(value, bool) else f"expected a boolean, got {value!r}"
+        if self.kind is str:
+            if not isinstance(value, str):
+                return f"expected a string, got {value!r}"
+            return None if value in self.choices else f"{value!r} is not one of {list(self.choices)}"
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            return f"expected a number, got {value!r}"
+        if self.kind is int and not (isinstance(value, int) or float(value).is_integer()):
+            return f"expected an integer, got {value!r}"
+        if not math.isfinite(value):
+            return f"not finite ({value!r})"
+        below = self.lo is not None and (value <= self.lo if self.lo_open else value < self.lo)
+        if below or (self.hi is not None and value > self.hi):
+            left = "(" if self.lo_open else "["
+            return f"{value!r} out of range {left}{self.lo:g}, {self.hi:g}]"
+        return None
+
+
+_TABLE = (
+    HParam("epochs", int, "local epochs per round", 0, 10_000),
+    HParam("steps", int, "local steps per round; overrides epochs when > 0", 0, 10_000_000),
+    HParam("batch", int, "local batch size", 1, 65_536),
+    HParam("lr", float, "float devices' SGD learning rate (integer devices: the step of the "
+           "FedProx/FedFOR terms)", 0, 10, lo_open=True),
+    HParam("momentum", float, "float devices' SGD momentum (integer devices: see lr)", 0, 0.99),
+    HParam("grad_clip", float, "float devices' gradient-norm clip (0: off)", 0, 1e6),
+    HParam("lr_shift", int, "integer devices' step eta = 2^lr_shift LSBs of the 8-bit grid", -8, 8),
+    HParam("lr_scale", float, "multiplies the learning rate (lr_scale.<variant>: one group's)",
+           0, 16, lo_open=True),
+    HParam("prox_mu", float, "FedProx mu: + mu/2 ||w - w_global||^2", 0, 10),
+    HParam("fedfor_alpha", float, "FedFOR alpha (with the last global step the model carries)",
+           0, 100),
+    HParam("content", str, "what updates hold: the local weights or the update W - W_global",
+           choices=("weights", "delta")),
+    HParam("ws", bool, "weight standardization in the forward pass (FedWSQ; float devices)"),
+    HParam("codec", str, "uplink codec, overriding the device profile's", choices=tuple(CODEC_BITS)),
+    HParam("codec_bits", int, "uplink codec bits, overriding the device profile's", 1, 32),
+    HParam("kmeans_method", str, "K-means uplink: 'fast' (optimal 1-D) or 'authors' (FedShift's "
+           "code: random init, Lloyd)", choices=("fast", "authors")),
+)
+#: every hyper-parameter an announcement may carry, by name
+HPARAMS: dict[str, HParam] = {h.name: h for h in _TABLE}
+#: keys that may also be given per model variant, ``<key>.<variant>``
+PER_VARIANT = frozenset({"lr_scale"})
+#: keys the coordinator adds itself (``run``: the coordinator run's token)
+RESERVED = frozenset({"run"})
+
+
+def _spec_of(key: str) -> tuple[HParam | None, str | None]:
+    """(the entry of ``key``, the variant of a ``<key>.<variant>`` key or None)."""
+    base, dot, variant = key.partition(".")
+    if not dot:
+        return HPARAMS.get(key), None
+    if base in PER_VARIANT and _valid_variant(variant):
+        return HPARAMS[base], variant
+    return None, None
+
+
+def _valid_variant(v: str) -> bool:
+    try:
+        variant_bits(v)
+    except ProtocolError:
+        return False
+    return True
+
+
+def validate_hparams(hparams: Mapping[str, Any], where: str = "hparams") -> None:
+    """The coordinator's check of what it will announce: :class:`ConfigError` naming the
+    first unknown key (or a reserved one) or bad value."""
+    for key, value in hparams.items():
+        if key in RESERVED:
+            raise ConfigError(f"{where}.{key}: reserved (the coordinator sets it)")
+        spec, _ = _spec_of(str(key))
+        if spec is None:
+            raise ConfigError(f"{where}: unknown key {key!r} (known: {', '.join(HPARAMS)}; "
+                              f"per variant: {', '.join(f'{k}.<variant>' for k in sorted(PER_VARIANT))})")
+        why = spec.problem(value)
+        if why:
+            raise ConfigError(f"{where}.{key}: {why}")
+
+
+def read_hparams(hparams: Mapping[str, Any], variant: str) -> tuple[dict[str, Any], dict[str, str]]:
+    """A device's reading of an announcement: ``(values, not_applied)``.
+
+    ``values`` holds the announced, valid values by name (absent: not announced), with the
+    ``<key>.<variant>`` entry of ``variant`` in place of ``<key>``; ``not_applied`` maps every
+    key the device cannot use (unknown, or a bad value) to the reason. Reserved keys and
+    other variants' entries are neither."""
+    values: dict[str, Any] = {}
+    own: dict[str, Any] = {}
+    not_applied: dict[str, str] = {}
+    for key, value in hparams.items():
+        if key in RESERVED:
+            continue
+        spec, v = _spec_of(str(key))
+        if spec is None:
+            not_applied[str(key)] = "unknown hyper-parameter"
+            continue
+        if v is not None and v != variant:
+            continue
+        why = spec.problem(value)
+        if why:
+            not_applied[str(key)] = why
+            continue
+        value = spec.kind(value)
+        (own if v is not None else values)[spec.name] = value
+    values.update(own)
+    return values, not_applied
+
+
+# --------------------------------------------------------------------------- a device's round
+
+#: what a device trains with when an announcement leaves a key out
+DEVICE_DEFAULTS: dict[str, Any] = {"epochs": 1, "steps": 0, "batch": 32, "prox_mu": 0.0,
+                                   "fedfor_alpha": 0.0, "lr_scale": 1.0}
+
+
+@dataclass
+class RoundSettings:
+    """What one device does in one round, from the announcement and its own profile.
+
+    ``lr``/``momentum``/``grad_clip``/``lr_shift``/``ws``: None when not announced (the
+    trainer's own value); ``codec``/``codec_bits``/``kmeans_method``: the profile's unless
+    announced; ``content``: announced, else ``delta`` for DANUQ (it quantizes the update by
+    definition, ALGORITHMS.md §3) and ``weights`` for every other codec. ``not_applied``:
+    announced keys this device does not use, with the reason (reported in its update).
+    """
+
+    epochs: int
+    steps: int
+    batch: int
+    prox_mu: float
+    fedfor_alpha: float
+    lr_scale: float
+    content: str
+    codec: str
+    codec_bits: int
+    kmeans_method: str
+    lr: float | None = None
+    momentum: float | None = None
+    grad_clip: float | None = None
+    lr_shift: int | None = None
+    ws: bool | None = None
+    not_applied: dict[str, str] = field(default_factory=dict)
+
+
+def round_settings(hparams: Mapping[str, Any], *, variant: str, codec: str, codec_bits: int,
+                   kmeans_method: str = "fast") -> RoundSettings:
+    """A device's settings for a round (``variant``: its model variant, ``float32`` or
+    ``int<s>``; ``codec``/``codec_bits``/``kmeans_method``: its profile's). Never raises:
+    what it cannot honour lands in ``not_applied``.
+
+    Device rules: ``ws`` needs a float device (the integer forward is ternary); codec
+    ``int`` needs an integer device; an announced codec without ``codec_bits`` keeps the
+    profile's bits, clamped to the codec's range; settings meant for the other kind of
+    device (``lr_shift`` on a float device, ``grad_clip`` on an integer one) and
+    ``kmeans_method`` on a device whose uplink is not K-means are not theirs to apply and
+    are not reported."""
+    values, not_applied = read_hparams(hparams, variant)
+    integer = variant != "float32"
+    if values.get("ws") and integer:
+        not_applied["ws"] = "integer device: its forward pass is ternary, no weight standardization"
+        values.pop("ws")
+    new_codec = values.get("codec", codec)
+    if new_codec == "int" and not integer:
+        not_applied["codec"] = "codec 'int' needs an integer device"
+        new_codec = codec
+    lo, hi = CODEC_BITS[new_codec]
+    bits = codec_bits if new_codec == codec else min(max(codec_bits, lo), hi)
+    if "codec_bits" in values:
+        want = values["codec_bits"]
+        if lo <= want <= hi:
+            bits = want
+        else:
+            not_applied["codec_bits"] = f"{want} is outside {new_codec}'s range {lo}..{hi}"
+    content = values.get("content", "delta" if new_codec == "danuq" else "weights")
+    return RoundSettings(
+        epochs=values.get("epochs", DEVICE_DEFAULTS["epochs"]),
+        steps=values.get("steps", DEVICE_DEFAULTS["steps"]),
+        batch=values.get("batch", DEVICE_DEFAULTS["batch"]),
+        prox_mu=values.get("prox_mu", DEVICE_DEFAULTS["prox_mu"]),
+        fedfor_alpha=values.get("fedfor_alpha", DEVICE_DEFAULTS["fedfor_alpha"]),
+        lr_scale=values.get("lr_scale", DEVICE_DEFAULTS["lr_scale"]),
+        content=content, codec=new_codec, codec_bits=bits,
+        kmeans_method=values.get("kmeans_method", kmeans_method),
+        lr=values.get("lr"), momentum=values.get("momentum"),
+        grad_clip=None if integer else values.get("grad_clip"),
+        lr_shift=values.get("lr_shift") if integer else None,
+        ws=values.get("ws"), not_applied=not_applied,
+    )

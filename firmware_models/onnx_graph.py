@@ -1,0 +1,266 @@
+"""Building blocks of the ONNX graphs of :mod:`firmware_models.onnx_export`: a node and
+constant builder, and the integer network's layers as ONNX Runtime CPU ops (the module
+docstring of ``onnx_export`` says how each piece maps and why).
+
+``onnx`` is imported when a builder is made, never at import time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from firmware_models.spec import Conv2d, Linear, MaxPool2d, ModelSpec
+
+if TYPE_CHECKING:  # pragma: no cover
+    import onnx
+
+INPUT, LOGITS, LABEL = "x", "logits", "label"
+INT32_MAX = (1 << 31) - 1
+INT32_MIN = -(1 << 31)
+
+
+class Builder:
+    """Nodes, initializers (deduplicated constants) and unique names of one graph."""
+
+    def __init__(self) -> None:
+        from onnx import helper, numpy_helper
+
+        self.helper, self.numpy_helper = helper, numpy_helper
+        self.nodes: list[Any] = []
+        self.inits: list[Any] = []
+        self._consts: dict[tuple[str, bytes, tuple[int, ...]], str] = {}
+        self._n = 0
+
+    def name(self, hint: str) -> str:
+        self._n += 1
+        return f"{hint}_{self._n}"
+
+    def const(self, value: Any, dtype: Any, hint: str = "c") -> str:
+        a = np.asarray(value, dtype=dtype)
+        key = (a.dtype.str, a.tobytes(), a.shape)
+        if key not in self._consts:
+            name = self.name(hint)
+            self.inits.append(self.numpy_helper.from_array(a, name))
+            self._consts[key] = name
+        return self._consts[key]
+
+    def tensor(self, name: str, a: np.ndarray) -> str:
+        self.inits.append(self.numpy_helper.from_array(np.ascontiguousarray(a), name))
+        return name
+
+    def op(self, op_type: str, inputs: Sequence[str], hint: str, output: str | None = None,
+           **attrs: Any) -> str:
+        out = output or self.name(hint)
+        self.nodes.append(self.helper.make_node(op_type, list(inputs), [out],
+                                                name=f"{out}/{op_type}", **attrs))
+        return out
+
+    def model(self, spec: ModelSpec, in_dtype: np.dtype, out_dtype: np.dtype,
+              meta: dict[str, str], doc: str, opset: int, ir_version: int) -> onnx.ModelProto:
+        """The checked model (``onnx.checker``, full check with shape inference)."""
+        import onnx
+
+        h = self.helper
+        x = h.make_tensor_value_info(INPUT, h.np_dtype_to_tensor_dtype(in_dtype),
+                                     ["N", *spec.input_shape])
+        logits = h.make_tensor_value_info(LOGITS, h.np_dtype_to_tensor_dtype(out_dtype),
+                                          ["N", spec.num_classes])
+        label = h.make_tensor_value_info(LABEL, onnx.TensorProto.INT64, ["N"])
+        graph = h.make_graph(self.nodes, f"fedbit_{spec.name}", [x], [logits, label],
+                             initializer=self.inits, doc_string=doc)
+        model = h.make_model(graph, opset_imports=[h.make_opsetid("", opset)],
+                             producer_name="fedbit", doc_string=doc)
+        model.ir_version = ir_version
+        h.set_model_props(model, meta)
+        onnx.checker.check_model(model, full_check=True)
+        return model
+
+
+@dataclass(frozen=True)
+class Act:
+    """An activation tensor of the integer graph: ``u8`` holds ``value + zp`` as uint8,
+    ``i32`` the values as int32; ``nonneg``: known >= 0 (after a ReLU)."""
+
+    name: str
+    kind: str
+    zp: int = 0
+    nonneg: bool = False
+
+
+class IntegerGraph:
+    """Builds the integer graph layer by layer (see the module docstring)."""
+
+    def __init__(self, b: Builder, bits: int, amax: int) -> None:
+        self.b, self.bits, self.amax = b, bits, amax
+        self.bytes = bits <= 8  # activations fit one byte
+
+    # representations ------------------------------------------------------
+
+    def i32(self, a: Act) -> Act:
+        if a.kind == "i32":
+            return a
+        b = self.b
+        v = b.op("Cast", [a.name], "i32", to=onnx_type(np.int32))
+        if a.zp:
+            v = b.op("Sub", [v, b.const(a.zp, np.int32)], "i32")
+        return Act(v, "i32", 0, a.nonneg)
+
+    def u8(self, a: Act) -> Act:
+        """One byte per value (bits <= 8): zero point 0 when non-negative, else 128."""
+        if a.kind == "u8":
+            return a
+        b = self.b
+        v, zp = a.name, 0
+        if not a.nonneg:
+            v, zp = b.op("Add", [v, b.const(128, np.int32)], "off"), 128
+        return Act(b.op("Cast", [v], "u8", to=onnx_type(np.uint8)), "u8", zp, a.nonneg)
+
+    def split(self, a: Act) -> list[tuple[str, int, int]]:
+        """Int16 values as ``[(high byte, zero point, 256), (low byte, 0, 1)]`` (uint8):
+        ``a = 256 * (hi - zp) + lo``. Signed values are offset by 32768 first, so every
+        Div/Mod here sees non-negative numbers."""
+        b = self.b
+        a = self.i32(a)
+        v, zp = a.name, 0
+        if not a.nonneg:
+            v, zp = b.op("Add", [v, b.const(32768, np.int32)], "off"), 128
+        c256 = b.const(256, np.int32)
+        hi = b.op("Cast", [b.op("Div", [v, c256], "hi")], "hi8", to=onnx_type(np.uint8))
+        lo = b.op("Cast", [b.op("Mod", [v, c256], "lo")], "lo8", to=onnx_type(np.uint8))
+        return [(hi, zp, 256), (lo, 0, 1)]
+
+    # layers ---------------------------------------------------------------
+
+    def integer_op(self, a: Act, layer: Conv2d | Linear, t: np.ndarray) -> str:
+        """int32 ``sum t * a`` of one conv/linear layer (ConvInteger / MatMulInteger)."""
+        b = self.b
+        if isinstance(layer, Conv2d):
+            w = b.tensor(f"{layer.name}.w", (t.astype(np.int16) + 1).astype(np.uint8))
+            wz = b.const(1, np.uint8, "w_zp")
+            p, s = layer.padding, layer.stride
+            attrs = {"kernel_shape": [layer.kernel] * 2, "strides": [s, s], "pads": [p] * 4}
+
+            def run(x: str, zp: int) -> str:
+                return b.op("ConvInteger", [x, w, b.const(zp, np.uint8, "x_zp"), wz],
+                            layer.name, **attrs)
+        else:
+            w = b.tensor(f"{layer.name}.w", np.ascontiguousarray(t.T.astype(np.int8)))
+
+            def run(x: str, zp: int) -> str:
+                return b.op("MatMulInteger", [x, w, b.const(zp, np.uint8, "x_zp")], layer.name)
+
+        if self.bytes:
+            x = self.u8(a)
+            return run(x.name, x.zp)
+        hi, lo = self.split(a)
+        acc_hi = b.op("Mul", [run(hi[0], hi[1]), b.const(hi[2], np.int32)], layer.name)
+        return b.op("Add", [acc_hi, run(lo[0], lo[1])], layer.name)
+
+    def finish(self, acc: str, shift: int, relu: bool, hint: str) -> Act:
+        """``clip(round_shift(relu?(acc), shift), +-amax)`` in int32 (see the docstring)."""
+        b = self.b
+        if shift > 0:
+            half = 1 << (shift - 1)
+            bound = min((self.amax + 1) * (1 << shift) - half - 1, INT32_MAX)
+        else:
+            half, bound = 0, self.amax
+        zero, top = b.const(0, np.int32), b.const(bound, np.int32)
+
+        def shifted(v: str) -> str:
+            v = b.op("Clip", [v, zero, top], hint)
+            if shift > 0:
+                v = b.op("Add", [v, b.const(half, np.int32)], hint)
+                v = b.op("Div", [v, b.const(1 << shift, np.int32)], hint)
+            return v
+
+        if relu:
+            return Act(shifted(acc), "i32", 0, True)
+        pos = shifted(acc)
+        neg = shifted(b.op("Neg", [acc], hint))
+        return Act(b.op("Sub", [pos, neg], hint), "i32", 0, False)
+
+    def relu(self, a: Act) -> Act:
+        if a.nonneg:
+            return a
+        a = self.i32(a)  # Max has byte kernels only in recent ONNX Runtime releases
+        return Act(self.b.op("Max", [a.name, self.b.const(0, np.int32)], "relu"), "i32", 0, True)
+
+    def pool(self, a: Act, layer: MaxPool2d, shape: tuple[int, ...]) -> Act:
+        """Max-pool. Non-overlapping windows (stride == kernel, the usual case), on the
+        int32 values (before they become bytes: a quarter of the bytes to convert): pad
+        (with the int32 minimum) or crop to ``Ho*k x Wo*k``, then the elementwise ``Max``
+        of the k row slabs (``Split`` of ``[N, C, Ho, k, Wo*k]``), then of the k column
+        slabs (``[N, C, Ho, Wo, k]``); ONNX Runtime's byte ``MaxPool`` is a scalar loop,
+        several times slower, and its ``Max`` has no byte kernel before recent releases.
+        Overlapping windows: ``MaxPool`` on bytes, or int32 ``Pad`` + strided ``Slice``
+        + ``Max`` (no integer MaxPool kernel is wider than 8 bits)."""
+        b = self.b
+        k, s, p = layer.kernel, layer.step, layer.padding
+        c, ho, wo = layer.output_shape(shape)
+        overlapping = s != k
+        x = self.u8(a) if self.bytes and overlapping else self.i32(a)
+
+        def low() -> str:  # the pad value: 0 as a byte (below every value + zp), int32 min
+            return b.const(0, np.uint8) if x.kind == "u8" else b.const(INT32_MIN, np.int32)
+
+        if not overlapping:
+            v = x.name
+            h, w = shape[1], shape[2]
+            # in padded coordinates the windows cover [0, Ho*k) x [0, Wo*k): pad the top
+            # and left by p, the bottom and right up to that, crop what no window reads
+            bottom, right = ho * k - h - p, wo * k - w - p
+            if p or bottom > 0 or right > 0:
+                v = b.op("Pad", [v, b.const([0, 0, p, p, 0, 0, max(0, bottom), max(0, right)],
+                                            np.int64), low()], layer.name, mode="constant")
+            if bottom < 0 or right < 0:
+                v = b.op("Slice", [v, b.const([0, 0], np.int64),
+                                   b.const([ho * k, wo * k], np.int64),
+                                   b.const([2, 3], np.int64)], layer.name)
+            if k > 1:
+                # rows: [N, C, Ho, k, Wo*k] -> k slabs -> elementwise Max
+                v = b.op("Reshape", [v, b.const([0, c, ho, k, wo * k], np.int64)], layer.name)
+                v = self._max_of_split(v, 3, k, layer.name)
+                # columns: [N, C, Ho, Wo, k] -> k slabs -> elementwise Max
+                v = b.op("Reshape", [v, b.const([0, c, ho, wo, k], np.int64)], layer.name)
+                v = self._max_of_split(v, 4, k, layer.name)
+                v = b.op("Reshape", [v, b.const([0, c, ho, wo], np.int64)], layer.name)
+            return Act(v, x.kind, x.zp, x.nonneg)
+        if self.bytes:
+            y = b.op("MaxPool", [x.name], layer.name, kernel_shape=[k, k], strides=[s, s],
+                     pads=[p] * 4)
+            return Act(y, "u8", x.zp, x.nonneg)
+        v = x.name
+        if p:
+            v = b.op("Pad", [v, b.const([0, 0, p, p, 0, 0, p, p], np.int64), low()],
+                     layer.name, mode="constant")
+        axes = b.const([2, 3], np.int64)
+        steps = b.const([s, s], np.int64)
+        cells = []
+        for kh in range(k):
+            for kw in range(k):
+                starts = b.const([kh, kw], np.int64)
+                ends = b.const([kh + s * (ho - 1) + 1, kw + s * (wo - 1) + 1], np.int64)
+                cells.append(b.op("Slice", [v, starts, ends, axes, steps], layer.name))
+        y = cells[0] if len(cells) == 1 else b.op("Max", cells, layer.name)
+        return Act(y, "i32", 0, x.nonneg)
+
+    def _max_of_split(self, v: str, axis: int, k: int, hint: str) -> str:
+        """Elementwise Max of the k equal parts of ``v`` along ``axis``."""
+        b = self.b
+        parts = [b.name(hint) for _ in range(k)]
+        b.nodes.append(b.helper.make_node("Split", [v], parts, name=f"{parts[0]}/Split",
+                                          axis=axis))
+        return b.op("Max", parts, hint)
+
+    def flatten(self, a: Act) -> Act:
+        return Act(self.b.op("Flatten", [a.name], "flatten", axis=1), a.kind, a.zp, a.nonneg)
+
+
+def onnx_type(dtype: Any) -> int:
+    from onnx import helper
+
+    return helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
