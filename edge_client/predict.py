@@ -75,6 +75,9 @@ class LoadedModel:
 
 # ============================================================================ model files
 
+#: the first bytes of the coordinator's checksummed state files (``coordinator/state.py``)
+_STATE_FILE_MAGIC = b"FBS1"
+
 
 def load_model(path: str | os.PathLike[str]) -> LoadedModel:
     """Read an ONNX export or a msgpack model message; ConfigError names the file."""
@@ -89,6 +92,10 @@ def load_model(path: str | os.PathLike[str]) -> LoadedModel:
         raise ConfigError(f"model file {p}: {exc.strerror or exc}") from None
     if not data:
         raise ConfigError(f"{p}: empty file, not a model")
+    if data[:4] == _STATE_FILE_MAGIC:
+        raise ConfigError(f"{p}: a fedbit run's state file (a checkpoint), not a model; a run's "
+                          f"checkpoint.msgpack is not one: `fedbit export RUN_DIR --out "
+                          f"global.msgpack` writes one")
     if p.suffix.lower() != ".onnx" and data[0] in _MSGPACK_MAP_FIRST:
         return _load_msgpack(p, data)
     return _load_onnx(p, data)
