@@ -1,10 +1,12 @@
 """Run every benchmark script and collect their JSON lines into one file.
 
-    python benchmarks/run_all.py [--quick] [--out benchmarks/results/latest.jsonl]
+    python benchmarks/run_all.py [--quick] [--jobs N] [--out benchmarks/results/latest.jsonl]
 
 Each ``benchmarks/<name>.py`` prints one JSON object per line; lines that are not JSON
 (progress, warnings) are passed through to stderr. A failing benchmark makes the run
-fail, after the others have run.
+fail, after the others have run. ``--jobs N`` runs N scripts at a time: for checking that
+they run (the test suite's ``--quick --jobs 2``), never for figures, since the scripts'
+timings would then share the CPU.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import os
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -23,6 +26,8 @@ HERE = Path(__file__).resolve().parent
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="pass --quick to every benchmark")
+    ap.add_argument("--jobs", type=int, default=1,
+                    help="scripts run at a time (default 1; more only to check they run)")
     ap.add_argument("--out", type=Path, default=HERE / "results" / "latest.jsonl")
     ap.add_argument("names", nargs="*", help="benchmark names (default: all)")
     args = ap.parse_args()
@@ -30,27 +35,32 @@ def main() -> int:
     scripts = sorted(p for p in HERE.glob("*.py") if p.name != Path(__file__).name and not p.name.startswith("_"))
     if args.names:
         scripts = [p for p in scripts if p.stem in args.names]
-    failed: list[str] = []
-    records: list[dict] = []
-    for script in scripts:
+    def run(script: Path) -> tuple[subprocess.CompletedProcess[str], float]:
         cmd = [sys.executable, str(script)] + (["--quick"] if args.quick else [])
-        print(f"== {script.name}", file=sys.stderr, flush=True)
         t0 = time.perf_counter()
         proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy())
-        for line in proc.stdout.splitlines():
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                print(line, file=sys.stderr)
-                continue
-            if isinstance(rec, dict):
-                rec.setdefault("quick", args.quick)
-                records.append(rec)
-                print(line, flush=True)
-        if proc.returncode != 0:
-            failed.append(script.name)
-            print(proc.stderr[-4000:], file=sys.stderr)
-        print(f"   {time.perf_counter() - t0:.1f} s, exit {proc.returncode}", file=sys.stderr)
+        return proc, time.perf_counter() - t0
+
+    failed: list[str] = []
+    records: list[dict] = []
+    with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+        # results in script order, whatever order they finish in
+        for script, (proc, seconds) in zip(scripts, pool.map(run, scripts), strict=True):
+            print(f"== {script.name}", file=sys.stderr, flush=True)
+            for line in proc.stdout.splitlines():
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError:
+                    print(line, file=sys.stderr)
+                    continue
+                if isinstance(rec, dict):
+                    rec.setdefault("quick", args.quick)
+                    records.append(rec)
+                    print(line, flush=True)
+            if proc.returncode != 0:
+                failed.append(script.name)
+                print(proc.stderr[-4000:], file=sys.stderr)
+            print(f"   {seconds:.1f} s, exit {proc.returncode}", file=sys.stderr)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     tmp = args.out.with_suffix(".tmp")
     tmp.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")

@@ -40,7 +40,8 @@ WANTED = {
 @pytest.mark.slow
 def test_run_all_quick_writes_every_benchmarks_lines(tmp_path: Path) -> None:
     out = tmp_path / "quick.jsonl"
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "run_all.py"), "--quick", "--out", str(out)],
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "run_all.py"), "--quick", "--jobs", "2",
+                           "--out", str(out)],
                           capture_output=True, text=True, timeout=540, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-4000:]
     recs = [json.loads(line) for line in out.read_text().splitlines()]

@@ -103,7 +103,9 @@ def test_spoofed_update_on_a_broker_without_acl_is_never_counted(mosquitto: Mosq
         finally:
             attacker.close()
             run.close()
-        assert attacker.sent >= run.rounds and totals.get("rejected_bad_mac", 0) >= run.rounds
+        # the last round's forgery may land after the coordinator closed its last round and
+        # stopped (never read, so never counted); every earlier one was read and refused
+        assert attacker.sent >= run.rounds and totals.get("rejected_bad_mac", 0) >= run.rounds - 1
         report("spoofed update as dev1 (negated model, 100,000 samples), broker without ACL", trial,
                "every forgery refused (bad MAC); the real dev1 counted every round; exact model",
                forged_updates_sent=attacker.sent, rejected_bad_mac=totals["rejected_bad_mac"])
