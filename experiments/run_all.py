@@ -4,7 +4,8 @@
 
 Runs every ``experiments/<name>.toml`` (or the named ones) with every sweep combination
 and seed, then copies each sweep's ``summary.md`` and ``results.json`` to
-``benchmarks/results/experiments/<name>.md`` / ``.json`` (the README quotes them). The
+``benchmarks/results/experiments/<name>.md`` / ``.json`` / ``.png`` (the mean accuracy
+curves; the README quotes and shows them). The
 compute model (seconds per training sample of each variant) is measured once and pinned
 for every run, so the simulated times of all experiments share one clock; the values
 are written beside the results.
@@ -57,8 +58,9 @@ def main() -> int:
         print(f"== {path.name} -> {out}", flush=True)
         summary = run_experiment(cfg, out, echo=lambda m: print("  " + m, flush=True))
         shutil.copyfile(summary, RESULTS / f"{path.stem}.md")
-        if (out / "results.json").is_file():
-            shutil.copyfile(out / "results.json", RESULTS / f"{path.stem}.json")
+        for name, suffix in (("results.json", ".json"), ("accuracy.png", ".png")):
+            if (out / name).is_file():
+                shutil.copyfile(out / name, RESULTS / f"{path.stem}{suffix}")
         print(f"   {time.monotonic() - t0:.0f} s; {RESULTS / (path.stem + '.md')}", flush=True)
     return 0
 
