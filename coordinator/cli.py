@@ -85,7 +85,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     from coordinator.broker import start_embedded_broker
     from coordinator.config import ServerConfig
-    from coordinator.evaluate import make_evaluator
+    from coordinator.evaluate import evaluator_for
     from coordinator.fleet import MqttFleet
     from coordinator.logs import ProgressDisplay, setup_logging
     from coordinator.server import Coordinator, RoundError
@@ -134,9 +134,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             tls = TlsOptions(args.ca, args.cert, args.key, args.insecure)
         fleet = MqttFleet(url, args.job, username=username, password=args.password, tls=tls,
                           protocol=args.mqtt_version, max_payload=limits.max_payload_bytes + 65536)
-        evaluator = make_evaluator(args.model, _eval_data(args.eval_data), seed=args.seed,
-                                   weight_standardization=bool(
-                                       strategy.device_hparams(cfg.hparams).get("ws", False)))
+        evaluator = evaluator_for(args.model, _eval_data(args.eval_data),
+                                  strategy.device_hparams(cfg.hparams), seed=args.seed)
         progress = None if args.quiet else ProgressDisplay(args.rounds)
         coord = Coordinator(cfg, fleet, strategy, RunState(args.out), evaluator=evaluator,
                             init_weights=init_shared(spec, args.seed), on_event=progress,
