@@ -87,7 +87,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     from coordinator.admission import AdmissionConfig
     from coordinator.config import ServerConfig
-    from coordinator.evaluate import make_evaluator
+    from coordinator.evaluate import evaluator_for
     from coordinator.fleet import MqttFleet
     from coordinator.logs import ProgressDisplay, setup_logging
     from coordinator.server import Coordinator, RoundError
@@ -130,9 +130,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         admission.enrolment = conn.pop("enrolment")
         fleet = MqttFleet(conn.pop("url"), args.job, protocol=args.mqtt_version,
                           max_payload=limits.max_payload_bytes + 65536, **conn)
-        evaluator = make_evaluator(args.model, _eval_data(args.eval_data), seed=args.seed,
-                                   weight_standardization=bool(
-                                       strategy.device_hparams(cfg.hparams).get("ws", False)))
+        evaluator = evaluator_for(args.model, _eval_data(args.eval_data),
+                                  strategy.device_hparams(cfg.hparams), seed=args.seed)
         progress = None if args.quiet else ProgressDisplay(args.rounds)
         coord = Coordinator(cfg, fleet, strategy, RunState(args.out), evaluator=evaluator,
                             init_weights=init_shared(spec, args.seed), on_event=progress,

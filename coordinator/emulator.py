@@ -478,7 +478,7 @@ class Emulator:
 
     def run(self) -> RunResult:
         from coordinator.config import ServerConfig
-        from coordinator.evaluate import make_evaluator
+        from coordinator.evaluate import evaluator_for
         from coordinator.server import Coordinator
         from coordinator.state import RunState
         from coordinator.strategies import build_strategy
@@ -520,8 +520,8 @@ class Emulator:
             registrar.connect(timeout=30.0)
             host.register(registrar)
             coord = Coordinator(server_cfg, fleet, strategy, RunState(self.run_dir / "out"),
-                                evaluator=make_evaluator(cfg.model, data.test, seed=seed, weight_standardization=bool(
-                                    strategy.device_hparams(cfg.train).get("ws", False))),
+                                evaluator=evaluator_for(cfg.model, data.test, strategy.device_hparams(cfg.train),
+                                                        seed=seed),
                                 init_weights=init_shared(get_spec(cfg.model), seed), on_event=self.on_event,
                                 logger=log.getChild("server"))
             history = coord.run()

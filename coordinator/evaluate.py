@@ -1,8 +1,9 @@
 """Evaluating the global model as each bitwidth group runs it, on a held-out set.
 
-A float32 device runs the shared weights through the float forward; an s-bit integer
-device runs ``from_shared(W, s)`` through the integer forward (ternary weights, shifts,
-s-bit activations). :class:`ModelEvaluator` scores every variant it is given with the
+A float32 device runs the shared weights through the float forward (or, when the fleet
+announces ``float_forward = "int<s>"``, through the s-bit integer forward computed in
+float, the network it then trains); an s-bit integer device runs ``from_shared(W, s)``
+through the integer forward (ternary weights, shifts, s-bit activations). :class:`ModelEvaluator` scores every variant it is given with the
 same trainer code the devices use (``edge_client.trainers.make_trainer``), one trainer
 per variant, kept between rounds.
 """
@@ -29,13 +30,20 @@ class ModelEvaluator:
         seed: the trainers' seed (evaluation itself draws nothing).
         weight_standardization: evaluate the float forward the devices train (FedWSQ's
             ``ws``; integer variants are unaffected).
+        float_forward: the network the float devices train (the announced
+            ``float_forward``): ``float32`` or ``int<s>``; the float32 variant is scored in it.
     """
 
-    def __init__(self, model: str, data: Any, *, seed: int = 0, weight_standardization: bool = False) -> None:
+    def __init__(self, model: str, data: Any, *, seed: int = 0, weight_standardization: bool = False,
+                 float_forward: str = "float32") -> None:
+        from edge_client.trainers import forward_bits
+
         self.model = model
         self.data = data
         self.seed = seed
-        self.weight_standardization = bool(weight_standardization)
+        self.float_forward = str(float_forward)
+        forward_bits(self.float_forward)  # ConfigError naming a bad value
+        self.weight_standardization = bool(weight_standardization) and self.float_forward == "float32"
         self._trainers: dict[str, Any] = {}
 
     def _trainer(self, variant: str) -> Any:
@@ -44,7 +52,11 @@ class ModelEvaluator:
             from firmware_models import get_spec
 
             bits = variant_bits(variant)
-            extra = {"weight_standardization": True} if bits == 32 and self.weight_standardization else {}
+            extra = {}
+            if bits == 32:
+                extra = {"forward": self.float_forward}
+                if self.weight_standardization:
+                    extra["weight_standardization"] = True
             self._trainers[variant] = make_trainer(get_spec(self.model), bits, seed=self.seed, **extra)
         return self._trainers[variant]
 
@@ -58,7 +70,17 @@ class ModelEvaluator:
         return out
 
 
-def make_evaluator(model: str, data: Any, *, seed: int = 0, weight_standardization: bool = False) -> ModelEvaluator:
+def make_evaluator(model: str, data: Any, *, seed: int = 0, weight_standardization: bool = False,
+                   float_forward: str = "float32") -> ModelEvaluator:
     """A :class:`ModelEvaluator` of ``model`` on ``data`` (torch is imported lazily, for
     the float32 variant only)."""
-    return ModelEvaluator(model, data, seed=seed, weight_standardization=weight_standardization)
+    return ModelEvaluator(model, data, seed=seed, weight_standardization=weight_standardization,
+                          float_forward=float_forward)
+
+
+def evaluator_for(model: str, data: Any, announced: Mapping[str, Any], *, seed: int = 0) -> ModelEvaluator:
+    """The evaluator of a run whose rounds announce ``announced`` (the strategy's
+    ``device_hparams``): the float32 variant in the forward the float devices train
+    (``float_forward``, ``ws``)."""
+    return make_evaluator(model, data, seed=seed, weight_standardization=bool(announced.get("ws", False)),
+                          float_forward=str(announced.get("float_forward", "float32")))

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from edge_client.errors import ConfigError, ProtocolError
-from edge_client.protocol import CODEC_BITS, variant_bits
+from edge_client.protocol import CODEC_BITS, FLOAT_VARIANT, variant_bits
 
 
 @dataclass(frozen=True)
@@ -89,6 +89,11 @@ _TABLE = (
     HParam("codec_bits", int, "uplink codec bits, overriding the device profile's", 1, 32),
     HParam("kmeans_method", str, "K-means uplink: 'fast' (optimal 1-D) or 'authors' (FedShift's "
            "code: random init, Lloyd)", choices=("fast", "authors")),
+    HParam("float_forward", str, "the network float devices train (and the coordinator evaluates "
+           "as float32): 'float32', their float forward W/alpha, or 'int<s>', the s-bit integer "
+           "devices' forward (0.5 ternary(W) straight-through to W, s-bit activations), so that "
+           "one global model is one function for every group",
+           choices=(FLOAT_VARIANT, *(f"int{b}" for b in range(2, 17)))),
 )
 #: every hyper-parameter an announcement may carry, by name
 HPARAMS: dict[str, HParam] = {h.name: h for h in _TABLE}
@@ -171,8 +176,9 @@ DEVICE_DEFAULTS: dict[str, Any] = {"epochs": 1, "steps": 0, "batch": 32, "prox_m
 class RoundSettings:
     """What one device does in one round, from the announcement and its own profile.
 
-    ``lr``/``momentum``/``grad_clip``/``lr_shift``/``ws``: None when not announced (the
-    trainer's own value); ``codec``/``codec_bits``/``kmeans_method``: the profile's unless
+    ``lr``/``momentum``/``grad_clip``/``lr_shift``/``ws``/``float_forward``: None when not
+    announced or not this device's to apply (the trainer's own value);
+    ``codec``/``codec_bits``/``kmeans_method``: the profile's unless
     announced; ``content``: announced, else ``delta`` for DANUQ (it quantizes the update by
     definition, ALGORITHMS.md §3) and ``weights`` for every other codec. ``not_applied``:
     announced keys this device does not use, with the reason (reported in its update).
@@ -193,6 +199,7 @@ class RoundSettings:
     grad_clip: float | None = None
     lr_shift: int | None = None
     ws: bool | None = None
+    float_forward: str | None = None
     not_applied: dict[str, str] = field(default_factory=dict)
 
 
@@ -202,7 +209,11 @@ def round_settings(hparams: Mapping[str, Any], *, variant: str, codec: str, code
     ``int<s>``; ``codec``/``codec_bits``/``kmeans_method``: its profile's). Never raises:
     what it cannot honour lands in ``not_applied``.
 
-    Device rules: ``ws`` needs a float device (the integer forward is ternary); codec
+    Device rules: ``ws`` needs a float device (the integer forward is ternary) that trains
+    the float forward (``float_forward`` ``float32``); ``float_forward`` is the float
+    devices' network: an integer device always trains its own forward and reports an
+    announced ``int<s'>`` of another bitwidth (the fleet's function is not its own; the
+    default ``float32`` concerns float devices only and is not reported); codec
     ``int`` needs an integer device; an announced codec without ``codec_bits`` keeps the
     profile's bits, clamped to the codec's range; settings meant for the other kind of
     device (``lr_shift`` on a float device, ``grad_clip`` on an integer one) and
@@ -212,6 +223,14 @@ def round_settings(hparams: Mapping[str, Any], *, variant: str, codec: str, code
     integer = variant != "float32"
     if values.get("ws") and integer:
         not_applied["ws"] = "integer device: its forward pass is ternary, no weight standardization"
+        values.pop("ws")
+    forward = values.pop("float_forward", None)
+    if integer:
+        if forward not in (None, FLOAT_VARIANT, variant):
+            not_applied["float_forward"] = f"an {variant} device trains its own forward ({variant}), not {forward}"
+        forward = None
+    elif forward not in (None, FLOAT_VARIANT) and values.get("ws"):
+        not_applied["ws"] = f"no weight standardization in the integer forward ({forward})"
         values.pop("ws")
     new_codec = values.get("codec", codec)
     if new_codec == "int" and not integer:
@@ -238,5 +257,5 @@ def round_settings(hparams: Mapping[str, Any], *, variant: str, codec: str, code
         lr=values.get("lr"), momentum=values.get("momentum"),
         grad_clip=None if integer else values.get("grad_clip"),
         lr_shift=values.get("lr_shift") if integer else None,
-        ws=values.get("ws"), not_applied=not_applied,
+        ws=values.get("ws"), float_forward=forward, not_applied=not_applied,
     )

@@ -44,15 +44,19 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 
 from edge_client.data import Dataset
-from edge_client.errors import ConfigError, TrainingError
+from edge_client.errors import ConfigError, ProtocolError, TrainingError
 from edge_client.intnn import kernels as K
 from edge_client.intnn.model import IntModel, Regularizer
 from edge_client.intnn.quant import (
     DEFAULT_CLIP,
+    TERNARY_WEIGHT,
     alpha_shifts,
+    grid_scale,
     init_int,
     init_shared,
+    ternary_threshold,
 )
+from edge_client.protocol import FLOAT_VARIANT, variant_bits
 from firmware_models import Conv2d, Flatten, Linear, MaxPool2d, ModelSpec, ReLU, get_spec
 
 DEFAULT_LR_SHIFT = 3      # eta_8 = 2^3 = 8 LSBs (ProWD appendix A: eta = 8)
@@ -345,20 +349,37 @@ class TorchTrainer:
     channel's weights are standardized, ``W~ = rho (W - mean) / std`` with ``rho = 1e-3``
     (FedWSQ's value), and, since these models have no normalization layer after it, the
     layer output is rescaled by ``sqrt(2 / fan_in) / rho`` (He gain).
+
+    ``forward``: the network it trains and evaluates. ``"float32"`` (default): the float
+    forward above. ``"int<s>"``: the s-bit integer devices' forward (:mod:`edge_client.intnn`,
+    ALGORITHMS.md §1), computed in float32 so that one global model is one function for
+    every group: inputs ``round(x (S - 1)) / S`` (``S = 2^(s-1)``), weights
+    ``0.5 ternary(W)`` (``|round(W S(s_g))| > S(s_g)/4``, as the device ternarizes its grid
+    integers), each conv/linear output divided by ``alpha_l`` (the integer shift by
+    ``1 + log2 alpha_l`` of ``sum t a``), ReLU, rounded half away from zero to the 1/S grid
+    and clipped to ``+-(S - 1)/S``; the logits are the integer engine's divided by S
+    (exactly: every partial sum is a multiple of 2^-(s + 1) far below 2^24). Gradients
+    are straight-through: to ``W`` through the ternary weights, through the rounding and
+    the upper clip (the ReLU masks), as the integer backward passes its errors. Its loss
+    is the integer devices' (WAGE's SSE against ``(S - 1)/S`` one-hot) unless ``loss`` is
+    given; weight standardization does not apply to it.
     """
 
     def __init__(self, spec: ModelSpec | str, lr: float = DEFAULT_TORCH_LR, seed: int = 0,
                  weight_standardization: bool = False, momentum: float = DEFAULT_MOMENTUM,
                  grad_clip: float = 2.0, clip: float = DEFAULT_CLIP, ws_rho: float = 1e-3,
-                 loss: str = "ce") -> None:
+                 loss: str | None = None, forward: str = FLOAT_VARIANT) -> None:
         import torch
 
         self._torch = torch
         self.spec = _as_spec(spec)
         self.bits = 32
         _check_sgd(lr, momentum)
-        if loss not in ("ce", "sse"):
+        self.forward_bits = forward_bits(forward)
+        if loss not in (None, "ce", "sse"):
             raise ConfigError(f"loss must be 'ce' or 'sse', got {loss!r}")
+        if weight_standardization and self.forward_bits != 32:
+            raise ConfigError(f"weight standardization applies to the float forward, not {forward!r}")
         self.lr = float(lr)
         self.momentum = float(momentum)
         self.grad_clip = float(grad_clip)
@@ -366,7 +387,7 @@ class TorchTrainer:
         self.seed = int(seed)
         self.weight_standardization = bool(weight_standardization)
         self.ws_rho = float(ws_rho)
-        self.loss_kind = loss
+        self.loss_kind = loss  # None: CE for the float forward, SSE for an integer one
         self._alpha = [float(1 << a) for a in alpha_shifts(self.spec)]
         self._calls = 0
         self.params = [torch.tensor(w, dtype=torch.float32, requires_grad=True)
@@ -404,9 +425,13 @@ class TorchTrainer:
         gain = math.sqrt(2.0 / flat.shape[1]) / self.ws_rho
         return ws.reshape(w.shape), gain
 
-    def forward(self, x, ws: bool | None = None):
-        """Logits of a float32 batch ``x`` [N, C, H, W] (torch tensor); ``ws``: weight
-        standardization (None: the trainer's setting)."""
+    def forward(self, x, ws: bool | None = None, bits: int | None = None):
+        """Logits of a float32 batch ``x`` [N, C, H, W] (torch tensor) in [0, 1]; ``ws``:
+        weight standardization; ``bits``: 32 for the float forward, s for the s-bit integer
+        forward (class docstring). None: the trainer's settings."""
+        bits = self.forward_bits if bits is None else bits
+        if bits != 32:
+            return self._int_forward(x, bits)
         F = self._torch.nn.functional
         ws = self.weight_standardization if ws is None else ws
         h = x
@@ -428,11 +453,54 @@ class TorchTrainer:
                 h = h.flatten(1)
         return h
 
-    def _loss(self, logits, y):
+    def _int_forward(self, x, bits: int):
+        """The s-bit integer devices' forward in float32, straight-through (class docstring)."""
+        torch = self._torch
+        F = torch.nn.functional
+        s_one = float(1 << (bits - 1))        # S(s): the activations' scale
+        amax = s_one - 1.0
+        g_one = float(grid_scale(bits))       # S(s_g): the weights' storage grid
+        thr = float(ternary_threshold(bits))
+        h = torch.round(x.clamp(0.0, 1.0) * amax) / s_one
+        layers = self.spec.layers
+        p = 0
+        for i, layer in enumerate(layers):
+            if isinstance(layer, (Conv2d, Linear)):
+                w = self.params[p]
+                with torch.no_grad():
+                    q = torch.round(w * g_one)  # the device's grid integers (half to even)
+                    wt = TERNARY_WEIGHT * ((q > thr).to(w.dtype) - (q < -thr).to(w.dtype))
+                w = w + (wt - w).detach()
+                if isinstance(layer, Conv2d):
+                    h = F.conv2d(h, w, stride=layer.stride, padding=layer.padding)
+                else:
+                    h = F.linear(h, w)
+                h = h / self._alpha[p]
+                relu = i + 1 < len(layers) and isinstance(layers[i + 1], ReLU)
+                if relu:
+                    h = F.relu(h)
+                with torch.no_grad():
+                    v = h * s_one  # round half away from zero, as the integer shift does
+                    hq = torch.sign(v) * torch.floor(v.abs() + 0.5)
+                    hq = hq.clamp(0.0 if relu else -amax, amax) / s_one
+                h = h + (hq - h).detach()
+                p += 1
+            elif isinstance(layer, ReLU):
+                h = F.relu(h)
+            elif isinstance(layer, MaxPool2d):
+                h = F.max_pool2d(h, layer.kernel, stride=layer.step, padding=layer.padding)
+            elif isinstance(layer, Flatten):
+                h = h.flatten(1)
+        return h
+
+    def _loss(self, logits, y, bits: int | None = None):
         F = self._torch.nn.functional
-        if self.loss_kind == "ce":
+        bits = self.forward_bits if bits is None else bits
+        if (self.loss_kind or ("ce" if bits == 32 else "sse")) == "ce":
             return F.cross_entropy(logits, y)
-        onehot = F.one_hot(y, self.spec.num_classes).to(logits.dtype) * 0.5
+        # SSE against the integer devices' target (S - 1)/S for an integer forward
+        target = 0.5 if bits == 32 else 1.0 - 1.0 / (1 << (bits - 1))
+        onehot = F.one_hot(y, self.spec.num_classes).to(logits.dtype) * target
         return ((logits - onehot) ** 2).sum(dim=1).mean()
 
     # training --------------------------------------------------------------
@@ -441,9 +509,11 @@ class TorchTrainer:
               batch: int = 32, prox_mu: float = 0.0, fedfor_alpha: float = 0.0,
               last_global_step: list[np.ndarray] | None = None, lr: float | None = None,
               momentum: float | None = None, grad_clip: float | None = None,
-              weight_standardization: bool | None = None) -> TrainReport:
+              weight_standardization: bool | None = None,
+              forward: str | None = None) -> TrainReport:
         """Local SGD; loss reported is the mean training loss (CE or SSE) over the steps.
-        ``lr``, ``momentum``, ``grad_clip``, ``weight_standardization``: this call's values
+        ``lr``, ``momentum``, ``grad_clip``, ``weight_standardization``, ``forward`` (the
+        network trained: ``float32`` or ``int<s>``, class docstring): this call's values
         (None: the trainer's)."""
         torch = self._torch
         n_steps = _check_train_args(data, self.spec, epochs, steps, batch, prox_mu,
@@ -455,6 +525,9 @@ class TorchTrainer:
         if not grad_clip >= 0:
             raise ConfigError(f"grad_clip must be >= 0, got {grad_clip}")
         ws = self.weight_standardization if weight_standardization is None else bool(weight_standardization)
+        bits = self.forward_bits if forward is None else forward_bits(forward)
+        if ws and bits != 32:
+            raise ConfigError(f"weight standardization applies to the float forward, not {forward!r}")
         t0 = time.perf_counter()
         rng = np.random.default_rng([self.seed, self._calls])
         self._calls += 1
@@ -473,7 +546,7 @@ class TorchTrainer:
             for p in self.params:
                 if p.grad is not None:
                     p.grad.zero_()
-            loss = self._loss(self.forward(xb, ws), yb)
+            loss = self._loss(self.forward(xb, ws, bits), yb, bits)
             loss.backward()
             if grad_clip > 0:
                 torch.nn.utils.clip_grad_norm_(self.params, grad_clip)
@@ -512,6 +585,15 @@ class TorchTrainer:
                 total += float(self._loss(logits, yb)) * len(yb)
                 hits += int((logits.argmax(dim=1) == yb).sum())
         return total / len(data), hits / len(data)
+
+
+def forward_bits(forward: str) -> int:
+    """The bitwidth of a forward name: 32 for ``float32`` (the float forward), s for
+    ``int<s>`` (the s-bit integer devices' forward); ConfigError otherwise."""
+    try:
+        return variant_bits(str(forward))
+    except ProtocolError:
+        raise ConfigError(f"forward must be 'float32' or 'int2'..'int16', got {forward!r}") from None
 
 
 def _sgd_step(params: list, buffers: list, lr: float, momentum: float) -> None:

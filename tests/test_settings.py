@@ -336,6 +336,19 @@ def test_announced_lr_and_momentum_reach_a_float_device(tmp_path):
     assert not close(got, reference(32, 1, shard(1), [(g, {})]).to_shared())
 
 
+def test_announced_float_forward_reaches_a_float_device(tmp_path):
+    """``float_forward = "int8"``: the float device trains the Int8 forward (its update is
+    the reference trainer's in that forward, not in the float one); the Int8 device trains
+    as before and reports nothing."""
+    res = run(tmp_path, [float_device("f", 1), int8_device("i", 2)], hparams={"float_forward": "int8"})
+    g = res.start[1][0]
+    got = res.shared(1, "f", 32)
+    assert close(got, reference(32, 1, shard(1), [(g, {"forward": "int8"})]).to_shared())
+    assert not close(got, reference(32, 1, shard(1), [(g, {})]).to_shared())
+    assert res.updates[1]["i"].not_applied == {} and res.updates[1]["f"].not_applied == {}
+    assert close(res.shared(1, "i", 8), reference(8, 2, shard(2), [(g, {})]).to_shared(), atol=0)
+
+
 def test_grouped_avg_scales_each_groups_learning_rate(tmp_path):
     """FedGroupedAvg with ``scale_lr`` (ProWD): 2 float + 2 Int8 devices, each group half
     of the round: float devices train with lr * 0.5, Int8 devices with lr_shift 3 - 1."""
