@@ -9,7 +9,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 EXTRAS ?= coordinator,data,dev,onnx
 
-.PHONY: demo test bench experiments fuzz faults install lint clean
+.PHONY: demo test bench experiments fuzz faults wheel install lint clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -49,6 +49,11 @@ faults: install
 	@mkdir -p runs && rm -f runs/faults.jsonl
 	FEDBIT_FAULT_TRIALS=$(FAULT_TRIALS) FEDBIT_FAULT_REPORT=runs/faults.jsonl $(PY) -m pytest -q -p no:cacheprovider tests/faults
 	$(PY) tests/faults/table.py runs/faults.jsonl
+
+# The sdist and the pure-Python wheel a device installs (dist/fedbit-<version>-py3-none-any.whl;
+# see README "Install on a device"): the profiles and model specs inside, torch only in extras.
+wheel: install
+	$(PY) -m build --no-isolation --outdir dist .
 
 lint: install
 	$(PY) -m ruff check edge_client coordinator firmware_models hw_profiles tests benchmarks experiments

@@ -9,6 +9,7 @@ import sys
 from collections.abc import Sequence
 
 from edge_client import __version__
+from edge_client.paths import device_state_dir
 
 
 def _cmd_profiles(args: argparse.Namespace) -> int:
@@ -58,7 +59,7 @@ def _identity(args: argparse.Namespace) -> dict:
         out |= {"username": c.username, "password": c.password, "max_samples": c.max_samples,
                 "mac_key": c.mac_key_bytes if c.mac_key else b""}
         if c.ca or c.cert:
-            workdir = Path(args.workdir or f".fedbit-device-{c.device_id}")
+            workdir = Path(args.workdir) if args.workdir else device_state_dir(c.device_id)
             out["tls"] = TlsOptions(*tls_files(c, workdir / "tls"))
     if not args.broker or not args.id:
         raise ConfigError("--broker and --id are required (or --credentials FILE, which has both)")
@@ -99,7 +100,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
             overrides = {"codec": args.codec, "codec_bits": args.codec_bits or profile.codec_bits}
         cfg = DeviceConfig.from_profile(
             args.id, profile, job=args.job, seed=args.seed,
-            workdir=Path(args.workdir or f".fedbit-device-{args.id}"),
+            workdir=Path(args.workdir) if args.workdir else device_state_dir(args.id),
             exit_when_done=not args.stay, train_delay_s=args.delay)
         for k, v in overrides.items():
             setattr(cfg, k, v)
@@ -165,6 +166,27 @@ def _cmd_predict(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_warmup(args: argparse.Namespace) -> int:
+    from edge_client.errors import FedbitError
+    from edge_client.warmup import warm_up
+    from firmware_models import SpecError
+    from hw_profiles import ProfileError, load_profile
+
+    try:
+        profile = load_profile(args.profile)
+        if profile.is_integer:
+            print(f"compiling kernels for {profile.name} (Int{profile.compute_bits}, {profile.codec} "
+                  f"uplink), first run only; minutes on a Raspberry Pi ...", file=sys.stderr, flush=True)
+        report = warm_up(profile, args.model)
+    except (FedbitError, SpecError, ProfileError) as exc:
+        print(f"fedbit-edge warmup: error: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps({"profile": report.profile, "model": report.model, "bits": report.bits,
+                      "compiled": report.compiled, "train_s": round(report.train_s, 3),
+                      "encode_s": round(report.encode_s, 3)}), flush=True)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fedbit-edge",
@@ -174,6 +196,13 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     p = sub.add_parser("profiles", help="list the bundled hardware profiles")
     p.set_defaults(func=_cmd_profiles)
+
+    p = sub.add_parser("warmup", help="compile the kernels a profile's rounds run (first run only)",
+                       description="One training step and one uplink encoding on random data, so "
+                                   "that the first round does not wait for the compiler.")
+    p.add_argument("--profile", required=True, metavar="NAME", help="hardware profile name or TOML path")
+    p.add_argument("--model", default="digits_cnn", metavar="SPEC", help="model spec (digits_cnn)")
+    p.set_defaults(func=_cmd_warmup)
 
     # (allow_abbrev=False: an old `--password x` must not turn into `--password-file x`)
     p = sub.add_parser("run", help="run the device loop against a coordinator's broker",
@@ -188,7 +217,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data", required=True, metavar="SRC", help="a local folder or digits:K/N")
     p.add_argument("--id", help="device id ([A-Za-z0-9._-]+; default: the credentials file's)")
     p.add_argument("--job", default=None, help="job id (default: the credentials file's, else 'default')")
-    p.add_argument("--workdir", metavar="DIR", help="outbox and state (default .fedbit-device-<id>)")
+    p.add_argument("--workdir", metavar="DIR", help="outbox, state and TLS files (default $XDG_STATE_HOME/fedbit/<id>, "
+                   "else ~/.local/state/fedbit/<id>)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--codec", help="override the profile's uplink codec")
     p.add_argument("--codec-bits", type=int, default=0)

@@ -36,6 +36,20 @@ def test_edge_profiles_lists_the_bundled_profiles() -> None:
     assert line.split()[1] == "6"
 
 
+def test_edge_warmup_runs_a_round_s_code_for_integer_profiles_only() -> None:
+    import json
+
+    out = run("fedbit-edge", "warmup", "--profile", "raspberry-pi-zero-2w")
+    assert out.returncode == 0, out.stderr
+    assert "compiling kernels" in out.stderr and "first run only" in out.stderr
+    rep = json.loads(out.stdout)
+    assert rep["compiled"] is True and rep["bits"] == 6 and rep["train_s"] > 0 and rep["encode_s"] > 0
+    out = run("fedbit-edge", "warmup", "--profile", "desktop")
+    assert out.returncode == 0 and json.loads(out.stdout)["compiled"] is False
+    out = run("fedbit-edge", "warmup", "--profile", "pi-9000")
+    assert out.returncode == 1 and "unknown profile 'pi-9000'" in out.stderr
+
+
 def test_unknown_subcommand_fails() -> None:
     out = run("fedbit-edge", "fly")
     assert out.returncode == 2

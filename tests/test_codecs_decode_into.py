@@ -199,3 +199,14 @@ def test_finite_output_codecs_never_decode_nan_or_inf(name, data):
     except ProtocolError:
         return
     assert np.all(np.isfinite(y.astype(np.float64)))
+
+
+def test_half_table_is_numpys_conversion_bit_for_bit_with_nans_built_from_their_bits() -> None:
+    from edge_client.codecs.fused import HALF_TO_FLOAT
+
+    bits = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+    with np.errstate(invalid="ignore"):
+        ref = bits.view(np.float16).astype(np.float32)
+    assert HALF_TO_FLOAT.dtype == np.float32
+    assert np.array_equal(HALF_TO_FLOAT.view(np.uint32), ref.view(np.uint32))
+    assert int(np.isnan(HALF_TO_FLOAT).sum()) == 2 * 1023  # both signs, every non-zero payload

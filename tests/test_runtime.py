@@ -3,6 +3,7 @@ restart, round closing, SIGTERM; and the per-profile update encoding."""
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -191,14 +192,17 @@ def test_fedbit_edge_run_stops_cleanly_on_sigterm(mosquitto: MosquittoBroker, tm
     watcher.connect(10)
     p = subprocess.Popen([str(BIN / "fedbit-edge"), "run", "--broker", mosquitto.url,
                           "--profile", "raspberry-pi-4", "--data", "digits:1/8", "--id", "sig1",
-                          "--job", JOB, "--workdir", str(tmp_path / "sig1")],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                          "--job", JOB],  # the default working directory: the user's state dir
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env=dict(os.environ, XDG_STATE_HOME=str(tmp_path / "state")), cwd=tmp_path)
     try:
         m = watcher.recv(30)
         assert m is not None and decode_message(m.payload) == Presence("sig1", True)
         p.send_signal(signal.SIGTERM)
         assert p.wait(timeout=15) == 0
         assert "stopped after 0 round(s)" in p.stdout.read()
+        assert (tmp_path / "state" / "fedbit" / "sig1" / "outbox").is_dir()
+        assert not list(tmp_path.glob(".fedbit*"))  # nothing left in the directory it ran in
         m = watcher.recv(10)
         assert m is not None and decode_message(m.payload) == Presence("sig1", False)
     finally:

@@ -220,8 +220,23 @@ def half_accumulate(bits16, w, lut, acc):
         acc[i] += w * lut[bits16[i]]
 
 
-#: float32 value of every float16 bit pattern (exact: float16 -> float32 never rounds).
-HALF_TO_FLOAT = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
+def _half_to_float_table() -> np.ndarray:
+    """float32 value of every float16 bit pattern, float32 ``[65536]`` (exact: float16 ->
+    float32 never rounds). The NaN patterns are built from their bits (sign, all-ones
+    exponent, the payload shifted up 13, as numpy converts them) and never cast: on aarch64
+    the hardware cast of a signalling NaN raises the invalid flag, and numpy would print
+    ``RuntimeWarning: invalid value encountered in cast`` when the codecs are imported."""
+    bits = np.arange(1 << 16, dtype=np.uint32)
+    nan = (bits & 0x7C00) == 0x7C00
+    nan &= (bits & 0x03FF) != 0
+    table = np.empty(1 << 16, dtype=np.float32)
+    table[~nan] = bits[~nan].astype(np.uint16).view(np.float16).astype(np.float32)
+    table.view(np.uint32)[nan] = ((bits[nan] & 0x8000) << 16) | 0x7F800000 | ((bits[nan] & 0x03FF) << 13)
+    return table
+
+
+#: float32 value of every float16 bit pattern (:func:`_half_to_float_table`).
+HALF_TO_FLOAT = _half_to_float_table()
 
 
 def weighted_lut(lut: np.ndarray, acc: np.ndarray, weight: float) -> np.ndarray:
