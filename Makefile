@@ -9,7 +9,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 EXTRAS ?= coordinator,data,dev,onnx
 
-.PHONY: demo test bench experiments fuzz faults wheel install lint clean
+.PHONY: demo test bench experiments fuzz faults wheel device-check install lint clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -54,6 +54,12 @@ faults: install
 # see README "Install on a device"): the profiles and model specs inside, torch only in extras.
 wheel: install
 	$(PY) -m build --no-isolation --outdir dist .
+
+# fedbit on 64-bit ARM under qemu (root; ~20 minutes the first time, the root filesystem
+# is cached): the README's device install from the wheel, Int8 training, an update
+# counted by a coordinator on the host. Not part of make test.
+device-check: install
+	PY=$(PY) tools/device_check.sh
 
 lint: install
 	$(PY) -m ruff check edge_client coordinator firmware_models hw_profiles tests benchmarks experiments

@@ -20,7 +20,7 @@ here (no ``mosquitto_passwd`` needed); the clear text exists only in the credent
 
 The generated ACL (``acl_text``) is what DESIGN.md's wire protocol asks of a broker: a
 device (username = device id = MQTT client id) may publish only
-``fedbit/<job>/{update,hello,presence}/<its id>`` and read only ``round``, ``model/+`` and
+``fedbit/<job>/{update,hello,presence,linktest}/<its id>`` and read only ``round``, ``model/+`` and
 ``status``; only the coordinator user publishes rounds, models and status.
 """
 
@@ -75,6 +75,7 @@ def acl_text(job: str) -> str:
         f"pattern write {root}/update/%u",
         f"pattern write {root}/hello/%u",
         f"pattern write {root}/presence/%u",
+        f"pattern write {root}/linktest/%u",
         f"pattern read {root}/round",
         f"pattern read {root}/model/+",
         f"pattern read {root}/status",

@@ -6,7 +6,8 @@ import argparse
 import json
 import logging
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from edge_client import __version__
 from edge_client.paths import device_state_dir
@@ -77,6 +78,26 @@ def _identity(args: argparse.Namespace) -> dict:
     return out
 
 
+def connector(args: argparse.Namespace, ident: dict) -> Callable[..., Any]:
+    """``connect(**kw)`` -> an MqttTransport of this device (``ident``: :func:`_identity`),
+    signing what it publishes when the device has a MAC key."""
+    from edge_client.transport import MqttTransport, TlsOptions
+
+    tls = ident["tls"]
+    if args.ca or args.cert or args.insecure:
+        tls = TlsOptions(args.ca, args.cert, args.key, args.insecure)
+
+    def connect(**kw: Any) -> Any:
+        return MqttTransport(args.broker, args.id, username=ident["username"],
+                             password=ident["password"], tls=tls, protocol=args.mqtt_version, **kw)
+
+    if ident["mac_key"]:
+        from edge_client.auth import signing_connector
+
+        return signing_connector(connect, ident["mac_key"])
+    return connect
+
+
 def _cmd_run(args: argparse.Namespace) -> int:
     import signal
     from pathlib import Path
@@ -84,7 +105,6 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from edge_client.data import load_source
     from edge_client.errors import ConfigError
     from edge_client.runtime import DeviceConfig, DeviceRuntime
-    from edge_client.transport import MqttTransport, TlsOptions
     from hw_profiles import load_profile
 
     handler = logging.StreamHandler(sys.stderr)
@@ -104,24 +124,17 @@ def _cmd_run(args: argparse.Namespace) -> int:
             exit_when_done=not args.stay, train_delay_s=args.delay)
         for k, v in overrides.items():
             setattr(cfg, k, v)
-        tls = ident["tls"]
-        if args.ca or args.cert or args.insecure:
-            tls = TlsOptions(args.ca, args.cert, args.key, args.insecure)
+        connect = connector(args, ident)
+        if args.auto_codec:
+            from edge_client.cli_device import auto_codec
 
-        def connect(**kw):
-            return MqttTransport(args.broker, args.id, username=ident["username"],
-                                 password=ident["password"], tls=tls, protocol=args.mqtt_version, **kw)
-
-        if ident["mac_key"]:
-            from edge_client.auth import signing_connector
-
-            connect = signing_connector(connect, ident["mac_key"])
+            cfg.codec, cfg.codec_bits = auto_codec(args, profile, connect)
         if ident["max_samples"] and len(data.y) > ident["max_samples"]:
             logging.getLogger("fedbit.device").warning(
                 "%d local samples, enrolled with %d: the coordinator bounds this device's weight by %d",
                 len(data.y), ident["max_samples"], ident["max_samples"])
         rt = DeviceRuntime(cfg, data, connect)
-    except (ConfigError, OSError, ValueError) as exc:
+    except (ConfigError, OSError, ValueError, ConnectionError) as exc:
         print(f"fedbit-edge run: error: {exc}", file=sys.stderr)
         return 1
 
@@ -187,6 +200,26 @@ def _cmd_warmup(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_connection_options(p: argparse.ArgumentParser) -> None:
+    """The broker, identity and TLS options of every command that talks to a broker."""
+    p.add_argument("--credentials", metavar="FILE",
+                   help="the credentials file `fedbit enroll` wrote (broker, id, job, password, "
+                        "certificates, MAC key; mode 0600)")
+    p.add_argument("--broker", metavar="URL", help="mqtt://[user@]host:port or mqtts://... "
+                   "(default: the credentials file's)")
+    p.add_argument("--id", help="device id ([A-Za-z0-9._-]+; default: the credentials file's)")
+    p.add_argument("--job", default=None, help="job id (default: the credentials file's, else 'default')")
+    p.add_argument("--mqtt-version", choices=["auto", "5", "3.1.1"], default="auto")
+    p.add_argument("--username")
+    p.add_argument("--password-file", metavar="FILE",
+                   help="the broker password, first line of FILE (or FEDBIT_PASSWORD; never on "
+                        "the command line)")
+    p.add_argument("--ca", metavar="PEM", help="CA certificate for mqtts://")
+    p.add_argument("--cert", metavar="PEM", help="client certificate")
+    p.add_argument("--key", metavar="PEM", help="client key")
+    p.add_argument("--insecure", action="store_true", help="skip the TLS hostname check")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fedbit-edge",
@@ -208,29 +241,17 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("run", help="run the device loop against a coordinator's broker",
                        description="Connect, say hello, train when selected, publish updates.",
                        allow_abbrev=False)
-    p.add_argument("--credentials", metavar="FILE",
-                   help="the credentials file `fedbit enroll` wrote (broker, id, job, password, "
-                        "certificates, MAC key; mode 0600)")
-    p.add_argument("--broker", metavar="URL", help="mqtt://[user@]host:port or mqtts://... "
-                   "(default: the credentials file's)")
+    add_connection_options(p)
     p.add_argument("--profile", required=True, metavar="NAME", help="hardware profile name or TOML path")
     p.add_argument("--data", required=True, metavar="SRC", help="a local folder or digits:K/N")
-    p.add_argument("--id", help="device id ([A-Za-z0-9._-]+; default: the credentials file's)")
-    p.add_argument("--job", default=None, help="job id (default: the credentials file's, else 'default')")
     p.add_argument("--workdir", metavar="DIR", help="outbox, state and TLS files (default $XDG_STATE_HOME/fedbit/<id>, "
                    "else ~/.local/state/fedbit/<id>)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--codec", help="override the profile's uplink codec")
     p.add_argument("--codec-bits", type=int, default=0)
-    p.add_argument("--mqtt-version", choices=["auto", "5", "3.1.1"], default="auto")
-    p.add_argument("--username")
-    p.add_argument("--password-file", metavar="FILE",
-                   help="the broker password, first line of FILE (or FEDBIT_PASSWORD; never on "
-                        "the command line)")
-    p.add_argument("--ca", metavar="PEM", help="CA certificate for mqtts://")
-    p.add_argument("--cert", metavar="PEM", help="client certificate")
-    p.add_argument("--key", metavar="PEM", help="client key")
-    p.add_argument("--insecure", action="store_true", help="skip the TLS hostname check")
+    p.add_argument("--auto-codec", action="store_true",
+                   help="measure the link to the broker first and pick the uplink codec from it "
+                        "(fedbit-edge measure-link)")
     p.add_argument("--delay", type=float, default=0.0, metavar="S",
                    help="wait S seconds before each local training (emulate a slow device)")
     p.add_argument("--stay", action="store_true", help="keep running after the coordinator is done")
@@ -238,6 +259,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-json", action="store_true")
     p.add_argument("--log-level", default="info")
     p.set_defaults(func=_cmd_run)
+
+    from edge_client.cli_device import add_device_commands
+
+    add_device_commands(sub, add_connection_options)
 
     p = sub.add_parser("predict", help="run a model file on a data set (accuracy, predictions)",
                        description="Predict with a fedbit ONNX export or a global model "

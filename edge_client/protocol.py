@@ -585,7 +585,9 @@ def variant_bits(variant: str) -> int:
 # --------------------------------------------------------------------------- topics
 
 TOPIC_ROOT = "fedbit"
-_TOPIC_KINDS_WITH_ID = frozenset({"presence", "hello", "model", "update"})
+#: ``linktest``: a device's link measurement (``fedbit-edge measure-link``), which no one
+#: subscribes to: the broker acknowledges and drops it
+_TOPIC_KINDS_WITH_ID = frozenset({"presence", "hello", "model", "update", "linktest"})
 _TOPIC_KINDS_PLAIN = frozenset({"round", "status"})
 
 
