@@ -8,7 +8,8 @@ and seed, then copies each sweep's ``summary.md`` and ``results.json`` to
 curves; the README quotes and shows them). The
 compute model (seconds per training sample of each variant) is measured once and pinned
 for every run, so the simulated times of all experiments share one clock; the values
-are written beside the results.
+are written beside the results (``clock.json``), and a run of named experiments reuses
+them unless ``--calibrate``.
 """
 
 from __future__ import annotations
@@ -29,6 +30,9 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=Path("runs") / "experiments")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="override a key in every config (e.g. seeds=[0])")
+    ap.add_argument("--calibrate", action="store_true",
+                    help="measure the compute model again (default: a run of named experiments "
+                         "reuses the one in clock.json, so that all results share one clock)")
     ap.add_argument("names", nargs="*", help="experiment names (default: every experiments/*.toml)")
     args = ap.parse_args()
 
@@ -45,10 +49,14 @@ def main() -> int:
     paths = sorted(HERE.glob("*.toml"))
     if args.names:
         paths = [p for p in paths if p.stem in args.names]
-    clock = calibrate("digits_cnn", ["float32", "int16", "int8", "int6"],
-                      load_digits("train").subset(list(range(64))))
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "clock.json").write_text(json.dumps({"seconds_per_sample": clock}, indent=1))
+    pinned = RESULTS / "clock.json"
+    if pinned.is_file() and args.names and not args.calibrate:
+        clock = json.loads(pinned.read_text())["seconds_per_sample"]  # the other results' clock
+    else:
+        clock = calibrate("digits_cnn", ["float32", "int16", "int8", "int6"],
+                          load_digits("train").subset(list(range(64))))
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        pinned.write_text(json.dumps({"seconds_per_sample": clock}, indent=1))
     for path in paths:
         t0 = time.monotonic()
         cfg = load_config(path, overrides | {"clock.seconds_per_sample": clock})
