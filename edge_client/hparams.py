@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from edge_client.errors import ConfigError, ProtocolError
-from edge_client.protocol import CODEC_BITS, FLOAT_VARIANT, variant_bits
+from edge_client.protocol import CODEC_BITS, FLOAT_VARIANT, model_variant, variant_bits
 
 
 @dataclass(frozen=True)
@@ -93,7 +93,7 @@ _TABLE = (
            "as float32): 'float32', their float forward W/alpha, or 'int<s>', the s-bit integer "
            "devices' forward (0.5 ternary(W) straight-through to W, s-bit activations), so that "
            "one global model is one function for every group",
-           choices=(FLOAT_VARIANT, *(f"int{b}" for b in range(2, 17)))),
+           choices=(FLOAT_VARIANT, *(model_variant(b, "int") for b in range(2, 17)))),
 )
 #: every hyper-parameter an announcement may carry, by name
 HPARAMS: dict[str, HParam] = {h.name: h for h in _TABLE}
