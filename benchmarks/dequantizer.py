@@ -100,7 +100,7 @@ def federated_run(rounds: int, n_float: int, n_int: int, seed: int = 0) -> Run:
 
 def l1_figures(version, layout, held: list[list[np.ndarray]], bits: int) -> tuple[float, float, float]:
     """(plain, network, gated) mean L1 per weight over ``held``, for inputs on ``bits``."""
-    from coordinator.dequantizer.ladder import quantize
+    from coordinator.strategies.dequantizer.ladder import quantize
 
     plain = net = gated = 0.0
     count = 0
@@ -121,7 +121,7 @@ def l1_figures(version, layout, held: list[list[np.ndarray]], bits: int) -> tupl
 def anchored_l1(run: Run, rounds: range, bits: int) -> tuple[float, float]:
     """(plain, global-anchored) mean L1 per weight of the float32 devices' weights of
     ``rounds``: ``ŵ = w_G + (Q(w) - Q(w_G))`` with w_G the round's starting model."""
-    from coordinator.dequantizer.ladder import quantize
+    from coordinator.strategies.dequantizer.ladder import quantize
 
     plain = anch = 0.0
     count = 0
@@ -141,8 +141,8 @@ def train_and_judge(run: Run, split: int, params: dict):
     its held-out check (the gates) on the float32 devices of round ``split``; returns
     (stage, version, layout, the float32 devices' weights of the later rounds, seconds):
     the figures are measured on weights neither training nor the gates saw."""
-    from coordinator.dequantizer import ProwdDequantizer
-    from coordinator.dequantizer.blocks import BlockLayout
+    from coordinator.strategies.dequantizer import ProwdDequantizer
+    from coordinator.strategies.dequantizer.blocks import BlockLayout
 
     deq = ProwdDequantizer(model="digits_cnn", **({"background": False} | params))
     train = [m for r in range(split) for m in [run.globals_[r], *run.floats[r]]]
@@ -174,11 +174,11 @@ def report_l1(run: Run, split: int, params: dict, label: str, ladders: dict[str,
 def time_epoch(run: Run, split: int) -> None:
     import torch
 
-    from coordinator.dequantizer import DequantizerConfig
-    from coordinator.dequantizer.blocks import BlockLayout
-    from coordinator.dequantizer.network import build_network
-    from coordinator.dequantizer.stage import load_buffer
-    from coordinator.dequantizer.train import Distillation, train_network
+    from coordinator.strategies.dequantizer import DequantizerConfig
+    from coordinator.strategies.dequantizer.blocks import BlockLayout
+    from coordinator.strategies.dequantizer.network import build_network
+    from coordinator.strategies.dequantizer.stage import load_buffer
+    from coordinator.strategies.dequantizer.train import Distillation, train_network
     from edge_client.intnn import alpha_shifts
     from firmware_models import get_spec
 
@@ -201,9 +201,9 @@ def time_epoch(run: Run, split: int) -> None:
 def time_apply(version, reps: int) -> None:
     import torch
 
-    from coordinator.dequantizer import ProwdDequantizer
-    from coordinator.dequantizer.ladder import quantize
     from coordinator.strategies import ClientUpdate, build_strategy
+    from coordinator.strategies.dequantizer import ProwdDequantizer
+    from coordinator.strategies.dequantizer.ladder import quantize
     from edge_client.intnn import init_shared
     from firmware_models import get_spec
 

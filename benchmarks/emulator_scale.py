@@ -57,8 +57,8 @@ def emit(case: str, metric: str, value: float, unit: str, anchor: str, anchor_va
 def worker(n: int, rounds: int) -> None:
     """One emulated run with ``n`` registered devices; prints its figures as one JSON line."""
     t0 = time.monotonic()
-    from coordinator.emulator import Emulator
-    from coordinator.experiment import from_dict
+    from coordinator.emulation.config import from_dict
+    from coordinator.emulation.run import Emulator
 
     starts: dict[int, float] = {}
 

@@ -238,10 +238,10 @@ def device_farm(url: str, n: int, job: str, seconds: float, shards: int) -> int:
 
 
 def end_to_end(quick: bool, workdir: Path, shards: int) -> None:
-    from coordinator.broker import start_embedded_broker
     from coordinator.config import ServerConfig
     from coordinator.evaluate import make_evaluator
     from coordinator.fleet import MqttFleet
+    from coordinator.ops.broker import start_embedded_broker
     from coordinator.server import Coordinator
     from coordinator.state import RunState
     from coordinator.strategies import build_strategy

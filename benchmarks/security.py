@@ -23,9 +23,9 @@ from pathlib import Path
 
 import numpy as np
 
-from coordinator.admission import AdmissionConfig
 from coordinator.ingest import Ingest, OpenRound
-from coordinator.security import JobSecurity
+from coordinator.ops.admission import AdmissionConfig
+from coordinator.ops.security import JobSecurity
 from coordinator.strategies import EncodedUpdate, build_strategy
 from edge_client import auth
 from edge_client.codecs import encode

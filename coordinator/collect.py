@@ -24,6 +24,7 @@ from coordinator.devices import DeviceRegistry
 from coordinator.fleet import Fleet, Inbound
 from coordinator.ingest import Ingest, OpenRound, Rejected
 from coordinator.state import RunState
+from coordinator.strategies.round import RoundStrategy
 from edge_client.errors import ProtocolError
 
 
@@ -71,7 +72,7 @@ class Collector:
         logger: where refusals are logged.
     """
 
-    def __init__(self, fleet: Fleet, ingest: Ingest, strategy: Any, state: RunState, *,
+    def __init__(self, fleet: Fleet, ingest: Ingest, strategy: RoundStrategy, state: RunState, *,
                  on_event: Callable[[str, dict[str, Any]], None], logger: logging.Logger) -> None:
         self.fleet = fleet
         self.ingest = ingest

@@ -1,18 +1,147 @@
-"""The coordinator's round-loop settings (:class:`ServerConfig`), validated as a whole."""
+"""Configuration: the TOML conventions every fedbit config file follows, and the round
+loop's settings (:class:`ServerConfig`), validated as a whole.
+
+A config file (an experiment for ``fedbit emulate``, a job for ``fedbit serve --config``) is
+one TOML table checked against a :class:`TomlSchema`: known sections and keys, each with
+its accepted types and its default, plus *free* sections whose keys their consumer
+checks (``[train]``, ``[strategy_params]``, ...). An unknown key, a wrong type or a bad
+value is a :class:`ConfigError` naming the file and the key. Command-line values reach the
+same table as dotted keys (``--set round.quorum=0.8``, :func:`parse_assignments`, the one
+``KEY=VALUE`` parser of every command) and override the file's.
+
+Each default lives in one place: the dataclass that uses the setting (:class:`ServerConfig`,
+:class:`~coordinator.ops.admission.AdmissionConfig`, ``edge_client.protocol.Limits``); the
+schemas read their defaults from there.
+"""
 
 from __future__ import annotations
 
+import copy
+import math
+import tomllib
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-from coordinator.admission import AdmissionConfig
+from coordinator.ops.admission import AdmissionConfig
+from coordinator.strategies.round import RoundStrategy
 from edge_client.errors import ConfigError
 from edge_client.hparams import validate_hparams
 from edge_client.protocol import DEFAULT_LIMITS, Limits
 
+#: a key's accepted type(s) and default
+KeySpec = tuple[type | tuple[type, ...], Any]
+NUMBER = (int, float)
+
+
+def read_toml(path: str | Path) -> dict[str, Any]:
+    """The table of a TOML file; ConfigError naming the file when it is missing,
+    unreadable or not TOML."""
+    src = Path(path)
+    try:
+        return tomllib.loads(src.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(f"{src}: no such config file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{src}: cannot read ({exc})") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{src}: not valid TOML ({exc})") from None
+
+
+def parse_assignments(items: list[str] | None, option: str = "--set") -> dict[str, Any]:
+    """``["k=v", ...]`` -> ``{k: v}`` with TOML values (``5``, ``0.1``, ``true``, ``[0, 1]``,
+    ``"x"``); anything that is not a TOML value (``paper``, ``int8``) is a string. The one
+    parser of ``--set``, ``--strategy-param`` and ``--hparam``."""
+    out: dict[str, Any] = {}
+    for item in items or []:
+        k, sep, v = item.partition("=")
+        k = k.strip()
+        if not sep or not k:
+            raise ConfigError(f"{option}: {item!r} is not KEY=VALUE")
+        try:
+            out[k] = tomllib.loads(f"v = {v}")["v"]
+        except tomllib.TOMLDecodeError:
+            out[k] = v
+    return out
+
+
+def check_type(key: str, value: Any, types: type | tuple[type, ...], source: str) -> None:
+    """ConfigError naming ``source`` and ``key`` unless ``value`` is one of ``types`` (a
+    bool is never taken for a number)."""
+    if isinstance(value, bool) and types is not bool and bool not in (types if isinstance(types, tuple) else ()) \
+            or not isinstance(value, types):
+        want = " or ".join(t.__name__ for t in (types if isinstance(types, tuple) else (types,)))
+        raise ConfigError(f"{source}: {key}: expected {want}, got {type(value).__name__} {value!r}")
+
+
+@dataclass(frozen=True)
+class TomlSchema:
+    """Sections (``""``: the top level) of ``{key: (types, default)}``, and the free
+    sections whose keys their consumer checks."""
+
+    sections: dict[str, dict[str, KeySpec]]
+    free: tuple[str, ...] = ()
+
+    def known(self) -> list[str]:
+        """Every top-level key and section name."""
+        return sorted(set(self.sections[""]) | (set(self.sections) - {""}) | set(self.free))
+
+    def set_dotted(self, table: dict[str, Any], key: str, value: Any, source: str) -> None:
+        """``table["a"]["b"] = value`` for ``key == "a.b"`` (the part after the first dot
+        is the key: ``strategy_params.dequantize.ladder``); a top-level key has no dot."""
+        sec, dot, name = key.partition(".")
+        if not dot:
+            table[sec] = value
+            return
+        if sec not in self.sections and sec not in self.free:
+            raise ConfigError(f"{source}: {key}: unknown section {sec!r} (known: {self.known()})")
+        sub = table.setdefault(sec, {})
+        if not isinstance(sub, dict):
+            raise ConfigError(f"{source}: {sec}: expected a table")
+        sub[name] = value
+
+    def validate(self, raw: dict[str, Any], source: str) -> dict[str, dict[str, Any]]:
+        """``{section: {key: value}}`` with every known key (defaults filled in, types
+        checked; ``""`` holds the top level) and the free sections as given (``{}`` when
+        absent); ConfigError naming ``source`` and the first bad key."""
+        for key in raw:
+            if key not in self.sections[""] and key not in self.sections and key not in self.free:
+                raise ConfigError(f"{source}: {key}: unknown key (known: {self.known()})")
+        out: dict[str, dict[str, Any]] = {}
+        for sec, keys in self.sections.items():
+            table = raw if sec == "" else raw.get(sec, {})
+            if not isinstance(table, dict):
+                raise ConfigError(f"{source}: {sec}: expected a table")
+            if sec:
+                for key in table:
+                    if key not in keys:
+                        raise ConfigError(f"{source}: {sec}.{key}: unknown key (known: {sorted(keys)})")
+            values = {}
+            for key, (types, default) in keys.items():
+                v = table.get(key, copy.deepcopy(default))
+                check_type(f"{sec}.{key}" if sec else key, v, types, source)
+                values[key] = v
+            out[sec] = values
+        for sec in self.free:
+            table = raw.get(sec, {})
+            if not isinstance(table, dict):
+                raise ConfigError(f"{source}: {sec}: expected a table")
+            out[sec] = copy.deepcopy(table)
+        return out
+
+
+def finite_number(value: Any) -> bool:
+    """A real number (not a bool) that is finite."""
+    return isinstance(value, NUMBER) and not isinstance(value, bool) and math.isfinite(value)
+
+
 #: The largest allowed ``Limits.max_abs_value``: with ``num_samples <= 2**40`` as weights and
 #: at most 10**5 updates a round, a float32 sum then stays below 1.2e38 (finite).
 MAX_ABS_VALUE_CAP = 1e21
+
+
+#: what devices are told to train when a config announces nothing
+DEFAULT_HPARAMS: dict[str, Any] = {"epochs": 1, "batch": 32}
 
 
 @dataclass
@@ -31,12 +160,12 @@ class ServerConfig:
     - ``limits``: the protocol limits, ``max_abs_value`` included (at most
       :data:`MAX_ABS_VALUE_CAP`);
     - ``admission``: enrolment, the ``num_samples`` bound, hello rates, registry size
-      (:class:`~coordinator.admission.AdmissionConfig`).
+      (:class:`~coordinator.ops.admission.AdmissionConfig`).
     """
 
     job: str = "default"
     model: str = "digits_cnn"
-    rounds: int = 3
+    rounds: int = 10
     strategy: str = "fedavg"
     strategy_params: dict[str, Any] = field(default_factory=dict)
     fraction: float = 1.0
@@ -47,12 +176,12 @@ class ServerConfig:
     min_updates: int = 1
     round_timeout_s: float = 60.0
     presence_timeout_s: float = 120.0
-    hparams: dict[str, Any] = field(default_factory=lambda: {"epochs": 1, "batch": 32})
+    hparams: dict[str, Any] = field(default_factory=lambda: dict(DEFAULT_HPARAMS))
     seed: int = 0
     limits: Limits = DEFAULT_LIMITS
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
 
-    def validate(self, strategy: Any = None) -> None:
+    def validate(self, strategy: RoundStrategy | None = None) -> None:
         """ConfigError naming the first bad setting; with ``strategy``, also a configured
         hyper-parameter that contradicts what it announces (``Strategy.device_hparams``)."""
         if self.rounds < 1:
@@ -61,6 +190,8 @@ class ServerConfig:
             raise ConfigError(f"fraction: must be in (0, 1], got {self.fraction}")
         if not 0.0 < self.quorum <= 1.0:
             raise ConfigError(f"quorum: must be in (0, 1], got {self.quorum}")
+        if self.min_updates < 1:
+            raise ConfigError(f"min_updates: must be >= 1, got {self.min_updates}")
         if self.min_devices < 1 or self.max_devices < self.min_devices:
             raise ConfigError(f"min/max devices: need 1 <= {self.min_devices} <= {self.max_devices}")
         if self.round_timeout_s <= 0 or self.presence_timeout_s <= 0:
@@ -71,5 +202,5 @@ class ServerConfig:
                               f"(larger values let the float32 sums overflow)")
         self.admission.validate()
         validate_hparams(self.hparams)
-        if strategy is not None and hasattr(strategy, "device_hparams"):
+        if strategy is not None:
             strategy.device_hparams(self.hparams)

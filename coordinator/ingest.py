@@ -28,7 +28,7 @@ A refused message raises :class:`Rejected` (its ``reason`` labels the metric,
 from an honest device). Hello and presence messages go through :meth:`Ingest.device`:
 steps 1-4, then a per-device rate limit (``rejected_rate_limited``) and the registry's
 size (``rejected_registry_full``). The admission settings (enrolment, sample bound, rate,
-registry size) are :class:`~coordinator.admission.AdmissionConfig`.
+registry size) are :class:`~coordinator.ops.admission.AdmissionConfig`.
 
 Topic id = payload id = the authenticated client: the broker binds a topic to the user
 that may publish on it (the generated ACL: ``update/%u``), and with a registry the MAC
@@ -44,7 +44,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from coordinator.admission import AdmissionConfig, RateLimiter
+from coordinator.ops.admission import AdmissionConfig, RateLimiter
 from coordinator.strategies.checks import check_encoded, is_lossy, sigma_loc_of
 from coordinator.strategies.types import FLOAT_BITS, EncodedUpdate
 from edge_client.auth import verify as verify_mac
@@ -95,7 +95,7 @@ class Ingest:
         model: the model spec's name (for messages).
         shapes: the model's layer shapes, in ``spec.param_shapes()`` order.
         limits: the protocol limits (payload size, element counts, ``max_abs_value``).
-        admission: enrolment, sample bound, rates (:mod:`coordinator.admission`).
+        admission: enrolment, sample bound, rates (:mod:`coordinator.ops.admission`).
         job: the job id (the registry's).
 
     ``notes`` counts what was changed rather than refused (``clipped_num_samples``); the
@@ -110,7 +110,7 @@ class Ingest:
         self.admission = admission or AdmissionConfig()
         self.enrolled = None
         if self.admission.enrolment:
-            from coordinator.security import EnrolledDevices
+            from coordinator.ops.security import EnrolledDevices
 
             self.enrolled = EnrolledDevices(self.admission.enrolment, job)
         self.rate = RateLimiter(self.admission.hello_rate, self.admission.hello_burst,

@@ -45,6 +45,7 @@ from coordinator.evaluate import Evaluator
 from coordinator.fleet import Fleet
 from coordinator.ingest import Ingest, OpenRound
 from coordinator.state import Checkpoint, CorruptFile, RoundPlan, RunState
+from coordinator.strategies.round import RoundStrategy
 from coordinator.variants import model_messages
 from edge_client.errors import ConfigError, FedbitError
 from edge_client.protocol import (
@@ -69,8 +70,7 @@ class Coordinator:
     Args:
         cfg: the loop settings.
         fleet: where devices are.
-        strategy: a ``coordinator.strategies`` strategy (``begin_round``/``fold``/
-            ``finish``/``server_state``/``state_dict``/``load_state_dict``).
+        strategy: what aggregates (:class:`~coordinator.strategies.RoundStrategy`).
         state: the run directory.
         evaluator: ``{variant: weights} -> {variant: (loss, accuracy)}`` on the held-out
             set (``coordinator.evaluate.ModelEvaluator``; None: skipped). Every round it
@@ -81,7 +81,7 @@ class Coordinator:
             ``update``, ``reject``, ``round_end``, ``waiting``.
     """
 
-    def __init__(self, cfg: ServerConfig, fleet: Fleet, strategy: Any, state: RunState, *,
+    def __init__(self, cfg: ServerConfig, fleet: Fleet, strategy: RoundStrategy, state: RunState, *,
                  evaluator: Evaluator | None, init_weights: list[np.ndarray],
                  on_event: Callable[[str, dict[str, Any]], None] | None = None,
                  logger: logging.Logger | None = None) -> None:
@@ -159,7 +159,7 @@ class Coordinator:
         with clock.timed("announce"):
             payloads = model_messages(
                 r, cfg.model, self.names, variants, weights=self.weights, group_weights=self.group_weights,
-                server_state=self.strategy.server_state() if hasattr(self.strategy, "server_state") else {},
+                server_state=self.strategy.server_state(),
                 limits=cfg.limits)
             digests = {v: d for v, (_, d) in payloads.items()}
             if plan is not None and digests != plan.variants:
@@ -267,7 +267,7 @@ class Coordinator:
         return Checkpoint(
             job=self.cfg.job, model=self.cfg.model, completed_round=self.completed,
             weights=self.weights, group_weights=self.group_weights,
-            strategy_state=self.strategy.state_dict() if hasattr(self.strategy, "state_dict") else {},
+            strategy_state=self.strategy.state_dict(),
             rng_state={"json": json.dumps(self.rng.bit_generator.state)},
             metrics=record,
             config={"run_id": self.run_id, "rounds": self.cfg.rounds, "strategy": self.cfg.strategy,
@@ -296,7 +296,7 @@ class Coordinator:
             self.collector.close(self.completed)
             self.weights = [np.asarray(w, dtype=np.float32) for w in ckpt.weights]
             self.group_weights = dict(ckpt.group_weights)
-            if ckpt.strategy_state and hasattr(self.strategy, "load_state_dict"):
+            if ckpt.strategy_state:
                 self.strategy.load_state_dict(ckpt.strategy_state)
             if ckpt.rng_state.get("json"):
                 self.rng.bit_generator.state = json.loads(ckpt.rng_state["json"])

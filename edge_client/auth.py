@@ -192,7 +192,7 @@ class Credentials:
 
 
 def _from_map(data: dict[str, Any], where: str) -> Credentials:
-    from edge_client.protocol import _valid_id  # the wire's id rule
+    from edge_client.protocol import valid_id  # the wire's id rule
     from edge_client.transport.mqtt import parse_broker_url
 
     known = {f.name for f in fields(Credentials)}
@@ -203,7 +203,7 @@ def _from_map(data: dict[str, Any], where: str) -> Credentials:
         if not isinstance(data.get(name), str) or not data[name]:
             raise ConfigError(f"{where}: {name}: missing or not a non-empty string")
     for name in ("job", "device_id"):
-        if not _valid_id(data[name]):
+        if not valid_id(data[name]):
             raise ConfigError(f"{where}: {name}: {data[name]!r} is not a valid id ([A-Za-z0-9._-]+)")
     parse_broker_url(data["broker"])
     mac = data.get("mac_key", "")

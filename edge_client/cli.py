@@ -6,10 +6,11 @@ import argparse
 import json
 import logging
 import sys
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 from edge_client import __version__
+from edge_client.connection import add_device_connection_options
+from edge_client.logs import add_logging_options
 from edge_client.paths import device_state_dir
 
 
@@ -26,93 +27,20 @@ def _cmd_profiles(args: argparse.Namespace) -> int:
     return 0
 
 
-class _JsonFormatter(logging.Formatter):
-    """One JSON object per log record (``--log-json``)."""
-
-    def format(self, record: logging.LogRecord) -> str:
-        out = {"ts": round(record.created, 6), "level": record.levelname.lower(),
-               "logger": record.name, "msg": record.getMessage()}
-        if record.exc_info:
-            out["exc"] = self.formatException(record.exc_info)
-        return json.dumps(out, default=str)
-
-
-def _identity(args: argparse.Namespace) -> dict:
-    """Who this device is and how it proves it: from ``--credentials FILE`` (which fills in
-    ``--broker``, ``--id``, ``--job`` unless given), else ``--username`` and a password from
-    ``--password-file``/``FEDBIT_PASSWORD`` (never from the command line)."""
-    import os
-    from pathlib import Path
-
-    from edge_client.errors import ConfigError
-    from edge_client.transport import TlsOptions, parse_broker_url
-
-    out = {"username": args.username, "password": None, "tls": None, "mac_key": b"", "max_samples": 0}
-    if args.credentials:
-        from edge_client.auth import load_credentials, tls_files
-
-        c = load_credentials(args.credentials)
-        if args.id and args.id != c.device_id:
-            raise ConfigError(f"--id {args.id} != the credentials' device {c.device_id} ({args.credentials})")
-        if args.job not in (None, c.job):
-            raise ConfigError(f"--job {args.job} != the credentials' job {c.job} ({args.credentials})")
-        args.id, args.job, args.broker = c.device_id, c.job, args.broker or c.broker
-        out |= {"username": c.username, "password": c.password, "max_samples": c.max_samples,
-                "mac_key": c.mac_key_bytes if c.mac_key else b""}
-        if c.ca or c.cert:
-            workdir = Path(args.workdir) if args.workdir else device_state_dir(c.device_id)
-            out["tls"] = TlsOptions(*tls_files(c, workdir / "tls"))
-    if not args.broker or not args.id:
-        raise ConfigError("--broker and --id are required (or --credentials FILE, which has both)")
-    if parse_broker_url(args.broker).password is not None:
-        raise ConfigError("--broker: a password in the URL is visible to every user in `ps`; use "
-                          "--credentials FILE, --password-file FILE or FEDBIT_PASSWORD")
-    if args.password_file:
-        try:
-            out["password"] = Path(args.password_file).read_text(encoding="utf-8").splitlines()[0]
-        except (OSError, IndexError) as exc:
-            raise ConfigError(f"--password-file {args.password_file}: cannot read it ({exc})") from None
-    elif out["password"] is None:
-        out["password"] = os.environ.get("FEDBIT_PASSWORD") or None
-    args.job = args.job or "default"
-    return out
-
-
-def connector(args: argparse.Namespace, ident: dict) -> Callable[..., Any]:
-    """``connect(**kw)`` -> an MqttTransport of this device (``ident``: :func:`_identity`),
-    signing what it publishes when the device has a MAC key."""
-    from edge_client.transport import MqttTransport, TlsOptions
-
-    tls = ident["tls"]
-    if args.ca or args.cert or args.insecure:
-        tls = TlsOptions(args.ca, args.cert, args.key, args.insecure)
-
-    def connect(**kw: Any) -> Any:
-        return MqttTransport(args.broker, args.id, username=ident["username"],
-                             password=ident["password"], tls=tls, protocol=args.mqtt_version, **kw)
-
-    if ident["mac_key"]:
-        from edge_client.auth import signing_connector
-
-        return signing_connector(connect, ident["mac_key"])
-    return connect
-
-
 def _cmd_run(args: argparse.Namespace) -> int:
     import signal
     from pathlib import Path
 
+    from edge_client.connection import device_connector, device_identity
     from edge_client.data import load_source
     from edge_client.errors import ConfigError
+    from edge_client.logs import setup_logging
     from edge_client.runtime import DeviceConfig, DeviceRuntime
     from hw_profiles import load_profile
 
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(_JsonFormatter() if args.log_json else
-                         logging.Formatter("%(asctime)s %(levelname)-7s %(name)s: %(message)s"))
-    logging.basicConfig(level=args.log_level.upper(), handlers=[handler])
+    setup_logging(json_lines=args.log_json, level=args.log_level)
     try:
-        ident = _identity(args)
+        ident = device_identity(args, device_state_dir)
         profile = load_profile(args.profile)
         data = load_source(args.data)
         overrides = {}
@@ -124,15 +52,15 @@ def _cmd_run(args: argparse.Namespace) -> int:
             exit_when_done=not args.stay, train_delay_s=args.delay)
         for k, v in overrides.items():
             setattr(cfg, k, v)
-        connect = connector(args, ident)
+        connect = device_connector(args, ident)
         if args.auto_codec:
             from edge_client.cli_device import auto_codec
 
             cfg.codec, cfg.codec_bits = auto_codec(args, profile, connect)
-        if ident["max_samples"] and len(data.y) > ident["max_samples"]:
+        if ident.max_samples and len(data.y) > ident.max_samples:
             logging.getLogger("fedbit.device").warning(
                 "%d local samples, enrolled with %d: the coordinator bounds this device's weight by %d",
-                len(data.y), ident["max_samples"], ident["max_samples"])
+                len(data.y), ident.max_samples, ident.max_samples)
         rt = DeviceRuntime(cfg, data, connect)
     except (ConfigError, OSError, ValueError, ConnectionError) as exc:
         print(f"fedbit-edge run: error: {exc}", file=sys.stderr)
@@ -200,26 +128,6 @@ def _cmd_warmup(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_connection_options(p: argparse.ArgumentParser) -> None:
-    """The broker, identity and TLS options of every command that talks to a broker."""
-    p.add_argument("--credentials", metavar="FILE",
-                   help="the credentials file `fedbit enroll` wrote (broker, id, job, password, "
-                        "certificates, MAC key; mode 0600)")
-    p.add_argument("--broker", metavar="URL", help="mqtt://[user@]host:port or mqtts://... "
-                   "(default: the credentials file's)")
-    p.add_argument("--id", help="device id ([A-Za-z0-9._-]+; default: the credentials file's)")
-    p.add_argument("--job", default=None, help="job id (default: the credentials file's, else 'default')")
-    p.add_argument("--mqtt-version", choices=["auto", "5", "3.1.1"], default="auto")
-    p.add_argument("--username")
-    p.add_argument("--password-file", metavar="FILE",
-                   help="the broker password, first line of FILE (or FEDBIT_PASSWORD; never on "
-                        "the command line)")
-    p.add_argument("--ca", metavar="PEM", help="CA certificate for mqtts://")
-    p.add_argument("--cert", metavar="PEM", help="client certificate")
-    p.add_argument("--key", metavar="PEM", help="client key")
-    p.add_argument("--insecure", action="store_true", help="skip the TLS hostname check")
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fedbit-edge",
@@ -241,7 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("run", help="run the device loop against a coordinator's broker",
                        description="Connect, say hello, train when selected, publish updates.",
                        allow_abbrev=False)
-    add_connection_options(p)
+    add_device_connection_options(p)
     p.add_argument("--profile", required=True, metavar="NAME", help="hardware profile name or TOML path")
     p.add_argument("--data", required=True, metavar="SRC", help="a local folder or digits:K/N")
     p.add_argument("--workdir", metavar="DIR", help="outbox, state and TLS files (default $XDG_STATE_HOME/fedbit/<id>, "
@@ -256,13 +164,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="wait S seconds before each local training (emulate a slow device)")
     p.add_argument("--stay", action="store_true", help="keep running after the coordinator is done")
     p.add_argument("--max-seconds", type=float, default=0.0, help="stop after this long (0: never)")
-    p.add_argument("--log-json", action="store_true")
-    p.add_argument("--log-level", default="info")
+    add_logging_options(p)
     p.set_defaults(func=_cmd_run)
 
     from edge_client.cli_device import add_device_commands
 
-    add_device_commands(sub, add_connection_options)
+    add_device_commands(sub)
 
     p = sub.add_parser("predict", help="run a model file on a data set (accuracy, predictions)",
                        description="Predict with a fedbit ONNX export or a global model "

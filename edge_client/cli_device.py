@@ -16,18 +16,20 @@ from typing import Any
 LINK_MODEL = "digits_cnn"
 
 
-def add_device_commands(sub: Any, add_connection_options: Any) -> None:
+def add_device_commands(sub: Any) -> None:
+    from edge_client.connection import add_device_connection_options
+
     p = sub.add_parser("doctor", help="check that this machine can be a fleet device",
                        description="One verdict line per check (PASS/FAIL); exit 1 when any fails.",
                        allow_abbrev=False)
-    add_connection_options(p)
+    add_device_connection_options(p)
     p.add_argument("--profile", required=True, metavar="NAME", help="hardware profile name or TOML path")
     p.add_argument("--timeout", type=float, default=10.0, metavar="S", help="broker connect timeout")
     p.set_defaults(func=cmd_doctor)
 
     p = sub.add_parser("measure-link", help="measure uplink throughput and latency to the broker; "
                        "recommend an uplink codec", allow_abbrev=False)
-    add_connection_options(p)
+    add_device_connection_options(p)
     p.add_argument("--profile", required=True, metavar="NAME", help="hardware profile name or TOML path")
     p.add_argument("--model", default=LINK_MODEL, metavar="SPEC", help="model whose update is sized")
     p.add_argument("--budget", type=float, default=2.0, metavar="S",
@@ -49,10 +51,10 @@ def add_device_commands(sub: Any, add_connection_options: Any) -> None:
 
 
 def _connected(args: argparse.Namespace, timeout: float) -> Any:
-    from edge_client.cli import _identity, connector
+    from edge_client.connection import device_connector, device_identity
+    from edge_client.paths import device_state_dir
 
-    ident = _identity(args)
-    t = connector(args, ident)(backoff=(0.2, 1.0))
+    t = device_connector(args, device_identity(args, device_state_dir))(backoff=(0.2, 1.0))
     try:
         t.connect(timeout)
     except BaseException:

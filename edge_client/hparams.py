@@ -5,7 +5,7 @@ or a value out of range is a :class:`ConfigError` naming the key); a device read
 announcement with :func:`read_hparams`, which never raises: what it cannot use (an unknown
 key, a value out of range) is returned as ``{key: why}`` and the device reports it in its
 :class:`~edge_client.protocol.Update` (``not_applied``) instead of ignoring it silently.
-The wire format itself only requires scalar values (``protocol._read_hparams``), so a
+The wire format itself only requires scalar values (``protocol.wire._read_hparams``), so a
 device of an older SDK still accepts announcements that carry keys it does not know.
 
 ``lr_scale`` may also be given per model variant, ``lr_scale.<variant>`` (``lr_scale.int8``,

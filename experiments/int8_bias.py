@@ -175,7 +175,7 @@ def main() -> int:
 
     import torch
 
-    from coordinator.datasets import partition
+    from coordinator.emulation.datasets import partition
     from edge_client.data import load_digits
     from edge_client.trainers import IntTrainer
     from firmware_models import get_spec

@@ -38,8 +38,9 @@ def main() -> int:
 
     import tomllib
 
-    from coordinator.emulator import calibrate
-    from coordinator.experiment import load_config, run_experiment
+    from coordinator.emulation.clock import calibrate
+    from coordinator.emulation.config import load_config
+    from coordinator.emulation.sweep import run_experiment
     from edge_client.data import load_digits
 
     overrides = {}

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.broker import AmqttBroker, MosquittoBroker
+from coordinator.ops.broker import AmqttBroker, MosquittoBroker
 
 
 @pytest.fixture(scope="session")

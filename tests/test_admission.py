@@ -11,10 +11,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from coordinator.admission import AdmissionConfig, RateLimiter
 from coordinator.devices import DeviceRegistry
 from coordinator.ingest import Ingest, OpenRound, Rejected
-from coordinator.security import JobSecurity
+from coordinator.ops.admission import AdmissionConfig, RateLimiter
+from coordinator.ops.security import JobSecurity
 from edge_client import auth
 from edge_client.errors import ConfigError
 from edge_client.protocol import Hello, Limits, Presence, Update, encode_message, float32_tensor

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.broker import MosquittoBroker, free_port, start_embedded_broker
+from coordinator.ops.broker import MosquittoBroker, free_port, start_embedded_broker
 from edge_client.errors import ConfigError, ProtocolError
 from edge_client.transport import LocalHub, MqttTransport, parse_broker_url, topic_matches
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from coordinator.datasets import class_counts, load_dataset, partition
+from coordinator.emulation.datasets import class_counts, load_dataset, partition
 from edge_client.errors import ConfigError
 
 LABELS = load_dataset("digits").train.y

@@ -1,4 +1,8 @@
-"""DESIGN.md's dependency rules, enforced statically and at run time."""
+"""The dependency rules of docs/architecture.md ("Layout and dependency rules"), enforced
+statically and at run time: the device side never imports the coordinator or torch, the
+coordinator uses only the device SDK's library, its wings (round core, ``ops``,
+``emulation``, ``cli``) depend one way, no import cycle anywhere, and no module or
+folder grows past its size limit."""
 
 from __future__ import annotations
 
@@ -91,10 +95,12 @@ sys.exit(1 if leaked else 0)
 #: what the coordinator may import from the device SDK: its library (``hparams``: what an
 #: announcement may carry, part of the wire format; ``auth``: the credentials format and
 #: the MAC), not its application
+#: ``connection`` and ``logs``: the broker/TLS/logging options and log format both command
+#: lines share
 COORDINATOR_MAY_USE = {"errors", "protocol", "hparams", "codecs", "intnn", "trainers", "data",
-                       "transport", "auth"}
+                       "transport", "auth", "connection", "logs"}
 #: the one coordinator module that runs real device runtimes, by design
-RUNS_DEVICES = {"coordinator/emulator.py"}
+RUNS_DEVICES = {"coordinator/emulation/emulator.py"}
 
 
 def test_coordinator_uses_only_the_device_sdk_library() -> None:
@@ -117,3 +123,116 @@ def test_the_dependency_check_sees_function_level_imports(tmp_path: Path) -> Non
     f = tmp_path / "m.py"
     f.write_text("def f():\n    from edge_client.runtime import DeviceRuntime\n")
     assert ("edge_client.runtime", False) in _imports(f)
+
+
+# --------------------------------------------------------------------------- the module graph
+
+PACKAGES = ("edge_client", "coordinator", "firmware_models", "hw_profiles")
+
+
+def _module_name(path: Path) -> str:
+    rel = path.relative_to(ROOT).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _graph() -> dict[str, set[str]]:
+    """module -> the project modules it imports (every import statement, function-level ones
+    included, ``if TYPE_CHECKING:`` blocks excluded); ``from a.b import c`` points at
+    ``a.b.c`` when that is a module, else at ``a.b``."""
+    files = {_module_name(f): f for pkg in PACKAGES for f in _files(pkg)}
+    graph: dict[str, set[str]] = {}
+    for mod, f in files.items():
+        tree = ast.parse(f.read_text(encoding="utf-8"))
+        skip = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
+                and "TYPE_CHECKING" in ast.unparse(node.test) for n in ast.walk(node)}
+        out: set[str] = set()
+        for node in ast.walk(tree):
+            if id(node) in skip:
+                continue
+            if isinstance(node, ast.Import):
+                out |= {a.name for a in node.names if a.name in files}
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                for a in node.names:
+                    full = f"{node.module}.{a.name}"
+                    if full in files:
+                        out.add(full)
+                    elif node.module in files:
+                        out.add(node.module)
+        graph[mod] = out - {mod}
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    sys.setrecursionlimit(10_000)
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_cycle_anywhere() -> None:
+    assert _cycles(_graph()) == []
+
+
+def test_the_cycle_check_finds_a_cycle() -> None:
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def _wing(module: str) -> str:
+    """The coordinator's wing of a module: ``core`` (the top level and ``strategies``),
+    ``ops``, ``emulation`` or ``cli``."""
+    parts = module.split(".")
+    return parts[1] if len(parts) >= 2 and parts[1] in ("ops", "emulation", "cli") else "core"
+
+
+#: wing -> the wings it may import from
+WINGS_MAY_USE = {"core": {"core", "ops"}, "ops": {"core", "ops"}, "emulation": {"core", "ops", "emulation"},
+                 "cli": {"core", "ops", "emulation", "cli"}}
+
+
+def test_the_coordinators_wings_depend_one_way() -> None:
+    """The round core and operations never reach into the research harness or the command
+    line; the harness never into the command line."""
+    bad = [(m, d) for m, deps in _graph().items() if m.startswith("coordinator")
+           for d in deps if d.startswith("coordinator.") and _wing(d) not in WINGS_MAY_USE[_wing(m)]]
+    assert not bad
+
+
+def test_module_and_folder_sizes() -> None:
+    """No module over 600 lines; at most 14 modules at the coordinator's top level."""
+    long = [(str(f.relative_to(ROOT)), n) for pkg in PACKAGES + ("benchmarks", "experiments")
+            for f in sorted((ROOT / pkg).rglob("*.py")) if (n := len(f.read_text(encoding="utf-8").splitlines())) > 600]
+    assert not long
+    top = sorted(p.name for p in (ROOT / "coordinator").glob("*.py"))
+    assert len(top) <= 14, top

@@ -15,13 +15,13 @@ import msgpack
 import numpy as np
 import pytest
 
-from coordinator.dequantizer import DequantizerConfig, ProwdDequantizer
-from coordinator.dequantizer.blocks import BlockLayout
-from coordinator.dequantizer.ladder import grid_precision, quantize
-from coordinator.dequantizer.network import build_network
-from coordinator.dequantizer.train import train_network
-from coordinator.dequantizer.version import Version, heldout_l1, make_tables, run_direct
 from coordinator.strategies import ClientUpdate, build_strategy
+from coordinator.strategies.dequantizer import DequantizerConfig, ProwdDequantizer
+from coordinator.strategies.dequantizer.blocks import BlockLayout
+from coordinator.strategies.dequantizer.ladder import grid_precision, quantize
+from coordinator.strategies.dequantizer.network import build_network
+from coordinator.strategies.dequantizer.train import train_network
+from coordinator.strategies.dequantizer.version import Version, heldout_l1, make_tables, run_direct
 from edge_client.data import load_digits
 from edge_client.errors import ConfigError
 from edge_client.intnn import init_shared

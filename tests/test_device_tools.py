@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.broker import MosquittoBroker
+from coordinator.ops.broker import MosquittoBroker
 from edge_client.doctor import check_clock, check_ram
 from edge_client.link import LinkMeasurement, choose_codec
 from hw_profiles import load_profile

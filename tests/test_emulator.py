@@ -8,9 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.emulator import Emulator
-from coordinator.experiment import from_dict, run_experiment
-from coordinator.report import write_report
+from coordinator.emulation.config import from_dict
+from coordinator.emulation.report import write_report
+from coordinator.emulation.run import Emulator
+from coordinator.emulation.sweep import run_experiment
 
 #: pinned compute model (s per sample): runs are bit-reproducible and the test does not
 #: spend time calibrating

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.experiment import expand_sweep, load_config, parse_codec, run_slug
+from coordinator.emulation.config import expand_sweep, load_config, parse_codec, run_slug
 from edge_client.errors import ConfigError
 
 BASE = """

@@ -32,9 +32,9 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from coordinator.admission import AdmissionConfig
-from coordinator.experiment import DEFAULT_CONFIG, load_config
+from coordinator.emulation.config import DEFAULT_CONFIG, load_config
 from coordinator.ingest import Ingest, OpenRound, Rejected
+from coordinator.ops.admission import AdmissionConfig
 from edge_client import auth
 from edge_client.codecs import (
     accumulator,
@@ -320,7 +320,7 @@ def test_fuzz_authenticated_ingest(tmp_path: Path) -> None:
     """Signed, unsigned and mutated updates, hellos and presences through the coordinator's
     ingest with an enrolment registry: accepted or Rejected, nothing else; a payload whose
     MAC fails is never parsed."""
-    from coordinator.security import JobSecurity
+    from coordinator.ops.security import JobSecurity
 
     sec = JobSecurity(tmp_path / "security", "j")
     key = sec.enroll("dev1", broker="mqtt://127.0.0.1:1")[0].mac_key_bytes

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from coordinator.export import export_model, export_run, load_final, run_bitwidths
+from coordinator.ops.export import export_model, export_run, load_final, run_bitwidths
 from coordinator.state import Checkpoint, RunState
 from edge_client.data import Dataset, load_digits
 from edge_client.errors import ConfigError

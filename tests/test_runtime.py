@@ -15,9 +15,9 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from coordinator.broker import MosquittoBroker
 from coordinator.config import ServerConfig
 from coordinator.fleet import InProcessFleet, MqttFleet
+from coordinator.ops.broker import MosquittoBroker
 from coordinator.server import Coordinator
 from coordinator.state import RunState
 from coordinator.strategies import build_strategy

@@ -22,8 +22,8 @@ from pathlib import Path
 import msgpack
 import pytest
 
-from coordinator.broker import JobBroker, free_port, start_job_broker
-from coordinator.security import (
+from coordinator.ops.broker import JobBroker, free_port, start_job_broker
+from coordinator.ops.security import (
     COORDINATOR_USER,
     EnrolledDevices,
     JobSecurity,
@@ -338,7 +338,7 @@ def test_broker_config_runs_a_mosquitto_as_written(mosquitto_bin: str, openssl_b
     p = subprocess.Popen([mosquitto_bin, "-c", str(out / "mosquitto.conf")], stdout=subprocess.DEVNULL,
                          stderr=subprocess.PIPE)
     try:
-        from coordinator.broker import wait_for_port
+        from coordinator.ops.broker import wait_for_port
 
         assert wait_for_port("127.0.0.1", port, 10), p.stderr.read().decode() if p.poll() is not None else ""
         cc = auth.load_credentials(out / "coordinator.toml")

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 from coordinator.config import ServerConfig
+from coordinator.emulation.papers import PAPERS, paper_settings
 from coordinator.fleet import InProcessFleet
-from coordinator.papers import PAPERS, paper_settings
 from coordinator.server import Coordinator
 from coordinator.state import RunState
 from coordinator.strategies import build_strategy

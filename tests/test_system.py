@@ -17,7 +17,7 @@ import msgpack
 import numpy as np
 import pytest
 
-from coordinator.broker import free_port
+from coordinator.ops.broker import free_port
 from coordinator.state import RunState
 from edge_client.intnn import init_shared
 from edge_client.protocol import (
@@ -241,7 +241,7 @@ def test_kill9_mid_round_then_resume(mosquitto, procs: Procs, tmp_path: Path) ->
 
 
 def test_serve_stops_on_sigterm_and_takes_its_broker_down(procs: Procs, tmp_path: Path) -> None:
-    from coordinator.broker import wait_for_port
+    from coordinator.ops.broker import wait_for_port
 
     port = free_port()
     coord = procs.start("coord", *serve_args(tmp_path / "run", "--port", str(port)))

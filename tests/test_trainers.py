@@ -226,7 +226,7 @@ def test_float_sgd_step_is_torchs_bit_for_bit():
     the same steps as torch.optim.SGD, momentum on and off."""
     import torch
 
-    from edge_client.trainers import _sgd_step
+    from edge_client.trainers.floating import sgd_step as _sgd_step
 
     for momentum in (0.0, 0.9):
         torch.manual_seed(0)

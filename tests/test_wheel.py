@@ -31,7 +31,7 @@ def test_the_wheel_carries_profiles_and_specs_and_no_torch(wheel: Path) -> None:
     profiles = {Path(n).stem for n in names if n.startswith("hw_profiles/profiles/") and n.endswith(".toml")}
     assert {"raspberry-pi-zero-2w", "raspberry-pi-4", "raspberry-pi-5", "jetson-nano", "jetson-orin-nano",
             "desktop"} <= profiles
-    assert {"firmware_models/zoo.py", "coordinator/default.toml", "edge_client/cli.py"} <= names
+    assert {"firmware_models/zoo.py", "coordinator/emulation/default.toml", "edge_client/cli.py"} <= names
     assert not any(n.startswith(("tests/", "benchmarks/", "experiments/")) for n in names)
     base = [ln.split(":", 1)[1].strip() for ln in meta.splitlines()
             if ln.startswith("Requires-Dist:") and "extra ==" not in ln]

@@ -12,8 +12,9 @@ combine (fedavg | fedshift | grouped | grouped-asym | fedpaq).
 
 from coordinator.strategies.base import Strategy
 from coordinator.strategies.registry import available_strategies, build_strategy
+from coordinator.strategies.round import RoundStrategy
 from coordinator.strategies.swa import swa_mask
 from coordinator.strategies.types import AggregateResult, ClientUpdate, EncodedUpdate
 
-__all__ = ["AggregateResult", "ClientUpdate", "EncodedUpdate", "Strategy", "available_strategies", "build_strategy",
+__all__ = ["AggregateResult", "ClientUpdate", "EncodedUpdate", "RoundStrategy", "Strategy", "available_strategies", "build_strategy",
            "swa_mask"]

@@ -5,7 +5,8 @@ Public API: the shared-domain conversions (:func:`from_shared`, :func:`to_shared
 package never imports torch.
 """
 
-from edge_client.intnn.model import IntModel, Workspace
+from edge_client.intnn.model import IntModel
+from edge_client.intnn.ops import Workspace
 from edge_client.intnn.quant import (
     DEFAULT_CLIP,
     TERNARY_WEIGHT,

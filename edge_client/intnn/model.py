@@ -29,12 +29,11 @@ The stochastic-rounding counter ``j`` enumerates a layer's weights in that inter
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
 from edge_client.errors import ConfigError, TrainingError
 from edge_client.intnn import kernels as K
+from edge_client.intnn.ops import Op, Regularizer, Workspace, internal_shape, plane_len
 from edge_client.intnn.quant import (
     DEFAULT_CLIP,
     act_dtype,
@@ -60,88 +59,6 @@ PLANE_GRAD_GROUP = 8  # samples per copy of plane runs in the dot-product conv g
 # conv weight gradient from the non-zero errors when a patch row (K*C values) is at least
 # this long (short rows do not vectorize: the dense dot products are faster there)
 SPARSE_GRAD_MIN_ROW = 32
-
-
-def plane_len(n: int, h: int, w: int, pad: int) -> int:
-    """Row length of the padded planar layout of n samples of h x w (kernels, stride-1
-    conv): ``pad*wp + pad + n*(h + pad)*wp`` with ``wp = w + pad``."""
-    wp = w + pad
-    return pad * wp + pad + n * (h + pad) * wp
-
-
-def _internal(shape: tuple[int, ...]) -> tuple[int, ...]:
-    """Spec activation shape [C, H, W] -> engine layout (H, W, C); [F] unchanged."""
-    if len(shape) == 3:
-        c, h, w = shape
-        return (h, w, c)
-    return tuple(shape)
-
-
-@dataclass
-class _Op:
-    kind: str                      # "conv" | "linear" | "pool" | "relu" | "flatten"
-    layer: object
-    in_shape: tuple[int, ...]      # internal, without batch
-    out_shape: tuple[int, ...]
-    param: int = -1                # index into the weight list
-    relu: bool = False             # fused ReLU (conv/linear)
-    shift: int = 0                 # forward rounding shift 1 + log2 alpha
-    perm: np.ndarray | None = None  # Linear after Flatten: internal column -> spec column
-    needs_input_error: bool = False
-    grad_int64: bool = False
-    grad_mode: str = ""            # conv weight gradient: "int64" | "sparse" | "plane" | "dot"
-
-    @property
-    def plane(self) -> bool:
-        """A stride-1 conv: computed from the padded planar layout (kernels.*_plane)."""
-        return self.kind == "conv" and self.layer.stride == 1
-
-
-@dataclass
-class Workspace:
-    """Integer buffers for batches of up to ``capacity`` samples (all views are [:n]).
-
-    Per op (lists indexed like ``IntModel.ops``, None where unused): ``acts`` outputs
-    (s-bit), ``idx`` max-pool winners (int32), ``eq`` quantized errors at conv/linear
-    outputs (s-bit), ``err_in`` raw errors at op inputs (int32), ``patch`` int32 [O]
-    accumulators of the sparse conv (int32 [N, O] for a linear layer's forward), ``pbuf``
-    [K*K*C] backward-data scratch (int16 when ``O * amax`` fits, else int32),
-    ``gacc`` [O] gradient scratch (int64 path), ``col_t`` the transposed im2col
-    [K*K*C, pixels] (s-bit), ``e_t`` errors transposed [O, pixels], ``pacc``/``pacc16``/
-    ``ptile`` pixel-block accumulators and finished outputs of the conv forward;
-    stride-1 convs use ``plane`` (the input in the padded planar layout, [C, plane_len])
-    and ``offs`` (int32 [K*K*C] run offsets) instead of an im2col in the forward, and
-    ``col_t``/``e_t`` are then [K*K*C | O, G*Ho*(W+pad)] (runs copied from the plane for
-    G = PLANE_GRAD_GROUP samples at a time).
-    ``a_pad`` (the input with zero borders, NHWC) and ``gt`` ([O, K*K*C], gradient
-    dtype) serve the error-driven conv weight gradient (``grad_mode == "sparse"``).
-    ``grad32``/``grad64``: one weight gradient buffer shared by all layers; ``extra``:
-    FedProx/FedFOR numerators (int64, only touched when those terms are on).
-    """
-
-    capacity: int
-    x: np.ndarray
-    acts: list[np.ndarray]
-    idx: list[np.ndarray | None]
-    eq: list[np.ndarray | None]
-    err_in: list[np.ndarray | None]
-    err_out: np.ndarray
-    patch: list[np.ndarray | None]
-    pbuf: list[np.ndarray | None]
-    gacc: list[np.ndarray | None]
-    col_t: list[np.ndarray | None]
-    e_t: list[np.ndarray | None]
-    pacc: list[np.ndarray | None]
-    pacc16: list[np.ndarray | None]
-    ptile: list[np.ndarray | None]
-    plane: list[np.ndarray | None]
-    offs: list[np.ndarray | None]
-    a_pad: list[np.ndarray | None]
-    gt: list[np.ndarray | None]
-    grad32: np.ndarray
-    grad64: np.ndarray
-    extra: np.ndarray
-    train: bool = True
 
 
 class IntModel:
@@ -190,21 +107,21 @@ class IntModel:
 
     # ------------------------------------------------------------------ structure
 
-    def _build_ops(self) -> list[_Op]:
+    def _build_ops(self) -> list[Op]:
         spec = self.spec
         layers = spec.layers
         shapes = spec.activation_shapes
-        ops: list[_Op] = []
+        ops: list[Op] = []
         param = 0
         pending_perm: np.ndarray | None = None
         i = 0
         while i < len(layers):
             layer = layers[i]
-            in_s, out_s = _internal(shapes[i]), _internal(shapes[i + 1])
+            in_s, out_s = internal_shape(shapes[i]), internal_shape(shapes[i + 1])
             if isinstance(layer, (Conv2d, Linear)):
                 relu = i + 1 < len(layers) and isinstance(layers[i + 1], ReLU)
                 kind = "conv" if isinstance(layer, Conv2d) else "linear"
-                op = _Op(kind, layer, in_s, out_s, param=param, relu=relu,
+                op = Op(kind, layer, in_s, out_s, param=param, relu=relu,
                          shift=1 + self._alpha[param])
                 if kind == "linear":
                     op.perm = pending_perm
@@ -214,14 +131,14 @@ class IntModel:
                 i += 2 if relu else 1
                 continue
             if isinstance(layer, MaxPool2d):
-                ops.append(_Op("pool", layer, in_s, out_s))
+                ops.append(Op("pool", layer, in_s, out_s))
             elif isinstance(layer, ReLU):
-                ops.append(_Op("relu", layer, in_s, out_s))
+                ops.append(Op("relu", layer, in_s, out_s))
             elif isinstance(layer, Flatten):
                 if len(shapes[i]) == 3:
                     c, h, w = shapes[i]
                     pending_perm = np.arange(c * h * w).reshape(c, h, w).transpose(1, 2, 0).ravel()
-                ops.append(_Op("flatten", layer, in_s, out_s))
+                ops.append(Op("flatten", layer, in_s, out_s))
             else:  # pragma: no cover - the spec module has no other layer kinds
                 raise ConfigError(f"{spec.name}: unsupported layer {layer!r}")
             i += 1
@@ -230,7 +147,7 @@ class IntModel:
             op.needs_input_error = any(o.param >= 0 for o in ops[:j])
         return ops
 
-    def _internal_weight_shape(self, op: _Op) -> tuple[int, ...]:
+    def _internal_weight_shape(self, op: Op) -> tuple[int, ...]:
         layer = op.layer
         if op.kind == "conv":
             return (layer.kernel, layer.kernel, layer.in_channels, layer.out_channels)
@@ -238,14 +155,14 @@ class IntModel:
 
     # ------------------------------------------------------------------ weights
 
-    def _to_internal(self, op: _Op, w: np.ndarray) -> np.ndarray:
+    def _to_internal(self, op: Op, w: np.ndarray) -> np.ndarray:
         if op.kind == "conv":
             return np.ascontiguousarray(w.transpose(2, 3, 1, 0))
         if op.perm is not None:
             return np.ascontiguousarray(w[:, op.perm])
         return np.ascontiguousarray(w)
 
-    def _to_spec(self, op: _Op, w: np.ndarray) -> np.ndarray:
+    def _to_spec(self, op: Op, w: np.ndarray) -> np.ndarray:
         if op.kind == "conv":
             return np.ascontiguousarray(w.transpose(3, 2, 0, 1))
         if op.perm is not None:
@@ -307,13 +224,13 @@ class IntModel:
 
     # ------------------------------------------------------------------ buffers
 
-    def grad_needs_int64(self, op: _Op, batch: int) -> bool:
+    def grad_needs_int64(self, op: Op, batch: int) -> bool:
         """True when sum of batch*pixels products of s-bit errors and activations may
         exceed int32."""
         pixels = int(np.prod(op.out_shape[:-1])) if op.kind == "conv" else 1
         return self.amax * self.amax * batch * pixels > INT32_LIMIT
 
-    def _grad_mode(self, op: _Op, batch: int) -> str:
+    def _grad_mode(self, op: Op, batch: int) -> str:
         """Which kernel computes this conv's weight gradient for ``batch`` samples."""
         if self.grad_needs_int64(op, batch):
             return "int64"
@@ -331,7 +248,7 @@ class IntModel:
         self._workspaces.pop(train, None)  # one workspace per kind: release the old one
         n = capacity
         ad = self.adtype
-        x = np.zeros((n, *_internal(self.spec.input_shape)), ad)
+        x = np.zeros((n, *internal_shape(self.spec.input_shape)), ad)
         acts: list[np.ndarray] = []
         idx: list[np.ndarray | None] = []
         eq: list[np.ndarray | None] = []
@@ -514,7 +431,7 @@ class IntModel:
         return prev
 
     def train_step(self, ws: Workspace, y: np.ndarray, n: int, lr_log2: int, seed: int,
-                   step: int, reg: _Regularizer | None = None) -> int:
+                   step: int, reg: Regularizer | None = None) -> int:
         """One SGD step on ``ws.x[:n]`` with labels ``y`` (int64 [n]); returns the integer
         loss sum (SSE, or sum of 2^15 - p_true in Q15 for the softmax loss).
 
@@ -597,25 +514,3 @@ class IntModel:
             if not op.needs_input_error:
                 break
         return int(sse)
-
-
-@dataclass
-class _Regularizer:
-    """FedProx / FedFOR terms in integers (built by ``IntTrainer``; the derivation is in
-    :mod:`edge_client.trainers`). Per weight and step the update gets
-    ``stoch_round(((mu_q * (w - anchor)) << d_shift + alpha_q * g [g (w - anchor) > 0]) / 2^shift)``
-    LSBs of the storage grid."""
-
-    anchor: list[np.ndarray]      # received global weights, storage grid, internal layout
-    step_g: list[np.ndarray]      # FedFOR's g = w_{t-1} - w_t, int32, 2^d_shift finer than the grid
-    mu_q: int                     # step * mu, fixed point (frac_bits fractional bits)
-    alpha_q: int                  # step * alpha, fixed point (frac_bits fractional bits)
-    d_shift: int                  # log2 of the g grid's refinement: 30 - s_g
-    shift: int                    # frac_bits + d_shift: the numerator's unit -> LSBs
-
-    @property
-    def active(self) -> bool:
-        return self.mu_q != 0 or self.alpha_q != 0
-
-
-Regularizer = _Regularizer

@@ -106,16 +106,16 @@ def install_coordinator_fault(point: str, n: int) -> None:
 def run_coordinator(a: argparse.Namespace) -> int:
     from coordinator.config import ServerConfig
     from coordinator.fleet import MqttFleet
-    from coordinator.logs import setup_logging
     from coordinator.server import Coordinator
     from coordinator.state import RunState
     from coordinator.strategies import build_strategy
     from edge_client.intnn import init_shared
+    from edge_client.logs import setup_logging
     from firmware_models import get_spec
 
     install_coordinator_fault(*parse_fault(a.fault))
     logger = setup_logging(json_lines=True, level="info")
-    from coordinator.admission import AdmissionConfig
+    from coordinator.ops.admission import AdmissionConfig
 
     admission = AdmissionConfig(enrolment=a.enrolment or "", max_registered=a.max_registered,
                                 samples_policy=a.samples_policy)

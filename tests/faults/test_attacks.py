@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 from scenario import DEVICES, Run, report, trials
 
-from coordinator.broker import MosquittoBroker
-from coordinator.security import JobSecurity
+from coordinator.ops.broker import MosquittoBroker
+from coordinator.ops.security import JobSecurity
 from edge_client import auth
 from edge_client.protocol import (
     Hello,

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from scenario import DEVICES, Run, report, trials, wait_for
 
-from coordinator.broker import MosquittoBroker
+from coordinator.ops.broker import MosquittoBroker
 from coordinator.state import RunState
 
 pytestmark = pytest.mark.mosquitto

@@ -1,7 +1,6 @@
-"""The ``fedbit`` commands and options of a secured job: ``enroll``, ``revoke``,
-``broker-config``, and what ``serve`` needs to start or reach a secured broker
-(``--listen``, ``--security``, ``--credentials``, the admission limits). ``cli.py`` wires
-them in; heavy imports happen inside the functions.
+"""The ``fedbit`` commands of a secured job: ``enroll``, ``revoke``, ``broker-config``, and
+:func:`serve_broker`, the broker ``fedbit serve`` starts or reaches. Heavy imports happen
+inside the functions.
 """
 
 from __future__ import annotations
@@ -9,34 +8,6 @@ from __future__ import annotations
 import argparse
 import sys
 from typing import Any
-
-
-def add_serve_security_options(p: argparse.ArgumentParser) -> None:
-    """``fedbit serve``'s options for the broker's security and the admission limits."""
-    p.add_argument("--listen", metavar="HOST:PORT",
-                   help="where the embedded broker listens for devices (0.0.0.0:8883: every "
-                        "interface); beyond loopback it takes TLS, per-device passwords and an ACL")
-    p.add_argument("--security", choices=["auto", "none", "password", "tls"], default="auto",
-                   help="embedded broker security (auto: none on loopback, tls beyond it)")
-    p.add_argument("--security-dir", metavar="DIR",
-                   help="the job's CA, registry, password file and ACL (default OUT/security; "
-                        "with --broker: the folder fedbit broker-config wrote)")
-    p.add_argument("--hostname", action="append", metavar="NAME",
-                   help="a name devices dial, for the server certificate (repeatable; default: "
-                        "this host's names)")
-    p.add_argument("--credentials", metavar="FILE",
-                   help="the coordinator's credentials file for --broker (fedbit broker-config "
-                        "writes DIR/coordinator.toml)")
-    p.add_argument("--max-samples", type=int, default=0, metavar="N",
-                   help="job-wide cap of an update's num_samples (0: none; enrolment and hello "
-                        "declarations bound it too)")
-    p.add_argument("--samples-policy", choices=["clip", "reject"], default="clip",
-                   help="an update claiming more samples than its bound: clipped or rejected")
-    p.add_argument("--max-registered", type=int, default=100_000, metavar="N",
-                   help="most devices the job registers")
-    p.add_argument("--hello-rate", type=float, default=1.0, metavar="PER_S",
-                   help="hello/presence messages per device per second (after --hello-burst)")
-    p.add_argument("--hello-burst", type=int, default=20, metavar="N")
 
 
 def add_security_commands(sub: Any) -> None:
@@ -91,71 +62,49 @@ def add_security_commands(sub: Any) -> None:
 
 
 
-def _secret_from(file: str | None, env: str, what: str) -> str | None:
-    """A secret from ``file`` (its first line) or the environment variable ``env``; never
-    from the command line (``ps`` shows it to every user)."""
-    import os
-
-    from edge_client.errors import ConfigError
-
-    if file:
-        try:
-            return open(file, encoding="utf-8").read().splitlines()[0]
-        except (OSError, IndexError) as exc:
-            raise ConfigError(f"{what} {file}: cannot read a password from it ({exc})") from None
-    return os.environ.get(env) or None
-
-
-def _no_password_in_url(url: str, what: str) -> None:
-    from edge_client.errors import ConfigError
-    from edge_client.transport import parse_broker_url
-
-    if parse_broker_url(url).password is not None:
-        raise ConfigError(f"{what}: a password in the URL is visible to every user in `ps`; "
-                          f"put it in --password-file FILE or FEDBIT_PASSWORD")
-
-
-def serve_broker(args: argparse.Namespace, max_packet: int) -> tuple[Any, dict[str, Any]]:
-    """The broker ``fedbit serve`` talks to: (the embedded one it started, or None;
-    MqttFleet's ``url``/``username``/``password``/``tls`` plus ``enrolment``, the job's
-    registry path or "" when devices are not enrolled)."""
+def serve_broker(job: Any, max_packet: int) -> tuple[Any, dict[str, Any]]:
+    """The broker ``fedbit serve`` talks to (``job``: a :class:`~coordinator.job.ServeJob`):
+    (the embedded one it started, or None; MqttFleet's ``url``/``username``/``password``/
+    ``tls`` plus ``enrolment``, the job's registry path or "" when devices are not enrolled)."""
     from pathlib import Path
 
-    from coordinator.broker import parse_listen, resolve_security, start_job_broker
-    from coordinator.security import JobSecurity
+    from coordinator.ops.broker import parse_listen, resolve_security, start_job_broker
+    from coordinator.ops.security import JobSecurity
     from edge_client.auth import load_credentials, tls_files
+    from edge_client.connection import no_password_in_url, read_secret
     from edge_client.errors import ConfigError
     from edge_client.transport import TlsOptions
 
-    out = Path(args.out)
-    sec_dir = Path(args.security_dir) if args.security_dir else out / "security"
-    if args.broker:  # a broker someone else runs (fedbit broker-config writes its files)
-        _no_password_in_url(args.broker, "--broker")
-        conn: dict[str, Any] = {"url": args.broker, "username": args.username, "tls": None,
-                                "password": _secret_from(args.password_file, "FEDBIT_PASSWORD", "--password-file")}
-        if args.credentials:
-            c = load_credentials(args.credentials)
+    b, name = job.broker, job.server.job
+    out = Path(job.out)
+    sec_dir = Path(b.security_dir) if b.security_dir else out / "security"
+    if b.url:  # a broker someone else runs (fedbit broker-config writes its files)
+        no_password_in_url(b.url, "--broker")
+        conn: dict[str, Any] = {"url": b.url, "username": b.username or None, "tls": None,
+                                "password": read_secret(b.password_file or None, "--password-file")}
+        if b.credentials:
+            c = load_credentials(b.credentials)
             conn |= {"username": c.username, "password": c.password}
             if c.ca or c.cert:
                 conn["tls"] = TlsOptions(*tls_files(c, out / "tls"))
-            sec_dir = Path(args.security_dir) if args.security_dir else Path(args.credentials).parent
-        if args.ca or args.cert or args.insecure:
-            conn["tls"] = TlsOptions(args.ca, args.cert, args.key, args.insecure)
-        registry = JobSecurity(sec_dir, args.job).registry_path
-        if args.security_dir and not registry.exists():
+            sec_dir = Path(b.security_dir) if b.security_dir else Path(b.credentials).parent
+        if b.ca or b.cert or b.insecure:
+            conn["tls"] = TlsOptions(b.ca or None, b.cert or None, b.key or None, b.insecure)
+        registry = JobSecurity(sec_dir, name).registry_path
+        if b.security_dir and not registry.exists():
             raise ConfigError(f"{registry}: no enrolment registry (fedbit broker-config or enroll makes it)")
         conn["enrolment"] = str(registry) if registry.exists() else ""
         if not conn["enrolment"]:
             print("note: no enrolment registry: updates are not checked for a device MAC "
                   "(fedbit broker-config writes one; pass --security-dir DIR)", flush=True)
         return None, conn
-    if args.listen and args.port:
+    if b.listen and b.port:
         raise ConfigError("--port and --listen: give one (--listen 127.0.0.1:PORT is --port PORT)")
-    host, port = parse_listen(args.listen) if args.listen else ("127.0.0.1", args.port)
-    mode = resolve_security(args.security, host)
-    sec = JobSecurity(sec_dir, args.job) if mode != "none" else None
-    jb = start_job_broker(host, port, security=mode, job_security=sec, hosts=args.hostname or None,
-                          workdir=out / "broker" if mode != "none" else None, prefer=args.embedded,
+    host, port = parse_listen(b.listen) if b.listen else ("127.0.0.1", b.port or None)
+    mode = resolve_security(b.security, host)
+    sec = JobSecurity(sec_dir, name) if mode != "none" else None
+    jb = start_job_broker(host, port, security=mode, job_security=sec, hosts=b.hostnames or None,
+                          workdir=out / "broker" if mode != "none" else None, prefer=b.embedded,
                           max_packet_size=max_packet)
     if sec is None:
         print(f"broker: {jb.device_url} (embedded {jb.kind}; anonymous and unencrypted: loopback "
@@ -219,7 +168,7 @@ def _read_devices_csv(path: str) -> list[tuple[str, int]]:
 def _cmd_enroll(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from coordinator.security import JobSecurity
+    from coordinator.ops.security import JobSecurity
     from edge_client.errors import ConfigError
 
     try:
@@ -248,7 +197,7 @@ def _cmd_enroll(args: argparse.Namespace) -> int:
 
 
 def _cmd_revoke(args: argparse.Namespace) -> int:
-    from coordinator.security import JobSecurity
+    from coordinator.ops.security import JobSecurity
     from edge_client.errors import ConfigError
 
     try:
@@ -285,8 +234,8 @@ def _broker_owns(path: Any) -> None:
 def _cmd_broker_config(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from coordinator.broker import DEFAULT_MAX_PACKET, parse_listen
-    from coordinator.security import JobSecurity, default_hosts
+    from coordinator.ops.broker import DEFAULT_MAX_PACKET, parse_listen
+    from coordinator.ops.security import JobSecurity, default_hosts
     from edge_client.errors import ConfigError
 
     try:

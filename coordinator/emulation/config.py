@@ -1,6 +1,6 @@
 """Emulator experiments as TOML files: :class:`ExperimentConfig`, validation, sweeps.
 
-A config (``fedbit emulate FILE``; the bundled default is ``coordinator/default.toml``)::
+A config (``fedbit emulate FILE``; the bundled default is ``coordinator/emulation/default.toml``)::
 
     name = "demo"              # names the run folder
     model = "digits_cnn"       # a firmware_models spec
@@ -21,7 +21,7 @@ A config (``fedbit emulate FILE``; the bundled default is ``coordinator/default.
                                # wall_timeout_s, parallel (devices training at once)
     [clock]                    # seconds_per_sample = {variant = s}: pin the compute model
 
-``paper = "<name>"`` (``coordinator.papers``: fedshift, prowd, prowd-fedprox, prowd-grouped,
+``paper = "<name>"`` (``coordinator.emulation.papers``: fedshift, prowd, prowd-fedprox, prowd-grouped,
 prowd-grouped-asym, fedfor, fedwsq) starts from that paper's strategy, its parameters and
 the settings it trains devices with; the config's own keys override them.
     [sweep]                    # dotted key = [values]: every combination is run
@@ -43,31 +43,31 @@ from __future__ import annotations
 import copy
 import itertools
 import math
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from coordinator.datasets import DATASETS, PARTITIONS
+from coordinator.config import DEFAULT_HPARAMS, NUMBER, ServerConfig, TomlSchema, read_toml
+from coordinator.emulation.datasets import DATASETS, PARTITIONS
 from edge_client.errors import ConfigError
 
 DEFAULT_CONFIG = Path(__file__).with_name("default.toml")
 
-#: section -> key -> (type, default); "" is the top level
-SCHEMA: dict[str, dict[str, tuple[type | tuple[type, ...], Any]]] = {
-    "": {"name": (str, "run"), "model": (str, "digits_cnn"), "rounds": (int, 10), "seeds": (list, [0]),
-         "strategy": (str, "fedavg"), "transport": (str, "inproc"), "broker": (str, ""),
-         "target_accuracy": ((int, float), 0.0), "paper": (str, "")},
+_SERVER = ServerConfig()
+_NUM = NUMBER
+#: the experiment file's sections; the round loop's knobs take ServerConfig's defaults
+SCHEMA = TomlSchema({
+    "": {"name": (str, "run"), "model": (str, _SERVER.model), "rounds": (int, _SERVER.rounds),
+         "seeds": (list, [0]), "strategy": (str, _SERVER.strategy), "transport": (str, "inproc"),
+         "broker": (str, ""), "target_accuracy": (_NUM, 0.0), "paper": (str, "")},
     "data": {"dataset": (str, "digits"), "path": (str, ""), "partition": (str, "iid"),
-             "shards_per_device": (int, 2), "alpha": ((int, float), 0.5), "per_device": (int, 32),
+             "shards_per_device": (int, 2), "alpha": (_NUM, 0.5), "per_device": (int, 32),
              "seed": (int, 0)},
-    "round": {"fraction": ((int, float), 1.0), "quorum": ((int, float), 1.0), "min_updates": (int, 1),
-              "deadline_s": ((int, float), 0.0), "wall_timeout_s": ((int, float), 600.0),
-              "parallel": (int, 2)},
+    "round": {"fraction": (_NUM, _SERVER.fraction), "quorum": (_NUM, _SERVER.quorum),
+              "min_updates": (int, _SERVER.min_updates), "deadline_s": (_NUM, 0.0),
+              "wall_timeout_s": (_NUM, 600.0), "parallel": (int, 2)},
     "clock": {"seconds_per_sample": (dict, {})},
-}
-#: sections whose keys are free (validated by what consumes them)
-FREE = ("strategy_params", "devices", "codecs", "train", "sweep")
+}, free=("strategy_params", "devices", "codecs", "train", "sweep"))
 
 
 @dataclass
@@ -75,10 +75,10 @@ class ExperimentConfig:
     """One emulator experiment (see the module docstring); ``source`` names the file."""
 
     name: str = "run"
-    model: str = "digits_cnn"
-    rounds: int = 10
+    model: str = _SERVER.model
+    rounds: int = _SERVER.rounds
     seeds: list[int] = field(default_factory=lambda: [0])
-    strategy: str = "fedavg"
+    strategy: str = _SERVER.strategy
     transport: str = "inproc"
     broker: str = ""
     target_accuracy: float = 0.0
@@ -87,7 +87,7 @@ class ExperimentConfig:
     devices: dict[str, int] = field(default_factory=dict)
     codecs: dict[str, str] = field(default_factory=dict)
     data: dict[str, Any] = field(default_factory=dict)
-    train: dict[str, Any] = field(default_factory=lambda: {"epochs": 1, "batch": 32})
+    train: dict[str, Any] = field(default_factory=lambda: dict(DEFAULT_HPARAMS))
     round: dict[str, Any] = field(default_factory=dict)
     clock: dict[str, Any] = field(default_factory=dict)
     sweep: dict[str, list[Any]] = field(default_factory=dict)
@@ -106,31 +106,15 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
     """Read and validate a config file (None: the bundled default), then apply dotted
     ``overrides`` (``{"rounds": 3, "round.deadline_s": 20}``)."""
     src = Path(path) if path is not None else DEFAULT_CONFIG
-    try:
-        raw = tomllib.loads(src.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ConfigError(f"{src}: no such config file") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"{src}: cannot read ({exc})") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"{src}: not valid TOML ({exc})") from None
+    raw = read_toml(src)
     for key, value in (overrides or {}).items():
         set_dotted(raw, key, value, str(src))
     return from_dict(raw, str(src))
 
 
 def set_dotted(table: dict[str, Any], key: str, value: Any, source: str) -> None:
-    """``table["a"]["b"] = value`` for ``key == "a.b"`` (a top-level key has no dot)."""
-    sec, dot, name = key.partition(".")
-    if not dot:
-        table[sec] = value
-        return
-    if sec not in SCHEMA and sec not in FREE:
-        raise ConfigError(f"{source}: {key}: unknown section {sec!r}")
-    sub = table.setdefault(sec, {})
-    if not isinstance(sub, dict):
-        raise ConfigError(f"{source}: {sec}: expected a table")
-    sub[name] = value
+    """``table["a"]["b"] = value`` for ``key == "a.b"`` (:meth:`TomlSchema.set_dotted`)."""
+    SCHEMA.set_dotted(table, key, value, source)
 
 
 def from_dict(raw: dict[str, Any], source: str = "<config>") -> ExperimentConfig:
@@ -140,7 +124,7 @@ def from_dict(raw: dict[str, Any], source: str = "<config>") -> ExperimentConfig
 
     raw = copy.deepcopy(raw)
     if raw.get("paper"):  # a paper's settings first; the config's own keys override them
-        from coordinator.papers import paper_settings
+        from coordinator.emulation.papers import paper_settings
 
         for sec in ("strategy_params", "train"):
             if not isinstance(raw.get(sec, {}), dict):
@@ -153,39 +137,15 @@ def from_dict(raw: dict[str, Any], source: str = "<config>") -> ExperimentConfig
         raw["strategy_params"] = ps.strategy_params | raw.get("strategy_params", {})
         raw["train"] = ps.hparams
     cfg = ExperimentConfig(source=source)
-    for key in raw:
-        if key not in SCHEMA[""] and key not in SCHEMA and key not in FREE:
-            raise bad(key, f"unknown key (known: {sorted(set(SCHEMA['']) | set(SCHEMA) - {''} | set(FREE))})")
-    for key, (tp, default) in SCHEMA[""].items():
-        v = raw.get(key, copy.deepcopy(default))
-        _check_type(key, v, tp, bad)
+    values = SCHEMA.validate(raw, source)
+    for key, v in values.pop("").items():
         setattr(cfg, key, v)
-    for sec in ("data", "round", "clock"):
-        table = raw.get(sec, {})
-        if not isinstance(table, dict):
-            raise bad(sec, "expected a table")
-        for key in table:
-            if key not in SCHEMA[sec]:
-                raise bad(f"{sec}.{key}", f"unknown key (known: {sorted(SCHEMA[sec])})")
-        values = {}
-        for key, (tp, default) in SCHEMA[sec].items():
-            v = table.get(key, copy.deepcopy(default))
-            _check_type(f"{sec}.{key}", v, tp, bad)
-            values[key] = v
-        setattr(cfg, sec, values)
-    for sec in FREE:
-        table = raw.get(sec, getattr(cfg, sec))
-        if not isinstance(table, dict):
-            raise bad(sec, "expected a table")
+    for sec, table in values.items():
+        if sec in SCHEMA.free and sec not in raw:
+            continue  # the dataclass default (e.g. [train]: DEFAULT_HPARAMS)
         setattr(cfg, sec, table)
     _check_values(cfg, bad)
     return cfg
-
-
-def _check_type(key: str, v: Any, tp: type | tuple[type, ...], bad) -> None:
-    if isinstance(v, bool) and tp is not bool or not isinstance(v, tp):
-        want = " or ".join(t.__name__ for t in (tp if isinstance(tp, tuple) else (tp,)))
-        raise bad(key, f"expected {want}, got {type(v).__name__} {v!r}")
 
 
 def _check_values(cfg: ExperimentConfig, bad) -> None:
@@ -309,30 +269,3 @@ def run_slug(combo: dict[str, Any]) -> str:
     """A folder name for a sweep combination (``strategy-fedshift_data.partition-parity``)."""
     text = "_".join(f"{k}-{v}" for k, v in combo.items()) or "default"
     return "".join(c if c.isalnum() or c in ".-_" else "-" for c in text)[:120]
-
-
-def run_experiment(cfg: ExperimentConfig, out: str | Path, *,
-                   on_event: Any = None, echo: Any = print) -> Path:
-    """Run every sweep combination with every seed (``coordinator.emulator.Emulator``)
-    and write the reports. One run goes to ``out`` itself; several to
-    ``out/runs/<combination>/seed-<k>/`` with a sweep summary in ``out``. Returns the
-    path of the top ``summary.md``. ``on_event(rounds)`` makes each run's progress
-    callback; ``echo`` prints what runs."""
-    from coordinator.emulator import Emulator
-    from coordinator.report import combo_label, write_report, write_sweep_report
-
-    out = Path(out)
-    combos = expand_sweep(cfg)
-    single = len(combos) == 1 and len(cfg.seeds) == 1
-    runs = []
-    for combo, c in combos:
-        for seed in c.seeds:
-            run_dir = out if single else out / "runs" / run_slug(combo) / f"seed-{seed}"
-            if not single:
-                echo(f"run {len(runs) + 1}/{len(combos) * len(cfg.seeds)}: {combo_label(combo)}, seed {seed}")
-            Emulator(c, seed, run_dir, on_event=on_event(c.rounds) if on_event else None).run()
-            summary = write_report(run_dir)
-            runs.append((combo, seed, run_dir))
-    if single:
-        return summary
-    return write_sweep_report(out, runs)

@@ -42,7 +42,7 @@ from typing import Any
 
 from edge_client.auth import Credentials, load_credentials, new_mac_key, write_private
 from edge_client.errors import ConfigError
-from edge_client.protocol import _valid_id, topic
+from edge_client.protocol import topic, valid_id
 
 #: the coordinator's MQTT username and client id prefix; no device may be enrolled under it
 COORDINATOR_USER = "fedbit-coordinator"
@@ -85,7 +85,7 @@ def acl_text(job: str) -> str:
 
 def check_device_id(device_id: str) -> str:
     """``device_id`` if it can be enrolled (a valid id, not the coordinator's name)."""
-    if not isinstance(device_id, str) or not _valid_id(device_id):
+    if not isinstance(device_id, str) or not valid_id(device_id):
         raise ConfigError(f"device id {device_id!r}: not a valid id ([A-Za-z0-9._-]+, at most 128)")
     if device_id == COORDINATOR_USER or device_id.startswith(COORDINATOR_USER + "-"):
         raise ConfigError(f"device id {device_id!r}: reserved for the coordinator")

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from coordinator.dequantizer.config import DequantizerConfig
+from coordinator.strategies.dequantizer.config import DequantizerConfig
 from firmware_models import Conv2d, Flatten, Linear, MaxPool2d, ModelSpec, ReLU
 
 MAX_LOG_SCALE = 4.0  # exp(β) is clamped to e^4: a diverging scale cannot overflow

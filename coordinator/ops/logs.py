@@ -1,50 +1,15 @@
-"""Structured logs (plain text or JSON lines) and the coordinator's progress display.
+"""The coordinator's progress display (plain lines, or a live rich bar on a terminal).
 
-The ``fedbit`` loggers attach context with ``extra={"event": ..., "round": ...}``; the JSON
-formatter writes those fields next to ``ts`` (Unix s), ``level``, ``logger`` and ``msg``.
+Logs themselves (plain text or JSON lines, the ``--log-json``/``--log-level`` options) are
+set up by :mod:`edge_client.logs`, the same for devices and the coordinator.
 """
 
 from __future__ import annotations
 
-import json
-import logging
 import math
 import sys
 import time
 from typing import Any, TextIO
-
-_STD_ATTRS = frozenset(logging.LogRecord("", 0, "", 0, "", (), None).__dict__) | {"message", "asctime"}
-
-
-class JsonFormatter(logging.Formatter):
-    """One JSON object per record: ts, level, logger, msg and any ``extra`` fields."""
-
-    def format(self, record: logging.LogRecord) -> str:
-        out: dict[str, Any] = {
-            "ts": round(record.created, 6), "level": record.levelname.lower(),
-            "logger": record.name, "msg": record.getMessage(),
-        }
-        for k, v in record.__dict__.items():
-            if k not in _STD_ATTRS and not k.startswith("_"):
-                out[k] = v
-        if record.exc_info:
-            out["exc"] = self.formatException(record.exc_info)
-        return json.dumps(out, default=str)
-
-
-def setup_logging(*, json_lines: bool = False, level: str = "info",
-                  stream: TextIO | None = None) -> logging.Logger:
-    """Configure the ``fedbit`` logger tree for a CLI process and return it."""
-    logger = logging.getLogger("fedbit")
-    for h in list(logger.handlers):
-        logger.removeHandler(h)
-    handler = logging.StreamHandler(stream or sys.stderr)
-    handler.setFormatter(JsonFormatter() if json_lines else
-                         logging.Formatter("%(asctime)s %(levelname)-7s %(name)s: %(message)s"))
-    logger.addHandler(handler)
-    logger.setLevel(level.upper())
-    logger.propagate = False
-    return logger
 
 
 class ProgressDisplay:

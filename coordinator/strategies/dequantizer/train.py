@@ -26,10 +26,10 @@ import numpy as np
 import torch
 from torch.nn import functional as F
 
-from coordinator.dequantizer.blocks import BlockLayout
-from coordinator.dequantizer.config import FULL_PRECISION, DequantizerConfig
-from coordinator.dequantizer.ladder import level_max, level_scale
-from coordinator.dequantizer.network import ProgressiveDequantizer, spec_forward
+from coordinator.strategies.dequantizer.blocks import BlockLayout
+from coordinator.strategies.dequantizer.config import FULL_PRECISION, DequantizerConfig
+from coordinator.strategies.dequantizer.ladder import level_max, level_scale
+from coordinator.strategies.dequantizer.network import ProgressiveDequantizer, spec_forward
 from firmware_models import ModelSpec
 
 

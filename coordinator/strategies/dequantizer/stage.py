@@ -40,12 +40,17 @@ from typing import Any
 
 import numpy as np
 
-from coordinator.dequantizer.blocks import BlockLayout
-from coordinator.dequantizer.config import DequantizerConfig
-from coordinator.dequantizer.ladder import grid_precision
-from coordinator.dequantizer.network import build_network
-from coordinator.dequantizer.train import Distillation, TrainingStopped, train_network
-from coordinator.dequantizer.version import Version, decide_gates, heldout_l1, make_tables
+from coordinator.strategies.dequantizer.blocks import BlockLayout
+from coordinator.strategies.dequantizer.config import DequantizerConfig
+from coordinator.strategies.dequantizer.ladder import grid_precision
+from coordinator.strategies.dequantizer.network import build_network
+from coordinator.strategies.dequantizer.train import Distillation, TrainingStopped, train_network
+from coordinator.strategies.dequantizer.version import (
+    Version,
+    decide_gates,
+    heldout_l1,
+    make_tables,
+)
 from coordinator.strategies.kernels import has_nonfinite
 from coordinator.strategies.types import FLOAT_BITS, ClientUpdate
 from edge_client.errors import ConfigError, ProtocolError

@@ -1,254 +1,46 @@
-"""The wire format (DESIGN.md, "Wire protocol"): message dataclasses, msgpack, validation.
-
-Every payload is one msgpack map ``{"v": PROTOCOL_VERSION, "kind": KIND, ...fields}``.
-Tensors travel per layer as ``{"name", "shape", "dtype", "codec", "bits", "data", "aux"}``
-with ``len(data) == ceil(prod(shape) * bits / 8)`` exactly.
-
-:func:`decode_message` is the only door for received bytes. It checks the payload size
-before parsing, caps every msgpack container while parsing, then validates every field
-(types, ranges, counts, exact byte lengths, codec/dtype whitelists, finite values) before
-anything is allocated from it. Whatever is wrong, it raises :class:`ProtocolError` whose
-message names the field (``tensors[2].shape``); no other exception escapes.
-
-Topics live under ``fedbit/<job>/``: ``presence/<device>``, ``hello/<device>``, ``round``,
-``model/<variant>``, ``update/<device>``, ``status``.
-"""
+"""msgpack bytes <-> messages: :func:`encode_message`, and :func:`decode_message`, the only
+door for received bytes (:mod:`edge_client.protocol`)."""
 
 from __future__ import annotations
 
-import hashlib
 import math
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field, fields
-from typing import Any, ClassVar
+from dataclasses import fields
+from typing import Any
 
 import msgpack
 import numpy as np
 
 from edge_client.errors import ProtocolError
-
-PROTOCOL_VERSION = 1
-
-#: codec name -> (min bits, max bits). The codecs package registers the implementations;
-#: the wire accepts exactly these names.
-CODEC_BITS: dict[str, tuple[int, int]] = {
-    "float32": (32, 32),
-    "float16": (16, 16),
-    "asym": (1, 16),
-    "kmeans": (1, 8),
-    "ternary": (2, 2),
-    "int": (2, 16),
-    "danuq": (1, 8),
-}
-#: dtypes a decoded tensor may have.
-DTYPES = frozenset({"float32", "float16", "int8", "int16", "int32", "uint8", "uint16"})
-#: codecs whose ``data`` is raw IEEE floats and must be finite.
-_FLOAT_CODECS = {"float32": "<f4", "float16": "<f2"}
-
-
-@dataclass(frozen=True)
-class Limits:
-    """Caps enforced before allocation. The defaults fit a 2.2 M-parameter model in
-    float32 with room; a deployment with bigger models raises them on both sides.
-
-    ``max_abs_value`` bounds the magnitude of the values an update may carry (in the
-    shared float domain, where weights are O(1)); the coordinator checks it before an
-    update touches the sums, so finite but huge values cannot overflow them to Inf.
-    """
-
-    max_payload_bytes: int = 64 * 1024 * 1024
-    max_layers: int = 256
-    max_ndim: int = 6
-    max_tensor_elements: int = 1 << 25
-    max_total_elements: int = 1 << 26
-    max_aux_items: int = 16
-    max_aux_list: int = 1 << 16
-    max_str: int = 256
-    max_devices: int = 100_000
-    max_map_items: int = 64
-    max_abs_value: float = 1e6
-
-
-DEFAULT_LIMITS = Limits()
-
-
-# --------------------------------------------------------------------------- tensors
-
-
-@dataclass(frozen=True)
-class EncodedTensor:
-    """One layer as it travels: ``len(data) == ceil(prod(shape) * bits / 8)`` exactly.
-
-    - ``shape``: the decoded array's shape;
-    - ``dtype``: the decoded array's dtype name (``"float32"``, ``"int8"``, ``"int16"``...);
-    - ``codec``: a codec name from :data:`CODEC_BITS`;
-    - ``bits``: bits per element in ``data`` (32 for float32, 16 for float16);
-    - ``data``: the packed payload, little-endian bit order (see ``codecs.bitpack``);
-    - ``aux``: codec side information: finite floats, ints, strings, bytes, or lists of
-      finite numbers (``{"min": .., "max": ..}`` for asym, ``{"codebook": [..]}`` ...);
-    - ``name``: the layer name from the model spec (may be empty).
-    """
-
-    shape: tuple[int, ...]
-    dtype: str
-    codec: str
-    bits: int
-    data: bytes
-    aux: dict[str, Any] = field(default_factory=dict)
-    name: str = ""
-
-    @property
-    def size(self) -> int:
-        """Number of elements."""
-        return math.prod(self.shape)
-
-    @property
-    def nbytes(self) -> int:
-        """Exact payload length in bytes: ``ceil(size * bits / 8)``."""
-        return packed_length(self.size, self.bits)
-
-
-def packed_length(n: int, bits: int) -> int:
-    """Bytes that ``n`` values of ``bits`` bits occupy when bit-packed: ``ceil(n*bits/8)``."""
-    return (n * bits + 7) // 8
-
-
-def float32_tensor(array: np.ndarray, name: str = "") -> EncodedTensor:
-    """Lossless float32 tensor (the passthrough codec, used for models and tests)."""
-    a = np.ascontiguousarray(array, dtype="<f4")
-    return EncodedTensor(tuple(int(d) for d in a.shape), "float32", "float32", 32, a.tobytes(), {}, name)
-
-
-def tensors_digest(tensors: Iterable[EncodedTensor]) -> str:
-    """SHA-256 hex digest of tensors' names, shapes, dtypes, codecs, bits, data and aux."""
-    h = hashlib.sha256()
-    for t in tensors:
-        h.update(msgpack.packb(_tensor_to_wire(t), use_bin_type=True))
-    return h.hexdigest()
-
-
-# --------------------------------------------------------------------------- messages
-
-
-@dataclass(frozen=True)
-class Hello:
-    """A device introduces itself (topic ``hello/<device_id>``)."""
-
-    KIND: ClassVar[str] = "hello"
-    device_id: str
-    profile: str
-    compute_bits: int
-    trainer: str
-    codec: str
-    codec_bits: int
-    num_samples: int
-    sdk_version: str
-
-
-@dataclass(frozen=True)
-class Presence:
-    """Retained on ``presence/<device_id>``; the last-will publishes ``online=False``."""
-
-    KIND: ClassVar[str] = "presence"
-    device_id: str
-    online: bool
-
-
-@dataclass(frozen=True)
-class RoundAnnouncement:
-    """Retained on ``round``: who trains in round ``round_id`` and until when.
-
-    ``deadline`` is a Unix time in seconds; ``variants`` maps a model variant name
-    (``"float32"``, ``"int8"``...) to its digest; ``hparams`` holds the local training
-    hyper-parameters (``epochs``, ``batch``, ``prox_mu``, ...).
-    """
-
-    KIND: ClassVar[str] = "round"
-    job: str
-    round_id: int
-    model: str
-    selected: tuple[str, ...]
-    deadline: float
-    variants: dict[str, str]
-    hparams: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class ModelMessage:
-    """Retained on ``model/<variant>``: the global model in one bitwidth variant.
-
-    ``last_global_step`` (FedFOR) is empty when the strategy does not need it;
-    ``sigma_g`` (DANUQ) is one float per layer or empty.
-    """
-
-    KIND: ClassVar[str] = "model"
-    round_id: int
-    variant: str
-    model: str
-    tensors: tuple[EncodedTensor, ...]
-    digest: str
-    last_global_step: tuple[EncodedTensor, ...] = ()
-    sigma_g: tuple[float, ...] = ()
-
-
-@dataclass(frozen=True)
-class Update:
-    """A device's result for one round, on ``update/<device_id>`` (QoS 1).
-
-    ``content`` says what the tensors hold: ``"weights"`` (full local weights) or ``"delta"``
-    (local minus global). ``model_digest`` names the model the device started from.
-    ``not_applied``: announced hyper-parameters the device did not apply, each with the
-    reason (an unknown key, a bad value, a setting it cannot honour); the coordinator logs
-    and counts them. Absent from an older device's update (read as empty).
-    """
-
-    KIND: ClassVar[str] = "update"
-    device_id: str
-    round_id: int
-    num_samples: int
-    compute_bits: int
-    content: str
-    tensors: tuple[EncodedTensor, ...]
-    model_digest: str = ""
-    train_loss: float = 0.0
-    train_seconds: float = 0.0
-    not_applied: dict[str, str] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class Status:
-    """Retained on ``status``: the coordinator's state (``"waiting"``, ``"round"``,
-    ``"done"``, ``"error"``) and the last round's metrics."""
-
-    KIND: ClassVar[str] = "status"
-    state: str
-    round_id: int
-    message: str = ""
-    metrics: dict[str, float] = field(default_factory=dict)
-
-
-Message = Hello | Presence | RoundAnnouncement | ModelMessage | Update | Status
-MESSAGE_TYPES: dict[str, type] = {
-    cls.KIND: cls for cls in (Hello, Presence, RoundAnnouncement, ModelMessage, Update, Status)
-}
-UPDATE_CONTENTS = frozenset({"weights", "delta"})
-TRAINERS = frozenset({"int", "torch"})
-STATUS_STATES = frozenset({"waiting", "round", "done", "error"})
-
+from edge_client.protocol.messages import (
+    CODEC_BITS,
+    DEFAULT_LIMITS,
+    DTYPES,
+    FLOAT_CODECS,
+    MESSAGE_TYPES,
+    PROTOCOL_VERSION,
+    STATUS_STATES,
+    TRAINERS,
+    UPDATE_CONTENTS,
+    EncodedTensor,
+    Hello,
+    Limits,
+    Message,
+    ModelMessage,
+    Presence,
+    RoundAnnouncement,
+    Status,
+    Update,
+    packed_length,
+    tensor_to_wire,
+    valid_id,
+)
 
 # --------------------------------------------------------------------------- encoding
 
 
-def _tensor_to_wire(t: EncodedTensor) -> dict[str, Any]:
-    return {
-        "name": t.name, "shape": list(t.shape), "dtype": t.dtype, "codec": t.codec,
-        "bits": t.bits, "data": bytes(t.data), "aux": dict(t.aux),
-    }
-
-
 def _to_wire(value: Any) -> Any:
     if isinstance(value, EncodedTensor):
-        return _tensor_to_wire(value)
+        return tensor_to_wire(value)
     if isinstance(value, tuple | list):
         return [_to_wire(v) for v in value]
     if isinstance(value, np.generic):
@@ -334,7 +126,7 @@ class _Reader:
 
     def device_id(self, key: str) -> str:
         v = self.str(key, empty=False)
-        if not _valid_id(v):
+        if not valid_id(v):
             raise ProtocolError(f"{self.where(key)}: {v!r} is not a valid id ([A-Za-z0-9._-]+)")
         return v
 
@@ -356,14 +148,6 @@ class _Reader:
             if not isinstance(k, str) or len(k) > self.limits.max_str:
                 raise ProtocolError(f"{self.where(key)}: keys must be short strings")
         return v
-
-
-_ID_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
-
-
-def _valid_id(v: str) -> bool:
-    """Ids appear in MQTT topics: no wildcards, separators or control characters."""
-    return bool(v) and len(v) <= 128 and all(c in _ID_CHARS for c in v)
 
 
 def _scalar_ok(v: Any) -> bool:
@@ -418,8 +202,8 @@ def _read_tensor(raw: Any, path: str, limits: Limits) -> EncodedTensor:
         raise ProtocolError(
             f"{r.where('data')}: {len(data)} bytes, expected ceil({n}*{bits}/8) = {expected}"
         )
-    if codec in _FLOAT_CODECS:
-        if n and not np.isfinite(np.frombuffer(data, dtype=_FLOAT_CODECS[codec])).all():
+    if codec in FLOAT_CODECS:
+        if n and not np.isfinite(np.frombuffer(data, dtype=FLOAT_CODECS[codec])).all():
             raise ProtocolError(f"{r.where('data')}: contains NaN or Inf", reason="nonfinite")
     aux = _read_aux(r)
     return EncodedTensor(tuple(shape), dtype, codec, bits, data, aux, name)
@@ -484,11 +268,11 @@ def _parse(kind: str, r: _Reader) -> Message:
     if kind == "round":
         selected = r.list("selected", lim.max_devices)
         for i, s in enumerate(selected):
-            if not isinstance(s, str) or not _valid_id(s):
+            if not isinstance(s, str) or not valid_id(s):
                 raise ProtocolError(f"{r.where('selected')}[{i}]: not a valid device id")
         variants = r.map("variants")
         for k in variants:
-            if not _valid_id(k):
+            if not valid_id(k):
                 raise ProtocolError(f"{r.where('variants')}: {k!r} is not a valid variant name")
             _read_digest(_Reader(variants, r.where("variants"), lim), k)
         return RoundAnnouncement(
@@ -558,61 +342,3 @@ def decode_message(payload: bytes | bytearray | memoryview, limits: Limits = DEF
         raise ProtocolError(f"{kind}: structure too deep") from None
 
 
-# --------------------------------------------------------------------------- variants
-
-#: the model variant of float devices (the shared weights, lossless)
-FLOAT_VARIANT = "float32"
-
-
-def model_variant(compute_bits: int, trainer: str) -> str:
-    """The model variant a device downloads and trains: ``float32`` for float devices
-    (trainer ``torch`` or 32 bits), ``int<s>`` for s-bit integer devices (its weights on
-    the device's storage grid, ALGORITHMS.md §2). Variant names are topic levels
-    (``model/<variant>``)."""
-    return FLOAT_VARIANT if trainer == "torch" or compute_bits >= 32 else f"int{int(compute_bits)}"
-
-
-def variant_bits(variant: str) -> int:
-    """The compute bitwidth of a variant name: 32 for ``float32``, s for ``int<s>``
-    (ProtocolError for anything else)."""
-    if variant == FLOAT_VARIANT:
-        return 32
-    if variant.startswith("int") and variant[3:].isdigit() and 2 <= int(variant[3:]) <= 16:
-        return int(variant[3:])
-    raise ProtocolError(f"variant: {variant!r} is not float32 or int2..int16")
-
-
-# --------------------------------------------------------------------------- topics
-
-TOPIC_ROOT = "fedbit"
-#: ``linktest``: a device's link measurement (``fedbit-edge measure-link``), which no one
-#: subscribes to: the broker acknowledges and drops it
-_TOPIC_KINDS_WITH_ID = frozenset({"presence", "hello", "model", "update", "linktest"})
-_TOPIC_KINDS_PLAIN = frozenset({"round", "status"})
-
-
-def topic(job: str, kind: str, ident: str | None = None) -> str:
-    """``fedbit/<job>/<kind>[/<ident>]``; ids must be valid topic levels."""
-    if not _valid_id(job):
-        raise ProtocolError(f"job: {job!r} is not a valid id")
-    if kind in _TOPIC_KINDS_PLAIN and ident is None:
-        return f"{TOPIC_ROOT}/{job}/{kind}"
-    if kind in _TOPIC_KINDS_WITH_ID and ident is not None and _valid_id(ident):
-        return f"{TOPIC_ROOT}/{job}/{kind}/{ident}"
-    raise ProtocolError(f"topic: no topic {kind!r} with id {ident!r}")
-
-
-def parse_topic(name: str) -> tuple[str, str, str | None]:
-    """``(job, kind, ident)`` of a fedbit topic; :class:`ProtocolError` otherwise."""
-    parts = name.split("/")
-    if len(parts) in (3, 4) and parts[0] == TOPIC_ROOT and _valid_id(parts[1]):
-        if len(parts) == 3 and parts[2] in _TOPIC_KINDS_PLAIN:
-            return parts[1], parts[2], None
-        if len(parts) == 4 and parts[2] in _TOPIC_KINDS_WITH_ID and _valid_id(parts[3]):
-            return parts[1], parts[2], parts[3]
-    raise ProtocolError(f"topic: {name!r} is not a fedbit topic")
-
-
-def as_mapping(msg: Message) -> Mapping[str, Any]:
-    """The message's fields as a plain dict (for logs)."""
-    return {f.name: getattr(msg, f.name) for f in fields(msg)}

@@ -1,0 +1,113 @@
+"""``fedbit emulate`` (a whole fleet on this machine from an experiment file), ``fedbit
+demo`` (the bundled default experiment) and ``fedbit report`` (plots and summaries)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from coordinator.cli.common import sigterm_to_exit
+
+
+def add_emulate_commands(sub: Any) -> None:
+    from edge_client.logs import add_logging_options
+
+    for name in ("emulate", "demo"):
+        if name == "emulate":
+            p = sub.add_parser("emulate", help="a whole fleet on this machine: devices, links, coordinator",
+                               description="Run an emulated fleet (real device runtimes, simulated links and "
+                                           "compute, the real coordinator) from a TOML experiment; without one, "
+                                           "the bundled default (20 mixed devices on non-IID digits). Writes a "
+                                           "run folder with metrics, plots and a summary.")
+            p.add_argument("config", nargs="?", help="experiment TOML file (default: the bundled one)")
+        else:
+            p = sub.add_parser("demo", help="`fedbit emulate` with the bundled default experiment",
+                               description="The bundled default experiment: what `make demo` runs.")
+            p.set_defaults(config=None)
+        p.add_argument("--out", metavar="DIR", help="run folder (default: runs/<name>-<time>)")
+        p.add_argument("--set", action="append", metavar="KEY=VALUE",
+                       help="override a config key, dotted for sections (rounds=5, round.deadline_s=20)")
+        p.add_argument("--quiet", action="store_true", help="no progress display")
+        add_logging_options(p, default_level="warning")
+        p.set_defaults(func=_cmd_emulate)
+
+    p = sub.add_parser("report", help="plots and a summary of an emulated run (or sweep) folder",
+                       description="Writes accuracy.png, bytes.png and summary.md into a run folder, or the "
+                                   "sweep summary into a sweep folder.")
+    p.add_argument("run_dir", metavar="RUN_DIR")
+    p.set_defaults(func=_cmd_report)
+
+
+def _cmd_emulate(args: argparse.Namespace) -> int:
+    import time
+    from pathlib import Path
+
+    from coordinator.config import parse_assignments
+    from coordinator.emulation.config import load_config
+    from coordinator.emulation.sweep import run_experiment
+    from coordinator.ops.logs import LiveProgress
+    from edge_client.errors import ConfigError
+    from edge_client.logs import setup_logging
+
+    setup_logging(json_lines=args.log_json, level=args.log_level)
+    sigterm_to_exit()
+    try:
+        cfg = load_config(args.config, parse_assignments(args.set))
+    except ConfigError as exc:
+        print(f"fedbit emulate: error: {exc}", file=sys.stderr)
+        return 1
+    out = Path(args.out) if args.out else Path("runs") / f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    if out.exists() and any(out.iterdir()):
+        print(f"fedbit emulate: error: {out} is not empty: pick another --out", file=sys.stderr)
+        return 1
+    n_dev = sum(cfg.devices.values())
+    print(f"fedbit emulate: {cfg.name} ({cfg.source}): {n_dev} devices "
+          f"({', '.join(f'{n} {p}' for p, n in cfg.devices.items() if n)}), model {cfg.model}, "
+          f"strategy {cfg.strategy}, {cfg.rounds} rounds, transport {cfg.transport}, "
+          f"seeds {cfg.seeds}; run folder {out}", flush=True)
+    bars: list[LiveProgress] = []
+
+    def progress(rounds: int) -> LiveProgress | None:
+        if args.quiet:
+            return None
+        bars.append(LiveProgress(rounds))
+        return bars[-1]
+
+    try:
+        summary = run_experiment(cfg, out, on_event=progress, echo=lambda m: print(m, flush=True))
+    except (ConfigError, ConnectionError) as exc:
+        print(f"fedbit emulate: error: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        for b in bars:
+            b.close()
+    text = summary.read_text()
+    # the result (a single run) or the whole table (a sweep); the rest is in the file
+    start = text.find("## Result")
+    print(text[start:text.find("\n## ", start + 1)] if start >= 0 else text, flush=True)
+    print(f"fedbit emulate: report: {summary} (plots beside it); run folder kept: {out}", flush=True)
+    return 0
+
+
+def _cmd_report(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    from coordinator.emulation.report import write_report, write_sweep_report
+    from edge_client.errors import ConfigError
+
+    root = Path(args.run_dir)
+    try:
+        if (root / "out" / "metrics.jsonl").is_file():
+            summary = write_report(root)
+        elif (root / "results.json").is_file():
+            results = json.loads((root / "results.json").read_text())
+            summary = write_sweep_report(root, [(r["combination"], r["seed"], root / r["run"]) for r in results])
+        else:
+            raise ConfigError(f"{root}: not a run folder (no out/metrics.jsonl) nor a sweep folder (no results.json)")
+    except ConfigError as exc:
+        print(f"fedbit report: error: {exc}", file=sys.stderr)
+        return 1
+    print(f"fedbit report: {summary}")
+    return 0

@@ -1,0 +1,109 @@
+"""``fedbit serve``: the round loop against the devices of one job, configured by a job
+file (``--config``, :mod:`coordinator.job`) and flags that override it."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from coordinator.cli.common import sigterm_to_exit
+
+
+def add_serve_command(sub: Any) -> None:
+    from coordinator.job import add_job_options
+
+    # (allow_abbrev=False: an old `--password x` must not turn into `--password-file x`)
+    p = sub.add_parser("serve", help="run the round loop (starts an embedded broker without --broker)",
+                       description="Run federated rounds against the devices of one job. Settings come from "
+                                   "the job file (--config FILE, see examples/job.toml); flags and --set "
+                                   "KEY=VALUE override it.", allow_abbrev=False)
+    add_job_options(p)
+    p.set_defaults(func=_cmd_serve)
+
+
+def _eval_data(src: str) -> Any:
+    from edge_client.data import load_cifar10, load_digits, load_source
+
+    if src in ("digits", "digits:test"):
+        return load_digits("test")
+    if src.startswith("digits:"):
+        return load_source(src)
+    return load_cifar10(src, "test")
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    import json
+
+    from coordinator.cli.security import serve_broker
+    from coordinator.evaluate import evaluator_for
+    from coordinator.fleet import MqttFleet
+    from coordinator.job import job_from_args
+    from coordinator.ops.logs import ProgressDisplay
+    from coordinator.server import Coordinator, RoundError
+    from coordinator.state import RunState
+    from coordinator.strategies import build_strategy
+    from edge_client.errors import ConfigError
+    from edge_client.intnn import init_shared
+    from edge_client.logs import setup_logging
+    from firmware_models import get_spec
+
+    try:
+        job = job_from_args(args)
+    except ConfigError as exc:
+        print(f"fedbit serve: error: {exc}", file=sys.stderr)
+        return 1
+    cfg = job.server
+    logger = setup_logging(json_lines=job.log_json, level=job.log_level)
+    sigterm_to_exit()
+    broker = None
+    try:
+        spec = get_spec(cfg.model)
+        strategy = build_strategy(cfg.strategy, model=cfg.model, **cfg.strategy_params)
+        broker, conn = serve_broker(job, cfg.limits.max_payload_bytes + 65536)
+        cfg.admission.enrolment = conn.pop("enrolment")
+        fleet = MqttFleet(conn.pop("url"), cfg.job, protocol=job.broker.mqtt_version,
+                          max_payload=cfg.limits.max_payload_bytes + 65536, **conn)
+        evaluator = evaluator_for(cfg.model, _eval_data(job.eval_data), strategy.device_hparams(cfg.hparams),
+                                  seed=cfg.seed)
+        progress = None if job.quiet else ProgressDisplay(cfg.rounds)
+        coord = Coordinator(cfg, fleet, strategy, RunState(job.out), evaluator=evaluator,
+                            init_weights=init_shared(spec, cfg.seed), on_event=progress,
+                            logger=logger.getChild("server"))
+        print(f"fedbit serve: job {cfg.job}, model {cfg.model}, strategy {cfg.strategy}, "
+              f"{cfg.rounds} round(s), out {job.out}", flush=True)
+        history = coord.run(resume=job.resume)
+        _export_finished_run(job.out)
+        last = history[-1] if history else {}
+        print(json.dumps({"rounds": len(history), "final_accuracy": last.get("accuracy"),
+                          "broker": fleet.describe(), "metrics": str(coord.state.metrics_path)}),
+              flush=True)
+        fleet.close()
+        return 0
+    except (ConfigError, RoundError, ConnectionError) as exc:
+        print(f"fedbit serve: error: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        if broker is not None:
+            broker.stop()
+
+
+def _export_finished_run(run_dir: str) -> None:
+    """After a complete run: the ONNX export of every bitwidth variant of the final model
+    into ``RUN_DIR/onnx/`` (a note on stderr when onnx is not installed or the export
+    fails; the run itself succeeded and ``fedbit export`` can be run again)."""
+    import importlib.util
+
+    from coordinator.ops.export import export_run
+    from edge_client.errors import ConfigError
+
+    if importlib.util.find_spec("onnx") is None:
+        print("fedbit serve: note: no ONNX export of the final model (pip install "
+              "'fedbit[onnx]', then `fedbit export RUN_DIR --all`)", file=sys.stderr)
+        return
+    try:
+        paths = export_run(run_dir)
+    except ConfigError as exc:
+        print(f"fedbit serve: ONNX export failed: {exc}", file=sys.stderr)
+        return
+    print(f"onnx: {', '.join(str(p) for p in paths)}", flush=True)

@@ -1,0 +1,12 @@
+"""The research harness: a whole fleet on one machine (real device runtimes, a simulated
+clock, the real coordinator), experiments as TOML files, data sets and partitioners, the
+papers' settings, and reports. See docs/experiments.md.
+
+- :mod:`~coordinator.emulation.config`: the experiment schema, sweeps;
+- :mod:`~coordinator.emulation.sweep`: runs every combination x seed, then the reports;
+- :mod:`~coordinator.emulation.run`: one run (:class:`Emulator`);
+- :mod:`~coordinator.emulation.emulator`, :mod:`~coordinator.emulation.clock`: the devices and
+  the simulated clock;
+- :mod:`~coordinator.emulation.datasets`, :mod:`~coordinator.emulation.papers`,
+  :mod:`~coordinator.emulation.report`.
+"""

@@ -1,0 +1,250 @@
+"""The simulated clock: :class:`SimLinks` (each device's link and compute model),
+:func:`calibrate` (seconds per sample of each variant on this machine) and
+:class:`EmulatedFleet`, which puts that clock between the coordinator and the real fleet.
+See :mod:`coordinator.emulation.run`."""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from coordinator.emulation.emulator import DeviceHost, EmulatedDevice, derive_seed
+from coordinator.fleet import Fleet, Inbound
+from edge_client.errors import ProtocolError
+from edge_client.protocol import (
+    RoundAnnouncement,
+    Update,
+    decode_message,
+)
+
+log = logging.getLogger("fedbit.emulator")
+
+
+
+@dataclass
+class SimLinks:
+    """The simulated link and compute model (see the module docstring). Times in s."""
+
+    devices: Mapping[str, EmulatedDevice]
+    seconds_per_sample: Mapping[str, float]
+    seed: int
+
+    def dropped(self, device_id: str, round_id: int) -> bool:
+        """Whether the device's round is lost (probability ``loss_rate``, drawn from the run
+        seed, the device and the round)."""
+        p = self.devices[device_id].profile.loss_rate
+        return p > 0 and np.random.default_rng(derive_seed("loss", self.seed, device_id, round_id)).random() < p
+
+    def arrival(self, device_id: str, model_bytes: int, samples: int, update_bytes: int) -> float:
+        """Simulated seconds from the round's start to the update's arrival."""
+        dev = self.devices[device_id]
+        prof = dev.profile
+        lat = prof.latency_ms / 1e3
+        down = model_bytes * 8 / (prof.downlink_kbps * 1e3) + lat
+        compute = samples * self.seconds_per_sample[dev.variant] / prof.relative_speed
+        up = update_bytes * 8 / (prof.uplink_kbps * 1e3) + lat
+        return down + compute + up
+
+
+def calibrate(model: str, variants: list[str], sample: Any, *, batch: int = 32, steps: int = 4) -> dict[str, float]:
+    """Seconds per training sample of each variant's trainer on this machine (one thread,
+    after a warm-up step that compiles the kernels); the best of ``steps`` timed steps."""
+    one_thread_torch()  # as the emulated devices train (torch's default uses every core)
+    from edge_client.protocol import variant_bits
+    from edge_client.trainers import make_trainer
+    from firmware_models import get_spec
+
+    spec = get_spec(model)
+    out = {}
+    for v in sorted(set(variants)):
+        trainer = make_trainer(spec, variant_bits(v), seed=0)
+        trainer.train(sample, steps=1, batch=batch)  # compile / warm up
+        best = math.inf
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            trainer.train(sample, steps=1, batch=batch)
+            best = min(best, time.perf_counter() - t0)
+        out[v] = best / min(batch, len(sample))
+    return out
+
+
+
+
+@dataclass
+class _SimRound:
+    round_id: int
+    selected: list[str]
+    started: list[str]
+    lost: list[str]
+    model_bytes: dict[str, int]
+    hparams: dict[str, Any]
+    t0: float  # wall (monotonic)
+    pending: dict[str, tuple[float, Inbound]] = field(default_factory=dict)
+    out: deque = field(default_factory=deque)
+    final: bool = False
+    report: dict[str, Any] = field(default_factory=dict)
+
+
+class EmulatedFleet(Fleet):
+    """A :class:`Fleet` that puts the simulated clock between the coordinator and a real
+    fleet (see the module docstring).
+
+    Args:
+        inner: the real fleet (MQTT or in-process).
+        host: starts the selected devices' runtimes.
+        links: the simulated link and compute model.
+        quorum: the fraction of the selected whose updates close a round.
+        deadline_s: the simulated round deadline (0: none; the round closes at the last
+            arrival).
+        wall_timeout_s: a started device that has not answered after this many wall
+            seconds counts as failed.
+    """
+
+    def __init__(self, inner: Fleet, host: DeviceHost, links: SimLinks, *, quorum: float,
+                 deadline_s: float, wall_timeout_s: float) -> None:
+        self.inner = inner
+        self.job = inner.job
+        self.host = host
+        self.links = links
+        self.quorum = quorum
+        self.deadline_s = deadline_s
+        self.wall_timeout_s = wall_timeout_s
+        self.sim_time = 0.0
+        self._round: _SimRound | None = None
+
+    # pass-throughs
+    def start(self, timeout: float = 30.0) -> None:
+        self.inner.start(timeout)
+
+    def publish_status(self, status: bytes, *, wait: bool = False) -> None:
+        self.inner.publish_status(status, wait=wait)
+
+    def reset(self, status: bytes) -> None:
+        self.inner.reset(status)
+
+    def flush(self) -> None:
+        self.inner.flush()
+
+    def ack(self, msg: Inbound) -> None:
+        self.inner.ack(msg)
+
+    def close(self) -> None:
+        self.inner.close()
+
+    def describe(self) -> str:
+        return f"emulated links over {self.inner.describe()}"
+
+    # the round
+    def announce_round(self, models: Mapping[str, bytes], announcement: bytes, status: bytes) -> None:
+        ann = decode_message(announcement)
+        assert isinstance(ann, RoundAnnouncement)
+        self.inner.announce_round(models, announcement, status)
+        self.inner.flush()  # the round is retained before any device connects
+        selected = list(ann.selected)
+        lost = [d for d in selected if self.links.dropped(d, ann.round_id)]
+        started = [d for d in selected if d not in lost]
+        self._round = _SimRound(ann.round_id, selected, started, lost, {v: len(p) for v, p in models.items()},
+                                dict(ann.hparams), time.monotonic())
+        self.host.activate(ann.round_id, started)
+
+    def recv(self, timeout: float) -> Inbound | None:
+        end = time.monotonic() + timeout
+        while True:
+            rnd = self._round
+            if rnd is not None and rnd.out:
+                return rnd.out.popleft()
+            msg = self.inner.recv(timeout=max(0.0, min(0.05, end - time.monotonic())))
+            if msg is not None and not self._hold(msg):
+                return msg
+            self._maybe_close()
+            if rnd is not None and rnd.out:
+                return rnd.out.popleft()
+            if msg is None and time.monotonic() >= end:
+                return None
+
+    def more_expected(self, round_id: int) -> bool:
+        rnd = self._round
+        return not (rnd is not None and rnd.round_id == round_id and rnd.final and not rnd.out)
+
+    def round_report(self, round_id: int) -> dict[str, Any]:
+        rnd = self._round
+        return dict(rnd.report) if rnd is not None and rnd.round_id == round_id else {}
+
+    def _hold(self, msg: Inbound) -> bool:
+        """Keep an update of the open round from a started device until the round closes
+        (True: held, or swallowed because its round already closed on the simulated
+        clock)."""
+        rnd = self._round
+        if rnd is None or msg.kind != "update" or msg.device_id not in rnd.started \
+                or msg.device_id in rnd.pending:
+            return False
+        try:
+            m = decode_message(msg.payload)
+        except ProtocolError:
+            return False  # the coordinator rejects it, with its reason
+        if not isinstance(m, Update) or m.round_id != rnd.round_id:
+            return False
+        if rnd.final:  # in wall time after its device was given up on: a straggler
+            rnd.report["sim_late"] = rnd.report.get("sim_late", 0) + 1
+            self.inner.ack(msg)
+            return True
+        dev = self.links.devices[m.device_id]
+        hp = rnd.hparams
+        samples = int(hp.get("steps") or 0) * int(hp.get("batch", 32)) or int(hp.get("epochs", 1)) * len(dev.shard)
+        t = self.links.arrival(m.device_id, rnd.model_bytes.get(dev.variant, 0), samples, len(msg.payload))
+        rnd.pending[m.device_id] = (t, msg)
+        self.host.train_seconds[m.device_id] = m.train_seconds
+        return True
+
+    def _maybe_close(self) -> None:
+        """Once every started device answered (or failed, or ran out of wall time):
+        release the first ``need`` arrivals within the deadline, in device-id order."""
+        rnd = self._round
+        if rnd is None or rnd.final:
+            return
+        timed_out = time.monotonic() - rnd.t0 > self.wall_timeout_s
+        waiting = [d for d in rnd.started if d not in rnd.pending and not self.host.failed(d, rnd.round_id)]
+        if waiting and not timed_out:
+            return
+        arrivals = sorted((t, d) for d, (t, _) in rnd.pending.items())
+        need = max(1, math.ceil(self.quorum * len(rnd.selected)))
+        in_time = [(t, d) for t, d in arrivals if not self.deadline_s or t <= self.deadline_s]
+        chosen = in_time[:need]
+        chosen_ids = {d for _, d in chosen}
+        late = [d for _, d in arrivals if d not in chosen_ids]
+        for d in late:
+            self.inner.ack(rnd.pending[d][1])  # never handed over: the coordinator counts a straggler
+        if len(chosen) >= need or not self.deadline_s:
+            duration = chosen[-1][0] if chosen else 0.0
+        else:
+            duration = self.deadline_s
+        self.sim_time += duration
+        rnd.out.extend(rnd.pending[d][1] for _, d in sorted(chosen, key=lambda x: x[1]))
+        failed = sorted(d for d in rnd.started if d not in rnd.pending)
+        compute = [self.host.train_seconds.get(d, 0.0) for _, d in chosen]
+        rnd.report = {
+            "sim_round_seconds": duration, "sim_time": self.sim_time,
+            "sim_dropouts": len(rnd.lost), "sim_late": len(late), "sim_failed": len(failed),
+            "sim_dropout_ids": sorted(rnd.lost), "sim_late_ids": sorted(late), "sim_failed_ids": failed,
+            "device_train_seconds": float(sum(compute)),
+            "device_wall_seconds": time.monotonic() - rnd.t0,
+        }
+        rnd.final = True
+
+
+def one_thread_torch() -> None:
+    """Float devices and the evaluator compute with one torch thread each: deterministic
+    results (a reduction's order does not depend on the thread count) and no
+    oversubscription of the cores the device threads share."""
+    try:
+        import torch
+    except ImportError:  # the coordinator extra is not installed: no float devices then
+        return
+    torch.set_num_threads(1)

@@ -1,0 +1,275 @@
+"""``fedbit serve``'s job: one TOML file (``fedbit serve --config job.toml``), the flags
+that override it, and :class:`ServeJob`, what the command runs.
+
+The file follows the conventions of :mod:`coordinator.config` (unknown keys are errors
+naming the file and the key; ``examples/job.toml`` shows every section)::
+
+    job = "farm"                # topic prefix fedbit/<job>/
+    model = "digits_cnn"
+    rounds = 20
+    strategy = "fedshift"
+    seed = 0
+    out = "runs/farm"           # run directory: checkpoint, inbox, metrics.jsonl
+    eval_data = "digits:test"   # held-out set: digits:test or a CIFAR-10 folder
+    [strategy_params]           # build_strategy(strategy, **strategy_params)
+    [train]                     # announced to devices (edge_client.hparams), over epochs = 1, batch = 32
+    [round]                     # fraction, min_devices, max_devices, min_present, quorum,
+                                # min_updates, timeout_s, presence_timeout_s
+    [broker]                    # url (an external broker) or the embedded one: embedded,
+                                # port, listen, security, security_dir, hostnames; the
+                                # connection: credentials, mqtt_version, username,
+                                # password_file, ca, cert, key, insecure
+    [admission]                 # max_samples, samples_policy, max_registered, hello_rate, hello_burst
+    [limits]                    # max_payload_bytes, max_abs_value
+    [log]                       # json, level, quiet
+
+Every flag of ``fedbit serve`` sets one of these keys (:data:`FLAGS`; ``--set KEY=VALUE``
+sets any), so a flag and the file never disagree about a default: defaults come from
+:class:`~coordinator.config.ServerConfig`, :class:`~coordinator.ops.admission.AdmissionConfig`
+and ``edge_client.protocol.Limits``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from coordinator.config import (
+    DEFAULT_HPARAMS,
+    NUMBER,
+    ServerConfig,
+    TomlSchema,
+    parse_assignments,
+    read_toml,
+)
+from coordinator.ops.admission import AdmissionConfig
+from edge_client.errors import ConfigError
+from edge_client.protocol import DEFAULT_LIMITS
+
+EMBEDDED_KINDS = ("auto", "mosquitto", "amqtt")
+SECURITY_MODES = ("auto", "none", "password", "tls")
+MQTT_VERSIONS = ("auto", "5", "3.1.1")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+@dataclass
+class BrokerSettings:
+    """Where the coordinator's broker is and how it connects (the ``[broker]`` table).
+
+    ``url`` empty: an embedded broker (``embedded`` kind) on ``127.0.0.1:port`` (0: a free
+    port), or on ``listen`` (``HOST:PORT``) with ``security`` (``auto``: none on loopback,
+    TLS beyond it) and the job's security material in ``security_dir`` (default
+    ``OUT/security``) for the server certificate's ``hostnames``. ``url`` given: that broker,
+    reached with ``credentials`` (the file ``fedbit broker-config`` writes) or ``username`` /
+    ``password_file`` and the TLS files ``ca`` / ``cert`` / ``key``."""
+
+    url: str = ""
+    embedded: str = "auto"
+    port: int = 0
+    listen: str = ""
+    security: str = "auto"
+    security_dir: str = ""
+    hostnames: list[str] = field(default_factory=list)
+    credentials: str = ""
+    mqtt_version: str = "auto"
+    username: str = ""
+    password_file: str = ""
+    ca: str = ""
+    cert: str = ""
+    key: str = ""
+    insecure: bool = False
+
+
+@dataclass
+class ServeJob:
+    """Everything ``fedbit serve`` runs (see the module docstring); ``source`` names the file."""
+
+    server: ServerConfig
+    broker: BrokerSettings
+    out: str
+    eval_data: str = "digits:test"
+    resume: bool = False
+    log_json: bool = False
+    log_level: str = "info"
+    quiet: bool = False
+    source: str = "<flags>"
+
+
+_S, _A, _L, _B = ServerConfig(), AdmissionConfig(), DEFAULT_LIMITS, BrokerSettings()
+SCHEMA = TomlSchema({
+    "": {"job": (str, _S.job), "model": (str, _S.model), "rounds": (int, _S.rounds),
+         "strategy": (str, _S.strategy), "seed": (int, _S.seed), "out": (str, ""),
+         "eval_data": (str, "digits:test"), "resume": (bool, False)},
+    "round": {"fraction": (NUMBER, _S.fraction), "min_devices": (int, _S.min_devices),
+              "max_devices": (int, _S.max_devices), "min_present": (int, _S.min_present),
+              "quorum": (NUMBER, _S.quorum), "min_updates": (int, _S.min_updates),
+              "timeout_s": (NUMBER, _S.round_timeout_s),
+              "presence_timeout_s": (NUMBER, _S.presence_timeout_s)},
+    "broker": {k: ((bool if isinstance(v, bool) else list if isinstance(v, list) else int if isinstance(v, int)
+                    else str), v) for k, v in vars(_B).items()},
+    "admission": {"max_samples": (int, _A.max_samples), "samples_policy": (str, _A.samples_policy),
+                  "max_registered": (int, _A.max_registered), "hello_rate": (NUMBER, _A.hello_rate),
+                  "hello_burst": (int, _A.hello_burst)},
+    "limits": {"max_payload_bytes": (int, _L.max_payload_bytes), "max_abs_value": (NUMBER, _L.max_abs_value)},
+    "log": {"json": (bool, False), "level": (str, "info"), "quiet": (bool, False)},
+}, free=("strategy_params", "train"))
+
+
+def _choice(source: str, key: str, value: Any, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{source}: {key}: {value!r} is not one of {list(allowed)}")
+
+
+def job_from_dict(raw: dict[str, Any], source: str) -> ServeJob:
+    """Validate a job table (file values with the command line's already applied)."""
+    v = SCHEMA.validate(raw, source)
+    top, rnd, adm, lim, log = v[""], v["round"], v["admission"], v["limits"], v["log"]
+    broker = BrokerSettings(**v["broker"])
+    _choice(source, "broker.embedded", broker.embedded, EMBEDDED_KINDS)
+    _choice(source, "broker.security", broker.security, SECURITY_MODES)
+    _choice(source, "broker.mqtt_version", broker.mqtt_version, MQTT_VERSIONS)
+    _choice(source, "log.level", log["level"], LOG_LEVELS)
+    if not all(isinstance(h, str) and h for h in broker.hostnames):
+        raise ConfigError(f"{source}: broker.hostnames: expected a list of names, got {broker.hostnames!r}")
+    if not 0 <= broker.port <= 65535:
+        raise ConfigError(f"{source}: broker.port: must be in 0..65535 (0: a free port), got {broker.port}")
+    if not top["out"]:
+        raise ConfigError(f"{source}: out: no run directory (give --out DIR or `out = \"DIR\"` in the job file)")
+    if lim["max_payload_bytes"] < 1024:
+        raise ConfigError(f"{source}: limits.max_payload_bytes: must be >= 1024, got {lim['max_payload_bytes']}")
+    hparams = copy.deepcopy(DEFAULT_HPARAMS) | v["train"]
+    cfg = ServerConfig(
+        job=top["job"], model=top["model"], rounds=top["rounds"], strategy=top["strategy"],
+        strategy_params=v["strategy_params"], fraction=float(rnd["fraction"]), min_devices=rnd["min_devices"],
+        max_devices=rnd["max_devices"], min_present=rnd["min_present"], quorum=float(rnd["quorum"]),
+        min_updates=rnd["min_updates"], round_timeout_s=float(rnd["timeout_s"]),
+        presence_timeout_s=float(rnd["presence_timeout_s"]), hparams=hparams, seed=top["seed"],
+        limits=replace(DEFAULT_LIMITS, max_payload_bytes=lim["max_payload_bytes"],
+                       max_abs_value=lim["max_abs_value"]),
+        admission=AdmissionConfig(**adm))
+    try:
+        cfg.validate()
+    except ConfigError as exc:
+        raise ConfigError(f"{source}: {exc}") from None
+    return ServeJob(cfg, broker, top["out"], eval_data=top["eval_data"], resume=top["resume"],
+                    log_json=log["json"], log_level=log["level"], quiet=log["quiet"], source=source)
+
+
+def load_job(path: str | Path | None, overrides: dict[str, Any] | None = None) -> ServeJob:
+    """The job of ``path`` (None: defaults only) with dotted ``overrides`` applied."""
+    raw = read_toml(path) if path is not None else {}
+    source = str(path) if path is not None else "<flags>"
+    for key, value in (overrides or {}).items():
+        SCHEMA.set_dotted(raw, key, value, source)
+    return job_from_dict(raw, source)
+
+
+# --------------------------------------------------------------------------- flags
+
+#: ``fedbit serve``'s flags: (flag, dotted key, argparse keyword arguments). Broker
+#: connection and logging flags come from edge_client.connection / edge_client.logs.
+FLAGS: list[tuple[str, str, dict[str, Any]]] = [
+    ("--out", "out", {"metavar": "DIR", "help": "run directory (checkpoint, inbox, metrics.jsonl)"}),
+    ("--resume", "resume", {"action": "store_true", "help": "continue the run in --out"}),
+    ("--job", "job", {"help": "job id (topic prefix fedbit/<job>/)"}),
+    ("--model", "model", {"metavar": "SPEC", "help": "model spec name"}),
+    ("--rounds", "rounds", {"type": int, "metavar": "N"}),
+    ("--strategy", "strategy", {"metavar": "NAME", "help": "aggregation strategy; prowd = ProWD's "
+                                "dequantizer + selective aggregation"}),
+    ("--seed", "seed", {"type": int}),
+    ("--eval-data", "eval_data", {"metavar": "SRC", "help": "held-out set: digits:test or a CIFAR-10 folder"}),
+    ("--fraction", "round.fraction", {"type": float, "metavar": "C", "help": "fraction of present devices per round"}),
+    ("--min-devices", "round.min_devices", {"type": int, "help": "fewest devices selected per round"}),
+    ("--max-devices", "round.max_devices", {"type": int, "help": "most devices selected per round"}),
+    ("--min-present", "round.min_present", {"type": int, "help": "devices that must be present before a "
+                                            "round starts (0: --min-devices)"}),
+    ("--quorum", "round.quorum", {"type": float, "help": "fraction of the selected that closes a round early"}),
+    ("--min-updates", "round.min_updates", {"type": int, "help": "fewer updates at the deadline keep the old model"}),
+    ("--round-timeout", "round.timeout_s", {"type": float, "metavar": "S", "help": "round deadline in seconds"}),
+    ("--presence-timeout", "round.presence_timeout_s", {"type": float, "metavar": "S",
+                                                        "help": "how long to wait for --min-devices devices"}),
+    ("--epochs", "train.epochs", {"type": int, "help": "local epochs per round"}),
+    ("--batch", "train.batch", {"type": int, "help": "local batch size"}),
+    ("--steps", "train.steps", {"type": int, "help": "local steps per round (0: whole epochs)"}),
+    ("--max-payload", "limits.max_payload_bytes", {"type": int, "metavar": "BYTES", "help": "largest accepted update"}),
+    ("--max-abs-value", "limits.max_abs_value", {"type": float, "metavar": "X", "help": "reject updates carrying "
+                                                 "a value with |v| > X (shared float domain)"}),
+    ("--embedded", "broker.embedded", {"choices": list(EMBEDDED_KINDS), "help": "embedded broker kind "
+                                       "(auto: mosquitto when on PATH, else amqtt)"}),
+    ("--port", "broker.port", {"type": int, "help": "TCP port of the embedded broker on 127.0.0.1 (0: a free one)"}),
+    ("--listen", "broker.listen", {"metavar": "HOST:PORT", "help": "where the embedded broker listens for devices "
+                                   "(0.0.0.0:8883: every interface); beyond loopback it takes TLS, "
+                                   "per-device passwords and an ACL"}),
+    ("--security", "broker.security", {"choices": list(SECURITY_MODES), "help": "embedded broker security "
+                                       "(auto: none on loopback, tls beyond it)"}),
+    ("--security-dir", "broker.security_dir", {"metavar": "DIR", "help": "the job's CA, registry, password file "
+                                               "and ACL (default OUT/security; with --broker: the folder "
+                                               "fedbit broker-config wrote)"}),
+    ("--hostname", "broker.hostnames", {"action": "append", "metavar": "NAME", "help": "a name devices dial, for "
+                                        "the server certificate (repeatable; default: this host's names)"}),
+    ("--max-samples", "admission.max_samples", {"type": int, "metavar": "N", "help": "job-wide cap of an "
+                                                "update's num_samples (0: none; enrolment and hello "
+                                                "declarations bound it too)"}),
+    ("--samples-policy", "admission.samples_policy", {"choices": ["clip", "reject"], "help": "an update claiming "
+                                                      "more samples than its bound: clipped or rejected"}),
+    ("--max-registered", "admission.max_registered", {"type": int, "metavar": "N", "help": "most devices the job registers"}),
+    ("--hello-rate", "admission.hello_rate", {"type": float, "metavar": "PER_S", "help": "hello/presence "
+                                              "messages per device per second (after --hello-burst)"}),
+    ("--hello-burst", "admission.hello_burst", {"type": int, "metavar": "N"}),
+    ("--quiet", "log.quiet", {"action": "store_true", "help": "no progress display"}),
+]
+#: the shared connection and logging options' keys in the job file
+CONNECTION_KEYS = {name: f"broker.{'url' if name == 'broker' else name}" for name in
+                   ("broker", "credentials", "mqtt_version", "username", "password_file", "ca", "cert", "key",
+                    "insecure")}
+LOG_KEYS = {"json": "log.json", "level": "log.level"}
+
+
+def default_of(key: str) -> Any:
+    """The default of a dotted key (for help texts; None where there is none)."""
+    sec, dot, name = key.partition(".")
+    if sec == "train":
+        return DEFAULT_HPARAMS.get(name)
+    return SCHEMA.sections[sec if dot else ""][name if dot else sec][1]
+
+
+def add_job_options(p: argparse.ArgumentParser) -> None:
+    """``--config``, ``--set``, ``--strategy-param``, ``--hparam`` and every flag of
+    :data:`FLAGS`, each stored under its dotted key only when given."""
+    from edge_client.connection import add_connection_options
+    from edge_client.logs import add_logging_options
+
+    p.add_argument("--config", metavar="FILE", help="the job file (TOML); flags and --set override it")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", dest="set_items",
+                   help="set any key of the job file, dotted for sections (round.quorum=0.8)")
+    p.add_argument("--strategy-param", action="append", metavar="K=V", dest="strategy_param_items",
+                   help="strategy parameter (tau=0.1; the dequantizer's as dequantize.K=V)")
+    p.add_argument("--hparam", action="append", metavar="K=V", dest="hparam_items",
+                   help="announced hyper-parameter (lr=0.1, float_forward=int8)")
+    for flag, key, kw in FLAGS:
+        kw = dict(kw)
+        d = default_of(key)
+        if kw.get("action") != "store_true" and d not in ("", [], None):
+            kw["help"] = f"{kw.get('help', '')} (default: {d})".lstrip()
+        if "metavar" not in kw and "choices" not in kw and "action" not in kw:
+            kw["metavar"] = {int: "N", float: "X"}.get(kw.get("type"), "VALUE")
+        p.add_argument(flag, dest=key, default=argparse.SUPPRESS, **kw)
+    add_connection_options(p, dest=CONNECTION_KEYS, suppress=True,
+                           credentials_help="the coordinator's credentials file for --broker (fedbit "
+                                            "broker-config writes DIR/coordinator.toml)")
+    add_logging_options(p, dest=LOG_KEYS, suppress=True)
+
+
+def job_from_args(args: argparse.Namespace) -> ServeJob:
+    """The job file of ``--config`` (if any) with the flags given, then ``--strategy-param``,
+    ``--hparam`` and ``--set``, applied in that order."""
+    keys = {key for _, key, _ in FLAGS} | set(CONNECTION_KEYS.values()) | set(LOG_KEYS.values())
+    overrides = {k: v for k, v in vars(args).items() if k in keys}
+    overrides |= {f"strategy_params.{k}": v
+                  for k, v in parse_assignments(args.strategy_param_items, "--strategy-param").items()}
+    overrides |= {f"train.{k}": v for k, v in parse_assignments(args.hparam_items, "--hparam").items()}
+    overrides |= parse_assignments(args.set_items, "--set")
+    return load_job(args.config, overrides)

@@ -1,0 +1,112 @@
+"""The integer engine's building blocks: one op of a network in the engine's layout
+(:class:`Op`), the integer buffers of a training or evaluation pass (:class:`Workspace`)
+and the FedProx / FedFOR terms in integers (:class:`Regularizer`).
+:class:`~edge_client.intnn.model.IntModel` builds and uses them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+def plane_len(n: int, h: int, w: int, pad: int) -> int:
+    """Row length of the padded planar layout of n samples of h x w (kernels, stride-1
+    conv): ``pad*wp + pad + n*(h + pad)*wp`` with ``wp = w + pad``."""
+    wp = w + pad
+    return pad * wp + pad + n * (h + pad) * wp
+
+
+def internal_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Spec activation shape [C, H, W] -> engine layout (H, W, C); [F] unchanged."""
+    if len(shape) == 3:
+        c, h, w = shape
+        return (h, w, c)
+    return tuple(shape)
+
+
+@dataclass
+class Op:
+    kind: str                      # "conv" | "linear" | "pool" | "relu" | "flatten"
+    layer: object
+    in_shape: tuple[int, ...]      # internal, without batch
+    out_shape: tuple[int, ...]
+    param: int = -1                # index into the weight list
+    relu: bool = False             # fused ReLU (conv/linear)
+    shift: int = 0                 # forward rounding shift 1 + log2 alpha
+    perm: np.ndarray | None = None  # Linear after Flatten: internal column -> spec column
+    needs_input_error: bool = False
+    grad_int64: bool = False
+    grad_mode: str = ""            # conv weight gradient: "int64" | "sparse" | "plane" | "dot"
+
+    @property
+    def plane(self) -> bool:
+        """A stride-1 conv: computed from the padded planar layout (kernels.*_plane)."""
+        return self.kind == "conv" and self.layer.stride == 1
+
+
+@dataclass
+class Workspace:
+    """Integer buffers for batches of up to ``capacity`` samples (all views are [:n]).
+
+    Per op (lists indexed like ``IntModel.ops``, None where unused): ``acts`` outputs
+    (s-bit), ``idx`` max-pool winners (int32), ``eq`` quantized errors at conv/linear
+    outputs (s-bit), ``err_in`` raw errors at op inputs (int32), ``patch`` int32 [O]
+    accumulators of the sparse conv (int32 [N, O] for a linear layer's forward), ``pbuf``
+    [K*K*C] backward-data scratch (int16 when ``O * amax`` fits, else int32),
+    ``gacc`` [O] gradient scratch (int64 path), ``col_t`` the transposed im2col
+    [K*K*C, pixels] (s-bit), ``e_t`` errors transposed [O, pixels], ``pacc``/``pacc16``/
+    ``ptile`` pixel-block accumulators and finished outputs of the conv forward;
+    stride-1 convs use ``plane`` (the input in the padded planar layout, [C, plane_len])
+    and ``offs`` (int32 [K*K*C] run offsets) instead of an im2col in the forward, and
+    ``col_t``/``e_t`` are then [K*K*C | O, G*Ho*(W+pad)] (runs copied from the plane for
+    G = PLANE_GRAD_GROUP samples at a time).
+    ``a_pad`` (the input with zero borders, NHWC) and ``gt`` ([O, K*K*C], gradient
+    dtype) serve the error-driven conv weight gradient (``grad_mode == "sparse"``).
+    ``grad32``/``grad64``: one weight gradient buffer shared by all layers; ``extra``:
+    FedProx/FedFOR numerators (int64, only touched when those terms are on).
+    """
+
+    capacity: int
+    x: np.ndarray
+    acts: list[np.ndarray]
+    idx: list[np.ndarray | None]
+    eq: list[np.ndarray | None]
+    err_in: list[np.ndarray | None]
+    err_out: np.ndarray
+    patch: list[np.ndarray | None]
+    pbuf: list[np.ndarray | None]
+    gacc: list[np.ndarray | None]
+    col_t: list[np.ndarray | None]
+    e_t: list[np.ndarray | None]
+    pacc: list[np.ndarray | None]
+    pacc16: list[np.ndarray | None]
+    ptile: list[np.ndarray | None]
+    plane: list[np.ndarray | None]
+    offs: list[np.ndarray | None]
+    a_pad: list[np.ndarray | None]
+    gt: list[np.ndarray | None]
+    grad32: np.ndarray
+    grad64: np.ndarray
+    extra: np.ndarray
+    train: bool = True
+
+
+@dataclass
+class Regularizer:
+    """FedProx / FedFOR terms in integers (built by ``IntTrainer``; the derivation is in
+    :mod:`edge_client.trainers`). Per weight and step the update gets
+    ``stoch_round(((mu_q * (w - anchor)) << d_shift + alpha_q * g [g (w - anchor) > 0]) / 2^shift)``
+    LSBs of the storage grid."""
+
+    anchor: list[np.ndarray]      # received global weights, storage grid, internal layout
+    step_g: list[np.ndarray]      # FedFOR's g = w_{t-1} - w_t, int32, 2^d_shift finer than the grid
+    mu_q: int                     # step * mu, fixed point (frac_bits fractional bits)
+    alpha_q: int                  # step * alpha, fixed point (frac_bits fractional bits)
+    d_shift: int                  # log2 of the g grid's refinement: 30 - s_g
+    shift: int                    # frac_bits + d_shift: the numerator's unit -> LSBs
+
+    @property
+    def active(self) -> bool:
+        return self.mu_q != 0 or self.alpha_q != 0

@@ -1,0 +1,116 @@
+"""What both trainers share: defaults, the :class:`Trainer` protocol, :class:`TrainReport`
+and the checks of ``train``'s arguments (see :mod:`edge_client.trainers`)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+
+from edge_client.data import Dataset
+from edge_client.errors import ConfigError, TrainingError
+from firmware_models import ModelSpec, get_spec
+
+DEFAULT_LR_SHIFT = 3      # eta_8 = 2^3 = 8 LSBs (ProWD appendix A: eta = 8)
+# Measured on digits_cnn (3 seeds, 20 epochs, lr/8 for the last 6): lr 1.0 -> 98-99% test
+# accuracy, 0.3 -> 97%; one round on a 360-sample shard: 38-44% (1.0) vs 24% (0.3).
+# The large value fits this domain: weights are clipped to +-0.5 and outputs divided by
+# alpha_l, so the gradients are small; the gradient norm is clipped to 2.0 anyway.
+DEFAULT_TORCH_LR = 1.0
+DEFAULT_MOMENTUM = 0.9    # float devices' SGD momentum (ProWD appendix A)
+EVAL_CAPACITY = 64        # integer evaluation runs at most this many samples at a time (RSS)
+FIXED_POINT_BITS = 20     # fractional bits of the FedProx/FedFOR coefficients on devices
+STEP_G_BITS = 29          # FedFOR's g on integer devices: round(g * 2^29), int32
+INT32_MAX = (1 << 31) - 1
+
+
+@dataclass
+class TrainReport:
+    """What one call of ``train`` did: steps, samples seen, mean loss, wall seconds."""
+
+    steps: int
+    samples: int
+    loss: float
+    seconds: float
+
+
+@runtime_checkable
+class Trainer(Protocol):
+    spec: ModelSpec
+    bits: int
+
+    def load_shared(self, weights: list[np.ndarray]) -> None: ...
+
+    def to_shared(self) -> list[np.ndarray]: ...
+
+    def train(self, data: Dataset, *, epochs: int = 1, steps: int | None = None,
+              batch: int = 32, prox_mu: float = 0.0, fedfor_alpha: float = 0.0,
+              last_global_step: list[np.ndarray] | None = None, lr: float | None = None,
+              momentum: float | None = None) -> TrainReport: ...
+
+    def evaluate(self, data: Dataset, batch: int = 256) -> tuple[float, float]: ...
+
+
+def as_spec(spec: ModelSpec | str) -> ModelSpec:
+    if isinstance(spec, str):
+        return get_spec(spec)
+    if not isinstance(spec, ModelSpec):
+        raise ConfigError(f"expected a ModelSpec or a model name, got {type(spec).__name__}")
+    return spec
+
+
+def check_train_args(data: Dataset, spec: ModelSpec, epochs: int, steps: int | None,
+                      batch: int, prox_mu: float, fedfor_alpha: float,
+                      last_global_step: list[np.ndarray] | None) -> int:
+    """Validate; return the number of steps to run."""
+    if len(data) == 0:
+        raise TrainingError("train: the data set is empty")
+    if tuple(data.x.shape[1:]) != tuple(spec.input_shape):
+        raise TrainingError(f"{spec.name}: samples of shape {list(data.x.shape[1:])}, "
+                            f"expected {list(spec.input_shape)}")
+    if batch < 1:
+        raise ConfigError(f"batch must be >= 1, got {batch}")
+    if not (prox_mu >= 0 and fedfor_alpha >= 0 and math.isfinite(prox_mu + fedfor_alpha)):
+        raise ConfigError(f"prox_mu and fedfor_alpha must be finite and >= 0, got {prox_mu}, "
+                          f"{fedfor_alpha}")
+    if last_global_step is not None:
+        shapes = spec.param_shapes()
+        if len(last_global_step) != len(shapes) or any(
+                tuple(np.shape(g)) != tuple(s)
+                for g, s in zip(last_global_step, shapes, strict=False)):
+            raise TrainingError(f"{spec.name}: last_global_step does not match the model")
+    if data.y.min() < 0 or data.y.max() >= spec.num_classes:
+        raise TrainingError(f"{spec.name}: labels outside 0..{spec.num_classes - 1}")
+    if steps is not None:
+        if steps < 0:
+            raise ConfigError(f"steps must be >= 0, got {steps}")
+        return int(steps)
+    if epochs < 0:
+        raise ConfigError(f"epochs must be >= 0, got {epochs}")
+    return int(epochs) * math.ceil(len(data) / batch)
+
+
+def check_sgd(lr: float, momentum: float) -> None:
+    if not (math.isfinite(lr) and lr > 0):
+        raise ConfigError(f"lr must be > 0, got {lr}")
+    if not 0.0 <= momentum < 1.0:
+        raise ConfigError(f"momentum must be in [0, 1), got {momentum}")
+
+
+def batches(n_samples: int, batch: int, n_steps: int, rng: np.random.Generator):
+    """Index arrays of ``n_steps`` batches, reshuffling each epoch (last batch may be short)."""
+    done = 0
+    while done < n_steps:
+        perm = rng.permutation(n_samples)
+        for s in range(0, n_samples, batch):
+            if done == n_steps:
+                return
+            yield perm[s:s + batch]
+            done += 1
+
+
+# ============================================================================ integer
+
+

@@ -1,0 +1,304 @@
+"""TorchTrainer: float32 local training of the shared domain, with the float forward or an
+integer devices' forward (``forward="int<s>"``). torch is imported only when one is built."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import numpy as np
+
+from edge_client.data import Dataset
+from edge_client.errors import ConfigError, ProtocolError, TrainingError
+from edge_client.intnn.quant import (
+    DEFAULT_CLIP,
+    TERNARY_WEIGHT,
+    alpha_shifts,
+    grid_scale,
+    init_shared,
+    ternary_threshold,
+)
+from edge_client.protocol import FLOAT_VARIANT, variant_bits
+from edge_client.trainers.common import (
+    DEFAULT_MOMENTUM,
+    DEFAULT_TORCH_LR,
+    TrainReport,
+    as_spec,
+    batches,
+    check_sgd,
+    check_train_args,
+)
+from firmware_models import Conv2d, Flatten, Linear, MaxPool2d, ModelSpec, ReLU
+
+
+class TorchTrainer:
+    """float32 local training of the same parameter domain (ALGORITHMS.md §2).
+
+    Forward ``layer(a, W) / alpha_l`` (no quantization), softmax cross-entropy, SGD with
+    momentum (fresh each :meth:`train` call), gradient-norm clipping of the data gradient
+    (the FedProx / FedFOR terms are added after it), and ``W`` clamped to
+    ``[-clip, clip]`` after every step. ``weight_standardization`` (FedWSQ): each output
+    channel's weights are standardized, ``W~ = rho (W - mean) / std`` with ``rho = 1e-3``
+    (FedWSQ's value), and, since these models have no normalization layer after it, the
+    layer output is rescaled by ``sqrt(2 / fan_in) / rho`` (He gain).
+
+    ``forward``: the network it trains and evaluates. ``"float32"`` (default): the float
+    forward above. ``"int<s>"``: the s-bit integer devices' forward (:mod:`edge_client.intnn`,
+    ALGORITHMS.md §1), computed in float32 so that one global model is one function for
+    every group: inputs ``round(x (S - 1)) / S`` (``S = 2^(s-1)``), weights
+    ``0.5 ternary(W)`` (``|round(W S(s_g))| > S(s_g)/4``, as the device ternarizes its grid
+    integers), each conv/linear output divided by ``alpha_l`` (the integer shift by
+    ``1 + log2 alpha_l`` of ``sum t a``), ReLU, rounded half away from zero to the 1/S grid
+    and clipped to ``+-(S - 1)/S``; the logits are the integer engine's divided by S
+    (exactly: every partial sum is a multiple of 2^-(s + 1) far below 2^24). Gradients
+    are straight-through: to ``W`` through the ternary weights, through the rounding and
+    the upper clip (the ReLU masks), as the integer backward passes its errors. Its loss
+    is the integer devices' (WAGE's SSE against ``(S - 1)/S`` one-hot) unless ``loss`` is
+    given; weight standardization does not apply to it.
+    """
+
+    def __init__(self, spec: ModelSpec | str, lr: float = DEFAULT_TORCH_LR, seed: int = 0,
+                 weight_standardization: bool = False, momentum: float = DEFAULT_MOMENTUM,
+                 grad_clip: float = 2.0, clip: float = DEFAULT_CLIP, ws_rho: float = 1e-3,
+                 loss: str | None = None, forward: str = FLOAT_VARIANT) -> None:
+        import torch
+
+        self._torch = torch
+        self.spec = as_spec(spec)
+        self.bits = 32
+        check_sgd(lr, momentum)
+        self.forward_bits = forward_bits(forward)
+        if loss not in (None, "ce", "sse"):
+            raise ConfigError(f"loss must be 'ce' or 'sse', got {loss!r}")
+        if weight_standardization and self.forward_bits != 32:
+            raise ConfigError(f"weight standardization applies to the float forward, not {forward!r}")
+        self.lr = float(lr)
+        self.momentum = float(momentum)
+        self.grad_clip = float(grad_clip)
+        self.clip = float(clip)
+        self.seed = int(seed)
+        self.weight_standardization = bool(weight_standardization)
+        self.ws_rho = float(ws_rho)
+        self.loss_kind = loss  # None: CE for the float forward, SSE for an integer one
+        self._alpha = [float(1 << a) for a in alpha_shifts(self.spec)]
+        self._calls = 0
+        self.params = [torch.tensor(w, dtype=torch.float32, requires_grad=True)
+                       for w in init_shared(self.spec, seed, clip)]
+
+    # weights ---------------------------------------------------------------
+
+    def load_shared(self, weights: list[np.ndarray]) -> None:
+        shapes = self.spec.param_shapes()
+        if len(weights) != len(shapes):
+            raise TrainingError(f"{self.spec.name}: expected {len(shapes)} weight tensors, "
+                                f"got {len(weights)}")
+        with self._torch.no_grad():
+            for i, (p, w, s) in enumerate(zip(self.params, weights, shapes, strict=True)):
+                w = np.asarray(w, dtype=np.float32)
+                if tuple(w.shape) != tuple(s):
+                    raise TrainingError(f"{self.spec.name}: weight {i} has shape "
+                                        f"{list(w.shape)}, expected {list(s)}")
+                if not np.all(np.isfinite(w)):
+                    raise TrainingError(f"{self.spec.name}: weight {i} has NaN/Inf values")
+                p.copy_(self._torch.from_numpy(np.ascontiguousarray(w)))
+
+    def to_shared(self) -> list[np.ndarray]:
+        return [p.detach().cpu().numpy().astype(np.float32, copy=True) for p in self.params]
+
+    # model -----------------------------------------------------------------
+
+    def _effective(self, i: int, w, ws: bool):
+        if not ws:
+            return w, 1.0 / self._alpha[i]
+        flat = w.reshape(w.shape[0], -1)
+        mean = flat.mean(dim=1, keepdim=True)
+        std = flat.std(dim=1, unbiased=False, keepdim=True)
+        ws = self.ws_rho * (flat - mean) / (std + 1e-8)
+        gain = math.sqrt(2.0 / flat.shape[1]) / self.ws_rho
+        return ws.reshape(w.shape), gain
+
+    def forward(self, x, ws: bool | None = None, bits: int | None = None):
+        """Logits of a float32 batch ``x`` [N, C, H, W] (torch tensor) in [0, 1]; ``ws``:
+        weight standardization; ``bits``: 32 for the float forward, s for the s-bit integer
+        forward (class docstring). None: the trainer's settings."""
+        bits = self.forward_bits if bits is None else bits
+        if bits != 32:
+            return self._int_forward(x, bits)
+        F = self._torch.nn.functional
+        ws = self.weight_standardization if ws is None else ws
+        h = x
+        p = 0
+        for layer in self.spec.layers:
+            if isinstance(layer, Conv2d):
+                w, scale = self._effective(p, self.params[p], ws)
+                h = F.conv2d(h, w, stride=layer.stride, padding=layer.padding) * scale
+                p += 1
+            elif isinstance(layer, Linear):
+                w, scale = self._effective(p, self.params[p], ws)
+                h = F.linear(h, w) * scale
+                p += 1
+            elif isinstance(layer, ReLU):
+                h = F.relu(h)
+            elif isinstance(layer, MaxPool2d):
+                h = F.max_pool2d(h, layer.kernel, stride=layer.step, padding=layer.padding)
+            elif isinstance(layer, Flatten):
+                h = h.flatten(1)
+        return h
+
+    def _int_forward(self, x, bits: int):
+        """The s-bit integer devices' forward in float32, straight-through (class docstring)."""
+        torch = self._torch
+        F = torch.nn.functional
+        s_one = float(1 << (bits - 1))        # S(s): the activations' scale
+        amax = s_one - 1.0
+        g_one = float(grid_scale(bits))       # S(s_g): the weights' storage grid
+        thr = float(ternary_threshold(bits))
+        h = torch.round(x.clamp(0.0, 1.0) * amax) / s_one
+        layers = self.spec.layers
+        p = 0
+        for i, layer in enumerate(layers):
+            if isinstance(layer, (Conv2d, Linear)):
+                w = self.params[p]
+                with torch.no_grad():
+                    q = torch.round(w * g_one)  # the device's grid integers (half to even)
+                    wt = TERNARY_WEIGHT * ((q > thr).to(w.dtype) - (q < -thr).to(w.dtype))
+                w = w + (wt - w).detach()
+                if isinstance(layer, Conv2d):
+                    h = F.conv2d(h, w, stride=layer.stride, padding=layer.padding)
+                else:
+                    h = F.linear(h, w)
+                h = h / self._alpha[p]
+                relu = i + 1 < len(layers) and isinstance(layers[i + 1], ReLU)
+                if relu:
+                    h = F.relu(h)
+                with torch.no_grad():
+                    v = h * s_one  # round half away from zero, as the integer shift does
+                    hq = torch.sign(v) * torch.floor(v.abs() + 0.5)
+                    hq = hq.clamp(0.0 if relu else -amax, amax) / s_one
+                h = h + (hq - h).detach()
+                p += 1
+            elif isinstance(layer, ReLU):
+                h = F.relu(h)
+            elif isinstance(layer, MaxPool2d):
+                h = F.max_pool2d(h, layer.kernel, stride=layer.step, padding=layer.padding)
+            elif isinstance(layer, Flatten):
+                h = h.flatten(1)
+        return h
+
+    def _loss(self, logits, y, bits: int | None = None):
+        F = self._torch.nn.functional
+        bits = self.forward_bits if bits is None else bits
+        if (self.loss_kind or ("ce" if bits == 32 else "sse")) == "ce":
+            return F.cross_entropy(logits, y)
+        # SSE against the integer devices' target (S - 1)/S for an integer forward
+        target = 0.5 if bits == 32 else 1.0 - 1.0 / (1 << (bits - 1))
+        onehot = F.one_hot(y, self.spec.num_classes).to(logits.dtype) * target
+        return ((logits - onehot) ** 2).sum(dim=1).mean()
+
+    # training --------------------------------------------------------------
+
+    def train(self, data: Dataset, *, epochs: int = 1, steps: int | None = None,
+              batch: int = 32, prox_mu: float = 0.0, fedfor_alpha: float = 0.0,
+              last_global_step: list[np.ndarray] | None = None, lr: float | None = None,
+              momentum: float | None = None, grad_clip: float | None = None,
+              weight_standardization: bool | None = None,
+              forward: str | None = None) -> TrainReport:
+        """Local SGD; loss reported is the mean training loss (CE or SSE) over the steps.
+        ``lr``, ``momentum``, ``grad_clip``, ``weight_standardization``, ``forward`` (the
+        network trained: ``float32`` or ``int<s>``, class docstring): this call's values
+        (None: the trainer's)."""
+        torch = self._torch
+        n_steps = check_train_args(data, self.spec, epochs, steps, batch, prox_mu,
+                                    fedfor_alpha, last_global_step)
+        lr = self.lr if lr is None else float(lr)
+        momentum = self.momentum if momentum is None else float(momentum)
+        check_sgd(lr, momentum)
+        grad_clip = self.grad_clip if grad_clip is None else float(grad_clip)
+        if not grad_clip >= 0:
+            raise ConfigError(f"grad_clip must be >= 0, got {grad_clip}")
+        ws = self.weight_standardization if weight_standardization is None else bool(weight_standardization)
+        bits = self.forward_bits if forward is None else forward_bits(forward)
+        if ws and bits != 32:
+            raise ConfigError(f"weight standardization applies to the float forward, not {forward!r}")
+        t0 = time.perf_counter()
+        rng = np.random.default_rng([self.seed, self._calls])
+        self._calls += 1
+        anchor = [p.detach().clone() for p in self.params]
+        gsteps = None
+        if fedfor_alpha > 0 and last_global_step is not None:
+            gsteps = [torch.from_numpy(np.asarray(g, dtype=np.float32)) for g in last_global_step]
+        buffers: list = [None] * len(self.params)  # momentum buffers, fresh each call
+        x_all = torch.from_numpy(np.ascontiguousarray(data.x, dtype=np.float32))
+        y_all = torch.from_numpy(np.ascontiguousarray(data.y, dtype=np.int64))
+        total = 0.0
+        samples = 0
+        for idx in batches(len(data), batch, n_steps, rng):
+            ti = torch.from_numpy(idx)
+            xb, yb = x_all[ti], y_all[ti]
+            for p in self.params:
+                if p.grad is not None:
+                    p.grad.zero_()
+            loss = self._loss(self.forward(xb, ws, bits), yb, bits)
+            loss.backward()
+            if grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(self.params, grad_clip)
+            if prox_mu > 0 or gsteps is not None:
+                with torch.no_grad():
+                    for i, p in enumerate(self.params):
+                        d = p - anchor[i]
+                        if prox_mu > 0:
+                            p.grad.add_(d, alpha=prox_mu)
+                        if gsteps is not None:
+                            g = gsteps[i]
+                            p.grad.add_(torch.where(g * d > 0, g, torch.zeros_like(g)),
+                                        alpha=fedfor_alpha)
+            with torch.no_grad():
+                sgd_step(self.params, buffers, lr, momentum)
+                for p in self.params:
+                    p.clamp_(-self.clip, self.clip)
+            total += float(loss.detach()) * len(idx)
+            samples += len(idx)
+        loss_mean = total / samples if samples else 0.0
+        return TrainReport(n_steps, samples, loss_mean, time.perf_counter() - t0)
+
+    def evaluate(self, data: Dataset, batch: int = 256) -> tuple[float, float]:
+        """(mean loss, accuracy in [0, 1]) of the current weights on ``data``."""
+        torch = self._torch
+        if len(data) == 0:
+            raise TrainingError("evaluate: the data set is empty")
+        x_all = torch.from_numpy(np.ascontiguousarray(data.x, dtype=np.float32))
+        y_all = torch.from_numpy(np.ascontiguousarray(data.y, dtype=np.int64))
+        total = 0.0
+        hits = 0
+        with torch.no_grad():
+            for s in range(0, len(data), batch):
+                xb, yb = x_all[s:s + batch], y_all[s:s + batch]
+                logits = self.forward(xb)
+                total += float(self._loss(logits, yb)) * len(yb)
+                hits += int((logits.argmax(dim=1) == yb).sum())
+        return total / len(data), hits / len(data)
+
+
+def forward_bits(forward: str) -> int:
+    """The bitwidth of a forward name: 32 for ``float32`` (the float forward), s for
+    ``int<s>`` (the s-bit integer devices' forward); ConfigError otherwise."""
+    try:
+        return variant_bits(str(forward))
+    except ProtocolError:
+        raise ConfigError(f"forward must be 'float32' or 'int2'..'int16', got {forward!r}") from None
+
+
+def sgd_step(params: list, buffers: list, lr: float, momentum: float) -> None:
+    """One step of SGD with momentum, as ``torch.optim.SGD`` computes it (dampening 0, no
+    Nesterov, no weight decay; the same operations, so the same bits): ``b <- grad`` on the
+    first step, then ``b <- momentum * b + grad``; ``p <- p - lr * b``. Written out because
+    constructing ``torch.optim.SGD`` imports ``torch._dynamo`` (~70 MB of RSS on a device)."""
+    for i, p in enumerate(params):
+        g = p.grad
+        if momentum:
+            if buffers[i] is None:
+                buffers[i] = g.detach().clone()
+            else:
+                buffers[i].mul_(momentum).add_(g)
+            g = buffers[i]
+        p.add_(g, alpha=-lr)
