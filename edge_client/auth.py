@@ -29,12 +29,12 @@ import hmac
 import json
 import os
 import stat
-import tomllib
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from edge_client.compat import tomllib
 from edge_client.errors import ConfigError, ProtocolError
 
 #: bytes of a MAC key and of a MAC

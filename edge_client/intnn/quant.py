@@ -12,6 +12,7 @@ import math
 
 import numpy as np
 
+from edge_client.compat import zip_strict
 from edge_client.errors import ConfigError, TrainingError
 from firmware_models import ModelSpec
 
@@ -95,7 +96,7 @@ def init_shared(spec: ModelSpec, seed: int, clip: float = DEFAULT_CLIP) -> list[
 def _init_layers(spec: ModelSpec, seed: int, clip: float):
     """Yield the eq. 10 initial weights layer by layer (float32, one layer alive at a time)."""
     rng = np.random.default_rng(seed)
-    for shape, fan_in in zip(spec.param_shapes(), spec.fan_ins(), strict=True):
+    for shape, fan_in in zip_strict(spec.param_shapes(), spec.fan_ins()):
         bound = np.float32(max(0.75, math.sqrt(3.0 / fan_in)))
         w = rng.random(size=shape, dtype=np.float32)  # float32 throughout: small peak RSS
         w *= np.float32(2.0) * bound
