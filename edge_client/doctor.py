@@ -48,10 +48,11 @@ class Check:
 def check_python(profile: Any, version: tuple[int, ...] | None = None) -> Check:
     """Python >= the profile's ``python`` (the oldest its images ship; at least 3.9)."""
     v = tuple(sys.version_info[:3]) if version is None else tuple(version)
-    need = profile.python_floor
-    found = ".".join(map(str, v))
-    return Check("python", v[:2] >= need, f"{found} (the {profile.name} profile needs >= "
-                 f"{profile.python}{'' if v[:2] >= need else '; ' + (profile.image or 'a newer image')})")
+    ok = v[:2] >= profile.python_floor
+    detail = f"{'.'.join(map(str, v))} (the {profile.name} profile needs >= {profile.python}"
+    if not ok:  # say which image brings it
+        detail += f"; {profile.image or 'a newer image'}"
+    return Check("python", ok, detail + ")")
 
 
 def os_name(os_release: str = "/etc/os-release") -> str:
