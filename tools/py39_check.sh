@@ -71,14 +71,16 @@ print(f"{len(names)} device modules import on Python {sys.version.split()[0]}")
 PYEOF
 passed+=("every device module imports (-W error), no torch or coordinator")
 
-inside "$ROOT" "$V/bin/fedbit-edge" --version | grep -qx "fedbit-edge 0.1.0" || fail "fedbit-edge --version"
-inside "$ROOT" "$V/bin/fedbit-edge" profiles | grep -q "raspberry-pi-4 .*>=3.9 " || fail "fedbit-edge profiles"
+# (outputs captured whole: grep -q on a pipe may close it under the command, which then fails)
+[ "$(inside "$ROOT" "$V/bin/fedbit-edge" --version)" = "fedbit-edge 0.1.0" ] || fail "fedbit-edge --version"
+profiles=$(inside "$ROOT" "$V/bin/fedbit-edge" profiles) || fail "fedbit-edge profiles"
+grep -q "raspberry-pi-4 .*>=3.9 " <<< "$profiles" || { echo "$profiles"; fail "fedbit-edge profiles"; }
 doc=$(inside "$ROOT" "$V/bin/fedbit-edge" doctor --profile raspberry-pi-4) || { echo "$doc"; fail "doctor raspberry-pi-4"; }
-echo "$doc" | grep -q "^PASS  python: $pyver (the raspberry-pi-4 profile needs >= 3.9)" || { echo "$doc"; fail "doctor's python check"; }
+grep -q "^PASS  python: $pyver (the raspberry-pi-4 profile needs >= 3.9)" <<< "$doc" || { echo "$doc"; fail "doctor's python check"; }
 if doc5=$(inside "$ROOT" "$V/bin/fedbit-edge" doctor --profile raspberry-pi-5); then
     echo "$doc5"; fail "doctor passed Python $pyver for raspberry-pi-5 (bookworm: >= 3.11)"
 fi
-echo "$doc5" | grep -q "^FAIL  python: $pyver (the raspberry-pi-5 profile needs >= 3.11" || { echo "$doc5"; fail "doctor raspberry-pi-5"; }
+grep -q "^FAIL  python: $pyver (the raspberry-pi-5 profile needs >= 3.11" <<< "$doc5" || { echo "$doc5"; fail "doctor raspberry-pi-5"; }
 if refused=$(inside "$ROOT" "$V/bin/fedbit" --help 2>&1); then fail "fedbit ran on Python $pyver"; fi
 [ "$refused" = "fedbit: error: the fedbit coordinator needs Python >= 3.11, this is Python $pyver; on this Python only the device side runs (fedbit-edge, edge_client), see docs/device.md" ] \
     || { echo "$refused"; fail "fedbit's refusal"; }
@@ -86,7 +88,7 @@ passed+=("fedbit-edge --version/profiles/doctor (Pi 4 floor 3.9 passes, Pi 5 flo
 
 # ---------------------------------------------------------------- Int8 training and encode
 warm=$(inside "$ROOT" "$V/bin/fedbit-edge" warmup --profile raspberry-pi-4 --model fedshift_cnn 2>/dev/null | tail -1)
-echo "$warm" | grep -q '"bits": 8' || { echo "$warm"; fail "Int8 training and encode (fedbit-edge warmup)"; }
+grep -q '"bits": 8' <<< "$warm" || { echo "$warm"; fail "Int8 training and encode (fedbit-edge warmup)"; }
 lap; passed+=("Int8 fedshift_cnn training step and int-8 encode: $warm ($LAP)")
 
 # ---------------------------------------------------------------- the device-side tests
