@@ -110,7 +110,7 @@ NUMBA_CACHE_DIR=/root/numba-cache NUMBA_NUM_THREADS=1 $V/bin/python /root/train_
     --b "python-$pyver" "$dev_cmd" --pairs 9 --min-ratio "$MIN_RATIO" | tee "$OUT/throughput.jsonl" | tail -1 \
     || fail "Int8 training throughput under $pyver (figures: $OUT/throughput.jsonl)"
 ratio=$(tail -1 "$OUT/throughput.jsonl" | "$PY" -c "import json, sys; r = json.load(sys.stdin); \
-print(f\"{r['median']} per CPU-second (min {r['min']}, max {r['max']} over {r['pairs']} pairs; wall clock {r['wall_median']})\")")
+print(f\"{r['median']} per CPU-second (min {r['min']}, max {r['max']} over {r['pairs']} pairs, wall clock {r['wall_median']})\")")
 lap; passed+=("Int8 fedshift_cnn throughput 3.9/3.11: $ratio >= $MIN_RATIO ($LAP)")
 
 # ---------------------------------------------------------------- a round over MQTT
