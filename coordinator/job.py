@@ -10,7 +10,7 @@ naming the file and the key; ``examples/job.toml`` shows every section)::
     strategy = "fedshift"
     seed = 0
     out = "runs/farm"           # run directory: checkpoint, inbox, metrics.jsonl
-    eval_data = "digits:test"   # held-out set: digits:test or a CIFAR-10 folder
+    eval_data = "digits:test"   # held-out set: a data source (fashion-mnist:test, a folder: its test split)
     [strategy_params]           # build_strategy(strategy, **strategy_params)
     [train]                     # announced to devices (edge_client.hparams), over epochs = 1, batch = 32
     [round]                     # fraction, min_devices, max_devices, min_present, quorum,
@@ -180,7 +180,7 @@ FLAGS: list[tuple[str, str, dict[str, Any]]] = [
     ("--strategy", "strategy", {"metavar": "NAME", "help": "aggregation strategy; prowd = ProWD's "
                                 "dequantizer + selective aggregation"}),
     ("--seed", "seed", {"type": int}),
-    ("--eval-data", "eval_data", {"metavar": "SRC", "help": "held-out set: digits:test or a CIFAR-10 folder"}),
+    ("--eval-data", "eval_data", {"metavar": "SRC", "help": "held-out set: a data source (digits:test, fashion-mnist:test, an IDX/CIFAR-10 folder or .npz: its test split)"}),
     ("--fraction", "round.fraction", {"type": float, "metavar": "C", "help": "fraction of present devices per round"}),
     ("--min-devices", "round.min_devices", {"type": int, "help": "fewest devices selected per round"}),
     ("--max-devices", "round.max_devices", {"type": int, "help": "most devices selected per round"}),

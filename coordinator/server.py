@@ -75,7 +75,8 @@ class Coordinator:
         evaluator: ``{variant: weights} -> {variant: (loss, accuracy)}`` on the held-out
             set (``coordinator.evaluate.ModelEvaluator``; None: skipped). Every round it
             scores each variant the known devices run; ``accuracy``/``loss`` of the record
-            are the float32 (global) model's, ``groups`` has them all.
+            are the float32 (global) model's, ``groups`` has them all (with any further
+            figures the evaluator adds, such as ``val_accuracy``).
         init_weights: the initial shared weights (``intnn.init_shared(spec, seed)``).
         on_event: progress callback ``(event, fields)``; events ``round_start``,
             ``update``, ``reject``, ``round_end``, ``waiting``.
@@ -211,7 +212,7 @@ class Coordinator:
                                  r, len(rnd.accepted), cfg.min_updates)
         te = time.perf_counter()
         scores = self._evaluate()
-        loss, acc = scores.get(FLOAT_VARIANT, (math.nan, math.nan))
+        loss, acc = scores.get(FLOAT_VARIANT, (math.nan, math.nan))[:2]
         eval_s = time.perf_counter() - te
         change = float(math.sqrt(sum(float(np.sum((a - b) ** 2)) for a, b in zip(self.weights, old, strict=True))))
         finite = lambda v: v if math.isfinite(v) else None  # noqa: E731
@@ -228,7 +229,9 @@ class Coordinator:
             "eval_seconds": eval_s, "announce_seconds": parts["announce"],
             "handle_seconds": clock.wall - parts["announce"] - parts["aggregate"],
             "counts": dict(col.counts), "stats": stats,
-            "groups": {v: {"loss": finite(lo), "accuracy": finite(ac)} for v, (lo, ac) in scores.items()},
+            "groups": {v: {"loss": finite(s[0]), "accuracy": finite(s[1]),
+                           **{k: finite(float(x)) for k, x in (s[2] if len(s) > 2 else {}).items()}}
+                       for v, s in scores.items()},
             "uplink_bytes": dict(col.uplink_bytes), **self.fleet.round_report(r),
         }
         with clock.timed("checkpoint"):
@@ -254,8 +257,9 @@ class Coordinator:
                       extra={"event": "round_end", "round": r, "accuracy": record["accuracy"]})
         return record
 
-    def _evaluate(self) -> dict[str, tuple[float, float]]:
-        """(loss, accuracy) of every model variant the known devices run (float32 always)."""
+    def _evaluate(self) -> dict[str, tuple[Any, ...]]:
+        """(loss, accuracy[, further figures]) of every model variant the known devices run
+        (float32 always; see ``coordinator.evaluate.Evaluator``)."""
         if self.evaluator is None:
             return {}
         return self.evaluator({v: self.group_weights.get(variant_bits(v), self.weights)

@@ -151,7 +151,8 @@ def build_parser() -> argparse.ArgumentParser:
                        allow_abbrev=False)
     add_device_connection_options(p)
     p.add_argument("--profile", required=True, metavar="NAME", help="hardware profile name or TOML path")
-    p.add_argument("--data", required=True, metavar="SRC", help="a local folder or digits:K/N")
+    p.add_argument("--data", required=True, metavar="SRC", help="fashion-mnist:K/N or digits:K/N (shard K of N), or a local IDX "
+                   "or CIFAR-10 folder or .npz file (DIR:K/N for a shard)")
     p.add_argument("--workdir", metavar="DIR", help="outbox, state and TLS files (default $XDG_STATE_HOME/fedbit/<id>, "
                    "else ~/.local/state/fedbit/<id>)")
     p.add_argument("--seed", type=int, default=0)
@@ -178,8 +179,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, metavar="FILE",
                    help="model.onnx (fedbit export) or global.msgpack (a model message)")
     p.add_argument("--data", required=True, metavar="SRC",
-                   help="digits:test, digits:K/N, a .npz with x [N, C, H, W] in [0, 1] (and y), "
-                        "or a CIFAR-10 folder (its test batch)")
+                   help="a .npz with x [N, C, H, W] (and y), or a data source: digits:test, "
+                        "fashion-mnist:test, digits:K/N, an IDX or CIFAR-10 folder (its test split)")
     p.add_argument("--out", metavar="FILE", help="write the predictions (CSV, or .npz with the logits)")
     p.add_argument("--engine", choices=["auto", "onnxruntime", "numba"], default="auto",
                    help="auto: onnxruntime when installed, else numba")

@@ -93,4 +93,4 @@ def test_cifar10_from_a_local_folder_or_a_clear_error(tmp_path: Path) -> None:
         (root / name).write_bytes(pickle.dumps(batch))
     split = load_dataset("cifar10", str(tmp_path))
     assert split.train.x.shape == (20, 3, 32, 32) and split.test.x.shape == (3, 3, 32, 32)
-    assert split.train.x.dtype == np.float32 and 0.0 <= split.train.x.min() and split.train.x.max() <= 1.0
+    assert split.train.x.dtype == np.uint8 and split.test.x.dtype == np.uint8

@@ -41,6 +41,9 @@ def test_the_bundled_default_is_a_mixed_fleet_of_twenty() -> None:
     ("seeds = []", "seeds"),
     ("[data]\npartition = \"random\"", "data.partition"),
     ("[data]\nalpha = -1", "data.alpha"),
+    ("[data]\ndataset = \"mnist\"", "data.path"),               # no packaged copy: a path is needed
+    ("[data]\ndataset = \"imagenet\"", "data.dataset"),
+    ("[data]\nvalidation = 1.0", "data.validation"),
     ("[data]\nlabels = 3", "data.labels"),                      # unknown key in a section
     ("[round]\nquorum = 1.5", "round.quorum"),
     ("[round]\ndeadline_s = -1", "round.deadline_s"),

@@ -23,13 +23,9 @@ def add_serve_command(sub: Any) -> None:
 
 
 def _eval_data(src: str) -> Any:
-    from edge_client.data import load_cifar10, load_digits, load_source
+    from edge_client.data import load_source
 
-    if src in ("digits", "digits:test"):
-        return load_digits("test")
-    if src.startswith("digits:"):
-        return load_source(src)
-    return load_cifar10(src, "test")
+    return load_source(src, default_part="test")
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:

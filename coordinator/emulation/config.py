@@ -15,7 +15,10 @@ A config (``fedbit emulate FILE``; the bundled default is ``coordinator/emulatio
     raspberry-pi-4 = 4
     [codecs]                   # uplink override per profile: "<codec>-<bits>"
     raspberry-pi-5 = "kmeans-4"
-    [data]                     # dataset, path, partition, shards_per_device, alpha, per_device
+    [data]                     # dataset (digits, fashion-mnist, mnist, cifar10, idx, npz), path,
+                               # partition, shards_per_device, alpha, per_device, validation
+                               # (the fraction of the training split held out for choices;
+                               # drawn with `seed`), seed
     [train]                    # announced to devices: epochs, batch, steps, ... (any key)
     [round]                    # fraction, quorum, min_updates, deadline_s (simulated),
                                # wall_timeout_s, parallel (devices training at once)
@@ -48,7 +51,7 @@ from pathlib import Path
 from typing import Any
 
 from coordinator.config import DEFAULT_HPARAMS, NUMBER, ServerConfig, TomlSchema, read_toml
-from coordinator.emulation.datasets import DATASETS, PARTITIONS
+from coordinator.emulation.datasets import DATASETS, NEEDS_PATH, PARTITIONS
 from edge_client.errors import ConfigError
 
 DEFAULT_CONFIG = Path(__file__).with_name("default.toml")
@@ -62,7 +65,7 @@ SCHEMA = TomlSchema({
          "broker": (str, ""), "target_accuracy": (_NUM, 0.0), "paper": (str, "")},
     "data": {"dataset": (str, "digits"), "path": (str, ""), "partition": (str, "iid"),
              "shards_per_device": (int, 2), "alpha": (_NUM, 0.5), "per_device": (int, 32),
-             "seed": (int, 0)},
+             "seed": (int, 0), "validation": (_NUM, 0.0)},
     "round": {"fraction": (_NUM, _SERVER.fraction), "quorum": (_NUM, _SERVER.quorum),
               "min_updates": (int, _SERVER.min_updates), "deadline_s": (_NUM, 0.0),
               "wall_timeout_s": (_NUM, 600.0), "parallel": (int, 2)},
@@ -178,6 +181,11 @@ def _check_values(cfg: ExperimentConfig, bad) -> None:
     d = cfg.data
     if d["dataset"] not in DATASETS:
         raise bad("data.dataset", f"{d['dataset']!r} is not one of {list(DATASETS)}")
+    if d["dataset"] in NEEDS_PATH and not d["path"]:
+        raise bad("data.path", f"dataset {d['dataset']!r} needs a path (its file or folder; "
+                               f"fedbit never downloads data)")
+    if not 0 <= d["validation"] < 1:
+        raise bad("data.validation", f"must be in [0, 1) (the fraction held out), got {d['validation']}")
     if d["partition"] not in PARTITIONS:
         raise bad("data.partition", f"{d['partition']!r} is not one of {list(PARTITIONS)}")
     if not d["alpha"] > 0:
