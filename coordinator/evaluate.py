@@ -53,7 +53,7 @@ class ModelEvaluator:
     def _trainer(self, variant: str) -> Any:
         if variant not in self._trainers:
             from edge_client.trainers import make_trainer
-            from firmware_models import get_spec
+            from firmware_models import resolve_model
 
             bits = variant_bits(variant)
             extra = {}
@@ -61,7 +61,7 @@ class ModelEvaluator:
                 extra = {"forward": self.float_forward}
                 if self.weight_standardization:
                     extra["weight_standardization"] = True
-            self._trainers[variant] = make_trainer(get_spec(self.model), bits, seed=self.seed, **extra)
+            self._trainers[variant] = make_trainer(resolve_model(self.model), bits, seed=self.seed, **extra)
         return self._trainers[variant]
 
     def __call__(self, variants: Mapping[str, list[np.ndarray]]) -> dict[str, tuple[Any, ...]]:

@@ -94,9 +94,9 @@ class Coordinator:
         self.evaluator = evaluator
         self.on_event = on_event or (lambda _e, _f: None)
         self.log = logger or log
-        from firmware_models import get_spec
+        from firmware_models import resolve_model
 
-        self.spec = get_spec(cfg.model)
+        self.spec = resolve_model(cfg.model)
         self.names = self.spec.param_names()
         shapes = [tuple(s) for s in self.spec.param_shapes()]
         if [tuple(w.shape) for w in init_weights] != shapes:

@@ -42,7 +42,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from edge_client.errors import ConfigError
     from edge_client.intnn import init_shared
     from edge_client.logs import setup_logging
-    from firmware_models import get_spec
+    from firmware_models import resolve_model
 
     try:
         job = job_from_args(args)
@@ -54,7 +54,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     sigterm_to_exit()
     broker = None
     try:
-        spec = get_spec(cfg.model)
+        spec = resolve_model(cfg.model)
         strategy = build_strategy(cfg.strategy, model=cfg.model, **cfg.strategy_params)
         broker, conn = serve_broker(job, cfg.limits.max_payload_bytes + 65536)
         cfg.admission.enrolment = conn.pop("enrolment")

@@ -153,10 +153,15 @@ def from_dict(raw: dict[str, Any], source: str = "<config>") -> ExperimentConfig
 
 def _check_values(cfg: ExperimentConfig, bad) -> None:
     from coordinator.strategies import available_strategies, build_strategy
-    from firmware_models import MODELS
+    from firmware_models import SpecError, is_model_file, resolve_model
 
-    if cfg.model not in MODELS:
-        raise bad("model", f"{cfg.model!r} is not one of {sorted(MODELS)}")
+    if is_model_file(cfg.model):  # a user's model file: relative to the config's folder, else the cwd
+        near = Path(cfg.source).parent / cfg.model
+        cfg.model = str((near if near.is_file() and not Path(cfg.model).is_absolute() else Path(cfg.model)).resolve())
+    try:
+        resolve_model(cfg.model)
+    except SpecError as exc:
+        raise bad("model", str(exc)) from None
     if cfg.rounds < 1:
         raise bad("rounds", f"must be >= 1, got {cfg.rounds}")
     if not cfg.seeds or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in cfg.seeds):

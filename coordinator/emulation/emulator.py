@@ -23,6 +23,7 @@ from edge_client.protocol import (
     model_variant,
 )
 from edge_client.runtime import DeviceConfig, DeviceRuntime, birth_messages
+from firmware_models import is_model_file
 
 log = logging.getLogger("fedbit.emulator")
 
@@ -69,6 +70,7 @@ def build_fleet(cfg: ExperimentConfig, seed: int, data: DataSplit, workdir: Path
         for i in range(count):
             specs.append((f"{prof.name}-{i:0{width}d}", prof, codec, bits))
     inferior = [p.trainer == "int" or p.compute_bits < 32 or c != "float32" for _, p, c, _ in specs]
+    model_files = (cfg.model,) if is_model_file(cfg.model) else ()  # a user's model: the devices get the file
     d = cfg.data
     shards = partition(d["partition"], data.train.y, len(specs), np.random.default_rng(derive_seed("data", seed)),
                        k=d["shards_per_device"], alpha=float(d["alpha"]), inferior=inferior,
@@ -76,7 +78,8 @@ def build_fleet(cfg: ExperimentConfig, seed: int, data: DataSplit, workdir: Path
     devices = []
     for (dev_id, prof, codec, bits), shard, inf in zip(specs, shards, inferior, strict=True):
         dc = replace(DeviceConfig.from_profile(dev_id, prof, job=job, workdir=workdir / dev_id,
-                                               seed=derive_seed("device", seed, dev_id), max_rounds=1),
+                                               seed=derive_seed("device", seed, dev_id), max_rounds=1,
+                                               model_files=model_files),
                      codec=codec, codec_bits=bits)
         devices.append(EmulatedDevice(dev_id, prof, dc, shard, model_variant(prof.compute_bits, prof.trainer), inf))
     return devices

@@ -97,7 +97,7 @@ class Emulator:
         from coordinator.state import RunState
         from coordinator.strategies import build_strategy
         from edge_client.intnn import init_shared
-        from firmware_models import get_spec
+        from firmware_models import resolve_model
 
         cfg, seed = self.cfg, self.seed
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -137,7 +137,7 @@ class Emulator:
             coord = Coordinator(server_cfg, fleet, strategy, RunState(self.run_dir / "out"),
                                 evaluator=evaluator_for(cfg.model, data.test, strategy.device_hparams(cfg.train),
                                                         seed=seed, validation=data.validation),
-                                init_weights=init_shared(get_spec(cfg.model), seed), on_event=self.on_event,
+                                init_weights=init_shared(resolve_model(cfg.model), seed), on_event=self.on_event,
                                 logger=log.getChild("server"))
             history = coord.run()
             host.join()

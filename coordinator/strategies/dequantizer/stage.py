@@ -107,10 +107,10 @@ class ProwdDequantizer:
         self.spec = None
         self._buffer: np.ndarray | None = None
         if model is not None:
-            from firmware_models import SpecError, get_spec
+            from firmware_models import SpecError, resolve_model
 
             try:
-                self.spec = get_spec(model)
+                self.spec = resolve_model(model)
             except SpecError as exc:
                 raise ConfigError(f"dequantizer: {exc}") from None
             if self.cfg.lam > 0:
