@@ -28,6 +28,8 @@ A config (``fedbit emulate FILE``; the bundled default is ``coordinator/emulatio
 prowd-grouped-asym, fedfor, fedwsq) starts from that paper's strategy, its parameters and
 the settings it trains devices with; the config's own keys override them.
     [sweep]                    # dotted key = [values]: every combination is run
+    baseline = "fedavg"        # paired differences of every method to this value (analysis)
+    tune = "train.lr"          # chosen per combination of the others on the validation split
     strategy = ["fedavg", "fedshift"]
     "data.partition" = ["shards", "parity"]
     "@mix" = [                 # "@name": values set together, each a table with a label
@@ -223,7 +225,11 @@ def _check_values(cfg: ExperimentConfig, bad) -> None:
         raise bad("[strategy_params] / [train]", str(exc)) from None
     if not 0 <= cfg.target_accuracy <= 1:
         raise bad("target_accuracy", f"must be in (0, 1] (0: none), got {cfg.target_accuracy}")
+    from coordinator.emulation.analysis import ANALYSIS_KEYS, check_analysis
+
     for key, values in cfg.sweep.items():
+        if key in ANALYSIS_KEYS:
+            continue
         if not isinstance(values, list) or not values:
             raise bad(f"sweep.{key}", "must be a non-empty list of values")
         if key in ("sweep", "seeds"):
@@ -231,6 +237,10 @@ def _check_values(cfg: ExperimentConfig, bad) -> None:
         if key.startswith("@") and not all(
                 isinstance(v, dict) and isinstance(v.get("label"), str) and len(v) > 1 for v in values):
             raise bad(f"sweep.{key}", "each value must be a table with a `label` and the keys it sets")
+    try:
+        check_analysis(cfg.sweep)
+    except ConfigError as exc:
+        raise ConfigError(f"{cfg.source}: {exc}") from None
 
 
 def parse_codec(spec: Any, key: str = "codec", bad=None) -> tuple[str, int]:
@@ -256,14 +266,17 @@ def parse_codec(spec: Any, key: str = "codec", bad=None) -> tuple[str, int]:
 
 def expand_sweep(cfg: ExperimentConfig) -> list[tuple[dict[str, Any], ExperimentConfig]]:
     """``[(combination, config)]``: one config per combination of the sweep's values (the
-    config itself when there is no sweep), validated, with the sweep removed."""
-    if not cfg.sweep:
+    config itself when there is no sweep), validated, with the sweep's dimensions removed
+    (its ``baseline`` and ``tune`` are kept: they say how to read the results)."""
+    from coordinator.emulation.analysis import ANALYSIS_KEYS
+
+    keys = [k for k in cfg.sweep if k not in ANALYSIS_KEYS]
+    if not keys:
         return [({}, cfg)]
-    keys = list(cfg.sweep)
     out = []
     for values in itertools.product(*(cfg.sweep[k] for k in keys)):
         raw = cfg.as_dict()
-        raw["sweep"] = {}
+        raw["sweep"] = {k: v for k, v in cfg.sweep.items() if k in ANALYSIS_KEYS}
         combo = {}
         for k, v in zip(keys, values, strict=True):
             if k.startswith("@"):  # a group of keys set together, named by its label
