@@ -31,10 +31,15 @@ test: install
 bench: install
 	$(PY) benchmarks/run_all.py --out benchmarks/results/latest.jsonl
 
-# The papers' experiments on the emulator (every config in experiments/, 3 seeds each);
-# results under runs/experiments/, summaries copied to benchmarks/results/experiments/.
+# The papers' experiments on the emulator (every config in experiments/: fmnist-* on
+# Fashion-MNIST, >= 5 seeds, hours; the others their digits versions); ONLY=name runs
+# one (or several, space-separated); results under runs/experiments/, summaries copied to
+# benchmarks/results/experiments/. ESTIMATE=R times R rounds of every combination instead
+# and estimates each experiment's full time (docs/experiments.md).
+ONLY ?=
+ESTIMATE ?=
 experiments: install
-	$(PY) experiments/run_all.py --out runs/experiments
+	$(PY) experiments/run_all.py --out runs/experiments $(if $(ESTIMATE),--estimate $(ESTIMATE)) $(ONLY)
 
 # Fuzzing of every network input, 105,000 inputs with fresh randomness (make test runs
 # 5,600 of the same inputs every time).

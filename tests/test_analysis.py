@@ -61,8 +61,9 @@ def test_a_learning_rate_is_chosen_on_validation_and_methods_are_paired_to_the_b
     a = analyse(runs, SWEEP)
     assert {k: v[0] for k, v in a.chosen.items()} == {"method=FedAvg": "0.1", "method=FedFOR": "1.0"}
     assert {sp for *_, sp in a.chosen.values()} == {"val"}
-    d = a.diffs["method=FedFOR"]["float32"]   # FedFOR@1.0 - FedAvg@0.1, seed by seed
-    assert a.partner["method=FedFOR"] == "method=FedAvg"
+    (c,) = a.comparisons
+    d = c.diffs["method=FedFOR"]["float32"]   # FedFOR@1.0 - FedAvg@0.1, seed by seed
+    assert c.partner["method=FedFOR"] == "method=FedAvg"
     assert d.diff.mean == pytest.approx(0.06) and d.wins == 3 and d.diff.sd == pytest.approx(0.01)
     text = "\n".join(sweep_lines(a, averaging_text({(5, 30)}), len(runs)))
     assert "chosen on the validation split" in text and "the last 5 of 30 rounds" in text
@@ -81,6 +82,7 @@ def test_a_learning_rate_is_chosen_on_validation_and_methods_are_paired_to_the_b
     ({"tune": "train.lr", "a": [1, 2]}, "sweep.tune: 'train.lr' is not one of"),
     ({"tune": "a", "a": [1]}, "single value"),
     ({"tune": "a", "baseline": "1", "a": [1, 2]}, "cannot hold the baseline"),
+    ({"baseline": ["a=1", 3], "a": [1, 2]}, "a string or a list of strings"),
 ])
 def test_bad_analysis_keys_are_named(sweep: dict, culprit: str) -> None:
     with pytest.raises(ConfigError, match=culprit):
@@ -108,3 +110,16 @@ def test_plots_keep_legends_off_the_data_with_fixed_colours(tmp_path: Path) -> N
     assert plot_sweep(tmp_path / "c.png", runs, ["float32", "int8"], {}, "the last 5 of 7 rounds")
     assert all((tmp_path / f).stat().st_size > 5000 for f in ("a.png", "b.png", "c.png"))
     assert group_colour("float32") != group_colour("int8") and group_colour("int8") == group_colour("int8")
+
+
+def test_several_baselines_give_one_comparison_each() -> None:
+    runs = [({"strategy": st, "uplink": up}, s, {"groups": {"float32": {"mean_last": acc + 0.01 * s}}})
+            for s in range(3) for st, up, acc in (("fedavg", "32+32", 0.80), ("fedavg", "asym-4", 0.70),
+                                                   ("fedshift", "32+32", 0.80), ("fedshift", "asym-4", 0.75))]
+    a = analyse(runs, {"baseline": ["fedavg", "uplink=32+32"], "strategy": ["fedavg", "fedshift"],
+                       "uplink": ["32+32", "asym-4"]})
+    by_strategy, by_uplink = a.comparisons
+    assert by_strategy.baseline == ("strategy", "fedavg") and by_uplink.baseline == ("uplink", "32+32")
+    assert by_strategy.diffs["strategy=fedshift, uplink=asym-4"]["float32"].diff.mean == pytest.approx(0.05)
+    assert by_uplink.diffs["strategy=fedavg, uplink=asym-4"]["float32"].diff.mean == pytest.approx(-0.10)
+    assert by_uplink.diffs["strategy=fedavg, uplink=asym-4"]["float32"].losses == 3

@@ -44,6 +44,7 @@ def test_the_bundled_default_is_a_mixed_fleet_of_twenty() -> None:
     ("[data]\ndataset = \"mnist\"", "data.path"),               # no packaged copy: a path is needed
     ("[data]\ndataset = \"imagenet\"", "data.dataset"),
     ("[data]\nvalidation = 1.0", "data.validation"),
+    ("[data]\ninferior = [\"jetson-nano\"]", "data.inferior"),     # not in [devices]
     ("[data]\nlabels = 3", "data.labels"),                      # unknown key in a section
     ("[round]\nquorum = 1.5", "round.quorum"),
     ("[round]\ndeadline_s = -1", "round.deadline_s"),

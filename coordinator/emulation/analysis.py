@@ -4,7 +4,8 @@ setting chosen on the validation split; each method's paired difference to a bas
 A config's ``[sweep]`` may name, beside its dimensions::
 
     [sweep]
-    baseline = "FedAvg"         # a value (or @-label) of one dimension, or "key=value"
+    baseline = "FedAvg"         # a value (or @-label) of one dimension, or "key=value";
+                                # a list: one comparison per baseline
     tune = "train.lr"           # a dimension chosen per combination of the others
     "@method" = [{label = "FedAvg", ...}, {label = "FedFOR", ...}]
     "train.lr" = [0.1, 0.3, 1.0]
@@ -23,6 +24,7 @@ this is optimistic.
 differs from it only in the baseline's dimension, seed by seed (same data split, same
 initial model): the mean paired difference, its 95 % CI and the seeds won
 (:func:`coordinator.emulation.stats.paired`). With tuning, each side uses its own choice.
+Several baselines (``baseline = ["FedAvg", "uplink=32+32"]``) give one table each.
 """
 
 from __future__ import annotations
@@ -73,23 +75,32 @@ def find_baseline(sweep: Mapping[str, Any], baseline: str,
     return hits[0]
 
 
+def baselines(sweep: Mapping[str, Any]) -> list[str]:
+    """The sweep's baselines as a list (``baseline`` is a string or a list of strings)."""
+    b = sweep.get("baseline")
+    if b is None:
+        return []
+    if isinstance(b, str):
+        return [b]
+    if isinstance(b, list) and b and all(isinstance(x, str) for x in b):
+        return list(b)
+    raise ConfigError(f"sweep.baseline: expected a string or a list of strings, got {b!r}")
+
+
 def check_analysis(sweep: Mapping[str, Any]) -> None:
     """ConfigError naming ``sweep.baseline`` / ``sweep.tune`` when they do not fit the
     sweep's dimensions (a combination's own config, which has none left, passes)."""
     dims = dimensions(sweep)
     if not dims:
         return
-    baseline, tune = sweep.get("baseline"), sweep.get("tune")
-    if baseline is not None:
-        if not isinstance(baseline, str):
-            raise ConfigError(f"sweep.baseline: expected a string, got {baseline!r}")
-        bdim, _ = find_baseline(sweep, baseline)
+    tune = sweep.get("tune")
+    bdims = [find_baseline(sweep, b)[0] for b in baselines(sweep)]
     if tune is not None:
         if not isinstance(tune, str) or tune.lstrip("@") not in dims:
             raise ConfigError(f"sweep.tune: {tune!r} is not one of the sweep's dimensions {sorted(dims)}")
         if len(dims[tune.lstrip("@")]) < 2:
             raise ConfigError(f"sweep.tune: {tune!r} has a single value: nothing to choose")
-        if baseline is not None and tune.lstrip("@") == bdim:
+        if tune.lstrip("@") in bdims:
             raise ConfigError("sweep.tune: the tuned dimension cannot hold the baseline")
 
 
@@ -154,7 +165,15 @@ class Analysis:
     chosen: dict[str, tuple[str, dict[str, float], str]] = field(default_factory=dict)
     #: the rows reported (the chosen ones under tuning; every row otherwise)
     reported: dict[str, Row] = field(default_factory=dict)
-    baseline: tuple[str, str] | None = None
+    comparisons: list[Comparison] = field(default_factory=list)
+
+
+@dataclass
+class Comparison:
+    """The paired differences of every reported combination to its partner at the
+    baseline ``(dimension, value)``."""
+
+    baseline: tuple[str, str]
     #: reported label -> group -> paired difference to its baseline partner
     diffs: dict[str, dict[str, Paired]] = field(default_factory=dict)
     partner: dict[str, str] = field(default_factory=dict)
@@ -194,30 +213,35 @@ def analyse(runs: Sequence[tuple[Mapping[str, Any], int, Mapping[str, Any]]],
             out.reported[rest] = best
     else:
         out.reported = dict(rows)
-    baseline = sweep.get("baseline")
-    if isinstance(baseline, str):
-        seen: dict[str, list[str]] = {}
-        for r in rows.values():
-            for k, v in r.combination.items():
-                if str(v) not in seen.setdefault(k, []):
-                    seen[k].append(str(v))
+    seen: dict[str, list[str]] = {}
+    for r in rows.values():
+        for k, v in r.combination.items():
+            if str(v) not in seen.setdefault(k, []):
+                seen[k].append(str(v))
+    try:
+        names = baselines(sweep)
+    except ConfigError:
+        names = []
+    for name in names:
         try:
-            bdim, bval = find_baseline(sweep, baseline, seen)
+            bdim, bval = find_baseline(sweep, name, seen)
         except ConfigError:
-            bdim = ""
-        if bdim:
-            out.baseline = (bdim, bval)
-            index = {key_of(r.combination, tdim): label for label, r in out.reported.items()}
-            for label, r in out.reported.items():
-                if str(r.combination.get(bdim)) == bval:
-                    continue
-                partner_combo = {k: (bval if k == bdim else v) for k, v in r.combination.items()}
-                plabel = index.get(key_of(partner_combo, tdim))
-                if plabel is None:
-                    continue
-                out.partner[label] = plabel
-                base = out.reported[plabel]
-                out.diffs[label] = {g: paired(r.test.get(g, {}), base.test.get(g, {})) for g in groups}
+            continue
+        if bdim == tdim:
+            continue
+        comp = Comparison((bdim, bval))
+        index = {key_of(r.combination, tdim): label for label, r in out.reported.items()}
+        for label, r in out.reported.items():
+            if str(r.combination.get(bdim)) == bval:
+                continue
+            partner_combo = {k: (bval if k == bdim else v) for k, v in r.combination.items()}
+            plabel = index.get(key_of(partner_combo, tdim))
+            if plabel is None:
+                continue
+            comp.partner[label] = plabel
+            base = out.reported[plabel]
+            comp.diffs[label] = {g: paired(r.test.get(g, {}), base.test.get(g, {})) for g in groups}
+        out.comparisons.append(comp)
     return out
 
 
@@ -235,11 +259,11 @@ def analysis_json(a: Analysis) -> dict[str, Any]:
         "tune": a.tune,
         "chosen": {k: {"value": v, "scores": {kk: _fin(s) for kk, s in sc.items()}, "split": sp}
                    for k, (v, sc, sp) in a.chosen.items()},
-        "baseline": list(a.baseline) if a.baseline else None,
-        "paired": {label: {"against": a.partner[label],
-                           **{g: {**est(p.diff), "wins": p.wins, "ties": p.ties, "losses": p.losses,
-                                  "seeds": list(p.seeds)} for g, p in d.items()}}
-                   for label, d in a.diffs.items()},
+        "paired": [{"baseline": list(c.baseline),
+                    "rows": {label: {"against": c.partner[label],
+                                     **{g: {**est(p.diff), "wins": p.wins, "ties": p.ties, "losses": p.losses,
+                                            "seeds": list(p.seeds)} for g, p in d.items()}}
+                             for label, d in c.diffs.items()}} for c in a.comparisons],
     }
 
 

@@ -18,7 +18,9 @@ A config (``fedbit emulate FILE``; the bundled default is ``coordinator/emulatio
     [data]                     # dataset (digits, fashion-mnist, mnist, cifar10, idx, npz), path,
                                # partition, shards_per_device, alpha, per_device, validation
                                # (the fraction of the training split held out for choices;
-                               # drawn with `seed`), seed
+                               # drawn with `seed`), seed, inferior (the [devices] profiles
+                               # that hold the odd labels of the parity split; default:
+                               # integer devices and lossy uplinks)
     [train]                    # announced to devices: epochs, batch, steps, ... (any key)
     [round]                    # fraction, quorum, min_updates, deadline_s (simulated),
                                # wall_timeout_s, parallel (devices training at once)
@@ -67,7 +69,7 @@ SCHEMA = TomlSchema({
          "broker": (str, ""), "target_accuracy": (_NUM, 0.0), "paper": (str, "")},
     "data": {"dataset": (str, "digits"), "path": (str, ""), "partition": (str, "iid"),
              "shards_per_device": (int, 2), "alpha": (_NUM, 0.5), "per_device": (int, 32),
-             "seed": (int, 0), "validation": (_NUM, 0.0)},
+             "seed": (int, 0), "validation": (_NUM, 0.0), "inferior": (list, [])},
     "round": {"fraction": (_NUM, _SERVER.fraction), "quorum": (_NUM, _SERVER.quorum),
               "min_updates": (int, _SERVER.min_updates), "deadline_s": (_NUM, 0.0),
               "wall_timeout_s": (_NUM, 600.0), "parallel": (int, 2)},
@@ -191,6 +193,9 @@ def _check_values(cfg: ExperimentConfig, bad) -> None:
     if d["dataset"] in NEEDS_PATH and not d["path"]:
         raise bad("data.path", f"dataset {d['dataset']!r} needs a path (its file or folder; "
                                f"fedbit never downloads data)")
+    for prof in d["inferior"]:
+        if prof not in cfg.devices:
+            raise bad("data.inferior", f"{prof!r} is not a profile listed in [devices]")
     if not 0 <= d["validation"] < 1:
         raise bad("data.validation", f"must be in [0, 1) (the fraction held out), got {d['validation']}")
     if d["partition"] not in PARTITIONS:

@@ -220,14 +220,14 @@ def sweep_lines(a: Analysis, averaged: str, n_runs: int) -> list[str]:
             row = a.reported[rest]
             sc = ", ".join(f"{'**' + k + '**' if k == value else k}: {_pct(v)}" for k, v in scores.items())
             lines.append(f"| {rest} | {sc} | " + " | ".join(row.estimate(g).text() for g in groups) + " |")
-    if a.baseline:
-        dim, val = a.baseline
+    for c in a.comparisons:
+        dim, val = c.baseline
         lines += ["", f"Paired differences to the baseline `{dim}={val}` (same seed: same data split and "
                   "initial model), in accuracy points: mean ± SD [95% CI]; wins: seeds where the method is "
                   "ahead." + (f" Each side with its own `{a.tune}` choice." if a.tune else ""), "",
                   "| combination | against | " + " | ".join(groups) + " |", "|---|---|" + "---|" * len(groups)]
-        for label, d in a.diffs.items():
-            lines.append(f"| {label} | {a.partner[label]} | " + " | ".join(d[g].text() for g in groups) + " |")
+        for label, d in c.diffs.items():
+            lines.append(f"| {label} | {c.partner[label]} | " + " | ".join(d[g].text() for g in groups) + " |")
     return lines
 
 
