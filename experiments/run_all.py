@@ -20,7 +20,8 @@ end to end.
 ``--estimate R``: one seed of every combination for ``R`` rounds (R >= 2), timed: the
 per-round wall time (the rounds after the first) and the fixed cost of a run give each
 experiment's full time (combinations x seeds x (fixed + rounds x per-round)) on this
-machine as loaded now, one run at a time; printed and written to ``estimates.json``.
+machine as loaded now, one run at a time, and in CPU seconds (the process's, scaled the
+same way: about what an idle core would take); printed and written to ``estimates.json``.
 """
 
 from __future__ import annotations
@@ -135,7 +136,7 @@ def estimate(cfg: Any, rounds: int, out: Path) -> dict[str, Any]:
 
     combos = expand_sweep(cfg)
     rows = []
-    total = 0.0
+    total = total_cpu = 0.0
     for i, (combo, c) in enumerate(combos):
         short = copy.deepcopy(c)
         full_rounds = c.rounds
@@ -143,20 +144,24 @@ def estimate(cfg: Any, rounds: int, out: Path) -> dict[str, Any]:
         run_dir = out / f"combo-{i}"
         if run_dir.exists():
             shutil.rmtree(run_dir)
-        t0 = time.monotonic()
+        t0, c0 = time.monotonic(), time.process_time()
         Emulator(short, c.seeds[0], run_dir).run()
-        wall = time.monotonic() - t0
+        wall, cpu = time.monotonic() - t0, time.process_time() - c0
         recs = [json.loads(x) for x in (run_dir / "out" / "metrics.jsonl").read_text().splitlines() if x.strip()]
         per_round = statistics.median(r["round_seconds"] for r in recs[1:]) if len(recs) > 1 else recs[0]["round_seconds"]
         fixed = max(0.0, wall - sum(r["round_seconds"] for r in recs))
         run_s = fixed + full_rounds * per_round
+        run_cpu = run_s * cpu / wall  # the same run in CPU seconds (what an idle core takes)
         total += run_s * len(c.seeds)
+        total_cpu += run_cpu * len(c.seeds)
         rows.append({"combination": combo, "per_round_s": round(per_round, 2), "fixed_s": round(fixed, 2),
-                     "run_s": round(run_s, 1), "seeds": len(c.seeds), "rounds": full_rounds})
+                     "run_s": round(run_s, 1), "run_cpu_s": round(run_cpu, 1), "seeds": len(c.seeds),
+                     "rounds": full_rounds})
         print(f"  {i + 1}/{len(combos)} {combo}: {per_round:.1f} s/round, {fixed:.1f} s fixed -> "
-              f"{run_s / 60:.1f} min per seed", flush=True)
+              f"{run_s / 60:.1f} min per seed ({run_cpu / 60:.1f} CPU min)", flush=True)
     return {"combinations": len(combos), "seeds": len(cfg.seeds), "estimated_s": round(total),
-            "estimated_h": round(total / 3600, 2), "rows": rows}
+            "estimated_h": round(total / 3600, 2), "estimated_cpu_h": round(total_cpu / 3600, 2),
+            "rows": rows}
 
 
 def main() -> int:
@@ -212,7 +217,8 @@ def main() -> int:
             estimates[path.stem] = estimate(cfg, max(2, args.estimate), out)
             e = estimates[path.stem]
             print(f"   {e['combinations']} combinations x {e['seeds']} seeds: about {e['estimated_h']:.1f} h "
-                  f"one run at a time ({time.monotonic() - t0:.0f} s to estimate)", flush=True)
+                  f"one run at a time as loaded now, {e['estimated_cpu_h']:.1f} h of CPU "
+                  f"({time.monotonic() - t0:.0f} s to estimate)", flush=True)
             continue
         print(f"== {path.name} -> {out}", flush=True)
         summary = run_experiment(cfg, out, echo=lambda m: print("  " + m, flush=True))
