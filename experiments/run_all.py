@@ -4,7 +4,7 @@
 
 Runs every ``experiments/<name>.toml`` (or the named ones) with every sweep combination
 and seed, then copies each sweep's ``summary.md``, ``results.json``, ``analysis.json`` and
-``accuracy.png`` to ``benchmarks/results/experiments/<name>.*`` (the README quotes them).
+``accuracy.png`` to ``benchmarks/results/experiments/<name>.*`` (docs/experiments.md quotes them).
 
 The ``fmnist-*`` configs are the experiments (Fashion-MNIST, >= 5 seeds, hours); the others
 are their digits versions (minutes). The compute model (seconds per training sample of
