@@ -46,23 +46,25 @@ QUICK_STEPS = 5
 QUICK_DEVICES = 2  # per profile
 
 
-def quick_config(cfg: Any, every_method: bool = True) -> Any:
+def quick_config(cfg: Any, every_method: bool = True, keep_data: bool = False) -> Any:
     """The quick form of an experiment (``make test``): digits (its validation split kept),
     the model's digits counterpart, 2 rounds, the first seed, at most ``QUICK_STEPS``
     local steps and ``QUICK_DEVICES`` devices per profile, and per sweep dimension its
     first value, except the first baseline's dimension (every value, each method runs;
     the baseline and one other without ``every_method``), the other baselines' (the
     baseline and one other value; the baseline alone without ``every_method``) and the
-    tuned one (two)."""
+    tuned one (two). ``keep_data``: keep the config's data set and model (a CIFAR-10
+    folder given with --set data.path=DIR)."""
     from coordinator.emulation.analysis import ANALYSIS_KEYS, baselines, find_baseline
     from coordinator.emulation.config import from_dict
 
     raw = cfg.as_dict()
     raw["paper"] = ""  # the config already holds the paper's settings
-    raw["model"] = QUICK_MODELS.get(raw["model"], raw["model"])
     raw["rounds"] = 2
     raw["seeds"] = raw["seeds"][:1]
-    raw["data"] = raw["data"] | {"dataset": "digits", "path": ""}
+    if not keep_data:
+        raw["model"] = QUICK_MODELS.get(raw["model"], raw["model"])
+        raw["data"] = raw["data"] | {"dataset": "digits", "path": ""}
     raw["devices"] = {k: min(n, QUICK_DEVICES) for k, n in raw["devices"].items()}
     raw["train"] = dict(raw["train"])
     raw["train"]["steps"] = min(int(raw["train"].get("steps") or QUICK_STEPS), QUICK_STEPS)

@@ -59,3 +59,40 @@ def test_the_quick_form_runs_end_to_end(path: Path, tmp_path: Path) -> None:
         assert "Validation split" in text
     if cfg.sweep.get("tune"):
         assert "chosen on the validation split" in text and analysis["chosen"]
+
+
+def _write_cifar(folder: Path, per_batch: int = 16, test: int = 20) -> None:
+    """A small CIFAR-10 folder in the python-batch layout (random pixels, balanced labels)."""
+    import pickle
+
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    folder.mkdir(parents=True)
+    for name, n in [*((f"data_batch_{i}", per_batch) for i in range(1, 6)), ("test_batch", test)]:
+        batch = {b"data": rng.integers(0, 256, (n, 3072), dtype=np.uint8), b"labels": [i % 10 for i in range(n)]}
+        (folder / name).write_bytes(pickle.dumps(batch))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, model", [("fmnist-fedshift-table1", "fedshift_cnn"),
+                                         ("fmnist-prowd-table2", "vgg7_small")])
+def test_the_experiments_run_on_a_cifar10_folder_with_the_papers_models(name: str, model: str,
+                                                                        tmp_path: Path) -> None:
+    """`--set data.dataset=cifar10 --set data.path=DIR --set model=...`: the same config on a
+    user's CIFAR-10 copy with the paper's model (fedshift_cnn with its He init)."""
+    run_all = _run_all()
+    _write_cifar(tmp_path / "cifar-10-batches-py")
+    cfg = load_config(ROOT / "experiments" / f"{name}.toml",
+                      {"data.dataset": "cifar10", "data.path": str(tmp_path), "model": model})
+    cfg = run_all.quick_config(cfg, every_method=False, keep_data=True)
+    cfg.clock = {"seconds_per_sample": dict.fromkeys(run_all.VARIANTS, 1e-4)}
+    cfg.seeds = [0, 1]  # one combination (the baseline's), two seeds: the sweep report's statistics
+    cfg.sweep = {k: (v[:1] if isinstance(v, list) else v) for k, v in cfg.sweep.items() if k != "baseline"}
+    summary = run_experiment(cfg, tmp_path / "out", echo=lambda _m: None)
+    results = json.loads((tmp_path / "out" / "results.json").read_text())
+    info = json.loads((tmp_path / "out" / results[0]["run"] / "emulation.json").read_text())
+    assert info["dataset"] == "cifar10" and info["test_samples"] == 20 and info["config"]["model"] == model
+    assert info["train_samples"] + info["validation_samples"] == 80 and info["validation_samples"] > 0
+    assert len(results) == 2 and all(r["rounds"] == 2 for r in results)
+    assert "mean ± sample SD [95% CI" in summary.read_text()
