@@ -17,11 +17,13 @@ the sweep cut to its baseline and one other value per dimension) on a nominal cl
 ``--out``, nothing copied or measured: what ``make test`` runs to prove every config runs
 end to end.
 
-``--estimate R``: one seed of every combination for ``R`` rounds (R >= 2), timed: the
-per-round wall time (the rounds after the first) and the fixed cost of a run give each
-experiment's full time (combinations x seeds x (fixed + rounds x per-round)) on this
-machine as loaded now, one run at a time, and in CPU seconds (the process's, scaled the
-same way: about what an idle core would take); printed and written to ``estimates.json``.
+``--estimate R``: one seed of a covering set of combinations (the first, and each other
+value of each dimension) for ``R`` rounds (R >= 2), timed: the per-round wall time (the
+rounds after the first) and the fixed cost of a run give a run's full time (fixed +
+rounds x per-round), and a cost factor per dimension value gives every combination's
+(:func:`estimate`); times seeds: each experiment's full time on this machine as loaded
+now, one run at a time, and in CPU seconds (the process's, scaled the same way: about
+what an idle core would take); printed and written to ``estimates.json``.
 """
 
 from __future__ import annotations
@@ -130,40 +132,59 @@ def _clock(models: list[str], calibrate_anew: bool, named: bool) -> dict[str, di
     return clocks
 
 
-def estimate(cfg: Any, rounds: int, out: Path) -> dict[str, Any]:
-    """Time one seed of every combination of ``cfg`` for ``rounds`` rounds and extrapolate
-    to the full experiment (see the module docstring)."""
-    from coordinator.emulation.config import expand_sweep
+def _time_run(c: Any, rounds: int, run_dir: Path) -> dict[str, float]:
+    """One seed of config ``c`` for ``rounds`` rounds: its per-round wall time (the rounds
+    after the first), fixed wall time and the CPU/wall ratio of the process."""
     from coordinator.emulation.run import Emulator
 
+    short = copy.deepcopy(c)
+    short.rounds = rounds
+    if run_dir.exists():
+        shutil.rmtree(run_dir)
+    t0, c0 = time.monotonic(), time.process_time()
+    Emulator(short, c.seeds[0], run_dir).run()
+    wall, cpu = time.monotonic() - t0, time.process_time() - c0
+    recs = [json.loads(x) for x in (run_dir / "out" / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    per_round = statistics.median(r["round_seconds"] for r in recs[1:]) if len(recs) > 1 else recs[0]["round_seconds"]
+    fixed = max(0.0, wall - sum(r["round_seconds"] for r in recs))
+    run_s = fixed + c.rounds * per_round
+    return {"per_round_s": per_round, "fixed_s": fixed, "run_s": run_s, "run_cpu_s": run_s * cpu / wall}
+
+
+def estimate(cfg: Any, rounds: int, out: Path) -> dict[str, Any]:
+    """Estimate the full time of ``cfg`` (see the module docstring) from a covering set of
+    its combinations: the first combination (the base) and, per sweep dimension, each
+    other value with the rest at the base. A run's cost is taken as the base's times one
+    factor per dimension (the timed run's cost over the base's), so the experiment's cost
+    per seed is ``base x prod over dimensions of (sum of that dimension's factors)``."""
+    from coordinator.emulation.analysis import ANALYSIS_KEYS
+    from coordinator.emulation.config import expand_sweep
+
+    dims = [k for k in cfg.sweep if k not in ANALYSIS_KEYS]
     combos = expand_sweep(cfg)
-    rows = []
-    total = total_cpu = 0.0
-    for i, (combo, c) in enumerate(combos):
-        short = copy.deepcopy(c)
-        full_rounds = c.rounds
-        short.rounds = rounds
-        run_dir = out / f"combo-{i}"
-        if run_dir.exists():
-            shutil.rmtree(run_dir)
-        t0, c0 = time.monotonic(), time.process_time()
-        Emulator(short, c.seeds[0], run_dir).run()
-        wall, cpu = time.monotonic() - t0, time.process_time() - c0
-        recs = [json.loads(x) for x in (run_dir / "out" / "metrics.jsonl").read_text().splitlines() if x.strip()]
-        per_round = statistics.median(r["round_seconds"] for r in recs[1:]) if len(recs) > 1 else recs[0]["round_seconds"]
-        fixed = max(0.0, wall - sum(r["round_seconds"] for r in recs))
-        run_s = fixed + full_rounds * per_round
-        run_cpu = run_s * cpu / wall  # the same run in CPU seconds (what an idle core takes)
-        total += run_s * len(c.seeds)
-        total_cpu += run_cpu * len(c.seeds)
-        rows.append({"combination": combo, "per_round_s": round(per_round, 2), "fixed_s": round(fixed, 2),
-                     "run_s": round(run_s, 1), "run_cpu_s": round(run_cpu, 1), "seeds": len(c.seeds),
-                     "rounds": full_rounds})
-        print(f"  {i + 1}/{len(combos)} {combo}: {per_round:.1f} s/round, {fixed:.1f} s fixed -> "
-              f"{run_s / 60:.1f} min per seed ({run_cpu / 60:.1f} CPU min)", flush=True)
-    return {"combinations": len(combos), "seeds": len(cfg.seeds), "estimated_s": round(total),
-            "estimated_h": round(total / 3600, 2), "estimated_cpu_h": round(total_cpu / 3600, 2),
-            "rows": rows}
+    first = {k: cfg.sweep[k][0] for k in dims}
+    plan: list[tuple[str | None, int]] = [(None, 0)] + [(k, i) for k in dims for i in range(1, len(cfg.sweep[k]))]
+    timed: dict[tuple[str | None, int], dict[str, float]] = {}
+    for n, (dim, i) in enumerate(plan):
+        one = copy.deepcopy(cfg)
+        one.sweep = {k: [cfg.sweep[k][i] if k == dim else first[k]] for k in dims}
+        (combo, c), = expand_sweep(one)
+        timed[(dim, i)] = t = _time_run(c, rounds, out / f"timed-{n}")
+        print(f"  {n + 1}/{len(plan)} {combo}: {t['per_round_s']:.1f} s/round, {t['fixed_s']:.1f} s fixed -> "
+              f"{t['run_s'] / 60:.1f} min per seed ({t['run_cpu_s'] / 60:.1f} CPU min)", flush=True)
+    out_est = {}
+    for key in ("run_s", "run_cpu_s"):
+        base = timed[(None, 0)][key]
+        per_seed = base
+        for k in dims:
+            per_seed *= 1.0 + sum(timed[(k, i)][key] / base for i in range(1, len(cfg.sweep[k])))
+        out_est[key] = per_seed * len(cfg.seeds)
+    return {"combinations": len(combos), "seeds": len(cfg.seeds), "rounds": cfg.rounds,
+            "timed_runs": len(plan), "estimated_h": round(out_est["run_s"] / 3600, 2),
+            "estimated_cpu_h": round(out_est["run_cpu_s"] / 3600, 2),
+            "timed": [{"dimension": d, "value": (cfg.sweep[d][i].get("label") if isinstance(cfg.sweep[d][i], dict)
+                                                 else cfg.sweep[d][i]) if d else "base",
+                       **{k: round(v, 2) for k, v in t.items()}} for (d, i), t in timed.items()]}
 
 
 def main() -> int:
@@ -215,7 +236,8 @@ def main() -> int:
         if out.exists():
             shutil.rmtree(out)
         if args.estimate is not None:
-            print(f"== {path.name}: estimating from {args.estimate} rounds of every combination", flush=True)
+            print(f"== {path.name}: estimating from {args.estimate} rounds of a covering set of combinations",
+                  flush=True)
             estimates[path.stem] = estimate(cfg, max(2, args.estimate), out)
             e = estimates[path.stem]
             print(f"   {e['combinations']} combinations x {e['seeds']} seeds: about {e['estimated_h']:.1f} h "
@@ -234,8 +256,9 @@ def main() -> int:
                 shutil.copyfile(out / name, RESULTS / f"{path.stem}{suffix}")
     if estimates:
         (RESULTS / "estimates.json").write_text(json.dumps(
-            {"note": "one seed of every combination, the first rounds timed on this machine as loaded "
-                     "then, one run at a time", "machine_load": _load(), "experiments": estimates}, indent=1))
+            {"note": "one seed of a covering set of combinations, the first rounds timed on this machine "
+                     "as loaded then, one run at a time; estimated_cpu_h: the same in CPU time",
+             "machine_load": _load(), "experiments": estimates}, indent=1))
     return 0
 
 
