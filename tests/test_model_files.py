@@ -9,6 +9,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from firmware_models import SpecError, load_model_file, mnist_cnn, resolve_model
 
@@ -228,3 +230,31 @@ def test_the_papers_initialisation_is_part_of_the_spec(tmp_path: Path) -> None:
     path.write_text('init = "xavier"\n' + TINY_TOML)
     with pytest.raises(SpecError, match="init 'xavier' is not one of"):
         load_model_file(str(path))
+
+
+_VALUES = st.one_of(st.integers(-3, 40), st.booleans(), st.text(max_size=4), st.none())
+
+
+def test_any_table_is_a_model_or_a_spec_error() -> None:
+    """Fuzzed model tables (types, keys and values right or wrong) either build a spec or
+    raise SpecError naming the source: never another exception."""
+    from firmware_models.files import spec_from_table
+
+    layer = st.dictionaries(st.sampled_from(["type", "out", "kernel", "in", "stride", "padding", "name", "x"]),
+                            st.one_of(st.sampled_from(["conv2d", "linear", "relu", "maxpool2d", "flatten", "fc"]),
+                                      _VALUES), max_size=5)
+    table = st.fixed_dictionaries({"layers": st.lists(layer, max_size=6)},
+                                  optional={"input": st.lists(st.integers(-1, 12), max_size=4), "classes": _VALUES,
+                                            "name": _VALUES, "init": st.sampled_from(["wage", "he", "x"])})
+
+    @settings(max_examples=120, deadline=None)
+    @given(t=table)
+    def check(t: dict) -> None:
+        try:
+            spec = spec_from_table(t, "fuzz.toml")
+        except SpecError as exc:
+            assert "fuzz.toml" in str(exc)
+        else:
+            assert spec.param_shapes() is not None and spec.num_classes >= 2
+
+    check()
