@@ -25,8 +25,10 @@ class DeviceRegistry:
         self.changed = False
         self._present: list[str] | None = None  # cache of present(), dropped on any change
 
-    def apply(self, m: Hello | Presence | None) -> None:
-        """Record a checked hello (the device is then online) or presence message."""
+    def apply(self, m: Hello | Presence | None) -> str | None:
+        """Record a checked hello (the device is then online) or presence message; returns
+        what changed for the operator: ``joined`` (a device with a hello came online, or
+        changed its hello), ``left`` (it went offline), or None."""
         if isinstance(m, Hello):
             old = self.hellos.get(m.device_id)
             if old != m:
@@ -37,14 +39,18 @@ class DeviceRegistry:
                 self._state[m.device_id] = asdict(m)
                 self.changed = True
                 self._present = None
-            self._set_online(m.device_id, True)
-        elif isinstance(m, Presence):
-            self._set_online(m.device_id, m.online)
+            return "joined" if self._set_online(m.device_id, True) or old != m else None
+        if isinstance(m, Presence) and self._set_online(m.device_id, m.online) and m.device_id in self.hellos:
+            return "joined" if m.online else "left"
+        return None
 
-    def _set_online(self, device_id: str, online: bool) -> None:
-        if (device_id in self.online) != online:
-            (self.online.add if online else self.online.discard)(device_id)
-            self._present = None
+    def _set_online(self, device_id: str, online: bool) -> bool:
+        """Whether the device's online state changed."""
+        if (device_id in self.online) == online:
+            return False
+        (self.online.add if online else self.online.discard)(device_id)
+        self._present = None
+        return True
 
     def variants(self) -> set[str]:
         """The model variants the known devices run, ``float32`` always included."""
