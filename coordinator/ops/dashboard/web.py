@@ -6,9 +6,9 @@ Routes (GET only; anything else is a 404 or 405):
 - ``/static/...``: its script, style sheet and uPlot (MIT licence beside it);
 - ``/events``: server-sent events: ``snapshot`` (everything) on connect and when a new
   run starts, then ``update`` (the picture without rounds, plus the rounds completed since
-  the last message) after every change, at most one per ``throttle_s`` (a change after a
-  quiet spell goes out at once: a closed round reaches the page within milliseconds);
-  a comment every 15 s keeps proxies from closing the stream;
+  the last message): at once when a round completes (it reaches the page within
+  milliseconds), else at the next tick (every ``throttle_s``) after any change; a comment
+  every 15 s keeps proxies from closing a quiet stream;
 - ``/api/state``: the picture as JSON (``?rounds=N``: only the last N rounds);
 - ``/metrics``: Prometheus metrics (:mod:`~coordinator.ops.dashboard.metrics`).
 
@@ -72,7 +72,7 @@ class Dashboard:
         self._runner: web.AppRunner | None = None
         self._thread: threading.Thread | None = None
         self._clients: set[asyncio.Event] = set()
-        self._poked = False
+        self._mark: tuple[int, int] = (0, 0)  # (run, rounds completed) the streams were woken for
         self._closing = False
         self._index = (STATIC / "index.html").read_bytes()
 
@@ -155,18 +155,19 @@ class Dashboard:
         thread.join(timeout)
 
     def _poke(self) -> None:
-        """The monitor changed (called on the round loop's thread: only schedules)."""
-        loop = self._loop
-        if self._poked or loop is None or loop.is_closed():
+        """The monitor changed (called on the round loop's thread). Only a completed round
+        or a new run wakes this thread's loop (a cross-thread wake-up costs the round loop
+        a GIL hand-over); the streams pick up other changes at their next tick."""
+        loop, mark = self._loop, (self.monitor.run, self.monitor.completed)
+        if mark == self._mark or loop is None or loop.is_closed():
             return
-        self._poked = True
+        self._mark = mark
         try:
             loop.call_soon_threadsafe(self._wake)
         except RuntimeError:  # the loop closed meanwhile
             pass
 
     def _wake(self) -> None:
-        self._poked = False
         for ev in self._clients:
             ev.set()
 
@@ -215,7 +216,7 @@ class Dashboard:
         await resp.prepare(request)
         ev = asyncio.Event()
         self._clients.add(ev)
-        run, sent, last = None, 0, 0.0
+        run, sent, version = None, 0, -1
         try:
             while True:
                 ev.clear()
@@ -224,23 +225,20 @@ class Dashboard:
                 if snap["run"] != run or snap["rounds_after"] > snap["rounds_done"]:
                     snap = self.monitor.snapshot(rounds_after=0)
                     kind = "snapshot"
-                run, sent, last = snap["run"], snap["rounds_done"], time.monotonic()
+                run, sent, version = snap["run"], snap["rounds_done"], snap["version"]
                 await resp.write(f"event: {kind}\ndata: {json.dumps(snap)}\n\n".encode())
                 if self._closing:  # (the last picture went out)
                     break
-                while not ev.is_set():
+                # a completed round (or a new run) wakes the stream at once; other changes
+                # go out at the next tick, every throttle_s
+                quiet = time.monotonic()
+                while not ev.is_set() and self.monitor.version == version:
                     try:
-                        await asyncio.wait_for(ev.wait(), timeout=15.0)
+                        await asyncio.wait_for(ev.wait(), timeout=self.throttle_s)
                     except TimeoutError:
-                        await resp.write(b": keep-alive\n\n")
-                # a completed round goes out at once; other changes at most every throttle_s
-                end = last + self.throttle_s
-                while not self._closing and self.monitor.completed == sent and time.monotonic() < end:
-                    ev.clear()
-                    try:
-                        await asyncio.wait_for(ev.wait(), timeout=end - time.monotonic())
-                    except TimeoutError:
-                        break
+                        if time.monotonic() - quiet > 15.0:  # (proxies close silent streams)
+                            await resp.write(b": keep-alive\n\n")
+                            quiet = time.monotonic()
         except (ConnectionError, asyncio.CancelledError):
             pass
         finally:

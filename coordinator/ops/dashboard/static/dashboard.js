@@ -8,7 +8,7 @@
   const GROUP_COLOURS = {float32: "#1f77b4", int16: "#2ca02c", int12: "#17becf", int8: "#ff7f0e",
                          int6: "#d62728", int4: "#9467bd", int2: "#8c564b"};
   const CODEC_COLOURS = {"float32-32": "#1f77b4", "float16-16": "#aec7e8", "int-8": "#ff7f0e",
-                         "int-16": "#2ca02c", "asym-4": "#9467bd", "asym-8": "#c5b0d5", "kmeans-4": "#d62728",
+                         "int-16": "#2ca02c", "asym-8": "#9467bd", "asym-4": "#c5b0d5", "kmeans-4": "#d62728",
                          "kmeans-2": "#ff9896", "ternary-2": "#8c564b", "mixed": "#7f7f7f"};
   const SPARE = ["#e377c2", "#bcbd22", "#7f7f7f", "#393b79", "#637939", "#8c6d31", "#843c39", "#7b4173"];
 
@@ -74,7 +74,7 @@
       if (accChart) accChart.destroy();
       accKey = key;
       accChart = new uPlot({
-        width: width("acc-chart"), height: 260,
+        width: width("acc-chart"), height: 260, legend: {live: false},
         scales: {x: {time: false}, y: {range: [0, 1]}},
         axes: [ROUND_AXIS, {label: "test accuracy", values: (u, v) => v.map((x) => (100 * x).toFixed(0) + "%")}],
         series: [{label: "round"}, ...groups.map((g) => ({
@@ -97,7 +97,7 @@
       if (bytesChart) bytesChart.destroy();
       bytesKey = key;
       bytesChart = new uPlot({
-        width: width("bytes-chart"), height: 220,
+        width: width("bytes-chart"), height: 220, legend: {live: false},
         scales: {x: {time: false}, y: {range: (u, lo, hi) => [0, Math.max(1, hi) * 1.1]}},
         axes: [ROUND_AXIS, {label: "bytes", size: 70, values: (u, v) => v.map(bytes)}],
         series: [{label: "round"}, ...codecs.map((c) => ({
@@ -174,6 +174,12 @@
   function drawRefusals() {
     const body = $("refusals").tBodies[0];
     body.replaceChildren();
+    if (!state.recent_refusals.length) {
+      const tr = el("tr"), td = el("td", "none", "detail");
+      td.colSpan = 5;
+      tr.append(td);
+      body.append(tr);
+    }
     for (const r of [...state.recent_refusals].reverse()) {
       const tr = el("tr");
       tr.append(el("td", new Date(r.time * 1000).toLocaleTimeString()), el("td", r.device), el("td", r.kind),
