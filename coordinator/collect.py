@@ -186,7 +186,7 @@ class Collector:
         """A device joined (came online with a hello, or changed it) or left: one log line
         and a ``device`` event (with its hello's profile, bitwidth and codec)."""
         h = self.devices.hellos[device_id]
-        n = len(self.devices.present())
+        n = self.devices.n_present
         what = f"joined ({h.profile}, {h.trainer}{h.compute_bits}, uplink {h.codec}-{h.codec_bits})" \
             if change == "joined" else "left"
         self.log.info("device %r %s; %d online", device_id, what, n,

@@ -24,6 +24,8 @@ class DeviceRegistry:
         #: a hello was added or changed since :meth:`to_state` was last saved
         self.changed = False
         self._present: list[str] | None = None  # cache of present(), dropped on any change
+        #: how many devices are present (kept by every change: O(1) to read)
+        self.n_present = 0
 
     def apply(self, m: Hello | Presence | None) -> str | None:
         """Record a checked hello (the device is then online) or presence message; returns
@@ -34,6 +36,8 @@ class DeviceRegistry:
             if old != m:
                 if old is not None:
                     self._variants[model_variant(old.compute_bits, old.trainer)] -= 1
+                elif m.device_id in self.online:  # online before its hello: present from now
+                    self.n_present += 1
                 self.hellos[m.device_id] = m
                 self._variants[model_variant(m.compute_bits, m.trainer)] += 1
                 self._state[m.device_id] = asdict(m)
@@ -50,6 +54,8 @@ class DeviceRegistry:
             return False
         (self.online.add if online else self.online.discard)(device_id)
         self._present = None
+        if device_id in self.hellos:
+            self.n_present += 1 if online else -1
         return True
 
     def variants(self) -> set[str]:
@@ -75,5 +81,6 @@ class DeviceRegistry:
             reg.apply(Hello(**h))
         reg.online.clear()
         reg._present = None
+        reg.n_present = 0
         reg.changed = False
         return reg

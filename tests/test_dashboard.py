@@ -94,6 +94,44 @@ def test_the_monitor_follows_devices_rounds_and_refusals() -> None:
     assert calls == ["x", "x!"]
 
 
+def test_a_large_fleet_is_counted_whole_and_listed_in_part(monkeypatch) -> None:
+    import coordinator.ops.dashboard.monitor as monitor
+
+    monkeypatch.setattr(monitor, "DEVICE_ROWS", 5)
+    m = FleetMonitor({"job": "big"}, rounds=1)
+    for i in range(12):
+        m("device", hello(f"d{i:02d}"))
+    m("device", {"device": "d03", "change": "left", "online": 11})
+    snap = m.snapshot()
+    assert [d["device_id"] for d in snap["devices"]] == ["d00", "d01", "d02", "d03", "d04"]
+    assert (snap["devices_total"], snap["online"]) == (12, 11)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 5), st.sampled_from(["hello", "hello8", "on", "off"])), max_size=60))
+def test_the_registry_reports_joins_and_leaves_and_counts_present_devices(steps) -> None:
+    """``DeviceRegistry.apply`` says ``joined``/``left`` exactly when a device with a
+    hello changes presence (or its hello), and its O(1) count is a recount's."""
+    from coordinator.devices import DeviceRegistry
+    from edge_client.protocol import Hello, Presence
+
+    reg = DeviceRegistry()
+    for i, what in steps:
+        dev = f"d{i}"
+        before = set(reg.present()), reg.hellos.get(dev)
+        m = (Hello(dev, "p", 8 if what == "hello8" else 32, "int", "int", 8, 10, "1") if what.startswith("hello")
+             else Presence(dev, what == "on"))
+        change = reg.apply(m)
+        after = set(reg.present())
+        if dev in after - before[0] or (dev in after and isinstance(m, Hello) and before[1] != m):
+            assert change == "joined"
+        elif dev in before[0] - after:
+            assert change == "left"
+        else:
+            assert change is None
+        assert reg.n_present == len(after)
+
+
 def test_live_file_and_the_status_view(tmp_path: Path) -> None:
     m = FleetMonitor({"job": "farm", "model": "mlp", "strategy": "fedavg"}, rounds=2, title="job farm")
     live = LiveFile(m, tmp_path, interval=0.05)

@@ -104,9 +104,10 @@ def render(view: dict[str, Any], *, last: int = 10, console: Any = None) -> None
 
     devs = view["devices"]
     running = view["state"] == "running"
-    online = sum(1 for d in devs if d.get("online"))
-    t = Table(title=f"devices: {online} online of {len(devs)}" if running else f"devices: {len(devs)}",
-              title_justify="left")
+    total = view.get("devices_total") or len(devs)
+    shown = f"; the first {len(devs)} by id" if len(devs) < total else ""
+    t = Table(title=(f"devices: {view.get('online', 0)} online of {total}" if running else f"devices: {total}")
+              + shown, title_justify="left")
     cols = ("device", "status", "profile", "model", "uplink", "last seen", "last update", "updates", "refusals")
     for col in cols if running else [c for c in cols if c != "status"]:
         t.add_column(col, justify="right" if col == "updates" else "left", no_wrap=col != "refusals")

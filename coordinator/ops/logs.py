@@ -132,6 +132,8 @@ class LiveProgress:
         self._progress.start()
 
     def __call__(self, event: str, f: dict[str, Any]) -> None:
+        if event == "device":  # (an emulated fleet's devices all join at start: no line each)
+            return
         if self._plain is not None:
             self._plain(event, f)
             return

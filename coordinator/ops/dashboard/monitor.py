@@ -44,6 +44,9 @@ from edge_client.protocol import model_variant
 LIVE_FILE = "live.json"
 #: refusals kept for the page's "recent refusals" list
 RECENT = 20
+#: devices a snapshot lists (by id; the counts cover all): a page or live.json of a fleet
+#: of 100,000 would be megabytes several times a second
+DEVICE_ROWS = 500
 
 
 @dataclass
@@ -115,6 +118,8 @@ class FleetMonitor:
             self.title = title
             self.state = "starting"
             self.devices: dict[str, DeviceView] = {}
+            self._order: list[str] | None = None  # device ids sorted, cached
+            self.n_online = 0
             self.current: dict[str, Any] = {"round": 0, "phase": "waiting", "selected": 0, "received": 0}
             self.rounds: list[dict[str, Any]] = []
             self.done: Counter[str] = Counter()  # completed rounds' totals
@@ -166,8 +171,11 @@ class FleetMonitor:
         d = self.devices.get(f["device"])
         if d is None:
             d = self.devices[f["device"]] = DeviceView(f["device"])
+            self._order = None
         d.last_seen = self.clock()
-        d.online = f["change"] == "joined"
+        online = f["change"] == "joined"
+        self.n_online += int(online) - int(d.online)
+        d.online = online
         if self.current.get("phase") == "waiting":
             self.current["present"] = f.get("online")
         if d.online:
@@ -247,6 +255,11 @@ class FleetMonitor:
         with self._lock:
             return self._totals()
 
+    def _sorted(self) -> list[str]:
+        if self._order is None:
+            self._order = sorted(self.devices)
+        return self._order
+
     def _totals(self) -> dict[str, Any]:
         both = self.done + self.live
         return {"rounds": both["rounds"], "accepted": both["accepted"],
@@ -268,8 +281,8 @@ class FleetMonitor:
                 "run": self.run, "version": self.version, "now": self.clock(), "title": self.title,
                 "state": self.state, "rounds_planned": self.rounds_planned, "job": self.job,
                 "dashboard": self.dashboard_url, "current": cur,
-                "devices": [d.as_dict() for _, d in sorted(self.devices.items())],
-                "online": sum(d.online for d in self.devices.values()),
+                "devices": [self.devices[i].as_dict() for i in self._sorted()[:DEVICE_ROWS]],
+                "devices_total": len(self.devices), "online": self.n_online,
                 "totals": self._totals(), "recent_refusals": list(self.recent),
                 "rounds_done": len(self.rounds),
             }

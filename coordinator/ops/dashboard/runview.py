@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from coordinator.ops.dashboard.monitor import LIVE_FILE, round_summary
+from coordinator.ops.dashboard.monitor import DEVICE_ROWS, LIVE_FILE, round_summary
 from coordinator.ops.rundir import coordinator_dir
 from edge_client.protocol import model_variant
 
@@ -82,6 +82,7 @@ def run_view(path: str | Path) -> dict[str, Any]:
                             "rounds": rounds,
                             "rounds_planned": int(live.get("rounds_planned") or 0), "current": None,
                             "devices": live.get("devices") or [], "totals": live.get("totals") or {},
+                            "devices_total": live.get("devices_total", 0), "online": live.get("online", 0),
                             "recent_refusals": live.get("recent_refusals") or [],
                             "dashboard": live.get("dashboard") or "", "updated": live.get("updated", 0)}
     if not live:
@@ -143,7 +144,8 @@ def _from_files(d: Path, view: dict[str, Any]) -> None:
                         "codec": f"{h.get('codec', '?')}-{h.get('codec_bits', '?')}", "last_seen": 0.0,
                         "updates": last.get(dev, (0, 0))[1], "last_round": last.get(dev, (None, 0))[0],
                         "last_bytes": 0, "last_codec": "", "refusals": {}, "notes": {}}
-                       for dev, h in sorted(hellos.items()) if isinstance(h, dict)]
+                       for dev, h in sorted(hellos.items())[:DEVICE_ROWS] if isinstance(h, dict)]
+    view["devices_total"] = len(hellos)
     view["totals"] = {"rounds": len(view["rounds"]), "accepted": sum(int(r["accepted"]) for r in view["rounds"]),
                       "refused": refused, "uplink_bytes": uplink,
                       "wait_seconds": sum(float(r["wait_seconds"] or 0) for r in view["rounds"])}

@@ -147,7 +147,7 @@
   function drawTotals() {
     const t = state.totals || {};
     const pairs = [["rounds completed", t.rounds ?? 0], ["updates accepted", t.accepted ?? 0],
-                   ["devices online", `${state.online} of ${state.devices.length} known`]];
+                   ["devices online", `${state.online} of ${state.devices_total} known`]];
     for (const [k, v] of Object.entries(t.refused || {})) pairs.push([k.replace(/_/g, " "), v]);
     for (const [k, v] of Object.entries(t.uplink_bytes || {})) pairs.push([`uplink ${k}`, bytes(v)]);
     if (t.wait_seconds) pairs.push(["waited for devices", secs(t.wait_seconds)]);
@@ -168,7 +168,8 @@
                 el("td", d.updates, "num"), el("td", notes.join(", "), "refused"));
       body.append(tr);
     }
-    $("devices-caption").textContent = `(${state.online} online of ${state.devices.length})`;
+    const shown = state.devices.length < state.devices_total ? `; the first ${state.devices.length} by id shown` : "";
+    $("devices-caption").textContent = `(${state.online} online of ${state.devices_total}${shown})`;
   }
 
   function drawRefusals() {
