@@ -73,7 +73,9 @@ def test_the_monitor_follows_devices_rounds_and_refusals() -> None:
     m("device", {"device": "b", "change": "left", "online": 1})
     snap = m.snapshot()
     devs = {d["device_id"]: d for d in snap["devices"]}
-    assert set(devs) == {"a", "b"}  # a refused stranger gets no row (the list stays bounded)
+    assert set(devs) == {"a", "b", "ghost"}  # a refused stranger gets a row (at most STRANGERS of them)
+    assert not devs["ghost"]["registered"] and devs["ghost"]["refusals"] == {"unenrolled": 1}
+    assert (snap["registered"], snap["devices_total"]) == (2, 3)
     assert devs["a"]["online"] and not devs["b"]["online"] and snap["online"] == 1
     assert devs["a"]["variant"] == "int8" and devs["b"]["variant"] == "float32"
     assert (devs["a"]["last_round"], devs["a"]["last_bytes"], devs["a"]["last_codec"]) == (1, 1000, "int-8")
@@ -98,13 +100,19 @@ def test_a_large_fleet_is_counted_whole_and_listed_in_part(monkeypatch) -> None:
     import coordinator.ops.dashboard.monitor as monitor
 
     monkeypatch.setattr(monitor, "DEVICE_ROWS", 5)
+    monkeypatch.setattr(monitor, "STRANGERS", 3)
     m = FleetMonitor({"job": "big"}, rounds=1)
     for i in range(12):
         m("device", hello(f"d{i:02d}"))
     m("device", {"device": "d03", "change": "left", "online": 11})
+    for i in range(10):  # a flood of refused ids: three rows, the rest only counted
+        m("reject", {"device": f"x{i}", "reason": "bad_mac", "kind": "hello", "detail": "", "dropped": False})
     snap = m.snapshot()
     assert [d["device_id"] for d in snap["devices"]] == ["d00", "d01", "d02", "d03", "d04"]
-    assert (snap["devices_total"], snap["online"]) == (12, 11)
+    assert (snap["devices_total"], snap["registered"], snap["online"]) == (15, 12, 11)
+    assert snap["totals"]["refused"] == {"rejected_bad_mac": 10}
+    m("device", hello("x0"))  # a stranger whose hello is accepted at last
+    assert (m.snapshot()["registered"], m.snapshot()["devices_total"]) == (13, 15)
 
 
 @settings(max_examples=60, deadline=None)
@@ -205,6 +213,13 @@ def served():
         d.stop()
 
 
+def wait_until(cond, what: str, timeout: float = 20.0) -> None:
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, f"timed out waiting for {what}"
+        time.sleep(0.005)
+
+
 def get(url: str, **kw) -> tuple[int, bytes, dict]:
     req = urllib.request.Request(url, headers=kw.pop("headers", {}), method=kw.pop("method", "GET"))
     try:
@@ -298,20 +313,17 @@ def test_events_reach_a_client_within_a_second(served) -> None:
 
     t = threading.Thread(target=read, daemon=True)
     t.start()
-    while not got:
-        time.sleep(0.01)
+    wait_until(lambda: got, "the first message")
     assert got[0][1] == "snapshot" and got[0][2]["rounds"] == []
     for r in (1, 2, 3):
         feed_round(m, r, 0.1 * r)
-        while not any(r in [x["round"] for x in g["rounds"]] for _, _, g in got):
-            time.sleep(0.005)
+        wait_until(lambda r=r: any(r in [x["round"] for x in g["rounds"]] for _, _, g in got), f"round {r}")
     # one message per round (rounds are not held back by the throttle), each within a second
     sent = [(t, g["rounds"]) for t, k, g in got if k == "update" and g["rounds"]]
     assert [[x["round"] for x in rs] for _, rs in sent] == [[1], [2], [3]]
     assert all(t - rs[0]["closed_at"] < 1.0 for t, rs in sent), sent
     m.new_run({"job": "next"}, 1, "next")  # a new run (emulate's sweeps): a new snapshot
-    while got[-1][1] != "snapshot":
-        time.sleep(0.01)
+    wait_until(lambda: got[-1][1] == "snapshot", "the new run's snapshot")
     assert got[-1][2]["title"] == "next" and got[-1][2]["rounds"] == []
     d.stop()  # streams end with the server
     t.join(5)

@@ -64,8 +64,6 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     broker = watch = None
     outcome = "error"
     try:
-        if not job.resume and RunState(job.out).has_run():
-            raise ConfigError(f"{job.out} holds a previous run: pass --resume or use another --out")
         spec = get_spec(cfg.model)
         strategy = build_strategy(cfg.strategy, model=cfg.model, **cfg.strategy_params)
         broker, conn = serve_broker(job, cfg.limits.max_payload_bytes + 65536)
@@ -74,11 +72,13 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                           max_payload=cfg.limits.max_payload_bytes + 65536, **conn)
         evaluator = evaluator_for(cfg.model, _eval_data(job.eval_data), strategy.device_hparams(cfg.hparams),
                                   seed=cfg.seed)
+        state = RunState(job.out)
+        if not job.resume and state.has_run():  # (before live.json of that run is overwritten)
+            raise ConfigError(f"{job.out} holds a previous run: pass --resume or use another --out")
         watch = Watch(listen=job.dashboard.listen, security_dir=_security_dir(job), job_id=cfg.job,
                       hostnames=job.broker.hostnames or None, password_file=job.dashboard.password_file)
         if watch.describe:
             print(watch.describe, flush=True)
-        state = RunState(job.out)
         observe = watch.new_run(job.table, cfg.rounds, f"job {cfg.job}: {cfg.model}, {cfg.strategy}", job.out,
                                 state.read_metrics() if job.resume else None)
         coord = Coordinator(cfg, fleet, strategy, state, evaluator=evaluator,

@@ -115,7 +115,8 @@ def render(view: dict[str, Any], *, last: int = 10, console: Any = None) -> None
         upd = (f"round {d['last_round']}" + (f": {_bytes(d['last_bytes'])} {d['last_codec']}" if d.get("last_bytes")
                                               else "")) if d.get("last_round") else "-"
         notes = {**d.get("refusals", {}), **{k.replace("_", " "): v for k, v in d.get("notes", {}).items()}}
-        status = ["online" if d.get("online") else "offline"] if running else []
+        status = ["online" if d.get("online") else "offline" if d.get("registered", True) else "refused"] \
+            if running else []
         t.add_row(d["device_id"], *status, d.get("profile", ""), d.get("variant", ""), d.get("codec", ""),
                   _ago(d.get("last_seen")), upd, str(d.get("updates", 0)),
                   ", ".join(f"{k} x{v}" for k, v in notes.items()) or "-")

@@ -110,7 +110,7 @@ class MonitorCollector(Collector):
                     g.add_metric([job, group], v)
             yield g
         yield gauge("fedbit_devices_online", "Devices online (with a hello).", snap["online"])
-        yield gauge("fedbit_devices_known", "Devices that said hello.", snap["devices_total"])
+        yield gauge("fedbit_devices_known", "Devices that said hello.", snap["registered"])
         yield counter("fedbit_device_wait", "Time rounds waited for devices before selecting.",
                       tot["wait_seconds"], unit="seconds")
         yield _histogram([r.get("round_seconds") for r in rounds], job)

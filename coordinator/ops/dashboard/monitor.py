@@ -47,6 +47,9 @@ RECENT = 20
 #: devices a snapshot lists (by id; the counts cover all): a page or live.json of a fleet
 #: of 100,000 would be megabytes several times a second
 DEVICE_ROWS = 500
+#: devices refused before any hello of theirs was accepted (a wrong MAC key, not enrolled)
+#: that get a row, so the operator sees who; more are only counted
+STRANGERS = 100
 
 
 @dataclass
@@ -66,6 +69,7 @@ class DeviceView:
     last_codec: str = ""
     refusals: dict[str, int] = field(default_factory=dict)
     notes: dict[str, int] = field(default_factory=dict)
+    registered: bool = True  # False: only refused so far (no accepted hello)
 
     def as_dict(self) -> dict[str, Any]:
         """A plain copy (``dataclasses.asdict`` without its deep copy: 10x faster)."""
@@ -120,6 +124,7 @@ class FleetMonitor:
             self.devices: dict[str, DeviceView] = {}
             self._order: list[str] | None = None  # device ids sorted, cached
             self.n_online = 0
+            self.n_strangers = 0
             self.current: dict[str, Any] = {"round": 0, "phase": "waiting", "selected": 0, "received": 0}
             self.rounds: list[dict[str, Any]] = []
             self.done: Counter[str] = Counter()  # completed rounds' totals
@@ -172,6 +177,9 @@ class FleetMonitor:
         if d is None:
             d = self.devices[f["device"]] = DeviceView(f["device"])
             self._order = None
+        elif not d.registered:
+            d.registered = True
+            self.n_strangers -= 1
         d.last_seen = self.clock()
         online = f["change"] == "joined"
         self.n_online += int(online) - int(d.online)
@@ -211,7 +219,12 @@ class FleetMonitor:
     def _on_reject(self, f: dict[str, Any]) -> None:
         metric = f"{'dropped' if f.get('dropped') else 'rejected'}_{f.get('reason', '?')}"
         self.live[metric] += 1
-        d = self._device(f.get("device", ""))
+        dev = str(f.get("device", ""))
+        d = self._device(dev)
+        if d is None and dev and self.n_strangers < STRANGERS:
+            d = self.devices[dev] = DeviceView(dev, registered=False, last_seen=self.clock())
+            self.n_strangers += 1
+            self._order = None
         if d is not None:
             d.refusals[f.get("reason", "?")] = d.refusals.get(f.get("reason", "?"), 0) + 1
         self.recent.append({"time": self.clock(), "device": f.get("device", ""), "kind": f.get("kind", ""),
@@ -282,7 +295,8 @@ class FleetMonitor:
                 "state": self.state, "rounds_planned": self.rounds_planned, "job": self.job,
                 "dashboard": self.dashboard_url, "current": cur,
                 "devices": [self.devices[i].as_dict() for i in self._sorted()[:DEVICE_ROWS]],
-                "devices_total": len(self.devices), "online": self.n_online,
+                "devices_total": len(self.devices), "registered": len(self.devices) - self.n_strangers,
+                "online": self.n_online,
                 "totals": self._totals(), "recent_refusals": list(self.recent),
                 "rounds_done": len(self.rounds),
             }

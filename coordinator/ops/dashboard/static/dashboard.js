@@ -158,12 +158,13 @@
     const body = $("devices").tBodies[0];
     body.replaceChildren();
     for (const d of state.devices) {
-      const tr = el("tr", null, d.online ? "online" : "offline");
+      const tr = el("tr", null, d.online ? "online" : d.registered ? "offline" : "stranger");
       tr.dataset.device = d.device_id;
       const notes = Object.entries(d.refusals).map(([k, v]) => `${k} x${v}`)
         .concat(Object.entries(d.notes).map(([k, v]) => `${k.replace(/_/g, " ")} x${v}`));
       const last = d.last_round ? `round ${d.last_round}: ${bytes(d.last_bytes)} ${d.last_codec}` : "-";
-      tr.append(el("td", d.device_id), el("td", d.online ? "online" : "offline", "status"), el("td", d.profile),
+      const status = d.online ? "online" : d.registered ? "offline" : "refused (no hello accepted)";
+      tr.append(el("td", d.device_id), el("td", status, "status"), el("td", d.profile),
                 el("td", d.variant), el("td", d.codec), el("td", ago(d.last_seen), "seen"), el("td", last),
                 el("td", d.updates, "num"), el("td", notes.join(", "), "refused"));
       body.append(tr);
