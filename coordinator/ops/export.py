@@ -40,7 +40,10 @@ def load_final(run_dir: str | Path, round_id: int | None = None) -> Checkpoint:
     folder, :func:`~coordinator.ops.rundir.coordinator_dir`); ConfigError when there is
     none, or when ``round_id`` is given and is not the completed round (only that model
     is kept)."""
-    run = coordinator_dir(run_dir)
+    try:
+        run = coordinator_dir(run_dir)
+    except ConfigError as exc:
+        raise ConfigError(f"{exc}; no checkpoint.msgpack to export") from None
     ckpt = RunState(run, durable=False).load_checkpoint()
     if ckpt is None:
         raise ConfigError(f"{run}: no checkpoint.msgpack (no round completed yet)")

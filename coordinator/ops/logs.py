@@ -13,6 +13,8 @@ import time
 from collections.abc import Iterable
 from typing import Any, TextIO
 
+from edge_client.protocol import model_variant
+
 
 def hide_events(logger: logging.Logger, events: Iterable[str]) -> None:
     """Leave out of ``logger``'s handlers the records whose ``event`` is in ``events``
@@ -36,8 +38,8 @@ def refusal_line(f: dict[str, Any]) -> str:
 def device_line(f: dict[str, Any]) -> str:
     """``device 'dev1' joined (raspberry-pi-4, int8, uplink int-8); 2 online`` (a ``device`` event)."""
     if f["change"] == "joined":
-        bits = "float32" if f["compute_bits"] >= 32 or f["trainer"] == "torch" else f"int{f['compute_bits']}"
-        return f"device {f['device']!r} joined ({f['profile']}, {bits}, uplink {f['codec']}); {f['online']} online"
+        variant = model_variant(int(f["compute_bits"]), str(f["trainer"]))
+        return f"device {f['device']!r} joined ({f['profile']}, {variant}, uplink {f['codec']}); {f['online']} online"
     return f"device {f['device']!r} left; {f['online']} online"
 
 
