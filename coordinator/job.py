@@ -22,6 +22,7 @@ naming the file and the key; ``examples/job.toml`` shows every section)::
     [admission]                 # max_samples, samples_policy, max_registered, hello_rate, hello_burst
     [limits]                    # max_payload_bytes, max_abs_value
     [log]                       # json, level, quiet
+    [dashboard]                 # listen ([HOST:]PORT; empty: none), password_file
 
 Every flag of ``fedbit serve`` sets one of these keys (:data:`FLAGS`; ``--set KEY=VALUE``
 sets any), so a flag and the file never disagree about a default: defaults come from
@@ -46,8 +47,10 @@ from coordinator.config import (
     read_toml,
 )
 from coordinator.ops.admission import AdmissionConfig
+from coordinator.ops.dashboard.access import parse_address
 from edge_client.errors import ConfigError
 from edge_client.protocol import DEFAULT_LIMITS
+from firmware_models import MODELS
 
 EMBEDDED_KINDS = ("auto", "mosquitto", "amqtt")
 SECURITY_MODES = ("auto", "none", "password", "tls")
@@ -84,6 +87,17 @@ class BrokerSettings:
 
 
 @dataclass
+class DashboardSettings:
+    """The live dashboard and ``/metrics`` (the ``[dashboard]`` table;
+    :mod:`coordinator.ops.dashboard.access`): ``listen`` ``[HOST:]PORT`` (empty: none; a
+    bare port is on 127.0.0.1, 0 a free one; beyond loopback HTTPS with the job CA and a
+    password), ``password_file`` (default beyond loopback: ``SECURITY/dashboard.password``)."""
+
+    listen: str = ""
+    password_file: str = ""
+
+
+@dataclass
 class ServeJob:
     """Everything ``fedbit serve`` runs (see the module docstring); ``source`` names the file."""
 
@@ -96,6 +110,9 @@ class ServeJob:
     log_level: str = "info"
     quiet: bool = False
     source: str = "<flags>"
+    dashboard: DashboardSettings = field(default_factory=DashboardSettings)
+    #: the validated job table (every key, defaults filled in), as the dashboard shows it
+    table: dict[str, Any] = field(default_factory=dict)
 
 
 _S, _A, _L, _B = ServerConfig(), AdmissionConfig(), DEFAULT_LIMITS, BrokerSettings()
@@ -115,6 +132,7 @@ SCHEMA = TomlSchema({
                   "hello_burst": (int, _A.hello_burst)},
     "limits": {"max_payload_bytes": (int, _L.max_payload_bytes), "max_abs_value": (NUMBER, _L.max_abs_value)},
     "log": {"json": (bool, False), "level": (str, "info"), "quiet": (bool, False)},
+    "dashboard": {"listen": ((str, int), ""), "password_file": (str, "")},
 }, free=("strategy_params", "train"))
 
 
@@ -140,6 +158,14 @@ def job_from_dict(raw: dict[str, Any], source: str) -> ServeJob:
         raise ConfigError(f"{source}: out: no run directory (give --out DIR or `out = \"DIR\"` in the job file)")
     if lim["max_payload_bytes"] < 1024:
         raise ConfigError(f"{source}: limits.max_payload_bytes: must be >= 1024, got {lim['max_payload_bytes']}")
+    if top["model"] not in MODELS:
+        raise ConfigError(f"{source}: model: {top['model']!r} is not one of {sorted(MODELS)}")
+    dash = DashboardSettings(str(v["dashboard"]["listen"]).strip(), v["dashboard"]["password_file"])
+    if dash.listen:
+        try:
+            parse_address(dash.listen)
+        except ConfigError as exc:
+            raise ConfigError(f"{source}: dashboard.listen: {exc}") from None
     hparams = copy.deepcopy(DEFAULT_HPARAMS) | v["train"]
     cfg = ServerConfig(
         job=top["job"], model=top["model"], rounds=top["rounds"], strategy=top["strategy"],
@@ -155,7 +181,8 @@ def job_from_dict(raw: dict[str, Any], source: str) -> ServeJob:
     except ConfigError as exc:
         raise ConfigError(f"{source}: {exc}") from None
     return ServeJob(cfg, broker, top["out"], eval_data=top["eval_data"], resume=top["resume"],
-                    log_json=log["json"], log_level=log["level"], quiet=log["quiet"], source=source)
+                    log_json=log["json"], log_level=log["level"], quiet=log["quiet"], source=source,
+                    dashboard=dash, table={**v[""], **{sec: t for sec, t in v.items() if sec}})
 
 
 def load_job(path: str | Path | None, overrides: dict[str, Any] | None = None) -> ServeJob:
@@ -220,6 +247,12 @@ FLAGS: list[tuple[str, str, dict[str, Any]]] = [
                                               "messages per device per second (after --hello-burst)"}),
     ("--hello-burst", "admission.hello_burst", {"type": int, "metavar": "N"}),
     ("--quiet", "log.quiet", {"action": "store_true", "help": "no progress display"}),
+    ("--dashboard", "dashboard.listen", {"metavar": "[HOST:]PORT", "help": "serve the live dashboard and "
+                                         "Prometheus /metrics (8080: on 127.0.0.1; 0: a free port; beyond "
+                                         "loopback: HTTPS with the job CA and a password)"}),
+    ("--dashboard-password-file", "dashboard.password_file", {"metavar": "FILE", "help": "the dashboard's "
+                                                              "password (default beyond loopback: "
+                                                              "SECURITY/dashboard.password, made once)"}),
 ]
 #: the shared connection and logging options' keys in the job file
 CONNECTION_KEYS = {name: f"broker.{'url' if name == 'broker' else name}" for name in
