@@ -62,13 +62,16 @@ def test_mac_covers_every_byte_and_leaves_the_message_readable() -> None:
     signed = auth.sign(hello, key)
     assert auth.verify(signed, key) and not auth.verify(signed, other) and not auth.verify(hello, key)
     assert decode_message(signed) == decode_message(hello)          # a keyless reader sees the same
-    assert auth.sign(signed, key) == signed                          # idempotent
+    resigned = auth.sign(signed, key)                                # the entry replaced,
+    assert resigned != signed and auth.verify(resigned, key)         # with a fresh nonce
+    assert len(resigned) == len(signed) and auth.strip_mac(resigned) == hello
     assert auth.strip_mac(signed) == hello
     for i in range(len(signed)):                                     # any flipped byte is seen
         bad = bytearray(signed)
         bad[i] ^= 0x20
         assert not auth.verify(bytes(bad), key), i
     assert not auth.verify(signed[:-1], key) and not auth.verify(signed + b"\0", key)
+    assert not auth.verify(signed, key[:16]) and not auth.verify(b"", key)
     # a map with 15 entries grows into a map16 header
     body = {f"k{i}": i for i in range(15)}
     s15 = auth.sign(msgpack.packb(body), key)
