@@ -280,9 +280,38 @@ def test_plaintext_bad_credentials_and_foreign_certificates_are_refused(job: Job
     oc, _ = other.enroll("dev1", broker=url)
     assert refused(url, "dev1", username="dev1", password=c.password,
                    tls=TlsOptions(tls.ca_file, *auth.tls_files(oc, tmp_path / "otls")[1:]))
-    assert refused(job.broker.coordinator_url, "anon")                 # no anonymous coordinator
-    assert refused(job.broker.coordinator_url, "dev1x", username="dev1", password=c.password) == ""
-    # (a device on the loopback listener is still bound by the ACL: it has no TLS, same rules)
+    # the coordinator's own listener: no anonymous client, no device password (the devices'
+    # rule, certificate and password, holds everywhere a device can connect)
+    cc = job.broker.credentials
+    assert refused(job.broker.coordinator_url, "anon")
+    assert refused(job.broker.coordinator_url, "dev1", username="dev1", password=c.password)
+    assert refused(job.broker.coordinator_url, "x", username=COORDINATOR_USER, password=c.password)
+    assert refused(job.broker.coordinator_url, "x", username=COORDINATOR_USER, password=cc.password) == ""
+
+
+def test_a_device_cannot_take_over_another_client_id(job: Job) -> None:
+    """dev2, with its own valid credentials, connects under dev1's client id and under the
+    coordinator's: the broker makes its client id its username, so neither victim is
+    pushed off, no retained 'coordinator offline' status appears, and dev2 stays bound to
+    its own topics."""
+    coord = job.coordinator()
+    dev1 = job.device("dev1", subscriptions=[topic(JOB, "status")])
+    c2 = job.creds["dev2"]
+    for victim in ("dev1", "fedbit-coordinator-sec", COORDINATOR_USER):
+        t = MqttTransport(c2.broker, victim, username="dev2", password=c2.password, tls=job.tls("dev2"),
+                          protocol="5")
+        t.connect(10)
+        job.clients.append(t)
+        t.publish(topic(JOB, "update", "dev2"), f"dev2 as {victim}".encode(), timeout=5)
+        drain(coord, f"dev2 as {victim}".encode())            # it is dev2 (the ACL let it publish as dev2)
+        t.publish(topic(JOB, "update", "dev1"), b"as dev1", qos=0)  # and only as dev2: dropped
+    dev2 = job.device("dev2")
+    dev2.publish(topic(JOB, "update", "dev2"), b"marker", timeout=5)
+    assert all(p != b"as dev1" for _, p in drain(coord, b"marker"))
+    assert (coord.connects, dev1.connects) == (1, 1) and coord.connected and dev1.connected
+    assert coord.publish(topic(JOB, "status"), b"still here", retain=True, timeout=5)
+    got = drain(dev1, b"still here")
+    assert all(p != b"as dev1" for _, p in got) and len([p for _, p in got if p]) == 1  # no will fired
 
 
 def test_revoked_device_is_refused_on_its_next_connect(job: Job) -> None:

@@ -219,7 +219,13 @@ class MqttTransport:
         return {"clean_start": not self.persistent_session, "properties": props}
 
     def _probe_v5(self, timeout: float) -> bool | None:
-        """Connect once with v5: True accepted, False refused (3.1.1 broker), None unreachable."""
+        """Connect once with v5: True accepted, False refused (3.1.1 broker), None unreachable.
+
+        The probe sends no credentials: a broker that wants them answers "not authorized"
+        in v5 (which is all the probe asks), and a broker that ties the client id to the
+        username (``use_username_as_clientid``) never hands the probe this client's session
+        (it would end the session of a running client and, with a clean start, discard
+        the persistent session the coordinator's unacknowledged updates wait in)."""
         import paho.mqtt.client as mqtt
         from paho.mqtt.enums import CallbackAPIVersion
 
@@ -227,8 +233,6 @@ class MqttTransport:
         done = threading.Event()
         c = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=f"{self.client_id}-probe"[:64],
                         protocol=mqtt.MQTTv5)
-        if self.username is not None:
-            c.username_pw_set(self.username, self.password)
         if self.tls is not None:
             c.tls_set(ca_certs=self.tls.ca_file, certfile=self.tls.cert_file,
                       keyfile=self.tls.key_file)
