@@ -159,7 +159,10 @@ class DeviceConfig:
     saw it active); ``max_rounds`` (> 0) stops it once the device has trained and sent
     that many rounds (a device that wakes up for one round; the emulator's devices);
     ``publish_timeout_s`` bounds the wait for a PUBACK before the update is left to the
-    outbox; ``train_delay_s`` sleeps before each local training (emulates a slow device
+    outbox; ``connect_timeout_s`` is how long one connect attempt is waited for (a warning
+    is logged after each); ``give_up_after_s`` (> 0) ends the loop, with :attr:`DeviceRuntime.failure`
+    set, once the device has had no session for that long (at the start or after losing
+    it; 0: it retries forever, as a service does); ``train_delay_s`` sleeps before each local training (emulates a slow device
     in trials and tests); ``kmeans_method`` picks the K-means uplink's method (``fast`` |
     ``authors``) unless a round announces one.
     """
@@ -177,7 +180,8 @@ class DeviceConfig:
     exit_when_done: bool = True
     limits: Limits = DEFAULT_LIMITS
     resend_interval_s: float = 1.0
-    connect_timeout_s: float = 30.0
+    connect_timeout_s: float = 10.0
+    give_up_after_s: float = 0.0
     publish_timeout_s: float = 10.0
     train_delay_s: float = 0.0
     max_rounds: int = 0
@@ -241,6 +245,8 @@ class DeviceRuntime:
         self.transport: Transport | None = None
         self._trainers: dict[str, Any] = {}
         self.stop_event = threading.Event()
+        #: why the loop gave up ("" unless it did: no session for ``give_up_after_s``)
+        self.failure = ""
         self.sent = 0
         self.resent = 0
         #: the open round was announced again (a resumed coordinator, a broker that lost its
@@ -295,23 +301,20 @@ class DeviceRuntime:
         t = self._connect(**self.session_spec())
         self.transport = t
         end = time.monotonic() + max_seconds if max_seconds else math.inf
-        delay = 0.5
-        while not self.stop_event.is_set():
-            try:
-                t.connect(timeout=self.cfg.connect_timeout_s)
-                break
-            except ConnectionError as exc:
-                self.log.warning("connect failed: %s; retrying in %.1f s", exc, delay)
-                if self.stop_event.wait(delay) or time.monotonic() > end:
-                    return 0
-                delay = min(delay * 2, 10.0)
+        if not self._first_session(t, end):
+            t.close()
+            return 0
         self.log.info("device %s connected (%s, variant %s)", self.cfg.device_id,
                       getattr(t, "version", "?"), self.variant)
         seen_connects = t.connects
         next_resend = 0.0
+        down_since: float | None = None  # since when the session is lost
         idle = False  # True once a work pass found nothing queued: then block in recv
         try:
             while not self.stop_event.is_set() and time.monotonic() < end:
+                down_since = self._watch_session(t, down_since)
+                if self.failure:
+                    break
                 if self.cfg.max_rounds and len(self.rounds_done) >= self.cfg.max_rounds and not self.outbox.pending():
                     self.log.info("device %s: %d round(s) done, stopping", self.cfg.device_id,
                                   len(self.rounds_done))
@@ -333,6 +336,54 @@ class DeviceRuntime:
         finally:
             t.close(clear_will=(self.t_presence, encode_message(Presence(self.cfg.device_id, False))))
         return len(self.rounds_done)
+
+    def _first_session(self, t: Transport, end: float) -> bool:
+        """Connect (the transport backs off, capped and jittered, between attempts); False
+        when stopped, past ``end``, or given up (``failure``: no session within
+        ``give_up_after_s``). Each failed attempt is logged with its reason (a refused
+        password reads "not authorised: this device may be revoked")."""
+        start = time.monotonic()
+        give_up = self.cfg.give_up_after_s
+        while not self.stop_event.is_set():
+            now = time.monotonic()
+            left = min(end, start + give_up if give_up > 0 else math.inf) - now
+            try:
+                t.connect(timeout=max(0.05, min(self.cfg.connect_timeout_s, left)), cancel=self.stop_event)
+                return True
+            except ConnectionError as exc:
+                if self.stop_event.is_set():
+                    return False
+                waited = time.monotonic() - start
+                if give_up > 0 and waited >= give_up:
+                    self._give_up(f"no session with the broker after {waited:.0f} s ({exc})")
+                    return False
+                if time.monotonic() >= end:
+                    return False
+                self.log.warning("no session yet: %s; retrying (%s)", exc,
+                                 f"giving up in {give_up - waited:.0f} s" if give_up > 0 else "until stopped")
+        return False
+
+    def _watch_session(self, t: Transport, down_since: float | None) -> float | None:
+        """Log a lost and a regained session; give up after ``give_up_after_s`` without one.
+        Returns since when the session is down (None: it is up)."""
+        now = time.monotonic()
+        if t.connected:
+            if down_since is not None:
+                self.log.info("session with the broker back after %.0f s", now - down_since)
+            return None
+        if down_since is None:
+            self.log.warning("lost the session with the broker (%s); reconnecting",
+                             getattr(t, "last_error", "") or "no reason given")
+            return now
+        give_up = self.cfg.give_up_after_s
+        if give_up > 0 and now - down_since >= give_up:
+            self._give_up(f"no session with the broker for {now - down_since:.0f} s "
+                          f"({getattr(t, 'last_error', '') or 'no reason given'})")
+        return down_since
+
+    def _give_up(self, why: str) -> None:
+        self.failure = why
+        self.log.error("device %s gives up: %s", self.cfg.device_id, why)
 
     def _handle(self, msg: Received) -> bool:
         """Process one received message; True when the loop should end."""
