@@ -98,7 +98,9 @@ def test_spoofed_update_on_a_broker_without_acl_is_never_counted(mosquitto: Mosq
         run, _ = enrolled_run(d, mosquitto, f"a{trial}")
         attacker = Attacker(mosquitto.url, run.job, negated)
         try:
-            devs = run.all_devices()
+            # (rounds of >= 0.5 s: the attacker, connecting after the forks on a loaded machine,
+            # is in before round 1 ends, so it forges in every round)
+            devs = run.all_devices(dev1=0.5, dev2=0.5)
             coord = run.coordinator()
             attacker.start()  # (after the forks)
             run.finish(coord, devs)
