@@ -58,6 +58,7 @@ from edge_client.protocol import (
     topic,
     variant_bits,
 )
+from edge_client.session import SessionWatch
 from edge_client.transport import Received, Transport
 
 log = logging.getLogger("fedbit.device")
@@ -301,19 +302,22 @@ class DeviceRuntime:
         t = self._connect(**self.session_spec())
         self.transport = t
         end = time.monotonic() + max_seconds if max_seconds else math.inf
-        if not self._first_session(t, end):
+        session = SessionWatch(self.cfg.give_up_after_s, self.cfg.connect_timeout_s, self.stop_event,
+                                self.log, self.cfg.device_id)
+        ok = session.first(t, end)
+        self.failure = session.failure
+        if not ok:
             t.close()
             return 0
         self.log.info("device %s connected (%s, variant %s)", self.cfg.device_id,
                       getattr(t, "version", "?"), self.variant)
         seen_connects = t.connects
         next_resend = 0.0
-        down_since: float | None = None  # since when the session is lost
         idle = False  # True once a work pass found nothing queued: then block in recv
         try:
             while not self.stop_event.is_set() and time.monotonic() < end:
-                down_since = self._watch_session(t, down_since)
-                if self.failure:
+                if not session.watch(t):
+                    self.failure = session.failure
                     break
                 if self.cfg.max_rounds and len(self.rounds_done) >= self.cfg.max_rounds and not self.outbox.pending():
                     self.log.info("device %s: %d round(s) done, stopping", self.cfg.device_id,
@@ -336,54 +340,6 @@ class DeviceRuntime:
         finally:
             t.close(clear_will=(self.t_presence, encode_message(Presence(self.cfg.device_id, False))))
         return len(self.rounds_done)
-
-    def _first_session(self, t: Transport, end: float) -> bool:
-        """Connect (the transport backs off, capped and jittered, between attempts); False
-        when stopped, past ``end``, or given up (``failure``: no session within
-        ``give_up_after_s``). Each failed attempt is logged with its reason (a refused
-        password reads "not authorised: this device may be revoked")."""
-        start = time.monotonic()
-        give_up = self.cfg.give_up_after_s
-        while not self.stop_event.is_set():
-            now = time.monotonic()
-            left = min(end, start + give_up if give_up > 0 else math.inf) - now
-            try:
-                t.connect(timeout=max(0.05, min(self.cfg.connect_timeout_s, left)), cancel=self.stop_event)
-                return True
-            except ConnectionError as exc:
-                if self.stop_event.is_set():
-                    return False
-                waited = time.monotonic() - start
-                if give_up > 0 and waited >= give_up:
-                    self._give_up(f"no session with the broker after {waited:.0f} s ({exc})")
-                    return False
-                if time.monotonic() >= end:
-                    return False
-                self.log.warning("no session yet: %s; retrying (%s)", exc,
-                                 f"giving up in {give_up - waited:.0f} s" if give_up > 0 else "until stopped")
-        return False
-
-    def _watch_session(self, t: Transport, down_since: float | None) -> float | None:
-        """Log a lost and a regained session; give up after ``give_up_after_s`` without one.
-        Returns since when the session is down (None: it is up)."""
-        now = time.monotonic()
-        if t.connected:
-            if down_since is not None:
-                self.log.info("session with the broker back after %.0f s", now - down_since)
-            return None
-        if down_since is None:
-            self.log.warning("lost the session with the broker (%s); reconnecting",
-                             getattr(t, "last_error", "") or "no reason given")
-            return now
-        give_up = self.cfg.give_up_after_s
-        if give_up > 0 and now - down_since >= give_up:
-            self._give_up(f"no session with the broker for {now - down_since:.0f} s "
-                          f"({getattr(t, 'last_error', '') or 'no reason given'})")
-        return down_since
-
-    def _give_up(self, why: str) -> None:
-        self.failure = why
-        self.log.error("device %s gives up: %s", self.cfg.device_id, why)
 
     def _handle(self, msg: Received) -> bool:
         """Process one received message; True when the loop should end."""
