@@ -36,7 +36,7 @@
 
     .venv/bin/python benchmarks/round_overhead.py [--quick]
 
-Prints one JSON line per result (DESIGN.md, "Benchmarks").
+Prints one JSON line per result (docs/architecture.md#benchmarks).
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-#: the model the link test sizes an update of (the README's first fleet)
+#: the model the link test sizes an update of (the model of make demo and the quick start)
 LINK_MODEL = "digits_cnn"
 
 

@@ -90,7 +90,7 @@ def encode_update_tensors(weights: list[np.ndarray], names: list[str], codec: st
 
     ``codec == "int"``: the device's own integers (``int_weights``) with ``bits`` bits, or
     the storage-grid width ``max(s, 8)`` when the integers need more (an Int6 device keeps
-    its weights on the 8-bit grid, ALGORITHMS.md §1); with ``delta``, ``int_weights`` are
+    its weights on the 8-bit grid, docs/algorithms.md §1); with ``delta``, ``int_weights`` are
     the differences ``q - q_global`` (int8 or int16) and take the fewest bits that hold
     them. ``codec == "ternary"`` with ``ternary_weights`` (an integer device): its own
     ternary forward weights ``t``, sent exactly with ``aux.scale = intnn.TERNARY_WEIGHT``

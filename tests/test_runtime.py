@@ -264,7 +264,8 @@ print("torch loaded:", "torch" in sys.modules)
 
 def test_integer_device_round_keeps_torch_out(tmp_path: Path) -> None:
     """An Int8 device downloads the int8 variant, trains with the integer engine, sends its
-    own integers, and never imports torch (DESIGN.md: a Pi Zero cannot afford it)."""
+    own integers, and never imports torch (docs/architecture.md#dependency-rules: a Pi
+    Zero cannot afford it)."""
     out = subprocess.run([sys.executable, "-c", INT_DEVICE_SCRIPT, str(tmp_path)],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]

@@ -7,7 +7,7 @@ A config (``fedbit emulate FILE``; the bundled default is ``coordinator/emulatio
     rounds = 12
     seeds = [0]                # every run (and every sweep combination) once per seed
     strategy = "fedshift"      # coordinator.strategies name
-    transport = "mqtt"         # "mqtt" (embedded broker, or `broker`) | "inproc" (no sockets)
+    transport = "inproc"       # (default: no sockets) | "mqtt" (embedded broker, or `broker`)
     broker = ""                # an external broker URL instead of the embedded one
 
     [strategy_params]          # build_strategy(strategy, **strategy_params)

@@ -2,7 +2,7 @@
 
 - :class:`MosquittoBroker` runs ``mosquitto`` as a child process with a generated config
   on a loopback port (free port chosen at run time unless given). It applies the measured
-  fixes of MQTT-NOTES.md: ``user root`` when started as root, ``max_queued_messages 0``
+  fixes of docs/mqtt.md: ``user root`` when started as root, ``max_queued_messages 0``
   with a byte bound instead (the default 1000 silently drops QoS 1 messages),
   ``max_packet_size`` (never the deprecated ``message_size_limit``). It is stopped by PID.
 - :class:`AmqttBroker` runs amqtt 0.12.1 in-process on its own event-loop thread, bound to

@@ -18,7 +18,7 @@
   PUBACKed only when the caller calls :meth:`MqttTransport.ack` — after persisting them;
   with ``persistent_session=True`` unacked messages are redelivered after a crash;
 - every paho callback only hands data to a queue and catches everything (an exception in
-  a callback silently stops paho's network thread: MQTT-NOTES.md).
+  a callback silently stops paho's network thread: docs/mqtt.md#paho-mqtt-2x).
 
 paho itself is imported when a session is made, not with this module.
 """
