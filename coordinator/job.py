@@ -19,7 +19,8 @@ naming the file and the key; ``examples/job.toml`` shows every section)::
                                 # port, listen, security, security_dir, hostnames; the
                                 # connection: credentials, mqtt_version, username,
                                 # password_file, ca, cert, key, insecure
-    [admission]                 # max_samples, samples_policy, max_registered, hello_rate, hello_burst
+    [admission]                 # max_samples, samples_policy, allow_uncapped, max_registered,
+                                # hello_rate, hello_burst
     [limits]                    # max_payload_bytes, max_abs_value
     [log]                       # json, level, quiet
     [dashboard]                 # listen ([HOST:]PORT; empty: none), password_file
@@ -63,9 +64,10 @@ class BrokerSettings:
     """Where the coordinator's broker is and how it connects (the ``[broker]`` table).
 
     ``url`` empty: an embedded broker (``embedded`` kind) on ``127.0.0.1:port`` (0: a free
-    port), or on ``listen`` (``HOST:PORT``) with ``security`` (``auto``: none on loopback,
-    TLS beyond it) and the job's security material in ``security_dir`` (default
-    ``OUT/security``) for the server certificate's ``hostnames``. ``url`` given: that broker,
+    port), or on ``listen`` (``HOST:PORT``) with ``security`` (``auto``: TLS for a job with
+    enrolled devices or beyond loopback, none for a loopback job without enrolments) and
+    the job's security material in ``security_dir`` (default ``OUT/security``) for the
+    server certificate's ``hostnames``. ``url`` given: that broker,
     reached with ``credentials`` (the file ``fedbit broker-config`` writes) or ``username`` /
     ``password_file`` and the TLS files ``ca`` / ``cert`` / ``key``."""
 
@@ -128,6 +130,7 @@ SCHEMA = TomlSchema({
     "broker": {k: ((bool if isinstance(v, bool) else list if isinstance(v, list) else int if isinstance(v, int)
                     else str), v) for k, v in vars(_B).items()},
     "admission": {"max_samples": (int, _A.max_samples), "samples_policy": (str, _A.samples_policy),
+                  "allow_uncapped": (bool, _A.allow_uncapped),
                   "max_registered": (int, _A.max_registered), "hello_rate": (NUMBER, _A.hello_rate),
                   "hello_burst": (int, _A.hello_burst)},
     "limits": {"max_payload_bytes": (int, _L.max_payload_bytes), "max_abs_value": (NUMBER, _L.max_abs_value)},
@@ -228,10 +231,11 @@ FLAGS: list[tuple[str, str, dict[str, Any]]] = [
                                        "(auto: mosquitto when on PATH, else amqtt)"}),
     ("--port", "broker.port", {"type": int, "help": "TCP port of the embedded broker on 127.0.0.1 (0: a free one)"}),
     ("--listen", "broker.listen", {"metavar": "HOST:PORT", "help": "where the embedded broker listens for devices "
-                                   "(0.0.0.0:8883: every interface); beyond loopback it takes TLS, "
-                                   "per-device passwords and an ACL"}),
+                                   "(0.0.0.0:8883: every interface); a job with enrolled devices, or "
+                                   "one beyond loopback, takes TLS, per-device passwords and an ACL"}),
     ("--security", "broker.security", {"choices": list(SECURITY_MODES), "help": "embedded broker security "
-                                       "(auto: none on loopback, tls beyond it)"}),
+                                       "(auto: follows the job: tls when devices are enrolled or beyond "
+                                       "loopback, none for a loopback job without enrolments)"}),
     ("--security-dir", "broker.security_dir", {"metavar": "DIR", "help": "the job's CA, registry, password file "
                                                "and ACL (default OUT/security; with --broker: the folder "
                                                "fedbit broker-config wrote)"}),
@@ -240,6 +244,9 @@ FLAGS: list[tuple[str, str, dict[str, Any]]] = [
     ("--max-samples", "admission.max_samples", {"type": int, "metavar": "N", "help": "job-wide cap of an "
                                                 "update's num_samples (0: none; enrolment and hello "
                                                 "declarations bound it too)"}),
+    ("--allow-uncapped", "admission.allow_uncapped", {"action": "store_true", "help": "start even though "
+                                                      "an enrolled device has no sample cap (enrolled "
+                                                      "with --max-samples 0) and --max-samples is 0"}),
     ("--samples-policy", "admission.samples_policy", {"choices": ["clip", "reject"], "help": "an update claiming "
                                                       "more samples than its bound: clipped or rejected"}),
     ("--max-registered", "admission.max_registered", {"type": int, "metavar": "N", "help": "most devices the job registers"}),
