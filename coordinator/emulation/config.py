@@ -187,12 +187,18 @@ def _check_values(cfg: ExperimentConfig, bad) -> None:
         if prof not in cfg.devices:
             raise bad(f"codecs.{prof}", "not a profile listed in [devices]")
         parse_codec(spec, f"codecs.{prof}", bad)
+    _check_profiles(cfg, bad)
     d = cfg.data
     if d["dataset"] not in DATASETS:
         raise bad("data.dataset", f"{d['dataset']!r} is not one of {list(DATASETS)}")
     if d["dataset"] in NEEDS_PATH and not d["path"]:
         raise bad("data.path", f"dataset {d['dataset']!r} needs a path (its file or folder; "
                                f"fedbit never downloads data)")
+    if d["path"]:
+        where = Path(d["path"]).expanduser()
+        if not (where.is_file() if d["dataset"] == "npz" else where.is_dir()):
+            raise bad("data.path", f"{d['path']!r} is not a {'file' if d['dataset'] == 'npz' else 'folder'} "
+                      f"(the {d['dataset']} data; fedbit never downloads data)")
     for prof in d["inferior"]:
         if prof not in cfg.devices:
             raise bad("data.inferior", f"{prof!r} is not a profile listed in [devices]")
@@ -246,6 +252,21 @@ def _check_values(cfg: ExperimentConfig, bad) -> None:
         check_analysis(cfg.sweep)
     except ConfigError as exc:
         raise ConfigError(f"{cfg.source}: {exc}") from None
+
+
+def _check_profiles(cfg: ExperimentConfig, bad) -> None:
+    """Every ``[devices]`` profile loads (a bundled name or a TOML file) and takes its
+    ``[codecs]`` override (codec ``int`` only on an integer device)."""
+    from hw_profiles import load_profile
+
+    for name in cfg.devices:
+        try:
+            prof = load_profile(name)
+        except ValueError as exc:
+            raise bad(f"devices.{name}", str(exc)) from None
+        if name in cfg.codecs and parse_codec(cfg.codecs[name], f"codecs.{name}", bad)[0] == "int" \
+                and prof.trainer != "int":
+            raise bad(f"codecs.{name}", "codec 'int' needs an integer device")
 
 
 def parse_codec(spec: Any, key: str = "codec", bad=None) -> tuple[str, int]:
