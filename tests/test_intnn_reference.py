@@ -373,7 +373,7 @@ def test_conv_forward_matches_reference(bits, stride, pad, k):
             if stride == 1:  # the padded-plane variant: ternary runs, blocks of 11 positions
                 out3 = np.zeros_like(out)
                 t_o = np.ascontiguousarray(t.transpose(0, 2, 3, 1)).astype(np.int8)
-                lst = np.full((7, k * k * 5), -1, np.int32)
+                lst = np.full((7, k * k * 5 + 1), -1, np.int32)
                 cnt = np.zeros((7, 2), np.int32)
                 K.ternary_lists(t_o, lst, cnt)
                 assert np.array_equal(cnt[:, 1], (t != 0).reshape(7, -1).sum(axis=1))
@@ -395,21 +395,40 @@ def test_conv_forward_matches_reference(bits, stride, pad, k):
 def test_maxpool_forward_backward_with_ties(bits, k, stride, pad):
     rng = np.random.default_rng(k * 31 + stride * 7 + pad + bits)
     a = rng.integers(0, 3, size=(2, 4, 7, 6))  # tiny range: many ties
+    a[0, 1] = 0  # windows whose maximum is 0
     out_ref, src = ref_pool(a, k, stride, pad)
     dt = np.int8 if bits <= 8 else np.int16
     ho, wo = out_ref.shape[2:]
     out = np.zeros((2, ho, wo, 4), dt)
-    idx = np.zeros((2, ho, wo, 4), np.int32)
+    win = np.zeros((2, ho, wo, 4), np.int8)
     a_k = np.ascontiguousarray(a.transpose(0, 2, 3, 1)).astype(dt)
-    K.maxpool_forward(a_k, k, stride, pad, out, idx, True)
+    K.maxpool_forward(a_k, k, stride, pad, out, win, True, False)
     assert np.array_equal(nchw(out), out_ref)
+    assert win.min() >= 0 and win.max() < k * k
     out2 = np.zeros_like(out)
-    K.maxpool_forward(a_k, k, stride, pad, out2, np.zeros((1, 1, 1, 1), np.int32), False)
+    K.maxpool_forward(a_k, k, stride, pad, out2, np.zeros((1, 1, 1, 1), np.int8), False, False)
     assert np.array_equal(out2, out)
     e = rng.integers(-50, 51, size=out_ref.shape)
-    back = np.zeros((2, 7, 6, 4), np.int32)
-    K.maxpool_backward(np.ascontiguousarray(e.transpose(0, 2, 3, 1)).astype(np.int32), idx, back)
+    e_k = np.ascontiguousarray(e.transpose(0, 2, 3, 1)).astype(np.int32)
+    back = np.full((2, 7, 6, 4), 9, np.int32)
+    rdst, rval = np.zeros(6 * 4, np.int32), np.zeros(6 * 4, np.int32)
+    K.maxpool_backward(e_k, win, k, stride, pad, back, rdst, rval)
     assert np.array_equal(nchw(back), ref_pool_back(e, src, a.shape))
+    # after a ReLU: a window whose maximum is 0 routes nothing (the ReLU would zero it)
+    win_r = np.zeros_like(win)
+    K.maxpool_forward(a_k, k, stride, pad, out2, win_r, True, True)
+    assert np.array_equal(win_r, np.where(out > 0, win, -1)) and (win_r < 0).any()
+    K.maxpool_backward(e_k, win_r, k, stride, pad, back, rdst, rval)
+    masked = np.where(a > 0, ref_pool_back(e, src, a.shape), 0)
+    assert np.array_equal(nchw(back), masked)
+    if k <= stride:  # routed and quantized in one pass
+        for scale in (3, 50, 5000):
+            e2 = rng.integers(-scale, scale + 1, size=e_k.shape).astype(np.int32)
+            eq = np.full(a_k.shape, 5, dt)
+            kq = K.pool_error_quantize(e2, win_r, k, stride, pad, bits, eq, rdst, rval)
+            routed = np.where(a > 0, ref_pool_back(nchw(e2), src, a.shape), 0)
+            assert np.array_equal(nchw(eq), ref_quantize_error(routed, bits))
+            assert kq == (ref_round_log2(int(np.abs(routed).max())) if routed.any() else -1)
 
 
 @pytest.mark.parametrize("bits", BITS)
@@ -427,10 +446,20 @@ def test_quantize_error_matches_reference(bits):
         ref = ref_quantize_error(e, bits)
         assert np.array_equal(out, ref)
         clipped |= bool((np.abs(ref) == act_max(bits)).any())
+        act = rng.integers(-2, 3, size=997).astype(dt)
+        out_m = np.zeros(997, dt)
+        e_m = e.copy()
+        k_m = K.mask_quantize_error(e_m, act, bits, out_m)
+        masked = np.where(act > 0, e, 0)
+        assert np.array_equal(out_m, ref_quantize_error(masked, bits))
+        assert np.array_equal(e_m, masked)
+        assert k_m == ref_round_log2(int(np.abs(masked).max()))
     assert clipped, "clipping must be exercised"
     zero = np.zeros(10, np.int32)
     out = np.ones(10, dt)
     assert K.quantize_error(zero, bits, out) == -1 and not out.any()
+    out = np.ones(10, dt)
+    assert K.mask_quantize_error(np.ones(10, np.int32), zero, bits, out) == -1 and not out.any()
 
 
 @pytest.mark.parametrize("bits", BITS)
@@ -479,7 +508,7 @@ def test_conv_backward_kernels_match_reference(bits, stride, pad, k):
                 plane = np.full((3, plane_len(4, 8, 7, pad)), 99, dt)
                 if have_plane:
                     t_o = rng.integers(-1, 2, size=(2, k, k, 3)).astype(np.int8)
-                    lst = np.zeros((2, k * k * 3), np.int32)
+                    lst = np.zeros((2, k * k * 3 + 1), np.int32)
                     cnt = np.zeros((2, 2), np.int32)
                     K.ternary_lists(t_o, lst, cnt)
                     K.conv_forward_plane(a_k, lst, cnt, k, pad, 0, amax, True,
@@ -500,22 +529,31 @@ def test_linear_kernels_match_reference(bits):
     rng = np.random.default_rng(bits + 99)
     amax = act_max(bits)
     dt = np.int8 if bits <= 8 else np.int16
-    a = rng.integers(-amax, amax + 1, size=(6, 37))
-    t = rng.integers(-1, 2, size=(11, 37))
+    a = rng.integers(-amax, amax + 1, size=(6, 600))
+    a[rng.random(a.shape) < 0.4] = 0  # zero inputs are skipped
+    a[0] = amax  # > 256 non-zero inputs in a row: the int16 partial sums are flushed
+    t = rng.integers(-1, 2, size=(11, 600))
+    t_k = np.ascontiguousarray(t.T).astype(np.int8)  # stored [F, O]
+    idx, val = np.zeros(600, np.int32), np.zeros(600, np.int32)
     for n in (6, 5):  # an odd number of samples: one left after the pairs
-        out = np.zeros((n, 11), dt)
-        K.linear_forward(a[:n].astype(dt), t.astype(np.int8), 3, amax, True, out,
-                         np.full((6, 11), 5, np.int32))
-        assert np.array_equal(out, ref_finish(a[:n] @ t.T, 3, amax, True))
+        for shift, relu in ((3, True), (9, False)):
+            out = np.zeros((n, 11), dt)
+            K.linear_forward(a[:n].astype(dt), t_k, shift, amax, relu, out,
+                             np.full(11, 5, np.int32), np.full(11 if bits <= 8 else 0, 5, np.int16),
+                             idx, val)
+            assert np.array_equal(out, ref_finish(a[:n] @ t.T, shift, amax, relu))
     eq = rng.integers(-amax, amax + 1, size=(6, 11))
     eq[rng.random(eq.shape) < 0.3] = 0  # odd and even numbers of non-zero errors
-    back = np.full((6, 37), 3, np.int32)
-    K.linear_backward_data(eq.astype(dt), t.astype(np.int8), back)
-    assert np.array_equal(back, eq @ t)
+    for masked in (False, True):
+        back = np.full((6, 600), 3, np.int32)
+        K.linear_backward_data(eq.astype(dt), t_k, a.astype(dt), masked, back, idx)
+        want = eq @ t
+        assert np.array_equal(back, np.where(a > 0, want, 0) if masked else want)
     for gdt in ((np.int32, np.int64) if bits <= 8 else (np.int64,)):
-        g = np.full((11, 37), 3, gdt)
-        K.linear_weight_grad(eq.astype(dt), a.astype(dt), g)
-        assert np.array_equal(g, eq.T @ a)
+        g = np.full((600, 11), 3, gdt)
+        gmax = K.linear_weight_grad(eq.astype(dt), a.astype(dt), g, idx, val,
+                                    np.zeros((600, 6), dt))
+        assert np.array_equal(g, a.T @ eq) and gmax == np.abs(a.T @ eq).max()
 
 
 @pytest.mark.parametrize("bits", BITS)
@@ -530,10 +568,18 @@ def test_update_matches_reference(bits, lr_log2):
     key = K.stream_key(bits, lr_log2, 1, 0)
     w_new = w.copy()
     t = np.zeros(1500, np.int8)
-    K.sgd_update(w_new, g, lr_log2, wmax, thr, key, t, np.zeros(0, np.int64), -1, key)
+    K.sgd_update(w_new, g, -1, lr_log2, wmax, thr, key, t, np.zeros(0, np.int64), -1, key, 0, 0)
     ref = ref_update(w, g, lr_log2, wmax, key)
     assert np.array_equal(w_new, ref)
     assert np.array_equal(t, ref_ternary(ref, thr))
+    # stored [F, O] = [30, 50] with the counter running over [O, F]; max |g| passed in
+    w_t = np.ascontiguousarray(w.reshape(50, 30).T)
+    g_t = np.ascontiguousarray(g.reshape(50, 30).T)
+    t_t = np.zeros(1500, np.int8)
+    K.sgd_update(w_t.reshape(-1), g_t.reshape(-1), int(np.abs(g).max()), lr_log2, wmax, thr,
+                 key, t_t, np.zeros(0, np.int64), -1, key, 30, 50)
+    assert np.array_equal(w_t.T.reshape(-1), ref)
+    assert np.array_equal(t_t.reshape(30, 50).T.reshape(-1), ref_ternary(ref, thr))
     if lr_log2 >= 11:
         assert (np.abs(ref) == wmax).any(), "weight clipping must be exercised"
 
@@ -547,8 +593,15 @@ def test_update_huge_gradients_and_extra_term():
     key, key2 = K.stream_key(1, 2, 3, 0), K.stream_key(1, 2, 3, 1)
     t = np.zeros(300, np.int8)
     w_new = w.copy()
-    K.sgd_update(w_new, g, -3, 64, 32, key, t, extra, 20, key2)
-    assert np.array_equal(w_new, ref_update(w, g, -3, 64, key, extra, 20, key2))
+    K.sgd_update(w_new, g, -1, -3, 64, 32, key, t, extra, 20, key2, 0, 0)
+    want = ref_update(w, g, -3, 64, key, extra, 20, key2)
+    assert np.array_equal(w_new, want)
+    # the general loop in the [F, O] storage order: same draws per canonical index
+    w_t = np.ascontiguousarray(w.reshape(20, 15).T)
+    K.sgd_update(w_t.reshape(-1), np.ascontiguousarray(g.reshape(20, 15).T).reshape(-1), -1, -3,
+                 64, 32, key, t, np.ascontiguousarray(extra.reshape(20, 15).T).reshape(-1), 20,
+                 key2, 15, 20)
+    assert np.array_equal(w_t.T.reshape(-1), want)
 
 
 def test_stochastic_rounding_is_unbiased():
@@ -557,7 +610,8 @@ def test_stochastic_rounding_is_unbiased():
     g[0] = -16  # max |g| = 16 -> k = 4; eta = 1 -> each element moves 3/16 LSB on average
     w = np.zeros(g.size, np.int8)
     t = np.zeros(g.size, np.int8)
-    K.sgd_update(w, g, 0, 64, 32, K.stream_key(0, 0, 0, 0), t, np.zeros(0, np.int64), -1, 0)
+    K.sgd_update(w, g, -1, 0, 64, 32, K.stream_key(0, 0, 0, 0), t, np.zeros(0, np.int64), -1, 0,
+                 0, 0)
     mean = w[1:].astype(np.float64).mean()
     assert abs(mean - 3 / 16) < 0.005
     assert set(np.unique(w[1:])) <= {0, 1}

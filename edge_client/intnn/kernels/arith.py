@@ -32,6 +32,19 @@ def round_shift(v: int, k: int) -> int:
 
 
 @njit(cache=True, inline="always")
+def round_shift_sel(v: int, k: int) -> int:
+    """:func:`round_shift` written with selects instead of branches on the sign of v (for
+    loops over values of random sign: no mispredictions, and they vectorize)."""
+    if k > 0:
+        av = -v if v < 0 else v
+        r = (av + (np.int64(1) << (k - 1))) >> k
+        return -r if v < 0 else r
+    if k < 0:
+        return v << (-k)
+    return v
+
+
+@njit(cache=True, inline="always")
 def round_log2(m: int) -> int:
     """``round(log2 m)`` for an integer ``m >= 1``, exactly (no float)."""
     b = 0

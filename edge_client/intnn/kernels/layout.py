@@ -17,6 +17,7 @@ only used at the module boundary (``model.py``).
 
 from __future__ import annotations
 
+import numpy as np
 from numba import njit
 
 
@@ -44,25 +45,35 @@ def _im2col_t(a, n0, n1, h_out, w_out, k, stride, pad, col_t):
                                 col_t[r0 + c, p] = 0
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def ternary_lists(t_o, lst, cnt):
     """Per output channel o: lst[o, :cnt[o, 1]] = the flat indices r of the non-zero
     ternary weights t_o[o] ([O, K, K, C] flattened per o), the +1 weights first
-    (cnt[o, 0] of them), then the -1 weights. lst: int32 [O, K*K*C]; cnt: int32 [O, 2]."""
+    (cnt[o, 0] of them), then the -1 weights. lst: int32 [O, K*K*C + 1] (the last column
+    is slack: the compaction is branch-free, every index is written and only the kept
+    ones advance); cnt: int32 [O, 2]."""
     n_out = t_o.shape[0]
     t2 = t_o.reshape(n_out, -1)
+    r_len = t2.shape[1]
     for o in range(n_out):
         m = 0
-        for r in range(t2.shape[1]):
-            if t2[o, r] > 0:
-                lst[o, m] = r
-                m += 1
+        for r in range(r_len):
+            lst[o, m] = r
+            m += np.int64(t2[o, r] > 0)
         cnt[o, 0] = m
-        for r in range(t2.shape[1]):
-            if t2[o, r] < 0:
-                lst[o, m] = r
-                m += 1
+        for r in range(r_len):
+            lst[o, m] = r
+            m += np.int64(t2[o, r] < 0)
         cnt[o, 1] = m
+
+
+@njit(cache=True, nogil=True)
+def ternary_copies(t, tb, lst, cnt, want_lists):
+    """The derived copies of conv ternary weights t [K, K, C, O]: tb [O, K, K, C] (the
+    backward-data layout) and, when ``want_lists``, :func:`ternary_lists` of tb."""
+    transpose_kkco_okkc(t, tb)
+    if want_lists:
+        ternary_lists(tb, lst, cnt)
 
 
 @njit(cache=True, inline="always")
@@ -122,7 +133,7 @@ def _pad_nhwc(a, pad, a_pad):
                     a_pad[n, iy, ix, c] = 0
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True, inline="always")
 def transpose_kkco_okkc(t, out):
     """Ternary conv weights [K, K, C, O] -> [O, K, K, C] (the backward-data layout)."""
     for kh in range(t.shape[0]):
@@ -132,7 +143,7 @@ def transpose_kkco_okkc(t, out):
                     out[o, kh, kw, c] = t[kh, kw, c, o]
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def ternarize(w, thr, t):
     """t = +1 where w > thr, -1 where w < -thr, 0 elsewhere (flat)."""
     for j in range(w.shape[0]):
@@ -145,7 +156,7 @@ def ternarize(w, thr, t):
             t[j] = 0
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def quantize_inputs_nhwc(xq, out):
     """Copy NCHW integers into the NHWC activation layout (data loading, integers)."""
     for n in range(xq.shape[0]):
