@@ -482,7 +482,8 @@ def test_conv_backward_kernels_match_reference(bits, stride, pad, k):
     assert np.array_equal(nchw(back), ref_conv_back_data(eq, t, stride, pad, a.shape))
     if 5 * amax <= 32767:  # int16 per-pixel sums (O * amax fits)
         back16 = np.full((4, 8, 7, 3), 7, np.int32)
-        K.conv_backward_data_narrow(eq_k, t_k, stride, pad, back16, np.zeros(k * k * 3, np.int16))
+        K.conv_backward_data_narrow(eq_k, t_k, stride, pad, back16, np.zeros(k * k * 3, np.int16),
+                                    np.zeros(9, np.int32), np.zeros(9, np.int32))
         assert np.array_equal(back16, back)
     for gdt in ((np.int32, np.int64) if bits <= 8 else (np.int64,)):  # int32 when it fits
         g = np.zeros((k, k, 3, 5), gdt)
@@ -491,11 +492,14 @@ def test_conv_backward_kernels_match_reference(bits, stride, pad, k):
         # driven by the non-zero errors (odd and even counts per output channel)
         for e_k in (eq_k, np.where(np.arange(5) == 2, 0, eq_k).astype(dt)):
             g = np.full((k, k, 3, 5), 3, gdt)
-            K.conv_weight_grad_sparse(e_k, a_k, stride, pad, g,
-                                      np.full((4, 8 + 2 * pad, 7 + 2 * pad, 3), 9, dt),
-                                      np.full((5, k * k * 3), 9, gdt))
+            gmax = K.conv_weight_grad_sparse(e_k, a_k, stride, pad, g,
+                                             np.full((4, 8 + 2 * pad, 7 + 2 * pad, 3), 9, dt),
+                                             np.full((5, k * k * 3), 9, gdt),
+                                             np.zeros(4 * ho * wo + 4, np.int32),
+                                             np.zeros(4 * ho * wo + 4, np.int32))
             want = ref_conv_wgrad(nchw(e_k).astype(np.int64), a, stride, pad, k)
             assert np.array_equal(g.transpose(3, 2, 0, 1), want)
+            assert gmax == np.abs(want).max()
     if bits <= 8:  # the int32 dot-product kernel, two samples per im2col group
         g = np.zeros((k, k, 3, 5), np.int32)
         cols = 2 * ho * wo

@@ -361,47 +361,42 @@ class IntModel:
                 K.quantize_error(cur.reshape(-1), self.bits, eq.reshape(-1))
         a_in = ws.acts[i - 1][:n] if i > 0 else ws.x[:n]
         size = self.w[p].size
+        dst = ws.err_in[i][:n] if op.needs_input_error else None
+        wf = self.w[p].reshape(-1)
+        key = K.stream_key(seed, step, p, 0)
+        extra, extra_shift, key2 = ws.extra[:0], -1, key
+        if reg is not None and reg.active:
+            extra, extra_shift, key2 = ws.extra[:size], reg.shift, K.stream_key(seed, step, p, 1)
+            K.regularizer_terms(wf, reg.anchor[p].reshape(-1), reg.mu_q, reg.d_shift,
+                                reg.step_g[p].reshape(-1), reg.alpha_q, extra)
         g = (ws.grad64 if op.grad_int64 else ws.grad32)[:size].reshape(self.w[p].shape)
         gmax = -1
-        dst = ws.err_in[i][:n] if op.needs_input_error else None
-        if op.kind == "conv":
-            lay = op.layer
-            if op.grad_mode == "int64":
-                K.conv_weight_grad(eq, a_in, lay.stride, lay.padding, g, ws.gacc[i])
-            elif op.grad_mode == "sparse":
-                K.conv_weight_grad_sparse(eq, a_in, lay.stride, lay.padding, g, ws.a_pad[i],
-                                          ws.gt[i])
-            elif op.grad_mode == "plane":
-                K.conv_weight_grad_plane(eq, a_in, lay.kernel, lay.padding, g, ws.plane[i],
-                                         ws.col_t[i], ws.e_t[i], True)
-            else:
-                K.conv_weight_grad_dot(eq, a_in, lay.stride, lay.padding, g, ws.col_t[i],
-                                       ws.e_t[i], self.conv_impl == "col")
-            if dst is not None:
-                if ws.pbuf[i].dtype == np.int16:
-                    K.conv_backward_data_narrow(eq, self.tb[p], lay.stride, lay.padding, dst,
-                                                ws.pbuf[i])
-                else:
-                    K.conv_backward_data(eq, self.tb[p], lay.stride, lay.padding, dst,
-                                         ws.pbuf[i])
-        else:
+        lay = op.layer
+        rows, cols = self.counter_layout(op)
+        if op.kind == "linear":
             a2 = a_in.reshape(n, -1)
             gmax = K.linear_weight_grad(eq, a2, g, ws.nz_idx, ws.nz_val, ws.a_t[i])
             if dst is not None:
                 K.linear_backward_data(eq, self.t[p], a2, op.relu_in, dst.reshape(n, -1),
                                        ws.nz_idx)
-        rows, cols = self.counter_layout(op)
-        key = K.stream_key(seed, step, p, 0)
-        wf = self.w[p].reshape(-1)
-        if reg is not None and reg.active:
-            extra = ws.extra[:size]
-            K.regularizer_terms(wf, reg.anchor[p].reshape(-1), reg.mu_q, reg.d_shift,
-                                reg.step_g[p].reshape(-1), reg.alpha_q, extra)
-            K.sgd_update(wf, g.reshape(-1), gmax, lr_log2, self.wmax, self.thr, key,
-                         self.t[p].reshape(-1), extra, reg.shift, K.stream_key(seed, step, p, 1),
-                         rows, cols)
+        elif op.grad_mode == "int64":
+            K.conv_weight_grad(eq, a_in, lay.stride, lay.padding, g, ws.gacc[i])
+        elif op.grad_mode == "sparse":
+            gmax = K.conv_weight_grad_sparse(eq, a_in, lay.stride, lay.padding, g, ws.a_pad[i],
+                                             ws.gt[i], ws.nz_idx, ws.nz_val)
+        elif op.grad_mode == "plane":
+            K.conv_weight_grad_plane(eq, a_in, lay.kernel, lay.padding, g, ws.plane[i],
+                                     ws.col_t[i], ws.e_t[i], True)
         else:
-            K.sgd_update(wf, g.reshape(-1), gmax, lr_log2, self.wmax, self.thr, key,
-                         self.t[p].reshape(-1), ws.extra[:0], -1, key, rows, cols)
+            K.conv_weight_grad_dot(eq, a_in, lay.stride, lay.padding, g, ws.col_t[i],
+                                   ws.e_t[i], self.conv_impl == "col")
+        if dst is not None and op.kind == "conv":
+            if ws.pbuf[i].dtype == np.int16:
+                K.conv_backward_data_narrow(eq, self.tb[p], lay.stride, lay.padding, dst,
+                                            ws.pbuf[i], ws.nz_idx, ws.nz_val)
+            else:
+                K.conv_backward_data(eq, self.tb[p], lay.stride, lay.padding, dst, ws.pbuf[i])
+        K.sgd_update(wf, g.reshape(-1), gmax, lr_log2, self.wmax, self.thr, key,
+                     self.t[p].reshape(-1), extra, extra_shift, key2, rows, cols)
         self._ternary_copies(p)
         return dst

@@ -107,6 +107,8 @@ def build_workspace(model: IntModel, capacity: int, train: bool) -> Workspace:
             arrays["err_in"] = np.zeros((n, *op.in_shape), np.int32)
         if op.kind == "conv":
             arrays.update(_conv_buffers(model, op, n, train))
+            # error lists of the sparse gradient (per channel) and backward-data (per pixel)
+            nz = max(nz, n * op.out_shape[0] * op.out_shape[1] + 4, op.out_shape[2] + 4)
         elif op.kind == "linear":
             n_out = op.out_shape[0]
             arrays["lacc"] = np.zeros(n_out, np.int32)

@@ -4,6 +4,11 @@ Backward-data (the error through the ternary weights, ``[O, K, K, C]`` copy) sum
 pixel in int16 when ``O * amax`` fits (:func:`conv_backward_data_narrow`), else in int32
 (:func:`conv_backward_data`).
 
+The error-driven kernels list the non-zero errors branch-free first (a branch per error
+would be mispredicted at 5-20% density) and index flat arrays with unsigned offsets: no
+array view per pixel (views cost reference counting), no wraparound checks, so the runs
+over K*C values vectorize.
+
 Weight gradient ``G = sum_batch e_q (x) a`` (``IntModel._grad_mode`` picks one per layer):
 
 - :func:`conv_weight_grad` (``"int64"``): row-blocked accumulation in int64, when
@@ -24,6 +29,8 @@ from numba import njit
 
 from edge_client.intnn.kernels.arith import _dots_rows
 from edge_client.intnn.kernels.layout import _im2col_t, _pad_nhwc, _to_plane
+
+U = np.uint64
 
 
 @njit(cache=True)
@@ -69,23 +76,14 @@ def conv_backward_data(eq, t, stride, pad, out, pbuf):
                         r += c_in
 
 
-@njit(cache=True, inline="always")
-def _acc_pair(buf, ta, tb, g1, g2, init):
-    """buf = g1*ta + g2*tb (init False) or buf += g1*ta + g2*tb, wrapping to buf's width."""
-    if init:
-        for r in range(buf.shape[0]):
-            buf[r] = buf[r] + g1 * ta[r] + g2 * tb[r]
-    else:
-        for r in range(buf.shape[0]):
-            buf[r] = g1 * ta[r] + g2 * tb[r]
-
-
-@njit(cache=True)
-def conv_backward_data_narrow(eq, t, stride, pad, out, pbuf16):
+@njit(cache=True, nogil=True)
+def conv_backward_data_narrow(eq, t, stride, pad, out, pbuf16, oi, ov):
     """Same result as :func:`conv_backward_data` when ``O * max|eq| <= 32767``: the
-    per-pixel sum over output channels sum_o eq * t[o] is then exact in int16 (16 lanes
-    per vector instead of 8), two non-zero errors per pass; it is added to ``out`` one
-    run of K*C (fewer at the borders) contiguous values per kernel row.
+    per-pixel sum over output channels sum_o eq * t[o] is then exact in int16 (32 lanes
+    per vector instead of 16). Per pixel the non-zero errors are listed (branch-free;
+    oi/ov: int32 scratch [>= O + 4]) and combined four rows of t at a time; the sum is
+    added to ``out`` one run of K*C (fewer at the borders) contiguous values per kernel
+    row.
 
     eq: [N, Ho, Wo, O]; t: [O, K, K, C]; out: [N, H, W, C] int32; pbuf16: int16 [K*K*C].
     """
@@ -94,33 +92,42 @@ def conv_backward_data_narrow(eq, t, stride, pad, out, pbuf16):
     h_in = out.shape[1]
     w_in = out.shape[2]
     n_out = t.shape[0]
-    t2 = t.reshape(n_out, -1)
+    r_len = k * k * c_in
     kc = k * c_in
+    h_out = eq.shape[1]
+    w_out = eq.shape[2]
+    tf = t.reshape(-1)
+    ef = eq.reshape(-1)
+    of = out.reshape(-1)
     out[...] = 0
+    p = 0
     for n in range(eq.shape[0]):
-        for y in range(eq.shape[1]):
-            for x in range(eq.shape[2]):
-                init = False
-                have = False
-                g1 = np.int32(0)
-                o1 = 0
-                for o in range(n_out):
-                    g = np.int32(eq[n, y, x, o])
-                    if g == 0:
-                        continue
-                    if not have:
-                        g1 = g
-                        o1 = o
-                        have = True
-                        continue
-                    have = False
-                    _acc_pair(pbuf16, t2[o1], t2[o], np.int16(g1), np.int16(g), init)
-                    init = True
-                if have:
-                    _acc_pair(pbuf16, t2[o1], t2[o1], np.int16(g1), np.int16(0), init)
-                    init = True
-                if not init:
+        for y in range(h_out):
+            for x in range(w_out):
+                cnt = _nonzero_channels(ef, p * n_out, n_out, r_len, oi, ov)
+                p += 1
+                if cnt == 0:
                     continue
+                for j in range(0, cnt, 4):
+                    g1 = np.int16(ov[j])
+                    g2 = np.int16(ov[j + 1])
+                    g3 = np.int16(ov[j + 2])
+                    g4 = np.int16(ov[j + 3])
+                    r1 = oi[j]
+                    r2 = oi[j + 1]
+                    r3 = oi[j + 2]
+                    r4 = oi[j + 3]
+                    if j == 0:
+                        for r in range(r_len):
+                            pbuf16[U(r)] = np.int16(
+                                g1 * np.int16(tf[U(r1 + r)]) + g2 * np.int16(tf[U(r2 + r)])
+                                + g3 * np.int16(tf[U(r3 + r)]) + g4 * np.int16(tf[U(r4 + r)]))
+                    else:
+                        for r in range(r_len):
+                            pbuf16[U(r)] = np.int16(
+                                pbuf16[U(r)] + g1 * np.int16(tf[U(r1 + r)])
+                                + g2 * np.int16(tf[U(r2 + r)]) + g3 * np.int16(tf[U(r3 + r)])
+                                + g4 * np.int16(tf[U(r4 + r)]))
                 ix0 = x * stride - pad
                 kw_lo = 0 if ix0 >= 0 else -ix0
                 kw_hi = k if ix0 + k <= w_in else w_in - ix0
@@ -131,11 +138,29 @@ def conv_backward_data_narrow(eq, t, stride, pad, out, pbuf16):
                     iy = y * stride + kh - pad
                     if iy < 0 or iy >= h_in:
                         continue
-                    dst = out[n, iy].reshape(-1)[(ix0 + kw_lo) * c_in:(ix0 + kw_hi) * c_in]
+                    d0 = ((n * h_in + iy) * w_in + ix0 + kw_lo) * c_in
                     r0 = kh * kc + kw_lo * c_in
-                    src = pbuf16[r0:r0 + ln]
                     for j in range(ln):
-                        dst[j] = dst[j] + src[j]
+                        of[U(d0 + j)] = of[U(d0 + j)] + pbuf16[U(r0 + j)]
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _nonzero_channels(ef, b, n_out, r_len, oi, ov):
+    """The non-zero errors of one pixel (ef[b:b + O]) as (row offset o * r_len, value),
+    branch-free, padded with zero terms to a multiple of 4; returns their number."""
+    cnt = 0
+    for o in range(n_out):
+        g = ef[U(b + o)]
+        oi[cnt] = o * r_len
+        ov[cnt] = g
+        cnt += np.int64(g != 0)
+    if cnt == 0:
+        return 0
+    while cnt & 3:
+        oi[cnt] = 0
+        ov[cnt] = 0
+        cnt += 1
+    return cnt
 
 
 @njit(cache=True)
@@ -267,15 +292,16 @@ def conv_weight_grad_plane(eq, a, k, pad, g_out, plane, col_t, e_t, have_plane):
         _dots_rows(col_t, e_t, (n1 - n0) * seg, g2, r_len, n_out)
 
 
-@njit(cache=True)
-def conv_weight_grad_sparse(eq, a, stride, pad, g_out, a_pad, gt):
+@njit(cache=True, nogil=True)
+def conv_weight_grad_sparse(eq, a, stride, pad, g_out, a_pad, gt, pi, pv):
     """Same result as :func:`conv_weight_grad`, driven by the non-zero errors (after ReLU
-    masking and max-pool routing most are zero).
+    masking and max-pool routing most are zero). Returns max |G| (int64).
 
-    For output channel o, every non-zero eq[n, y, x, o] adds eq * patch to row o of
-    gt [O, K*K*C] (scratch of g_out's dtype, one row stays in L1): the patch is K rows of
-    K*C contiguous values of a_pad [N, H+2p, W+2p, C] (scratch of a's dtype, the input
-    with zero borders), two non-zero errors per pass. g_out [K, K, C, O] = gt transposed.
+    For output channel o, the non-zero eq[n, y, x, o] are listed (branch-free; pi/pv:
+    int32 scratch [>= N*Ho*Wo + 4]), then each adds eq * patch to row o of gt
+    [O, K*K*C] (scratch of g_out's dtype, one row stays in L1), four errors per pass: the
+    patch is K rows of K*C contiguous values of a_pad [N, H+2p, W+2p, C] (scratch of a's
+    dtype, the input with zero borders). g_out [K, K, C, O] = gt transposed.
     """
     k = g_out.shape[0]
     c_in = g_out.shape[2]
@@ -291,40 +317,55 @@ def conv_weight_grad_sparse(eq, a, stride, pad, g_out, a_pad, gt):
     rowstep = wpp * c_in
     _pad_nhwc(a, pad, a_pad)
     apf = a_pad.reshape(-1)
-    e2d = eq.reshape(-1, n_out)
+    ef = eq.reshape(-1)
+    gf = gt.reshape(-1)
     gt[...] = 0
     for o in range(n_out):
-        gro = gt[o]
-        have = False
-        e1 = np.int32(0)
-        b1 = 0
+        go = o * r_len
+        cnt = 0
         p = 0
         for n in range(n_s):
             for y in range(h_out):
+                rb = (n * hp + y * stride) * rowstep
                 for x in range(w_out):
-                    e = np.int32(e2d[p, o])
+                    e = ef[U(p * n_out + o)]
                     p += 1
-                    if e == 0:
-                        continue
-                    base = ((n * hp + y * stride) * wpp + x * stride) * c_in
-                    if not have:
-                        e1 = e
-                        b1 = base
-                        have = True
-                        continue
-                    have = False
-                    for kh in range(k):
-                        s1 = apf[b1 + kh * rowstep:b1 + kh * rowstep + kc]
-                        s2 = apf[base + kh * rowstep:base + kh * rowstep + kc]
-                        dst = gro[kh * kc:kh * kc + kc]
-                        for j in range(kc):
-                            dst[j] = dst[j] + e1 * s1[j] + e * s2[j]
-        if have:
+                    pi[cnt] = rb + x * stride * c_in
+                    pv[cnt] = e
+                    cnt += np.int64(e != 0)
+        while cnt & 3:
+            pi[cnt] = 0
+            pv[cnt] = 0
+            cnt += 1
+        for j in range(0, cnt, 4):
+            e1 = np.int64(pv[j])
+            e2 = np.int64(pv[j + 1])
+            e3 = np.int64(pv[j + 2])
+            e4 = np.int64(pv[j + 3])
             for kh in range(k):
-                s1 = apf[b1 + kh * rowstep:b1 + kh * rowstep + kc]
-                dst = gro[kh * kc:kh * kc + kc]
-                for j in range(kc):
-                    dst[j] = dst[j] + e1 * s1[j]
+                s1 = pi[j] + kh * rowstep
+                s2 = pi[j + 1] + kh * rowstep
+                s3 = pi[j + 2] + kh * rowstep
+                s4 = pi[j + 3] + kh * rowstep
+                d = go + kh * kc
+                if gt.itemsize <= 4:
+                    for jj in range(kc):
+                        gf[U(d + jj)] = np.int32(
+                            gf[U(d + jj)] + np.int32(e1) * np.int32(apf[U(s1 + jj)])
+                            + np.int32(e2) * np.int32(apf[U(s2 + jj)])
+                            + np.int32(e3) * np.int32(apf[U(s3 + jj)])
+                            + np.int32(e4) * np.int32(apf[U(s4 + jj)]))
+                else:
+                    for jj in range(kc):
+                        gf[U(d + jj)] = (gf[U(d + jj)] + e1 * np.int64(apf[U(s1 + jj)])
+                                         + e2 * np.int64(apf[U(s2 + jj)])
+                                         + e3 * np.int64(apf[U(s3 + jj)])
+                                         + e4 * np.int64(apf[U(s4 + jj)]))
+    gmax = np.int64(0)
     for r in range(r_len):
         for o in range(n_out):
-            g2[r, o] = gt[o, r]
+            v = np.int64(gt[o, r])
+            g2[r, o] = v
+            v = -v if v < 0 else v
+            gmax = v if v > gmax else gmax
+    return gmax

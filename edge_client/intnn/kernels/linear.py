@@ -142,8 +142,9 @@ def linear_weight_grad(eq, a, g_out, idx, val, a_t):
     caller picks a width that cannot overflow). Returns max |g| (int64).
 
     a_t: [F, >= N] scratch (a's dtype) receives a transposed; row f of g then adds, for
-    every sample whose input f is non-zero, that input times the sample's errors, two
-    samples per pass. idx/val: int32 [>= N] scratch.
+    every sample whose input f is non-zero (listed branch-free; idx/val: int32 [>= N]),
+    that input times the sample's errors, two samples per pass, in int32 lanes when g is
+    int32 (the true sums fit).
     """
     n_s = a.shape[0]
     n_in = g_out.shape[0]
@@ -153,24 +154,38 @@ def linear_weight_grad(eq, a, g_out, idx, val, a_t):
     for n in range(n_s):
         for f in range(n_in):
             a_t[f, n] = a[n, f]
-    narrow = g_out.itemsize <= 4  # the true sums fit int32: int32 lanes
+    narrow = g_out.itemsize <= 4
     gmax = np.int64(0)
     for f in range(n_in):
         cnt = 0
         for n in range(n_s):
             v = a_t[f, n]
-            idx[cnt] = n
+            idx[cnt] = n * n_out
             val[cnt] = v
             cnt += np.int64(v != 0)
         r = f * n_out
         for o in range(n_out):
             gf[U(r + o)] = 0
         if narrow:
-            _add_scaled_rows32(gf, r, ef, idx, val, cnt, n_out)
+            j = 0
+            while j + 2 <= cnt:
+                v1 = np.int32(val[j])
+                v2 = np.int32(val[j + 1])
+                e1 = idx[j]
+                e2 = idx[j + 1]
+                for o in range(n_out):
+                    gf[U(r + o)] = np.int32(gf[U(r + o)] + v1 * np.int32(ef[U(e1 + o)])
+                                            + v2 * np.int32(ef[U(e2 + o)]))
+                j += 2
+            if j < cnt:
+                v1 = np.int32(val[j])
+                e1 = idx[j]
+                for o in range(n_out):
+                    gf[U(r + o)] = np.int32(gf[U(r + o)] + v1 * np.int32(ef[U(e1 + o)]))
         else:
             for j in range(cnt):
                 v1 = np.int64(val[j])
-                e1 = idx[j] * n_out
+                e1 = idx[j]
                 for o in range(n_out):
                     gf[U(r + o)] = gf[U(r + o)] + v1 * np.int64(ef[U(e1 + o)])
         for o in range(n_out):
@@ -178,23 +193,3 @@ def linear_weight_grad(eq, a, g_out, idx, val, a_t):
             v = -v if v < 0 else v
             gmax = v if v > gmax else gmax
     return gmax
-
-
-@njit(cache=True, nogil=True, inline="always")
-def _add_scaled_rows32(gf, r, ef, idx, val, cnt, n_out):
-    """gf[r:r+O] += sum_j val[j] * ef[idx[j]*O:][:O] in int32, two rows per pass."""
-    j = 0
-    while j + 2 <= cnt:
-        v1 = np.int32(val[j])
-        v2 = np.int32(val[j + 1])
-        e1 = idx[j] * n_out
-        e2 = idx[j + 1] * n_out
-        for o in range(n_out):
-            gf[U(r + o)] = np.int32(gf[U(r + o)] + v1 * np.int32(ef[U(e1 + o)])
-                                    + v2 * np.int32(ef[U(e2 + o)]))
-        j += 2
-    if j < cnt:
-        v1 = np.int32(val[j])
-        e1 = idx[j] * n_out
-        for o in range(n_out):
-            gf[U(r + o)] = np.int32(gf[U(r + o)] + v1 * np.int32(ef[U(e1 + o)]))

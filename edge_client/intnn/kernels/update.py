@@ -106,40 +106,47 @@ def sgd_update(w, g, gmax, lr_log2, wmax, thr, key, t, extra, extra_shift, key2,
         if 0 < sh <= 62 and extra_shift < 0:
             if cols == 0:
                 for b0 in range(0, w.shape[0], 256):
-                    _update_rows(w, g, t, b0, min(w.shape[0], b0 + 256) - b0, sh, wmax, thr,
+                    _update_rows(w, g, t, b0, b0, min(w.shape[0], b0 + 256) - b0, sh, wmax, thr,
                                  key + (b0 + 1) * _GOLDEN, _GOLDEN)
             else:
                 for f in range(rows):
-                    _update_rows(w, g, t, f * cols, cols, sh, wmax, thr,
+                    _update_rows(w, g, t, f * cols, f * cols, cols, sh, wmax, thr,
                                  key + (f + 1) * _GOLDEN, rows * _GOLDEN)
             return kg
     for i in range(w.shape[0]):
-        j = _counter(i, rows, cols)
-        v = np.int64(w[i])
-        if m > 0:
-            v -= _stoch_round_shift(np.int64(g[i]), sh, key, j)
-        if extra_shift >= 0:
-            v -= _stoch_round_shift(extra[i], extra_shift, key2, j)
-        if v > wmax:
-            v = wmax
-        elif v < -wmax:
-            v = -wmax
-        w[i] = v
-        if v > thr:
-            t[i] = 1
-        elif v < -thr:
-            t[i] = -1
-        else:
-            t[i] = 0
+        _update_one(w, g, t, i, i, _counter(i, rows, cols), m > 0, sh, wmax, thr, key, extra,
+                    extra_shift, key2)
     return kg
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _update_rows(w, g, t, b0, m, sh, wmax, thr, z_first, z_step):
+def _update_one(w, g, t, i, gi, j, data, sh, wmax, thr, key, extra, extra_shift, key2):
+    """The general case of :func:`sgd_update` for stored weight i (gradient g[gi],
+    counter j): any shift, the extra term when ``extra_shift >= 0``."""
+    v = np.int64(w[i])
+    if data:
+        v -= _stoch_round_shift(np.int64(g[gi]), sh, key, j)
+    if extra_shift >= 0:
+        v -= _stoch_round_shift(extra[i], extra_shift, key2, j)
+    if v > wmax:
+        v = wmax
+    elif v < -wmax:
+        v = -wmax
+    w[i] = v
+    if v > thr:
+        t[i] = 1
+    elif v < -thr:
+        t[i] = -1
+    else:
+        t[i] = 0
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _update_rows(w, g, t, b0, gb0, m, sh, wmax, thr, z_first, z_step):
     """The usual case of :func:`sgd_update` (0 < sh <= 62, no extra term) on the run
-    ``[b0, b0 + m)`` of weights whose counters form an arithmetic progression: the SplitMix64 state of the
-    run's first weight is ``z_first = key + (j0 + 1) * GOLDEN``, the next one's
-    ``z_step`` further. Branch-free so that it vectorizes; same results as the general
+    ``[b0, b0 + m)`` of weights (their gradients at ``[gb0, gb0 + m)`` of g) whose
+    counters form an arithmetic progression: the SplitMix64 state of the run's first
+    weight is ``z_first = key + (j0 + 1) * GOLDEN``, the next one's ``z_step`` further. Branch-free so that it vectorizes; same results as the general
     loop. A run of all-zero gradients (a row of a layer whose inputs or errors were all
     zero) skips the random draws: its update is zero, only the clip and the ternarization
     remain."""
@@ -147,7 +154,7 @@ def _update_rows(w, g, t, b0, m, sh, wmax, thr, z_first, z_step):
     top = 62 - sh
     nz = np.int64(0)
     for j in range(m):
-        nz |= np.int64(g[U(b0 + j)])
+        nz |= np.int64(g[U(gb0 + j)])
     if nz == 0:
         for j in range(m):
             v = np.int64(w[U(b0 + j)])
@@ -158,7 +165,7 @@ def _update_rows(w, g, t, b0, m, sh, wmax, thr, z_first, z_step):
         return
     z0 = z_first - z_step
     for j in range(m):
-        gv = np.int64(g[U(b0 + j)])
+        gv = np.int64(g[U(gb0 + j)])
         av = -gv if gv < 0 else gv
         fl = av >> sh
         fr = av & frac_mask
