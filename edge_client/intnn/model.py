@@ -33,7 +33,9 @@ import numpy as np
 
 from edge_client.errors import ConfigError, TrainingError
 from edge_client.intnn import kernels as K
+from edge_client.intnn import step
 from edge_client.intnn.ops import Op, Regularizer, Workspace, internal_shape
+from edge_client.intnn.parallel import Splitter
 from edge_client.intnn.quant import (
     DEFAULT_CLIP,
     act_dtype,
@@ -56,18 +58,20 @@ DEFAULT_CE_TEMP_SHIFT = 5  # softmax temperature 2^-5 on the real logits (measur
 class IntModel:
     """Integer weights, their ternary copies and the integer forward/backward/update.
 
-    ``bits``: compute bitwidth s (2..16); ``clip``: weight clip in the real domain.
+    ``bits``: compute bitwidth s (2..16); ``clip``: weight clip in the real domain;
+    ``threads``: cores a step uses (1..256; results do not depend on it).
     """
 
     def __init__(self, spec: ModelSpec, bits: int, clip: float = DEFAULT_CLIP,
                  conv_impl: str = "col", loss: str = "sse",
-                 ce_temp_shift: int = DEFAULT_CE_TEMP_SHIFT) -> None:
+                 ce_temp_shift: int = DEFAULT_CE_TEMP_SHIFT, threads: int = 1) -> None:
         if conv_impl not in ("col", "sparse"):
             raise ConfigError(f"conv_impl must be 'col' or 'sparse', got {conv_impl!r}")
         if loss not in ("ce", "sse"):
             raise ConfigError(f"loss must be 'ce' or 'sse', got {loss!r}")
         if not 0 <= ce_temp_shift <= 12:
             raise ConfigError(f"ce_temp_shift must be in 0..12, got {ce_temp_shift}")
+        self.splitter = Splitter(threads)
         self.loss = loss
         self.ce_temp_shift = int(ce_temp_shift)
         self.conv_impl = conv_impl
@@ -200,9 +204,9 @@ class IntModel:
                 raise TrainingError(f"{op.layer.name}: weights exceed the clip bound {self.wmax}")
             self.w[i][...] = self._to_internal(op, q.astype(self.wdtype))
             K.ternarize(self.w[i].reshape(-1), self.thr, self.t[i].reshape(-1))
-            self._ternary_copies(i)
+            self.ternary_copies(i)
 
-    def _ternary_copies(self, p: int) -> None:
+    def ternary_copies(self, p: int) -> None:
         """Refresh the derived copies of ternary weights p (backward layout, run lists)."""
         if self.tb[p] is not None:
             lists = self.tlist[p] is not None
@@ -272,131 +276,31 @@ class IntModel:
 
     def forward(self, ws: Workspace, n: int) -> np.ndarray:
         """Run the forward pass on ``ws.x[:n]``; returns the logits view [n, classes]."""
-        prev = ws.x[:n]
-        for i, op in enumerate(self.ops):
-            out = ws.acts[i][:n]
-            if op.kind == "conv":
-                lay = op.layer
-                if self.conv_impl == "col" and op.plane:
-                    K.conv_forward_plane(prev, self.tlist[op.param], self.tcnt[op.param],
-                                         lay.kernel, lay.padding, op.shift, self.amax, op.relu,
-                                         out, ws.plane[i], ws.offs[i], ws.pacc[i], ws.pacc16[i],
-                                         ws.ptile[i])
-                elif self.conv_impl == "col":
-                    K.conv_forward_col(prev, self.tb[op.param], lay.stride, lay.padding,
-                                       op.shift, self.amax, op.relu, out, ws.col_t[i],
-                                       ws.pacc[i], ws.pacc16[i], ws.ptile[i])
-                else:
-                    K.conv_forward(prev, self.t[op.param], lay.stride, lay.padding, op.shift,
-                                   self.amax, op.relu, out, ws.patch[i])
-            elif op.kind == "linear":
-                K.linear_forward(prev, self.t[op.param], op.shift, self.amax, op.relu, out,
-                                 ws.lacc[i], ws.lacc16[i], ws.nz_idx, ws.nz_val)
-            elif op.kind == "pool":
-                lay = op.layer
-                K.maxpool_forward(prev, lay.kernel, lay.step, lay.padding, out,
-                                  ws.win[i][:n] if ws.train else ws.win[i], ws.train, op.relu_in)
-            elif op.kind == "relu":
-                K.relu_forward(prev.reshape(-1), out.reshape(-1))
-            prev = out
-        return prev
+        return step.forward(self, ws, n)
 
     def train_step(self, ws: Workspace, y: np.ndarray, n: int, lr_log2: int, seed: int,
-                   step: int, reg: Regularizer | None = None) -> int:
+                   step_count: int, reg: Regularizer | None = None) -> int:
         """One SGD step on ``ws.x[:n]`` with labels ``y`` (int64 [n]); returns the integer
         loss sum (SSE, or sum of 2^15 - p_true in Q15 for the softmax loss).
 
-        ``lr_log2``: log2 of eta in LSBs of the storage grid; ``seed``/``step`` key the
-        stochastic rounding.
+        ``lr_log2``: log2 of eta in LSBs of the storage grid; ``seed``/``step_count`` key
+        the stochastic rounding.
         """
-        z = self.forward(ws, n)
-        e = ws.err_out[:n]
-        if self.loss == "sse":
-            sse = K.sse_error(z, y, self.target, e)
-        else:
-            sse = K.softmax_error(z, y, self.bits, self.ce_temp_shift, e)
-        cur = e
-        eq_ready = False  # the op's quantized error was written by the max-pool after it
-        for i in range(len(self.ops) - 1, -1, -1):
-            op = self.ops[i]
-            if op.kind == "flatten":
-                cur = cur.reshape(n, *op.in_shape)
-                continue
-            if op.kind == "relu":
-                K.relu_mask(cur.reshape(-1), ws.acts[i][:n].reshape(-1))
-                continue
-            if op.kind == "pool":
-                lay = op.layer
-                if op.fused_error:
-                    K.pool_error_quantize(cur, ws.win[i][:n], lay.kernel, lay.step, lay.padding,
-                                          self.bits, ws.eq[i - 1][:n], ws.nz_idx, ws.nz_val)
-                    eq_ready = True
-                    continue
-                if not op.needs_input_error:
-                    break
-                dst = ws.err_in[i][:n]
-                K.maxpool_backward(cur, ws.win[i][:n], lay.kernel, lay.step, lay.padding, dst,
-                                   ws.nz_idx, ws.nz_val)
-                cur = dst
-                continue
-            cur = self._param_backward(ws, i, cur, eq_ready, n, lr_log2, seed, step, reg)
-            eq_ready = False
-            if not op.needs_input_error:
-                break
-        return int(sse)
+        return step.train_step(self, ws, y, n, lr_log2, seed, step_count, reg)
 
-    def _param_backward(self, ws: Workspace, i: int, cur: np.ndarray | None, eq_ready: bool,
-                        n: int, lr_log2: int, seed: int, step: int,
-                        reg: Regularizer | None) -> np.ndarray | None:
-        """Backward of conv/linear op i: its quantized error (unless ``eq_ready``), weight
-        gradient, the error at its input (returned) and the update of its weights."""
+    def quantized_error(self, ws: Workspace, i: int, n: int) -> np.ndarray:
+        """Op i's quantized error of the last training step, NHWC [n, H, W, C] (or [n, O]),
+        whichever layout the step kept it in (inspection and tests)."""
+        if ws.eq[i] is not None:
+            return ws.eq[i][:n].copy()
         op = self.ops[i]
-        p = op.param
-        eq = ws.eq[i][:n]
-        if not eq_ready:
-            if op.relu:
-                K.mask_quantize_error(cur.reshape(-1), ws.acts[i][:n].reshape(-1), self.bits,
-                                      eq.reshape(-1))
-            else:
-                K.quantize_error(cur.reshape(-1), self.bits, eq.reshape(-1))
-        a_in = ws.acts[i - 1][:n] if i > 0 else ws.x[:n]
-        size = self.w[p].size
-        dst = ws.err_in[i][:n] if op.needs_input_error else None
-        wf = self.w[p].reshape(-1)
-        key = K.stream_key(seed, step, p, 0)
-        extra, extra_shift, key2 = ws.extra[:0], -1, key
-        if reg is not None and reg.active:
-            extra, extra_shift, key2 = ws.extra[:size], reg.shift, K.stream_key(seed, step, p, 1)
-            K.regularizer_terms(wf, reg.anchor[p].reshape(-1), reg.mu_q, reg.d_shift,
-                                reg.step_g[p].reshape(-1), reg.alpha_q, extra)
-        g = (ws.grad64 if op.grad_int64 else ws.grad32)[:size].reshape(self.w[p].shape)
-        gmax = -1
-        lay = op.layer
-        rows, cols = self.counter_layout(op)
-        if op.kind == "linear":
-            a2 = a_in.reshape(n, -1)
-            gmax = K.linear_weight_grad(eq, a2, g, ws.nz_idx, ws.nz_val, ws.a_t[i])
-            if dst is not None:
-                K.linear_backward_data(eq, self.t[p], a2, op.relu_in, dst.reshape(n, -1),
-                                       ws.nz_idx)
-        elif op.grad_mode == "int64":
-            K.conv_weight_grad(eq, a_in, lay.stride, lay.padding, g, ws.gacc[i])
-        elif op.grad_mode == "sparse":
-            gmax = K.conv_weight_grad_sparse(eq, a_in, lay.stride, lay.padding, g, ws.a_pad[i],
-                                             ws.gt[i], ws.nz_idx, ws.nz_val)
-        elif op.grad_mode == "plane":
-            K.conv_weight_grad_plane(eq, a_in, lay.kernel, lay.padding, g, ws.plane[i],
-                                     ws.col_t[i], ws.e_t[i], True)
-        else:
-            K.conv_weight_grad_dot(eq, a_in, lay.stride, lay.padding, g, ws.col_t[i],
-                                   ws.e_t[i], self.conv_impl == "col")
-        if dst is not None and op.kind == "conv":
-            if ws.pbuf[i].dtype == np.int16:
-                K.conv_backward_data_narrow(eq, self.tb[p], lay.stride, lay.padding, dst,
-                                            ws.pbuf[i], ws.nz_idx, ws.nz_val)
-            else:
-                K.conv_backward_data(eq, self.tb[p], lay.stride, lay.padding, dst, ws.pbuf[i])
-        K.sgd_update(wf, g.reshape(-1), gmax, lr_log2, self.wmax, self.thr, key,
-                     self.t[p].reshape(-1), extra, extra_shift, key2, rows, cols)
-        self._ternary_copies(p)
-        return dst
+        h_out, w_out, c_out = op.out_shape
+        h_in, w_in, _ = op.in_shape
+        wp = w_in + op.layer.padding
+        hs = (h_in + op.layer.padding) * wp
+        pos = ws.eqp[i][:, :n * hs].reshape(c_out, n, hs // wp, wp)
+        return np.ascontiguousarray(pos[:, :, :h_out, :w_out].transpose(1, 2, 3, 0))
+
+    def close(self) -> None:
+        """Stop the worker threads (``threads > 1``); a later step starts them again."""
+        self.splitter.close()

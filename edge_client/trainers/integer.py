@@ -45,20 +45,21 @@ class IntTrainer:
     across calls of :meth:`train`, so two trainers with the same seed and the same calls
     end bit for bit equal. ``lr``/``momentum``: the float devices' SGD settings whose
     FedProx/FedFOR step ``lr / (1 - momentum)`` this device's terms match (module docstring);
-    they do not change the data step.
+    they do not change the data step. ``threads``: cores a training step uses (results
+    are the same bit for bit for any number; ignored when a model is passed in).
     """
 
     def __init__(self, spec_or_model: ModelSpec | IntModel | str, bits: int,
                  lr_shift: int = DEFAULT_LR_SHIFT, seed: int = 0,
                  clip: float = DEFAULT_CLIP, loss: str = "sse", lr: float = DEFAULT_TORCH_LR,
-                 momentum: float = DEFAULT_MOMENTUM) -> None:
+                 momentum: float = DEFAULT_MOMENTUM, threads: int = 1) -> None:
         if isinstance(spec_or_model, IntModel):
             self.model = spec_or_model
             if spec_or_model.bits != bits:
                 raise ConfigError(f"IntTrainer: model has {spec_or_model.bits} bits, not {bits}")
         else:
             spec = as_spec(spec_or_model)
-            self.model = IntModel(spec, bits, clip, loss=loss)
+            self.model = IntModel(spec, bits, clip, loss=loss, threads=threads)
             self.model.load_int(init_int(spec, seed, bits, clip))
         if not -8 <= lr_shift <= 8:
             raise ConfigError(f"lr_shift must be in -8..8, got {lr_shift}")

@@ -30,6 +30,8 @@ from edge_client.intnn.kernels.conv_backward import (
     conv_weight_grad_dot,
     conv_weight_grad_plane,
     conv_weight_grad_sparse,
+    eq_to_planar,
+    pad_nhwc,
 )
 from edge_client.intnn.kernels.conv_forward import (
     conv_forward,
@@ -58,6 +60,7 @@ from edge_client.intnn.kernels.pool import (
 )
 from edge_client.intnn.kernels.rng import mix64, rand62, stream_key
 from edge_client.intnn.kernels.update import (
+    grad_max,
     mask_quantize_error,
     quantize_error,
     regularizer_terms,
@@ -73,13 +76,15 @@ TRAINING_KERNELS = (
     conv_backward_data, conv_weight_grad, conv_weight_grad_dot, linear_backward_data,
     linear_weight_grad, maxpool_backward, pool_error_quantize, sgd_update, regularizer_terms,
     ternarize, ternary_copies, argmax_correct, stream_key, conv_forward_plane,
-    conv_weight_grad_plane, conv_weight_grad_sparse, conv_backward_data_narrow,
+    conv_weight_grad_plane, conv_weight_grad_sparse, conv_backward_data_narrow, eq_to_planar,
+    pad_nhwc, grad_max,
 )
 
 __all__ = [
     "LOG2_HALF_THRESH", "SOFTMAX_ONE", "TRAINING_KERNELS", "argmax_correct", "conv_backward_data",
     "conv_backward_data_narrow", "conv_forward", "conv_forward_col", "conv_forward_plane",
     "conv_weight_grad", "conv_weight_grad_dot", "conv_weight_grad_plane", "conv_weight_grad_sparse",
+    "eq_to_planar", "grad_max", "pad_nhwc",
     "linear_backward_data", "linear_forward", "linear_weight_grad", "mask_quantize_error", "max_abs",
     "maxpool_backward", "maxpool_forward", "mix64", "pool_error_quantize", "quantize_error",
     "quantize_inputs_nhwc", "rand62", "regularizer_terms", "relu_forward", "relu_mask", "round_log2",

@@ -36,18 +36,17 @@ def _nonzeros(row, idx, val):
 
 
 @njit(cache=True, nogil=True)
-def linear_forward(a, t, shift, amax, relu, out, acc, acc16, idx, val):
+def linear_forward(a, t, shift, amax, relu, out, acc, acc16, idx, val, n0, n1):
     """out [N, O] = finish(a @ t) for a [N, F] (s-bit) and ternary t [F, O] int8.
 
     acc: int32 [>= O]; acc16: int16 [>= O] (used when amax <= 127; else may be empty);
     idx/val: int32/int64 [>= F] scratch for a row's non-zero inputs. Per sample, every
-    non-zero input adds (two at a time) its value times a row of t.
+    non-zero input adds (two at a time) its value times a row of t. Samples n0 <= n < n1.
     """
-    n_s = a.shape[0]
     n_out = t.shape[1]
     tf = t.reshape(-1)
     narrow = amax <= 127 and acc16.shape[0] >= n_out
-    for n in range(n_s):
+    for n in range(n0, n1):
         cnt = _nonzeros(a[n], idx, val)
         for o in range(n_out):
             acc[o] = 0
@@ -84,17 +83,17 @@ def linear_forward(a, t, shift, amax, relu, out, acc, acc16, idx, val):
 
 
 @njit(cache=True, nogil=True)
-def linear_backward_data(eq, t, a_in, masked, out, idx):
+def linear_backward_data(eq, t, a_in, masked, out, idx, n0, n1):
     """out [N, F] int32 = eq @ t.T (eq [N, O] s-bit, t [F, O] ternary); where ``masked``
     and a_in [N, F] <= 0, out is 0 (not computed). Per sample, the inputs that need it
     are listed (idx: int32 [>= F] scratch), then int32 dot products of the sample's
-    errors with four rows of t at a time (one load of the errors for four outputs)."""
-    n_s = eq.shape[0]
+    errors with four rows of t at a time (one load of the errors for four outputs).
+    Samples n0 <= n < n1."""
     n_in = t.shape[0]
     n_out = t.shape[1]
     tf = t.reshape(-1)
     ef = eq.reshape(-1)
-    for n in range(n_s):
+    for n in range(n0, n1):
         cnt = 0
         for f in range(n_in):
             out[n, f] = 0
@@ -137,26 +136,25 @@ def linear_backward_data(eq, t, a_in, masked, out, idx):
 
 
 @njit(cache=True, nogil=True)
-def linear_weight_grad(eq, a, g_out, idx, val, a_t):
+def linear_weight_grad(eq, a, g_out, idx, val, a_t, f0, f1):
     """g_out [F, O] = a.T @ eq (a [N, F], eq [N, O], s-bit); int32 or int64 g_out (the
     caller picks a width that cannot overflow). Returns max |g| (int64).
 
     a_t: [F, >= N] scratch (a's dtype) receives a transposed; row f of g then adds, for
     every sample whose input f is non-zero (listed branch-free; idx/val: int32 [>= N]),
     that input times the sample's errors, two samples per pass, in int32 lanes when g is
-    int32 (the true sums fit).
+    int32 (the true sums fit). Rows f0 <= f < f1 only (their max |g| is returned).
     """
     n_s = a.shape[0]
-    n_in = g_out.shape[0]
     n_out = g_out.shape[1]
     ef = eq.reshape(-1)
     gf = g_out.reshape(-1)
     for n in range(n_s):
-        for f in range(n_in):
+        for f in range(f0, f1):
             a_t[f, n] = a[n, f]
     narrow = g_out.itemsize <= 4
     gmax = np.int64(0)
-    for f in range(n_in):
+    for f in range(f0, f1):
         cnt = 0
         for n in range(n_s):
             v = a_t[f, n]

@@ -25,14 +25,14 @@ U = np.uint64
 
 
 @njit(cache=True, nogil=True)
-def maxpool_forward(a, k, stride, pad, out, win, want_win, relu_in):
+def maxpool_forward(a, k, stride, pad, out, win, want_win, relu_in, n0, n1):
     """Max pool, NHWC; padded cells never win; ties go to the first cell in (kh, kw) order.
 
     a: [N, H, W, C]; out: [N, Ho, Wo, C] (dtype of a). When ``want_win``, win (int8, shape
     of out) receives ``kh * k + kw`` of the winner, -1 where ``relu_in`` and the maximum
-    is <= 0; otherwise win is not touched (may be a 1-element dummy). k <= 11.
+    is <= 0; otherwise win is not touched (may be a 1-element dummy). k <= 11. Samples
+    n0 <= n < n1.
     """
-    n_s = a.shape[0]
     h_in = a.shape[1]
     w_in = a.shape[2]
     c_in = a.shape[3]
@@ -42,7 +42,7 @@ def maxpool_forward(a, k, stride, pad, out, win, want_win, relu_in):
     of = out.reshape(-1)
     wf = win.reshape(-1)
     quad = k == 2
-    for n in range(n_s):
+    for n in range(n0, n1):
         for y in range(h_out):
             iy0 = y * stride - pad
             rows_in = iy0 >= 0 and iy0 + k <= h_in
@@ -114,9 +114,10 @@ def _pool_quad(af, of, wf, b0, b1, b2, b3, ob, c_in, want_win, relu_in):
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _route(e, win, k, stride, pad, out, quantize, sh, amax, rdst, rval):
-    """Each pool output's error to its winner's cell of out (``+=`` when not
-    ``quantize``, else the quantized value is stored). One row of pool outputs at a time:
+def _route(e, win, k, stride, pad, of, ns, ys, xs, cs, quantize, sh, amax, rdst, rval):
+    """Each pool output's error to its winner's cell (n, iy, ix, c) of the flat of, at
+    offset n*ns + iy*ys + ix*xs + c*cs (``+=`` when not ``quantize``, else the quantized
+    value is stored). One row of pool outputs at a time:
     first their destinations and values (branch-free, vectorized; a masked output (-1)
     sends 0 to its window's first cell inside the input, which changes nothing), then a
     plain scatter. rdst/rval: int32 [>= Wo * C] scratch. ``win`` must come from
@@ -125,12 +126,8 @@ def _route(e, win, k, stride, pad, out, quantize, sh, amax, rdst, rval):
     h_out = e.shape[1]
     w_out = e.shape[2]
     c_in = e.shape[3]
-    h_in = out.shape[1]
-    w_in = out.shape[2]
     ef = e.reshape(-1)
     wf = win.reshape(-1)
-    of = out.reshape(-1)
-    row = w_in * c_in
     div = 65536 // k + 1  # (w * div) >> 16 == w // k for 0 <= w < k^2 <= 121
     m = w_out * c_in
     for n in range(n_s):
@@ -141,7 +138,7 @@ def _route(e, win, k, stride, pad, out, quantize, sh, amax, rdst, rval):
                 ix0 = x * stride - pad
                 kw0 = -ix0 if ix0 < 0 else 0
                 w0 = kh0 * k + kw0
-                base = ((n * h_in + iy0) * w_in + ix0) * c_in
+                base = n * ns + iy0 * ys + ix0 * xs
                 b = ((n * h_out + y) * w_out + x) * c_in
                 q = x * c_in
                 for c in range(c_in):
@@ -154,7 +151,7 @@ def _route(e, win, k, stride, pad, out, quantize, sh, amax, rdst, rval):
                     v = v if w >= 0 else np.int64(0)
                     w = w if w >= 0 else w0
                     kh = (w * div) >> 16
-                    rdst[U(q + c)] = base + kh * row + (w - kh * k) * c_in + c
+                    rdst[U(q + c)] = base + kh * ys + (w - kh * k) * xs + c * cs
                     rval[U(q + c)] = v
             if quantize:
                 for i in range(m):
@@ -170,15 +167,21 @@ def maxpool_backward(e, win, k, stride, pad, out, rdst, rval):
     nothing): out [N, H, W, C] int32, zeroed first; overlapping windows add up.
     rdst/rval: int32 [>= Wo * C] scratch."""
     out[...] = 0
-    _route(e, win, k, stride, pad, out, False, 0, 0, rdst, rval)
+    h_in = out.shape[1]
+    w_in = out.shape[2]
+    c_in = out.shape[3]
+    _route(e, win, k, stride, pad, out.reshape(-1), h_in * w_in * c_in, w_in * c_in, c_in, 1,
+           False, 0, 0, rdst, rval)
 
 
 @njit(cache=True, nogil=True)
-def pool_error_quantize(e, win, k, stride, pad, bits, out, rdst, rval):
+def pool_error_quantize(e, win, k, stride, pad, bits, out, ns, ys, xs, cs, rdst, rval):
     """The error at a max-pool's output routed to its winners and quantized (eq. 12), for
-    non-overlapping windows (k <= stride): out [N, H, W, C] (s-bit dtype) = the quantized
-    error at the pool's input, zero off the winners. Same values as
-    :func:`maxpool_backward` then :func:`quantize_error` (and the ReLU mask, folded into
+    non-overlapping windows (k <= stride): ``out`` (s-bit dtype, any shape, zeroed) holds
+    the quantized error at the pool's input, zero off the winners, element
+    (n, iy, ix, c) at flat offset n*ns + iy*ys + ix*xs + c*cs (NHWC, or the positions of
+    the stride-1 plane layout, channel-major, for the conv's weight gradient). Same values
+    as :func:`maxpool_backward` then :func:`quantize_error` (and the ReLU mask, folded into
     ``win``). e: [N, Ho, Wo, C] int32; rdst/rval: int32 [>= Wo * C] scratch. Returns
     k = round(log2 max|e|) (-1: all zero)."""
     ef = e.reshape(-1)
@@ -193,8 +196,8 @@ def pool_error_quantize(e, win, k, stride, pad, bits, out, rdst, rval):
     if m == 0:
         return -1
     kq = round_log2(m)
-    _route(e, win, k, stride, pad, out, True, kq - (bits - 1),
-           (np.int64(1) << (bits - 1)) - 1, rdst, rval)
+    _route(e, win, k, stride, pad, out.reshape(-1), ns, ys, xs, cs, True,
+           kq - (bits - 1), (np.int64(1) << (bits - 1)) - 1, rdst, rval)
     return kq
 
 

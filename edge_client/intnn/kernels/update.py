@@ -73,6 +73,12 @@ def mask_quantize_error(e, act, bits, out):
     return k
 
 
+@njit(cache=True, nogil=True)
+def grad_max(g):
+    """max |g| of a flat gradient (int64), for :func:`sgd_update`'s ``gmax``."""
+    return max_abs(g)
+
+
 @njit(cache=True, nogil=True, inline="always")
 def _counter(i, rows, cols):
     """Stochastic-rounding counter of stored weight i (see the module docstring)."""
@@ -83,7 +89,8 @@ def _counter(i, rows, cols):
 
 
 @njit(cache=True, nogil=True)
-def sgd_update(w, g, gmax, lr_log2, wmax, thr, key, t, extra, extra_shift, key2, rows, cols):
+def sgd_update(w, g, gmax, lr_log2, wmax, thr, key, t, extra, extra_shift, key2, rows, cols,
+               i0, i1):
     """Paper eq. 15-16 on flat arrays, then re-ternarize.
 
     k_g = round(log2 max|g|);  d = stoch_round(g * 2^lr_log2 / 2^k_g)  (LSB units);
@@ -94,7 +101,9 @@ def sgd_update(w, g, gmax, lr_log2, wmax, thr, key, t, extra, extra_shift, key2,
     w: stored weights (int8/int16); g: gradient (int32/int64), ``gmax`` its max |g| when
     known (-1: computed here); t: int8 ternary out; extra: int64 (ignored when
     extra_shift < 0); rows/cols: the storage order (``cols == 0``: canonical, else
-    ``[rows, cols]`` holding the canonical ``[cols, rows]``). Returns k_g (-1 when g is
+    ``[rows, cols]`` holding the canonical ``[cols, rows]``); i0 <= i < i1: the stored
+    weights this call updates (a multiple of 256, or of cols, for i0; disjoint ranges may
+    run on other threads at once, each with the same ``gmax``). Returns k_g (-1 when g is
     all zero).
     """
     m = gmax if gmax >= 0 else max_abs(g)
@@ -105,15 +114,15 @@ def sgd_update(w, g, gmax, lr_log2, wmax, thr, key, t, extra, extra_shift, key2,
         sh = kg - lr_log2
         if 0 < sh <= 62 and extra_shift < 0:
             if cols == 0:
-                for b0 in range(0, w.shape[0], 256):
-                    _update_rows(w, g, t, b0, b0, min(w.shape[0], b0 + 256) - b0, sh, wmax, thr,
+                for b0 in range(i0, i1, 256):
+                    _update_rows(w, g, t, b0, b0, min(i1, b0 + 256) - b0, sh, wmax, thr,
                                  key + (b0 + 1) * _GOLDEN, _GOLDEN)
             else:
-                for f in range(rows):
+                for f in range(i0 // cols, i1 // cols):
                     _update_rows(w, g, t, f * cols, f * cols, cols, sh, wmax, thr,
                                  key + (f + 1) * _GOLDEN, rows * _GOLDEN)
             return kg
-    for i in range(w.shape[0]):
+    for i in range(i0, i1):
         _update_one(w, g, t, i, i, _counter(i, rows, cols), m > 0, sh, wmax, thr, key, extra,
                     extra_shift, key2)
     return kg
