@@ -109,3 +109,29 @@ def test_a_part_that_fails_does_not_leave_the_others_running():
 def test_bad_thread_counts_are_refused(bad):
     with pytest.raises(ConfigError, match="threads"):
         IntModel(get_spec("digits_cnn"), 8, threads=bad)
+
+
+def test_a_device_trains_on_its_profile_s_threads_unless_told_otherwise(tmp_path):
+    from edge_client.runtime import DeviceConfig, DeviceRuntime
+    from hw_profiles import load_profile
+
+    spec = get_spec("digits_cnn")
+    d = data(spec, 8, 0)
+    for overrides, want in (({}, 4), ({"threads": 2}, 2)):
+        cfg = DeviceConfig.from_profile("pi", load_profile("raspberry-pi-4"),
+                                        workdir=tmp_path / "pi", **overrides)
+        rt = DeviceRuntime(cfg, d, lambda **kw: None)
+        _, trainer = rt._trainer("digits_cnn")
+        assert trainer.model.splitter.threads == want
+
+
+def test_fedbit_edge_run_refuses_a_bad_thread_count(tmp_path):
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "edge_client.cli", "run", "--profile",
+                          "raspberry-pi-4", "--data", "digits:1/4", "--id", "dev-1",
+                          "--broker", "mqtt://127.0.0.1:1", "--workdir", str(tmp_path),
+                          "--threads", "0"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1
+    assert "threads must be an integer in 1..256, got 0" in out.stderr
