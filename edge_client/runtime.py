@@ -23,7 +23,6 @@ Nothing here imports torch (a float device's trainer imports it lazily) or ``coo
 from __future__ import annotations
 
 import functools
-
 import json
 import logging
 import math
