@@ -212,9 +212,14 @@ TrainerFactory = Callable[[Any, int, int], Any]  # (spec, bits, seed) -> Trainer
 
 
 def default_trainer_factory(spec: Any, bits: int, seed: int, threads: int = 1) -> Any:
+    """A device's trainer: ``threads`` cores; an integer one drops LLVM's machine code from
+    the process's resident memory once its kernels are loaded
+    (``edge_client.intnn.memory``)."""
     from edge_client.trainers import make_trainer
 
-    return make_trainer(spec, bits, seed=seed, threads=threads)
+    if bits == 32:
+        return make_trainer(spec, bits, seed=seed)
+    return make_trainer(spec, bits, seed=seed, threads=threads, release_pages=True)
 
 
 class DeviceRuntime:
