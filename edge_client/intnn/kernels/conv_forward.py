@@ -186,6 +186,32 @@ def conv_forward_col(a, t_o, stride, pad, shift, amax, relu, out, col_t, acc, ac
 
 
 @njit(cache=True, nogil=True, inline="always")
+def _scatter_rows(tile, m, q0, hs, wp, h_out, w_out, out):
+    """out (NHWC) at the output pixels among plane positions q0..q0+m = tile [O, block]
+    transposed, one output row segment (contiguous x) at a time."""
+    n_out = out.shape[3]
+    block = tile.shape[1]
+    tf = tile.reshape(-1)
+    of = out.reshape(-1)
+    j = 0
+    while j < m:
+        q = q0 + j
+        n = q // hs
+        rem = q - n * hs
+        y = rem // wp
+        x = rem - y * wp
+        run = min(m - j, wp - x)  # positions up to the end of this plane row
+        if y < h_out and x < w_out:
+            valid = min(run, w_out - x)
+            base = ((n * h_out + y) * w_out + x) * n_out
+            for xx in range(valid):
+                d = base + xx * n_out
+                for o in range(n_out):
+                    of[U(d + o)] = tf[U(o * block + j + xx)]
+        j += run
+
+
+@njit(cache=True, nogil=True, inline="always")
 def _add_runs(accv, pf, offs, lst_o, i0, i1, npos, q0, m):
     """accv[:m] += sum of the plane runs pf[offs[r] + q0:][:m] for the list entries
     i0 <= i < i1 (added below npos, subtracted from npos on), eight runs per pass (flat
@@ -288,18 +314,4 @@ def conv_forward_plane(a, lst, cnt, k, pad, shift, amax, relu, out, plane, offs,
             else:
                 _add_runs(acc, pf, offs, lst_o, 0, nnz, npos, q0, m)
             _finish_row(acc, m, shift, amax, relu, tile, o)
-        n = q0 // hs
-        rem = q0 - n * hs
-        y = rem // wp
-        x = rem - y * wp
-        for j in range(m):
-            if y < h_out and x < w_out:
-                for o in range(n_out):
-                    out[n, y, x, o] = tile[o, j]
-            x += 1
-            if x == wp:
-                x = 0
-                y += 1
-                if y * wp == hs:
-                    y = 0
-                    n += 1
+        _scatter_rows(tile, m, q0, hs, wp, h_out, w_out, out)
