@@ -1,7 +1,7 @@
 """Training throughput of the Int8 engine vs PyTorch float32 (issue 25's targets).
 
-Prints JSON lines (``bench, case, metric, value, unit, anchor, anchor_value, ratio`` plus
-``target``, ``spread`` and ``timing``):
+Prints JSON lines (docs/architecture.md#benchmarks; plus ``target``, ``spread`` and
+``timing``):
 
 - ``throughput`` (samples/s), Int8 ``IntTrainer`` vs PyTorch float32 (``TorchTrainer``,
   ``torch.set_num_threads(1)``), one thread each, batch 32, random data, models
