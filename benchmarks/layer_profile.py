@@ -15,7 +15,7 @@ skips zeros (ternary weights, errors after ReLU / max-pool, zero activations) ca
 the dense bound (fraction > 1).
 
 Prints JSON lines: per layer and phase ``seconds`` (per step, median over steps)
-anchored on the bound; per model ``arithmetic_bound_fraction`` of the conv layers (bound
+anchored on the bound (or, for pooling and error routing, on the step's total); per model ``arithmetic_bound_fraction`` of the conv layers (bound
 seconds / measured seconds, summed over their forward, backward-data and weight
 gradient) anchored on the 0.5 target; the micro-benchmark rates. ``--markdown`` writes
 the table.
@@ -163,13 +163,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="fewer steps and repeats (CI)")
     ap.add_argument("--markdown", type=Path, help="write the table to this file")
     args = ap.parse_args(argv)
-    rates = _simd_rate.measure(repeats=3 if args.quick else 7, scale=0.2 if args.quick else 1.0)
+    repeats, scale = (3, 0.2) if args.quick else (25, 1.0)
+    rates = _simd_rate.measure(repeats=repeats, scale=scale)
+    profiles = {}
+    for name in MODELS:
+        profiles[name] = profile_model(name, 4 if args.quick else
+                                       (30 if name == "fedshift_cnn" else 200))
+        # the rates again between models: a shared machine disturbs some repeats, the
+        # best of every one of them is this CPU's rate
+        again = _simd_rate.measure(repeats=repeats, scale=scale)
+        rates = {k: max(v, again[k]) for k, v in rates.items()}
     mac = rates["int8_mac"]
     for key in ("ternary_add", "int8_dot", "update"):
         emit(f"int8 SIMD rate: {key}", "rate", rates[key] / 1e9, "G/s", "int8_mac", mac / 1e9)
     tables = []
     for name in MODELS:
-        ops, per_step = profile_model(name, 4 if args.quick else (30 if name == "fedshift_cnn" else 200))
+        ops, per_step = profiles[name]
         rows = []
         conv_bound = conv_meas = 0.0
         total = sum(statistics.median(v) for v in per_step.values())
@@ -189,10 +198,13 @@ def main(argv: list[str] | None = None) -> int:
                 else:
                     bound = 0.0
                 row["cells"][phase] = (t, bound)
-                extra = {"fraction_of_bound": round(bound / t, 3)} if bound else {}
-                emit(f"{name} {op.layer.name} {phase}", "seconds", t, "s",
-                     "int8 arithmetic bound" if bound else "none", bound, share=round(t / total, 4),
-                     **extra)
+                if bound:  # against the bound; else against the step's total (its share)
+                    emit(f"{name} {op.layer.name} {phase}", "seconds", t, "s",
+                         "int8 arithmetic bound", bound, share=round(t / total, 4),
+                         fraction_of_bound=round(bound / t, 3))
+                else:
+                    emit(f"{name} {op.layer.name} {phase}", "seconds", t, "s",
+                         "the step's total", total)
                 if op.kind == "conv" and phase in ("forward", "backward-data", "weight gradient"):
                     conv_bound += bound
                     conv_meas += t
