@@ -250,24 +250,27 @@ def main(argv: list[str] | None = None) -> int:
              cpus=os.cpu_count(), load_1min=round(os.getloadavg()[0], 2), **_summary(ratios))
     n = str(steps["fedshift_cnn"])
     mem = run_worker("rss", "fedshift_cnn", n, bits, "absent", "release")
-    with_scipy = run_worker("rss", "fedshift_cnn", n, bits, "installed", "release")
-    kept = run_worker("rss", "fedshift_cnn", n, bits, "absent", "keep")
+    extra = {}
+    if not args.quick:  # the variants: with scipy installed, without the release
+        extra["with_scipy_mb"] = round(
+            run_worker("rss", "fedshift_cnn", n, bits, "installed", "release")["rss_mb"], 1)
+        extra["without_release_mb"] = round(
+            run_worker("rss", "fedshift_cnn", n, bits, "absent", "keep")["rss_mb"], 1)
     emit(f"fedshift_cnn {q}", "rss", mem["rss_mb"], "MB", "budget", RSS_BUDGET_MB,
          target="<= 1.0", process="device install (no scipy), device runtime's trainer",
          anon_mb=round(mem["anon_mb"], 1), after_warmup_mb=round(mem["now_mb"], 1),
-         llvmlite_mb=round(mem["llvm_mb"], 1), with_scipy_mb=round(with_scipy["rss_mb"], 1),
-         without_release_mb=round(kept["rss_mb"], 1))
-    warm, warm_scipy = [], []
-    for _ in range(rounds):
-        warm.append(run_worker("first", "fedshift_cnn", bits, "absent"))
-        warm_scipy.append(run_worker("first", "fedshift_cnn", bits, "installed"))
+         llvmlite_mb=round(mem["llvm_mb"], 1), **extra)
+    warm = [run_worker("first", "fedshift_cnn", bits, "absent") for _ in range(rounds)]
     cpu = [w["cpu"] for w in warm]
+    extra = {}
+    if not args.quick:
+        extra["with_scipy_s"] = round(statistics.median(
+            run_worker("first", "fedshift_cnn", bits, "installed")["cpu"] for _ in range(rounds)), 3)
     emit(f"fedshift_cnn {q}", "warm_start_s", statistics.median(cpu), "s", "budget",
          WARM_BUDGET_S, target="<= 1.0", process="device install (no scipy)",
          timing="the process's CPU time to the end of its first step (wall on a loaded "
                 "machine: wall_s)", spread=[round(min(cpu), 3), round(max(cpu), 3)],
-         wall_s=round(statistics.median(w["seconds"] for w in warm), 3),
-         with_scipy_s=round(statistics.median(w["cpu"] for w in warm_scipy), 3))
+         wall_s=round(statistics.median(w["seconds"] for w in warm), 3), **extra)
     return 0
 
 
