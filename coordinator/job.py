@@ -5,12 +5,12 @@ The file follows the conventions of :mod:`coordinator.config` (unknown keys are 
 naming the file and the key; ``examples/job.toml`` shows every section)::
 
     job = "farm"                # topic prefix fedbit/<job>/
-    model = "digits_cnn"
+    model = "digits_cnn"        # a bundled model, or a model file (my_cnn.toml / my_cnn.py)
     rounds = 20
     strategy = "fedshift"
     seed = 0
     out = "runs/farm"           # run directory: checkpoint, inbox, metrics.jsonl
-    eval_data = "digits:test"   # held-out set: digits:test or a CIFAR-10 folder
+    eval_data = "digits:test"   # held-out set: a data source (fashion-mnist:test, a folder: its test split)
     [strategy_params]           # build_strategy(strategy, **strategy_params)
     [train]                     # announced to devices (edge_client.hparams), over epochs = 1, batch = 32
     [round]                     # fraction, min_devices, max_devices, min_present, quorum,
@@ -19,9 +19,11 @@ naming the file and the key; ``examples/job.toml`` shows every section)::
                                 # port, listen, security, security_dir, hostnames; the
                                 # connection: credentials, mqtt_version, username,
                                 # password_file, ca, cert, key, insecure
-    [admission]                 # max_samples, samples_policy, max_registered, hello_rate, hello_burst
+    [admission]                 # max_samples, samples_policy, allow_uncapped, max_registered,
+                                # hello_rate, hello_burst
     [limits]                    # max_payload_bytes, max_abs_value
     [log]                       # json, level, quiet
+    [dashboard]                 # listen ([HOST:]PORT; empty: none), password_file
 
 Every flag of ``fedbit serve`` sets one of these keys (:data:`FLAGS`; ``--set KEY=VALUE``
 sets any), so a flag and the file never disagree about a default: defaults come from
@@ -46,8 +48,10 @@ from coordinator.config import (
     read_toml,
 )
 from coordinator.ops.admission import AdmissionConfig
+from coordinator.ops.dashboard.access import parse_address
 from edge_client.errors import ConfigError
 from edge_client.protocol import DEFAULT_LIMITS
+from firmware_models import MODELS
 
 EMBEDDED_KINDS = ("auto", "mosquitto", "amqtt")
 SECURITY_MODES = ("auto", "none", "password", "tls")
@@ -60,9 +64,10 @@ class BrokerSettings:
     """Where the coordinator's broker is and how it connects (the ``[broker]`` table).
 
     ``url`` empty: an embedded broker (``embedded`` kind) on ``127.0.0.1:port`` (0: a free
-    port), or on ``listen`` (``HOST:PORT``) with ``security`` (``auto``: none on loopback,
-    TLS beyond it) and the job's security material in ``security_dir`` (default
-    ``OUT/security``) for the server certificate's ``hostnames``. ``url`` given: that broker,
+    port), or on ``listen`` (``HOST:PORT``) with ``security`` (``auto``: TLS for a job with
+    enrolled devices or beyond loopback, none for a loopback job without enrolments) and
+    the job's security material in ``security_dir`` (default ``OUT/security``) for the
+    server certificate's ``hostnames``. ``url`` given: that broker,
     reached with ``credentials`` (the file ``fedbit broker-config`` writes) or ``username`` /
     ``password_file`` and the TLS files ``ca`` / ``cert`` / ``key``."""
 
@@ -84,6 +89,17 @@ class BrokerSettings:
 
 
 @dataclass
+class DashboardSettings:
+    """The live dashboard and ``/metrics`` (the ``[dashboard]`` table;
+    :mod:`coordinator.ops.dashboard.access`): ``listen`` ``[HOST:]PORT`` (empty: none; a
+    bare port is on 127.0.0.1, 0 a free one; beyond loopback HTTPS with the job CA and a
+    password), ``password_file`` (default beyond loopback: ``SECURITY/dashboard.password``)."""
+
+    listen: str = ""
+    password_file: str = ""
+
+
+@dataclass
 class ServeJob:
     """Everything ``fedbit serve`` runs (see the module docstring); ``source`` names the file."""
 
@@ -96,6 +112,9 @@ class ServeJob:
     log_level: str = "info"
     quiet: bool = False
     source: str = "<flags>"
+    dashboard: DashboardSettings = field(default_factory=DashboardSettings)
+    #: the validated job table (every key, defaults filled in), as the dashboard shows it
+    table: dict[str, Any] = field(default_factory=dict)
 
 
 _S, _A, _L, _B = ServerConfig(), AdmissionConfig(), DEFAULT_LIMITS, BrokerSettings()
@@ -111,10 +130,12 @@ SCHEMA = TomlSchema({
     "broker": {k: ((bool if isinstance(v, bool) else list if isinstance(v, list) else int if isinstance(v, int)
                     else str), v) for k, v in vars(_B).items()},
     "admission": {"max_samples": (int, _A.max_samples), "samples_policy": (str, _A.samples_policy),
+                  "allow_uncapped": (bool, _A.allow_uncapped),
                   "max_registered": (int, _A.max_registered), "hello_rate": (NUMBER, _A.hello_rate),
                   "hello_burst": (int, _A.hello_burst)},
     "limits": {"max_payload_bytes": (int, _L.max_payload_bytes), "max_abs_value": (NUMBER, _L.max_abs_value)},
     "log": {"json": (bool, False), "level": (str, "info"), "quiet": (bool, False)},
+    "dashboard": {"listen": ((str, int), ""), "password_file": (str, "")},
 }, free=("strategy_params", "train"))
 
 
@@ -140,9 +161,15 @@ def job_from_dict(raw: dict[str, Any], source: str) -> ServeJob:
         raise ConfigError(f"{source}: out: no run directory (give --out DIR or `out = \"DIR\"` in the job file)")
     if lim["max_payload_bytes"] < 1024:
         raise ConfigError(f"{source}: limits.max_payload_bytes: must be >= 1024, got {lim['max_payload_bytes']}")
+    dash = DashboardSettings(str(v["dashboard"]["listen"]).strip(), v["dashboard"]["password_file"])
+    if dash.listen:
+        try:
+            parse_address(dash.listen)
+        except ConfigError as exc:
+            raise ConfigError(f"{source}: dashboard.listen: {exc}") from None
     hparams = copy.deepcopy(DEFAULT_HPARAMS) | v["train"]
     cfg = ServerConfig(
-        job=top["job"], model=top["model"], rounds=top["rounds"], strategy=top["strategy"],
+        job=top["job"], model=_model(top["model"], source), rounds=top["rounds"], strategy=top["strategy"],
         strategy_params=v["strategy_params"], fraction=float(rnd["fraction"]), min_devices=rnd["min_devices"],
         max_devices=rnd["max_devices"], min_present=rnd["min_present"], quorum=float(rnd["quorum"]),
         min_updates=rnd["min_updates"], round_timeout_s=float(rnd["timeout_s"]),
@@ -155,7 +182,27 @@ def job_from_dict(raw: dict[str, Any], source: str) -> ServeJob:
     except ConfigError as exc:
         raise ConfigError(f"{source}: {exc}") from None
     return ServeJob(cfg, broker, top["out"], eval_data=top["eval_data"], resume=top["resume"],
-                    log_json=log["json"], log_level=log["level"], quiet=log["quiet"], source=source)
+                    log_json=log["json"], log_level=log["level"], quiet=log["quiet"], source=source,
+                    dashboard=dash, table={**v[""], **{sec: t for sec, t in v.items() if sec}})
+
+
+def _model(ref: str, source: str) -> str:
+    """A bundled model's name, or a user's model file (``*.toml`` / ``*.py``) as an absolute
+    path (relative to the job file's folder when it is there, else to the cwd); ConfigError
+    naming the job file and the model file (and layer) when it does not load."""
+    from firmware_models import SpecError, is_model_file, resolve_model
+
+    if not is_model_file(ref) and ref not in MODELS:
+        raise ConfigError(f"{source}: model: {ref!r} is not one of {sorted(MODELS)} (or a model file: "
+                          f"*.toml, *.py)")
+    if is_model_file(ref) and not Path(ref).is_absolute():
+        near = Path(source).parent / ref
+        ref = str((near if source != "<flags>" and near.is_file() else Path(ref)).resolve())
+    try:
+        resolve_model(ref)
+    except SpecError as exc:
+        raise ConfigError(f"{source}: model: {exc}") from None
+    return ref
 
 
 def load_job(path: str | Path | None, overrides: dict[str, Any] | None = None) -> ServeJob:
@@ -175,12 +222,13 @@ FLAGS: list[tuple[str, str, dict[str, Any]]] = [
     ("--out", "out", {"metavar": "DIR", "help": "run directory (checkpoint, inbox, metrics.jsonl)"}),
     ("--resume", "resume", {"action": "store_true", "help": "continue the run in --out"}),
     ("--job", "job", {"help": "job id (topic prefix fedbit/<job>/)"}),
-    ("--model", "model", {"metavar": "SPEC", "help": "model spec name"}),
+    ("--model", "model", {"metavar": "SPEC", "help": "a bundled model's name, or a model file (TOML layers, "
+                                                     "or a Python file defining a ModelSpec)"}),
     ("--rounds", "rounds", {"type": int, "metavar": "N"}),
     ("--strategy", "strategy", {"metavar": "NAME", "help": "aggregation strategy; prowd = ProWD's "
                                 "dequantizer + selective aggregation"}),
     ("--seed", "seed", {"type": int}),
-    ("--eval-data", "eval_data", {"metavar": "SRC", "help": "held-out set: digits:test or a CIFAR-10 folder"}),
+    ("--eval-data", "eval_data", {"metavar": "SRC", "help": "held-out set: a data source (digits:test, fashion-mnist:test, an IDX/CIFAR-10 folder or .npz: its test split)"}),
     ("--fraction", "round.fraction", {"type": float, "metavar": "C", "help": "fraction of present devices per round"}),
     ("--min-devices", "round.min_devices", {"type": int, "help": "fewest devices selected per round"}),
     ("--max-devices", "round.max_devices", {"type": int, "help": "most devices selected per round"}),
@@ -201,10 +249,11 @@ FLAGS: list[tuple[str, str, dict[str, Any]]] = [
                                        "(auto: mosquitto when on PATH, else amqtt)"}),
     ("--port", "broker.port", {"type": int, "help": "TCP port of the embedded broker on 127.0.0.1 (0: a free one)"}),
     ("--listen", "broker.listen", {"metavar": "HOST:PORT", "help": "where the embedded broker listens for devices "
-                                   "(0.0.0.0:8883: every interface); beyond loopback it takes TLS, "
-                                   "per-device passwords and an ACL"}),
+                                   "(0.0.0.0:8883: every interface); a job with enrolled devices, or "
+                                   "one beyond loopback, takes TLS, per-device passwords and an ACL"}),
     ("--security", "broker.security", {"choices": list(SECURITY_MODES), "help": "embedded broker security "
-                                       "(auto: none on loopback, tls beyond it)"}),
+                                       "(auto: follows the job: tls when devices are enrolled or beyond "
+                                       "loopback, none for a loopback job without enrolments)"}),
     ("--security-dir", "broker.security_dir", {"metavar": "DIR", "help": "the job's CA, registry, password file "
                                                "and ACL (default OUT/security; with --broker: the folder "
                                                "fedbit broker-config wrote)"}),
@@ -213,6 +262,9 @@ FLAGS: list[tuple[str, str, dict[str, Any]]] = [
     ("--max-samples", "admission.max_samples", {"type": int, "metavar": "N", "help": "job-wide cap of an "
                                                 "update's num_samples (0: none; enrolment and hello "
                                                 "declarations bound it too)"}),
+    ("--allow-uncapped", "admission.allow_uncapped", {"action": "store_true", "help": "start even though "
+                                                      "an enrolled device has no sample cap (enrolled "
+                                                      "with --max-samples 0) and --max-samples is 0"}),
     ("--samples-policy", "admission.samples_policy", {"choices": ["clip", "reject"], "help": "an update claiming "
                                                       "more samples than its bound: clipped or rejected"}),
     ("--max-registered", "admission.max_registered", {"type": int, "metavar": "N", "help": "most devices the job registers"}),
@@ -220,6 +272,12 @@ FLAGS: list[tuple[str, str, dict[str, Any]]] = [
                                               "messages per device per second (after --hello-burst)"}),
     ("--hello-burst", "admission.hello_burst", {"type": int, "metavar": "N"}),
     ("--quiet", "log.quiet", {"action": "store_true", "help": "no progress display"}),
+    ("--dashboard", "dashboard.listen", {"metavar": "[HOST:]PORT", "help": "serve the live dashboard and "
+                                         "Prometheus /metrics (8080: on 127.0.0.1; 0: a free port; beyond "
+                                         "loopback: HTTPS with the job CA and a password)"}),
+    ("--dashboard-password-file", "dashboard.password_file", {"metavar": "FILE", "help": "the dashboard's "
+                                                              "password (default beyond loopback: "
+                                                              "SECURITY/dashboard.password, made once)"}),
 ]
 #: the shared connection and logging options' keys in the job file
 CONNECTION_KEYS = {name: f"broker.{'url' if name == 'broker' else name}" for name in

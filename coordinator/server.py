@@ -75,10 +75,11 @@ class Coordinator:
         evaluator: ``{variant: weights} -> {variant: (loss, accuracy)}`` on the held-out
             set (``coordinator.evaluate.ModelEvaluator``; None: skipped). Every round it
             scores each variant the known devices run; ``accuracy``/``loss`` of the record
-            are the float32 (global) model's, ``groups`` has them all.
+            are the float32 (global) model's, ``groups`` has them all (with any further
+            figures the evaluator adds, such as ``val_accuracy``).
         init_weights: the initial shared weights (``intnn.init_shared(spec, seed)``).
         on_event: progress callback ``(event, fields)``; events ``round_start``,
-            ``update``, ``reject``, ``round_end``, ``waiting``.
+            ``update``, ``reject``, ``device``, ``round_end``, ``waiting``.
     """
 
     def __init__(self, cfg: ServerConfig, fleet: Fleet, strategy: RoundStrategy, state: RunState, *,
@@ -93,9 +94,9 @@ class Coordinator:
         self.evaluator = evaluator
         self.on_event = on_event or (lambda _e, _f: None)
         self.log = logger or log
-        from firmware_models import get_spec
+        from firmware_models import resolve_model
 
-        self.spec = get_spec(cfg.model)
+        self.spec = resolve_model(cfg.model)
         self.names = self.spec.param_names()
         shapes = [tuple(s) for s in self.spec.param_shapes()]
         if [tuple(w.shape) for w in init_weights] != shapes:
@@ -156,6 +157,7 @@ class Coordinator:
             selected, variants = list(plan.selected), set(plan.variants)
             if plan.rng_state:
                 self.rng.bit_generator.state = json.loads(plan.rng_state)
+        wait, t_start = time.monotonic() - t_start, time.monotonic()  # the wait for devices is not round time
         with clock.timed("announce"):
             payloads = model_messages(
                 r, cfg.model, self.names, variants, weights=self.weights, group_weights=self.group_weights,
@@ -178,11 +180,11 @@ class Coordinator:
                                     deadline=plan.deadline, variants=digests, hparams=dict(plan.hparams))
             self.fleet.announce_round({v: p for v, (p, _) in payloads.items()}, encode_message(ann, cfg.limits),
                                       encode_message(Status("round", r, f"round {r}")))
-        self.on_event("round_start", {"round": r, "selected": selected, "resumed": resumed,
-                                      "replayed": replayed, "deadline_s": cfg.round_timeout_s})
-        self.log.info("round %d: selected %d device(s)%s", r, len(selected),
-                      f", resumed with {replayed} update(s) from the inbox" if resumed else "",
-                      extra={"event": "round_start", "round": r, "selected": selected})
+        self.on_event("round_start", {"round": r, "selected": selected, "resumed": resumed, "replayed": replayed,
+                                      "deadline_s": cfg.round_timeout_s, "wait_seconds": wait})
+        self.log.info("round %d: selected %d device(s)%s%s", r, len(selected), f" after waiting {wait:.1f} s for "
+                      "devices" if wait >= 0.1 else "", f", resumed with {replayed} update(s) from the inbox"
+                      if resumed else "", extra={"event": "round_start", "round": r, "selected": selected})
         need = max(1, math.ceil(cfg.quorum * len(selected)))
         col.pump(time.monotonic() + cfg.round_timeout_s,
                  stop=lambda: len(rnd.accepted) >= need or not self.fleet.more_expected(r))
@@ -211,7 +213,7 @@ class Coordinator:
                                  r, len(rnd.accepted), cfg.min_updates)
         te = time.perf_counter()
         scores = self._evaluate()
-        loss, acc = scores.get(FLOAT_VARIANT, (math.nan, math.nan))
+        loss, acc = scores.get(FLOAT_VARIANT, (math.nan, math.nan))[:2]
         eval_s = time.perf_counter() - te
         change = float(math.sqrt(sum(float(np.sum((a - b) ** 2)) for a, b in zip(self.weights, old, strict=True))))
         finite = lambda v: v if math.isfinite(v) else None  # noqa: E731
@@ -222,13 +224,15 @@ class Coordinator:
             "selected_ids": selected, "accepted": len(rnd.accepted), "accepted_ids": sorted(rnd.accepted),
             "stragglers": len(stragglers), "straggler_ids": stragglers,
             "aggregated": aggregated, "resumed": resumed, "replayed": replayed,
-            "weight_change_l2": change, "round_seconds": time.monotonic() - t_start,
+            "weight_change_l2": change, "round_seconds": time.monotonic() - t_start, "wait_seconds": wait,
             "collect_seconds": t_collect - t_start, "aggregate_seconds": parts["aggregate"],
             "coordinator_seconds": clock.wall, "coordinator_cpu_seconds": clock.cpu,
             "eval_seconds": eval_s, "announce_seconds": parts["announce"],
             "handle_seconds": clock.wall - parts["announce"] - parts["aggregate"],
             "counts": dict(col.counts), "stats": stats,
-            "groups": {v: {"loss": finite(lo), "accuracy": finite(ac)} for v, (lo, ac) in scores.items()},
+            "groups": {v: {"loss": finite(s[0]), "accuracy": finite(s[1]),
+                           **{k: finite(float(x)) for k, x in (s[2] if len(s) > 2 else {}).items()}}
+                       for v, s in scores.items()},
             "uplink_bytes": dict(col.uplink_bytes), **self.fleet.round_report(r),
         }
         with clock.timed("checkpoint"):
@@ -254,8 +258,9 @@ class Coordinator:
                       extra={"event": "round_end", "round": r, "accuracy": record["accuracy"]})
         return record
 
-    def _evaluate(self) -> dict[str, tuple[float, float]]:
-        """(loss, accuracy) of every model variant the known devices run (float32 always)."""
+    def _evaluate(self) -> dict[str, tuple[Any, ...]]:
+        """(loss, accuracy[, further figures]) of every model variant the known devices run
+        (float32 always; see ``coordinator.evaluate.Evaluator``)."""
         if self.evaluator is None:
             return {}
         return self.evaluator({v: self.group_weights.get(variant_bits(v), self.weights)
@@ -330,8 +335,7 @@ class Coordinator:
         elif self.state.has_run():
             raise ConfigError(f"{self.state.dir} holds a previous run: pass --resume or use another --out")
         self.fleet.start()
-        # (no pump here: on resume, messages queued for this session, such as updates of
-        # the open round, are handled once that round is set up again)
+        # (no pump here: on resume, queued messages are handled once their round is set up again)
         if not resume or self.completed == 0 and not plans:
             # a fresh run: clear a previous run's retained announcement, say we are here
             self.fleet.reset(encode_message(Status("waiting", 0, "coordinator started")))

@@ -117,10 +117,10 @@ def _measure(args: argparse.Namespace, profile: Any, transport: Any, model: str,
 
     from edge_client.link import choose_codec, measure_link
     from edge_client.protocol import topic
-    from firmware_models import get_spec
+    from firmware_models import resolve_model
 
     link = measure_link(transport, topic(args.job or "default", "linktest", args.id))
-    n = sum(int(np.prod(s)) for s in get_spec(model).param_shapes())
+    n = sum(int(np.prod(s)) for s in resolve_model(model).param_shapes())
     return link, choose_codec(profile, n, link, budget_s=budget)
 
 
@@ -165,7 +165,8 @@ def cmd_measure_link(args: argparse.Namespace) -> int:
 def service_files(args: argparse.Namespace, exe: str, state_dir: Path) -> dict[str, str]:
     """``{path: text}`` of the systemd unit and its environment file (mode 0600)."""
     env_path = state_dir / "service.env"
-    run = [exe, "run", "--profile", args.profile, "--data", args.data, "--workdir", str(state_dir), "--stay"]
+    run = [exe, "run", "--profile", args.profile, "--data", args.data, "--workdir", str(state_dir), "--stay",
+           "--connect-timeout", "0"]  # (a service retries forever, with capped, jittered backoff)
     for flag in ("broker", "id", "credentials"):
         if getattr(args, flag):
             value = getattr(args, flag)

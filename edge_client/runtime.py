@@ -22,9 +22,11 @@ Nothing here imports torch (a float device's trainer imports it lazily) or ``coo
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -59,6 +61,7 @@ from edge_client.protocol import (
     topic,
     variant_bits,
 )
+from edge_client.session import SessionWatch
 from edge_client.transport import Received, Transport
 
 log = logging.getLogger("fedbit.device")
@@ -160,9 +163,16 @@ class DeviceConfig:
     saw it active); ``max_rounds`` (> 0) stops it once the device has trained and sent
     that many rounds (a device that wakes up for one round; the emulator's devices);
     ``publish_timeout_s`` bounds the wait for a PUBACK before the update is left to the
-    outbox; ``train_delay_s`` sleeps before each local training (emulates a slow device
+    outbox; ``connect_timeout_s`` is how long one connect attempt is waited for (a warning
+    is logged after each); ``give_up_after_s`` (> 0) ends the loop, with :attr:`DeviceRuntime.failure`
+    set, once the device has had no session for that long (at the start or after losing
+    it; 0: it retries forever, as a service does); ``train_delay_s`` sleeps before each local training (emulates a slow device
     in trials and tests); ``kmeans_method`` picks the K-means uplink's method (``fast`` |
-    ``authors``) unless a round announces one.
+    ``authors``) unless a round announces one; ``threads`` the cores the default trainer's
+    integer training step uses (the profile's ``threads``, or ``fedbit-edge run --threads``).
+    ``model_files``: the user's model files (``*.toml`` / ``*.py``, ``firmware_models.files``)
+    this device may train; a round announcing a model file is matched to one of them by
+    file name (a device never loads a path the coordinator names).
     """
 
     device_id: str
@@ -178,15 +188,19 @@ class DeviceConfig:
     exit_when_done: bool = True
     limits: Limits = DEFAULT_LIMITS
     resend_interval_s: float = 1.0
-    connect_timeout_s: float = 30.0
+    connect_timeout_s: float = 10.0
+    give_up_after_s: float = 0.0
     publish_timeout_s: float = 10.0
     train_delay_s: float = 0.0
     max_rounds: int = 0
+    model_files: tuple[str, ...] = ()
+    threads: int = 1
 
     @classmethod
     def from_profile(cls, device_id: str, profile: Any, **kw: Any) -> DeviceConfig:
         """From a :class:`hw_profiles.HardwareProfile`."""
         kw.setdefault("kmeans_method", getattr(profile, "kmeans_method", "fast"))
+        kw.setdefault("threads", getattr(profile, "threads", 1))
         return cls(device_id=device_id, compute_bits=profile.compute_bits, trainer=profile.trainer,
                    codec=profile.codec, codec_bits=profile.codec_bits, profile=profile.name, **kw)
 
@@ -208,27 +222,47 @@ def birth_messages(cfg: DeviceConfig, num_samples: int) -> list[tuple[str, bytes
 TrainerFactory = Callable[[Any, int, int], Any]  # (spec, bits, seed) -> Trainer
 
 
-def default_trainer_factory(spec: Any, bits: int, seed: int) -> Any:
+def load_model_files(paths: Any) -> dict[str, Any]:
+    """``{file name: ModelSpec}`` of a device's model files (ConfigError naming a bad one)."""
+    from firmware_models import SpecError, load_model_file
+
+    out = {}
+    for path in paths:
+        try:
+            out[os.path.basename(str(path))] = load_model_file(str(path))
+        except SpecError as exc:
+            raise ConfigError(str(exc)) from None
+    return out
+
+
+def default_trainer_factory(spec: Any, bits: int, seed: int, threads: int = 1) -> Any:
+    """A device's trainer: ``threads`` cores; an integer one drops LLVM's machine code from
+    the process's resident memory once its kernels are loaded
+    (``edge_client.intnn.memory``)."""
     from edge_client.trainers import make_trainer
 
-    return make_trainer(spec, bits, seed=seed)
+    if bits == 32:
+        return make_trainer(spec, bits, seed=seed)
+    return make_trainer(spec, bits, seed=seed, threads=threads, release_pages=True)
 
 
 class DeviceRuntime:
     """The device loop. ``connect(will=, birth=, subscriptions=)`` builds the transport.
 
     ``data`` is an ``edge_client.data.Dataset``; ``trainer_factory(spec, bits, seed)``
-    builds the local trainer (``edge_client.trainers.make_trainer`` by default).
+    builds the local trainer (by default ``edge_client.trainers.make_trainer`` with the
+    config's ``threads``).
     """
 
     def __init__(self, cfg: DeviceConfig, data: Any,
                  connect: Callable[..., Transport], *,
-                 trainer_factory: TrainerFactory = default_trainer_factory,
+                 trainer_factory: TrainerFactory | None = None,
                  logger: logging.Logger | None = None) -> None:
         self.cfg = cfg
         self.data = data
         self._connect = connect
-        self._trainer_factory = trainer_factory
+        self._trainer_factory = trainer_factory or functools.partial(default_trainer_factory,
+                                                                     threads=cfg.threads)
         self.log = logger or log
         self.variant = model_variant(cfg.compute_bits, cfg.trainer)
         self.outbox = Outbox(Path(cfg.workdir) / "outbox")
@@ -241,7 +275,10 @@ class DeviceRuntime:
         self.coordinator_active = False
         self.transport: Transport | None = None
         self._trainers: dict[str, Any] = {}
+        self._model_files = load_model_files(cfg.model_files)
         self.stop_event = threading.Event()
+        #: why the loop gave up ("" unless it did: no session for ``give_up_after_s``)
+        self.failure = ""
         self.sent = 0
         self.resent = 0
         #: the open round was announced again (a resumed coordinator, a broker that lost its
@@ -296,16 +333,13 @@ class DeviceRuntime:
         t = self._connect(**self.session_spec())
         self.transport = t
         end = time.monotonic() + max_seconds if max_seconds else math.inf
-        delay = 0.5
-        while not self.stop_event.is_set():
-            try:
-                t.connect(timeout=self.cfg.connect_timeout_s)
-                break
-            except ConnectionError as exc:
-                self.log.warning("connect failed: %s; retrying in %.1f s", exc, delay)
-                if self.stop_event.wait(delay) or time.monotonic() > end:
-                    return 0
-                delay = min(delay * 2, 10.0)
+        session = SessionWatch(self.cfg.give_up_after_s, self.cfg.connect_timeout_s, self.stop_event,
+                                self.log, self.cfg.device_id)
+        ok = session.first(t, end)
+        self.failure = session.failure
+        if not ok:
+            t.close()
+            return 0
         self.log.info("device %s connected (%s, variant %s)", self.cfg.device_id,
                       getattr(t, "version", "?"), self.variant)
         seen_connects = t.connects
@@ -313,6 +347,9 @@ class DeviceRuntime:
         idle = False  # True once a work pass found nothing queued: then block in recv
         try:
             while not self.stop_event.is_set() and time.monotonic() < end:
+                if not session.watch(t):
+                    self.failure = session.failure
+                    break
                 if self.cfg.max_rounds and len(self.rounds_done) >= self.cfg.max_rounds and not self.outbox.pending():
                     self.log.info("device %s: %d round(s) done, stopping", self.cfg.device_id,
                                   len(self.rounds_done))
@@ -433,9 +470,9 @@ class DeviceRuntime:
 
     def _trainer(self, model: str) -> Any:
         if model not in self._trainers:
-            from firmware_models import get_spec
+            from firmware_models import resolve_model
 
-            spec = get_spec(model)
+            spec = resolve_model(model, self._model_files, allow_paths=False)
             self._trainers[model] = (spec, self._trainer_factory(spec, self.cfg.compute_bits,
                                                                  self.cfg.seed))
         return self._trainers[model]

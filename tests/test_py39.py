@@ -95,7 +95,8 @@ def py39_problems(source: str, filename: str = "<source>") -> list[str]:
     """What in ``source`` needs a Python newer than 3.9, as ``file:line: what`` strings.
 
     Code under ``if sys.version_info ...`` and ``if TYPE_CHECKING:`` is exempt (it runs
-    only where it can); annotations are exempt in a module with ``from __future__ import
+    only where it can), and so is an import tried with an ``except ImportError`` fallback;
+    annotations are exempt in a module with ``from __future__ import
     annotations`` (they stay strings), evaluated everywhere else.
     """
     try:
@@ -108,6 +109,10 @@ def py39_problems(source: str, filename: str = "<source>") -> list[str]:
     for node in ast.walk(tree):
         if isinstance(node, ast.If) and (_version_guarded(node.test) or "TYPE_CHECKING" in ast.unparse(node.test)):
             exempt |= {id(n) for stmt in node.body for n in ast.walk(stmt)}
+        if isinstance(node, ast.Try) and any(
+                h.type is not None and {"ImportError", "ModuleNotFoundError"} & {
+                    n.id for n in ast.walk(h.type) if isinstance(n, ast.Name)} for h in node.handlers):
+            exempt |= {id(stmt) for stmt in node.body if isinstance(stmt, (ast.Import, ast.ImportFrom))}
         if lazy:
             annotations: list[ast.expr | None] = []
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
@@ -207,6 +212,7 @@ def test_the_device_side_uses_nothing_newer_than_python_3_9() -> None:
     ("x: int | None = None\n", "builds a union"),
     ("import tomllib\n", "import tomllib"),
     ("from tomllib import loads\n", "from tomllib import"),
+    ("try:\n    import tomllib\nexcept KeyError:\n    pass\n", "import tomllib"),
     ("from itertools import pairwise\n", "itertools.pairwise (Python 3.10)"),
     ("import itertools as it\nit.pairwise([1, 2])\n", "itertools.pairwise (Python 3.10)"),
     ("import typing\nT: typing.TypeAlias = int\n", "typing.TypeAlias"),
@@ -236,6 +242,7 @@ def test_the_scanner_finds_what_python_3_9_lacks(code: str, needle: str) -> None
     "merged = {'a': 1} | {'b': 2}\n",  # dict union is 3.9
     "'x'.removeprefix('y')\n",  # 3.9
     "import sys\nif sys.version_info >= (3, 11):\n    import tomllib\nelse:\n    import tomli as tomllib\n",
+    "try:\n    import tomllib\nexcept ImportError:\n    import tomli as tomllib\n",
     "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from typing import TypeAlias\n",
     "import sys\nif sys.version_info >= (3, 10):\n    z = zip([1], [2], strict=True)\n",
     "(5).to_bytes(2, 'little')\nint.from_bytes(b'ab', byteorder='big')\n",

@@ -36,7 +36,7 @@ def test_the_wheel_carries_profiles_and_specs_and_no_torch(wheel: Path) -> None:
     base = [ln.split(":", 1)[1].strip() for ln in meta.splitlines()
             if ln.startswith("Requires-Dist:") and "extra ==" not in ln]
     assert sorted(b.split(">")[0].split("<")[0].split("=")[0] for b in base) == \
-        ["msgpack", "numba", "numpy", "paho-mqtt", "tomli"]
+        ["cryptography", "msgpack", "numba", "numpy", "paho-mqtt", "tomli"]
     # the device side's floor (issue 24): Python 3.9, tomli only where tomllib is missing
     assert "Requires-Python: >=3.9" in meta.splitlines()
     assert any(b.startswith("tomli") and 'python_version < "3.11"' in b for b in base), base
