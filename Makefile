@@ -9,7 +9,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 EXTRAS ?= coordinator,data,dev,onnx
 
-.PHONY: demo test bench experiments fuzz faults wheel device-check install lint clean
+.PHONY: demo test bench experiments fuzz faults wheel device-check py39-check install lint clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -58,18 +58,26 @@ faults: install
 	$(PY) tests/faults/table.py runs/faults.jsonl
 
 # The sdist and the pure-Python wheel a device installs (dist/fedbit-<version>-py3-none-any.whl;
-# see docs/device.md#install): the profiles and model specs inside, torch only in extras.
+# see README "Install on a device"): the profiles and model specs inside, torch only in extras.
 wheel: install
 	$(PY) -m build --no-isolation --outdir dist .
 
-# fedbit on 64-bit ARM under qemu (root; ~20 minutes the first time, the root filesystem
-# is cached): docs/device.md's install from the wheel, Int8 training, an update
-# counted by a coordinator on the host. Not part of make test.
+# fedbit on 64-bit ARM under qemu, Debian bookworm (Python 3.11) and bullseye (3.9) (root;
+# ~20 minutes a suite the first time, the root filesystems are cached): docs/device.md's
+# install from the wheel, Int8 training, an update counted by a coordinator on the host.
+# Not part of make test nor of .ci/run.
 device-check: install
 	PY=$(PY) tools/device_check.sh
 
+# The device side under Debian bullseye's Python 3.9 on this x86_64 machine (root; the
+# root filesystem is cached under ~/.cache/fedbit): the wheel, the device-side tests
+# (tests/device_tests.txt), Int8 training throughput vs this Python, a round over MQTT.
+# .ci/run runs it after make test.
+py39-check: install
+	PY=$(PY) tools/py39_check.sh
+
 lint: install
-	$(PY) -m ruff check edge_client coordinator firmware_models hw_profiles tests benchmarks experiments
+	$(PY) -m ruff check edge_client coordinator firmware_models hw_profiles tests benchmarks experiments tools
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis build *.egg-info

@@ -36,12 +36,12 @@ from __future__ import annotations
 import json
 import os
 import stat
-import tomllib
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from edge_client.compat import tomllib
 from edge_client.errors import ConfigError, ProtocolError
 
 #: bytes of a MAC key (AES-256), of the nonce and of the GMAC tag

@@ -18,12 +18,14 @@ def _cmd_profiles(args: argparse.Namespace) -> int:
     from hw_profiles import list_profiles
 
     rows = list_profiles()
-    head = f"{'profile':<22} {'bits':>4} {'trainer':<7} {'uplink codec':<12} {'RAM MB':>7} {'up kbps':>9}"
+    head = (f"{'profile':<22} {'bits':>4} {'trainer':<7} {'uplink codec':<12} {'RAM MB':>7} "
+            f"{'up kbps':>9} {'python':<7} image")
     print(head)
     print("-" * len(head))
     for p in rows:
         codec = f"{p.codec}-{p.codec_bits}"
-        print(f"{p.name:<22} {p.compute_bits:>4} {p.trainer:<7} {codec:<12} {p.ram_mb:>7} {p.uplink_kbps:>9.0f}")
+        print(f"{p.name:<22} {p.compute_bits:>4} {p.trainer:<7} {codec:<12} {p.ram_mb:>7} "
+              f"{p.uplink_kbps:>9.0f} {'>=' + p.python:<7} {p.image}")
     return 0
 
 

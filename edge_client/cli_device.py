@@ -73,7 +73,10 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     except ProfileError as exc:
         print(f"fedbit-edge doctor: error: {exc}", file=sys.stderr)
         return 1
-    checks = [doctor.check_python(), doctor.check_jit(), doctor.check_ram(profile), doctor.check_clock()]
+    checks = [doctor.check_python(profile), doctor.check_image(profile), doctor.check_jit()]
+    if not profile.is_integer:
+        checks.append(doctor.check_torch(profile))
+    checks += [doctor.check_ram(profile), doctor.check_clock()]
     files = {"--ca": args.ca, "--cert": args.cert, "--key": args.key, "--credentials": args.credentials}
     if any(files.values()):
         checks.append(doctor.check_files(files))
@@ -89,8 +92,10 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     for c in checks:
         print(c.line(), flush=True)
     failed = [c.name for c in checks if not c.ok]
+    warned = [c.name for c in checks if c.ok and c.warn]
     print(f"doctor: {len(checks) - len(failed)} of {len(checks)} checks passed"
-          + (f"; failed: {', '.join(failed)}" if failed else ""), flush=True)
+          + (f"; failed: {', '.join(failed)}" if failed else "")
+          + (f"; warnings: {', '.join(warned)}" if warned else ""), flush=True)
     return 1 if failed else 0
 
 

@@ -1,12 +1,15 @@
 """``fedbit-edge doctor``: is this machine ready to be a fleet device?
 
 Each check returns a :class:`Check` (one verdict line); the command exits non-zero when
-any fails. Checks that need a broker run only when one is given.
+any fails (a warning does not fail). Checks that need a broker run only when one is given.
+The profile says what it assumes (``image``, ``python``, ``arch``, ``trainer``) and the
+checks hold the machine to it.
 """
 
 from __future__ import annotations
 
 import os
+import platform
 import sys
 import tempfile
 import time
@@ -21,19 +24,71 @@ SANE_EPOCH = 1_735_689_600  # 2025-01-01T00:00:00Z
 TRAINING_RAM_MB = 200
 
 
+#: ``platform.machine()`` spellings of the profiles' ``arch``
+ARCH_ALIASES = {"arm64": "aarch64", "amd64": "x86_64"}
+#: 32-bit ARM kernels: a 64-bit board running a 32-bit OS (numba has no wheels for it)
+ARM32 = ("armv6l", "armv7l", "armv8l")
+
+
 @dataclass(frozen=True)
 class Check:
+    """One verdict: ``ok`` False fails the doctor; ``warn`` marks a passing check that
+    deserves a look (printed WARN, not counted as a failure)."""
+
     name: str
     ok: bool
     detail: str
+    warn: bool = False
 
     def line(self) -> str:
-        return f"{'PASS' if self.ok else 'FAIL'}  {self.name}: {self.detail}"
+        verdict = "FAIL" if not self.ok else ("WARN" if self.warn else "PASS")
+        return f"{verdict}  {self.name}: {self.detail}"
 
 
-def check_python() -> Check:
-    v = sys.version_info
-    return Check("python", v >= (3, 11), f"{v.major}.{v.minor}.{v.micro} (needs >= 3.11)")
+def check_python(profile: Any, version: tuple[int, ...] | None = None) -> Check:
+    """Python >= the profile's ``python`` (the oldest its images ship; at least 3.9)."""
+    v = tuple(sys.version_info[:3]) if version is None else tuple(version)
+    ok = v[:2] >= profile.python_floor
+    detail = f"{'.'.join(map(str, v))} (the {profile.name} profile needs >= {profile.python}"
+    if not ok:  # say which image brings it
+        detail += f"; {profile.image or 'a newer image'}"
+    return Check("python", ok, detail + ")")
+
+
+def os_name(os_release: str = "/etc/os-release") -> str:
+    """``PRETTY_NAME`` of ``os_release`` (e.g. ``Debian GNU/Linux 11 (bullseye)``), else
+    ``platform.platform()``."""
+    try:
+        for line in Path(os_release).read_text(encoding="utf-8").splitlines():
+            if line.startswith("PRETTY_NAME="):
+                return line.split("=", 1)[1].strip().strip('"')
+    except (OSError, UnicodeDecodeError):
+        pass
+    return platform.platform()
+
+
+def check_image(profile: Any, machine: str | None = None, os_release: str = "/etc/os-release") -> Check:
+    """The machine is the profile's ``arch``: a FAIL for a 32-bit ARM OS where the profile
+    is 64-bit, a WARN for any other mismatch (a profile tried on a workstation)."""
+    machine = platform.machine() if machine is None else machine
+    arch = ARCH_ALIASES.get(machine.lower(), machine.lower())
+    want = f"; the profile assumes {profile.image}" if profile.image else ""
+    detail = f"{os_name(os_release)}, {machine}{want}"
+    if arch == profile.arch:
+        return Check("image", True, detail)
+    if arch in ARM32 and profile.arch == "aarch64":
+        return Check("image", False, f"{detail}: a 32-bit OS; install the 64-bit image")
+    return Check("image", True, f"{detail}; this machine is not {profile.arch}", warn=True)
+
+
+def check_torch(profile: Any) -> Check:
+    """A float (``trainer = "torch"``) profile trains with torch: it must import."""
+    try:
+        import torch
+    except Exception as exc:  # missing, or a wheel for another CUDA/Python
+        return Check("torch", False, f"the {profile.name} profile trains in float32 with torch, "
+                                     f"which does not import ({type(exc).__name__}: {exc})")
+    return Check("torch", True, f"{torch.__version__}")
 
 
 def check_jit() -> Check:

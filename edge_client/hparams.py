@@ -55,7 +55,7 @@ class HParam:
             if not isinstance(value, str):
                 return f"expected a string, got {value!r}"
             return None if value in self.choices else f"{value!r} is not one of {list(self.choices)}"
-        if isinstance(value, bool) or not isinstance(value, int | float):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
             return f"expected a number, got {value!r}"
         if self.kind is int and not (isinstance(value, int) or float(value).is_integer()):
             return f"expected an integer, got {value!r}"

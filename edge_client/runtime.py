@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 
 from edge_client import __version__
+from edge_client.compat import zip_strict
 from edge_client.errors import CodecError, ConfigError, ProtocolError, TrainingError
 from edge_client.hparams import RoundSettings, round_settings
 from edge_client.outbox import Outbox
@@ -103,7 +104,7 @@ def encode_update_tensors(weights: list[np.ndarray], names: list[str], codec: st
     ``options`` (e.g. DANUQ's ``sigma_g``, K-means' ``method``).
     """
     if codec == "float32":
-        return tuple(float32_tensor(w, n) for w, n in zip(weights, names, strict=True))
+        return tuple(float32_tensor(w, n) for w, n in zip_strict(weights, names))
     from edge_client.codecs import encode
 
     if codec == "ternary" and ternary_weights is not None:
@@ -111,14 +112,14 @@ def encode_update_tensors(weights: list[np.ndarray], names: list[str], codec: st
 
         return tuple(encode(np.ascontiguousarray(t, dtype=np.int8), codec="ternary", bits=2, name=n,
                             scale=TERNARY_WEIGHT)
-                     for t, n in zip(ternary_weights, names, strict=True))
+                     for t, n in zip_strict(ternary_weights, names))
     out = []
     if codec == "int":
         if int_weights is None:
             raise ConfigError("codec 'int' needs an integer device (trainer 'int')")
         from edge_client.intnn import storage_grid_bits
 
-        for q, n in zip(int_weights, names, strict=True):
+        for q, n in zip_strict(int_weights, names):
             need = int(np.abs(q.astype(np.int64)).max(initial=0)).bit_length() + 1
             if delta:
                 out.append(encode(q, codec="int", bits=max(2, need), name=n))
@@ -130,7 +131,7 @@ def encode_update_tensors(weights: list[np.ndarray], names: list[str], codec: st
                 out.append(encode(q, codec="int", bits=storage_grid_bits(compute_bits), name=n))
         return tuple(out)
     opts = options or [{} for _ in weights]
-    for w, n, o in zip(weights, names, opts, strict=True):
+    for w, n, o in zip_strict(weights, names, opts):
         out.append(encode(np.ascontiguousarray(w, dtype=np.float32), codec=codec, bits=bits,
                           name=n, **o))
     return tuple(out)
@@ -141,7 +142,7 @@ def int_delta(after: list[np.ndarray], before: list[np.ndarray]) -> list[np.ndar
     fits, else int16); None when a layer's differences do not fit 16 bits (a weight that
     crossed the whole range of an Int16 grid in one round)."""
     out = []
-    for q, b in zip(after, before, strict=True):
+    for q, b in zip_strict(after, before):
         d = q.astype(np.int32) - b.astype(np.int32)
         m = int(np.abs(d).max(initial=0))
         if m > 32767:
@@ -543,7 +544,7 @@ class DeviceRuntime:
             tern = trainer.ternary_weights()  # the weights its forward computes with
         delta = st.content == "delta"
         if delta:
-            shared = [w - g for w, g in zip(shared, weights, strict=True)]
+            shared = [w - g for w, g in zip_strict(shared, weights)]
             tern = None
             if ints is not None:
                 ints = int_delta(ints, [decode(t) for t in m.tensors])
@@ -572,7 +573,7 @@ class DeviceRuntime:
         round)."""
         opts: list[dict[str, Any]] = [{} for _ in range(n_layers)]
         if st.codec == "danuq" and st.content == "delta" and len(m.sigma_g) == n_layers:
-            for o, sg in zip(opts, m.sigma_g, strict=True):
+            for o, sg in zip_strict(opts, m.sigma_g):
                 if sg > 0:
                     o["sigma_g"] = float(sg)
         elif st.codec == "kmeans":

@@ -267,7 +267,7 @@ def _check_integer_args(spec: ModelSpec, bits: int, ternary: Sequence[np.ndarray
         raise SpecError(f"{spec.name}: {len(layers)} parameter layers, got {len(ternary)} "
                         f"weight tensors and {len(shifts)} shifts")
     out = []
-    for layer, t, k in zip(layers, ternary, shifts, strict=True):
+    for layer, t, k in zip(layers, ternary, shifts):  # lengths checked above
         t = np.asarray(t)
         if tuple(t.shape) != tuple(layer.weight_shape):
             raise SpecError(f"{spec.name}: {layer.name} weights have shape {list(t.shape)}, "
@@ -386,7 +386,7 @@ def export_float(spec: ModelSpec, weights: Sequence[np.ndarray],
         raise SpecError(f"{spec.name}: {len(layers)} parameter layers, got {len(weights)} "
                         f"weight tensors and {len(alpha_log2)} scales")
     ws = []
-    for layer, w in zip(layers, weights, strict=True):
+    for layer, w in zip(layers, weights):  # lengths checked above
         w = np.asarray(w)
         if tuple(w.shape) != tuple(layer.weight_shape):
             raise SpecError(f"{spec.name}: {layer.name} weights have shape {list(w.shape)}, "

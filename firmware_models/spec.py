@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Union
 
 from firmware_models.errors import SpecError
 
@@ -124,8 +125,9 @@ class Flatten:
         return (math.prod(shape),)
 
 
-Layer = Conv2d | Linear | ReLU | MaxPool2d | Flatten
-ParamLayer = Conv2d | Linear
+# Union, not X | Y: these aliases are evaluated at import, on Python 3.9 too
+Layer = Union[Conv2d, Linear, ReLU, MaxPool2d, Flatten]
+ParamLayer = Union[Conv2d, Linear]
 
 
 #: initial weight schemes (``edge_client.intnn.init_shared``): ``wage`` (WAGE eq. 10, fedbit's
@@ -193,7 +195,7 @@ class ModelSpec:
 
     def summary(self) -> str:
         lines = [f"{self.name}: input {list(self.input_shape)}, {self.param_count:,} parameters"]
-        for layer, shape in zip(self.layers, self._shapes[1:], strict=True):
+        for layer, shape in zip(self.layers, self._shapes[1:]):  # one shape per layer
             params = math.prod(layer.weight_shape) if hasattr(layer, "weight_shape") else 0
             lines.append(f"  {layer.name:<8} {type(layer).__name__:<10} -> {list(shape)}  {params:,}")
         return "\n".join(lines)

@@ -6,6 +6,7 @@ Imports neither ``edge_client`` nor ``coordinator``.
 from hw_profiles.loader import (
     CODEC_BITS,
     FIELDS,
+    PYTHON_FLOOR,
     HardwareProfile,
     ProfileError,
     list_profiles,
@@ -15,6 +16,6 @@ from hw_profiles.loader import (
 )
 
 __all__ = [
-    "CODEC_BITS", "FIELDS", "HardwareProfile", "ProfileError", "list_profiles", "load_profile",
-    "parse_profile", "profile_dir",
+    "CODEC_BITS", "FIELDS", "PYTHON_FLOOR", "HardwareProfile", "ProfileError", "list_profiles",
+    "load_profile", "parse_profile", "profile_dir",
 ]

@@ -8,10 +8,15 @@ Unknown keys, missing keys, wrong types and out-of-range values raise
 from __future__ import annotations
 
 import math
-import tomllib
+import sys
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # Python 3.9/3.10 (the device side's floor is 3.9): the same parser from PyPI
+    import tomli as tomllib
 
 #: codec name -> (min bits, max bits); mirrors ``edge_client.protocol.CODEC_BITS``
 #: (a test keeps the two equal; this package may not import edge_client).
@@ -24,6 +29,10 @@ CODEC_BITS: dict[str, tuple[int, int]] = {
     "int": (2, 16),
     "danuq": (1, 8),
 }
+
+#: the oldest Python the device side runs on; mirrors ``edge_client.PYTHON_FLOOR`` (a test
+#: keeps the two equal). A profile's ``python`` may not be older.
+PYTHON_FLOOR = (3, 9)
 
 
 class ProfileError(ValueError):
@@ -48,6 +57,12 @@ class HardwareProfile:
     ``threads`` (optional, 1 by default; 1..256): the cores an integer device's training
     step uses (its results do not depend on it; the emulator runs every emulated device
     on one thread whatever its profile says).
+
+    What the profile assumes of the device's software (optional keys): ``image``, the OS
+    image(s) it was written for (``"Raspberry Pi OS (64-bit) bookworm or bullseye"``), and
+    ``python``, the oldest Python those images ship (``"3.9"``, at least ``PYTHON_FLOOR``).
+    ``fedbit-edge doctor --profile NAME`` checks the machine against them: Python >=
+    ``python``, the machine is ``arch``, and (for ``trainer = "torch"``) torch imports.
     """
 
     name: str
@@ -65,14 +80,22 @@ class HardwareProfile:
     notes: str = ""
     kmeans_method: str = "fast"
     threads: int = 1
+    image: str = ""
+    python: str = "3.9"
 
     @property
     def is_integer(self) -> bool:
         return self.trainer == "int"
 
+    @property
+    def python_floor(self) -> tuple[int, int]:
+        """``python`` as ``(major, minor)``: what ``fedbit-edge doctor`` requires."""
+        major, minor = self.python.split(".")
+        return int(major), int(minor)
+
 
 FIELDS: tuple[str, ...] = tuple(f.name for f in fields(HardwareProfile))
-_OPTIONAL = {"notes", "kmeans_method", "threads"}
+_OPTIONAL = {"notes", "kmeans_method", "threads", "image", "python"}
 MAX_THREADS = 256
 KMEANS_METHODS = ("fast", "authors")
 
@@ -140,6 +163,14 @@ def parse_profile(table: dict[str, Any], where: str = "<profile>") -> HardwarePr
     if kmeans_method not in KMEANS_METHODS:
         raise ProfileError(f"{where}: key 'kmeans_method' = {kmeans_method!r} must be one of "
                            f"{list(KMEANS_METHODS)}")
+    python = _check(where, "python", v.get("python", "3.9"), str)
+    parts = python.split(".")
+    if len(parts) != 2 or not all(p.isdigit() and len(p) <= 3 for p in parts):
+        raise ProfileError(f"{where}: key 'python' = {python!r} must be MAJOR.MINOR, e.g. \"3.9\"")
+    if (int(parts[0]), int(parts[1])) < PYTHON_FLOOR:
+        floor = ".".join(map(str, PYTHON_FLOOR))
+        raise ProfileError(f"{where}: key 'python' = {python!r}: fedbit's device side needs Python "
+                           f">= {floor} (an image with an older Python is not supported)")
     return HardwareProfile(
         name=name,
         arch=v["arch"],
@@ -156,6 +187,8 @@ def parse_profile(table: dict[str, Any], where: str = "<profile>") -> HardwarePr
         notes=_check(where, "notes", v.get("notes", ""), str),
         kmeans_method=kmeans_method,
         threads=_check(where, "threads", v.get("threads", 1), int, 1, MAX_THREADS),
+        image=_check(where, "image", v.get("image", ""), str),
+        python=f"{int(parts[0])}.{int(parts[1])}",
     )
 
 

@@ -1,7 +1,9 @@
 """Shared fixtures: real MQTT brokers on free loopback ports, always stopped by PID.
 
 ``mosquitto`` tests skip with a visible reason when the binary is not on PATH, except
-under ``CI=true`` where a missing mosquitto is a failure.
+under ``CI=true`` where a missing mosquitto is a failure. The coordinator is imported by
+the fixtures that need it, not here: the device-side subset (tests/device_tests.txt) runs
+under Python 3.9, where the coordinator does not import.
 """
 
 from __future__ import annotations
@@ -10,10 +12,12 @@ import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
-from coordinator.ops.broker import AmqttBroker, MosquittoBroker
+if TYPE_CHECKING:
+    from coordinator.ops.broker import AmqttBroker, MosquittoBroker
 
 
 @pytest.fixture(scope="session")
@@ -54,6 +58,8 @@ def mosquitto_passwd_bin() -> str:
 @pytest.fixture
 def mosquitto(mosquitto_bin: str, tmp_path: Path) -> Iterator[MosquittoBroker]:
     """A mosquitto child process on a free loopback port (persistence on, in tmp_path)."""
+    from coordinator.ops.broker import MosquittoBroker
+
     broker = MosquittoBroker(binary=mosquitto_bin, workdir=tmp_path / "mosquitto",
                              persistence=True)
     broker.start()
@@ -66,6 +72,8 @@ def mosquitto(mosquitto_bin: str, tmp_path: Path) -> Iterator[MosquittoBroker]:
 @pytest.fixture
 def amqtt_broker() -> Iterator[AmqttBroker]:
     """amqtt in this process on a free loopback port (MQTT 3.1.1 only)."""
+    from coordinator.ops.broker import AmqttBroker
+
     broker = AmqttBroker().start()
     try:
         yield broker

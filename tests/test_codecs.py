@@ -78,7 +78,7 @@ def test_payload_length_and_aux(codec, shape):
         assert len(t.data) == math.ceil(n * bits / 8)
         assert set(t.aux) == AUX_KEYS[codec]
         assert (t.shape, t.dtype, t.codec, t.bits, t.name) == (shape, x.dtype.name, codec, bits, "layer0")
-        assert all(isinstance(v, int | float | list) for v in t.aux.values())
+        assert all(isinstance(v, (int, float, list)) for v in t.aux.values())
         y = c.decode(t)
         assert y.shape == shape and y.dtype == x.dtype and y.flags.writeable
     if codec == "kmeans":

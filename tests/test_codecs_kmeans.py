@@ -234,7 +234,7 @@ def test_danuq_round_trip(bits):
 def test_danuq_error_drops_with_bits():
     x = np.random.default_rng(0).normal(0, 0.02, 20_000).astype(np.float32)
     errs = [mse(x, "danuq", b) for b in range(1, 9)]
-    assert all(a > b for a, b in zip(errs, errs[1:], strict=False))
+    assert all(a > b for a, b in zip(errs, errs[1:]))
     # the 2-bit zero-pinned quantizer's distortion on N(0, 1), by quadrature
     z = np.linspace(-9, 9, 400_001)
     lv = normal_levels(2, True)

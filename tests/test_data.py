@@ -7,6 +7,7 @@ import pickle
 import numpy as np
 import pytest
 
+from edge_client.compat import zip_strict
 from edge_client.data import (
     Dataset,
     digits_shard,
@@ -25,8 +26,8 @@ def test_digits_split_is_fixed_and_disjoint():
     assert tr.x.shape == (1437, 1, 8, 8) and tr.x.dtype == np.float32
     assert tr.y.dtype == np.int64 and set(np.unique(tr.y)) == set(range(10))
     assert tr.x.min() >= 0.0 and tr.x.max() <= 1.0 and tr.x.max() == 1.0
-    rows_tr = {r.tobytes() + bytes([int(c)]) for r, c in zip(tr.x, tr.y, strict=True)}
-    rows_te = {r.tobytes() + bytes([int(c)]) for r, c in zip(te.x, te.y, strict=True)}
+    rows_tr = {r.tobytes() + bytes([int(c)]) for r, c in zip_strict(tr.x, tr.y)}
+    rows_te = {r.tobytes() + bytes([int(c)]) for r, c in zip_strict(te.x, te.y)}
     assert len(rows_tr & rows_te) <= 5  # only genuine duplicate images of the data set
     again = load_digits("test")
     assert np.array_equal(again.x, te.x) and np.array_equal(again.y, te.y)

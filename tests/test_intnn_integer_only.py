@@ -17,6 +17,7 @@ from numba.core.compiler_machinery import FunctionPass, register_pass
 from numba.core.registry import cpu_target
 from numba.core.typed_passes import NopythonTypeInference
 
+from edge_client.compat import zip_strict
 from edge_client.data import Dataset
 from edge_client.intnn import IntModel, init_shared
 from edge_client.intnn import kernels as K
@@ -133,8 +134,8 @@ def typemap_of(py_func, sig) -> dict:
 def _is_float(t) -> bool:
     """A float or complex scalar, array, literal or tuple holding one."""
     if isinstance(t, types.Literal):
-        return isinstance(t.literal_value, float | complex)
-    if isinstance(t, types.Float | types.Complex):
+        return isinstance(t.literal_value, (float, complex))
+    if isinstance(t, (types.Float, types.Complex)):
         return True
     if isinstance(t, types.Array):
         return _is_float(t.dtype)
@@ -182,7 +183,7 @@ def test_training_step_allocates_no_float_arrays():
         for a in arrays:
             if isinstance(a, np.ndarray):
                 assert a.dtype.kind in "iub", f"workspace.{f.name} has dtype {a.dtype}"
-    for w, t in zip(model.w, model.t, strict=True):
+    for w, t in zip_strict(model.w, model.t):
         assert w.dtype == np.int8 and t.dtype == np.int8
     rng = np.random.default_rng(0)
     ws.x[:] = rng.integers(0, 128, ws.x.shape)
@@ -230,11 +231,11 @@ def test_same_seed_same_result_bit_for_bit(bits):
         r1 = tr.train(data, epochs=2, batch=8)
         r2 = tr.train(data, steps=3, batch=16, prox_mu=0.1)
         runs.append((tr.int_weights(), r1.loss, r2.loss))
-    for a, b in zip(runs[0][0], runs[1][0], strict=True):
+    for a, b in zip_strict(runs[0][0], runs[1][0]):
         assert a.dtype == b.dtype and np.array_equal(a, b)
     assert runs[0][1:] == runs[1][1:]
     other = IntTrainer(spec, bits, seed=6)
     other.load_int(IntTrainer(spec, bits, seed=5).int_weights())  # same start, other seed
     other.train(data, epochs=2, batch=8)
     assert any(not np.array_equal(a, b)
-               for a, b in zip(other.int_weights(), runs[0][0], strict=True))
+               for a, b in zip_strict(other.int_weights(), runs[0][0]))

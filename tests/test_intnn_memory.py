@@ -10,6 +10,7 @@ import textwrap
 
 import pytest
 
+from edge_client.compat import zip_strict
 from edge_client.intnn.memory import compiler_mappings
 
 MAPS = """\
@@ -91,5 +92,5 @@ def test_the_device_trainer_releases_and_trains_the_same():
     plain = IntTrainer(spec, 8, seed=4)
     for tr in (dev, plain):
         tr.train(d, steps=3, batch=16)
-    for a, b in zip(dev.int_weights(), plain.int_weights(), strict=True):
+    for a, b in zip_strict(dev.int_weights(), plain.int_weights()):
         assert np.array_equal(a, b)

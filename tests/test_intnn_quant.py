@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from edge_client.compat import zip_strict
 from edge_client.errors import ConfigError, TrainingError
 from edge_client.intnn import (
     alpha_shifts,
@@ -54,10 +55,10 @@ def test_round_trip_is_exact_on_the_grid(bits, seed):
     assert all(x.dtype == np.float32 for x in w)
     assert all(np.all(np.abs(x) <= 0.5) for x in w)
     # exact: the float is q / 2^(s_g - 1)
-    for a, b in zip(w, q, strict=True):
+    for a, b in zip_strict(w, q):
         assert np.array_equal(a.astype(np.float64) * grid_scale(bits), b)
     back = from_shared(w, bits)
-    assert all(np.array_equal(a, b) for a, b in zip(back, q, strict=True))
+    assert all(np.array_equal(a, b) for a, b in zip_strict(back, q))
 
 
 def test_alpha_shifts_follow_eq_11():
@@ -82,6 +83,6 @@ def test_init_shared_distribution():
     inner = big[np.abs(big) < 0.5]
     assert abs(inner.mean()) < 0.01 and abs(inner.std() - 1 / math.sqrt(3) * 0.5) < 0.01
     again = init_shared(spec, seed=3)
-    assert all(np.array_equal(a, b) for a, b in zip(w, again, strict=True))
+    assert all(np.array_equal(a, b) for a, b in zip_strict(w, again))
     other = init_shared(spec, seed=4)
     assert not np.array_equal(w[0], other[0])

@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from edge_client.compat import zip_strict
 from edge_client.intnn import IntModel, act_max, alpha_shifts, grid_scale, weight_max
 from edge_client.intnn import kernels as K
 from firmware_models import Conv2d, Flatten, Linear, MaxPool2d, ModelSpec, ReLU
@@ -698,9 +699,9 @@ def test_training_step_matches_reference(bits, lr_log2, loss):
         i = model.ops.index(op)
         assert np.array_equal(nchw(model.quantized_error(ws, i, n)), ref["eq"][op.param]), \
             op.layer.name
-    for got, want in zip(model.int_weights(), ref["weights"], strict=True):
+    for got, want in zip_strict(model.int_weights(), ref["weights"]):
         assert np.array_equal(got, want)
-    changed = sum(int((g != w).sum()) for g, w in zip(model.int_weights(), weights, strict=True))
+    changed = sum(int((g != w).sum()) for g, w in zip_strict(model.int_weights(), weights))
     assert changed > 0
     # the first conv's gradient is the last one the step computed
     first = model.param_ops[0]
@@ -728,7 +729,7 @@ def test_zoo_models_step_matches_reference(name, kwargs):
     ws = model.workspace(n)
     ws.x[:n] = x.transpose(0, 2, 3, 1) if x.ndim == 4 else x
     assert model.train_step(ws, y, n, 3, 2, 9) == ref["sse"]
-    for got, want in zip(model.int_weights(), ref["weights"], strict=True):
+    for got, want in zip_strict(model.int_weights(), ref["weights"]):
         assert np.array_equal(got, want)
 
 
@@ -748,5 +749,5 @@ def test_other_bitwidths_step_matches_reference(bits, loss):
     ws = model.workspace(4)
     ws.x[:4] = x.transpose(0, 2, 3, 1)
     assert model.train_step(ws, y, 4, 3, 1, 2) == ref["sse"]
-    for got, want in zip(model.int_weights(), ref["weights"], strict=True):
+    for got, want in zip_strict(model.int_weights(), ref["weights"]):
         assert np.array_equal(got, want)

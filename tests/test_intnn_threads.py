@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import edge_client.intnn.workspace as W
+from edge_client.compat import zip_strict
 from edge_client.data import Dataset
 from edge_client.errors import ConfigError
 from edge_client.intnn import IntModel
@@ -52,7 +53,7 @@ def test_any_number_of_threads_gives_the_same_weights_bit_for_bit(monkeypatch, b
     for threads in (2, 3):
         many, loss = train(spec, bits, threads, d, prox_mu=0.05)
         assert loss == loss1
-        for a, b in zip(one, many, strict=True):
+        for a, b in zip_strict(one, many):
             assert a.dtype == b.dtype and np.array_equal(a, b), (bits, threads)
     model = IntModel(spec, bits, threads=3)
     model.workspace(16)
@@ -86,7 +87,7 @@ def test_split_ranges_cover_everything_once_and_keep_the_alignment():
             assert covered == list(range(total))
         else:
             assert ranges[0][0] == 0 and ranges[-1][1] == total
-            assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:], strict=False))
+            assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
 
 
 def test_a_part_that_fails_does_not_leave_the_others_running():

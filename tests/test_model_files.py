@@ -12,6 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from edge_client.compat import zip_strict
 from firmware_models import SpecError, load_model_file, mnist_cnn, resolve_model
 
 MNIST_CNN_TOML = """
@@ -218,7 +219,7 @@ def test_the_papers_initialisation_is_part_of_the_spec(tmp_path: Path) -> None:
 
     spec = fedshift_cnn()
     assert spec.init == "he" and spec == fedshift_cnn()
-    for w, fan_in in zip(init_shared(spec, 0), spec.fan_ins(), strict=True):
+    for w, fan_in in zip_strict(init_shared(spec, 0), spec.fan_ins()):
         sd = (1 << alpha_log2(fan_in)) * math.sqrt(2.0 / fan_in)
         expect = math.erfc(0.5 / (sd * math.sqrt(2)))          # P(|N(0, sd)| >= 0.5): at the clip
         assert abs(float(np.mean(np.abs(w) >= 0.5)) - expect) < 0.02 and np.abs(w).max() <= 0.5

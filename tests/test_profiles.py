@@ -6,7 +6,15 @@ from pathlib import Path
 
 import pytest
 
-from hw_profiles import CODEC_BITS, FIELDS, ProfileError, list_profiles, load_profile, profile_dir
+from hw_profiles import (
+    CODEC_BITS,
+    FIELDS,
+    PYTHON_FLOOR,
+    ProfileError,
+    list_profiles,
+    load_profile,
+    profile_dir,
+)
 
 REQUIRED = {
     "raspberry-pi-zero-2w": 6, "raspberry-pi-4": 8, "raspberry-pi-5": 8,
@@ -68,6 +76,11 @@ def _write(tmp_path: Path, **changes) -> Path:
         ({"threads": "0"}, "threads"),
         ({"threads": "2.5"}, "threads"),
         ({"threads": "1000"}, "threads"),
+        ({"python": '"3.8"'}, "python"),
+        ({"python": "3.9"}, "python"),
+        ({"python": '"3"'}, "python"),
+        ({"python": '"3.x"'}, "python"),
+        ({"image": "11"}, "image"),
     ],
 )
 def test_bad_profiles_name_file_and_key(tmp_path: Path, changes, key) -> None:
@@ -102,3 +115,20 @@ def test_int_codec_sends_the_storage_grid(tmp_path: Path) -> None:
     with pytest.raises(ProfileError, match="'codec_bits' = 6 must be the storage grid"):
         load_profile(path)
     assert load_profile(_write(tmp_path, compute_bits="16", codec_bits="16")).codec_bits == 16
+
+
+def test_profiles_say_what_image_and_python_they_assume(tmp_path: Path) -> None:
+    """Each bundled profile names its OS image and that image's oldest Python (what
+    `fedbit-edge doctor` requires); a custom profile without them gets the device floor."""
+    for p in list_profiles():
+        text = (profile_dir() / f"{p.name}.toml").read_text()
+        assert "\nimage = " in text and "\npython = " in text, p.name
+        assert p.image and p.python_floor >= PYTHON_FLOOR, p
+    assert load_profile("raspberry-pi-4").python == "3.9"  # bullseye
+    assert load_profile("raspberry-pi-5").python == "3.11"  # bookworm only
+    assert "JetPack 4 ships Python 3.6: not supported" in load_profile("jetson-nano").image
+    bare = load_profile(_write(tmp_path, image=None, python=None))
+    assert (bare.image, bare.python, bare.python_floor) == ("", "3.9", (3, 9))
+    assert load_profile(_write(tmp_path, python='"3.10"')).python_floor == (3, 10)
+    with pytest.raises(ProfileError, match="needs Python >= 3.9"):
+        load_profile(_write(tmp_path, python='"3.6"'))

@@ -10,6 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from edge_client.compat import zip_strict
 from edge_client.errors import ProtocolError
 from edge_client.protocol import (
     CODEC_BITS,
@@ -282,7 +283,7 @@ def test_default_limits_fit_fedshift_cnn_in_float32() -> None:
     from firmware_models import fedshift_cnn
 
     spec = fedshift_cnn()
-    ts = tuple(float32_tensor(np.zeros(s, np.float32), n) for n, s in zip(spec.param_names(), spec.param_shapes(), strict=True))
+    ts = tuple(float32_tensor(np.zeros(s, np.float32), n) for n, s in zip_strict(spec.param_names(), spec.param_shapes()))
     msg = ModelMessage(1, "float32", spec.name, ts, tensors_digest(ts))
     payload = encode_message(msg)
     assert len(payload) < DEFAULT_LIMITS.max_payload_bytes

@@ -6,6 +6,7 @@ import math
 
 import pytest
 
+from edge_client.compat import zip_strict
 from firmware_models import (
     MODELS,
     Conv2d,
@@ -36,7 +37,7 @@ def test_every_model_reports_consistent_counts(name: str) -> None:
     spec = get_spec(name)
     assert spec.param_count == sum(math.prod(s) for s in spec.param_shapes()) > 0
     assert len(spec.fan_ins()) == len(spec.param_shapes()) == len(spec.param_names())
-    for shape, fan_in in zip(spec.param_shapes(), spec.fan_ins(), strict=True):
+    for shape, fan_in in zip_strict(spec.param_shapes(), spec.fan_ins()):
         assert math.prod(shape[1:]) == fan_in
     assert spec.activation_shapes[-1] == (spec.num_classes,)
     assert name in spec.summary()

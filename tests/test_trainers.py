@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from edge_client.compat import zip_strict
 from edge_client.data import Dataset, digits_shard, load_digits
 from edge_client.errors import ConfigError, TrainingError
 from edge_client.intnn import from_shared, init_shared, weight_max
@@ -31,7 +32,7 @@ def test_make_trainer_picks_the_engine():
     assert isinstance(t32, Trainer) and isinstance(t8, Trainer)
     # both start from the same shared init (on the device's grid for the integer one)
     w32, w8 = t32.to_shared(), t8.to_shared()
-    for a, b in zip(w32, w8, strict=True):
+    for a, b in zip_strict(w32, w8):
         assert np.abs(a - b).max() <= 1 / 256 + 1e-7
     with pytest.raises(ConfigError):
         make_trainer("digits_cnn", 1)
@@ -48,13 +49,13 @@ def test_int_trainer_shared_io_is_exact(bits):
     q = tr.int_weights()
     assert [x.shape for x in q] == spec.param_shapes()
     assert all(x.dtype == (np.int8 if bits <= 8 else np.int16) for x in q)
-    assert all(np.array_equal(a, b) for a, b in zip(q, from_shared(w, bits), strict=True))
+    assert all(np.array_equal(a, b) for a, b in zip_strict(q, from_shared(w, bits)))
     shared = tr.to_shared()
     tr2 = IntTrainer(spec, bits, seed=3)
     tr2.load_shared(shared)
-    assert all(np.array_equal(a, b) for a, b in zip(tr2.int_weights(), q, strict=True))
+    assert all(np.array_equal(a, b) for a, b in zip_strict(tr2.int_weights(), q))
     tr2.load_int(q)
-    assert all(np.array_equal(a, b) for a, b in zip(tr2.int_weights(), q, strict=True))
+    assert all(np.array_equal(a, b) for a, b in zip_strict(tr2.int_weights(), q))
 
 
 def test_torch_trainer_shared_io_is_exact():
@@ -62,7 +63,7 @@ def test_torch_trainer_shared_io_is_exact():
     tr = TorchTrainer(spec, seed=0)
     w = init_shared(spec, seed=5)
     tr.load_shared(w)
-    assert all(np.array_equal(a, b) for a, b in zip(tr.to_shared(), w, strict=True))
+    assert all(np.array_equal(a, b) for a, b in zip_strict(tr.to_shared(), w))
 
 
 def test_bad_inputs_raise_named_errors(shard):
@@ -123,7 +124,7 @@ def test_steps_override_epochs_and_partial_batches(shard):
 
 
 def _dist(a, b):
-    return sum(float(np.sum((x.astype(np.float64) - y) ** 2)) for x, y in zip(a, b, strict=True))
+    return sum(float(np.sum((x.astype(np.float64) - y) ** 2)) for x, y in zip_strict(a, b))
 
 
 @pytest.mark.parametrize("bits", [32, 8, 16])
@@ -155,14 +156,14 @@ def test_fedfor_resists_moves_along_the_last_global_step(bits, shard):
         w = tr.to_shared()
         # the penalised quantity: sum of positive parts of g_j (w_j - w_t,j)
         along.append(sum(float(np.maximum(0, s * (a - b)).sum())
-                         for s, a, b in zip(step, w, g, strict=True)))
+                         for s, a, b in zip_strict(step, w, g)))
     assert along[1] < 0.7 * along[0], along
     # without last_global_step, FedFOR is off (round 1 is FedAvg)
     a = make_trainer(spec, bits, seed=0)
     b = make_trainer(spec, bits, seed=0)
     a.train(shard, steps=3)
     b.train(shard, steps=3, fedfor_alpha=20.0)
-    assert all(np.array_equal(x, y) for x, y in zip(a.to_shared(), b.to_shared(), strict=True))
+    assert all(np.array_equal(x, y) for x, y in zip_strict(a.to_shared(), b.to_shared()))
 
 
 def test_weight_standardization_trains(shard, digits):
@@ -236,14 +237,14 @@ def test_float_sgd_step_is_torchs_bit_for_bit():
         bufs = [None, None]
         for step in range(4):
             grads = [torch.randn_like(t) * (step + 1) for t in a]
-            for t, g in zip(a, grads, strict=True):
+            for t, g in zip_strict(a, grads):
                 t.grad = g.clone()
-            for t, g in zip(b, grads, strict=True):
+            for t, g in zip_strict(b, grads):
                 t.grad = g.clone()
             with torch.no_grad():
                 _sgd_step(a, bufs, 0.3, momentum)
             opt.step()
-            for x, y in zip(a, b, strict=True):
+            for x, y in zip_strict(a, b):
                 assert torch.equal(x, y)
 
 

@@ -16,6 +16,7 @@ from edge_client.codecs.fused import (
     affine_accumulate,
     affine_accumulate_f32,
 )
+from edge_client.compat import zip_strict
 from edge_client.protocol import EncodedTensor
 
 
@@ -66,7 +67,7 @@ def accumulate_affine4(adders: list[AffineAccumulator], acc: np.ndarray, weights
     k = len(adders)
     if not 3 <= k <= 4 or len({a.bits for a in adders}) != 1 or adders[0].bits not in FUSED4_BITS:
         raise ValueError("accumulate_affine4: 3 or 4 adders of one width in (4, 8)")
-    flats = [a.check_acc(a.tensor, acc, w)[0] for a, w in zip(adders, weights, strict=True)]
+    flats = [a.check_acc(a.tensor, acc, w)[0] for a, w in zip_strict(adders, weights)]
     flat = flats[0]
     if flat.dtype != np.float32:
         raise ValueError("accumulate_affine4: float32 accumulators only")
@@ -74,7 +75,7 @@ def accumulate_affine4(adders: list[AffineAccumulator], acc: np.ndarray, weights
         return
     a0 = np.zeros(4, np.float32)
     a1 = np.zeros(4, np.float32)
-    for i, (a, w) in enumerate(zip(adders, weights, strict=True)):
+    for i, (a, w) in enumerate(zip_strict(adders, weights)):
         a0[i], a1[i] = a.coefficients(w, flat.dtype)
     data = [a.buf for a in adders] + [adders[0].buf] * (4 - k)  # the padding's a0 = a1 = 0
     affine4_accumulate_f32(*data, adders[0].n, adders[0].bits, a0, a1, flat)

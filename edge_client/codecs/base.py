@@ -143,7 +143,7 @@ class Codec(ABC):
         if t.codec != self.name:
             raise ProtocolError(f"codec: tensor says {t.codec!r}, decoder is {self.name!r}")
         lo, hi = self.bits_range
-        if isinstance(t.bits, bool) or not isinstance(t.bits, int | np.integer) or not lo <= t.bits <= hi:
+        if isinstance(t.bits, bool) or not isinstance(t.bits, (int, np.integer)) or not lo <= t.bits <= hi:
             raise ProtocolError(f"bits: {t.bits!r} out of range {lo}..{hi} for codec {self.name!r}")
         if t.dtype not in dtypes:
             raise ProtocolError(f"dtype: {t.dtype!r} not valid for codec {self.name!r}; expected {' or '.join(dtypes)}")
@@ -173,7 +173,7 @@ class Codec(ABC):
 
     def _acc(self, t: EncodedTensor, acc: object, weight: object) -> tuple[np.ndarray, np.floating]:
         """Checked ``(flat acc, weight as acc's dtype)`` for :meth:`decode_accumulate`."""
-        if isinstance(weight, bool) or not isinstance(weight, int | float | np.integer | np.floating):
+        if isinstance(weight, bool) or not isinstance(weight, (int, float, np.integer, np.floating)):
             raise CodecError(f"codec {self.name!r}: weight must be a number, got {weight!r}")
         if not math.isfinite(float(weight)):
             raise CodecError(f"codec {self.name!r}: weight must be finite, got {weight!r}")
@@ -192,7 +192,7 @@ class Codec(ABC):
 
     def _aux_float(self, t: EncodedTensor, key: str, *, nonneg: bool = False) -> float:
         v = t.aux[key]
-        if isinstance(v, bool) or not isinstance(v, int | float | np.integer | np.floating):
+        if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)):
             raise ProtocolError(f"aux.{key}: expected a number, got {type(v).__name__}")
         f = float(v)
         if not math.isfinite(f) or abs(f) > float(np.finfo(np.float32).max):
@@ -204,12 +204,12 @@ class Codec(ABC):
 
 def shape_size(shape: object) -> int:
     """Number of elements of a wire ``shape`` (ProtocolError when it is not a tuple of ints >= 0)."""
-    if not isinstance(shape, tuple | list):
+    if not isinstance(shape, (tuple, list)):
         raise ProtocolError(f"shape: expected a sequence of ints, got {type(shape).__name__}",
                             reason="wrong_shape")
     n = 1
     for d in shape:
-        if isinstance(d, bool) or not isinstance(d, int | np.integer) or d < 0:
+        if isinstance(d, bool) or not isinstance(d, (int, np.integer)) or d < 0:
             raise ProtocolError(f"shape: {shape!r} must contain ints >= 0", reason="wrong_shape")
         n *= int(d)
     return n

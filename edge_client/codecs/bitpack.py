@@ -35,7 +35,7 @@ def packed_nbytes(n: int, bits: int) -> int:
 
 def check_bits(bits: object, lo: int = MIN_BITS, hi: int = MAX_BITS, who: str = "bitpack") -> int:
     """Return ``bits`` as an int, or raise :class:`CodecError` when it is not an int in [lo, hi]."""
-    if isinstance(bits, bool) or not isinstance(bits, int | np.integer):
+    if isinstance(bits, bool) or not isinstance(bits, (int, np.integer)):
         raise CodecError(f"{who}: bits must be an int in {lo}..{hi}, got {bits!r}")
     b = int(bits)
     if not lo <= b <= hi:
@@ -199,9 +199,9 @@ def pack(indices: np.ndarray, bits: int) -> bytes:
 
 def as_byte_array(data: bytes | bytearray | memoryview, n: int, bits: int, field: str = "data") -> np.ndarray:
     """``data`` as a read-only uint8 array, after checking its exact length (ProtocolError)."""
-    if not isinstance(data, bytes | bytearray | memoryview):
+    if not isinstance(data, (bytes, bytearray, memoryview)):
         raise ProtocolError(f"{field}: expected bytes, got {type(data).__name__}")
-    if isinstance(n, bool) or not isinstance(n, int | np.integer) or n < 0:
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
         raise ProtocolError(f"{field}: element count must be a non-negative int, got {n!r}")
     buf = np.frombuffer(data, dtype=np.uint8)
     want = packed_nbytes(int(n), bits)

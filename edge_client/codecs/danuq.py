@@ -65,13 +65,13 @@ class DanuqCodec(TableCodec):
         if sg is None:
             sigma_g = sigma_loc
         else:
-            if isinstance(sg, bool) or not isinstance(sg, int | float | np.integer | np.floating):
+            if isinstance(sg, bool) or not isinstance(sg, (int, float, np.integer, np.floating)):
                 raise CodecError(f"codec {self.name!r}: sigma_g must be a float, got {sg!r}")
             sigma_g = float(np.float32(sg))
             if not np.isfinite(sigma_g) or sigma_g <= 0:
                 raise CodecError(f"codec {self.name!r}: sigma_g must be finite and > 0, got {sg!r}")
         zl = options.get("zero_level", b >= 2)
-        if not isinstance(zl, bool | np.bool_):
+        if not isinstance(zl, (bool, np.bool_)):
             raise CodecError(f"codec {self.name!r}: zero_level must be a bool, got {zl!r}")
         cb = danuq_codebook(b, bool(zl), sigma_g)
         out = np.empty(packed_nbytes(flat.size, b), dtype=np.uint8)
@@ -87,6 +87,6 @@ class DanuqCodec(TableCodec):
         self._aux_float(t, "sigma_loc", nonneg=True)
         sigma_g = self._aux_float(t, "sigma_g", nonneg=True)
         zl = t.aux["zero_level"]
-        if zl not in (0, 1) or not isinstance(zl, int | bool | np.integer):
+        if zl not in (0, 1) or not isinstance(zl, (int, bool, np.integer)):
             raise ProtocolError(f"aux.zero_level: expected 0 or 1, got {zl!r}")
         return n, buf, danuq_codebook(int(t.bits), bool(zl), sigma_g)

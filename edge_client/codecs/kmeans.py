@@ -125,12 +125,12 @@ _F32_MAX = float(np.finfo(np.float32).max)
 
 def codebook_from_aux(value: object, k: int, field: str = "aux.codebook") -> np.ndarray:
     """A received codebook as float32 (ProtocolError: not a list of ``k`` finite float32s)."""
-    if not isinstance(value, list | tuple):
+    if not isinstance(value, (list, tuple)):
         raise ProtocolError(f"{field}: expected a list of {k} floats, got {type(value).__name__}")
     if len(value) != k:
         raise ProtocolError(f"{field}: {len(value)} entries, expected 2**bits = {k}")
     # checked per distinct type (a received list holds one or two), not per entry
-    if not all(issubclass(tp, int | float) and not issubclass(tp, bool) for tp in set(map(type, value))):
+    if not all(issubclass(tp, (int, float)) and not issubclass(tp, bool) for tp in set(map(type, value))):
         raise ProtocolError(f"{field}: entries must be numbers")
     arr = np.array(value, dtype=np.float64)
     if arr.size and not float(np.max(np.abs(arr))) <= _F32_MAX:  # NaN fails the comparison too

@@ -20,6 +20,8 @@ from statistics import NormalDist
 
 import numpy as np
 
+from edge_client.compat import zip_strict
+
 _SQRT2 = math.sqrt(2.0)
 _INV_SQRT2PI = 1.0 / math.sqrt(2.0 * math.pi)
 
@@ -89,7 +91,7 @@ def _lloyd(levels: list[float], pinned: int | None, tol: float = 1e-14) -> list[
     k = len(levels)
     for _ in range(20):
         g, _jac = _residual(levels, pinned)
-        levels = [v - d for v, d in zip(levels, g, strict=True)]
+        levels = [v - d for v, d in zip_strict(levels, g)]
     for _ in range(100):
         g, jac = _residual(levels, pinned)
         err = max(abs(v) for v in g)
@@ -98,7 +100,7 @@ def _lloyd(levels: list[float], pinned: int | None, tol: float = 1e-14) -> list[
         step = _solve_tridiagonal(jac, g)
         t = 1.0
         while t > 1e-6:
-            cand = [v - t * d for v, d in zip(levels, step, strict=True)]
+            cand = [v - t * d for v, d in zip_strict(levels, step)]
             ok = all(cand[i] < cand[i + 1] for i in range(k - 1))
             if ok and max(abs(v) for v in _residual(cand, pinned)[0]) < err:
                 break

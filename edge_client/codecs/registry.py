@@ -17,6 +17,7 @@ from edge_client.codecs.float32 import Float32Codec
 from edge_client.codecs.integer import IntCodec
 from edge_client.codecs.kmeans import KMeansCodec
 from edge_client.codecs.ternary import TernaryCodec
+from edge_client.compat import zip_strict
 from edge_client.errors import CodecError, ProtocolError
 from edge_client.protocol import EncodedTensor
 
@@ -118,7 +119,7 @@ def accumulate_many(adders: Sequence[Callable[[np.ndarray, float], None]], acc: 
             if i not in fused:
                 a(acc, weights[i])
         return
-    for a, w in zip(adders, weights, strict=True):
+    for a, w in zip_strict(adders, weights):
         a(acc, w)
 
 

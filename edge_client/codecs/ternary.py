@@ -143,7 +143,7 @@ class TernaryCodec(Codec):
 
 
 def _nonneg(v: object, what: str) -> float:
-    if isinstance(v, bool) or not isinstance(v, int | float | np.integer | np.floating):
+    if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)):
         raise CodecError(f"codec 'ternary': {what} must be a number, got {v!r}")
     f = float(v)
     if not np.isfinite(f) or f < 0:

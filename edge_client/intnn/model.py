@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from edge_client.compat import zip_strict
 from edge_client.errors import ConfigError, TrainingError
 from edge_client.intnn import kernels as K
 from edge_client.intnn import step
@@ -93,12 +94,12 @@ class IntModel:
         self.t = [np.zeros(s, np.int8) for s in self.internal_shapes]
         # conv ternary weights again in [O, K, K, C] for backward-data (None for linear)
         self.tb = [np.zeros((s[3], s[0], s[1], s[2]), np.int8) if op.kind == "conv" else None
-                   for op, s in zip(self.param_ops, self.internal_shapes, strict=True)]
+                   for op, s in zip_strict(self.param_ops, self.internal_shapes)]
         # stride-1 convs: per output channel, the indices of the +1 then the -1 weights
         self.tlist = [np.zeros((s[3], s[0] * s[1] * s[2] + 1), np.int32) if op.plane else None
-                      for op, s in zip(self.param_ops, self.internal_shapes, strict=True)]
+                      for op, s in zip_strict(self.param_ops, self.internal_shapes)]
         self.tcnt = [np.zeros((s[3], 2), np.int32) if op.plane else None
-                     for op, s in zip(self.param_ops, self.internal_shapes, strict=True)]
+                     for op, s in zip_strict(self.param_ops, self.internal_shapes)]
         self._no_list = np.zeros((1, 1), np.int32)
         self._workspaces: dict[bool, Workspace] = {}
 
@@ -193,7 +194,7 @@ class IntModel:
         if len(int_weights) != len(shapes):
             raise TrainingError(f"{self.spec.name}: expected {len(shapes)} weight tensors, "
                                 f"got {len(int_weights)}")
-        for i, (q, shape, op) in enumerate(zip(int_weights, shapes, self.param_ops, strict=True)):
+        for i, (q, shape, op) in enumerate(zip_strict(int_weights, shapes, self.param_ops)):
             q = np.asarray(q)
             if tuple(q.shape) != tuple(shape):
                 raise TrainingError(f"{self.spec.name}: weight {i} ({op.layer.name}) has shape "
@@ -219,7 +220,7 @@ class IntModel:
         if len(weights) != len(shapes):
             raise TrainingError(f"{self.spec.name}: expected {len(shapes)} weight tensors, "
                                 f"got {len(weights)}")
-        for i, (w, shape) in enumerate(zip(weights, shapes, strict=True)):
+        for i, (w, shape) in enumerate(zip_strict(weights, shapes)):
             if tuple(np.shape(w)) != tuple(shape):
                 raise TrainingError(f"{self.spec.name}: weight {i} has shape "
                                     f"{list(np.shape(w))}, expected {list(shape)}")
@@ -227,7 +228,7 @@ class IntModel:
 
     def int_weights(self) -> list[np.ndarray]:
         """The device's own integers, spec layout and order (copies)."""
-        return [self._to_spec(op, w) for op, w in zip(self.param_ops, self.w, strict=True)]
+        return [self._to_spec(op, w) for op, w in zip_strict(self.param_ops, self.w)]
 
     def to_shared(self) -> list[np.ndarray]:
         """float32 shared-domain weights, exact on the grid."""
@@ -236,7 +237,7 @@ class IntModel:
     def ternary_weights(self) -> list[np.ndarray]:
         """The ternary forward weights ``t`` (int8 in {-1, 0, 1}), spec layout and order
         (copies); ``t = +1`` stands for ``quant.TERNARY_WEIGHT`` in the shared domain."""
-        return [self._to_spec(op, t) for op, t in zip(self.param_ops, self.t, strict=True)]
+        return [self._to_spec(op, t) for op, t in zip_strict(self.param_ops, self.t)]
 
     # ------------------------------------------------------------------ buffers
 

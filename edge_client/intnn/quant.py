@@ -12,6 +12,7 @@ import math
 
 import numpy as np
 
+from edge_client.compat import zip_strict
 from edge_client.errors import ConfigError, TrainingError
 from firmware_models import ModelSpec
 
@@ -99,7 +100,7 @@ def _init_layers(spec: ModelSpec, seed: int, clip: float):
     """Yield the initial weights layer by layer (float32, one layer alive at a time)."""
     rng = np.random.default_rng(seed)
     he = getattr(spec, "init", "wage") == "he"
-    for shape, fan_in in zip(spec.param_shapes(), spec.fan_ins(), strict=True):
+    for shape, fan_in in zip_strict(spec.param_shapes(), spec.fan_ins()):
         if he:
             w = rng.standard_normal(size=shape, dtype=np.float32)
             w *= np.float32((1 << alpha_log2(fan_in)) * math.sqrt(2.0 / fan_in))

@@ -7,7 +7,7 @@ import hashlib
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Union
 
 import msgpack
 import numpy as np
@@ -222,7 +222,7 @@ class Status:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
-Message = Hello | Presence | RoundAnnouncement | ModelMessage | Update | Status
+Message = Union[Hello, Presence, RoundAnnouncement, ModelMessage, Update, Status]  # 3.9: no X | Y
 MESSAGE_TYPES: dict[str, type] = {
     cls.KIND: cls for cls in (Hello, Presence, RoundAnnouncement, ModelMessage, Update, Status)
 }

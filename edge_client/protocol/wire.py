@@ -41,7 +41,7 @@ from edge_client.protocol.messages import (
 def _to_wire(value: Any) -> Any:
     if isinstance(value, EncodedTensor):
         return tensor_to_wire(value)
-    if isinstance(value, tuple | list):
+    if isinstance(value, (tuple, list)):
         return [_to_wire(v) for v in value]
     if isinstance(value, np.generic):
         return value.item()
@@ -96,7 +96,7 @@ class _Reader:
 
     def float(self, key: str, lo: float = -math.inf, hi: float = math.inf, default: Any = ...) -> float:
         v = self.raw(key, default)
-        if isinstance(v, bool) or not isinstance(v, int | float):
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
             raise ProtocolError(f"{self.where(key)}: expected a number, got {type(v).__name__}")
         v = float(v)
         if not math.isfinite(v):
@@ -151,7 +151,7 @@ class _Reader:
 
 
 def _scalar_ok(v: Any) -> bool:
-    if isinstance(v, bool | int | str | bytes):
+    if isinstance(v, (bool, int, str, bytes)):
         return True
     return isinstance(v, float) and math.isfinite(v)
 
@@ -166,7 +166,7 @@ def _read_aux(r: _Reader) -> dict[str, Any]:
             if len(v) > r.limits.max_aux_list:
                 raise ProtocolError(f"{where}: {len(v)} items exceed the limit {r.limits.max_aux_list}")
             for x in v:
-                if isinstance(x, bool) or not isinstance(x, int | float):
+                if isinstance(x, bool) or not isinstance(x, (int, float)):
                     raise ProtocolError(f"{where}: items must be finite numbers")
                 if not math.isfinite(x):
                     raise ProtocolError(f"{where}: items must be finite numbers", reason="nonfinite")
@@ -241,7 +241,7 @@ def _read_str_map(r: _Reader, key: str) -> dict[str, str]:
 def _read_floats(r: _Reader, key: str) -> tuple[float, ...]:
     items = r.list(key, r.limits.max_layers, default=[])
     for i, x in enumerate(items):
-        if isinstance(x, bool) or not isinstance(x, int | float) or not math.isfinite(x):
+        if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x):
             raise ProtocolError(f"{r.where(key)}[{i}]: not a finite number",
                                 reason="nonfinite" if isinstance(x, float) else "malformed")
     return tuple(float(x) for x in items)
@@ -303,7 +303,7 @@ def _parse(kind: str, r: _Reader) -> Message:
     if kind == "status":
         metrics = r.map("metrics", {})
         for k, v in metrics.items():
-            if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
                 raise ProtocolError(f"{r.where('metrics')}.{k}: not a finite number")
         return Status(
             state=r.str("state", STATUS_STATES), round_id=r.int("round_id", 0, 1 << 40),
@@ -314,7 +314,7 @@ def _parse(kind: str, r: _Reader) -> Message:
 
 def decode_message(payload: bytes | bytearray | memoryview, limits: Limits = DEFAULT_LIMITS) -> Message:
     """Parse and validate one received payload; :class:`ProtocolError` on anything wrong."""
-    if not isinstance(payload, bytes | bytearray | memoryview):
+    if not isinstance(payload, (bytes, bytearray, memoryview)):
         raise ProtocolError(f"payload: expected bytes, got {type(payload).__name__}")
     if len(payload) > limits.max_payload_bytes:
         raise ProtocolError(

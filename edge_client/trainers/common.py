@@ -79,7 +79,7 @@ def check_train_args(data: Dataset, spec: ModelSpec, epochs: int, steps: int | N
         shapes = spec.param_shapes()
         if len(last_global_step) != len(shapes) or any(
                 tuple(np.shape(g)) != tuple(s)
-                for g, s in zip(last_global_step, shapes, strict=False)):
+                for g, s in zip(last_global_step, shapes)):
             raise TrainingError(f"{spec.name}: last_global_step does not match the model")
     if data.y.min() < 0 or data.y.max() >= spec.num_classes:
         raise TrainingError(f"{spec.name}: labels outside 0..{spec.num_classes - 1}")

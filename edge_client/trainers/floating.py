@@ -8,6 +8,7 @@ import time
 
 import numpy as np
 
+from edge_client.compat import zip_strict
 from edge_client.data import Dataset, float_images
 from edge_client.errors import ConfigError, ProtocolError, TrainingError
 from edge_client.intnn.quant import (
@@ -93,7 +94,7 @@ class TorchTrainer:
             raise TrainingError(f"{self.spec.name}: expected {len(shapes)} weight tensors, "
                                 f"got {len(weights)}")
         with self._torch.no_grad():
-            for i, (p, w, s) in enumerate(zip(self.params, weights, shapes, strict=True)):
+            for i, (p, w, s) in enumerate(zip_strict(self.params, weights, shapes)):
                 w = np.asarray(w, dtype=np.float32)
                 if tuple(w.shape) != tuple(s):
                     raise TrainingError(f"{self.spec.name}: weight {i} has shape "
