@@ -46,8 +46,17 @@ class ProgressDisplay:
             self._print(f"  round {f['round']}: {f['accepted']}/{f['selected']} updates", live=True)
         elif event == "reject":
             self._print(f"  rejected an update from {f['device']!r}: {f['reason']}")
+        elif event == "devices":
+            self._print(f"  round {f['round']}: {devices_text(f)}", live=True)
         elif event == "round_end":
             self._print(round_line(f, self.rounds))
+
+
+def devices_text(f: dict[str, Any]) -> str:
+    """An emulator's workers during a round (its ``devices`` event): devices done of those
+    started, failed ones, workers busy."""
+    failed = f", {f['failed']} failed" if f.get("failed") else ""
+    return f"{f['done']}/{f['started']} devices done{failed}, {f['busy']}/{f['workers']} workers busy"
 
 
 def round_line(f: dict[str, Any], rounds: int) -> str:
@@ -102,6 +111,8 @@ class LiveProgress:
                      updates=f"0/{len(f['selected'])} updates")
         elif event == "update":
             p.update(self._task, updates=f"{f['accepted']}/{f['selected']} updates")
+        elif event == "devices":
+            p.update(self._task, updates=devices_text(f))
         elif event == "reject":
             p.console.print(f"  rejected an update from {f['device']!r}: {f['reason']}")
         elif event == "round_end":
