@@ -332,6 +332,11 @@ class WorkerPool:
         with self._lock:
             return self._round == round_id and self._state.get(device_id) == "failed"
 
+    def assignment(self) -> dict[str, int]:
+        """Device id -> index of the worker that trains it in the open round."""
+        with self._lock:
+            return {d: h.index for d, h in self._where.items()}
+
     def progress(self) -> Progress:
         with self._lock:
             running = {d for d, s in self._state.items() if s == "running"}

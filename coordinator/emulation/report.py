@@ -107,6 +107,7 @@ def write_report(run_dir: str | Path) -> Path:
         lines.append(f"| {g} | {_pct(v['final'])} | {_pct(v[f'last{LAST_ROUNDS}'])} |{reach}")
     lines += ["", f"{s['rounds']} rounds in {s['wall_seconds']:.1f} s of wall time and "
               f"{s['sim_seconds']:.1f} s of simulated time; {s['stragglers']} straggler(s) in all.", "",
+              *([_workers_line(info), ""] if "workers" in info else []),
               "Uplink bytes by codec: " + ", ".join(f"{k} {v:,}" for k, v in sorted(s["uplink_bytes"].items())), ""]
     lines += _split_lines(info)
     path = run / "summary.md"
@@ -254,6 +255,16 @@ def _plot_sweep(path: Path, curves: dict[str, list[list[dict[str, Any]]]]) -> No
 # --------------------------------------------------------------------------- text
 
 
+def _workers_line(info: dict[str, Any]) -> str:
+    """Where the devices trained: workers, backend, this machine's cores."""
+    where = (f"Ray actors ({info.get('cluster_cpus', '?')} CPUs on {info.get('nodes', '?')} node(s), "
+             f"address `{info.get('address', '?')}`)" if info.get("backend") == "ray"
+             else "worker processes" if info.get("processes") else "this process")
+    lost = f"; {info['workers_lost']} worker(s) lost and replaced" if info.get("workers_lost") else ""
+    return (f"Devices trained in {info['workers']} worker(s): {where}; the emulator's machine has "
+            f"{info.get('cores', '?')} cores{lost}.")
+
+
 def _config_lines(cfg: dict[str, Any]) -> list[str]:
     if not cfg:
         return []
@@ -283,7 +294,7 @@ def _split_lines(info: dict[str, Any], limit: int = 40) -> list[str]:
                         for k, v in sorted(sps.items())), ""]
     d = info.get("config", {}).get("data", {})
     out += [f"## Data split: {info.get('dataset', '?')}, partition `{d.get('partition', '?')}`", "",
-            f"{info.get('train_samples', '?')} training samples on {len(devices)} devices; "
+            f"{info.get('train_samples', '?')} training samples on {info.get('fleet_size', len(devices)):,} devices; "
             f"{info.get('test_samples', '?')} held out. Samples per class:", ""]
     k = len(devices[0]["class_counts"])
     out += ["| device | codec | " + " | ".join(str(c) for c in range(k)) + " | total |",
