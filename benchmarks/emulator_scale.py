@@ -110,12 +110,12 @@ def run_once(kind: str, n: int, rounds: int, workers: int, steps: int) -> None:
     }), flush=True)
 
 
-def run_tree(cmd: list[str], timeout: float = 3600) -> tuple[dict, float, float]:
+def run_tree(cmd: list[str], timeout: float = 3600, env: dict | None = None) -> tuple[dict, float, float]:
     """Run ``cmd``; (its last JSON line, peak RSS and peak PSS in MB of it and all its
     descendants)."""
     import psutil
 
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     peak = [0.0, 0.0]
     done = threading.Event()
 
@@ -153,8 +153,14 @@ def fedbit(kind: str, n: int, rounds: int, workers: int, steps: int = 0) -> dict
     return res | {"rss_mb": rss, "pss_mb": pss}
 
 
+#: Ray binds its node to the loopback interface only with this (else to the machine's
+#: outward address)
+RAY_LOOPBACK = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+
+
 def flower(py: str, n: int, rounds: int, selected: int, job: str) -> dict:
-    res, rss, pss = run_tree([py, str(HERE / "_flower_side.py"), str(n), str(rounds), str(selected), job])
+    res, rss, pss = run_tree([py, str(HERE / "_flower_side.py"), str(n), str(rounds), str(selected), job],
+                             env=os.environ | RAY_LOOPBACK)
     return res | {"rss_mb": rss, "pss_mb": pss}
 
 

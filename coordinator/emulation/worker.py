@@ -182,7 +182,11 @@ class DeviceWorker:
         that the first round does not load kernels (or torch)."""
         if not self.spec.model:
             return
+        from edge_client.codecs import decode
+        from edge_client.protocol import float32_tensor
         from edge_client.warmup import warm_up
+
+        decode(float32_tensor(np.zeros(4, np.float32), "w"))  # the codecs' import, once
 
         for prof in self.spec.profiles:
             if prof.trainer == "int":
