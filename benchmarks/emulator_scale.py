@@ -11,7 +11,8 @@ are ratios against an anchor measured in the same run.
 2. **Registered fleet.** N = 1,000 / 10,000 / 100,000 / 1,000,000 registered devices, 10
    selected per round, ``mlp`` on digits (each device 32 samples drawn for it,
    ``partition = "sample"``), half Int8 (raspberry-pi-4), half float32 (desktop), the
-   default workers (one per core): ``round_seconds`` (anchor: N = 1,000; target <= 1.3),
+   default ``round.workers = 0`` (auto: rounds this light stay in the emulator's process):
+   ``round_seconds`` (anchor: N = 1,000; target <= 1.3),
    ``startup_seconds`` (process start to the end of round 1 minus one steady round:
    imports, the fleet, registering it, the workers' start; anchor: the 30 s budget),
    ``rss`` and ``pss`` (peak of the process tree, MB, sampled every 0.2 s; RSS counts the
@@ -28,7 +29,7 @@ are ratios against an anchor measured in the same run.
    CPU): ``rounds_per_s`` anchored on Flower's (target >= 2x).
 
 ``--quick`` (the test suite): 4 devices x 20 steps for the workers; N = 1,000 and
-1,000,000 in this process (``workers = 1``); no Flower.
+1,000,000, 3 rounds; no Flower.
 
 Run: ``.venv/bin/python benchmarks/emulator_scale.py [--quick] [--flower PYTHON]``;
 prints JSON lines.
@@ -197,7 +198,7 @@ def bench_registered(quick: bool, workers: int, flwr_py: str | None) -> None:
     rounds = 3 if quick else 8
     res = {}
     for n in sizes:
-        res[n] = fedbit("registered", n, rounds, 1 if quick else workers)
+        res[n] = fedbit("registered", n, rounds, workers)
         assert all(s == SELECTED for s in res[n]["selected"]), res[n]["selected"]
     base = res[1_000]
     for n in sizes:
@@ -220,9 +221,9 @@ def bench_registered(quick: bool, workers: int, flwr_py: str | None) -> None:
             emit(case, metric, r[key], unit, "Flower 1.40 run_simulation (Ray), same run", f[key])
 
 
-def bench_mlp_vs_flower(flwr_py: str, workers: int) -> None:
+def bench_mlp_vs_flower(flwr_py: str) -> None:
     n, rounds = 1_000, 8
-    r = fedbit("mlp", n, rounds, workers)
+    r = fedbit("mlp", n, rounds, cores())
     f = flower(flwr_py, n, rounds, 100, "mlp")
     case = f"float32 mlp, {n:,} registered, 100 selected, every core busy ({cores()} cores)"
     emit(case, "rounds_per_s", 1 / r["round_s"], "rounds/s", "Flower 1.40 run_simulation (Ray), same run",
@@ -234,7 +235,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="a few devices and N = 1,000 / 1,000,000 only")
     ap.add_argument("--flower", metavar="PYTHON", help="an interpreter with flwr[simulation] (the anchor)")
-    ap.add_argument("--workers", type=int, default=0, help="workers of the registered-fleet runs (0: one per core)")
+    ap.add_argument("--workers", type=int, default=0,
+                    help="round.workers of the registered-fleet runs (default 0: auto)")
     ap.add_argument("--only", choices=("workers", "registered", "flower"), help="one part only")
     ap.add_argument("--run", nargs=5, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -248,7 +250,7 @@ def main() -> None:
     if args.only in (None, "registered"):
         bench_registered(args.quick, args.workers, flwr_py)
     if flwr_py and args.only in (None, "flower"):
-        bench_mlp_vs_flower(flwr_py, args.workers)
+        bench_mlp_vs_flower(flwr_py)
 
 
 if __name__ == "__main__":

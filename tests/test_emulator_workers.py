@@ -21,7 +21,10 @@ from pathlib import Path
 import pytest
 
 from coordinator.emulation.config import from_dict
+from coordinator.emulation.emulator import DeviceGroup, FleetPlan, SampledShards
+from coordinator.emulation.pool import WorkerPool
 from coordinator.emulation.run import Emulator
+from coordinator.emulation.worker import RoundMessages, WorkerEvent
 from coordinator.ops.logs import ProgressDisplay
 from edge_client.errors import ConfigError
 
@@ -202,3 +205,80 @@ def test_workers_and_cluster_settings_are_checked(key: str, value: object, why: 
     sec, name = key.split(".")
     with pytest.raises(ConfigError, match=rf"{key}.*{why}"):
         from_dict(RAW | {sec: RAW.get(sec, {}) | {name: value}}, "t")
+
+
+class _FakeHandle:
+    """A worker that answers at once: every device sends ``b"u:<id>"`` and ends."""
+
+    def __init__(self, index: int, pool, tag: str) -> None:
+        self.index, self.pool, self.tag = index, pool, tag
+        self.rounds: list[list[str]] = []
+
+    def submit(self, msgs, devices) -> None:
+        self.rounds.append([d.device_id for d in devices])
+        for d in devices:
+            self.pool.on_event(self, WorkerEvent("update", msgs.round_id, d.device_id, f"u:{d.device_id}".encode()))
+            self.pool.on_event(self, WorkerEvent("end", msgs.round_id, d.device_id, state="done"))
+
+    def stop(self) -> None:
+        pass
+
+    def describe(self) -> str:
+        return self.tag
+
+
+class _FakeBackend:
+    def __init__(self, tag: str) -> None:
+        self.tag, self.name, self.closed, self.started = tag, tag, False, []
+
+    def start(self, index: int, pool) -> _FakeHandle:
+        self.started.append(_FakeHandle(index, pool, self.tag))
+        return self.started[-1]
+
+    def share(self, msgs):
+        return msgs
+
+    def close(self) -> None:
+        self.closed = True
+
+    def describe(self) -> dict:
+        return {"backend": self.tag}
+
+
+def test_auto_workers_move_to_processes_after_a_heavy_round_and_relay_every_update(tmp_path: Path) -> None:
+    """workers = 0: rounds stay in this process while they are light; after one that took
+    more CPU than the threshold the worker processes are started and take the next round,
+    balanced; every update goes out unchanged on its device's topic."""
+    from hw_profiles import load_profile
+
+    plan = FleetPlan([DeviceGroup(load_profile("raspberry-pi-4"), "int", 8, 6, 0)], SampledShards(100, 4, 0), 0,
+                     "job", tmp_path)
+    published: list[tuple[str, bytes]] = []
+
+    class Relay:
+        def publish(self, t: str, payload: bytes, **kw) -> bool:
+            published.append((t, payload))
+            return True
+
+    here, procs = _FakeBackend("here"), _FakeBackend("procs")
+    pool = WorkerPool(plan, here, 1, Relay(), "job", grow=lambda: (procs, 2), grow_after_cpu_s=0.25)
+    ids = sorted(plan.ids())
+    msgs = RoundMessages(1, {}, b"", b"")
+    pool.activate(1, ids, msgs)
+    pool.on_round_cpu(pool.handles[0], 0.1)  # light: nothing starts
+    assert not procs.started and pool.progress().done == 6 and not pool.failed(ids[0], 1)
+    pool.activate(2, ids, msgs)
+    pool.on_round_cpu(pool.handles[0], 0.9)
+    end = time.monotonic() + 10
+    while len(procs.started) < 2 and time.monotonic() < end:
+        time.sleep(0.01)
+    pool.activate(3, ids, msgs, costs={d: float(i + 1) for i, d in enumerate(ids)})
+    assert pool.grown_at == 3 and [h.tag for h in pool.handles] == ["procs", "procs"]
+    shares = [h.rounds[-1] for h in pool.handles]
+    assert sorted(shares[0] + shares[1]) == ids and abs(len(shares[0]) - len(shares[1])) <= 1
+    assert here.started[0].rounds == [ids, ids]
+    expected = [(f"fedbit/job/update/{d}", f"u:{d}".encode()) for d in ids]
+    assert published[:12] == expected * 2 and sorted(published[12:]) == expected
+    assert pool.describe() == {"workers": 2, "backend": "procs", "auto": True, "processes_from_round": 3}
+    pool.close()
+    assert here.closed and procs.closed

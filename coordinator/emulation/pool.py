@@ -117,7 +117,9 @@ class InlineHandle:
     def _loop(self, pool: WorkerPool) -> None:
         while (item := self._queue.get()) is not None:
             msgs, devices = item
+            cpu0 = time.process_time()
             self.worker.run_round(msgs, devices, lambda ev: pool.on_event(self, ev))
+            pool.on_round_cpu(self, time.process_time() - cpu0)
 
     def submit(self, msgs: Any, devices: list[EmulatedDevice]) -> None:
         self._queue.put((msgs, devices))
@@ -287,21 +289,37 @@ class WorkerPool:
         workers: how many.
         relay: a connected transport of the real fleet that publishes the updates.
         job: the job id (the update topics).
+        grow: ``workers = 0`` (auto): makes the worker processes (a backend and how many)
+            once a round run in this process took more than ``grow_after_cpu_s`` CPU
+            seconds; rounds go to them from the first round after they are all ready.
     """
 
-    def __init__(self, plan: FleetPlan, backend: Backend, workers: int, relay: Any, job: str) -> None:
+    def __init__(self, plan: FleetPlan, backend: Backend, workers: int, relay: Any, job: str, *,
+                 grow: Callable[[], tuple[Backend, int]] | None = None, grow_after_cpu_s: float = 0.25) -> None:
         self.plan = plan
         self.backend = backend
         self.relay = relay
         self.job = job
         self.lost = 0  # workers lost and replaced over the run
+        self.grown_at: int | None = None  # (auto) the first round the worker processes trained
         self._lock = threading.Lock()
         self._relay_lock = threading.Lock()
         self._closing = False
         self._round = 0
         self._state: dict[str, str] = {}  # device id -> running | sent | done | failed (this round)
         self._where: dict[str, Handle] = {}
-        self.handles: list[Handle] = [backend.start(i, self) for i in range(max(1, workers))]
+        self._grow = grow
+        self._grow_after = grow_after_cpu_s
+        self._growing = False
+        self._next: tuple[Backend, list[Handle]] | None = None  # (auto) started, maybe not ready
+        self._retired: list[tuple[Backend, list[Handle]]] = []
+        self.handles: list[Handle] = []
+        try:
+            for i in range(max(1, workers)):
+                self.handles.append(backend.start(i, self))
+        except BaseException:
+            self.close()
+            raise
 
     def roster(self) -> list[Cohort]:
         return self.plan.roster()
@@ -312,6 +330,11 @@ class WorkerPool:
         work, to balance the workers)."""
         costs = costs or {}
         with self._lock:
+            if self._next is not None and all(_ready(h) for h in self._next[1]):
+                self._retired.append((self.backend, self.handles))
+                (self.backend, self.handles), self._next = self._next, None
+                self.grown_at = round_id
+                log.info("round %d: %d worker processes train from now on", round_id, len(self.handles))
             self._round = round_id
             self._state = dict.fromkeys(ids, "running")
             handles = list(self.handles)
@@ -345,6 +368,31 @@ class WorkerPool:
                             sum(1 for s in self._state.values() if s == "failed"), len(self.handles), busy)
 
     # ------------------------------------------------------------------ from the workers
+
+    def on_round_cpu(self, handle: Handle, cpu_s: float) -> None:
+        """A worker in this process ran a round in ``cpu_s`` CPU seconds (auto: more than
+        ``grow_after_cpu_s`` starts the worker processes)."""
+        with self._lock:
+            if self._grow is None or self._growing or self._closing or cpu_s <= self._grow_after:
+                return
+            self._growing = True
+        threading.Thread(target=self._start_processes, name="fedbit-workers-start", daemon=True).start()
+
+    def _start_processes(self) -> None:
+        assert self._grow is not None
+        try:
+            backend, n = self._grow()
+            handles = [backend.start(i, self) for i in range(n)]
+        except Exception:  # noqa: BLE001 - the run goes on in this process
+            log.exception("starting the worker processes failed; the devices keep training in this process")
+            return
+        with self._lock:
+            if not self._closing:
+                self._next = (backend, handles)
+                return
+        for h in handles:
+            h.stop()
+        backend.close()
 
     def on_event(self, handle: Handle, ev: WorkerEvent) -> None:
         """A worker's event (called from its thread)."""
@@ -384,32 +432,48 @@ class WorkerPool:
             for d in gone:
                 self._state[d] = "failed"
             self.lost += 1
-        ready = getattr(handle, "ready", None)
-        if ready is not None and not ready.is_set():  # it never started: another would fail alike
+            group, backend = ((self._next[1], self._next[0]) if self._next is not None and handle in self._next[1]
+                              else (self.handles, self.backend))
+        if not _ready(handle):  # it never started: another would fail alike
             log.error("%s before it was ready; not starting another", why)
+            return
+        if handle not in group:
             return
         log.warning("%s; %d device(s) of round %d lost with it; starting a new worker", why, len(gone),
                     self._round, extra={"event": "worker_lost", "round": self._round, "devices": gone})
-        new = self.backend.start(handle.index, self)
+        new = backend.start(handle.index, self)
         with self._lock:
-            if self._closing:
-                new.stop()
-                return
-            self.handles[handle.index] = new
+            stale = self._closing or group[handle.index] is not handle
+            if not stale:
+                group[handle.index] = new
+        if stale:
+            new.stop()
 
     def describe(self) -> dict[str, Any]:
-        return {"workers": len(self.handles), **self.backend.describe()}
+        """Workers, backend, and (auto) the first round the worker processes trained."""
+        out = {"workers": len(self.handles), **self.backend.describe(), "auto": self._grow is not None}
+        if self.grown_at is not None:
+            out["processes_from_round"] = self.grown_at
+        return out
 
     def close(self) -> None:
-        """Stop every worker and release what the backend holds."""
+        """Stop every worker and release what the backends hold."""
         with self._lock:
             self._closing = True
-            handles = list(self.handles)
-        for h in handles:  # every worker told first, then each waited for
-            getattr(h, "request_stop", lambda: None)()
-        for h in handles:
-            h.stop()
-        self.backend.close()
+            groups = [(self.backend, self.handles), *self._retired, *([self._next] if self._next else [])]
+        for _, handles in groups:  # every worker told first, then each waited for
+            for h in handles:
+                getattr(h, "request_stop", lambda: None)()
+        for backend, handles in groups:
+            for h in handles:
+                h.stop()
+            backend.close()
+
+
+def _ready(handle: Handle) -> bool:
+    """Whether a worker can take a round (a process: it said ready)."""
+    ev = getattr(handle, "ready", None)
+    return ev is None or ev.is_set()
 
 
 def wait_ready(pool: WorkerPool, timeout: float, clock: Callable[[], float] = time.monotonic) -> bool:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import tempfile
 import threading
 from dataclasses import replace
@@ -50,6 +51,10 @@ class RayDeviceWorker:
 
     def pid(self) -> int:
         return os.getpid()
+
+    def close(self) -> None:
+        """Remove the devices' work folders of this actor."""
+        shutil.rmtree(self.worker.spec.workdir, ignore_errors=True)
 
     def run_round(self, msgs: RoundMessages, devices: list[EmulatedDevice]) -> list[WorkerEvent]:
         events: list[WorkerEvent] = []
@@ -98,6 +103,10 @@ class RayHandle:
 
         with self._lock:
             self._lost = True
+        try:
+            ray.get(self.actor.close.remote(), timeout=10)
+        except Exception:  # noqa: BLE001 - gone, or busy past the wait: its node keeps the folder
+            pass
         try:
             ray.kill(self.actor)
         except Exception:  # noqa: BLE001 - already gone

@@ -81,6 +81,11 @@ log = logging.getLogger("fedbit.emulator")
 #: devices listed one by one in ``emulation.json``: all of a fleet up to this size, the
 #: first 1,000 of a larger one (``fleet_size`` says how many there are)
 DESCRIBED_DEVICES = 10_000
+#: ``round.workers = 0`` (auto): a round that takes the emulator's own process more CPU
+#: seconds than this starts one worker process per core (fewer devices than cores: one
+#: per device) for the rounds after it. Smaller rounds stay in the emulator's process: a
+#: worker process costs ~360 MB (its kernels, torch) and a pipe each way per round.
+AUTO_CPU_S = 0.25
 
 @dataclass
 class RunResult:
@@ -168,7 +173,7 @@ class Emulator:
                                 init_weights=init_shared(get_spec(cfg.model), seed), on_event=self.on_event,
                                 logger=log.getChild("server"))
             history = coord.run()
-            info["workers_lost"] = pool.lost
+            info |= pool.describe() | {"workers_lost": pool.lost}
         finally:
             if pool is not None:
                 pool.close()
@@ -199,11 +204,15 @@ class Emulator:
 
             backend: Any = RayBackend(cluster["address"], data.train, spec)
             return WorkerPool(plan, backend, workers or backend.cpus, relay, job)
-        workers = min(workers or cores, len(plan))
-        if workers <= 1:
-            return WorkerPool(plan, InlineBackend(data.train, replace(spec, threads=cores)), 1, relay, job)
-        backend = ProcessBackend(data.train, replace(spec, threads=max(1, cores // workers)))
-        return WorkerPool(plan, backend, workers, relay, job)
+        n = min(workers or cores, len(plan))
+        if n <= 1:
+            return WorkerPool(plan, InlineBackend(data.train, spec), 1, relay, job)
+        procs = replace(spec, threads=max(1, cores // n))
+        if workers:
+            return WorkerPool(plan, ProcessBackend(data.train, procs), n, relay, job)
+        # auto: rounds run here until one of them takes more CPU than a process's cost is worth
+        return WorkerPool(plan, InlineBackend(data.train, spec), 1, relay, job,
+                          grow=lambda: (ProcessBackend(data.train, procs), n), grow_after_cpu_s=AUTO_CPU_S)
 
     def _transport(self, job: str) -> tuple[Any, Fleet, Any]:
         """(broker or None, the coordinator's fleet, the transport that relays the devices'

@@ -22,12 +22,14 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import queue
 import shutil
 import sys
 import tempfile
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -171,6 +173,9 @@ class DeviceWorker:
         self.spec = spec
         self.hub = LocalHub()
         self.slots = threading.Semaphore(max(1, spec.slots))
+        #: the devices' runtimes run on these threads (kept from round to round); a runtime
+        #: waits on its training slot, its I/O (the outbox) overlaps the others' training
+        self._threads = ThreadPoolExecutor(max(8, 4 * spec.slots), thread_name_prefix="fedbit-device")
         self._feed = self.hub.client("fedbit-worker-feed")
         self._feed.connect()
         updates = topic(spec.job, "round").rsplit("/", 1)[0] + "/update/+"
@@ -213,19 +218,27 @@ class DeviceWorker:
         self._feed.publish(topic(job, "round"), msgs.announcement, retain=True)
         self._feed.publish(topic(job, "status"), msgs.status, retain=True)
         results: dict[str, str] = {}
-        threads = {}
+        finished: queue.Queue[str] = queue.Queue()
+
+        def run(dev: EmulatedDevice) -> None:
+            try:
+                self._run(dev, msgs.round_id, results)
+            finally:
+                finished.put(dev.device_id)
+
         for dev in devices:
-            th = threading.Thread(target=self._run, args=(dev, msgs.round_id, results),
-                                  name=f"device-{dev.device_id}", daemon=True)
-            threads[dev.device_id] = th
-            th.start()
-        pending = set(threads)
+            self._threads.submit(run, dev)
+        pending = {dev.device_id for dev in devices}
         while pending:
-            msg = self._relay.recv(timeout=0.05)
+            msg = self._relay.recv(timeout=0.02)
             if msg is not None:
                 self._forward(msg, msgs.round_id, emit)
                 continue
-            for dev_id in sorted(d for d in pending if not threads[d].is_alive()):
+            while True:
+                try:
+                    dev_id = finished.get_nowait()
+                except queue.Empty:
+                    break
                 while (msg := self._relay.recv(timeout=0)) is not None:  # its update comes first
                     self._forward(msg, msgs.round_id, emit)
                 emit(WorkerEvent("end", msgs.round_id, dev_id, state=results.get(dev_id, "failed")))
