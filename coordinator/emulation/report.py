@@ -259,7 +259,11 @@ def _workers_line(info: dict[str, Any]) -> str:
     """Where the devices trained: workers, backend, this machine's cores."""
     where = (f"Ray actors ({info.get('cluster_cpus', '?')} CPUs on {info.get('nodes', '?')} node(s), "
              f"address `{info.get('address', '?')}`)" if info.get("backend") == "ray"
-             else "worker processes" if info.get("processes") else "this process")
+             else "worker processes" if info.get("processes") else "the emulator's process")
+    if info.get("processes_from_round"):
+        where += f" from round {info['processes_from_round']} (before: the emulator's process)"
+    if info.get("auto"):
+        where += " (`round.workers = 0`: auto)"
     lost = f"; {info['workers_lost']} worker(s) lost and replaced" if info.get("workers_lost") else ""
     return (f"Devices trained in {info['workers']} worker(s): {where}; the emulator's machine has "
             f"{info.get('cores', '?')} cores{lost}.")
