@@ -62,12 +62,12 @@ faults: install
 	$(PY) tests/faults/table.py runs/faults.jsonl
 
 # The sdist and the pure-Python wheel a device installs (dist/fedbit-<version>-py3-none-any.whl;
-# see README "Install on a device"): the profiles and model specs inside, torch only in extras.
+# see docs/device.md#install): the profiles and model specs inside, torch only in extras.
 wheel: install
 	$(PY) -m build --no-isolation --outdir dist .
 
 # fedbit on 64-bit ARM under qemu (root; ~20 minutes the first time, the root filesystem
-# is cached): the README's device install from the wheel, Int8 training, an update
+# is cached): docs/device.md's install from the wheel, Int8 training, an update
 # counted by a coordinator on the host. Not part of make test.
 device-check: install
 	PY=$(PY) tools/device_check.sh

@@ -12,7 +12,7 @@ engines take turns three times (once with ``--quick``) and each reports its best
 - the Numba engine, anchored on torch float32;
 - ONNX Runtime, float32 graph, anchored on torch float32.
 
-Prints JSON lines (see DESIGN.md, Benchmarks). ``--profile`` also prints, on stderr, the
+Prints JSON lines (docs/architecture.md#benchmarks). ``--profile`` also prints, on stderr, the
 share of ONNX Runtime's integer-graph time per operator type (batch 32).
 """
 

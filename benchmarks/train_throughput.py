@@ -1,6 +1,6 @@
 """Training throughput of the Int8 engine vs PyTorch float32, one thread each.
 
-Prints JSON lines (see DESIGN.md, Benchmarks):
+Prints JSON lines (docs/architecture.md#benchmarks):
 
 - ``throughput`` (samples/s) of Int8 IntTrainer steps, batch 32, random data, anchored
   on PyTorch float32 training of the same architecture (TorchTrainer's model, SGD) on

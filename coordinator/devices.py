@@ -191,6 +191,8 @@ class DeviceRegistry:
         #: a hello or a cohort was added or changed since :meth:`to_state` was last saved
         self.changed = False
         self._present: Sequence[str] | None = None  # cache of present(), dropped on any change
+        #: how many devices are present (kept by every change: O(1) to read)
+        self.n_present = 0
 
     def member(self, device_id: str) -> tuple[Cohort, int] | None:
         """(cohort, index) of a cohort member, None for any other id."""
@@ -216,6 +218,7 @@ class DeviceRegistry:
                 self._cohort_online[c.prefix] = True
                 self._flipped[c.prefix] = set()
                 self._present = None
+                self.n_present = self._count_present()
                 return
         self._members_said_hello += sum(1 for d in self._hellos if cohort.index(d) is not None)
         self.online -= {d for d in self.online if cohort.index(d) is not None}
@@ -225,15 +228,25 @@ class DeviceRegistry:
         self._variants[cohort.variant] += cohort.count
         self.changed = True
         self._present = None
+        self.n_present = self._count_present()
 
-    def apply(self, m: Hello | Presence | None) -> None:
-        """Record a checked hello (the device is then online) or presence message."""
+    def _count_present(self) -> int:
+        own = sum(1 for d in self.online if d in self._hellos)
+        return own + sum(c.count - len(self._flipped[c.prefix]) if self._cohort_online[c.prefix]
+                         else len(self._flipped[c.prefix]) for c in self.cohorts)
+
+    def apply(self, m: Hello | Presence | None) -> str | None:
+        """Record a checked hello (the device is then online) or presence message; returns
+        what changed for the operator: ``joined`` (a device with a hello came online, or
+        changed its hello), ``left`` (it went offline), or None."""
         if isinstance(m, Hello):
             found = self.member(m.device_id)
             old = self.hellos.get(m.device_id)
             if old != m:
                 if old is not None:
                     self._variants[model_variant(old.compute_bits, old.trainer)] -= 1
+                elif m.device_id in self.online:  # online before its hello: present from now
+                    self.n_present += 1
                 if found is not None and m.device_id not in self._hellos:
                     self._members_said_hello += 1
                 self._hellos[m.device_id] = m
@@ -241,9 +254,11 @@ class DeviceRegistry:
                 self._state[m.device_id] = asdict(m)
                 self.changed = True
                 self._present = None
-            self._set_online(m.device_id, True, found)
-        elif isinstance(m, Presence):
-            self._set_online(m.device_id, m.online, self.member(m.device_id))
+            return "joined" if self._set_online(m.device_id, True, found) or old != m else None
+        if isinstance(m, Presence) and self._set_online(m.device_id, m.online, found := self.member(m.device_id)) \
+                and (found is not None or m.device_id in self._hellos):
+            return "joined" if m.online else "left"
+        return None
 
     def is_online(self, device_id: str) -> bool:
         found = self.member(device_id)
@@ -252,16 +267,23 @@ class DeviceRegistry:
         prefix = found[0].prefix
         return self._cohort_online[prefix] != (device_id in self._flipped[prefix])
 
-    def _set_online(self, device_id: str, online: bool, found: tuple[Cohort, int] | None) -> None:
+    def _set_online(self, device_id: str, online: bool, found: tuple[Cohort, int] | None) -> bool:
+        """Whether the device's online state changed."""
         if found is not None:
             prefix = found[0].prefix
             flip = self._flipped[prefix]
-            if (self._cohort_online[prefix] != (device_id in flip)) != online:
-                (flip.discard if device_id in flip else flip.add)(device_id)
-                self._present = None
-        elif (device_id in self.online) != online:
+            if (self._cohort_online[prefix] != (device_id in flip)) == online:
+                return False
+            (flip.discard if device_id in flip else flip.add)(device_id)
+            self.n_present += 1 if online else -1
+        else:
+            if (device_id in self.online) == online:
+                return False
             (self.online.add if online else self.online.discard)(device_id)
-            self._present = None
+            if device_id in self._hellos:
+                self.n_present += 1 if online else -1
+        self._present = None
+        return True
 
     def variants(self) -> set[str]:
         """The model variants the known devices run, ``float32`` always included."""
@@ -306,4 +328,5 @@ class DeviceRegistry:
         reg.online.clear()
         reg._present = None
         reg.changed = False
+        reg.n_present = 0
         return reg

@@ -58,6 +58,7 @@ from edge_client.protocol import (
     topic,
     variant_bits,
 )
+from edge_client.session import SessionWatch
 from edge_client.transport import Received, Transport
 
 log = logging.getLogger("fedbit.device")
@@ -89,7 +90,7 @@ def encode_update_tensors(weights: list[np.ndarray], names: list[str], codec: st
 
     ``codec == "int"``: the device's own integers (``int_weights``) with ``bits`` bits, or
     the storage-grid width ``max(s, 8)`` when the integers need more (an Int6 device keeps
-    its weights on the 8-bit grid, ALGORITHMS.md §1); with ``delta``, ``int_weights`` are
+    its weights on the 8-bit grid, docs/algorithms.md §1); with ``delta``, ``int_weights`` are
     the differences ``q - q_global`` (int8 or int16) and take the fewest bits that hold
     them. ``codec == "ternary"`` with ``ternary_weights`` (an integer device): its own
     ternary forward weights ``t``, sent exactly with ``aux.scale = intnn.TERNARY_WEIGHT``
@@ -159,7 +160,10 @@ class DeviceConfig:
     saw it active); ``max_rounds`` (> 0) stops it once the device has trained and sent
     that many rounds (a device that wakes up for one round; the emulator's devices);
     ``publish_timeout_s`` bounds the wait for a PUBACK before the update is left to the
-    outbox; ``train_delay_s`` sleeps before each local training (emulates a slow device
+    outbox; ``connect_timeout_s`` is how long one connect attempt is waited for (a warning
+    is logged after each); ``give_up_after_s`` (> 0) ends the loop, with :attr:`DeviceRuntime.failure`
+    set, once the device has had no session for that long (at the start or after losing
+    it; 0: it retries forever, as a service does); ``train_delay_s`` sleeps before each local training (emulates a slow device
     in trials and tests); ``kmeans_method`` picks the K-means uplink's method (``fast`` |
     ``authors``) unless a round announces one.
     """
@@ -177,7 +181,8 @@ class DeviceConfig:
     exit_when_done: bool = True
     limits: Limits = DEFAULT_LIMITS
     resend_interval_s: float = 1.0
-    connect_timeout_s: float = 30.0
+    connect_timeout_s: float = 10.0
+    give_up_after_s: float = 0.0
     publish_timeout_s: float = 10.0
     train_delay_s: float = 0.0
     max_rounds: int = 0
@@ -241,6 +246,8 @@ class DeviceRuntime:
         self.transport: Transport | None = None
         self._trainers: dict[str, Any] = {}
         self.stop_event = threading.Event()
+        #: why the loop gave up ("" unless it did: no session for ``give_up_after_s``)
+        self.failure = ""
         self.sent = 0
         self.resent = 0
         #: the open round was announced again (a resumed coordinator, a broker that lost its
@@ -295,16 +302,13 @@ class DeviceRuntime:
         t = self._connect(**self.session_spec())
         self.transport = t
         end = time.monotonic() + max_seconds if max_seconds else math.inf
-        delay = 0.5
-        while not self.stop_event.is_set():
-            try:
-                t.connect(timeout=self.cfg.connect_timeout_s)
-                break
-            except ConnectionError as exc:
-                self.log.warning("connect failed: %s; retrying in %.1f s", exc, delay)
-                if self.stop_event.wait(delay) or time.monotonic() > end:
-                    return 0
-                delay = min(delay * 2, 10.0)
+        session = SessionWatch(self.cfg.give_up_after_s, self.cfg.connect_timeout_s, self.stop_event,
+                                self.log, self.cfg.device_id)
+        ok = session.first(t, end)
+        self.failure = session.failure
+        if not ok:
+            t.close()
+            return 0
         self.log.info("device %s connected (%s, variant %s)", self.cfg.device_id,
                       getattr(t, "version", "?"), self.variant)
         seen_connects = t.connects
@@ -312,6 +316,9 @@ class DeviceRuntime:
         idle = False  # True once a work pass found nothing queued: then block in recv
         try:
             while not self.stop_event.is_set() and time.monotonic() < end:
+                if not session.watch(t):
+                    self.failure = session.failure
+                    break
                 if self.cfg.max_rounds and len(self.rounds_done) >= self.cfg.max_rounds and not self.outbox.pending():
                     self.log.info("device %s: %d round(s) done, stopping", self.cfg.device_id,
                                   len(self.rounds_done))

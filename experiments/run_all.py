@@ -5,7 +5,7 @@
 Runs every ``experiments/<name>.toml`` (or the named ones) with every sweep combination
 and seed, then copies each sweep's ``summary.md`` and ``results.json`` to
 ``benchmarks/results/experiments/<name>.md`` / ``.json`` / ``.png`` (the mean accuracy
-curves; the README quotes and shows them). The
+curves; docs/experiments.md quotes and shows them). The
 compute model (seconds per training sample of each variant) is measured once and pinned
 for every run, so the simulated times of all experiments share one clock; the values
 are written beside the results (``clock.json``), and a run of named experiments reuses

@@ -9,7 +9,7 @@ Conventions (all shapes exclude the batch dimension):
 - activations are ``[C, H, W]`` for images and ``[F]`` after :class:`Flatten`;
 - a :class:`Conv2d` weight is ``[out_channels, in_channels, k, k]``;
 - a :class:`Linear` weight is ``[out_features, in_features]``;
-- no layer has a bias (ALGORITHMS.md §2: one shared parameter domain, no bias, no BN).
+- no layer has a bias (docs/algorithms.md §2: one shared parameter domain, no bias, no BN).
 
 The parameter layers, in order, define the model's weight list: ``spec.param_shapes()``
 is the list of weight shapes every other module of fedbit agrees on, and

@@ -1,4 +1,4 @@
-"""Load and validate hardware profiles (DESIGN.md, "Hardware profiles").
+"""Load and validate hardware profiles (docs/device.md#hardware-profiles).
 
 A profile is a flat TOML table with exactly the fields of :class:`HardwareProfile`.
 Unknown keys, missing keys, wrong types and out-of-range values raise
@@ -125,7 +125,7 @@ def parse_profile(table: dict[str, Any], where: str = "<profile>") -> HardwarePr
         raise ProfileError(f"{where}: key 'codec_bits' = {codec_bits} out of range {lo}..{hi} for {codec}")
     if codec == "int" and trainer != "int":
         raise ProfileError(f"{where}: key 'codec' = 'int' needs an integer device (trainer = 'int')")
-    grid = max(bits, 8)  # integer weights live on the grid 1/S(max(s, 8)) (ALGORITHMS.md §1)
+    grid = max(bits, 8)  # integer weights live on the grid 1/S(max(s, 8)) (docs/algorithms.md §1)
     if codec == "int" and codec_bits != grid:
         raise ProfileError(
             f"{where}: key 'codec_bits' = {codec_bits} must be the storage grid max(compute_bits, 8) "

@@ -29,7 +29,7 @@ from coordinator.ops.logs import ProgressDisplay
 from edge_client.errors import ConfigError
 
 #: record fields measured in wall time (differ between runs by nature)
-WALL = {"time", "run", "round_seconds", "collect_seconds", "aggregate_seconds", "coordinator_seconds",
+WALL = {"time", "run", "round_seconds", "wait_seconds", "collect_seconds", "aggregate_seconds", "coordinator_seconds",
         "coordinator_cpu_seconds", "eval_seconds", "announce_seconds", "handle_seconds",
         "checkpoint_seconds", "device_train_seconds", "device_wall_seconds"}
 #: every bitwidth group, a lossy uplink codec, and a device too slow for the deadline (int6:

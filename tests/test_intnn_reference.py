@@ -1,6 +1,6 @@
 """Bit-for-bit agreement of the Numba kernels with a plain-numpy reference.
 
-The reference below re-derives every formula of ALGORITHMS.md §1 in the spec's own NCHW
+The reference below re-derives every formula of docs/algorithms.md §1 in the spec's own NCHW
 layout with int64 numpy arithmetic and Python integers (no table, no Numba): forward
 (ternary conv/linear, rounding shift, clip, ReLU, max-pool with padding and ties), SSE
 output error, error quantization (eq. 12), weight gradient, stochastic-rounded update

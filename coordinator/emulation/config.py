@@ -7,7 +7,7 @@ A config (``fedbit emulate FILE``; the bundled default is ``coordinator/emulatio
     rounds = 12
     seeds = [0]                # every run (and every sweep combination) once per seed
     strategy = "fedshift"      # coordinator.strategies name
-    transport = "mqtt"         # "mqtt" (embedded broker, or `broker`) | "inproc" (no sockets)
+    transport = "inproc"       # (default: no sockets) | "mqtt" (embedded broker, or `broker`)
     broker = ""                # an external broker URL instead of the embedded one
 
     [strategy_params]          # build_strategy(strategy, **strategy_params)
@@ -181,9 +181,13 @@ def _check_values(cfg: ExperimentConfig, bad) -> None:
         if prof not in cfg.devices:
             raise bad(f"codecs.{prof}", "not a profile listed in [devices]")
         parse_codec(spec, f"codecs.{prof}", bad)
+    _check_profiles(cfg, bad)
     d = cfg.data
     if d["dataset"] not in DATASETS:
         raise bad("data.dataset", f"{d['dataset']!r} is not one of {list(DATASETS)}")
+    if d["dataset"] == "cifar10" and not (d["path"] and Path(d["path"]).expanduser().is_dir()):
+        raise bad("data.path", f"{d['path']!r} is not a folder (the CIFAR-10 python batches; fedbit never "
+                  "downloads data)")
     if d["partition"] not in PARTITIONS:
         raise bad("data.partition", f"{d['partition']!r} is not one of {list(PARTITIONS)}")
     if not d["alpha"] > 0:
@@ -232,6 +236,21 @@ def _check_values(cfg: ExperimentConfig, bad) -> None:
         if key.startswith("@") and not all(
                 isinstance(v, dict) and isinstance(v.get("label"), str) and len(v) > 1 for v in values):
             raise bad(f"sweep.{key}", "each value must be a table with a `label` and the keys it sets")
+
+
+def _check_profiles(cfg: ExperimentConfig, bad) -> None:
+    """Every ``[devices]`` profile loads (a bundled name or a TOML file) and takes its
+    ``[codecs]`` override (codec ``int`` only on an integer device)."""
+    from hw_profiles import load_profile
+
+    for name in cfg.devices:
+        try:
+            prof = load_profile(name)
+        except ValueError as exc:
+            raise bad(f"devices.{name}", str(exc)) from None
+        if name in cfg.codecs and parse_codec(cfg.codecs[name], f"codecs.{name}", bad)[0] == "int" \
+                and prof.trainer != "int":
+            raise bad(f"codecs.{name}", "codec 'int' needs an integer device")
 
 
 def parse_codec(spec: Any, key: str = "codec", bad=None) -> tuple[str, int]:

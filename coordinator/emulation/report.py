@@ -26,19 +26,23 @@ from typing import Any
 
 import numpy as np
 
+from coordinator.ops.dashboard.runview import served_info
+from coordinator.ops.export import onnx_summary_lines
+from coordinator.ops.rundir import coordinator_dir
 from edge_client.errors import ConfigError
 
 LAST_ROUNDS = 5
 
 
 def load_run(run_dir: str | Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """``(emulation info, metrics records)`` of a run folder (ConfigError naming what is
-    missing)."""
+    """``(emulation info, metrics records)`` of a run folder, emulated or a ``fedbit serve
+    --out`` folder (whose info is its job, from ``live.json``); ConfigError naming what is
+    missing."""
     run = Path(run_dir)
-    info_path, metrics_path = run / "emulation.json", run / "out" / "metrics.jsonl"
+    info_path, metrics_path = run / "emulation.json", coordinator_dir(run) / "metrics.jsonl"
     if not metrics_path.is_file():
-        raise ConfigError(f"{run}: not a run folder (no out/metrics.jsonl)")
-    info = json.loads(info_path.read_text()) if info_path.is_file() else {}
+        raise ConfigError(f"{run}: not a run folder (no metrics.jsonl)")
+    info = json.loads(info_path.read_text()) if info_path.is_file() else served_info(metrics_path.parent)
     records = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
     return info, records
 
@@ -109,6 +113,7 @@ def write_report(run_dir: str | Path) -> Path:
               f"{s['sim_seconds']:.1f} s of simulated time; {s['stragglers']} straggler(s) in all.", "",
               *([_workers_line(info), ""] if "workers" in info else []),
               "Uplink bytes by codec: " + ", ".join(f"{k} {v:,}" for k, v in sorted(s["uplink_bytes"].items())), ""]
+    lines += onnx_summary_lines(run, info.get("onnx"))
     lines += _split_lines(info)
     path = run / "summary.md"
     path.write_text("\n".join(lines) + "\n")

@@ -51,7 +51,7 @@ class Strategy:
     """A named composition of stages (build one with ``build_strategy``).
 
     Params: ``weighted`` (FedAvg weights by ``num_samples``; False = unweighted, 1/N: the
-    FedShift and ProWD papers' averaging, ALGORITHMS.md §4),
+    FedShift and ProWD papers' averaging, docs/algorithms.md §4),
     ``sigma_momentum`` (σ_g EMA, 0.9), ``acc_dtype`` ("float32" default | "float64"
     running sums; float32 halves the accumulator traffic, measured 0.85x vs 0.59x of the
     stacked-mean anchor for float64), ``batch`` (updates folded into the sums together, >= 1).

@@ -3,7 +3,7 @@
 One training step (:meth:`IntModel.train_step`) runs only the integer kernels of
 :mod:`edge_client.intnn.kernels` on preallocated integer buffers (a :class:`Workspace`).
 
-Formulas (ALGORITHMS.md §1, s = compute bits, S(k) = 2^(k-1), s_g = max(s, 8)):
+Formulas (docs/algorithms.md §1, s = compute bits, S(k) = 2^(k-1), s_g = max(s, 8)):
 
 - forward: ``a' = clip(round_shift(sum t*a, 1 + log2 alpha), +-(S(s)-1))``, ReLU fused
   when the spec has a ReLU right after the layer; ``t = ternary(W)`` (|W| > S(s_g)/4);

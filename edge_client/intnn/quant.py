@@ -1,6 +1,6 @@
 """The shared float domain <-> a device's integers, and the paper's initialisation.
 
-ALGORITHMS.md §1-2: the shared tensor is the real weight ``W`` in ``[-clip, clip]``
+docs/algorithms.md §1-2: the shared tensor is the real weight ``W`` in ``[-clip, clip]``
 (default 0.5); an s-bit device stores ``round(W * S(s_g))`` with ``S(k) = 2^(k-1)`` and
 ``s_g = max(s, 8)`` (the storage/gradient grid). Every layer has a power-of-two forward
 scale ``alpha_l`` (paper eq. 11), kept as its base-2 exponent.

@@ -3,7 +3,7 @@ the forward's finishing step, ``max |v|`` and the row dot products of the gradie
 
 ``round_shift(v, k)`` divides by ``2^k`` rounding half away from zero (``k > 0``),
 multiplies by ``2^-k`` (``k < 0``) and is the identity for ``k == 0``. ``round_log2(m)``
-is ``round(log2 m)`` without a float (WAGE rounds, ALGORITHMS.md §1). All helpers are
+is ``round(log2 m)`` without a float (WAGE rounds, docs/algorithms.md §1). All helpers are
 ``inline="always"``: their bodies are typed inside the kernels that call them.
 """
 

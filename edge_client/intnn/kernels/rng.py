@@ -4,7 +4,7 @@
 stream id); ``rand62(key, j)`` is its ``j``-th 62-bit draw, so a weight's draw depends on
 its index only, not on the order in which kernels visit weights. ``_stoch_round_shift``
 is ``v / 2^sh`` rounded stochastically: ``sign(v)(floor|.| + Bernoulli(frac|.|))``
-(truncation toward zero plus the draw, never floor: ALGORITHMS.md §1).
+(truncation toward zero plus the draw, never floor: docs/algorithms.md §1).
 """
 
 from __future__ import annotations
