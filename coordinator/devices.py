@@ -330,3 +330,26 @@ class DeviceRegistry:
         reg.changed = False
         reg.n_present = 0
         return reg
+
+
+def state_size(state: dict[str, Any]) -> int:
+    """How many devices a saved registry (:meth:`DeviceRegistry.to_state`) holds."""
+    return len(DeviceRegistry.from_state(state).hellos) if COHORTS_KEY in state else len(state)
+
+
+def state_kinds(state: dict[str, Any]) -> list[dict[str, Any]]:
+    """The hello maps of a saved registry that tell its devices' kinds apart: every
+    device's own, and one per cohort (its members share all but id and sample count)."""
+    return [h for k, h in state.items() if k != COHORTS_KEY and isinstance(h, dict)] + [
+        c["hello"] for c in state.get(COHORTS_KEY, []) if isinstance(c, dict) and isinstance(c.get("hello"), dict)]
+
+
+def state_entries(state: dict[str, Any], limit: int) -> list[tuple[str, dict[str, Any]]]:
+    """The first ``limit`` devices of a saved registry by id, as ``(id, hello map)``
+    (cohort members made for the listing only)."""
+    own = sorted((k, h) for k, h in state.items() if k != COHORTS_KEY and isinstance(h, dict))
+    runs = [own]
+    for st in state.get(COHORTS_KEY, []):
+        c = Cohort.from_state(st)
+        runs.append([(c.device_id(i), asdict(c.hello_of(i))) for i in range(min(limit, c.count))])
+    return list(heapq.merge(*runs))[:limit]

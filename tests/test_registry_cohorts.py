@@ -132,3 +132,19 @@ def test_a_million_registered_devices_cost_their_sample_counts() -> None:
     assert elapsed < 2.0 and peak < 16 * 2**20 and len(state) < 8 * 2**20, (elapsed, peak, len(state))
     d = random.Random(1).choice(lookups).device_id
     assert reg.member(d) is not None and reg.is_online(d)
+
+
+def test_a_saved_registry_with_cohorts_is_read_by_export_and_the_dashboard() -> None:
+    """What ``fedbit export`` and the dashboard read from a run's devices.msgpack: every
+    device kind, the count, the first devices by id."""
+    from coordinator.devices import state_entries, state_kinds, state_size
+
+    reg = DeviceRegistry()
+    for c in cohorts():
+        reg.add_cohort(c)
+    reg.apply(Hello("cam-1", "jetson-nano", 16, "int", "asym", 8, 5, "0.1.0"))
+    state = loads(dumps(reg.to_state()))
+    assert state_size(state) == 151
+    assert {(h["compute_bits"], h["trainer"]) for h in state_kinds(state)} == {(8, "int"), (32, "torch"), (16, "int")}
+    rows = state_entries(state, 3)
+    assert [d for d, _ in rows] == ["cam-1", "desktop-00", "desktop-01"] and rows[1][1]["num_samples"] == 32
