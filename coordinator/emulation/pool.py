@@ -4,7 +4,8 @@ fleet.
 
 Backends (``round.workers``, ``[cluster] backend``):
 
-- one worker in this process (``workers = 1``: the single process of old);
+- one worker in this process (``workers = 1``: the single process of old; ``workers =
+  0``, auto, starts here and moves to processes once a round is heavy: ``grow``);
 - :class:`ProcessBackend`: ``workers`` processes on this machine, each with
   ``max(1, cores // workers)`` kernel threads, the training split shared with them
   through tmpfs (:class:`~coordinator.emulation.worker.SharedData`: opened memory-mapped,

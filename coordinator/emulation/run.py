@@ -13,10 +13,11 @@ real :class:`~coordinator.server.Coordinator`.
 (its config, seed and shard) only when it is selected. A million registered devices cost
 the registry their sample counts, not a hello each.
 
-**Workers.** The selected devices train in ``round.workers`` workers
-(:mod:`coordinator.emulation.pool`): processes on this machine (0, the default: one per
-core), this process alone (1), or Ray actors across a cluster (``[cluster] backend =
-"ray"``). Each gets the round's messages once and runs the real
+**Workers.** The selected devices train in workers (:mod:`coordinator.emulation.pool`):
+this process (``round.workers = 1``), N processes on this machine (``= N``), Ray actors
+across a cluster (``[cluster] backend = "ray"``), or, by default (``= 0``), this process
+until a round costs it more than :data:`AUTO_CPU_S` CPU seconds and one process per core
+from then on. Each gets the round's messages once and runs the real
 :class:`edge_client.runtime.DeviceRuntime` of each of its devices (the code a Pi runs:
 download, train with its profile's trainer, encode with its codec, publish) on its own
 in-memory hub, at most ``round.parallel`` training at once; each update goes unchanged to
