@@ -128,6 +128,7 @@ class InlineHandle:
     def stop(self) -> None:
         self._queue.put(None)
         self._thread.join(5.0)
+        self.worker.close()
 
     def describe(self) -> str:
         return "this process"

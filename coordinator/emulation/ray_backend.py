@@ -72,6 +72,31 @@ class RayHandle:
         self._lock = threading.Lock()
         self._last: threading.Thread | None = None
         self._lost = False
+        #: set once the actor answered (it started and warmed up); one that fails before
+        #: is not replaced (another would fail alike: fedbit missing on its node, ...)
+        self.ready = threading.Event()
+        self._last = threading.Thread(target=self._ping, name=f"fedbit-ray-{index}-start", daemon=True)
+        self._last.start()
+
+    def _ping(self) -> None:
+        import ray
+
+        try:
+            ray.get(self.actor.pid.remote())
+        except ray.exceptions.RayError as exc:
+            self._fail(f"Ray actor {self.index} did not start: {exc}")
+            return
+        self.ready.set()
+
+    def _fail(self, why: str) -> None:
+        with self._lock:
+            if self._lost:
+                return
+            self._lost = True
+        self._pool.on_lost(self, why)
+
+    def alive(self) -> bool:
+        return not self._lost
 
     def submit(self, msgs: Any, devices: list[EmulatedDevice]) -> None:
         import ray
@@ -84,11 +109,7 @@ class RayHandle:
             try:
                 events = ray.get(ref)
             except ray.exceptions.RayError as exc:
-                with self._lock:
-                    if self._lost:
-                        return
-                    self._lost = True
-                self._pool.on_lost(self, f"Ray actor {self.index} failed: {type(exc).__name__}")
+                self._fail(f"Ray actor {self.index} failed: {type(exc).__name__}")
                 return
             for ev in events:
                 self._pool.on_event(self, ev)

@@ -176,6 +176,9 @@ class DeviceWorker:
         #: the devices' runtimes run on these threads (kept from round to round); a runtime
         #: waits on its training slot, its I/O (the outbox) overlaps the others' training
         self._threads = ThreadPoolExecutor(max(8, 4 * spec.slots), thread_name_prefix="fedbit-device")
+        self._running: set[Any] = set()  # the runtimes running now (stopped by close)
+        self._lock = threading.Lock()
+        self._closed = False
         self._feed = self.hub.client("fedbit-worker-feed")
         self._feed.connect()
         updates = topic(spec.job, "round").rsplit("/", 1)[0] + "/update/+"
@@ -263,14 +266,30 @@ class DeviceWorker:
 
         cfg = replace(dev.config, workdir=Path(self.spec.workdir) / dev.device_id)
         state = "failed"
+        rt = None
         try:
             rt = DeviceRuntime(cfg, self.train.subset(dev.shard), connect, trainer_factory=trainer_factory,
                                logger=log.getChild("device"))
-            rt.run(max_seconds=self.spec.wall_timeout_s)
+            with self._lock:
+                self._running.add(rt)
+            if not self._closed:
+                rt.run(max_seconds=self.spec.wall_timeout_s)
             state = "done" if rt.rounds_done else "failed"
         except Exception:  # noqa: BLE001 - a device failing is an event of the round, not of the worker
             log.exception("device %s failed in round %d", dev.device_id, round_id)
+        finally:
+            with self._lock:
+                self._running.discard(rt)
         results[dev.device_id] = state
+
+    def close(self) -> None:
+        """Stop the runtimes still running (a round given up on) and the threads."""
+        with self._lock:
+            self._closed = True
+            running = list(self._running)
+        for rt in running:
+            rt.stop()
+        self._threads.shutdown(wait=False, cancel_futures=True)
 
 
 def one_thread_torch() -> None:
