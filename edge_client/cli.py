@@ -34,6 +34,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from edge_client.connection import connect_timeout, device_connector, device_identity
     from edge_client.data import load_source
     from edge_client.errors import ConfigError
+    from edge_client.intnn.parallel import check_threads
     from edge_client.logs import setup_logging
     from edge_client.runtime import DeviceConfig, DeviceRuntime
     from hw_profiles import load_profile
@@ -46,10 +47,13 @@ def _cmd_run(args: argparse.Namespace) -> int:
         overrides = {}
         if args.codec:
             overrides = {"codec": args.codec, "codec_bits": args.codec_bits or profile.codec_bits}
+        if args.threads is not None:
+            overrides["threads"] = check_threads(args.threads)
         cfg = DeviceConfig.from_profile(
             args.id, profile, job=args.job, seed=args.seed,
             workdir=Path(args.workdir) if args.workdir else device_state_dir(args.id),
-            exit_when_done=not args.stay, train_delay_s=args.delay, give_up_after_s=connect_timeout(args))
+            exit_when_done=not args.stay, train_delay_s=args.delay, give_up_after_s=connect_timeout(args),
+            model_files=tuple(args.model_file))
         for k, v in overrides.items():
             setattr(cfg, k, v)
         connect = device_connector(args, ident)
@@ -76,9 +80,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    threads = f", {cfg.threads} threads" if profile.is_integer else ""
     print(f"fedbit-edge: device {args.id} ({profile.name}, {profile.compute_bits}-bit "
-          f"{profile.trainer}, uplink {cfg.codec}-{cfg.codec_bits}, {len(data.y)} samples) "
-          f"-> {args.broker}", flush=True)
+          f"{profile.trainer}{threads}, uplink {cfg.codec}-{cfg.codec_bits}, {len(data.y)} "
+          f"samples) -> {args.broker}", flush=True)
     try:
         n = rt.run(max_seconds=args.max_seconds or None)
     except KeyboardInterrupt:
@@ -163,7 +168,11 @@ def build_parser() -> argparse.ArgumentParser:
                        allow_abbrev=False)
     add_device_connection_options(p)
     p.add_argument("--profile", required=True, metavar="NAME", help="hardware profile name or TOML path")
-    p.add_argument("--data", required=True, metavar="SRC", help="a local folder or digits:K/N")
+    p.add_argument("--data", required=True, metavar="SRC", help="fashion-mnist:K/N or digits:K/N (shard K of N), or a local IDX "
+                   "or CIFAR-10 folder or .npz file (DIR:K/N for a shard)")
+    p.add_argument("--model-file", action="append", default=[], metavar="FILE",
+                   help="a user's model (TOML layers or a Python ModelSpec) this device may train when a "
+                        "round announces a model file of that name (repeatable)")
     p.add_argument("--workdir", metavar="DIR", help="outbox, state and TLS files (default $XDG_STATE_HOME/fedbit/<id>, "
                    "else ~/.local/state/fedbit/<id>)")
     p.add_argument("--seed", type=int, default=0)
@@ -174,6 +183,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "(fedbit-edge measure-link)")
     p.add_argument("--delay", type=float, default=0.0, metavar="S",
                    help="wait S seconds before each local training (emulate a slow device)")
+    p.add_argument("--threads", type=int, default=None, metavar="N",
+                   help="cores a training step uses (default: the profile's threads; the "
+                        "results are the same for any N)")
     p.add_argument("--stay", action="store_true", help="keep running after the coordinator is done")
     p.add_argument("--max-seconds", type=float, default=0.0, help="stop after this long (0: never)")
     add_connect_timeout_option(p)
@@ -191,8 +203,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, metavar="FILE",
                    help="model.onnx (fedbit export) or global.msgpack (a model message)")
     p.add_argument("--data", required=True, metavar="SRC",
-                   help="digits:test, digits:K/N, a .npz with x [N, C, H, W] in [0, 1] (and y), "
-                        "or a CIFAR-10 folder (its test batch)")
+                   help="a .npz with x [N, C, H, W] (and y), or a data source: digits:test, "
+                        "fashion-mnist:test, digits:K/N, an IDX or CIFAR-10 folder (its test split)")
     p.add_argument("--out", metavar="FILE", help="write the predictions (CSV, or .npz with the logits)")
     p.add_argument("--engine", choices=["auto", "onnxruntime", "numba"], default="auto",
                    help="auto: onnxruntime when installed, else numba")

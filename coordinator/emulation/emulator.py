@@ -29,6 +29,7 @@ from coordinator.emulation.worker import EmulatedDevice, derive_seed
 from edge_client.errors import ConfigError
 from edge_client.protocol import model_variant
 from edge_client.runtime import DeviceConfig, device_hello
+from firmware_models import is_model_file
 
 __all__ = ["DeviceGroup", "EmulatedDevice", "FleetPlan", "ListedShards", "SampledShards", "build_fleet",
            "derive_seed"]
@@ -44,6 +45,9 @@ class DeviceGroup:
     bits: int
     count: int
     offset: int
+    #: FedShift's inferior group (the parity split): integer or low-bit compute, or a lossy
+    #: uplink, unless ``data.inferior`` names the groups
+    inferior: bool
 
     @property
     def prefix(self) -> str:
@@ -56,12 +60,6 @@ class DeviceGroup:
     @property
     def variant(self) -> str:
         return model_variant(self.profile.compute_bits, self.profile.trainer)
-
-    @property
-    def inferior(self) -> bool:
-        """FedShift's inferior group: integer or low-bit compute, or a lossy uplink."""
-        p = self.profile
-        return p.trainer == "int" or p.compute_bits < 32 or self.codec != "float32"
 
     def device_id(self, i: int) -> str:
         return f"{self.prefix}{i:0{self.width}d}"
@@ -111,10 +109,11 @@ class FleetPlan:
         seed: the run seed (device seeds are derived from it and the id).
         job: the job id the devices join.
         workdir: the folder of the devices' work folders (``<workdir>/<device id>``).
+        model_files: the user's model file the devices load (``model`` a file), if any.
     """
 
     def __init__(self, groups: list[DeviceGroup], shards: SampledShards | ListedShards, seed: int, job: str,
-                 workdir: Path) -> None:
+                 workdir: Path, model_files: tuple[str, ...] = ()) -> None:
         prefixes = [g.prefix for g in groups]
         dup = sorted({p for p in prefixes if prefixes.count(p) > 1})
         if dup:
@@ -124,6 +123,7 @@ class FleetPlan:
         self.seed = seed
         self.job = job
         self.workdir = Path(workdir)
+        self.model_files = tuple(model_files)
         self._starts = [g.offset for g in groups]
 
     def __len__(self) -> int:
@@ -151,6 +151,10 @@ class FleetPlan:
         for g in self.groups:
             yield from (g.device_id(i) for i in range(g.count))
 
+    def __iter__(self) -> Iterator[EmulatedDevice]:
+        """Every device, made one after the other (for small fleets: tests, listings)."""
+        return (self.device(d) for d in self.ids())
+
     def profile(self, device_id: str) -> Any:
         return self.locate(device_id)[0].profile
 
@@ -167,7 +171,8 @@ class FleetPlan:
     def config(self, g: DeviceGroup, i: int) -> DeviceConfig:
         dev_id = g.device_id(i)
         return replace(DeviceConfig.from_profile(dev_id, g.profile, job=self.job, workdir=self.workdir / dev_id,
-                                                 seed=derive_seed("device", self.seed, dev_id), max_rounds=1),
+                                                 seed=derive_seed("device", self.seed, dev_id), max_rounds=1,
+                                                 model_files=self.model_files),
                        codec=g.codec, codec_bits=g.bits)
 
     def device(self, device_id: str) -> EmulatedDevice:
@@ -193,6 +198,7 @@ def build_fleet(cfg: ExperimentConfig, seed: int, data: DataSplit, workdir: Path
 
     groups: list[DeviceGroup] = []
     offset = 0
+    d = cfg.data
     for name, count in cfg.devices.items():
         try:
             prof = load_profile(name)
@@ -203,9 +209,10 @@ def build_fleet(cfg: ExperimentConfig, seed: int, data: DataSplit, workdir: Path
         if codec == "int" and prof.trainer != "int":
             raise ConfigError(f"{cfg.source}: codecs.{name}: codec 'int' needs an integer device")
         if count:
-            groups.append(DeviceGroup(prof, codec, bits, count, offset))
+            inferior = (name in d["inferior"] if d["inferior"]  # the parity split's groups, named
+                        else prof.trainer == "int" or prof.compute_bits < 32 or codec != "float32")
+            groups.append(DeviceGroup(prof, codec, bits, count, offset, inferior))
             offset += count
-    d = cfg.data
     if d["partition"] == "sample":
         if d["per_device"] < 1:
             raise ConfigError(f"data.per_device: must be >= 1, got {d['per_device']}")
@@ -216,4 +223,5 @@ def build_fleet(cfg: ExperimentConfig, seed: int, data: DataSplit, workdir: Path
                                         np.random.default_rng(derive_seed("data", seed)),
                                         k=d["shards_per_device"], alpha=float(d["alpha"]), inferior=inferior,
                                         per_device=d["per_device"]))
-    return FleetPlan(groups, shards, seed, job, workdir)
+    model_files = (cfg.model,) if is_model_file(cfg.model) else ()  # a user's model: the devices get the file
+    return FleetPlan(groups, shards, seed, job, workdir, model_files)
