@@ -251,7 +251,7 @@ def test_auto_workers_move_to_processes_after_a_heavy_round_and_relay_every_upda
     balanced; every update goes out unchanged on its device's topic."""
     from hw_profiles import load_profile
 
-    plan = FleetPlan([DeviceGroup(load_profile("raspberry-pi-4"), "int", 8, 6, 0)], SampledShards(100, 4, 0), 0,
+    plan = FleetPlan([DeviceGroup(load_profile("raspberry-pi-4"), "int", 8, 6, 0, True)], SampledShards(100, 4, 0), 0,
                      "job", tmp_path)
     published: list[tuple[str, bytes]] = []
 

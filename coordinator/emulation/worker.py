@@ -325,6 +325,9 @@ def serve(conn: Any) -> None:
     limit_threads(spec.threads)
     worker = DeviceWorker(data.open(), spec)
     worker.warm_up()
+    from edge_client.intnn.memory import release_compiler_pages
+
+    release_compiler_pages()  # LLVM's machine code, not run again once the kernels are loaded
     lock = threading.Lock()
 
     def send(item: Any) -> None:
