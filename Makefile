@@ -7,9 +7,9 @@
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
-EXTRAS ?= coordinator,data,dev,onnx
+EXTRAS ?= coordinator,data,dev,onnx,cluster
 
-.PHONY: demo test bench experiments fuzz faults wheel device-check py39-check install lint clean
+.PHONY: demo test bench bench-flower experiments fuzz faults wheel device-check py39-check install lint clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +30,17 @@ test: install
 
 bench: install
 	$(PY) benchmarks/run_all.py --out benchmarks/results/latest.jsonl
+
+# The emulator against Flower 1.40's simulation engine, side by side in one run: Flower in
+# its own venv (.venv-flower, never a fedbit dependency), torch pinned as for fedbit.
+FLOWER_VENV ?= .venv-flower
+$(FLOWER_VENV)/bin/python:
+	$(PYTHON) -m venv $(FLOWER_VENV)
+	$(FLOWER_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(FLOWER_VENV)/bin/python -m pip install --quiet "flwr[simulation]==1.40.*" "torch==2.13.0" scikit-learn psutil
+
+bench-flower: install $(FLOWER_VENV)/bin/python
+	$(PY) benchmarks/emulator_scale.py --flower $(FLOWER_VENV)/bin/python
 
 # The papers' experiments on the emulator (every config in experiments/: fmnist-* on
 # Fashion-MNIST, >= 5 seeds, hours; the others their digits versions); ONLY=name runs
@@ -80,4 +91,4 @@ lint: install
 	$(PY) -m ruff check edge_client coordinator firmware_models hw_profiles tests benchmarks experiments tools
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis build *.egg-info
+	rm -rf $(VENV) $(FLOWER_VENV) .pytest_cache .hypothesis build *.egg-info

@@ -1,31 +1,41 @@
-"""How the emulator scales with the registered fleet (issue 10).
+"""How the emulator scales: with the cores (workers), with the registered fleet, and
+against Flower's simulation engine (issue 20).
 
-In-process devices (``transport = "inproc"``), 10 selected per round, N registered (1,000
-and 10,000; 100,000 without ``--quick``), ``mlp`` on digits (each device 32 samples drawn
-for it, ``partition = "sample"``), half Int8 (raspberry-pi-4) and half float32 (desktop)
-devices, FedAvg. Each N runs in a fresh subprocess; per N it prints:
+Every run is a fresh subprocess (in-process devices, ``transport = "inproc"``); figures
+are ratios against an anchor measured in the same run.
 
-- ``round_seconds``: wall seconds per round after the first (median), anchored on the
-  same figure at N = 1,000 measured in the same run (target: 10,000 / 1,000 < 1.3: the
-  cost follows the selected devices, not the registered ones);
-- ``rss``: peak RSS of the process tree (MB), anchored on the 500 MB budget at N = 10,000;
-- ``startup_seconds``: process start to the first round's announcement (imports,
-  registering N devices with the coordinator, calibration), anchored on N = 1,000;
-- ``coordinator_seconds``: the coordinator's own time per round (median), anchored on
-  the devices' training time in that round.
+1. **Workers.** 16 Int8 ``digits_cnn`` devices (raspberry-pi-4), each 200 local steps of
+   batch 32 per round, all selected, FedAvg: ``round_seconds`` with ``workers = 2`` (and
+   ``workers = <cores>`` on a larger machine) against ``workers = 1``, and the
+   ``speedup`` against its target (1.7x for 2 workers, 10x for 16) and against what the
+   machine allows at that moment (``speedup_vs_machine``: the same Int8 training in
+   ``workers`` independent processes against one; on a machine shared with other work
+   that is well under ``workers``).
+2. **Registered fleet.** N = 1,000 / 10,000 / 100,000 / 1,000,000 registered devices, 10
+   selected per round, ``mlp`` on digits (each device 32 samples drawn for it,
+   ``partition = "sample"``), half Int8 (raspberry-pi-4), half float32 (desktop), the
+   default ``round.workers = 0`` (auto: rounds this light stay in the emulator's process):
+   ``round_seconds`` (anchor: N = 1,000; target <= 1.3),
+   ``startup_seconds`` (process start to the end of round 1 minus one steady round:
+   imports, the fleet, registering it, the workers' start; anchor: the 30 s budget),
+   ``rss`` and ``pss`` (peak of the process tree, MB, sampled every 0.2 s; RSS counts the
+   libraries every process maps once per process, PSS shares them out; anchor: the
+   1,000 MB budget), ``coordinator_seconds`` (the coordinator's own time per round,
+   anchored on the devices' training time).
+3. **Flower** (``--flower PYTHON``, or ``FEDBIT_FLOWER_PYTHON``: an interpreter with
+   ``flwr[simulation]`` and torch; ``make bench-flower`` makes ``.venv-flower``): the
+   registered-fleet job on Flower 1.40's simulation (Ray; a softmax regression per client,
+   ``benchmarks/_flower_side.py``) at N = 1,000 / 10,000 / 100,000, each fedbit figure
+   anchored on Flower's (targets: >= 5x faster per round at 10,000 and 100,000, <= 0.4x
+   its memory); and the float32 ``mlp`` job, 1,000 registered, 100 selected per round,
+   every core busy on both sides (fedbit: one worker per core; Flower: one client per
+   CPU): ``rounds_per_s`` anchored on Flower's (target >= 2x).
 
-Start-up is measured alike on both sides: process start to the end of the first round,
-minus one steady round. Peak RSS sums the whole process tree (psutil, sampled every 0.2 s).
+``--quick`` (the test suite): 4 devices x 20 steps for the workers; N = 1,000 and
+1,000,000, 3 rounds; no Flower.
 
-The anchor users would pick instead is Flower's simulation engine (Ray): issue 10 quotes
-Flower 1.40 on this kind of machine, 10 clients per round of a tiny softmax regression on
-digits: 0.24 s/round at N = 1,000, 0.68 s/round at N = 10,000 (2.8x), peak RSS 1.06-1.09 GB,
-5-6 s start-up. ``--flower PYTHON`` (or ``FEDBIT_FLOWER_PYTHON``) names an interpreter with
-``flwr[simulation]`` installed (never a fedbit dependency); the same job then runs on
-Flower in this run (``benchmarks/_flower_side.py``) and each fedbit figure gets a
-``flower`` line with Flower's as its anchor.
-
-Run: ``.venv/bin/python benchmarks/emulator_scale.py [--quick]``; prints JSON lines.
+Run: ``.venv/bin/python benchmarks/emulator_scale.py [--quick] [--flower PYTHON]``;
+prints JSON lines.
 """
 
 from __future__ import annotations
@@ -43,9 +53,11 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 
-ROUNDS = 6
 SELECTED = 10
-RSS_BUDGET_MB = 500.0
+#: rounds of the registered-fleet runs (the median of all but the first is quoted)
+ROUNDS = 16
+BUDGET_MB = 1000.0
+STARTUP_BUDGET_S = 30.0
 
 
 def emit(case: str, metric: str, value: float, unit: str, anchor: str, anchor_value: float, **extra) -> None:
@@ -54,8 +66,18 @@ def emit(case: str, metric: str, value: float, unit: str, anchor: str, anchor_va
                       "ratio": round(value / anchor_value, 4) if anchor_value else None, **extra}), flush=True)
 
 
-def worker(n: int, rounds: int) -> None:
-    """One emulated run with ``n`` registered devices; prints its figures as one JSON line."""
+def cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+# --------------------------------------------------------------------------- one run
+
+
+def run_once(kind: str, n: int, rounds: int, workers: int, steps: int) -> None:
+    """One emulated run in this process; prints its figures as one JSON line."""
     t0 = time.monotonic()
     from coordinator.emulation.config import from_dict
     from coordinator.emulation.run import Emulator
@@ -66,32 +88,41 @@ def worker(n: int, rounds: int) -> None:
         if event == "round_start":
             starts[f["round"]] = time.monotonic()
 
-    cfg = from_dict({
-        "name": "scale", "model": "mlp", "rounds": rounds, "strategy": "fedavg", "transport": "inproc",
-        "devices": {"raspberry-pi-4": n // 2, "desktop": n - n // 2},
-        "data": {"partition": "sample", "per_device": 32}, "train": {"epochs": 1, "batch": 32},
-        "round": {"fraction": SELECTED / n, "deadline_s": 0.0},
-        "clock": {"seconds_per_sample": {"int8": 2e-5, "float32": 1e-4}},
-    }, f"emulator_scale N={n}")
+    clock = {"seconds_per_sample": {"int8": 2e-5, "float32": 1e-4}}
+    if kind == "workers":  # n Int8 digits_cnn devices, all selected, `steps` steps each
+        raw = {"model": "digits_cnn", "devices": {"raspberry-pi-4": n}, "data": {"partition": "iid"},
+               "train": {"steps": steps, "batch": 32}, "round": {"fraction": 1.0}}
+    elif kind == "mlp":  # n float32 mlp devices, 100 selected
+        raw = {"model": "mlp", "devices": {"desktop": n}, "data": {"partition": "sample", "per_device": 32},
+               "train": {"epochs": 1, "batch": 32}, "round": {"fraction": 100 / n}}
+    else:  # the registered fleet: half Int8, half float32, 10 selected
+        raw = {"model": "mlp", "devices": {"raspberry-pi-4": n // 2, "desktop": n - n // 2},
+               "data": {"partition": "sample", "per_device": 32}, "train": {"epochs": 1, "batch": 32},
+               "round": {"fraction": SELECTED / n}}
+    raw |= {"name": kind, "rounds": rounds, "strategy": "fedavg", "transport": "inproc", "clock": clock}
+    raw["round"] |= {"deadline_s": 0.0, "workers": workers}
+    cfg = from_dict(raw, f"emulator_scale {kind} N={n}")
     with tempfile.TemporaryDirectory(prefix="fedbit-scale-") as tmp:
-        hist = Emulator(cfg, 0, Path(tmp) / "run", on_event=on_event).run().history
+        res = Emulator(cfg, 0, Path(tmp) / "run", on_event=on_event).run()
+    hist = res.history
     steady = hist[1:]
     round_s = statistics.median(h["round_seconds"] for h in steady)
     print(json.dumps({
-        "n": n, "startup_s": starts[1] + hist[0]["round_seconds"] - t0 - round_s,
+        "n": n, "workers": res.info["workers"], "startup_s": starts[1] + hist[0]["round_seconds"] - t0 - round_s,
         "round_s": round_s,
         "coordinator_s": statistics.median(h["coordinator_seconds"] for h in steady),
         "device_train_s": statistics.median(h["device_train_seconds"] for h in steady),
-        "selected": [h["selected"] for h in hist],
+        "selected": [h["selected"] for h in hist], "accepted": [h["accepted"] for h in hist],
     }), flush=True)
 
 
-def run_tree(cmd: list[str], timeout: float = 3600) -> tuple[dict, float]:
-    """Run ``cmd``; (its last JSON line, peak RSS in MB of it and all its descendants)."""
+def run_tree(cmd: list[str], timeout: float = 3600, env: dict | None = None) -> tuple[dict, float, float]:
+    """Run ``cmd``; (its last JSON line, peak RSS and peak PSS in MB of it and all its
+    descendants)."""
     import psutil
 
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    peak = [0.0]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    peak = [0.0, 0.0]
     done = threading.Event()
 
     def sample() -> None:
@@ -99,15 +130,16 @@ def run_tree(cmd: list[str], timeout: float = 3600) -> tuple[dict, float]:
         while not done.wait(0.2):
             try:
                 procs = [root, *root.children(recursive=True)]
-                total = 0
-                for p in procs:
-                    try:
-                        total += p.memory_info().rss
-                    except psutil.Error:
-                        pass
-                peak[0] = max(peak[0], total / 2**20)
             except psutil.Error:
                 return
+            rss = pss = 0
+            for p in procs:
+                try:
+                    m = p.memory_full_info()
+                    rss, pss = rss + m.rss, pss + m.pss
+                except psutil.Error:
+                    pass
+            peak[0], peak[1] = max(peak[0], rss / 2**20), max(peak[1], pss / 2**20)
 
     th = threading.Thread(target=sample, daemon=True)
     th.start()
@@ -119,7 +151,23 @@ def run_tree(cmd: list[str], timeout: float = 3600) -> tuple[dict, float]:
     if proc.returncode != 0:
         raise SystemExit(f"{cmd[1:]} failed:\n{err[-4000:]}")
     line = next(ln for ln in reversed(out.splitlines()) if ln.startswith("{"))
-    return json.loads(line), peak[0]
+    return json.loads(line), peak[0], peak[1]
+
+
+def fedbit(kind: str, n: int, rounds: int, workers: int, steps: int = 0) -> dict:
+    res, rss, pss = run_tree([sys.executable, __file__, "--run", kind, str(n), str(rounds), str(workers), str(steps)])
+    return res | {"rss_mb": rss, "pss_mb": pss}
+
+
+#: Ray binds its node to the loopback interface only with this (else to the machine's
+#: outward address)
+RAY_LOOPBACK = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+
+
+def flower(py: str, n: int, rounds: int, selected: int, job: str) -> dict:
+    res, rss, pss = run_tree([py, str(HERE / "_flower_side.py"), str(n), str(rounds), str(selected), job],
+                             env=os.environ | RAY_LOOPBACK)
+    return res | {"rss_mb": rss, "pss_mb": pss}
 
 
 def flower_python(arg: str | None) -> str | None:
@@ -135,41 +183,115 @@ def flower_python(arg: str | None) -> str | None:
         return None
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="N = 1,000 and 10,000 only, fewer rounds")
-    ap.add_argument("--flower", metavar="PYTHON", help="an interpreter with flwr[simulation] (the anchor)")
-    ap.add_argument("--worker", type=int, help=argparse.SUPPRESS)
-    ap.add_argument("--rounds", type=int, default=ROUNDS, help=argparse.SUPPRESS)
-    args = ap.parse_args()
-    if args.worker:
-        worker(args.worker, args.rounds)
-        return
-    sizes = [1_000, 10_000] if args.quick else [1_000, 10_000, 100_000]
-    rounds = 6 if args.quick else ROUNDS + 4
-    flwr_py = flower_python(args.flower)
-    results, flower = {}, {}
+# --------------------------------------------------------------------------- the three parts
+
+
+def train_steps(steps: int) -> None:
+    """``steps`` Int8 ``digits_cnn`` training steps of batch 32 (one device's work, warm)."""
+    import numpy as np
+
+    from edge_client.data import load_digits
+    from edge_client.trainers import make_trainer
+    from firmware_models import get_spec
+
+    data = load_digits("train").subset(np.arange(256))
+    trainer = make_trainer(get_spec("digits_cnn"), 8, seed=0)
+    trainer.train(data, steps=1, batch=32)
+    t0 = time.perf_counter()
+    trainer.train(data, steps=steps, batch=32)
+    print(json.dumps({"seconds": time.perf_counter() - t0}), flush=True)
+
+
+def capacity(w: int, steps: int) -> float:
+    """How many times one process's training throughput ``w`` independent processes get
+    on this machine now (the parallel speed-up a loaded machine allows): one process,
+    then ``w`` at once, each training ``steps`` steps."""
+    def run(k: int) -> float:
+        procs = [subprocess.Popen([sys.executable, __file__, "--train", str(steps)], stdout=subprocess.PIPE, text=True)
+                 for _ in range(k)]
+        return max(json.loads(p.communicate()[0].splitlines()[-1])["seconds"] for p in procs)
+
+    return w * run(1) / run(w)
+
+
+def bench_workers(quick: bool) -> None:
+    n, steps, rounds = (4, 20, 2) if quick else (16, 200, 4)
+    counts = [1, 2] + ([cores()] if cores() > 2 and not quick else [])
+    res = {w: fedbit("workers", n, rounds, w, steps) for w in counts}
+    for w in counts[1:]:
+        r = res[w]
+        assert r["workers"] == w and all(a == n for a in r["accepted"]), r
+        case = f"{n} Int8 digits_cnn devices x {steps} steps, workers={w} on {cores()} cores"
+        emit(case, "round_seconds", r["round_s"], "s", "workers=1, same run", res[1]["round_s"], rounds=rounds)
+        speedup = res[1]["round_s"] / r["round_s"]
+        emit(case, "speedup", speedup, "x", "target", 1.7 if w == 2 else 10.0 * w / 16)
+        if not quick:
+            emit(case, "speedup_vs_machine", speedup, "x", f"{w} independent training processes vs 1, same run",
+                 capacity(w, n * steps // w))
+
+
+def bench_registered(quick: bool, workers: int, flwr_py: str | None) -> None:
+    sizes = [1_000, 1_000_000] if quick else [1_000, 10_000, 100_000, 1_000_000]
+    rounds = 3 if quick else ROUNDS
+    res = {}
     for n in sizes:
-        results[n], results[n]["rss_mb"] = run_tree([sys.executable, __file__, "--worker", str(n),
-                                                     "--rounds", str(rounds)])
-        assert all(s == SELECTED for s in results[n]["selected"]), results[n]["selected"]
-        if flwr_py and n <= 10_000 or flwr_py and not args.quick:
-            flower[n], flower[n]["rss_mb"] = run_tree([flwr_py, str(HERE / "_flower_side.py"), str(n),
-                                                       str(rounds), str(SELECTED)])
-    base = results[1_000]
+        res[n] = fedbit("registered", n, rounds, workers)
+        assert all(s == SELECTED for s in res[n]["selected"]), res[n]["selected"]
+    base = res[1_000]
     for n in sizes:
-        r = results[n]
-        case = f"N={n:,} registered, {SELECTED} selected"
+        r = res[n]
+        case = f"N={n:,} registered, {SELECTED} selected, workers={r['workers']}"
         emit(case, "round_seconds", r["round_s"], "s", "same at N=1,000", base["round_s"], rounds=rounds)
-        emit(case, "rss", r["rss_mb"], "MB", "budget", RSS_BUDGET_MB)
-        emit(case, "startup_seconds", r["startup_s"], "s", "same at N=1,000", base["startup_s"])
+        emit(case, "startup_seconds", r["startup_s"], "s", "budget", STARTUP_BUDGET_S)
+        emit(case, "rss", r["rss_mb"], "MB", "budget", BUDGET_MB)
+        emit(case, "pss", r["pss_mb"], "MB", "budget", BUDGET_MB)
         emit(case, "coordinator_seconds", r["coordinator_s"], "s/round", "devices' training s/round",
              r["device_train_s"])
-        if n in flower:
-            f = flower[n]
-            for metric, key, unit in (("round_seconds", "round_s", "s"), ("rss", "rss_mb", "MB"),
-                                      ("startup_seconds", "startup_s", "s")):
-                emit(f"{case} vs Flower", metric, r[key], unit, "Flower run_simulation (Ray), same run", f[key])
+    if not flwr_py:
+        return
+    for n in (1_000, 10_000, 100_000):
+        f = flower(flwr_py, n, rounds, SELECTED, "softmax")
+        r = res.get(n) or fedbit("registered", n, rounds, workers)
+        case = f"N={n:,} registered, {SELECTED} selected vs Flower"
+        for metric, key, unit in (("round_seconds", "round_s", "s"), ("rss", "rss_mb", "MB"),
+                                  ("pss", "pss_mb", "MB"), ("startup_seconds", "startup_s", "s")):
+            emit(case, metric, r[key], unit, "Flower 1.40 run_simulation (Ray), same run", f[key])
+
+
+def bench_mlp_vs_flower(flwr_py: str) -> None:
+    n, rounds = 1_000, 8
+    r = fedbit("mlp", n, rounds, cores())
+    f = flower(flwr_py, n, rounds, 100, "mlp")
+    case = f"float32 mlp, {n:,} registered, 100 selected, every core busy ({cores()} cores)"
+    emit(case, "rounds_per_s", 1 / r["round_s"], "rounds/s", "Flower 1.40 run_simulation (Ray), same run",
+         1 / f["round_s"], workers=r["workers"])
+    emit(case, "rss", r["rss_mb"], "MB", "Flower 1.40 run_simulation (Ray), same run", f["rss_mb"])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="a few devices and N = 1,000 / 1,000,000 only")
+    ap.add_argument("--flower", metavar="PYTHON", help="an interpreter with flwr[simulation] (the anchor)")
+    ap.add_argument("--workers", type=int, default=0,
+                    help="round.workers of the registered-fleet runs (default 0: auto)")
+    ap.add_argument("--only", choices=("workers", "registered", "flower"), help="one part only")
+    ap.add_argument("--run", nargs=5, help=argparse.SUPPRESS)
+    ap.add_argument("--train", type=int, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.train:
+        train_steps(args.train)
+        return
+    if args.run:
+        kind, n, rounds, workers, steps = args.run
+        run_once(kind, int(n), int(rounds), int(workers), int(steps))
+        return
+    flwr_py = None if args.quick else flower_python(args.flower)
+    if args.only in (None, "workers"):
+        bench_workers(args.quick)
+    if args.only in (None, "registered"):
+        bench_registered(args.quick, args.workers, flwr_py)
+    if flwr_py and args.only in (None, "flower"):
+        bench_mlp_vs_flower(flwr_py)
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from coordinator.devices import Cohort
 from edge_client.errors import ProtocolError
 from edge_client.protocol import Status, encode_message, parse_topic, topic
 from edge_client.transport import LocalHub, MqttTransport, TlsOptions, Transport
@@ -93,6 +94,12 @@ class Fleet(ABC):
         arrive (an emulated fleet knows; a broker cannot): the round then closes without
         waiting for its deadline."""
         return True
+
+    def roster(self) -> list[Cohort]:
+        """Devices this fleet registers in bulk (an emulated fleet, which knows its devices
+        up front: no hello per device); the coordinator adds them to its registry when it
+        starts. Empty for fleets whose devices say hello themselves."""
+        return []
 
     def round_report(self, round_id: int) -> dict[str, Any]:
         """Figures the fleet measured about round ``round_id`` (an emulated fleet's

@@ -335,6 +335,12 @@ class Coordinator:
         elif self.state.has_run():
             raise ConfigError(f"{self.state.dir} holds a previous run: pass --resume or use another --out")
         self.fleet.start()
+        roster = self.fleet.roster()  # devices the fleet registers in bulk
+        for cohort in roster:
+            self.collector.devices.add_cohort(cohort)
+        if roster and len(self.collector.devices.hellos) > self.cfg.admission.max_registered:
+            raise ConfigError(f"the fleet registers {len(self.collector.devices.hellos)} devices: more than "
+                              f"admission.max_registered ({self.cfg.admission.max_registered})")
         # (no pump here: on resume, queued messages are handled once their round is set up again)
         if not resume or self.completed == 0 and not plans:
             # a fresh run: clear a previous run's retained announcement, say we are here

@@ -16,8 +16,9 @@ ROOT = Path(__file__).resolve().parent.parent
 WANTED = {
     "aggregate": [("fedshift n=", "throughput"), ("prowd-swa", "throughput"), ("wire tensors", "throughput"),
                   ("vs 10 updates", "rss")],
-    "emulator_scale": [("N=10,000", "round_seconds"), ("N=10,000", "rss"), ("N=10,000", "startup_seconds"),
-                       ("N=10,000", "coordinator_seconds")],
+    "emulator_scale": [("N=1,000,000", "round_seconds"), ("N=1,000,000", "rss"), ("N=1,000,000", "pss"),
+                       ("N=1,000,000", "startup_seconds"), ("N=1,000,000", "coordinator_seconds"),
+                       ("workers=2", "round_seconds"), ("workers=2", "speedup")],
     "inference": [("int8 onnxruntime batch 1", "throughput"), ("int8 onnxruntime batch 32", "throughput"),
                   ("int8 onnxruntime batch 1", "throughput_vs_float"),
                   ("int8 onnxruntime batch 32", "throughput_vs_float"),

@@ -99,8 +99,9 @@ sys.exit(1 if leaked else 0)
 #: lines share
 COORDINATOR_MAY_USE = {"errors", "protocol", "hparams", "codecs", "intnn", "trainers", "data",
                        "transport", "auth", "connection", "logs"}
-#: the one coordinator module that runs real device runtimes, by design
-RUNS_DEVICES = {"coordinator/emulation/emulator.py"}
+#: the emulator's devices, by design: emulator.py makes their configs, worker.py runs their
+#: real runtimes
+RUNS_DEVICES = {"coordinator/emulation/emulator.py", "coordinator/emulation/worker.py"}
 
 
 def test_coordinator_uses_only_the_device_sdk_library() -> None:

@@ -23,11 +23,13 @@ WALL = {"time", "run", "round_seconds", "wait_seconds", "collect_seconds", "aggr
 
 
 def config(**over) -> object:
+    """A small mixed fleet; one worker (this process) unless ``round.workers`` says otherwise
+    (tests/test_emulator_workers.py runs worker processes and Ray)."""
     raw = {"name": "t", "model": "digits_cnn", "rounds": 3, "strategy": "fedavg", "transport": "inproc",
            "devices": {"raspberry-pi-zero-2w": 2, "raspberry-pi-4": 2, "raspberry-pi-5": 2, "jetson-nano": 2,
                        "desktop": 2},
            "data": {"partition": "iid"}, "train": {"epochs": 2, "batch": 32},
-           "round": {"deadline_s": 5.0}, "clock": CLOCK}
+           "round": {"deadline_s": 5.0, "workers": 1}, "clock": CLOCK}
     for k, v in over.items():  # sections are merged, the fleet is replaced
         raw[k] = raw.get(k, {}) | v if isinstance(v, dict) and k != "devices" else v
     return from_dict(raw, "test")

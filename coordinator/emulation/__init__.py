@@ -7,6 +7,9 @@ papers' settings, and reports. See docs/experiments.md.
 - :mod:`~coordinator.emulation.run`: one run (:class:`Emulator`);
 - :mod:`~coordinator.emulation.emulator`, :mod:`~coordinator.emulation.clock`: the devices and
   the simulated clock;
+- :mod:`~coordinator.emulation.worker`, :mod:`~coordinator.emulation.pool`,
+  :mod:`~coordinator.emulation.ray_backend`: where the selected devices train (this
+  process, worker processes, Ray actors);
 - :mod:`~coordinator.emulation.datasets`, :mod:`~coordinator.emulation.papers`,
   :mod:`~coordinator.emulation.report`.
 """

@@ -9,13 +9,15 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from coordinator.emulation.emulator import DeviceHost, EmulatedDevice, derive_seed
+from coordinator.devices import Cohort
+from coordinator.emulation.emulator import FleetPlan
+from coordinator.emulation.worker import RoundMessages, derive_seed, one_thread_torch
 from coordinator.fleet import Fleet, Inbound
 from edge_client.errors import ProtocolError
 from edge_client.protocol import (
@@ -24,31 +26,45 @@ from edge_client.protocol import (
     decode_message,
 )
 
+if TYPE_CHECKING:
+    from coordinator.emulation.pool import WorkerPool
+
 log = logging.getLogger("fedbit.emulator")
 
+__all__ = ["EmulatedFleet", "SimLinks", "calibrate", "one_thread_torch"]
 
 
 @dataclass
 class SimLinks:
     """The simulated link and compute model (see the module docstring). Times in s."""
 
-    devices: Mapping[str, EmulatedDevice]
+    plan: FleetPlan
     seconds_per_sample: Mapping[str, float]
     seed: int
 
     def dropped(self, device_id: str, round_id: int) -> bool:
         """Whether the device's round is lost (probability ``loss_rate``, drawn from the run
         seed, the device and the round)."""
-        p = self.devices[device_id].profile.loss_rate
+        p = self.plan.profile(device_id).loss_rate
         return p > 0 and np.random.default_rng(derive_seed("loss", self.seed, device_id, round_id)).random() < p
+
+    def samples(self, device_id: str, hparams: Mapping[str, Any]) -> int:
+        """Samples the device trains on in a round announced with ``hparams``: ``steps`` x
+        ``batch``, else ``epochs`` x its shard."""
+        return int(hparams.get("steps") or 0) * int(hparams.get("batch", 32)) \
+            or int(hparams.get("epochs", 1)) * self.plan.num_samples(device_id)
+
+    def compute_seconds(self, device_id: str, samples: int) -> float:
+        """Seconds this machine takes to train ``samples`` on the device's variant."""
+        return samples * self.seconds_per_sample[self.plan.variant(device_id)]
 
     def arrival(self, device_id: str, model_bytes: int, samples: int, update_bytes: int) -> float:
         """Simulated seconds from the round's start to the update's arrival."""
-        dev = self.devices[device_id]
-        prof = dev.profile
+        g, _ = self.plan.locate(device_id)
+        prof = g.profile
         lat = prof.latency_ms / 1e3
         down = model_bytes * 8 / (prof.downlink_kbps * 1e3) + lat
-        compute = samples * self.seconds_per_sample[dev.variant] / prof.relative_speed
+        compute = samples * self.seconds_per_sample[g.variant] / prof.relative_speed
         up = update_bytes * 8 / (prof.uplink_kbps * 1e3) + lat
         return down + compute + up
 
@@ -87,6 +103,7 @@ class _SimRound:
     hparams: dict[str, Any]
     t0: float  # wall (monotonic)
     pending: dict[str, tuple[float, Inbound]] = field(default_factory=dict)
+    train_seconds: dict[str, float] = field(default_factory=dict)
     out: deque = field(default_factory=deque)
     final: bool = False
     report: dict[str, Any] = field(default_factory=dict)
@@ -98,17 +115,22 @@ class EmulatedFleet(Fleet):
 
     Args:
         inner: the real fleet (MQTT or in-process).
-        host: starts the selected devices' runtimes.
+        host: runs the selected devices (:class:`~coordinator.emulation.pool.WorkerPool`)
+            and registers the fleet (its roster).
         links: the simulated link and compute model.
         quorum: the fraction of the selected whose updates close a round.
         deadline_s: the simulated round deadline (0: none; the round closes at the last
             arrival).
         wall_timeout_s: a started device that has not answered after this many wall
             seconds counts as failed.
+        on_progress: called (from the coordinator's thread, while it waits for updates)
+            with the workers' :class:`~coordinator.emulation.pool.Progress` as fields
+            whenever it changed.
     """
 
-    def __init__(self, inner: Fleet, host: DeviceHost, links: SimLinks, *, quorum: float,
-                 deadline_s: float, wall_timeout_s: float) -> None:
+    def __init__(self, inner: Fleet, host: WorkerPool, links: SimLinks, *, quorum: float,
+                 deadline_s: float, wall_timeout_s: float,
+                 on_progress: Callable[[dict[str, Any]], None] | None = None) -> None:
         self.inner = inner
         self.job = inner.job
         self.host = host
@@ -117,6 +139,8 @@ class EmulatedFleet(Fleet):
         self.deadline_s = deadline_s
         self.wall_timeout_s = wall_timeout_s
         self.sim_time = 0.0
+        self.on_progress = on_progress
+        self._shown: Any = None
         self._round: _SimRound | None = None
 
     # pass-throughs
@@ -141,6 +165,9 @@ class EmulatedFleet(Fleet):
     def describe(self) -> str:
         return f"emulated links over {self.inner.describe()}"
 
+    def roster(self) -> list[Cohort]:
+        return self.host.roster()
+
     # the round
     def announce_round(self, models: Mapping[str, bytes], announcement: bytes, status: bytes) -> None:
         ann = decode_message(announcement)
@@ -152,7 +179,9 @@ class EmulatedFleet(Fleet):
         started = [d for d in selected if d not in lost]
         self._round = _SimRound(ann.round_id, selected, started, lost, {v: len(p) for v, p in models.items()},
                                 dict(ann.hparams), time.monotonic())
-        self.host.activate(ann.round_id, started)
+        costs = {d: self.links.compute_seconds(d, self.links.samples(d, ann.hparams)) for d in started}
+        self.host.activate(ann.round_id, started, RoundMessages(ann.round_id, dict(models), announcement, status),
+                           costs)
 
     def recv(self, timeout: float) -> Inbound | None:
         end = time.monotonic() + timeout
@@ -163,6 +192,7 @@ class EmulatedFleet(Fleet):
             msg = self.inner.recv(timeout=max(0.0, min(0.05, end - time.monotonic())))
             if msg is not None and not self._hold(msg):
                 return msg
+            self._show_progress()
             self._maybe_close()
             if rnd is not None and rnd.out:
                 return rnd.out.popleft()
@@ -176,6 +206,14 @@ class EmulatedFleet(Fleet):
     def round_report(self, round_id: int) -> dict[str, Any]:
         rnd = self._round
         return dict(rnd.report) if rnd is not None and rnd.round_id == round_id else {}
+
+    def _show_progress(self) -> None:
+        if self.on_progress is None or self._round is None:
+            return
+        p = self.host.progress()
+        if p != self._shown:
+            self._shown = p
+            self.on_progress(asdict(p))
 
     def _hold(self, msg: Inbound) -> bool:
         """Keep an update of the open round from a started device until the round closes
@@ -195,12 +233,11 @@ class EmulatedFleet(Fleet):
             rnd.report["sim_late"] = rnd.report.get("sim_late", 0) + 1
             self.inner.ack(msg)
             return True
-        dev = self.links.devices[m.device_id]
-        hp = rnd.hparams
-        samples = int(hp.get("steps") or 0) * int(hp.get("batch", 32)) or int(hp.get("epochs", 1)) * len(dev.shard)
-        t = self.links.arrival(m.device_id, rnd.model_bytes.get(dev.variant, 0), samples, len(msg.payload))
+        samples = self.links.samples(m.device_id, rnd.hparams)
+        variant = self.links.plan.variant(m.device_id)
+        t = self.links.arrival(m.device_id, rnd.model_bytes.get(variant, 0), samples, len(msg.payload))
         rnd.pending[m.device_id] = (t, msg)
-        self.host.train_seconds[m.device_id] = m.train_seconds
+        rnd.train_seconds[m.device_id] = m.train_seconds
         return True
 
     def _maybe_close(self) -> None:
@@ -228,7 +265,7 @@ class EmulatedFleet(Fleet):
         self.sim_time += duration
         rnd.out.extend(rnd.pending[d][1] for _, d in sorted(chosen, key=lambda x: x[1]))
         failed = sorted(d for d in rnd.started if d not in rnd.pending)
-        compute = [self.host.train_seconds.get(d, 0.0) for _, d in chosen]
+        compute = [rnd.train_seconds.get(d, 0.0) for _, d in chosen]
         rnd.report = {
             "sim_round_seconds": duration, "sim_time": self.sim_time,
             "sim_dropouts": len(rnd.lost), "sim_late": len(late), "sim_failed": len(failed),
@@ -237,14 +274,3 @@ class EmulatedFleet(Fleet):
             "device_wall_seconds": time.monotonic() - rnd.t0,
         }
         rnd.final = True
-
-
-def one_thread_torch() -> None:
-    """Float devices and the evaluator compute with one torch thread each: deterministic
-    results (a reduction's order does not depend on the thread count) and no
-    oversubscription of the cores the device threads share."""
-    try:
-        import torch
-    except ImportError:  # the coordinator extra is not installed: no float devices then
-        return
-    torch.set_num_threads(1)

@@ -23,7 +23,11 @@ A config (``fedbit emulate FILE``; the bundled default is ``coordinator/emulatio
                                # integer devices and lossy uplinks)
     [train]                    # announced to devices: epochs, batch, steps, ... (any key)
     [round]                    # fraction, quorum, min_updates, deadline_s (simulated),
-                               # wall_timeout_s, parallel (devices training at once)
+                               # wall_timeout_s, workers (processes or actors that train
+                               # the devices; 0: one per core / per Ray CPU; 1: this
+                               # process), parallel (devices training at once per worker)
+    [cluster]                  # backend = "local" (processes here) | "ray"; address = "auto"
+                               # | "host:port" | "ray://host:port" | "local" (a new Ray here)
     [clock]                    # seconds_per_sample = {variant = s}: pin the compute model
 
 ``paper = "<name>"`` (``coordinator.emulation.papers``: fedshift, prowd, prowd-fedprox, prowd-grouped,
@@ -72,7 +76,8 @@ SCHEMA = TomlSchema({
              "seed": (int, 0), "validation": (_NUM, 0.0), "inferior": (list, [])},
     "round": {"fraction": (_NUM, _SERVER.fraction), "quorum": (_NUM, _SERVER.quorum),
               "min_updates": (int, _SERVER.min_updates), "deadline_s": (_NUM, 0.0),
-              "wall_timeout_s": (_NUM, 600.0), "parallel": (int, 2)},
+              "wall_timeout_s": (_NUM, 600.0), "workers": (int, 0), "parallel": (int, 2)},
+    "cluster": {"backend": (str, "local"), "address": (str, "auto")},
     "clock": {"seconds_per_sample": (dict, {})},
 }, free=("strategy_params", "devices", "codecs", "train", "sweep"))
 
@@ -96,6 +101,7 @@ class ExperimentConfig:
     data: dict[str, Any] = field(default_factory=dict)
     train: dict[str, Any] = field(default_factory=lambda: dict(DEFAULT_HPARAMS))
     round: dict[str, Any] = field(default_factory=dict)
+    cluster: dict[str, Any] = field(default_factory=dict)
     clock: dict[str, Any] = field(default_factory=dict)
     sweep: dict[str, list[Any]] = field(default_factory=dict)
     source: str = "<config>"
@@ -104,7 +110,7 @@ class ExperimentConfig:
         """The config as the TOML table it came from (for reports and run folders)."""
         keys = ("name", "model", "rounds", "seeds", "strategy", "transport", "broker", "target_accuracy", "paper")
         out: dict[str, Any] = {k: copy.deepcopy(getattr(self, k)) for k in keys}
-        for sec in ("strategy_params", "devices", "codecs", "data", "train", "round", "clock", "sweep"):
+        for sec in ("strategy_params", "devices", "codecs", "data", "train", "round", "cluster", "clock", "sweep"):
             out[sec] = copy.deepcopy(getattr(self, sec))
         return out
 
@@ -224,6 +230,14 @@ def _check_values(cfg: ExperimentConfig, bad) -> None:
         raise bad("round.wall_timeout_s", f"must be > 0, got {r['wall_timeout_s']}")
     if r["parallel"] < 1:
         raise bad("round.parallel", f"must be >= 1, got {r['parallel']}")
+    if r["workers"] < 0:
+        raise bad("round.workers", f"must be >= 0 (0: one per core), got {r['workers']}")
+    cl = cfg.cluster
+    if cl["backend"] not in ("local", "ray"):
+        raise bad("cluster.backend", f"{cl['backend']!r} is not 'local' or 'ray'")
+    addr = cl["address"]
+    if not addr or not (addr in ("auto", "local") or addr.startswith("ray://") or addr.rpartition(":")[2].isdigit()):
+        raise bad("cluster.address", f"{addr!r}: expected \"auto\", \"local\", \"host:port\" or \"ray://host:port\"")
     for v, s in cfg.clock["seconds_per_sample"].items():
         if isinstance(s, bool) or not isinstance(s, int | float) or not (s > 0 and math.isfinite(s)):
             raise bad(f"clock.seconds_per_sample.{v}", f"must be a number > 0, got {s!r}")

@@ -1,63 +1,204 @@
-"""The emulated devices: the fleet a config describes (:func:`build_fleet`: profiles,
-codecs, data shards, seeds) and :class:`DeviceHost`, which registers every device once and runs
-the real device runtimes of the selected ones (the one coordinator module that runs
-``edge_client.runtime``, by design). See :mod:`coordinator.emulation.run`."""
+"""The emulated fleet a config describes (:func:`build_fleet` -> :class:`FleetPlan`:
+profiles, codecs, data shards, seeds), made device by device only when a device is
+selected. See :mod:`coordinator.emulation.run`.
+
+A :class:`FleetPlan` holds one :class:`DeviceGroup` per ``[devices]`` entry (a profile, its
+uplink codec, a count and the index of its first device) and the data shards: the shards
+of ``iid``/``shards``/``dirichlet``/``parity`` splits (at most one device per training
+sample: their index arrays together hold each sample once), or, for ``sample``, the rule
+that draws a device's ``per_device`` samples from its own seed when it is first needed.
+Registering, selecting and timing a device use its group and index alone; its
+:class:`EmulatedDevice` (the device config with its seed and work folder, the shard) is
+made when it trains.
+"""
 
 from __future__ import annotations
 
-import hashlib
-import logging
-import threading
-import time
-from collections.abc import Callable
+import bisect
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from coordinator.devices import Cohort
 from coordinator.emulation.config import ExperimentConfig, parse_codec
 from coordinator.emulation.datasets import DataSplit, partition
+from coordinator.emulation.worker import EmulatedDevice, derive_seed
 from edge_client.errors import ConfigError
-from edge_client.protocol import (
-    model_variant,
-)
-from edge_client.runtime import DeviceConfig, DeviceRuntime, birth_messages
+from edge_client.protocol import model_variant
+from edge_client.runtime import DeviceConfig, device_hello
 from firmware_models import is_model_file
 
-log = logging.getLogger("fedbit.emulator")
+__all__ = ["DeviceGroup", "EmulatedDevice", "FleetPlan", "ListedShards", "SampledShards", "build_fleet",
+           "derive_seed"]
 
 
-def derive_seed(*parts: object) -> int:
-    """A stable 31-bit seed from ``parts`` (SHA-256 of their text): the same on every run
-    and machine, unlike ``hash()``."""
-    h = hashlib.sha256(":".join(str(p) for p in parts).encode()).digest()
-    return int.from_bytes(h[:4], "little") & 0x7FFFFFFF
+@dataclass(frozen=True)
+class DeviceGroup:
+    """The devices of one ``[devices]`` entry: ids ``<profile>-<i>`` (``i`` zero-padded to
+    the width of ``count - 1``), fleet indices ``offset .. offset + count - 1``."""
 
-
-
-
-
-@dataclass
-class EmulatedDevice:
-    """One device of the fleet: its profile, config (codec override and seed applied) and
-    shard (indices into the training split)."""
-
-    device_id: str
     profile: Any  # hw_profiles.HardwareProfile
-    config: DeviceConfig
-    shard: np.ndarray
-    variant: str
-    inferior: bool  # FedShift's inferior group: an integer device or a lossy uplink
+    codec: str
+    bits: int
+    count: int
+    offset: int
+    #: FedShift's inferior group (the parity split): integer or low-bit compute, or a lossy
+    #: uplink, unless ``data.inferior`` names the groups
+    inferior: bool
+
+    @property
+    def prefix(self) -> str:
+        return f"{self.profile.name}-"
+
+    @property
+    def width(self) -> int:
+        return len(str(max(1, self.count) - 1))
+
+    @property
+    def variant(self) -> str:
+        return model_variant(self.profile.compute_bits, self.profile.trainer)
+
+    def device_id(self, i: int) -> str:
+        return f"{self.prefix}{i:0{self.width}d}"
 
 
-def build_fleet(cfg: ExperimentConfig, seed: int, data: DataSplit, workdir: Path, job: str) -> list[EmulatedDevice]:
+class SampledShards:
+    """``partition = "sample"``: device ``g``'s shard is ``per_device`` distinct samples of
+    ``n`` (all of them when ``n`` is smaller), drawn from its own seed (the run's data
+    seed and ``g``) when it is asked for: nothing is stored per device."""
+
+    def __init__(self, n: int, per_device: int, seed: int) -> None:
+        self.n, self.k, self.seed = int(n), min(int(per_device), int(n)), int(seed)
+
+    def __getitem__(self, g: int) -> np.ndarray:
+        rng = np.random.default_rng(derive_seed("data", self.seed, int(g)))
+        return np.sort(rng.choice(self.n, size=self.k, replace=False)).astype(np.int64)
+
+    def size(self, g: int) -> int:
+        return self.k
+
+    def sizes(self, offset: int, count: int) -> int:
+        return self.k
+
+
+class ListedShards:
+    """Shards drawn up front (one index array per device)."""
+
+    def __init__(self, shards: list[np.ndarray]) -> None:
+        self.shards = shards
+
+    def __getitem__(self, g: int) -> np.ndarray:
+        return self.shards[g]
+
+    def size(self, g: int) -> int:
+        return len(self.shards[g])
+
+    def sizes(self, offset: int, count: int) -> np.ndarray:
+        return np.fromiter((len(s) for s in self.shards[offset:offset + count]), np.int64, count)
+
+
+class FleetPlan:
+    """The fleet of a config (see the module docstring).
+
+    Args:
+        groups: one per ``[devices]`` entry with devices, in config order.
+        shards: ``shards[g]`` is device ``g``'s shard (``g``: its fleet index).
+        seed: the run seed (device seeds are derived from it and the id).
+        job: the job id the devices join.
+        workdir: the folder of the devices' work folders (``<workdir>/<device id>``).
+        model_files: the user's model file the devices load (``model`` a file), if any.
+    """
+
+    def __init__(self, groups: list[DeviceGroup], shards: SampledShards | ListedShards, seed: int, job: str,
+                 workdir: Path, model_files: tuple[str, ...] = ()) -> None:
+        prefixes = [g.prefix for g in groups]
+        dup = sorted({p for p in prefixes if prefixes.count(p) > 1})
+        if dup:
+            raise ConfigError(f"devices: two entries name the profile {dup[0][:-1]!r}: their ids would collide")
+        self.groups = groups
+        self.shards = shards
+        self.seed = seed
+        self.job = job
+        self.workdir = Path(workdir)
+        self.model_files = tuple(model_files)
+        self._starts = [g.offset for g in groups]
+
+    def __len__(self) -> int:
+        return sum(g.count for g in self.groups)
+
+    def locate(self, device_id: str) -> tuple[DeviceGroup, int]:
+        """(group, index in it) of a device of this fleet; KeyError otherwise."""
+        for g in self.groups:
+            rest = device_id[len(g.prefix):]
+            if device_id.startswith(g.prefix) and len(rest) == g.width and rest.isdigit() and rest.isascii() \
+                    and int(rest) < g.count:
+                return g, int(rest)
+        raise KeyError(device_id)
+
+    def group_of(self, index: int) -> DeviceGroup:
+        return self.groups[bisect.bisect_right(self._starts, index) - 1]
+
+    def device_id(self, index: int) -> str:
+        """The id of the device with fleet index ``index``."""
+        g = self.group_of(index)
+        return g.device_id(index - g.offset)
+
+    def ids(self) -> Iterator[str]:
+        """Every device id in fleet order."""
+        for g in self.groups:
+            yield from (g.device_id(i) for i in range(g.count))
+
+    def __iter__(self) -> Iterator[EmulatedDevice]:
+        """Every device, made one after the other (for small fleets: tests, listings)."""
+        return (self.device(d) for d in self.ids())
+
+    def profile(self, device_id: str) -> Any:
+        return self.locate(device_id)[0].profile
+
+    def variant(self, device_id: str) -> str:
+        return self.locate(device_id)[0].variant
+
+    def num_samples(self, device_id: str) -> int:
+        g, i = self.locate(device_id)
+        return self.shards.size(g.offset + i)
+
+    def variants(self) -> set[str]:
+        return {g.variant for g in self.groups}
+
+    def config(self, g: DeviceGroup, i: int) -> DeviceConfig:
+        dev_id = g.device_id(i)
+        return replace(DeviceConfig.from_profile(dev_id, g.profile, job=self.job, workdir=self.workdir / dev_id,
+                                                 seed=derive_seed("device", self.seed, dev_id), max_rounds=1,
+                                                 model_files=self.model_files),
+                       codec=g.codec, codec_bits=g.bits)
+
+    def device(self, device_id: str) -> EmulatedDevice:
+        """The device, made now (its config and shard)."""
+        g, i = self.locate(device_id)
+        return EmulatedDevice(device_id, g.profile, self.config(g, i), self.shards[g.offset + i], g.variant,
+                              g.inferior)
+
+    def roster(self) -> list[Cohort]:
+        """The fleet as cohorts for the coordinator's registry: one per group, with the
+        hello each of its devices would send."""
+        out = []
+        for g in self.groups:
+            hello = device_hello(self.config(g, 0), 0)
+            out.append(Cohort(g.prefix, g.width, g.count, hello, self.shards.sizes(g.offset, g.count)))
+        return out
+
+
+def build_fleet(cfg: ExperimentConfig, seed: int, data: DataSplit, workdir: Path, job: str) -> FleetPlan:
     """The devices of ``cfg`` (``[devices]`` counts, ``[codecs]`` overrides) with their
     data shards (``[data]`` partition, drawn with the run seed)."""
     from hw_profiles import load_profile
 
-    specs = []
-    keys = []  # each device's [devices] key
+    groups: list[DeviceGroup] = []
+    offset = 0
+    d = cfg.data
     for name, count in cfg.devices.items():
         try:
             prof = load_profile(name)
@@ -67,131 +208,20 @@ def build_fleet(cfg: ExperimentConfig, seed: int, data: DataSplit, workdir: Path
                        else (prof.codec, prof.codec_bits))
         if codec == "int" and prof.trainer != "int":
             raise ConfigError(f"{cfg.source}: codecs.{name}: codec 'int' needs an integer device")
-        width = len(str(max(1, count) - 1))
-        for i in range(count):
-            specs.append((f"{prof.name}-{i:0{width}d}", prof, codec, bits))
-            keys.append(name)
-    inferior = [p.trainer == "int" or p.compute_bits < 32 or c != "float32" for _, p, c, _ in specs]
-    if cfg.data["inferior"]:  # the parity split's groups named, whatever the uplinks
-        inferior = [k in cfg.data["inferior"] for k in keys]
+        if count:
+            inferior = (name in d["inferior"] if d["inferior"]  # the parity split's groups, named
+                        else prof.trainer == "int" or prof.compute_bits < 32 or codec != "float32")
+            groups.append(DeviceGroup(prof, codec, bits, count, offset, inferior))
+            offset += count
+    if d["partition"] == "sample":
+        if d["per_device"] < 1:
+            raise ConfigError(f"data.per_device: must be >= 1, got {d['per_device']}")
+        shards: SampledShards | ListedShards = SampledShards(len(data.train), d["per_device"], seed)
+    else:
+        inferior = [g.inferior for g in groups for _ in range(g.count)]
+        shards = ListedShards(partition(d["partition"], data.train.y, offset,
+                                        np.random.default_rng(derive_seed("data", seed)),
+                                        k=d["shards_per_device"], alpha=float(d["alpha"]), inferior=inferior,
+                                        per_device=d["per_device"]))
     model_files = (cfg.model,) if is_model_file(cfg.model) else ()  # a user's model: the devices get the file
-    d = cfg.data
-    shards = partition(d["partition"], data.train.y, len(specs), np.random.default_rng(derive_seed("data", seed)),
-                       k=d["shards_per_device"], alpha=float(d["alpha"]), inferior=inferior,
-                       per_device=d["per_device"])
-    devices = []
-    for (dev_id, prof, codec, bits), shard, inf in zip(specs, shards, inferior, strict=True):
-        dc = replace(DeviceConfig.from_profile(dev_id, prof, job=job, workdir=workdir / dev_id,
-                                               seed=derive_seed("device", seed, dev_id), max_rounds=1,
-                                               model_files=model_files),
-                     codec=codec, codec_bits=bits)
-        devices.append(EmulatedDevice(dev_id, prof, dc, shard, model_variant(prof.compute_bits, prof.trainer), inf))
-    return devices
-
-
-class _GatedTrainer:
-    """A device's trainer whose ``train`` waits for one of the host's training slots (at
-    most ``round.parallel`` devices compute at once, like cores)."""
-
-    def __init__(self, trainer: Any, slots: threading.Semaphore) -> None:
-        self._trainer = trainer
-        self._slots = slots
-
-    def train(self, *args: Any, **kwargs: Any) -> Any:
-        with self._slots:
-            return self._trainer.train(*args, **kwargs)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._trainer, name)
-
-
-class _StaysPresent:
-    """A device transport whose ``close`` does not announce the device offline: between
-    the rounds it is selected in, an emulated device sleeps but stays registered."""
-
-    def __init__(self, transport: Any) -> None:
-        self._transport = transport
-
-    def close(self, clear_will: Any = None) -> None:
-        self._transport.close()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._transport, name)
-
-
-class DeviceHost:
-    """Registers every device once and runs the runtimes of the selected ones.
-
-    Args:
-        devices: the fleet.
-        train: the training split (devices get ``train.subset(shard)`` when started).
-        connect: ``device_id -> connect(**session_spec) -> Transport``.
-        slots: training slots (devices computing at once).
-        wall_timeout_s: a device runtime gives up after this many seconds.
-    """
-
-    def __init__(self, devices: list[EmulatedDevice], train: Any, connect: Callable[[str], Callable[..., Any]],
-                 *, slots: int, wall_timeout_s: float) -> None:
-        self.devices = {d.device_id: d for d in devices}
-        self.train = train
-        self.connect = connect
-        self.slots = threading.Semaphore(slots)
-        self.wall_timeout_s = wall_timeout_s
-        #: device id -> (round, running | done | failed) of its latest start
-        self._state: dict[str, tuple[int, str]] = {}
-        self.train_seconds: dict[str, float] = {}
-        self._threads: dict[str, threading.Thread] = {}
-        self._lock = threading.Lock()
-
-    def register(self, transport: Any) -> None:
-        """Publish every device's presence and hello (retained) through ``transport``."""
-        for d in self.devices.values():
-            for t, payload, retain in birth_messages(d.config, len(d.shard)):
-                if not transport.publish(t, payload, qos=1, retain=retain, timeout=30.0):
-                    raise ConnectionError(f"registering {d.device_id}: the broker did not acknowledge")
-
-    def activate(self, round_id: int, ids: list[str]) -> None:
-        """Start the runtimes of ``ids`` for round ``round_id`` (a device still closing
-        its previous session is waited for: one session per device id)."""
-        for dev_id in ids:
-            old = self._threads.get(dev_id)
-            if old is not None:
-                old.join(self.wall_timeout_s)
-            with self._lock:
-                self._state[dev_id] = (round_id, "running")
-            th = threading.Thread(target=self._run, args=(self.devices[dev_id], round_id),
-                                  name=f"device-{dev_id}", daemon=True)
-            self._threads[dev_id] = th
-            th.start()
-
-    def failed(self, device_id: str, round_id: int) -> bool:
-        """Whether the device started for ``round_id`` ended without sending its update
-        (one that did send it may still have it in flight)."""
-        with self._lock:
-            return self._state.get(device_id) == (round_id, "failed")
-
-    def _run(self, dev: EmulatedDevice, round_id: int) -> None:
-        from edge_client.trainers import make_trainer
-
-        def trainer_factory(spec: Any, bits: int, seed: int) -> Any:
-            return _GatedTrainer(make_trainer(spec, bits, seed=derive_seed(seed, round_id)), self.slots)
-
-        connect = self.connect(dev.device_id)
-        rt = DeviceRuntime(dev.config, self.train.subset(dev.shard),
-                           lambda **kw: _StaysPresent(connect(**kw)), trainer_factory=trainer_factory,
-                           logger=log.getChild("device"))
-        state = "failed"
-        try:
-            rt.run(max_seconds=self.wall_timeout_s)
-            state = "done" if rt.rounds_done else "failed"
-        except Exception:  # noqa: BLE001 - a device failing is an event of the round, not of the emulator
-            log.exception("device %s failed in round %d", dev.device_id, round_id)
-        with self._lock:
-            if self._state.get(dev.device_id, (None,))[0] == round_id:
-                self._state[dev.device_id] = (round_id, state)
-
-    def join(self, timeout: float = 30.0) -> None:
-        """Wait for every started runtime to end (up to ``timeout`` s in all)."""
-        end = time.monotonic() + timeout
-        for th in list(self._threads.values()):
-            th.join(max(0.0, end - time.monotonic()))
+    return FleetPlan(groups, shards, seed, job, workdir, model_files)

@@ -140,6 +140,7 @@ def write_report(run_dir: str | Path) -> Path:
         lines.append(f"| {g} | {_pct(v['final'])} | {_pct(v['mean_last'])} |{vcell}{reach}")
     lines += ["", f"{s['rounds']} rounds in {s['wall_seconds']:.1f} s of wall time and "
               f"{s['sim_seconds']:.1f} s of simulated time; {s['stragglers']} straggler(s) in all.", "",
+              *([_workers_line(info), ""] if "workers" in info else []),
               "Uplink bytes by codec: " + ", ".join(f"{k} {v:,}" for k, v in sorted(s["uplink_bytes"].items())), ""]
     lines += onnx_summary_lines(run, info.get("onnx"))
     lines += _split_lines(info)
@@ -249,6 +250,20 @@ def mean_std(values: Sequence[float]) -> str:
 # --------------------------------------------------------------------------- text
 
 
+def _workers_line(info: dict[str, Any]) -> str:
+    """Where the devices trained: workers, backend, this machine's cores."""
+    where = (f"Ray actors ({info.get('cluster_cpus', '?')} CPUs on {info.get('nodes', '?')} node(s), "
+             f"address `{info.get('address', '?')}`)" if info.get("backend") == "ray"
+             else "worker processes" if info.get("processes") else "the emulator's process")
+    if info.get("processes_from_round"):
+        where += f" from round {info['processes_from_round']} (before: the emulator's process)"
+    if info.get("auto"):
+        where += " (`round.workers = 0`: auto)"
+    lost = f"; {info['workers_lost']} worker(s) lost and replaced" if info.get("workers_lost") else ""
+    return (f"Devices trained in {info['workers']} worker(s): {where}; the emulator's machine has "
+            f"{info.get('cores', '?')} cores{lost}.")
+
+
 def _config_lines(cfg: dict[str, Any]) -> list[str]:
     if not cfg:
         return []
@@ -278,7 +293,7 @@ def _split_lines(info: dict[str, Any], limit: int = 40) -> list[str]:
                         for k, v in sorted(sps.items())), ""]
     d = info.get("config", {}).get("data", {})
     out += [f"## Data split: {info.get('dataset', '?')}, partition `{d.get('partition', '?')}`", "",
-            f"{info.get('train_samples', '?')} training samples on {len(devices)} devices; "
+            f"{info.get('train_samples', '?')} training samples on {info.get('fleet_size', len(devices)):,} devices; "
             f"{info.get('test_samples', '?')} held out. Samples per class:", ""]
     k = len(devices[0]["class_counts"])
     out += ["| device | codec | " + " | ".join(str(c) for c in range(k)) + " | total |",

@@ -7,11 +7,23 @@ publish), over a real broker (``transport = "mqtt"``: the embedded one, or ``bro
 the in-process hub (``transport = "inproc"``: the same bytes, no sockets), against the
 real :class:`~coordinator.server.Coordinator`.
 
-**Devices cost what the selected ones cost.** Every registered device's hello and
-presence are published once (retained), so the coordinator sees the whole fleet; a
-device's runtime runs only in the rounds it is selected in (:class:`DeviceHost`: one
-thread per selected device, ``DeviceConfig(max_rounds=1)``, at most ``round.parallel``
-training at once), on its shard of the training split (an index array until then).
+**Devices cost what the selected ones cost.** The fleet is a plan
+(:class:`~coordinator.emulation.emulator.FleetPlan`): the coordinator registers it in bulk
+(:meth:`Fleet.roster`: one cohort per profile, no hello per device), and a device is made
+(its config, seed and shard) only when it is selected. A million registered devices cost
+the registry their sample counts, not a hello each.
+
+**Workers.** The selected devices train in workers (:mod:`coordinator.emulation.pool`):
+this process (``round.workers = 1``), N processes on this machine (``= N``), Ray actors
+across a cluster (``[cluster] backend = "ray"``), or, by default (``= 0``), this process
+until a round costs it more than :data:`AUTO_CPU_S` CPU seconds and one process per core
+from then on. Each gets the round's messages once and runs the real
+:class:`edge_client.runtime.DeviceRuntime` of each of its devices (the code a Pi runs:
+download, train with its profile's trainer, encode with its codec, publish) on its own
+in-memory hub, at most ``round.parallel`` training at once; each update goes unchanged to
+the coordinator's fleet (the in-process hub for ``transport = "inproc"``, the broker for
+``"mqtt"``) on the device's update topic. Which worker trains a device changes nothing
+in its update.
 
 **Simulated clock.** Devices train as fast as this machine allows; the round's time is
 simulated (:class:`SimLinks`): a device's update arrives at
@@ -25,24 +37,26 @@ after the round starts, in simulated seconds, and is lost with probability ``los
 updates until every started device has answered (or failed), then hands the coordinator
 the first ``ceil(quorum x selected)`` that arrive within the simulated ``deadline_s``, in
 device-id order (so the aggregate does not depend on thread timing), and tells it that
-nothing more will come (:meth:`Fleet.more_expected`); later ones are stragglers. Nothing
+nothing more will come (:meth:`Fleet.more_expected`); later ones are stragglers, and so
+are the devices of a worker lost mid-round. Nothing
 sleeps for simulated seconds. The seconds per sample are measured once per variant at
 start-up (``calibrate``), or pinned by the config (``[clock] seconds_per_sample``) for
 bit-reproducible runs. The coordinator's own time is not part of the simulated round.
 
 **Seeds.** The run seed picks the data split, the coordinator's initial model and
 selections, and each device's seed (a hash of the run seed and its id; its stochastic
-rounding stream in round r is keyed by both), so the same seed gives the same metrics.
+rounding stream in round r is keyed by both), so the same seed gives the same metrics,
+whatever the number of workers or the backend.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import time
-from collections import Counter
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -51,16 +65,28 @@ import numpy as np
 from coordinator.emulation.clock import EmulatedFleet, SimLinks, calibrate, one_thread_torch
 from coordinator.emulation.config import ExperimentConfig
 from coordinator.emulation.datasets import DataSplit, class_counts, load_dataset
-from coordinator.emulation.emulator import DeviceHost, EmulatedDevice, build_fleet
-from coordinator.fleet import Fleet, InProcessFleet, MqttFleet
-from edge_client.protocol import (
-    FLOAT_VARIANT,
+from coordinator.emulation.emulator import FleetPlan, build_fleet
+from coordinator.emulation.pool import (
+    InlineBackend,
+    ProcessBackend,
+    WorkerPool,
+    machine_cores,
+    wait_ready,
 )
+from coordinator.emulation.worker import WorkerSpec
+from coordinator.fleet import Fleet, InProcessFleet, MqttFleet
+from edge_client.protocol import FLOAT_VARIANT
 
 log = logging.getLogger("fedbit.emulator")
 
-
-
+#: devices listed one by one in ``emulation.json``: all of a fleet up to this size, the
+#: first 1,000 of a larger one (``fleet_size`` says how many there are)
+DESCRIBED_DEVICES = 10_000
+#: ``round.workers = 0`` (auto): a round that takes the emulator's own process more CPU
+#: seconds than this starts one worker process per core (fewer devices than cores: one
+#: per device) for the rounds after it. Smaller rounds stay in the emulator's process: a
+#: worker process costs ~360 MB (its kernels, torch) and a pipe each way per round.
+AUTO_CPU_S = 0.25
 
 @dataclass
 class RunResult:
@@ -80,7 +106,9 @@ class Emulator:
         run_dir: the run folder (created): ``out/`` the coordinator's run state
             (``metrics.jsonl``, checkpoint), ``devices/`` the started devices' work
             folders, ``emulation.json`` the fleet, split and clock.
-        on_event: the coordinator's progress callback.
+        on_event: the coordinator's progress callback; the emulator adds ``devices``
+            events (the workers' :class:`~coordinator.emulation.pool.Progress` as fields:
+            ``round``, ``started``, ``done``, ``failed``, ``workers``, ``busy``).
     """
 
     def __init__(self, cfg: ExperimentConfig, seed: int, run_dir: str | Path, *,
@@ -89,10 +117,12 @@ class Emulator:
         self.seed = int(seed)
         self.run_dir = Path(run_dir)
         self.on_event = on_event
+        self.pool: WorkerPool | None = None  # the workers of the run in progress
 
     def run(self) -> RunResult:
         from coordinator.config import ServerConfig
         from coordinator.evaluate import evaluator_for
+        from coordinator.ops.admission import AdmissionConfig
         from coordinator.server import Coordinator
         from coordinator.state import RunState
         from coordinator.strategies import build_strategy
@@ -106,44 +136,54 @@ class Emulator:
         job = "".join(c if c.isalnum() or c in "._-" else "-" for c in f"{cfg.name}-s{seed}")[:64]
         data = load_dataset(cfg.data["dataset"], cfg.data["path"] or None,
                             validation=float(cfg.data["validation"]), seed=int(cfg.data["seed"]))
-        devices = build_fleet(cfg, seed, data, self.run_dir / "devices", job)
-        variants = sorted({d.variant for d in devices} | {FLOAT_VARIANT})
+        plan = build_fleet(cfg, seed, data, self.run_dir / "devices", job)
+        variants = sorted(plan.variants() | {FLOAT_VARIANT})
         pinned = {str(k): float(v) for k, v in cfg.clock["seconds_per_sample"].items()}
         missing = [v for v in variants if v not in pinned]
         measured = calibrate(cfg.model, missing, data.train.subset(np.arange(min(64, len(data.train))))) \
             if missing else {}
         sps = pinned | measured
-        info = self._describe(devices, data, sps, measured)
-        (self.run_dir / "emulation.json").write_text(json.dumps(info, indent=1))
+        info = self._describe(plan, data, sps, measured)
         rnd = cfg.round
         strategy = build_strategy(cfg.strategy, model=cfg.model, **cfg.strategy_params)
+        n = len(plan)
         server_cfg = ServerConfig(
             job=job, model=cfg.model, rounds=cfg.rounds, strategy=cfg.strategy,
             strategy_params=dict(cfg.strategy_params), fraction=float(rnd["fraction"]), min_devices=1,
-            max_devices=len(devices), min_present=len(devices), quorum=float(rnd["quorum"]),
+            max_devices=n, min_present=n, quorum=float(rnd["quorum"]),
             min_updates=int(rnd["min_updates"]), round_timeout_s=float(rnd["wall_timeout_s"]),
-            presence_timeout_s=max(120.0, float(rnd["wall_timeout_s"])), hparams=dict(cfg.train), seed=seed)
-        broker, inner, connect, registrar = self._transport(job)
+            presence_timeout_s=max(120.0, float(rnd["wall_timeout_s"])), hparams=dict(cfg.train), seed=seed,
+            admission=replace(AdmissionConfig(), max_registered=max(n, AdmissionConfig().max_registered)))
+        broker, inner, relay = self._transport(job)
         info["broker"] = (f"embedded {broker.kind} at {broker.url}" if broker is not None
                           else self.cfg.broker or "in-process hub")
+        pool = fleet = None
         try:
-            host = DeviceHost(devices, data.train, connect, slots=int(rnd["parallel"]),
-                              wall_timeout_s=float(rnd["wall_timeout_s"]))
-            links = SimLinks({d.device_id: d for d in devices}, sps, seed)
-            fleet = EmulatedFleet(inner, host, links, quorum=float(rnd["quorum"]),
-                                  deadline_s=float(rnd["deadline_s"]), wall_timeout_s=float(rnd["wall_timeout_s"]))
-            registrar.connect(timeout=30.0)
-            host.register(registrar)
+            relay.connect(timeout=30.0)
+            pool = self.pool = self._workers(plan, data, relay, job)
+            info |= pool.describe() | {"cores": machine_cores()}
+            (self.run_dir / "emulation.json").write_text(json.dumps(info, indent=1))
+            if not wait_ready(pool, float(rnd["wall_timeout_s"])):
+                raise ConnectionError("the emulator's worker processes did not start (see the log)")
+            links = SimLinks(plan, sps, seed)
+            fleet = EmulatedFleet(inner, pool, links, quorum=float(rnd["quorum"]),
+                                  deadline_s=float(rnd["deadline_s"]), wall_timeout_s=float(rnd["wall_timeout_s"]),
+                                  on_progress=(lambda f: self.on_event("devices", f)) if self.on_event else None)
             coord = Coordinator(server_cfg, fleet, strategy, RunState(self.run_dir / "out"),
                                 evaluator=evaluator_for(cfg.model, data.test, strategy.device_hparams(cfg.train),
                                                         seed=seed, validation=data.validation),
                                 init_weights=init_shared(resolve_model(cfg.model), seed), on_event=self.on_event,
                                 logger=log.getChild("server"))
             history = coord.run()
-            host.join()
-            fleet.close()
-            registrar.close()
+            info |= pool.describe() | {"workers_lost": pool.lost}
         finally:
+            if pool is not None:
+                pool.close()
+            if fleet is not None:
+                fleet.close()
+            else:
+                inner.close()
+            relay.close()
             if broker is not None:
                 broker.stop()
         info["onnx"] = _export(self.run_dir / "out")
@@ -152,12 +192,36 @@ class Emulator:
         (self.run_dir / "emulation.json").write_text(json.dumps(info, indent=1))
         return RunResult(self.run_dir, history, info)
 
-    def _transport(self, job: str) -> tuple[Any, Fleet, Callable[[str], Callable[..., Any]], Any]:
-        """(broker or None, the coordinator's fleet, device connector, the registrar's
-        transport) for ``transport = inproc | mqtt``."""
+    def _workers(self, plan: FleetPlan, data: DataSplit, relay: Any, job: str) -> WorkerPool:
+        """The pool of ``round.workers`` workers on the ``[cluster]`` backend."""
+        rnd, cluster = self.cfg.round, self.cfg.cluster
+        cores = machine_cores()
+        workers = int(rnd["workers"])
+        kinds = {(g.profile.trainer, g.profile.compute_bits, g.codec, g.bits):
+                 replace(g.profile, codec=g.codec, codec_bits=g.bits) for g in plan.groups}
+        spec = WorkerSpec(job=job, slots=int(rnd["parallel"]), wall_timeout_s=float(rnd["wall_timeout_s"]),
+                          workdir=str(plan.workdir), model=self.cfg.model, profiles=tuple(kinds.values()))
+        if cluster["backend"] == "ray":
+            from coordinator.emulation.ray_backend import RayBackend
+
+            backend: Any = RayBackend(cluster["address"], data.train, spec)
+            return WorkerPool(plan, backend, workers or backend.cpus, relay, job)
+        n = min(workers or cores, len(plan))
+        if n <= 1:
+            return WorkerPool(plan, InlineBackend(data.train, spec), 1, relay, job)
+        procs = replace(spec, threads=max(1, cores // n))
+        if workers:
+            return WorkerPool(plan, ProcessBackend(data.train, procs), n, relay, job)
+        # auto: rounds run here until one of them takes more CPU than a process's cost is worth
+        return WorkerPool(plan, InlineBackend(data.train, spec), 1, relay, job,
+                          grow=lambda: (ProcessBackend(data.train, procs), n), grow_after_cpu_s=AUTO_CPU_S)
+
+    def _transport(self, job: str) -> tuple[Any, Fleet, Any]:
+        """(broker or None, the coordinator's fleet, the transport that relays the devices'
+        updates to it) for ``transport = inproc | mqtt``."""
         if self.cfg.transport == "inproc":
             inner = InProcessFleet(job)
-            return None, inner, inner.device_connector, inner.hub.client("fedbit-emulator")
+            return None, inner, inner.hub.client("fedbit-emulator")
         from coordinator.ops.broker import start_embedded_broker
         from edge_client.transport import MqttTransport
 
@@ -167,24 +231,22 @@ class Emulator:
             broker = start_embedded_broker()
             url = broker.url
         inner = MqttFleet(url, job, client_id=f"fedbit-coordinator-{job}-{self.seed}", username="fedbit-coordinator")
+        return broker, inner, MqttTransport(url, f"fedbit-emulator-{job}-{self.seed}")
 
-        def connect(dev_id: str) -> Callable[..., Any]:
-            return lambda **kw: MqttTransport(url, dev_id, **kw)
-
-        return broker, inner, connect, MqttTransport(url, f"fedbit-emulator-{job}")
-
-    def _describe(self, devices: list[EmulatedDevice], data: DataSplit, sps: dict[str, float],
+    def _describe(self, plan: FleetPlan, data: DataSplit, sps: dict[str, float],
                   measured: dict[str, float]) -> dict[str, Any]:
+        n = len(plan)
+        listed = list(itertools.islice(plan.ids(), n if n <= DESCRIBED_DEVICES else 1000))
+        devices = [plan.device(d) for d in listed]
         counts = class_counts([d.shard for d in devices], data.train.y, data.num_classes)
-        by_profile = Counter(d.profile.name for d in devices)
         return {
             "config": self.cfg.as_dict(), "source": self.cfg.source, "seed": self.seed,
             "dataset": data.name, "train_samples": len(data.train), "test_samples": len(data.test),
             "validation_samples": len(data.validation) if data.validation is not None else 0,
             "seconds_per_sample": sps, "calibrated": sorted(measured),
-            "profiles": {p: {"count": n, **{k: v for k, v in asdict(next(
-                d.profile for d in devices if d.profile.name == p)).items() if k != "notes"}}
-                for p, n in by_profile.items()},
+            "profiles": {g.profile.name: {"count": g.count, **{k: v for k, v in asdict(g.profile).items()
+                                                               if k != "notes"}} for g in plan.groups},
+            "fleet_size": n,
             "devices": [{"id": d.device_id, "profile": d.profile.name, "variant": d.variant,
                          "codec": f"{d.config.codec}-{d.config.codec_bits}", "inferior": d.inferior,
                          "samples": len(d.shard), "class_counts": counts[i].tolist()}

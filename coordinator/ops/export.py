@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from coordinator.devices import state_kinds
 from coordinator.ops.rundir import coordinator_dir
 from coordinator.state import Checkpoint, RunState, atomic_write
 from edge_client.errors import ConfigError, FedbitError
@@ -65,7 +66,7 @@ def run_bitwidths(ckpt: Checkpoint, devices: dict | None = None) -> list[int]:
     registry, ``RunState.load_devices()``; default the checkpoint's own, as older runs kept
     it) and grouped models, ascending (32 last)."""
     bits = {32} | {int(b) for b in ckpt.group_weights}
-    for hello in (ckpt.devices if devices is None else devices).values():
+    for hello in state_kinds(ckpt.devices if devices is None else devices):
         try:
             bits.add(variant_bits(model_variant(int(hello["compute_bits"]),
                                                 str(hello["trainer"]))))

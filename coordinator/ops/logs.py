@@ -86,8 +86,17 @@ class ProgressDisplay:
             self._print(refusal_line(f))
         elif event == "device":
             self._print(device_line(f))
+        elif event == "devices":
+            self._print(f"  round {f['round']}: {devices_text(f)}", live=True)
         elif event == "round_end":
             self._print(round_line(f, self.rounds))
+
+
+def devices_text(f: dict[str, Any]) -> str:
+    """An emulator's workers during a round (its ``devices`` event): devices done of those
+    started, failed ones, workers busy."""
+    failed = f", {f['failed']} failed" if f.get("failed") else ""
+    return f"{f['done']}/{f['started']} devices done{failed}, {f['busy']}/{f['workers']} workers busy"
 
 
 def round_line(f: dict[str, Any], rounds: int) -> str:
@@ -145,6 +154,8 @@ class LiveProgress:
                      updates=f"0/{len(f['selected'])} updates")
         elif event == "update":
             p.update(self._task, updates=f"{f['accepted']}/{f['selected']} updates")
+        elif event == "devices":
+            p.update(self._task, updates=devices_text(f))
         elif event == "reject" and not f.get("dropped"):
             p.console.print(refusal_line(f), markup=False, highlight=False)
         elif event == "round_end":

@@ -115,6 +115,7 @@ def run_view(path: str | Path) -> dict[str, Any]:
 def _from_files(d: Path, view: dict[str, Any]) -> None:
     """Devices, totals and the plan of a run without ``live.json`` (from its registry,
     checkpoint and metrics)."""
+    from coordinator.devices import state_entries, state_size
     from coordinator.state import CorruptFile, RunState
 
     state = RunState(d, durable=False)
@@ -144,8 +145,8 @@ def _from_files(d: Path, view: dict[str, Any]) -> None:
                         "codec": f"{h.get('codec', '?')}-{h.get('codec_bits', '?')}", "last_seen": 0.0,
                         "updates": last.get(dev, (0, 0))[1], "last_round": last.get(dev, (None, 0))[0],
                         "last_bytes": 0, "last_codec": "", "refusals": {}, "notes": {}}
-                       for dev, h in sorted(hellos.items())[:DEVICE_ROWS] if isinstance(h, dict)]
-    view["devices_total"] = len(hellos)
+                       for dev, h in state_entries(hellos, DEVICE_ROWS)]
+    view["devices_total"] = state_size(hellos)
     view["totals"] = {"rounds": len(view["rounds"]), "accepted": sum(int(r["accepted"]) for r in view["rounds"]),
                       "refused": refused, "uplink_bytes": uplink,
                       "wait_seconds": sum(float(r["wait_seconds"] or 0) for r in view["rounds"])}
