@@ -122,7 +122,8 @@ class Emulator:
             strategy_params=dict(cfg.strategy_params), fraction=float(rnd["fraction"]), min_devices=1,
             max_devices=len(devices), min_present=len(devices), quorum=float(rnd["quorum"]),
             min_updates=int(rnd["min_updates"]), round_timeout_s=float(rnd["wall_timeout_s"]),
-            presence_timeout_s=max(120.0, float(rnd["wall_timeout_s"])), hparams=dict(cfg.train), seed=seed)
+            presence_timeout_s=max(120.0, float(rnd["wall_timeout_s"])), hparams=dict(cfg.train), seed=seed,
+            on_collapse=cfg.on_collapse)
         broker, inner, connect, registrar = self._transport(job)
         info["broker"] = (f"embedded {broker.kind} at {broker.url}" if broker is not None
                           else self.cfg.broker or "in-process hub")

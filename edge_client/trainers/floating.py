@@ -117,18 +117,21 @@ class TorchTrainer:
         gain = math.sqrt(2.0 / flat.shape[1]) / self.ws_rho
         return ws.reshape(w.shape), gain
 
-    def forward(self, x, ws: bool | None = None, bits: int | None = None):
+    def forward(self, x, ws: bool | None = None, bits: int | None = None, taps: list | None = None):
         """Logits of a float32 batch ``x`` [N, C, H, W] (torch tensor) in [0, 1]; ``ws``:
         weight standardization; ``bits``: 32 for the float forward, s for the s-bit integer
-        forward (class docstring). None: the trainer's settings."""
+        forward (class docstring). None: the trainer's settings. ``taps``: a list that gets
+        each conv/linear layer's output (after the ReLU right after it, if any), as the
+        integer engine keeps its activations."""
         bits = self.forward_bits if bits is None else bits
         if bits != 32:
-            return self._int_forward(x, bits)
+            return self._int_forward(x, bits, taps)
         F = self._torch.nn.functional
         ws = self.weight_standardization if ws is None else ws
         h = x
         p = 0
-        for layer in self.spec.layers:
+        layers = self.spec.layers
+        for i, layer in enumerate(layers):
             if isinstance(layer, Conv2d):
                 w, scale = self._effective(p, self.params[p], ws)
                 h = F.conv2d(h, w, stride=layer.stride, padding=layer.padding) * scale
@@ -143,9 +146,11 @@ class TorchTrainer:
                 h = F.max_pool2d(h, layer.kernel, stride=layer.step, padding=layer.padding)
             elif isinstance(layer, Flatten):
                 h = h.flatten(1)
+            if taps is not None and _tap_after(layers, i):
+                taps.append(h)
         return h
 
-    def _int_forward(self, x, bits: int):
+    def _int_forward(self, x, bits: int, taps: list | None = None):
         """The s-bit integer devices' forward in float32, straight-through (class docstring)."""
         torch = self._torch
         F = torch.nn.functional
@@ -177,6 +182,8 @@ class TorchTrainer:
                     hq = hq.clamp(0.0 if relu else -amax, amax) / s_one
                 h = h + (hq - h).detach()
                 p += 1
+                if taps is not None:
+                    taps.append(h)
             elif isinstance(layer, ReLU):
                 h = F.relu(h)
             elif isinstance(layer, MaxPool2d):
@@ -277,6 +284,15 @@ class TorchTrainer:
                 total += float(self._loss(logits, yb)) * len(yb)
                 hits += int((logits.argmax(dim=1) == yb).sum())
         return total / len(data), hits / len(data)
+
+
+def _tap_after(layers, i: int) -> bool:
+    """Whether layer ``i`` ends a conv/linear layer's output: the layer itself when no ReLU
+    follows it, else that ReLU."""
+    layer = layers[i]
+    if isinstance(layer, (Conv2d, Linear)):
+        return not (i + 1 < len(layers) and isinstance(layers[i + 1], ReLU))
+    return isinstance(layer, ReLU) and i > 0 and isinstance(layers[i - 1], (Conv2d, Linear))
 
 
 def forward_bits(forward: str) -> int:
