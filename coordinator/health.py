@@ -138,19 +138,9 @@ class HealthWatch:
             if key not in done:
                 done[key] = self._group(w, w_old, fwd)
             layers = groups[v] = {name: dict(h) for name, h in done[key].items()}
+            for text in self._problems(layers):
+                found.setdefault(("collapse", text), []).append(v)
             for name, h in layers.items():
-                const = h.pop("_constant", False)
-                if h["nonfinite"]:
-                    found.setdefault(("collapse", f"{name}: {h['nonfinite']} non-finite weight(s)"), []).append(v)
-                elif h["zero"] >= 1.0:
-                    found.setdefault(("collapse", f"{name}: every forward weight is zero"), []).append(v)
-                elif h["live"] == 0:
-                    what = "non-zero" if name == self.names[-1] else "positive"
-                    found.setdefault(("collapse", f"{name}: no live unit (0 of {h['units']} can output a {what} "
-                                                  f"value)"), []).append(v)
-                elif const:
-                    found.setdefault(("collapse", f"{name}: the output is the same for every probe sample "
-                                                  f"(a constant function)"), []).append(v)
                 before = prev.get(v, {}).get(name, {}).get("live")
                 if isinstance(before, int) and h["live"] < before:
                     found.setdefault(("warning", f"{name}: live units {before} -> {h['live']} of {h['units']}"),
@@ -183,6 +173,29 @@ class HealthWatch:
         if collapse:
             self.on_event("collapse", {"round": r, "reasons": collapse, "rolled_back": verdict.rolled_back})
         return verdict
+
+    def _problems(self, layers: dict[str, dict[str, Any]]) -> list[str]:
+        """The collapse reasons of one group's layers (the probe's constant-output flag is
+        taken out of the record): non-finite weights; the first layer with all-zero codes or
+        no live unit (the layers after it die with it: named once); a constant output."""
+        out = []
+        const = layers[self.names[-1]].pop("_constant", False)
+        dead_at, at = None, 0
+        for name, h in layers.items():
+            layers[name].pop("_constant", None)
+            if h["nonfinite"]:
+                out.append(f"{name}: {h['nonfinite']} non-finite weight(s)")
+            elif dead_at is None and (h["zero"] >= 1.0 or h["live"] == 0):
+                dead_at, at = name, len(out)
+                what = "non-zero" if name == self.names[-1] else "positive"
+                out.append(f"{name}: " + ("every forward weight is zero" if h["zero"] >= 1.0 else
+                                          f"no live unit (0 of {h['units']} can output a {what} value)"))
+        later = [n for n in self.names[self.names.index(dead_at) + 1:] if layers[n]["live"] == 0] if dead_at else []
+        if later:
+            out[at] += f"; with it every later layer ({', '.join(later)})"
+        if const and dead_at is None:
+            out.append(f"{self.names[-1]}: the output is the same for every probe sample (a constant function)")
+        return out
 
     def _accuracy_collapse(self, r: int, scores: Mapping[str, tuple[Any, ...]],
                            history: Sequence[Mapping[str, Any]]) -> list[str]:
