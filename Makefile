@@ -31,10 +31,17 @@ test: install
 bench: install
 	$(PY) benchmarks/run_all.py --out benchmarks/results/latest.jsonl
 
-# The papers' experiments on the emulator (every config in experiments/, 3 seeds each);
-# results under runs/experiments/, summaries copied to benchmarks/results/experiments/.
+# The papers' experiments on the emulator (every config in experiments/: fmnist-* on
+# Fashion-MNIST, >= 5 seeds, hours; the others their digits versions); ONLY=name runs
+# one (or several, space-separated); results under runs/experiments/, summaries copied to
+# benchmarks/results/experiments/. ESTIMATE=R times R rounds of a covering set of
+# combinations instead and estimates each experiment's full time; SET="k=v ..." overrides
+# keys of every config (SET="data.dataset=cifar10 data.path=DIR model=fedshift_cnn").
+ONLY ?=
+ESTIMATE ?=
+SET ?=
 experiments: install
-	$(PY) experiments/run_all.py --out runs/experiments
+	$(PY) experiments/run_all.py --out runs/experiments $(if $(ESTIMATE),--estimate $(ESTIMATE)) $(foreach s,$(SET),--set $(s)) $(ONLY)
 
 # Fuzzing of every network input, 105,000 inputs with fresh randomness (make test runs
 # 5,600 of the same inputs every time).
@@ -51,12 +58,12 @@ faults: install
 	$(PY) tests/faults/table.py runs/faults.jsonl
 
 # The sdist and the pure-Python wheel a device installs (dist/fedbit-<version>-py3-none-any.whl;
-# see README "Install on a device"): the profiles and model specs inside, torch only in extras.
+# see docs/device.md#install): the profiles and model specs inside, torch only in extras.
 wheel: install
 	$(PY) -m build --no-isolation --outdir dist .
 
 # fedbit on 64-bit ARM under qemu (root; ~20 minutes the first time, the root filesystem
-# is cached): the README's device install from the wheel, Int8 training, an update
+# is cached): docs/device.md's install from the wheel, Int8 training, an update
 # counted by a coordinator on the host. Not part of make test.
 device-check: install
 	PY=$(PY) tools/device_check.sh

@@ -12,8 +12,8 @@ reused float32 buffer) and ``decode_accumulate_ms`` (``acc += w * decode(t)``, f
 over a ready float32 array of the same size.
 
 Times are the best of 7 rounds (3 with ``--quick``) in which every case of both data
-kinds runs once, in turn (see :func:`interleaved_best_ms`). Prints one JSON line per result (DESIGN.md,
-"Benchmarks").
+kinds runs once, in turn (see :func:`interleaved_best_ms`). Prints one JSON line per result
+(docs/architecture.md#benchmarks).
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ coordinator trains it (``ProwdDequantizer.train_version``: reconstruction over t
 + distillation on a noise buffer, the issue's defaults) on the early rounds and judged on
 the float32 devices' weights of the later rounds, held out by round.
 
-Prints JSON lines (DESIGN.md, Benchmarks):
+Prints JSON lines (docs/architecture.md#benchmarks):
 
 - ``l1`` (mean |ŵ - w| per weight, all layers) of ProWD's output for Int6 and Int8
   inputs (Q_6(w), Q_8(w): entering the fleet ladder 6 → 8 → 12 → 16 → 32 at 6 and 8)

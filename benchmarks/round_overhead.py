@@ -37,10 +37,22 @@
    units, zero codes, the probe batch's activations in every group's forward, the
    collapse rules), wall seconds per round against the round time of the same run.
    Target: <= 2 %.
+3. ``dashboard`` (issue 23), in the 1/20 run of part 2 (rounds are mostly coordination
+   there: the hardest case for a relative cost): from round 3 on, the rounds alternate
+   between the bare coordinator (even rounds; part 2's figures are theirs) and the
+   coordinator watched as ``fedbit serve --dashboard`` watches it (odd rounds): the
+   ``FleetMonitor`` fed by the round loop's events, ``live.json`` rewritten, the dashboard
+   server with a page's event stream open and ``/metrics`` scraped every 2 s (both by a
+   separate process, as a browser and Prometheus are). ``dashboard_cost_fraction``: the
+   round loop's time in the monitor's callbacks plus the CPU time of the dashboard's and
+   the live file's threads (``/proc/self/task/<tid>/schedstat``), per watched round, over that
+   round's time; target <= 2 %. Also the coordinator's own seconds in watched vs bare
+   rounds (same run), and ``page_update_latency_s``: the worst time from a round's end
+   (the monitor's clock) to its arrival in the event stream's client; target <= 1 s.
 
     .venv/bin/python benchmarks/round_overhead.py [--quick]
 
-Prints one JSON line per result (DESIGN.md, "Benchmarks").
+Prints one JSON line per result (docs/architecture.md#benchmarks).
 """
 
 from __future__ import annotations
@@ -241,7 +253,95 @@ def device_farm(url: str, n: int, job: str, seconds: float, shards: int) -> int:
     return 0
 
 
-def end_to_end(quick: bool, workdir: Path, shards: int) -> None:
+def sse_client(url: str, seconds: float) -> int:
+    """A page's event stream and a Prometheus scrape every 2 s, for ``seconds`` (a
+    separate process, as a browser is): prints ``{"latency": s}`` per received round."""
+    import http.client
+    import urllib.request
+
+    host, port = url.split("//")[1].strip("/").split(":")
+    end = time.time() + seconds
+
+    def scrape() -> None:
+        while time.time() < end:
+            urllib.request.urlopen(url + "metrics", timeout=10).read()
+            time.sleep(2.0)
+
+    threading.Thread(target=scrape, daemon=True).start()
+    conn = http.client.HTTPConnection(host, int(port), timeout=seconds)
+    conn.request("GET", "/events")
+    try:
+        for line in conn.getresponse():
+            if line.startswith(b"data: "):
+                now = time.time()
+                for r in json.loads(line[6:]).get("rounds", []):
+                    if r.get("closed_at"):
+                        print(json.dumps({"round": r["round"], "latency": now - r["closed_at"]}), flush=True)
+            if time.time() > end:
+                break
+    except (OSError, http.client.HTTPException):
+        pass  # the dashboard stopped
+    return 0
+
+
+def _thread_cpu(native_id: int | None) -> float:
+    """CPU seconds of one thread of this process (Linux: the time it ran on a CPU, in
+    ``/proc/self/task/<tid>/schedstat``, nanoseconds; ``stat``'s ticks are 10 ms coarse)."""
+    if native_id is None:
+        return 0.0
+    try:
+        return int(Path(f"/proc/self/task/{native_id}/schedstat").read_text().split()[0]) / 1e9
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
+class WatchedRounds:
+    """The coordinator's ``on_event``: rounds >= 3 alternate between bare (even) and watched
+    (odd: the monitor, live.json, the dashboard with a client); measures the watch's cost
+    per watched round (see the module docstring, part 3)."""
+
+    def __init__(self, workdir: Path, rounds: int) -> None:
+        from coordinator.ops.dashboard.watch import Watch
+
+        self.watch = Watch(listen="127.0.0.1:0")
+        self.observe = self.watch.new_run({"job": "bench-e2e"}, rounds, "bench", workdir)
+        self.client = subprocess.Popen([sys.executable, __file__, "--sse-client", self.watch.url,
+                                        "--seconds", "900"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                       text=True)
+        self.on = False
+        self.in_callbacks = 0.0
+        self.cost: dict[int, float] = {}  # watched round -> seconds of watch work
+        self._cpu0 = 0.0
+
+    def _threads_cpu(self) -> float:
+        threads = [self.watch.dashboard._thread, self.watch.live._thread]
+        return sum(_thread_cpu(t.native_id) for t in threads if t is not None)
+
+    def __call__(self, event: str, f: dict) -> None:
+        if self.on or event == "device":
+            t0 = time.perf_counter()
+            self.observe(event, f)
+            self.in_callbacks += time.perf_counter() - t0
+        if event == "round_end":
+            if self.on:
+                time.sleep(0.05)  # (the update the round's end caused is sent and counted)
+                self.cost[f["round"]] = self.in_callbacks + self._threads_cpu() - self._cpu0
+            nxt = f["round"] + 1  # the next round, from its selection on
+            self.on = nxt >= 3 and nxt % 2 == 1
+            self.in_callbacks, self._cpu0 = 0.0, self._threads_cpu()
+
+    def close(self) -> list[float]:
+        """Stop; the client's latencies (s)."""
+        self.watch.close("done")
+        try:
+            out, _ = self.client.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.client.kill()
+            out, _ = self.client.communicate()
+        return [json.loads(line)["latency"] for line in out.splitlines() if line.startswith("{")]
+
+
+def end_to_end(quick: bool, workdir: Path, shards: int, dashboard: bool = False) -> None:
     from coordinator.config import ServerConfig
     from coordinator.evaluate import make_evaluator
     from coordinator.fleet import MqttFleet
@@ -254,7 +354,10 @@ def end_to_end(quick: bool, workdir: Path, shards: int) -> None:
     from firmware_models import get_spec
 
     n, rounds = 20, (3 if quick else 6)
+    if dashboard:  # bare and watched rounds alternate from round 3 on (part 3)
+        rounds = 3 if quick else 12
     broker = start_embedded_broker()
+    watched = None
     farm = subprocess.Popen([sys.executable, __file__, "--device-farm", broker.url, "--devices", str(n),
                              "--seconds", "300", "--shards", str(shards)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -263,9 +366,10 @@ def end_to_end(quick: bool, workdir: Path, shards: int) -> None:
                            round_timeout_s=120, presence_timeout_s=120,
                            hparams={"epochs": 1, "batch": 32})
         fleet = MqttFleet(broker.url, "bench-e2e")
+        watched = WatchedRounds(workdir / f"e2e-{shards}", rounds) if dashboard else None
         co = Coordinator(cfg, fleet, build_strategy("fedavg"), RunState(workdir / f"e2e-{shards}"),
                          evaluator=make_evaluator("digits_cnn", load_digits("test")),
-                         init_weights=init_shared(get_spec("digits_cnn"), 0))
+                         init_weights=init_shared(get_spec("digits_cnn"), 0), on_event=watched)
         hist = co.run()
         fleet.close()
         farm.wait(timeout=60)
@@ -274,7 +378,11 @@ def end_to_end(quick: bool, workdir: Path, shards: int) -> None:
             farm.terminate()
             farm.wait(timeout=10)
         broker.stop()
-    steady = hist[1:]  # round 1 includes the devices' JIT compilation and torch import
+        latencies = watched.close() if watched is not None else []
+    # round 1 includes the devices' JIT compilation and torch import; watched rounds apart
+    steady = [h for h in hist[1:] if watched is None or h["round"] not in watched.cost]
+    if watched is not None:
+        _dashboard_lines(hist, steady, watched, latencies, broker.kind)
     round_s = float(np.mean([h["round_seconds"] for h in steady]))
     coord_s = float(np.mean([h["coordinator_seconds"] for h in steady]))
     eval_s = float(np.mean([h["eval_seconds"] for h in steady]))
@@ -293,6 +401,29 @@ def end_to_end(quick: bool, workdir: Path, shards: int) -> None:
          collapses=sum(len(h["health"]["collapse"]) for h in hist))
 
 
+def _dashboard_lines(hist: list[dict], bare: list[dict], watched: WatchedRounds, latencies: list[float],
+                     kind: str) -> None:
+    """Part 3's lines: the watch's cost per watched round over its round time; the
+    coordinator's seconds watched vs bare; the worst page update latency."""
+    on = [h for h in hist if h["round"] in watched.cost]
+    round_on = float(np.mean([h["round_seconds"] for h in on]))
+    cost = float(np.mean(list(watched.cost.values())))
+    case = f"digits_cnn 20 devices x ~72 samples ({kind}), dashboard on vs off (alternate rounds)"
+    coord_on = float(np.mean([h["coordinator_seconds"] for h in on]))
+    coord_off = float(np.mean([h["coordinator_seconds"] for h in bare]))
+    round_off = float(np.mean([h["round_seconds"] for h in bare]))
+    emit(case, "dashboard_cost_fraction", cost / round_on, "fraction", "round time (watched rounds)", round_on,
+         cost_seconds_per_round=round(cost, 5), watched_rounds=len(on), target=0.02,
+         coordinator_seconds_on=round(coord_on, 4), coordinator_seconds_off=round(coord_off, 4),
+         round_seconds_off=round(round_off, 4),
+         coordinator_extra_fraction=round((coord_on - coord_off) / round_on, 5))
+    emit(case, "coordinator_seconds_per_round", coord_on, "s", "same, dashboard off (same run)", coord_off,
+         rounds=len(on))
+    worst = max(latencies) if latencies else float("nan")
+    emit(case, "page_update_latency_s", worst, "s", "round time (watched rounds)", round_on, target=1.0,
+         rounds_received=len(latencies), mean_latency_s=round(float(np.mean(latencies)), 4) if latencies else None)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="CI size (< 90 s)")
@@ -300,10 +431,13 @@ def main() -> int:
     ap.add_argument("--devices", type=int, default=20, help=argparse.SUPPRESS)
     ap.add_argument("--seconds", type=float, default=300, help=argparse.SUPPRESS)
     ap.add_argument("--shards", type=int, default=20, help=argparse.SUPPRESS)
+    ap.add_argument("--sse-client", metavar="URL", help=argparse.SUPPRESS)
     ap.add_argument("--only", choices=["update", "e2e"], help="run one part")
     args = ap.parse_args()
     if args.device_farm:
         return device_farm(args.device_farm, args.devices, "bench-e2e", args.seconds, args.shards)
+    if args.sse_client:
+        return sse_client(args.sse_client, args.seconds)
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     work = Path(tempfile.mkdtemp(prefix="fedbit-bench-"))
     try:
@@ -313,7 +447,7 @@ def main() -> int:
             # each device on 1/20 of the digits training split (72 samples: a round is
             # mostly coordination), then on 1/4 (~360 samples, like `fedbit demo`)
             for shards in (20, 4):
-                end_to_end(args.quick, work, shards)
+                end_to_end(args.quick, work, shards, dashboard=shards == 20)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return 0

@@ -68,7 +68,7 @@ class Collector:
         ingest: the per-message rules.
         strategy: folds accepted updates (``fold``).
         state: the run directory (the inbox).
-        on_event: progress callback (``update``, ``reject`` events).
+        on_event: progress callback (``update``, ``reject``, ``device`` events).
         logger: where refusals are logged.
     """
 
@@ -131,8 +131,10 @@ class Collector:
                     self.update(msg.device_id, msg.payload)
                 elif msg.kind in ("hello", "presence"):
                     try:
-                        self.devices.apply(self.ingest.device(msg.kind, msg.device_id, msg.payload,
-                                                              self.devices, msg.received_at))
+                        change = self.devices.apply(self.ingest.device(msg.kind, msg.device_id, msg.payload,
+                                                                       self.devices, msg.received_at))
+                        if change:
+                            self._device_changed(msg.device_id, change)
                     except Rejected as exc:
                         self._refused(exc, msg.kind, msg.device_id)
                 else:
@@ -173,10 +175,25 @@ class Collector:
             # before the sync leaves the update unacked: the broker redelivers it.
             self._to_persist.append((rnd.round_id, device_id, payload))
         rnd.accepted[device_id] = time.monotonic()
-        self.uplink_bytes[codec_label(eu.tensors)] += len(payload)
-        self.on_event("update", {"round": rnd.round_id, "device": device_id,
-                                 "accepted": len(rnd.accepted), "selected": len(rnd.selected)})
+        codec = codec_label(eu.tensors)
+        self.uplink_bytes[codec] += len(payload)
+        self.on_event("update", {"round": rnd.round_id, "device": device_id, "accepted": len(rnd.accepted),
+                                 "selected": len(rnd.selected), "bytes": len(payload), "codec": codec,
+                                 "notes": sorted(self.ingest.notes)})
         return True
+
+    def _device_changed(self, device_id: str, change: str) -> None:
+        """A device joined (came online with a hello, or changed it) or left: one log line
+        and a ``device`` event (with its hello's profile, bitwidth and codec)."""
+        h = self.devices.hellos[device_id]
+        n = self.devices.n_present
+        what = f"joined ({h.profile}, {h.trainer}{h.compute_bits}, uplink {h.codec}-{h.codec_bits})" \
+            if change == "joined" else "left"
+        self.log.info("device %r %s; %d online", device_id, what, n,
+                      extra={"event": f"device_{change}", "device": device_id, "online": n})
+        self.on_event("device", {"device": device_id, "change": change, "online": n, "profile": h.profile,
+                                 "compute_bits": h.compute_bits, "trainer": h.trainer,
+                                 "codec": f"{h.codec}-{h.codec_bits}", "num_samples": h.num_samples})
 
     #: refusals of one reason logged per round at their level; more go to debug (a flood
     #: must not flood the log; every one is counted)
@@ -201,13 +218,13 @@ class Collector:
         if exc.quiet or self.counts[exc.metric] > self.log_per_reason:
             self.log.debug("%s %s from %r: %s", exc.metric, kind, device_id, exc.detail)
             return
+        self.on_event("reject", {**fields, "kind": kind, "detail": exc.detail, "dropped": exc.dropped})
         if exc.dropped:
             self.log.info("dropped %s from %r: %s (%s)", kind, device_id, exc.reason, exc.detail,
                           extra={"event": "drop", **fields})
             return
         self.log.warning("rejected %s from %r: %s (%s)", kind, device_id, exc.reason, exc.detail,
                          extra={"event": "reject", **fields})
-        self.on_event("reject", {"reason": exc.reason, "device": device_id, "detail": exc.detail})
 
     def pump(self, until: float, stop: Callable[[], bool] = lambda: False) -> None:
         """Handle messages until ``time.monotonic() >= until`` or ``stop()``.

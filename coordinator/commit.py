@@ -11,7 +11,7 @@ its accepted updates. Two background threads form a pipeline:
    messages, in arrival order (MQTT wants PUBACKs in order).
 
 So the appends of one batch overlap the sync of the one before, both overlap the loop's
-handling of the next, and the persist-then-ack rule (DESIGN.md, "Failure semantics")
+handling of the next, and the persist-then-ack rule (docs/architecture.md#failure-semantics)
 still holds: nothing is acked before the sync that covers it returned. A crash before
 that leaves the message unacked: the broker redelivers it.
 

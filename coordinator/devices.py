@@ -24,27 +24,39 @@ class DeviceRegistry:
         #: a hello was added or changed since :meth:`to_state` was last saved
         self.changed = False
         self._present: list[str] | None = None  # cache of present(), dropped on any change
+        #: how many devices are present (kept by every change: O(1) to read)
+        self.n_present = 0
 
-    def apply(self, m: Hello | Presence | None) -> None:
-        """Record a checked hello (the device is then online) or presence message."""
+    def apply(self, m: Hello | Presence | None) -> str | None:
+        """Record a checked hello (the device is then online) or presence message; returns
+        what changed for the operator: ``joined`` (a device with a hello came online, or
+        changed its hello), ``left`` (it went offline), or None."""
         if isinstance(m, Hello):
             old = self.hellos.get(m.device_id)
             if old != m:
                 if old is not None:
                     self._variants[model_variant(old.compute_bits, old.trainer)] -= 1
+                elif m.device_id in self.online:  # online before its hello: present from now
+                    self.n_present += 1
                 self.hellos[m.device_id] = m
                 self._variants[model_variant(m.compute_bits, m.trainer)] += 1
                 self._state[m.device_id] = asdict(m)
                 self.changed = True
                 self._present = None
-            self._set_online(m.device_id, True)
-        elif isinstance(m, Presence):
-            self._set_online(m.device_id, m.online)
+            return "joined" if self._set_online(m.device_id, True) or old != m else None
+        if isinstance(m, Presence) and self._set_online(m.device_id, m.online) and m.device_id in self.hellos:
+            return "joined" if m.online else "left"
+        return None
 
-    def _set_online(self, device_id: str, online: bool) -> None:
-        if (device_id in self.online) != online:
-            (self.online.add if online else self.online.discard)(device_id)
-            self._present = None
+    def _set_online(self, device_id: str, online: bool) -> bool:
+        """Whether the device's online state changed."""
+        if (device_id in self.online) == online:
+            return False
+        (self.online.add if online else self.online.discard)(device_id)
+        self._present = None
+        if device_id in self.hellos:
+            self.n_present += 1 if online else -1
+        return True
 
     def variants(self) -> set[str]:
         """The model variants the known devices run, ``float32`` always included."""
@@ -69,5 +81,6 @@ class DeviceRegistry:
             reg.apply(Hello(**h))
         reg.online.clear()
         reg._present = None
+        reg.n_present = 0
         reg.changed = False
         return reg

@@ -52,12 +52,18 @@ class ModelEvaluator:
 
     def _trainer(self, variant: str) -> Any:
         if variant not in self._trainers:
-            from edge_client.trainers import make_trainer
+            from edge_client.trainers import forward_bits, make_trainer
             from firmware_models import resolve_model
 
             bits = variant_bits(variant)
             extra = {}
-            if bits == 32:
+            fbits = forward_bits(self.float_forward)
+            if bits == 32 and fbits != 32:
+                # the float devices' int<s> forward is the s-bit integer forward, bit for bit
+                # (tests/test_float_forward.py): score it with the integer engine, several
+                # times faster than torch computing the same integers in float
+                bits = fbits
+            elif bits == 32:
                 extra = {"forward": self.float_forward}
                 if self.weight_standardization:
                     extra["weight_standardization"] = True

@@ -20,9 +20,11 @@ naming the file and the key; ``examples/job.toml`` shows every section)::
                                 # port, listen, security, security_dir, hostnames; the
                                 # connection: credentials, mqtt_version, username,
                                 # password_file, ca, cert, key, insecure
-    [admission]                 # max_samples, samples_policy, max_registered, hello_rate, hello_burst
+    [admission]                 # max_samples, samples_policy, allow_uncapped, max_registered,
+                                # hello_rate, hello_burst
     [limits]                    # max_payload_bytes, max_abs_value
     [log]                       # json, level, quiet
+    [dashboard]                 # listen ([HOST:]PORT; empty: none), password_file
 
 Every flag of ``fedbit serve`` sets one of these keys (:data:`FLAGS`; ``--set KEY=VALUE``
 sets any), so a flag and the file never disagree about a default: defaults come from
@@ -48,8 +50,10 @@ from coordinator.config import (
     read_toml,
 )
 from coordinator.ops.admission import AdmissionConfig
+from coordinator.ops.dashboard.access import parse_address
 from edge_client.errors import ConfigError
 from edge_client.protocol import DEFAULT_LIMITS
+from firmware_models import MODELS
 
 EMBEDDED_KINDS = ("auto", "mosquitto", "amqtt")
 SECURITY_MODES = ("auto", "none", "password", "tls")
@@ -62,9 +66,10 @@ class BrokerSettings:
     """Where the coordinator's broker is and how it connects (the ``[broker]`` table).
 
     ``url`` empty: an embedded broker (``embedded`` kind) on ``127.0.0.1:port`` (0: a free
-    port), or on ``listen`` (``HOST:PORT``) with ``security`` (``auto``: none on loopback,
-    TLS beyond it) and the job's security material in ``security_dir`` (default
-    ``OUT/security``) for the server certificate's ``hostnames``. ``url`` given: that broker,
+    port), or on ``listen`` (``HOST:PORT``) with ``security`` (``auto``: TLS for a job with
+    enrolled devices or beyond loopback, none for a loopback job without enrolments) and
+    the job's security material in ``security_dir`` (default ``OUT/security``) for the
+    server certificate's ``hostnames``. ``url`` given: that broker,
     reached with ``credentials`` (the file ``fedbit broker-config`` writes) or ``username`` /
     ``password_file`` and the TLS files ``ca`` / ``cert`` / ``key``."""
 
@@ -86,6 +91,17 @@ class BrokerSettings:
 
 
 @dataclass
+class DashboardSettings:
+    """The live dashboard and ``/metrics`` (the ``[dashboard]`` table;
+    :mod:`coordinator.ops.dashboard.access`): ``listen`` ``[HOST:]PORT`` (empty: none; a
+    bare port is on 127.0.0.1, 0 a free one; beyond loopback HTTPS with the job CA and a
+    password), ``password_file`` (default beyond loopback: ``SECURITY/dashboard.password``)."""
+
+    listen: str = ""
+    password_file: str = ""
+
+
+@dataclass
 class ServeJob:
     """Everything ``fedbit serve`` runs (see the module docstring); ``source`` names the file."""
 
@@ -98,6 +114,9 @@ class ServeJob:
     log_level: str = "info"
     quiet: bool = False
     source: str = "<flags>"
+    dashboard: DashboardSettings = field(default_factory=DashboardSettings)
+    #: the validated job table (every key, defaults filled in), as the dashboard shows it
+    table: dict[str, Any] = field(default_factory=dict)
 
 
 _S, _A, _L, _B = ServerConfig(), AdmissionConfig(), DEFAULT_LIMITS, BrokerSettings()
@@ -113,10 +132,12 @@ SCHEMA = TomlSchema({
     "broker": {k: ((bool if isinstance(v, bool) else list if isinstance(v, list) else int if isinstance(v, int)
                     else str), v) for k, v in vars(_B).items()},
     "admission": {"max_samples": (int, _A.max_samples), "samples_policy": (str, _A.samples_policy),
+                  "allow_uncapped": (bool, _A.allow_uncapped),
                   "max_registered": (int, _A.max_registered), "hello_rate": (NUMBER, _A.hello_rate),
                   "hello_burst": (int, _A.hello_burst)},
     "limits": {"max_payload_bytes": (int, _L.max_payload_bytes), "max_abs_value": (NUMBER, _L.max_abs_value)},
     "log": {"json": (bool, False), "level": (str, "info"), "quiet": (bool, False)},
+    "dashboard": {"listen": ((str, int), ""), "password_file": (str, "")},
 }, free=("strategy_params", "train"))
 
 
@@ -143,6 +164,12 @@ def job_from_dict(raw: dict[str, Any], source: str) -> ServeJob:
         raise ConfigError(f"{source}: out: no run directory (give --out DIR or `out = \"DIR\"` in the job file)")
     if lim["max_payload_bytes"] < 1024:
         raise ConfigError(f"{source}: limits.max_payload_bytes: must be >= 1024, got {lim['max_payload_bytes']}")
+    dash = DashboardSettings(str(v["dashboard"]["listen"]).strip(), v["dashboard"]["password_file"])
+    if dash.listen:
+        try:
+            parse_address(dash.listen)
+        except ConfigError as exc:
+            raise ConfigError(f"{source}: dashboard.listen: {exc}") from None
     hparams = copy.deepcopy(DEFAULT_HPARAMS) | v["train"]
     cfg = ServerConfig(
         job=top["job"], model=_model(top["model"], source), rounds=top["rounds"], strategy=top["strategy"],
@@ -158,7 +185,8 @@ def job_from_dict(raw: dict[str, Any], source: str) -> ServeJob:
     except ConfigError as exc:
         raise ConfigError(f"{source}: {exc}") from None
     return ServeJob(cfg, broker, top["out"], eval_data=top["eval_data"], resume=top["resume"],
-                    log_json=log["json"], log_level=log["level"], quiet=log["quiet"], source=source)
+                    log_json=log["json"], log_level=log["level"], quiet=log["quiet"], source=source,
+                    dashboard=dash, table={**v[""], **{sec: t for sec, t in v.items() if sec}})
 
 
 def _model(ref: str, source: str) -> str:
@@ -167,6 +195,9 @@ def _model(ref: str, source: str) -> str:
     naming the job file and the model file (and layer) when it does not load."""
     from firmware_models import SpecError, is_model_file, resolve_model
 
+    if not is_model_file(ref) and ref not in MODELS:
+        raise ConfigError(f"{source}: model: {ref!r} is not one of {sorted(MODELS)} (or a model file: "
+                          f"*.toml, *.py)")
     if is_model_file(ref) and not Path(ref).is_absolute():
         near = Path(source).parent / ref
         ref = str((near if source != "<flags>" and near.is_file() else Path(ref)).resolve())
@@ -224,10 +255,11 @@ FLAGS: list[tuple[str, str, dict[str, Any]]] = [
                                        "(auto: mosquitto when on PATH, else amqtt)"}),
     ("--port", "broker.port", {"type": int, "help": "TCP port of the embedded broker on 127.0.0.1 (0: a free one)"}),
     ("--listen", "broker.listen", {"metavar": "HOST:PORT", "help": "where the embedded broker listens for devices "
-                                   "(0.0.0.0:8883: every interface); beyond loopback it takes TLS, "
-                                   "per-device passwords and an ACL"}),
+                                   "(0.0.0.0:8883: every interface); a job with enrolled devices, or "
+                                   "one beyond loopback, takes TLS, per-device passwords and an ACL"}),
     ("--security", "broker.security", {"choices": list(SECURITY_MODES), "help": "embedded broker security "
-                                       "(auto: none on loopback, tls beyond it)"}),
+                                       "(auto: follows the job: tls when devices are enrolled or beyond "
+                                       "loopback, none for a loopback job without enrolments)"}),
     ("--security-dir", "broker.security_dir", {"metavar": "DIR", "help": "the job's CA, registry, password file "
                                                "and ACL (default OUT/security; with --broker: the folder "
                                                "fedbit broker-config wrote)"}),
@@ -236,6 +268,9 @@ FLAGS: list[tuple[str, str, dict[str, Any]]] = [
     ("--max-samples", "admission.max_samples", {"type": int, "metavar": "N", "help": "job-wide cap of an "
                                                 "update's num_samples (0: none; enrolment and hello "
                                                 "declarations bound it too)"}),
+    ("--allow-uncapped", "admission.allow_uncapped", {"action": "store_true", "help": "start even though "
+                                                      "an enrolled device has no sample cap (enrolled "
+                                                      "with --max-samples 0) and --max-samples is 0"}),
     ("--samples-policy", "admission.samples_policy", {"choices": ["clip", "reject"], "help": "an update claiming "
                                                       "more samples than its bound: clipped or rejected"}),
     ("--max-registered", "admission.max_registered", {"type": int, "metavar": "N", "help": "most devices the job registers"}),
@@ -243,6 +278,12 @@ FLAGS: list[tuple[str, str, dict[str, Any]]] = [
                                               "messages per device per second (after --hello-burst)"}),
     ("--hello-burst", "admission.hello_burst", {"type": int, "metavar": "N"}),
     ("--quiet", "log.quiet", {"action": "store_true", "help": "no progress display"}),
+    ("--dashboard", "dashboard.listen", {"metavar": "[HOST:]PORT", "help": "serve the live dashboard and "
+                                         "Prometheus /metrics (8080: on 127.0.0.1; 0: a free port; beyond "
+                                         "loopback: HTTPS with the job CA and a password)"}),
+    ("--dashboard-password-file", "dashboard.password_file", {"metavar": "FILE", "help": "the dashboard's "
+                                                              "password (default beyond loopback: "
+                                                              "SECURITY/dashboard.password, made once)"}),
 ]
 #: the shared connection and logging options' keys in the job file
 CONNECTION_KEYS = {name: f"broker.{'url' if name == 'broker' else name}" for name in

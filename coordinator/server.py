@@ -80,8 +80,7 @@ class Coordinator:
             figures the evaluator adds, such as ``val_accuracy``).
         init_weights: the initial shared weights (``intnn.init_shared(spec, seed)``).
         on_event: progress callback ``(event, fields)``; events ``round_start``,
-            ``update``, ``reject``, ``round_end``, ``waiting``, ``health``, ``collapse``
-            (``coordinator.health``: checked every round; a collapse rolls back).
+            ``update``, ``reject``, ``device``, ``round_end``, ``waiting``, ``health``, ``collapse``.
     """
 
     def __init__(self, cfg: ServerConfig, fleet: Fleet, strategy: RoundStrategy, state: RunState, *,
@@ -160,6 +159,7 @@ class Coordinator:
             selected, variants = list(plan.selected), set(plan.variants)
             if plan.rng_state:
                 self.rng.bit_generator.state = json.loads(plan.rng_state)
+        wait, t_start = time.monotonic() - t_start, time.monotonic()  # the wait for devices is not round time
         with clock.timed("announce"):
             payloads = model_messages(
                 r, cfg.model, self.names, variants, weights=self.weights, group_weights=self.group_weights,
@@ -182,11 +182,11 @@ class Coordinator:
                                     deadline=plan.deadline, variants=digests, hparams=dict(plan.hparams))
             self.fleet.announce_round({v: p for v, (p, _) in payloads.items()}, encode_message(ann, cfg.limits),
                                       encode_message(Status("round", r, f"round {r}")))
-        self.on_event("round_start", {"round": r, "selected": selected, "resumed": resumed,
-                                      "replayed": replayed, "deadline_s": cfg.round_timeout_s})
-        self.log.info("round %d: selected %d device(s)%s", r, len(selected),
-                      f", resumed with {replayed} update(s) from the inbox" if resumed else "",
-                      extra={"event": "round_start", "round": r, "selected": selected})
+        self.on_event("round_start", {"round": r, "selected": selected, "resumed": resumed, "replayed": replayed,
+                                      "deadline_s": cfg.round_timeout_s, "wait_seconds": wait})
+        self.log.info("round %d: selected %d device(s)%s%s", r, len(selected), f" after waiting {wait:.1f} s for "
+                      "devices" if wait >= 0.1 else "", f", resumed with {replayed} update(s) from the inbox"
+                      if resumed else "", extra={"event": "round_start", "round": r, "selected": selected})
         need = max(1, math.ceil(cfg.quorum * len(selected)))
         col.pump(time.monotonic() + cfg.round_timeout_s,
                  stop=lambda: len(rnd.accepted) >= need or not self.fleet.more_expected(r))
@@ -231,7 +231,7 @@ class Coordinator:
             "selected_ids": selected, "accepted": len(rnd.accepted), "accepted_ids": sorted(rnd.accepted),
             "stragglers": len(stragglers), "straggler_ids": stragglers,
             "aggregated": aggregated, "resumed": resumed, "replayed": replayed,
-            "weight_change_l2": change, "round_seconds": time.monotonic() - t_start,
+            "weight_change_l2": change, "round_seconds": time.monotonic() - t_start, "wait_seconds": wait,
             "collect_seconds": t_collect - t_start, "aggregate_seconds": parts["aggregate"],
             "coordinator_seconds": clock.wall, "coordinator_cpu_seconds": clock.cpu,
             "eval_seconds": eval_s, "announce_seconds": parts["announce"],
@@ -343,8 +343,7 @@ class Coordinator:
         elif self.state.has_run():
             raise ConfigError(f"{self.state.dir} holds a previous run: pass --resume or use another --out")
         self.fleet.start()
-        # (no pump here: on resume, messages queued for this session, such as updates of
-        # the open round, are handled once that round is set up again)
+        # (no pump here: on resume, queued messages are handled once their round is set up again)
         if not resume or self.completed == 0 and not plans:
             # a fresh run: clear a previous run's retained announcement, say we are here
             self.fleet.reset(encode_message(Status("waiting", 0, "coordinator started")))

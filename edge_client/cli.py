@@ -9,7 +9,7 @@ import sys
 from collections.abc import Sequence
 
 from edge_client import __version__
-from edge_client.connection import add_device_connection_options
+from edge_client.connection import add_connect_timeout_option, add_device_connection_options
 from edge_client.logs import add_logging_options
 from edge_client.paths import device_state_dir
 
@@ -31,9 +31,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
     import signal
     from pathlib import Path
 
-    from edge_client.connection import device_connector, device_identity
+    from edge_client.connection import connect_timeout, device_connector, device_identity
     from edge_client.data import load_source
     from edge_client.errors import ConfigError
+    from edge_client.intnn.parallel import check_threads
     from edge_client.logs import setup_logging
     from edge_client.runtime import DeviceConfig, DeviceRuntime
     from hw_profiles import load_profile
@@ -46,10 +47,12 @@ def _cmd_run(args: argparse.Namespace) -> int:
         overrides = {}
         if args.codec:
             overrides = {"codec": args.codec, "codec_bits": args.codec_bits or profile.codec_bits}
+        if args.threads is not None:
+            overrides["threads"] = check_threads(args.threads)
         cfg = DeviceConfig.from_profile(
             args.id, profile, job=args.job, seed=args.seed,
             workdir=Path(args.workdir) if args.workdir else device_state_dir(args.id),
-            exit_when_done=not args.stay, train_delay_s=args.delay,
+            exit_when_done=not args.stay, train_delay_s=args.delay, give_up_after_s=connect_timeout(args),
             model_files=tuple(args.model_file))
         for k, v in overrides.items():
             setattr(cfg, k, v)
@@ -67,18 +70,31 @@ def _cmd_run(args: argparse.Namespace) -> int:
         print(f"fedbit-edge run: error: {exc}", file=sys.stderr)
         return 1
 
-    def on_signal(_signum, _frame):
+    interrupted: list[int] = []
+
+    def on_signal(signum, _frame):
+        if signum == signal.SIGINT and interrupted:  # Ctrl-C again: now, even mid-training
+            raise KeyboardInterrupt
+        interrupted.append(signum)
         rt.stop()
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    threads = f", {cfg.threads} threads" if profile.is_integer else ""
     print(f"fedbit-edge: device {args.id} ({profile.name}, {profile.compute_bits}-bit "
-          f"{profile.trainer}, uplink {cfg.codec}-{cfg.codec_bits}, {len(data.y)} samples) "
-          f"-> {args.broker}", flush=True)
-    n = rt.run(max_seconds=args.max_seconds or None)
+          f"{profile.trainer}{threads}, uplink {cfg.codec}-{cfg.codec_bits}, {len(data.y)} "
+          f"samples) -> {args.broker}", flush=True)
+    try:
+        n = rt.run(max_seconds=args.max_seconds or None)
+    except KeyboardInterrupt:
+        print(f"fedbit-edge: device {args.id} interrupted", file=sys.stderr, flush=True)
+        return 130
     print(f"fedbit-edge: device {args.id} stopped after {n} round(s); "
           f"{rt.sent} sent, {rt.resent} re-sent from the outbox", flush=True)
-    return 0
+    if rt.failure:
+        print(f"fedbit-edge run: error: {rt.failure}", file=sys.stderr, flush=True)
+        return 3
+    return 130 if signal.SIGINT in interrupted else 0
 
 
 def _cmd_predict(args: argparse.Namespace) -> int:
@@ -167,8 +183,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "(fedbit-edge measure-link)")
     p.add_argument("--delay", type=float, default=0.0, metavar="S",
                    help="wait S seconds before each local training (emulate a slow device)")
+    p.add_argument("--threads", type=int, default=None, metavar="N",
+                   help="cores a training step uses (default: the profile's threads; the "
+                        "results are the same for any N)")
     p.add_argument("--stay", action="store_true", help="keep running after the coordinator is done")
     p.add_argument("--max-seconds", type=float, default=0.0, help="stop after this long (0: never)")
+    add_connect_timeout_option(p)
     add_logging_options(p)
     p.set_defaults(func=_cmd_run)
 

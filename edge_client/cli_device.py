@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-#: the model the link test sizes an update of (the README's first fleet)
+#: the model the link test sizes an update of (the model of make demo and the quick start)
 LINK_MODEL = "digits_cnn"
 
 
@@ -160,7 +160,8 @@ def cmd_measure_link(args: argparse.Namespace) -> int:
 def service_files(args: argparse.Namespace, exe: str, state_dir: Path) -> dict[str, str]:
     """``{path: text}`` of the systemd unit and its environment file (mode 0600)."""
     env_path = state_dir / "service.env"
-    run = [exe, "run", "--profile", args.profile, "--data", args.data, "--workdir", str(state_dir), "--stay"]
+    run = [exe, "run", "--profile", args.profile, "--data", args.data, "--workdir", str(state_dir), "--stay",
+           "--connect-timeout", "0"]  # (a service retries forever, with capped, jittered backoff)
     for flag in ("broker", "id", "credentials"):
         if getattr(args, flag):
             value = getattr(args, flag)

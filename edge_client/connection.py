@@ -72,6 +72,32 @@ def add_device_connection_options(p: argparse.ArgumentParser) -> None:
     _add_device_identity_options(p)
 
 
+#: ``fedbit-edge run --connect-timeout``'s default in an interactive run (s); under systemd
+#: (``INVOCATION_ID`` set) the default is 0: a service retries forever
+INTERACTIVE_CONNECT_TIMEOUT = 60.0
+#: a device's reconnect backoff (s): from 1 s, doubling, capped at 30 s, each wait jittered
+DEVICE_BACKOFF = (1.0, 30.0)
+
+
+def add_connect_timeout_option(p: argparse.ArgumentParser) -> None:
+    """``--connect-timeout S`` of a device loop (see :func:`connect_timeout`)."""
+    p.add_argument("--connect-timeout", type=float, default=None, metavar="S",
+                   help="give up, exit status 3, after S seconds without a broker session (at the start "
+                        "or after losing it); 0: retry forever (default: 0 under systemd, where the "
+                        f"service manager restarts it, else {INTERACTIVE_CONNECT_TIMEOUT:g})")
+
+
+def connect_timeout(args: argparse.Namespace) -> float:
+    """The device's give-up time (s; 0: never): ``--connect-timeout``, else 0 when run by
+    systemd (it sets ``INVOCATION_ID``) and :data:`INTERACTIVE_CONNECT_TIMEOUT` otherwise."""
+    value = getattr(args, "connect_timeout", None)
+    if value is None:
+        return 0.0 if os.environ.get("INVOCATION_ID") else INTERACTIVE_CONNECT_TIMEOUT
+    if not value >= 0:
+        raise ConfigError(f"--connect-timeout: must be >= 0 seconds (0: retry forever), got {value}")
+    return float(value)
+
+
 def read_secret(file: str | None, what: str, env: str = "FEDBIT_PASSWORD") -> str | None:
     """A secret from ``file`` (its first line) or the environment variable ``env``; never
     from the command line (``ps`` shows it to every user)."""
@@ -145,6 +171,7 @@ def device_connector(args: argparse.Namespace, ident: Identity) -> Callable[...,
         tls = TlsOptions(args.ca, args.cert, args.key, args.insecure)
 
     def connect(**kw: Any) -> Any:
+        kw.setdefault("backoff", DEVICE_BACKOFF)
         return MqttTransport(args.broker, args.id, username=ident.username, password=ident.password,
                              tls=tls, protocol=args.mqtt_version, **kw)
 

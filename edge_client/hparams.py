@@ -12,7 +12,7 @@ device of an older SDK still accepts announcements that carry keys it does not k
 ``lr_scale.float32``): a device uses its own variant's value, else ``lr_scale``, else 1
 (FedGroupedAvg's per-group learning-rate scaling, ProWD appendix A).
 
-How the learning rates reach each kind of device (ALGORITHMS.md §1-2):
+How the learning rates reach each kind of device (docs/algorithms.md §1-2):
 
 - float devices: SGD with ``lr * lr_scale`` and ``momentum`` on the float forward; on an
   integer forward (``float_forward = "int<s>"``) the integer devices' data step below, and
@@ -183,7 +183,7 @@ class RoundSettings:
     announced or not this device's to apply (the trainer's own value);
     ``codec``/``codec_bits``/``kmeans_method``: the profile's unless
     announced; ``content``: announced, else ``delta`` for DANUQ (it quantizes the update by
-    definition, ALGORITHMS.md §3) and ``weights`` for every other codec. ``not_applied``:
+    definition, docs/algorithms.md §3) and ``weights`` for every other codec. ``not_applied``:
     announced keys this device does not use, with the reason (reported in its update).
     """
 

@@ -22,6 +22,7 @@ Nothing here imports torch (a float device's trainer imports it lazily) or ``coo
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -59,6 +60,7 @@ from edge_client.protocol import (
     topic,
     variant_bits,
 )
+from edge_client.session import SessionWatch
 from edge_client.transport import Received, Transport
 
 log = logging.getLogger("fedbit.device")
@@ -90,7 +92,7 @@ def encode_update_tensors(weights: list[np.ndarray], names: list[str], codec: st
 
     ``codec == "int"``: the device's own integers (``int_weights``) with ``bits`` bits, or
     the storage-grid width ``max(s, 8)`` when the integers need more (an Int6 device keeps
-    its weights on the 8-bit grid, ALGORITHMS.md §1); with ``delta``, ``int_weights`` are
+    its weights on the 8-bit grid, docs/algorithms.md §1); with ``delta``, ``int_weights`` are
     the differences ``q - q_global`` (int8 or int16) and take the fewest bits that hold
     them. ``codec == "ternary"`` with ``ternary_weights`` (an integer device): its own
     ternary forward weights ``t``, sent exactly with ``aux.scale = intnn.TERNARY_WEIGHT``
@@ -160,12 +162,16 @@ class DeviceConfig:
     saw it active); ``max_rounds`` (> 0) stops it once the device has trained and sent
     that many rounds (a device that wakes up for one round; the emulator's devices);
     ``publish_timeout_s`` bounds the wait for a PUBACK before the update is left to the
-    outbox; ``train_delay_s`` sleeps before each local training (emulates a slow device
+    outbox; ``connect_timeout_s`` is how long one connect attempt is waited for (a warning
+    is logged after each); ``give_up_after_s`` (> 0) ends the loop, with :attr:`DeviceRuntime.failure`
+    set, once the device has had no session for that long (at the start or after losing
+    it; 0: it retries forever, as a service does); ``train_delay_s`` sleeps before each local training (emulates a slow device
     in trials and tests); ``kmeans_method`` picks the K-means uplink's method (``fast`` |
-    ``authors``) unless a round announces one. ``model_files``: the user's model files
-    (``*.toml`` / ``*.py``, ``firmware_models.files``) this device may train; a round
-    announcing a model file is matched to one of them by file name (a device never loads a
-    path the coordinator names).
+    ``authors``) unless a round announces one; ``threads`` the cores the default trainer's
+    integer training step uses (the profile's ``threads``, or ``fedbit-edge run --threads``).
+    ``model_files``: the user's model files (``*.toml`` / ``*.py``, ``firmware_models.files``)
+    this device may train; a round announcing a model file is matched to one of them by
+    file name (a device never loads a path the coordinator names).
     """
 
     device_id: str
@@ -181,16 +187,19 @@ class DeviceConfig:
     exit_when_done: bool = True
     limits: Limits = DEFAULT_LIMITS
     resend_interval_s: float = 1.0
-    connect_timeout_s: float = 30.0
+    connect_timeout_s: float = 10.0
+    give_up_after_s: float = 0.0
     publish_timeout_s: float = 10.0
     train_delay_s: float = 0.0
     max_rounds: int = 0
     model_files: tuple[str, ...] = ()
+    threads: int = 1
 
     @classmethod
     def from_profile(cls, device_id: str, profile: Any, **kw: Any) -> DeviceConfig:
         """From a :class:`hw_profiles.HardwareProfile`."""
         kw.setdefault("kmeans_method", getattr(profile, "kmeans_method", "fast"))
+        kw.setdefault("threads", getattr(profile, "threads", 1))
         return cls(device_id=device_id, compute_bits=profile.compute_bits, trainer=profile.trainer,
                    codec=profile.codec, codec_bits=profile.codec_bits, profile=profile.name, **kw)
 
@@ -225,27 +234,34 @@ def load_model_files(paths: Any) -> dict[str, Any]:
     return out
 
 
-def default_trainer_factory(spec: Any, bits: int, seed: int) -> Any:
+def default_trainer_factory(spec: Any, bits: int, seed: int, threads: int = 1) -> Any:
+    """A device's trainer: ``threads`` cores; an integer one drops LLVM's machine code from
+    the process's resident memory once its kernels are loaded
+    (``edge_client.intnn.memory``)."""
     from edge_client.trainers import make_trainer
 
-    return make_trainer(spec, bits, seed=seed)
+    if bits == 32:
+        return make_trainer(spec, bits, seed=seed)
+    return make_trainer(spec, bits, seed=seed, threads=threads, release_pages=True)
 
 
 class DeviceRuntime:
     """The device loop. ``connect(will=, birth=, subscriptions=)`` builds the transport.
 
     ``data`` is an ``edge_client.data.Dataset``; ``trainer_factory(spec, bits, seed)``
-    builds the local trainer (``edge_client.trainers.make_trainer`` by default).
+    builds the local trainer (by default ``edge_client.trainers.make_trainer`` with the
+    config's ``threads``).
     """
 
     def __init__(self, cfg: DeviceConfig, data: Any,
                  connect: Callable[..., Transport], *,
-                 trainer_factory: TrainerFactory = default_trainer_factory,
+                 trainer_factory: TrainerFactory | None = None,
                  logger: logging.Logger | None = None) -> None:
         self.cfg = cfg
         self.data = data
         self._connect = connect
-        self._trainer_factory = trainer_factory
+        self._trainer_factory = trainer_factory or functools.partial(default_trainer_factory,
+                                                                     threads=cfg.threads)
         self.log = logger or log
         self.variant = model_variant(cfg.compute_bits, cfg.trainer)
         self.outbox = Outbox(Path(cfg.workdir) / "outbox")
@@ -260,6 +276,8 @@ class DeviceRuntime:
         self._trainers: dict[str, Any] = {}
         self._model_files = load_model_files(cfg.model_files)
         self.stop_event = threading.Event()
+        #: why the loop gave up ("" unless it did: no session for ``give_up_after_s``)
+        self.failure = ""
         self.sent = 0
         self.resent = 0
         #: the open round was announced again (a resumed coordinator, a broker that lost its
@@ -314,16 +332,13 @@ class DeviceRuntime:
         t = self._connect(**self.session_spec())
         self.transport = t
         end = time.monotonic() + max_seconds if max_seconds else math.inf
-        delay = 0.5
-        while not self.stop_event.is_set():
-            try:
-                t.connect(timeout=self.cfg.connect_timeout_s)
-                break
-            except ConnectionError as exc:
-                self.log.warning("connect failed: %s; retrying in %.1f s", exc, delay)
-                if self.stop_event.wait(delay) or time.monotonic() > end:
-                    return 0
-                delay = min(delay * 2, 10.0)
+        session = SessionWatch(self.cfg.give_up_after_s, self.cfg.connect_timeout_s, self.stop_event,
+                                self.log, self.cfg.device_id)
+        ok = session.first(t, end)
+        self.failure = session.failure
+        if not ok:
+            t.close()
+            return 0
         self.log.info("device %s connected (%s, variant %s)", self.cfg.device_id,
                       getattr(t, "version", "?"), self.variant)
         seen_connects = t.connects
@@ -331,6 +346,9 @@ class DeviceRuntime:
         idle = False  # True once a work pass found nothing queued: then block in recv
         try:
             while not self.stop_event.is_set() and time.monotonic() < end:
+                if not session.watch(t):
+                    self.failure = session.failure
+                    break
                 if self.cfg.max_rounds and len(self.rounds_done) >= self.cfg.max_rounds and not self.outbox.pending():
                     self.log.info("device %s: %d round(s) done, stopping", self.cfg.device_id,
                                   len(self.rounds_done))

@@ -7,6 +7,7 @@ TOML (``my_cnn.toml``)::
     input = [1, 28, 28]             # [C, H, W] (or [F])
     classes = 10                    # default: what the last layer outputs
     description = "..."             # optional
+    init = "wage"                   # initial weights: wage (default) | he
 
     [[layers]]
     type = "conv2d"                 # conv2d | linear | relu | maxpool2d | flatten
@@ -58,7 +59,7 @@ except ImportError:  # Python < 3.11 (a device): the tomli backport, when instal
 #: the file name endings that make a model reference a file
 MODEL_FILE_SUFFIXES = (".toml", ".py")
 
-_TOP_KEYS = {"name", "input", "classes", "description", "layers"}
+_TOP_KEYS = {"name", "input", "classes", "description", "layers", "init"}
 #: per layer type: (class, required keys, optional keys with defaults, name prefix)
 _LAYER_TYPES: dict[str, tuple[type, tuple[str, ...], dict[str, Any], str]] = {
     "conv2d": (Conv2d, ("out", "kernel"), {"stride": 1, "padding": 0, "in": None}, "conv"),
@@ -149,8 +150,11 @@ def spec_from_table(table: Mapping[str, Any], source: str = "<model>") -> ModelS
     description = table.get("description", f"from {os.path.basename(source)}")
     if not isinstance(description, str):
         raise SpecError(f"model file {source}: description must be a string")
+    init = table.get("init", "wage")
+    if not isinstance(init, str):
+        raise SpecError(f"model file {source}: init must be a string")
     try:
-        return ModelSpec(name, tuple(int(d) for d in shape), tuple(layers), int(classes), description)
+        return ModelSpec(name, tuple(int(d) for d in shape), tuple(layers), int(classes), description, init)
     except SpecError as exc:
         raise SpecError(f"model file {source}: {exc}") from None
 

@@ -51,7 +51,9 @@ def fedshift_cnn(num_classes: int = 10) -> ModelSpec:
     """The FedShift paper's CNN for 32x32x3 inputs (about 2.16 M parameters).
 
     Two 5x5 convolutions with 32 and 64 channels and padding 1, each followed by ReLU and
-    a 2x2 max-pool with padding 1; FC 4096 -> 512 -> classes; no biases.
+    a 2x2 max-pool with padding 1; FC 4096 -> 512 -> classes; the paper's Kaiming (He)
+    initialisation (``init = "he"``). No biases (the paper's CNN has them; fedbit's shared
+    parameter domain has none, docs/algorithms.md).
     """
     layers: list[Layer] = [
         Conv2d("conv1", 3, 32, 5, padding=1), ReLU("relu1"), MaxPool2d("pool1", 2, padding=1),
@@ -61,7 +63,7 @@ def fedshift_cnn(num_classes: int = 10) -> ModelSpec:
         Linear("fc2", 512, num_classes),
     ]
     return ModelSpec("fedshift_cnn", (3, 32, 32), tuple(layers), num_classes,
-                     "FedShift CNN: 5x5 convs 32/64 pad 1, 2x2 pools pad 1, FC 4096-512-10")
+                     "FedShift CNN: 5x5 convs 32/64 pad 1, 2x2 pools pad 1, FC 4096-512-10", init="he")
 
 
 def vgg7_small(width: float = 0.125, num_classes: int = 10, image: int = 32) -> ModelSpec:

@@ -1,4 +1,4 @@
-"""Load and validate hardware profiles (DESIGN.md, "Hardware profiles").
+"""Load and validate hardware profiles (docs/device.md#hardware-profiles).
 
 A profile is a flat TOML table with exactly the fields of :class:`HardwareProfile`.
 Unknown keys, missing keys, wrong types and out-of-range values raise
@@ -45,6 +45,9 @@ class HardwareProfile:
     devices (``trainer = "torch"``). ``codec``/``codec_bits`` pick the uplink codec;
     ``kmeans_method`` (optional, ``"fast"`` by default) the K-means uplink's method:
     ``"fast"`` (optimal 1-D MSE) or ``"authors"`` (the FedShift code's random-init Lloyd).
+    ``threads`` (optional, 1 by default; 1..256): the cores an integer device's training
+    step uses (its results do not depend on it; the emulator runs every emulated device
+    on one thread whatever its profile says).
     """
 
     name: str
@@ -61,6 +64,7 @@ class HardwareProfile:
     relative_speed: float
     notes: str = ""
     kmeans_method: str = "fast"
+    threads: int = 1
 
     @property
     def is_integer(self) -> bool:
@@ -68,7 +72,8 @@ class HardwareProfile:
 
 
 FIELDS: tuple[str, ...] = tuple(f.name for f in fields(HardwareProfile))
-_OPTIONAL = {"notes", "kmeans_method"}
+_OPTIONAL = {"notes", "kmeans_method", "threads"}
+MAX_THREADS = 256
 KMEANS_METHODS = ("fast", "authors")
 
 
@@ -125,7 +130,7 @@ def parse_profile(table: dict[str, Any], where: str = "<profile>") -> HardwarePr
         raise ProfileError(f"{where}: key 'codec_bits' = {codec_bits} out of range {lo}..{hi} for {codec}")
     if codec == "int" and trainer != "int":
         raise ProfileError(f"{where}: key 'codec' = 'int' needs an integer device (trainer = 'int')")
-    grid = max(bits, 8)  # integer weights live on the grid 1/S(max(s, 8)) (ALGORITHMS.md §1)
+    grid = max(bits, 8)  # integer weights live on the grid 1/S(max(s, 8)) (docs/algorithms.md §1)
     if codec == "int" and codec_bits != grid:
         raise ProfileError(
             f"{where}: key 'codec_bits' = {codec_bits} must be the storage grid max(compute_bits, 8) "
@@ -150,6 +155,7 @@ def parse_profile(table: dict[str, Any], where: str = "<profile>") -> HardwarePr
         relative_speed=_check(where, "relative_speed", v["relative_speed"], float, 0, 1e4, lo_open=True),
         notes=_check(where, "notes", v.get("notes", ""), str),
         kmeans_method=kmeans_method,
+        threads=_check(where, "threads", v.get("threads", 1), int, 1, MAX_THREADS),
     )
 
 

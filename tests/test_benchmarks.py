@@ -29,11 +29,18 @@ WANTED = {
                     ("default config", "epoch_s"), ("fedshift_cnn int8", "apply_ms")],
     "regularizer_strength": [("int8 fedprox", "relative_pull"), ("int16 fedprox", "relative_pull"),
                              ("int8 fedfor", "penalty_drop")],
-    "round_overhead": [("fedshift_cnn asym-4", "updates_per_s"), ("20 devices", "coordinator_seconds_per_round")],
+    "round_overhead": [("fedshift_cnn asym-4", "updates_per_s"), ("20 devices", "coordinator_seconds_per_round"),
+                       ("dashboard on vs off", "dashboard_cost_fraction"),
+                       ("dashboard on vs off", "page_update_latency_s")],
     "security": [("MAC verified", "updates_per_s"), ("robust clip", "round_seconds"), ("robust median", "round_seconds"),
                  ("robust trimmed_mean", "peak_memory"), ("robust median", "peak_memory")],
     "train_throughput": [("fedshift_cnn int8", "throughput"), ("digits_cnn int8", "throughput"),
+                         ("fedshift_cnn int8 2 threads", "throughput"),
+                         ("fedshift_cnn int8 2 threads", "throughput_vs_float"),
                          ("fedshift_cnn int8", "rss"), ("fedshift_cnn int8", "warm_start_s")],
+    "layer_profile": [("fedshift_cnn int8 conv layers", "arithmetic_bound_fraction"),
+                      ("fedshift_cnn conv2 forward", "seconds"),
+                      ("int8 SIMD rate: ternary_add", "rate")],
 }
 
 

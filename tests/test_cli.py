@@ -80,3 +80,27 @@ def test_emulate_refuses_a_bad_config_naming_file_and_key(tmp_path: Path) -> Non
     assert out.returncode == 1
     assert str(bad) in out.stderr and "round.quorum" in out.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_serve_names_an_unknown_model_in_one_line(tmp_path: Path, capsys) -> None:
+    from coordinator.cli import main
+
+    assert main(["serve", "--model", "nosuch", "--out", str(tmp_path / "run")]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "model: 'nosuch' is not one of" in err and "mlp" in err, err
+    assert not (tmp_path / "run").exists()
+
+
+def test_emulate_checks_every_sweep_combination_before_writing_anything(tmp_path: Path) -> None:
+    """A bad profile or value in one combination of a sweep is refused before the header
+    is printed and before the run folder exists (not after the first combinations ran)."""
+    for sweep, key in (('"@fleet" = [{label = "ok", "devices.raspberry-pi-4" = 2}, '
+                        '{label = "bad", "devices.nosuch-board" = 1}]', "nosuch-board"),
+                       ('"data.partition" = ["iid", "nope"]', "data.partition"),
+                       ('"codecs.raspberry-pi-4" = ["int-8", "kmeans-9"]', "codecs.raspberry-pi-4")):
+        cfg = tmp_path / "sweep.toml"
+        cfg.write_text(f'name = "x"\nrounds = 1\n[devices]\nraspberry-pi-4 = 1\n[sweep]\n{sweep}\n')
+        out = run("fedbit", "emulate", str(cfg), "--out", str(tmp_path / "em"))
+        assert out.returncode == 1 and out.stdout == "", out.stdout
+        assert key in out.stderr and out.stderr.count("\n") == 1 and "Traceback" not in out.stderr, out.stderr
+        assert not (tmp_path / "em").exists()

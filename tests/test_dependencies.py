@@ -1,4 +1,4 @@
-"""The dependency rules of docs/architecture.md ("Layout and dependency rules"), enforced
+"""The dependency rules of docs/architecture.md#dependency-rules, enforced
 statically and at run time: the device side never imports the coordinator or torch, the
 coordinator uses only the device SDK's library, its wings (round core, ``ops``,
 ``emulation``, ``cli``) depend one way, no import cycle anywhere, and no module or
@@ -104,9 +104,9 @@ RUNS_DEVICES = {"coordinator/emulation/emulator.py"}
 
 
 def test_coordinator_uses_only_the_device_sdk_library() -> None:
-    """DESIGN.md: ``coordinator`` may import ``edge_client``'s library modules, never its
-    application layer (``runtime``, ``cli``), except the emulator; checked for every import
-    statement, function-level ones included."""
+    """docs/architecture.md#dependency-rules: ``coordinator`` may import ``edge_client``'s
+    library modules, never its application layer (``runtime``, ``cli``), except the
+    emulator; checked for every import statement, function-level ones included."""
     bad = []
     for f in _files("coordinator"):
         rel = str(f.relative_to(ROOT))

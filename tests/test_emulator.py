@@ -17,7 +17,7 @@ from coordinator.emulation.sweep import run_experiment
 #: spend time calibrating
 CLOCK = {"seconds_per_sample": {"float32": 1e-4, "int16": 4e-5, "int8": 2e-5, "int6": 2e-5}}
 #: record fields measured in wall time (differ between runs by nature)
-WALL = {"time", "run", "round_seconds", "collect_seconds", "aggregate_seconds", "coordinator_seconds",
+WALL = {"time", "run", "round_seconds", "wait_seconds", "collect_seconds", "aggregate_seconds", "coordinator_seconds",
         "coordinator_cpu_seconds", "eval_seconds", "announce_seconds", "handle_seconds",
         "checkpoint_seconds", "device_train_seconds", "device_wall_seconds", "health_seconds"}
 
@@ -115,3 +115,17 @@ def test_seeds_write_one_report_with_mean_and_std(tmp_path: Path) -> None:
     results = json.loads((tmp_path / "sweep" / "results.json").read_text())
     assert len(results) == 2 and {r["seed"] for r in results} == {0, 1}
     assert (tmp_path / "sweep" / "runs" / "default" / "seed-1" / "summary.md").is_file()
+    # a run folder of the sweep: its summary lists its ONNX files; `fedbit export` and
+    # `fedbit report` take it as they take a `fedbit serve --out` folder
+    import importlib.util
+
+    from coordinator.cli import main as fedbit
+
+    run = tmp_path / "sweep" / "runs" / "default" / "seed-1"
+    if importlib.util.find_spec("onnx") is not None:
+        assert "`out/onnx/int8.onnx`" in (run / "summary.md").read_text()
+        (run / "out" / "onnx" / "int8.onnx").unlink()
+        assert fedbit(["export", str(run), "--bits", "8"]) == 0
+        assert (run / "out" / "onnx" / "int8.onnx").is_file() and not (run / "onnx").exists()
+    (run / "summary.md").unlink()
+    assert fedbit(["report", str(run)]) == 0 and (run / "summary.md").is_file()

@@ -145,7 +145,7 @@ def _sources() -> dict[str, str]:
     ("variant naming", r"f\"int\{"),
 ])
 def test_each_rule_is_written_once(rule: str, pattern: str) -> None:
-    """DESIGN.md: every per-update rule has one definition (issue 9: they were written twice,
-    in the server and the strategy)."""
+    """docs/architecture.md#the-update-path: every per-update rule has one definition
+    (issue 9: they were written twice, in the server and the strategy)."""
     hits = [(f, len(re.findall(pattern, s))) for f, s in _sources().items() if re.search(pattern, s)]
     assert len(hits) == 1 and hits[0][1] == 1, (rule, hits)

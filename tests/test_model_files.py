@@ -9,6 +9,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from firmware_models import SpecError, load_model_file, mnist_cnn, resolve_model
 
@@ -202,3 +204,57 @@ def test_serve_and_real_devices_train_a_model_file_on_fashion_mnist(tmp_path: Pa
     rec = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
     assert rec["accepted"] == 2 and rec["model"] == str(model)
     assert rec["groups"]["float32"]["accuracy"] > 0.3 and rec["groups"]["int8"]["accuracy"] > 0.3  # chance: 0.1
+
+
+def test_the_papers_initialisation_is_part_of_the_spec(tmp_path: Path) -> None:
+    """fedshift_cnn starts from Kaiming/He normal on the effective weight W/alpha (the
+    FedShift paper's), clipped to the shared domain; the others from WAGE's eq. 10; a model
+    file may choose."""
+    import math
+
+    from edge_client.intnn import init_shared
+    from edge_client.intnn.quant import alpha_log2
+    from firmware_models import fedshift_cnn
+
+    spec = fedshift_cnn()
+    assert spec.init == "he" and spec == fedshift_cnn()
+    for w, fan_in in zip(init_shared(spec, 0), spec.fan_ins(), strict=True):
+        sd = (1 << alpha_log2(fan_in)) * math.sqrt(2.0 / fan_in)
+        expect = math.erfc(0.5 / (sd * math.sqrt(2)))          # P(|N(0, sd)| >= 0.5): at the clip
+        assert abs(float(np.mean(np.abs(w) >= 0.5)) - expect) < 0.02 and np.abs(w).max() <= 0.5
+    wage = init_shared(mnist_cnn(), 0)
+    assert all(abs(float(np.mean(np.abs(w) >= 0.5)) - 1 / 3) < 0.03 for w in wage)  # U(-0.75, 0.75)
+    path = tmp_path / "he.toml"
+    path.write_text('init = "he"\n' + TINY_TOML)
+    assert load_model_file(str(path)).init == "he"
+    path.write_text('init = "xavier"\n' + TINY_TOML)
+    with pytest.raises(SpecError, match="init 'xavier' is not one of"):
+        load_model_file(str(path))
+
+
+_VALUES = st.one_of(st.integers(-3, 40), st.booleans(), st.text(max_size=4), st.none())
+
+
+def test_any_table_is_a_model_or_a_spec_error() -> None:
+    """Fuzzed model tables (types, keys and values right or wrong) either build a spec or
+    raise SpecError naming the source: never another exception."""
+    from firmware_models.files import spec_from_table
+
+    layer = st.dictionaries(st.sampled_from(["type", "out", "kernel", "in", "stride", "padding", "name", "x"]),
+                            st.one_of(st.sampled_from(["conv2d", "linear", "relu", "maxpool2d", "flatten", "fc"]),
+                                      _VALUES), max_size=5)
+    table = st.fixed_dictionaries({"layers": st.lists(layer, max_size=6)},
+                                  optional={"input": st.lists(st.integers(-1, 12), max_size=4), "classes": _VALUES,
+                                            "name": _VALUES, "init": st.sampled_from(["wage", "he", "x"])})
+
+    @settings(max_examples=120, deadline=None)
+    @given(t=table)
+    def check(t: dict) -> None:
+        try:
+            spec = spec_from_table(t, "fuzz.toml")
+        except SpecError as exc:
+            assert "fuzz.toml" in str(exc)
+        else:
+            assert spec.param_shapes() is not None and spec.num_classes >= 2
+
+    check()

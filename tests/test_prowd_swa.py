@@ -75,8 +75,8 @@ def test_up_to_14_elements_seeded():
 
 
 def test_sorted_prefix_is_not_exact_when_budget_binds():
-    # ALGORITHMS.md's prefix rule keeps (1,1),(10,-0.3) here (cos < 0); dropping the
-    # big disagreeing element is optimal.
+    # The old prefix rule (docs/algorithms.md §4) keeps (1,1),(10,-0.3) here (cos < 0);
+    # dropping the big disagreeing element is optimal.
     a = np.array([1.0, 0.01, 10.0])
     b = np.array([1.0, -1.0, -0.3])
     r = swa_mask(a, b, 1 / 3)

@@ -264,8 +264,56 @@ print("torch loaded:", "torch" in sys.modules)
 
 def test_integer_device_round_keeps_torch_out(tmp_path: Path) -> None:
     """An Int8 device downloads the int8 variant, trains with the integer engine, sends its
-    own integers, and never imports torch (DESIGN.md: a Pi Zero cannot afford it)."""
+    own integers, and never imports torch (docs/architecture.md#dependency-rules: a Pi
+    Zero cannot afford it)."""
     out = subprocess.run([sys.executable, "-c", INT_DEVICE_SCRIPT, str(tmp_path)],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "torch loaded: False" in out.stdout
+
+
+def test_reconnect_backoff_is_capped_and_jittered() -> None:
+    a, b = MqttTransport("mqtt://127.0.0.1:1", "a", backoff=(1.0, 30.0)), MqttTransport("mqtt://127.0.0.1:1", "b")
+    b.backoff = a.backoff
+    da, db = [a.next_delay() for _ in range(12)], [b.next_delay() for _ in range(12)]
+    for k, (x, y) in enumerate(zip(da, db, strict=True)):
+        d = min(30.0, 2.0 ** k)
+        assert d / 2 <= x <= d and d / 2 <= y <= d, (k, x, y)
+    assert da != db                                               # two devices do not agree
+    assert max(da) <= 30.0 and min(da[6:]) >= 15.0                # capped: from 2^5 s on, [15, 30]
+    client = a._make_client("5")
+    assert client._reconnect_wait == a._reconnect_wait            # paho waits our jittered delay
+
+
+def test_a_device_gives_up_after_connect_timeout_and_ctrl_c_ends_it_at_once(tmp_path: Path) -> None:
+    """No broker on the port: with --connect-timeout 2 the device exits 3, naming why; with
+    --connect-timeout 0 (forever) a SIGINT ends it within 2 s, exit 130."""
+    import signal
+    import subprocess
+    import sys
+
+    from coordinator.ops.broker import free_port
+
+    exe = str(Path(sys.executable).parent / "fedbit-edge")
+    url = f"mqtt://127.0.0.1:{free_port()}"
+
+    def start(dev: str, timeout: str) -> subprocess.Popen:
+        return subprocess.Popen([exe, "run", "--broker", url, "--id", dev, "--profile", "desktop", "--data",
+                                 "digits:1/9", "--workdir", str(tmp_path / dev), "--connect-timeout", timeout],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    gives_up, forever = start("d1", "2"), start("d2", "0")
+    try:
+        assert forever.stdout.readline().startswith("fedbit-edge: device d2")   # (its banner: connecting)
+        time.sleep(1.0)
+        t0 = time.monotonic()
+        forever.send_signal(signal.SIGINT)
+        assert forever.wait(timeout=10) == 130 and time.monotonic() - t0 < 2.0
+        out, err = gives_up.communicate(timeout=60)
+        assert gives_up.returncode == 3, err[-2000:]
+        assert "gives up: no session with the broker after 2 s" in err and "unreachable" in err
+    finally:
+        for p in (gives_up, forever):
+            if p.poll() is None:
+                p.kill()
+                p.wait()

@@ -22,9 +22,12 @@ from pathlib import Path
 import msgpack
 import pytest
 
-from coordinator.ops.broker import JobBroker, free_port, start_job_broker
+from coordinator.cli.security import _job_folder, check_caps, enroll_hint
+from coordinator.ops.admission import AdmissionConfig
+from coordinator.ops.broker import JobBroker, free_port, resolve_security, start_job_broker
 from coordinator.ops.security import (
     COORDINATOR_USER,
+    DEFAULT_MAX_SAMPLES,
     EnrolledDevices,
     JobSecurity,
     acl_text,
@@ -62,13 +65,16 @@ def test_mac_covers_every_byte_and_leaves_the_message_readable() -> None:
     signed = auth.sign(hello, key)
     assert auth.verify(signed, key) and not auth.verify(signed, other) and not auth.verify(hello, key)
     assert decode_message(signed) == decode_message(hello)          # a keyless reader sees the same
-    assert auth.sign(signed, key) == signed                          # idempotent
+    resigned = auth.sign(signed, key)                                # the entry replaced,
+    assert resigned != signed and auth.verify(resigned, key)         # with a fresh nonce
+    assert len(resigned) == len(signed) and auth.strip_mac(resigned) == hello
     assert auth.strip_mac(signed) == hello
     for i in range(len(signed)):                                     # any flipped byte is seen
         bad = bytearray(signed)
         bad[i] ^= 0x20
         assert not auth.verify(bytes(bad), key), i
     assert not auth.verify(signed[:-1], key) and not auth.verify(signed + b"\0", key)
+    assert not auth.verify(signed, key[:16]) and not auth.verify(b"", key)
     # a map with 15 entries grows into a map16 header
     body = {f"k{i}": i for i in range(15)}
     s15 = auth.sign(msgpack.packb(body), key)
@@ -124,6 +130,49 @@ def test_enrolment_registry_and_its_coordinator_view(openssl_bin: str, tmp_path:
     assert not (sec.dir / "devices" / "dev1.toml").exists()
     with pytest.raises(ConfigError, match="registry of job"):
         EnrolledDevices(sec.registry_path, "otherjob")
+
+
+def test_the_secure_mode_follows_the_job_not_the_address() -> None:
+    assert resolve_security("auto", "127.0.0.1") == "none"                 # the demo: no enrolments
+    assert resolve_security("auto", "0.0.0.0") == "tls"
+    assert resolve_security("auto", "127.0.0.1", enrolled=2) == "tls"      # loopback, enrolled: TLS
+    assert resolve_security("auto", "localhost", enrolled=2, tls=False) == "password"  # mqtt:// enrolments
+    with pytest.raises(ConfigError, match="2 enrolled device.*anonymous access is refused"):
+        resolve_security("none", "127.0.0.1", enrolled=2)
+    with pytest.raises(ConfigError, match="beyond loopback"):
+        resolve_security("none", "0.0.0.0")
+
+
+def test_enrolment_caps_samples_by_default_and_serve_refuses_uncapped(openssl_bin: str, tmp_path: Path) -> None:
+    sec = JobSecurity(tmp_path / "s", JOB)
+    c1, _ = sec.enroll("dev1", broker="mqtt://127.0.0.1:1883")
+    assert c1.max_samples == DEFAULT_MAX_SAMPLES == EnrolledDevices(sec.registry_path, JOB).max_samples("dev1")
+    sec.save_job_info("mqtt://127.0.0.1:1883", False, default_max_samples=500)
+    assert sec.enroll("dev2")[0].max_samples == 500 and sec.enroll("dev3", max_samples=7)[0].max_samples == 7
+    check_caps(sec, AdmissionConfig())                                    # every device capped
+    sec.enroll("dev4", max_samples=0)                                     # explicitly uncapped
+    with pytest.raises(ConfigError, match="dev4: enrolled without a sample cap.*--allow-uncapped"):
+        check_caps(sec, AdmissionConfig())
+    check_caps(sec, AdmissionConfig(allow_uncapped=True))
+    check_caps(sec, AdmissionConfig(max_samples=100))                     # a job-wide cap bounds it
+    with pytest.raises(ConfigError, match="default_max_samples"):
+        sec.save_job_info("mqtt://127.0.0.1:1883", False, default_max_samples=-1)
+
+
+def test_hints_and_enroll_find_the_jobs_folder(tmp_path: Path) -> None:
+    from argparse import Namespace
+
+    sec = JobSecurity(tmp_path / "elsewhere", "farm")
+    sec.save_job_info("mqtt://127.0.0.1:1883", False)
+    assert enroll_hint(sec, tmp_path / "run") == f"fedbit enroll ID --security-dir {sec.dir} --job farm"
+    assert enroll_hint(JobSecurity(tmp_path / "run" / "security", "default"), tmp_path / "run") == \
+        f"fedbit enroll ID --run {tmp_path / 'run'}"
+    assert _job_folder(Namespace(security_dir=str(sec.dir), run=None, job=None)) == (sec.dir, "farm")
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "security-dir").write_text(f"{sec.dir}\n")     # what serve --security-dir records
+    assert _job_folder(Namespace(security_dir=None, run=str(tmp_path / "run"), job=None)) == (sec.dir, "farm")
+    assert _job_folder(Namespace(security_dir=None, run=str(tmp_path / "new"), job=None)) == \
+        (tmp_path / "new" / "security", "default")
 
 
 # --------------------------------------------------------------------------- a real mosquitto
@@ -277,9 +326,38 @@ def test_plaintext_bad_credentials_and_foreign_certificates_are_refused(job: Job
     oc, _ = other.enroll("dev1", broker=url)
     assert refused(url, "dev1", username="dev1", password=c.password,
                    tls=TlsOptions(tls.ca_file, *auth.tls_files(oc, tmp_path / "otls")[1:]))
-    assert refused(job.broker.coordinator_url, "anon")                 # no anonymous coordinator
-    assert refused(job.broker.coordinator_url, "dev1x", username="dev1", password=c.password) == ""
-    # (a device on the loopback listener is still bound by the ACL: it has no TLS, same rules)
+    # the coordinator's own listener: no anonymous client, no device password (the devices'
+    # rule, certificate and password, holds everywhere a device can connect)
+    cc = job.broker.credentials
+    assert refused(job.broker.coordinator_url, "anon")
+    assert refused(job.broker.coordinator_url, "dev1", username="dev1", password=c.password)
+    assert refused(job.broker.coordinator_url, "x", username=COORDINATOR_USER, password=c.password)
+    assert refused(job.broker.coordinator_url, "x", username=COORDINATOR_USER, password=cc.password) == ""
+
+
+def test_a_device_cannot_take_over_another_client_id(job: Job) -> None:
+    """dev2, with its own valid credentials, connects under dev1's client id and under the
+    coordinator's: the broker makes its client id its username, so neither victim is
+    pushed off, no retained 'coordinator offline' status appears, and dev2 stays bound to
+    its own topics."""
+    coord = job.coordinator()
+    dev1 = job.device("dev1", subscriptions=[topic(JOB, "status")])
+    c2 = job.creds["dev2"]
+    for victim in ("dev1", "fedbit-coordinator-sec", COORDINATOR_USER):
+        t = MqttTransport(c2.broker, victim, username="dev2", password=c2.password, tls=job.tls("dev2"),
+                          protocol="5")
+        t.connect(10)
+        job.clients.append(t)
+        t.publish(topic(JOB, "update", "dev2"), f"dev2 as {victim}".encode(), timeout=5)
+        drain(coord, f"dev2 as {victim}".encode())            # it is dev2 (the ACL let it publish as dev2)
+        t.publish(topic(JOB, "update", "dev1"), b"as dev1", qos=0)  # and only as dev2: dropped
+    dev2 = job.device("dev2")
+    dev2.publish(topic(JOB, "update", "dev2"), b"marker", timeout=5)
+    assert all(p != b"as dev1" for _, p in drain(coord, b"marker"))
+    assert (coord.connects, dev1.connects) == (1, 1) and coord.connected and dev1.connected
+    assert coord.publish(topic(JOB, "status"), b"still here", retain=True, timeout=5)
+    got = drain(dev1, b"still here")
+    assert all(p != b"as dev1" for _, p in got) and len([p for _, p in got if p]) == 1  # no will fired
 
 
 def test_revoked_device_is_refused_on_its_next_connect(job: Job) -> None:
@@ -298,6 +376,14 @@ def test_revoked_device_is_refused_on_its_next_connect(job: Job) -> None:
     c1 = job.creds["dev1"]
     assert refused(c1.broker, "dev1", username="dev1", password=c1.password, tls=job.tls("dev1")) == ""
     assert EnrolledDevices(job.sec.registry_path, JOB).key("dev2") is None
+    # the revoked device itself: told why, and it gives up (exit 3) after --connect-timeout
+    creds = auth.write_private(job.tmp / "dev2.toml", c2.to_toml())
+    r = subprocess.run([str(BIN / "fedbit-edge"), "run", "--credentials", str(creds), "--profile", "desktop",
+                        "--data", "digits:1/9", "--workdir", str(job.tmp / "dev2"), "--connect-timeout", "3"],
+                       capture_output=True, text=True, env=env, timeout=60)
+    assert r.returncode == 3, r.stderr[-2000:]
+    assert "not authorised: this device may be revoked" in r.stderr and "gives up" in r.stderr
+    assert c2.password not in r.stderr + r.stdout
 
 
 def test_the_broker_drops_packets_over_its_limit(job: Job) -> None:
@@ -387,7 +473,8 @@ def test_hello_status_bytes_are_what_they_were() -> None:
 @pytest.mark.slow
 def test_secure_serve_end_to_end(mosquitto_bin: str, openssl_bin: str, tmp_path: Path) -> None:
     """The secure setup as a user runs it: `fedbit enroll --devices`, `fedbit serve --listen`
-    (TLS, passwords, ACL, MACs), two `fedbit-edge run --credentials`; no secret is printed."""
+    on loopback (TLS, passwords, ACL, MACs: the job has enrolled devices), two `fedbit-edge
+    run --credentials`; no secret is printed; pi-1 has the default sample cap."""
     port, run = free_port(), tmp_path / "run"
     csv = tmp_path / "devices.csv"
     csv.write_text("pi-1\npi-2,500\n")
@@ -398,7 +485,8 @@ def test_secure_serve_end_to_end(mosquitto_bin: str, openssl_bin: str, tmp_path:
     files = {d: run / "security" / "devices" / f"{d}.toml" for d in ("pi-1", "pi-2")}
     secrets = [auth.load_credentials(f).password for f in files.values()]
     logs = {n: open(tmp_path / f"{n}.log", "wb") for n in ("serve", "pi-1", "pi-2")}  # noqa: SIM115
-    procs = [subprocess.Popen([str(BIN / "fedbit"), "serve", "--listen", f"127.0.0.1:{port}", "--security", "tls",
+    # (no --security: a job with enrolled devices runs TLS, passwords and the ACL on loopback too)
+    procs = [subprocess.Popen([str(BIN / "fedbit"), "serve", "--listen", f"127.0.0.1:{port}",
                                "--hostname", "127.0.0.1", "--job", JOB, "--out", str(run), "--model", "mlp",
                                "--rounds", "2", "--min-devices", "2", "--steps", "4", "--quiet", "--log-json"],
                               stdout=logs["serve"], stderr=subprocess.STDOUT, env=env)]
@@ -423,4 +511,5 @@ def test_secure_serve_end_to_end(mosquitto_bin: str, openssl_bin: str, tmp_path:
     assert not any(k.startswith("rejected") for m in lines for k in m["counts"])
     text = "".join((tmp_path / f"{n}.log").read_text() for n in logs)
     assert "TLS with client certificates" in text and f"mqtts://127.0.0.1:{port}" in text
+    assert f"at most {DEFAULT_MAX_SAMPLES:,} samples" in r.stdout and "at most 500 samples" in r.stdout
     assert not any(s in text for s in secrets)

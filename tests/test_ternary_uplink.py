@@ -24,7 +24,7 @@ from firmware_models import Flatten, Linear, ModelSpec, get_spec
 @pytest.mark.parametrize("bits", [6, 8, 16])
 def test_ternary_weight_value_is_what_the_integer_forward_computes(bits: int) -> None:
     """A one-layer network: the integer forward with ternary weights t equals the float
-    forward (ALGORITHMS.md §2: ``x @ W.T / alpha``) with W = TERNARY_WEIGHT * t to within
+    forward (docs/algorithms.md §2: ``x @ W.T / alpha``) with W = TERNARY_WEIGHT * t to within
     one activation step; W = t (a factor 2 off) does not."""
     spec = ModelSpec("lin", (1, 8, 8), (Flatten("flat"), Linear("fc", 64, 10)), 10)
     model = IntModel(spec, bits)

@@ -35,7 +35,7 @@ def test_the_wheel_carries_profiles_and_specs_and_no_torch(wheel: Path) -> None:
     assert not any(n.startswith(("tests/", "benchmarks/", "experiments/")) for n in names)
     base = [ln.split(":", 1)[1].strip() for ln in meta.splitlines()
             if ln.startswith("Requires-Dist:") and "extra ==" not in ln]
-    assert sorted(b.split(">")[0].split("<")[0].split("=")[0] for b in base) == ["msgpack", "numba", "numpy", "paho-mqtt"]
+    assert sorted(b.split(">")[0].split("<")[0].split("=")[0] for b in base) == ["cryptography", "msgpack", "numba", "numpy", "paho-mqtt"]
 
 
 def test_fedbit_edge_runs_from_the_unpacked_wheel(wheel: Path, tmp_path: Path) -> None:

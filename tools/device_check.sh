@@ -3,8 +3,8 @@
 #
 # Builds (once, then cached) an arm64 Debian bookworm root filesystem, which is what
 # Raspberry Pi OS 64-bit and the Jetson images stand for, with debootstrap, and runs it
-# under qemu-user-static through binfmt_misc. Inside it: install the wheel exactly as the
-# README says (a venv, `pip install <wheel>` then `[data]`; no torch), check that
+# under qemu-user-static through binfmt_misc. Inside it: install the wheel exactly as
+# docs/device.md says (a venv, `pip install <wheel>` then `[data]`; no torch), check that
 # edge_client starts without warnings and without torch, warm the kernels, measure Int8
 # training of fedshift_cnn (samples/s, peak RSS), then run `fedbit-edge run` (Int8
 # digits_cnn, kmeans-4 uplink) against a `fedbit serve` on the host over loopback MQTT,
@@ -73,7 +73,7 @@ inside() {  # a clean environment: no host pip settings leak in
 }
 [ "$(inside uname -m)" = aarch64 ] || { say "the chroot is not aarch64"; exit 1; }
 
-# the wheel, built on the host as the README says (make wheel)
+# the wheel, built on the host as docs/device.md says (make wheel)
 rm -rf "$REPO/dist"; "$PY" -m build --no-isolation --outdir "$REPO/dist" "$REPO" >/dev/null
 whl=$(ls "$REPO"/dist/fedbit-*-py3-none-any.whl)
 cp "$whl" "$ROOT/root/"

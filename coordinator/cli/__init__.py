@@ -2,8 +2,9 @@
 
 Subcommands: ``serve`` (the round loop; :mod:`coordinator.cli.serve`), ``emulate``/``demo``/
 ``report`` (the emulator; :mod:`coordinator.cli.emulate`), ``enroll``/``revoke``/
-``broker-config`` (a secured job; :mod:`coordinator.cli.security`), ``export`` (a run's
-final model) and ``broker`` (the embedded broker on its own). Heavy imports (numpy,
+``broker-config`` (a secured job; :mod:`coordinator.cli.security`), ``status`` (a job's
+picture in the terminal; :mod:`coordinator.cli.status`), ``export`` (a run's final model)
+and ``broker`` (the embedded broker on its own). Heavy imports (numpy,
 torch, paho) happen inside the commands so ``fedbit --help`` stays fast.
 """
 
@@ -20,10 +21,12 @@ from coordinator import __version__
 from coordinator.cli.emulate import add_emulate_commands
 from coordinator.cli.security import add_security_commands
 from coordinator.cli.serve import add_serve_command
+from coordinator.cli.status import add_status_command
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
     from coordinator.ops.export import ONNX_DIR, export_model, export_run, load_final, variant_name
+    from coordinator.ops.rundir import coordinator_dir
     from edge_client.errors import ConfigError
 
     try:
@@ -35,7 +38,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
         else:
             ckpt = load_final(args.run_dir, args.round)
             bits = 8 if args.bits is None else args.bits
-            out = args.out or f"{args.run_dir}/{ONNX_DIR}/{variant_name(bits)}.onnx"
+            out = args.out or coordinator_dir(args.run_dir) / ONNX_DIR / f"{variant_name(bits)}.onnx"
             paths = [export_model(ckpt, bits, out)]
     except ConfigError as exc:
         print(f"fedbit export: error: {exc}", file=sys.stderr)
@@ -84,11 +87,13 @@ def build_parser() -> argparse.ArgumentParser:
                                    "ONNX (integer graph bit-exact with the Numba engine, or "
                                    "float32), or the model message a device downloads "
                                    "(an --out ending in .msgpack).")
-    p.add_argument("run_dir", metavar="RUN_DIR", help="the run directory (fedbit serve --out)")
+    p.add_argument("run_dir", metavar="RUN_DIR", help="the run directory (fedbit serve --out, or a fedbit "
+                   "emulate run folder)")
     p.add_argument("--bits", type=int, default=None,
                    help="compute bitwidth of the variant, 2..16, or 32 for float32 (default 8)")
     p.add_argument("--out", metavar="FILE",
-                   help="output file (default RUN_DIR/onnx/<variant>.onnx; .msgpack: a model message)")
+                   help="output file (default RUN_DIR/onnx/<variant>.onnx, RUN_DIR/out/onnx/ for an emulated "
+                        "run; .msgpack: a model message)")
     p.add_argument("--round", type=int, default=None, metavar="N",
                    help="refuse unless N is the run's last completed round (the model a run keeps)")
     p.add_argument("--all", action="store_true",
@@ -103,6 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_security_commands(sub)
     add_emulate_commands(sub)
+    add_status_command(sub)
     return parser
 
 

@@ -33,12 +33,16 @@ def add_emulate_commands(sub: Any) -> None:
                             "go back to the last healthy model without that round's updates (the default), "
                             "or log it and keep it; sets the config's on_collapse")
         p.add_argument("--quiet", action="store_true", help="no progress display")
+        p.add_argument("--dashboard", metavar="[HOST:]PORT", default="",
+                       help="serve the live dashboard and Prometheus /metrics while it runs (8080: on 127.0.0.1; "
+                            "0: a free port; beyond loopback: HTTPS with a CA in OUT/security and a password)")
         add_logging_options(p, default_level="warning")
         p.set_defaults(func=_cmd_emulate)
 
-    p = sub.add_parser("report", help="plots and a summary of an emulated run (or sweep) folder",
-                       description="Writes accuracy.png, bytes.png and summary.md into a run folder, or the "
-                                   "sweep summary into a sweep folder.")
+    p = sub.add_parser("report", help="plots and a summary of a run (serve or emulate) or sweep folder",
+                       description="Writes accuracy.png, bytes.png and summary.md into a run folder (a `fedbit "
+                                   "emulate` run or a `fedbit serve --out` folder), or the sweep summary into a "
+                                   "sweep folder.")
     p.add_argument("run_dir", metavar="RUN_DIR")
     p.set_defaults(func=_cmd_report)
 
@@ -48,8 +52,9 @@ def _cmd_emulate(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from coordinator.config import parse_assignments
-    from coordinator.emulation.config import load_config
+    from coordinator.emulation.config import expand_sweep, load_config
     from coordinator.emulation.sweep import run_experiment
+    from coordinator.ops.dashboard.watch import Watch
     from coordinator.ops.logs import LiveProgress
     from edge_client.errors import ConfigError
     from edge_client.logs import setup_logging
@@ -59,6 +64,7 @@ def _cmd_emulate(args: argparse.Namespace) -> int:
     try:
         overrides = parse_assignments(args.set) | ({"on_collapse": args.on_collapse} if args.on_collapse else {})
         cfg = load_config(args.config, overrides)
+        expand_sweep(cfg)  # every combination (its values, profiles, codecs) checked before anything is written
     except ConfigError as exc:
         print(f"fedbit emulate: error: {exc}", file=sys.stderr)
         return 1
@@ -66,6 +72,13 @@ def _cmd_emulate(args: argparse.Namespace) -> int:
     if out.exists() and any(out.iterdir()):
         print(f"fedbit emulate: error: {out} is not empty: pick another --out", file=sys.stderr)
         return 1
+    try:
+        watch = Watch(listen=args.dashboard, security_dir=out / "security", job_id="emulate")
+    except ConfigError as exc:
+        print(f"fedbit emulate: error: {exc}", file=sys.stderr)
+        return 1
+    if watch.describe:
+        print(watch.describe, flush=True)
     n_dev = sum(cfg.devices.values())
     print(f"fedbit emulate: {cfg.name} ({cfg.source}): {n_dev} devices "
           f"({', '.join(f'{n} {p}' for p, n in cfg.devices.items() if n)}), model {cfg.model}, "
@@ -79,14 +92,25 @@ def _cmd_emulate(args: argparse.Namespace) -> int:
         bars.append(LiveProgress(rounds))
         return bars[-1]
 
+    def watched(c: Any, combo: dict[str, Any], seed: int, run_dir: Path) -> Any:
+        label = ", ".join(f"{k}={v}" for k, v in combo.items())
+        return watch.new_run(c.as_dict() | {"seed": seed}, c.rounds, f"{c.name}: seed {seed}"
+                             + (f" ({label})" if label else ""), run_dir / "out")
+
+    outcome = "error"
     try:
-        summary = run_experiment(cfg, out, on_event=progress, echo=lambda m: print(m, flush=True))
+        summary = run_experiment(cfg, out, on_event=progress, echo=lambda m: print(m, flush=True), on_run=watched)
+        outcome = "done"
     except (ConfigError, ConnectionError) as exc:
         print(f"fedbit emulate: error: {exc}", file=sys.stderr)
         return 1
+    except (KeyboardInterrupt, SystemExit):
+        outcome = "stopped"
+        raise
     finally:
         for b in bars:
             b.close()
+        watch.close(outcome)
     text = summary.read_text()
     # the result (a single run) or the whole table (a sweep); the rest is in the file
     start = text.find("## Result")
@@ -100,17 +124,19 @@ def _cmd_report(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from coordinator.emulation.report import write_report, write_sweep_report
+    from coordinator.ops.rundir import is_coordinator_dir
     from edge_client.errors import ConfigError
 
     root = Path(args.run_dir)
     try:
-        if (root / "out" / "metrics.jsonl").is_file():
-            summary = write_report(root)
-        elif (root / "results.json").is_file():
+        if (root / "results.json").is_file() and not is_coordinator_dir(root / "out"):
             results = json.loads((root / "results.json").read_text())
             summary = write_sweep_report(root, [(r["combination"], r["seed"], root / r["run"]) for r in results])
+        elif is_coordinator_dir(root) or is_coordinator_dir(root / "out"):
+            summary = write_report(root)
         else:
-            raise ConfigError(f"{root}: not a run folder (no out/metrics.jsonl) nor a sweep folder (no results.json)")
+            raise ConfigError(f"{root}: not a run folder (no metrics.jsonl here or in out/: a `fedbit serve --out` "
+                              "or `fedbit emulate` folder) nor a sweep folder (no results.json)")
     except ConfigError as exc:
         print(f"fedbit report: error: {exc}", file=sys.stderr)
         return 1

@@ -12,11 +12,19 @@ from typing import Any
 
 def add_security_commands(sub: Any) -> None:
     """The ``enroll``, ``revoke`` and ``broker-config`` subcommands."""
+    from coordinator.ops.security import DEFAULT_MAX_SAMPLES
+
+    def default_cap(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--default-max-samples", type=int, default=None, metavar="N",
+                       help="the job's sample cap for devices enrolled without --max-samples (and CSV "
+                            f"rows without one), recorded for later enrolments (default {DEFAULT_MAX_SAMPLES:,})")
 
     def job_folder(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--job", default="default", help="job id (topic prefix fedbit/<job>/)")
+        p.add_argument("--job", default=None, help="job id (topic prefix fedbit/<job>/; default: the "
+                       "security folder's job, else 'default')")
         p.add_argument("--run", metavar="DIR", help="the job's run folder, as `fedbit serve --out DIR` "
-                       "(security material in DIR/security; default runs/<job>)")
+                       "(security material in DIR/security, or where serve --security-dir put it; "
+                       "default runs/<job>)")
         p.add_argument("--security-dir", metavar="DIR",
                        help="the security folder itself (e.g. what fedbit broker-config wrote)")
 
@@ -32,8 +40,11 @@ def add_security_commands(sub: Any) -> None:
     p.add_argument("--broker-url", metavar="URL",
                    help="the URL devices dial (default: what serve/broker-config recorded, else "
                         "mqtts://<this host>:8883)")
-    p.add_argument("--max-samples", type=int, default=0, metavar="N",
-                   help="samples the device may claim per update (0: what its hello declares)")
+    p.add_argument("--max-samples", type=int, default=None, metavar="N",
+                   help="samples the device may claim per update, its most weight in a round (default: "
+                        "the job's --default-max-samples; 0: uncapped, which fedbit serve refuses "
+                        "unless --allow-uncapped)")
+    default_cap(p)
     job_folder(p)
     p.set_defaults(func=_cmd_enroll)
 
@@ -58,6 +69,7 @@ def add_security_commands(sub: Any) -> None:
     p.add_argument("--security", choices=["tls", "password"], default="tls")
     p.add_argument("--max-payload", type=int, default=0, metavar="BYTES",
                    help="largest update (the broker's max_packet_size is this plus 64 KiB)")
+    default_cap(p)
     p.set_defaults(func=_cmd_broker_config)
 
 
@@ -65,11 +77,13 @@ def add_security_commands(sub: Any) -> None:
 def serve_broker(job: Any, max_packet: int) -> tuple[Any, dict[str, Any]]:
     """The broker ``fedbit serve`` talks to (``job``: a :class:`~coordinator.job.ServeJob`):
     (the embedded one it started, or None; MqttFleet's ``url``/``username``/``password``/
-    ``tls`` plus ``enrolment``, the job's registry path or "" when devices are not enrolled)."""
+    ``tls``/``client_id`` plus ``enrolment``, the job's registry path or "" when devices
+    are not enrolled). The security mode follows the job: with enrolled devices, TLS (or
+    passwords, for devices enrolled for a plaintext broker) and the ACL, loopback or not."""
     from pathlib import Path
 
     from coordinator.ops.broker import parse_listen, resolve_security, start_job_broker
-    from coordinator.ops.security import JobSecurity
+    from coordinator.ops.security import COORDINATOR_USER, JobSecurity
     from edge_client.auth import load_credentials, tls_files
     from edge_client.connection import no_password_in_url, read_secret
     from edge_client.errors import ConfigError
@@ -84,66 +98,127 @@ def serve_broker(job: Any, max_packet: int) -> tuple[Any, dict[str, Any]]:
                                 "password": read_secret(b.password_file or None, "--password-file")}
         if b.credentials:
             c = load_credentials(b.credentials)
-            conn |= {"username": c.username, "password": c.password}
+            conn |= {"username": c.username, "password": c.password, "client_id": c.username}
             if c.ca or c.cert:
                 conn["tls"] = TlsOptions(*tls_files(c, out / "tls"))
             sec_dir = Path(b.security_dir) if b.security_dir else Path(b.credentials).parent
         if b.ca or b.cert or b.insecure:
             conn["tls"] = TlsOptions(b.ca or None, b.cert or None, b.key or None, b.insecure)
-        registry = JobSecurity(sec_dir, name).registry_path
-        if b.security_dir and not registry.exists():
-            raise ConfigError(f"{registry}: no enrolment registry (fedbit broker-config or enroll makes it)")
-        conn["enrolment"] = str(registry) if registry.exists() else ""
+        sec = JobSecurity(sec_dir, name)
+        if b.security_dir and not sec.registry_path.exists():
+            raise ConfigError(f"{sec.registry_path}: no enrolment registry (fedbit broker-config or enroll makes it)")
+        conn["enrolment"] = str(sec.registry_path) if sec.registry_path.exists() else ""
         if not conn["enrolment"]:
             print("note: no enrolment registry: updates are not checked for a device MAC "
                   "(fedbit broker-config writes one; pass --security-dir DIR)", flush=True)
+        else:
+            check_caps(sec, job.server.admission)
         return None, conn
     if b.listen and b.port:
         raise ConfigError("--port and --listen: give one (--listen 127.0.0.1:PORT is --port PORT)")
     host, port = parse_listen(b.listen) if b.listen else ("127.0.0.1", b.port or None)
-    mode = resolve_security(b.security, host)
-    sec = JobSecurity(sec_dir, name) if mode != "none" else None
-    jb = start_job_broker(host, port, security=mode, job_security=sec, hosts=b.hostnames or None,
-                          workdir=out / "broker" if mode != "none" else None, prefer=b.embedded,
-                          max_packet_size=max_packet)
-    if sec is None:
+    sec = JobSecurity(sec_dir, name)
+    enrolled = len(sec.registry())
+    mode = resolve_security(b.security, host, enrolled=enrolled, tls=bool(sec.job_info().get("tls", True)))
+    if mode == "none":
+        jb = start_job_broker(host, port, security=mode, prefer=b.embedded, max_packet_size=max_packet)
         print(f"broker: {jb.device_url} (embedded {jb.kind}; anonymous and unencrypted: loopback "
-              f"only, for demos; devices connect with --broker {jb.device_url}; devices on other "
-              f"machines: --listen HOST:PORT, TLS and per-device credentials)", flush=True)
+              f"only, for demos, as no device is enrolled in {sec.dir}; devices connect with --broker "
+              f"{jb.device_url}; devices on other machines: --listen HOST:PORT, TLS and per-device "
+              f"credentials)", flush=True)
         # amqtt keeps offline sessions only for clients with a username
-        return jb, {"url": jb.coordinator_url, "username": "fedbit-coordinator", "password": None,
+        return jb, {"url": jb.coordinator_url, "username": COORDINATOR_USER, "password": None,
                     "tls": None, "enrolment": ""}
+    check_caps(sec, job.server.admission)
+    jb = start_job_broker(host, port, security=mode, job_security=sec, hosts=b.hostnames or None,
+                          workdir=out / "broker", prefer=b.embedded, max_packet_size=max_packet)
     info = sec.job_info()
     if not info or not str(info.get("broker", "")).endswith(f":{jb.device_url.rsplit(':', 1)[1]}"):
-        if info:
+        if info.get("broker"):
             print(f"warning: credentials files made earlier name {info.get('broker')}; devices now dial "
                   f"{jb.device_url} (fedbit-edge run --broker URL overrides the file's)", flush=True)
         sec.save_job_info(jb.device_url, mode == "tls")
-    n = len(sec.registry())
+    if sec_dir.resolve() != (out / "security").resolve():
+        _record_security_dir(out, sec_dir)
     what = ("TLS with client certificates of the job CA" if mode == "tls" else "no TLS (trusted network)")
     print(f"broker: {sec.job_info()['broker']} (embedded {jb.kind}; {what}, per-device passwords, "
-          f"ACL; {n} device(s) enrolled in {sec.dir}; enrol one with: fedbit enroll ID --run {out})",
+          f"ACL; {enrolled} device(s) enrolled in {sec.dir}; enrol one with: {enroll_hint(sec, out)})",
           flush=True)
     c = jb.credentials
     return jb, {"url": jb.coordinator_url, "username": c.username, "password": c.password, "tls": None,
-                "enrolment": str(sec.registry_path)}
+                "client_id": c.username, "enrolment": str(sec.registry_path)}
 
 
-def _security_dir(args: argparse.Namespace) -> Any:
+def check_caps(sec: Any, admission: Any) -> None:
+    """ConfigError when a device of the job is enrolled without a sample cap, the job has
+    no ``--max-samples`` of its own and ``--allow-uncapped`` was not given."""
+    from edge_client.errors import ConfigError
+
+    if admission.max_samples or admission.allow_uncapped:
+        return
+    uncapped = sec.uncapped()
+    if uncapped:
+        more = f" and {len(uncapped) - 5} more" if len(uncapped) > 5 else ""
+        raise ConfigError(f"{', '.join(uncapped[:5])}{more}: enrolled without a sample cap (--max-samples 0), "
+                          f"so such a device weighs whatever it claims; re-enroll it with --max-samples N, "
+                          f"give the job a cap (--max-samples N), or pass --allow-uncapped")
+
+
+def enroll_hint(sec: Any, out: Any) -> str:
+    """The ``fedbit enroll`` command line that reaches this job's security folder."""
+    from pathlib import Path
+
+    where = f"--run {out}" if Path(sec.dir).resolve() == (Path(out) / "security").resolve() \
+        else f"--security-dir {sec.dir}"
+    return f"fedbit enroll ID {where}" + (f" --job {sec.job}" if sec.job != "default" else "")
+
+
+#: in a run folder: where its security folder is when ``serve --security-dir`` put it elsewhere
+SECURITY_POINTER = "security-dir"
+
+
+def _record_security_dir(out: Any, sec_dir: Any) -> None:
+    from pathlib import Path
+
+    Path(out).mkdir(parents=True, exist_ok=True)
+    (Path(out) / SECURITY_POINTER).write_text(str(Path(sec_dir).resolve()) + "\n")
+
+
+def _job_folder(args: argparse.Namespace) -> tuple[Any, str]:
+    """(the security folder, the job id) of ``enroll``/``revoke``: ``--security-dir``, else
+    the run folder's (``--run DIR``, default ``runs/<job>``: ``DIR/security``, or where
+    ``serve --security-dir`` recorded it); the job is ``--job``, else the folder's own."""
+    import json
     from pathlib import Path
 
     if args.security_dir:
-        return Path(args.security_dir)
-    return Path(args.run or f"runs/{args.job}") / "security"
+        folder = Path(args.security_dir)
+    else:
+        run = Path(args.run or f"runs/{args.job or 'default'}")
+        pointer = run / SECURITY_POINTER
+        folder = Path(pointer.read_text().strip()) if not (run / "security").exists() and pointer.is_file() \
+            else run / "security"
+    job = args.job
+    if job is None:
+        for name in ("job.json", "enrolled.json"):
+            try:
+                job = json.loads((folder / name).read_text()).get("job")
+            except (OSError, ValueError, AttributeError):
+                continue
+            if isinstance(job, str):
+                break
+        job = job if isinstance(job, str) else "default"
+    return folder, job
 
 
-def _read_devices_csv(path: str) -> list[tuple[str, int]]:
-    """``device_id[,max_samples]`` rows (a header row naming ``device_id`` is skipped)."""
+def _read_devices_csv(path: str) -> list[tuple[str, int | None]]:
+    """``device_id[,max_samples]`` rows (a header row naming ``device_id`` is skipped; no
+    max_samples: None, the job's default)."""
     import csv
 
     from edge_client.errors import ConfigError
 
-    rows: list[tuple[str, int]] = []
+    rows: list[tuple[str, int | None]] = []
     try:
         with open(path, newline="", encoding="utf-8") as f:
             for n, row in enumerate(csv.reader(f), 1):
@@ -151,7 +226,7 @@ def _read_devices_csv(path: str) -> list[tuple[str, int]]:
                 if not cells or not cells[0] or cells[0].startswith("#") or (n == 1 and cells[0] == "device_id"):
                     continue
                 try:
-                    ms = int(cells[1]) if len(cells) > 1 and cells[1] else 0
+                    ms = int(cells[1]) if len(cells) > 1 and cells[1] else None
                 except ValueError:
                     raise ConfigError(f"{path}:{n}: max_samples {cells[1]!r} is not an integer") from None
                 rows.append((cells[0], ms))
@@ -174,20 +249,27 @@ def _cmd_enroll(args: argparse.Namespace) -> int:
     try:
         if bool(args.device_id) == bool(args.devices):
             raise ConfigError("give one DEVICE_ID or --devices CSV")
-        sec = JobSecurity(_security_dir(args), args.job)
+        folder, job = _job_folder(args)
+        sec = JobSecurity(folder, job)
+        if args.default_max_samples is not None:
+            url, tls = sec.broker_url(args.broker_url)
+            sec.save_job_info(url, tls, default_max_samples=args.default_max_samples)
         if args.devices:
             rows = _read_devices_csv(args.devices)
             out_dir = Path(args.out) if args.out else None
         else:
-            rows = [(args.device_id, args.max_samples)]
+            rows = [(args.device_id, None)]
             out_dir = None
         for dev, ms in rows:
             out = (out_dir / f"{dev}.toml") if out_dir else (args.out if not args.devices else None)
-            creds, path = sec.enroll(dev, broker=args.broker_url, max_samples=ms or args.max_samples, out=out)
+            creds, path = sec.enroll(dev, broker=args.broker_url, max_samples=ms if ms is not None else
+                                     args.max_samples, out=out)
             tls = "TLS client certificate, " if creds.cert else ""
-            print(f"enrolled {dev} in job {args.job}: {tls}password and MAC key in {path} (mode 0600; "
-                  f"broker {creds.broker}); on the device: fedbit-edge run --credentials {path.name} "
-                  f"--profile PROFILE --data DATA", flush=True)
+            cap = f"at most {creds.max_samples:,} samples" if creds.max_samples else \
+                "UNCAPPED (fedbit serve refuses it unless --allow-uncapped)"
+            print(f"enrolled {dev} in job {job}: {tls}password and MAC key in {path} (mode 0600; "
+                  f"broker {creds.broker}; {cap}); on the device: fedbit-edge run --credentials "
+                  f"{path.name} --profile PROFILE --data DATA", flush=True)
     except ConfigError as exc:
         print(f"fedbit enroll: error: {exc}", file=sys.stderr)
         return 1
@@ -201,9 +283,10 @@ def _cmd_revoke(args: argparse.Namespace) -> int:
     from edge_client.errors import ConfigError
 
     try:
-        sec = JobSecurity(_security_dir(args), args.job)
+        folder, job = _job_folder(args)
+        sec = JobSecurity(folder, job)
         if not sec.revoke(args.device_id):
-            raise ConfigError(f"{args.device_id!r} is not enrolled in job {args.job} ({sec.registry_path})")
+            raise ConfigError(f"{args.device_id!r} is not enrolled in job {job} ({sec.registry_path})")
     except ConfigError as exc:
         print(f"fedbit revoke: error: {exc}", file=sys.stderr)
         return 1
@@ -248,7 +331,7 @@ def _cmd_broker_config(args: argparse.Namespace) -> int:
         url = f"{'mqtts' if tls else 'mqtt'}://{hosts[0] if host in ('0.0.0.0', '::') else host}:{port}"
         if tls:
             sec.ensure_server_cert(hosts)
-        sec.save_job_info(url, tls)
+        sec.save_job_info(url, tls, default_max_samples=args.default_max_samples)
         sec.coordinator(url, tls=tls)
         for dev, ms in rows:
             sec.enroll(dev, broker=url, max_samples=ms)

@@ -35,7 +35,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from coordinator.evaluate import evaluator_for
     from coordinator.fleet import MqttFleet
     from coordinator.job import job_from_args
-    from coordinator.ops.logs import ProgressDisplay
+    from coordinator.ops.dashboard.monitor import fan_out
+    from coordinator.ops.dashboard.watch import Watch
+    from coordinator.ops.logs import ProgressDisplay, hide_events
     from coordinator.server import Coordinator, RoundError
     from coordinator.state import RunState
     from coordinator.strategies import build_strategy
@@ -51,8 +53,12 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         return 1
     cfg = job.server
     logger = setup_logging(json_lines=job.log_json, level=job.log_level)
+    progress = None if job.quiet else ProgressDisplay(cfg.rounds)
+    if progress is not None and not job.log_json:  # what the progress lines say is not logged again
+        hide_events(logger, ProgressDisplay.SHOWN)
     sigterm_to_exit()
-    broker = None
+    broker = watch = None
+    outcome = "error"
     try:
         spec = resolve_model(cfg.model)
         strategy = build_strategy(cfg.strategy, model=cfg.model, **cfg.strategy_params)
@@ -62,13 +68,26 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                           max_payload=cfg.limits.max_payload_bytes + 65536, **conn)
         evaluator = evaluator_for(cfg.model, _eval_data(job.eval_data), strategy.device_hparams(cfg.hparams),
                                   seed=cfg.seed)
-        progress = None if job.quiet else ProgressDisplay(cfg.rounds)
-        coord = Coordinator(cfg, fleet, strategy, RunState(job.out), evaluator=evaluator,
-                            init_weights=init_shared(spec, cfg.seed), on_event=progress,
+        state = RunState(job.out)
+        if not job.resume and state.has_run():  # (before live.json of that run is overwritten)
+            raise ConfigError(f"{job.out} holds a previous run: pass --resume or use another --out")
+        watch = Watch(listen=job.dashboard.listen, security_dir=_security_dir(job), job_id=cfg.job,
+                      hostnames=job.broker.hostnames or None, password_file=job.dashboard.password_file)
+        if watch.describe:
+            print(watch.describe, flush=True)
+        observe = watch.new_run(job.table, cfg.rounds, f"job {cfg.job}: {cfg.model}, {cfg.strategy}", job.out,
+                                state.read_metrics() if job.resume else None)
+        coord = Coordinator(cfg, fleet, strategy, state, evaluator=evaluator,
+                            init_weights=init_shared(spec, cfg.seed), on_event=fan_out(progress, observe),
                             logger=logger.getChild("server"))
         print(f"fedbit serve: job {cfg.job}, model {cfg.model}, strategy {cfg.strategy}, "
               f"{cfg.rounds} round(s), out {job.out}", flush=True)
-        history = coord.run(resume=job.resume)
+        try:
+            history = coord.run(resume=job.resume)
+        except (KeyboardInterrupt, SystemExit):
+            outcome = "stopped"
+            raise
+        outcome = "done"
         _export_finished_run(job.out)
         last = history[-1] if history else {}
         print(json.dumps({"rounds": len(history), "final_accuracy": last.get("accuracy"),
@@ -80,8 +99,22 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         print(f"fedbit serve: error: {exc}", file=sys.stderr)
         return 1
     finally:
+        if watch is not None:
+            watch.close(outcome)
         if broker is not None:
             broker.stop()
+
+
+def _security_dir(job: Any) -> str:
+    """The job's security folder, as :func:`~coordinator.cli.security.serve_broker` finds it."""
+    from pathlib import Path
+
+    b = job.broker
+    if b.security_dir:
+        return b.security_dir
+    if b.url and b.credentials:
+        return str(Path(b.credentials).parent)
+    return str(Path(job.out) / "security")
 
 
 def _export_finished_run(run_dir: str) -> None:

@@ -7,7 +7,7 @@ A config (``fedbit emulate FILE``; the bundled default is ``coordinator/emulatio
     rounds = 12
     seeds = [0]                # every run (and every sweep combination) once per seed
     strategy = "fedshift"      # coordinator.strategies name
-    transport = "mqtt"         # "mqtt" (embedded broker, or `broker`) | "inproc" (no sockets)
+    transport = "inproc"       # (default: no sockets) | "mqtt" (embedded broker, or `broker`)
     broker = ""                # an external broker URL instead of the embedded one
     on_collapse = "rollback"   # a collapsed aggregate (coordinator.health): rollback | log
 
@@ -19,7 +19,9 @@ A config (``fedbit emulate FILE``; the bundled default is ``coordinator/emulatio
     [data]                     # dataset (digits, fashion-mnist, mnist, cifar10, idx, npz), path,
                                # partition, shards_per_device, alpha, per_device, validation
                                # (the fraction of the training split held out for choices;
-                               # drawn with `seed`), seed
+                               # drawn with `seed`), seed, inferior (the [devices] profiles
+                               # that hold the odd labels of the parity split; default:
+                               # integer devices and lossy uplinks)
     [train]                    # announced to devices: epochs, batch, steps, ... (any key)
     [round]                    # fraction, quorum, min_updates, deadline_s (simulated),
                                # wall_timeout_s, parallel (devices training at once)
@@ -29,6 +31,8 @@ A config (``fedbit emulate FILE``; the bundled default is ``coordinator/emulatio
 prowd-grouped-asym, fedfor, fedwsq) starts from that paper's strategy, its parameters and
 the settings it trains devices with; the config's own keys override them.
     [sweep]                    # dotted key = [values]: every combination is run
+    baseline = "fedavg"        # paired differences of every method to this value (analysis)
+    tune = "train.lr"          # chosen per combination of the others on the validation split
     strategy = ["fedavg", "fedshift"]
     "data.partition" = ["shards", "parity"]
     "@mix" = [                 # "@name": values set together, each a table with a label
@@ -74,7 +78,7 @@ SCHEMA = TomlSchema({
          "on_collapse": (str, _SERVER.on_collapse)},
     "data": {"dataset": (str, "digits"), "path": (str, ""), "partition": (str, "iid"),
              "shards_per_device": (int, 2), "alpha": (_NUM, 0.5), "per_device": (int, 32),
-             "seed": (int, 0), "validation": (_NUM, 0.0)},
+             "seed": (int, 0), "validation": (_NUM, 0.0), "inferior": (list, [])},
     "round": {"fraction": (_NUM, _SERVER.fraction), "quorum": (_NUM, _SERVER.quorum),
               "min_updates": (int, _SERVER.min_updates), "deadline_s": (_NUM, 0.0),
               "wall_timeout_s": (_NUM, 600.0), "parallel": (int, 2)},
@@ -196,12 +200,21 @@ def _check_values(cfg: ExperimentConfig, bad) -> None:
         if prof not in cfg.devices:
             raise bad(f"codecs.{prof}", "not a profile listed in [devices]")
         parse_codec(spec, f"codecs.{prof}", bad)
+    _check_profiles(cfg, bad)
     d = cfg.data
     if d["dataset"] not in DATASETS:
         raise bad("data.dataset", f"{d['dataset']!r} is not one of {list(DATASETS)}")
     if d["dataset"] in NEEDS_PATH and not d["path"]:
         raise bad("data.path", f"dataset {d['dataset']!r} needs a path (its file or folder; "
                                f"fedbit never downloads data)")
+    if d["path"]:
+        where = Path(d["path"]).expanduser()
+        if not (where.is_file() if d["dataset"] == "npz" else where.is_dir()):
+            raise bad("data.path", f"{d['path']!r} is not a {'file' if d['dataset'] == 'npz' else 'folder'} "
+                      f"(the {d['dataset']} data; fedbit never downloads data)")
+    for prof in d["inferior"]:
+        if prof not in cfg.devices:
+            raise bad("data.inferior", f"{prof!r} is not a profile listed in [devices]")
     if not 0 <= d["validation"] < 1:
         raise bad("data.validation", f"must be in [0, 1) (the fraction held out), got {d['validation']}")
     if d["partition"] not in PARTITIONS:
@@ -236,7 +249,11 @@ def _check_values(cfg: ExperimentConfig, bad) -> None:
         raise bad("[strategy_params] / [train]", str(exc)) from None
     if not 0 <= cfg.target_accuracy <= 1:
         raise bad("target_accuracy", f"must be in (0, 1] (0: none), got {cfg.target_accuracy}")
+    from coordinator.emulation.analysis import ANALYSIS_KEYS, check_analysis
+
     for key, values in cfg.sweep.items():
+        if key in ANALYSIS_KEYS:
+            continue
         if not isinstance(values, list) or not values:
             raise bad(f"sweep.{key}", "must be a non-empty list of values")
         if key in ("sweep", "seeds"):
@@ -244,6 +261,25 @@ def _check_values(cfg: ExperimentConfig, bad) -> None:
         if key.startswith("@") and not all(
                 isinstance(v, dict) and isinstance(v.get("label"), str) and len(v) > 1 for v in values):
             raise bad(f"sweep.{key}", "each value must be a table with a `label` and the keys it sets")
+    try:
+        check_analysis(cfg.sweep)
+    except ConfigError as exc:
+        raise ConfigError(f"{cfg.source}: {exc}") from None
+
+
+def _check_profiles(cfg: ExperimentConfig, bad) -> None:
+    """Every ``[devices]`` profile loads (a bundled name or a TOML file) and takes its
+    ``[codecs]`` override (codec ``int`` only on an integer device)."""
+    from hw_profiles import load_profile
+
+    for name in cfg.devices:
+        try:
+            prof = load_profile(name)
+        except ValueError as exc:
+            raise bad(f"devices.{name}", str(exc)) from None
+        if name in cfg.codecs and parse_codec(cfg.codecs[name], f"codecs.{name}", bad)[0] == "int" \
+                and prof.trainer != "int":
+            raise bad(f"codecs.{name}", "codec 'int' needs an integer device")
 
 
 def parse_codec(spec: Any, key: str = "codec", bad=None) -> tuple[str, int]:
@@ -269,14 +305,17 @@ def parse_codec(spec: Any, key: str = "codec", bad=None) -> tuple[str, int]:
 
 def expand_sweep(cfg: ExperimentConfig) -> list[tuple[dict[str, Any], ExperimentConfig]]:
     """``[(combination, config)]``: one config per combination of the sweep's values (the
-    config itself when there is no sweep), validated, with the sweep removed."""
-    if not cfg.sweep:
+    config itself when there is no sweep), validated, with the sweep's dimensions removed
+    (its ``baseline`` and ``tune`` are kept: they say how to read the results)."""
+    from coordinator.emulation.analysis import ANALYSIS_KEYS
+
+    keys = [k for k in cfg.sweep if k not in ANALYSIS_KEYS]
+    if not keys:
         return [({}, cfg)]
-    keys = list(cfg.sweep)
     out = []
     for values in itertools.product(*(cfg.sweep[k] for k in keys)):
         raw = cfg.as_dict()
-        raw["sweep"] = {}
+        raw["sweep"] = {k: v for k, v in cfg.sweep.items() if k in ANALYSIS_KEYS}
         combo = {}
         for k, v in zip(keys, values, strict=True):
             if k.startswith("@"):  # a group of keys set together, named by its label

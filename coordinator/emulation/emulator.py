@@ -57,6 +57,7 @@ def build_fleet(cfg: ExperimentConfig, seed: int, data: DataSplit, workdir: Path
     from hw_profiles import load_profile
 
     specs = []
+    keys = []  # each device's [devices] key
     for name, count in cfg.devices.items():
         try:
             prof = load_profile(name)
@@ -69,7 +70,10 @@ def build_fleet(cfg: ExperimentConfig, seed: int, data: DataSplit, workdir: Path
         width = len(str(max(1, count) - 1))
         for i in range(count):
             specs.append((f"{prof.name}-{i:0{width}d}", prof, codec, bits))
+            keys.append(name)
     inferior = [p.trainer == "int" or p.compute_bits < 32 or c != "float32" for _, p, c, _ in specs]
+    if cfg.data["inferior"]:  # the parity split's groups named, whatever the uplinks
+        inferior = [k in cfg.data["inferior"] for k in keys]
     model_files = (cfg.model,) if is_model_file(cfg.model) else ()  # a user's model: the devices get the file
     d = cfg.data
     shards = partition(d["partition"], data.train.y, len(specs), np.random.default_rng(derive_seed("data", seed)),

@@ -38,7 +38,7 @@ PAPERS: dict[str, PaperSettings] = {
         "fedshift", {"weighted": False},
         {"lr": 0.005, "momentum": 0.9, "batch": 50, "epochs": 10, "kmeans_method": "authors"},
         "FedShift §4: SGD lr 0.005, momentum 0.9, batch 50, 10 local epochs; 1/N averaging and "
-        "the authors' K-means (their code, ALGORITHMS.md §3-4)"),
+        "the authors' K-means (their code, docs/algorithms.md §3-4)"),
     "prowd": PaperSettings("prowd-swa", {"weighted": False}, dict(_PROWD_DEVICES),
                            _PROWD + "1/N averaging"),
     "prowd-fedprox": PaperSettings("fedavg", {"weighted": False}, _PROWD_DEVICES | {"prox_mu": 0.01},

@@ -10,14 +10,16 @@ from coordinator.emulation.config import ExperimentConfig, expand_sweep, run_slu
 
 
 def run_experiment(cfg: ExperimentConfig, out: str | Path, *,
-                   on_event: Any = None, echo: Any = print) -> Path:
+                   on_event: Any = None, echo: Any = print, on_run: Any = None) -> Path:
     """Run every sweep combination with every seed (``coordinator.emulation.run.Emulator``)
     and write the reports. One run goes to ``out`` itself; several to
     ``out/runs/<combination>/seed-<k>/`` with a sweep summary in ``out``. Returns the
     path of the top ``summary.md``. ``on_event(rounds)`` makes each run's progress
-    callback; ``echo`` prints what runs."""
+    callback; ``on_run(config, combination, seed, run_dir)`` another callback of the run
+    (a watcher: the dashboard); ``echo`` prints what runs."""
     from coordinator.emulation.report import combo_label, write_report, write_sweep_report
     from coordinator.emulation.run import Emulator
+    from coordinator.ops.dashboard.monitor import fan_out
 
     out = Path(out)
     combos = expand_sweep(cfg)
@@ -28,7 +30,8 @@ def run_experiment(cfg: ExperimentConfig, out: str | Path, *,
             run_dir = out if single else out / "runs" / run_slug(combo) / f"seed-{seed}"
             if not single:
                 echo(f"run {len(runs) + 1}/{len(combos) * len(cfg.seeds)}: {combo_label(combo)}, seed {seed}")
-            Emulator(c, seed, run_dir, on_event=on_event(c.rounds) if on_event else None).run()
+            watcher = on_run(c, combo, seed, run_dir) if on_run else None
+            Emulator(c, seed, run_dir, on_event=fan_out(on_event(c.rounds) if on_event else None, watcher)).run()
             summary = write_report(run_dir)
             runs.append((combo, seed, run_dir))
     if single:

@@ -9,6 +9,9 @@ that :mod:`coordinator.ingest` applies, and the per-device rate limiter.
   self-reported ``num_samples`` is bounded by the smallest of the cap, what the device
   was enrolled with, and what its hello declared; more is clipped to the bound
   (``clipped_num_samples``) or refused (``too_many_samples``).
+- ``allow_uncapped``: let ``fedbit serve`` start a job whose registry holds a device
+  enrolled without a sample cap (``max_samples`` 0) while ``max_samples`` is 0 too;
+  refused by default, so that every enrolled device's weight in a round is bounded.
 - ``max_registered``: most devices the registry holds; a hello from one more is refused
   (``registry_full``).
 - ``hello_rate`` / ``hello_burst``: hello and presence messages per device, a token bucket
@@ -32,6 +35,7 @@ class AdmissionConfig:
     enrolment: str = ""
     max_samples: int = 0
     samples_policy: str = "clip"
+    allow_uncapped: bool = False
     max_registered: int = 100_000
     hello_rate: float = 1.0
     hello_burst: int = 20

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from coordinator.ops.rundir import coordinator_dir
 from coordinator.state import Checkpoint, RunState, atomic_write
 from edge_client.errors import ConfigError, FedbitError
 from edge_client.protocol import (
@@ -35,11 +36,14 @@ ONNX_DIR = "onnx"
 
 
 def load_final(run_dir: str | Path, round_id: int | None = None) -> Checkpoint:
-    """The checkpoint of a run directory; ConfigError when there is none, or when
-    ``round_id`` is given and is not the completed round (only that model is kept)."""
-    run = Path(run_dir)
-    if not run.is_dir():
-        raise ConfigError(f"{run}: not a run directory")
+    """The checkpoint of a run directory (a ``serve --out`` folder or an emulated run
+    folder, :func:`~coordinator.ops.rundir.coordinator_dir`); ConfigError when there is
+    none, or when ``round_id`` is given and is not the completed round (only that model
+    is kept)."""
+    try:
+        run = coordinator_dir(run_dir)
+    except ConfigError as exc:
+        raise ConfigError(f"{exc}; no checkpoint.msgpack to export") from None
     ckpt = RunState(run, durable=False).load_checkpoint()
     if ckpt is None:
         raise ConfigError(f"{run}: no checkpoint.msgpack (no round completed yet)")
@@ -117,10 +121,27 @@ def export_model(ckpt: Checkpoint, bits: int, out: str | Path) -> Path:
 
 
 def export_run(run_dir: str | Path, bitwidths: Sequence[int] | None = None) -> list[Path]:
-    """``RUN_DIR/onnx/<variant>.onnx`` for each bitwidth (default: :func:`run_bitwidths`)
-    of the run's final model; returns the paths written."""
+    """``onnx/<variant>.onnx`` in the run directory (:func:`~coordinator.ops.rundir.coordinator_dir`:
+    ``RUN_DIR`` or an emulated folder's ``RUN_DIR/out``) for each bitwidth (default:
+    :func:`run_bitwidths`) of the run's final model; returns the paths written."""
     ckpt = load_final(run_dir)
-    out_dir = Path(run_dir) / ONNX_DIR
+    run = coordinator_dir(run_dir)
+    out_dir = run / ONNX_DIR
     bits_list = (list(bitwidths) if bitwidths is not None
-                 else run_bitwidths(ckpt, RunState(run_dir).load_devices() or ckpt.devices))
+                 else run_bitwidths(ckpt, RunState(run).load_devices() or ckpt.devices))
     return [export_model(ckpt, b, out_dir / f"{variant_name(b)}.onnx") for b in bits_list]
+
+
+def onnx_summary_lines(run_dir: str | Path, why_not: object = None) -> list[str]:
+    """Markdown lines of a run summary listing the exported ONNX files (paths relative to
+    ``run_dir``; ``why_not``: the reason recorded when there are none)."""
+    root = Path(run_dir)
+    try:
+        files = sorted((coordinator_dir(root) / ONNX_DIR).glob("*.onnx"))
+    except ConfigError:
+        files = []
+    if not files:
+        reason = why_not if isinstance(why_not, str) and why_not else "none yet"
+        return ["## Exported models", "", f"No ONNX files ({reason}); `fedbit export {root} --all` writes them.", ""]
+    return ["## Exported models", "", "ONNX, one per bitwidth variant of the final model (`fedbit-edge predict "
+            "--model FILE`):", "", *[f"- `{f.relative_to(root)}` ({f.stat().st_size:,} bytes)" for f in files], ""]

@@ -6,18 +6,55 @@ set up by :mod:`edge_client.logs`, the same for devices and the coordinator.
 
 from __future__ import annotations
 
+import logging
 import math
 import sys
 import time
+from collections.abc import Iterable
 from typing import Any, TextIO
+
+from edge_client.protocol import model_variant
+
+
+def hide_events(logger: logging.Logger, events: Iterable[str]) -> None:
+    """Leave out of ``logger``'s handlers the records whose ``event`` is in ``events``
+    (what a progress display on stdout already said is not said again on stderr)."""
+    hidden = frozenset(events)
+
+    def keep(record: logging.LogRecord) -> bool:
+        return getattr(record, "event", None) not in hidden
+
+    for h in logger.handlers:
+        h.addFilter(keep)
+
+
+def refusal_line(f: dict[str, Any]) -> str:
+    """``  rejected update from 'dev3': bad_mac (detail)`` (a ``reject`` event)."""
+    what = "dropped" if f.get("dropped") else "rejected"
+    detail = f" ({f['detail']})" if f.get("detail") else ""
+    return f"  {what} {f.get('kind', 'message')} from {f['device']!r}: {f['reason']}{detail}"
+
+
+def device_line(f: dict[str, Any]) -> str:
+    """``device 'dev1' joined (raspberry-pi-4, int8, uplink int-8); 2 online`` (a ``device`` event)."""
+    if f["change"] == "joined":
+        variant = model_variant(int(f["compute_bits"]), str(f["trainer"]))
+        return f"device {f['device']!r} joined ({f['profile']}, {variant}, uplink {f['codec']}); {f['online']} online"
+    return f"device {f['device']!r} left; {f['online']} online"
 
 
 class ProgressDisplay:
     """Human-readable progress of the round loop on ``stream`` (an ``on_event`` callback).
 
-    One line per round start, a live ``n/m updates`` counter when ``stream`` is a TTY,
-    and one line per completed round with accuracy, counts and time.
+    One line per round start (with the wait for devices, apart from the round's time), a
+    live ``n/m updates`` counter when ``stream`` is a TTY, one line per device joining or
+    leaving and per refused message (why), and one line per completed round with accuracy,
+    counts and time. The log records of the events it shows are :data:`SHOWN` (``fedbit
+    serve`` leaves them out of its text log: :func:`hide_events`).
     """
+
+    #: log ``event`` fields whose message this display already prints
+    SHOWN = ("round_start", "round_end", "reject", "device_joined", "device_left")
 
     def __init__(self, rounds: int, stream: TextIO | None = None) -> None:
         self.rounds = rounds
@@ -41,11 +78,14 @@ class ProgressDisplay:
             self._print(f"waiting for devices: {f['present']}/{f['need']} present")
         elif event == "round_start":
             extra = f" (resumed, {f['replayed']} update(s) from the inbox)" if f.get("resumed") else ""
-            self._print(f"round {f['round']}/{self.rounds}: {len(f['selected'])} device(s) selected{extra}")
+            wait = f" after waiting {f['wait_seconds']:.1f} s for devices" if f.get("wait_seconds", 0) >= 0.1 else ""
+            self._print(f"round {f['round']}/{self.rounds}: {len(f['selected'])} device(s) selected{wait}{extra}")
         elif event == "update":
             self._print(f"  round {f['round']}: {f['accepted']}/{f['selected']} updates", live=True)
-        elif event == "reject":
-            self._print(f"  rejected an update from {f['device']!r}: {f['reason']}")
+        elif event == "reject" and not f.get("dropped"):  # (late and repeated ones: in the log)
+            self._print(refusal_line(f))
+        elif event == "device":
+            self._print(device_line(f))
         elif event == "round_end":
             self._print(round_line(f, self.rounds))
 
@@ -60,8 +100,9 @@ def round_line(f: dict[str, Any], rounds: int) -> str:
         acc_s = _fmt(f.get("accuracy"))
     strag = f", {f['stragglers']} straggler(s)" if f.get("stragglers") else ""
     sim = f" (simulated {f['sim_round_seconds']:.2f} s)" if isinstance(f.get("sim_round_seconds"), float) else ""
+    wait = f" (+ {f['wait_seconds']:.2f} s waiting for devices)" if f.get("wait_seconds", 0) >= 0.1 else ""
     return (f"round {f['round']}/{rounds}: accuracy {acc_s}, {f['accepted']}/{f['selected']} updates{strag}, "
-            f"{f['round_seconds']:.2f} s{sim}")
+            f"{f['round_seconds']:.2f} s{sim}{wait}")
 
 
 def _fmt(acc: Any) -> str:
@@ -93,6 +134,8 @@ class LiveProgress:
         self._progress.start()
 
     def __call__(self, event: str, f: dict[str, Any]) -> None:
+        if event == "device":  # (an emulated fleet's devices all join at start: no line each)
+            return
         if self._plain is not None:
             self._plain(event, f)
             return
@@ -102,8 +145,8 @@ class LiveProgress:
                      updates=f"0/{len(f['selected'])} updates")
         elif event == "update":
             p.update(self._task, updates=f"{f['accepted']}/{f['selected']} updates")
-        elif event == "reject":
-            p.console.print(f"  rejected an update from {f['device']!r}: {f['reason']}")
+        elif event == "reject" and not f.get("dropped"):
+            p.console.print(refusal_line(f), markup=False, highlight=False)
         elif event == "round_end":
             p.console.print(round_line(f, self.rounds))
             p.update(self._task, completed=f["round"])

@@ -9,19 +9,31 @@ secrets 0600; what the broker reads, 0640 to the ``mosquitto`` group when run as
     server.crt, server.key      the broker's certificate (SAN: the names devices dial)
     enrolled.json               device id -> password hash, MAC key, max_samples (0600)
     passwd                      mosquitto's password file ($7$: PBKDF2-SHA512, 101 rounds)
+    coordinator.passwd          the same with the coordinator alone (the embedded broker's
+                                coordinator listener: a device's password is refused there)
     acl                         mosquitto's ACL: devices publish only under their own id
     coordinator.toml            the coordinator's own credentials (username fedbit-coordinator)
     devices/<id>.toml           each device's credentials file (``fedbit-edge run --credentials``)
-    job.json                    job id, the broker URL devices dial, whether it speaks TLS
+    job.json                    job id, the broker URL devices dial, whether it speaks TLS,
+                                the sample cap enrolments get by default
+
+**Sample cap.** Every enrolment records the most samples the device may claim per update
+(``max_samples``): ``fedbit enroll --max-samples N``, else the job's default
+(``--default-max-samples N``, kept in job.json; :data:`DEFAULT_MAX_SAMPLES` until one is
+set). ``0`` enrols a device uncapped, which ``fedbit serve`` refuses unless told
+``--allow-uncapped`` (or given a job-wide ``--max-samples``).
 
 Certificates are made with the ``openssl`` command line tool (Debian: ``apt-get install
 openssl``). Passwords are random (24 bytes), hashed in mosquitto's own ``$7$`` format
 here (no ``mosquitto_passwd`` needed); the clear text exists only in the credentials files.
 
-The generated ACL (``acl_text``) is what DESIGN.md's wire protocol asks of a broker: a
-device (username = device id = MQTT client id) may publish only
+The generated ACL (``acl_text``) is what the wire protocol asks of a broker
+(docs/architecture.md#wire-protocol): a device (username = device id = MQTT client id) may publish only
 ``fedbit/<job>/{update,hello,presence,linktest}/<its id>`` and read only ``round``, ``model/+`` and
-``status``; only the coordinator user publishes rounds, models and status.
+``status``; only the coordinator user publishes rounds, models and status. Every broker
+configuration fedbit writes also sets ``use_username_as_clientid``: the client id is the
+username, so nobody can connect under another device's (or the coordinator's) client id
+and push it off the broker.
 """
 
 from __future__ import annotations
@@ -49,6 +61,10 @@ COORDINATOR_USER = "fedbit-coordinator"
 #: mosquitto's $7$ format: PBKDF2-HMAC-SHA512, 101 iterations, 12-byte salt (mosquitto 2.0)
 PBKDF2_ITERATIONS = 101
 REGISTRY_VERSION = 1
+#: the sample cap an enrolment gets when neither ``--max-samples`` nor the job's
+#: ``--default-max-samples`` says otherwise (a device's weight in a round is at most this)
+DEFAULT_MAX_SAMPLES = 10_000
+MAX_SAMPLES_LIMIT = 1 << 40
 
 
 def mosquitto_password_hash(password: str, salt: bytes | None = None,
@@ -90,6 +106,13 @@ def check_device_id(device_id: str) -> str:
     if device_id == COORDINATOR_USER or device_id.startswith(COORDINATOR_USER + "-"):
         raise ConfigError(f"device id {device_id!r}: reserved for the coordinator")
     return device_id
+
+
+def check_max_samples(value: Any, what: str) -> int:
+    """``value`` if it is a sample cap (an integer in [0, 2^40]; 0: uncapped), else ConfigError."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_SAMPLES_LIMIT:
+        raise ConfigError(f"{what}: must be an integer in [0, 2^40] (0: uncapped), got {value!r}")
+    return value
 
 
 def is_loopback(host: str) -> bool:
@@ -193,6 +216,7 @@ class JobSecurity:
         self.job = job
         self.registry_path = self.dir / "enrolled.json"
         self.passwd_path = self.dir / "passwd"
+        self.coordinator_passwd_path = self.dir / "coordinator.passwd"
         self.acl_path = self.dir / "acl"
         self.ca_path = self.dir / "ca.crt"
         self.server_cert = self.dir / "server.crt"
@@ -238,9 +262,24 @@ class JobSecurity:
             raise ConfigError(f"{self.job_path}: belongs to job {info.get('job')!r}, not {self.job!r}")
         return info
 
-    def save_job_info(self, broker: str, tls: bool) -> None:
+    def save_job_info(self, broker: str, tls: bool, default_max_samples: int | None = None) -> None:
+        """Record the URL devices dial, whether it speaks TLS and (when given) the sample
+        cap of enrolments without ``--max-samples``; other recorded values are kept."""
         self._mkdir()
-        write_private(self.job_path, json.dumps({"job": self.job, "broker": broker, "tls": tls}, indent=1))
+        info = self.job_info() | {"job": self.job, "broker": broker, "tls": tls}
+        if default_max_samples is not None:
+            info["default_max_samples"] = check_max_samples(default_max_samples, "default_max_samples")
+        write_private(self.job_path, json.dumps(info, indent=1))
+
+    def default_max_samples(self) -> int:
+        """The cap an enrolment without ``--max-samples`` gets (job.json's, else
+        :data:`DEFAULT_MAX_SAMPLES`)."""
+        value = self.job_info().get("default_max_samples", DEFAULT_MAX_SAMPLES)
+        return check_max_samples(value, f"{self.job_path}: default_max_samples")
+
+    def uncapped(self) -> list[str]:
+        """Enrolled devices without a sample cap (enrolled with ``max_samples`` 0)."""
+        return sorted(d for d, e in self.registry().items() if not e.max_samples)
 
     def registry(self) -> dict[str, Enrolled]:
         """Enrolled devices by id ({} before the first enrolment)."""
@@ -266,8 +305,9 @@ class JobSecurity:
         lines = [f"{COORDINATOR_USER}:{coordinator_hash}"]
         lines += [f"{d}:{e.password_hash}" for d, e in sorted(devices.items())]
         write_private(self.passwd_path, "\n".join(lines) + "\n")
+        write_private(self.coordinator_passwd_path, lines[0] + "\n")
         write_private(self.acl_path, acl_text(self.job))
-        for p in (self.passwd_path, self.acl_path):
+        for p in (self.passwd_path, self.coordinator_passwd_path, self.acl_path):
             self.share_with_broker(p)
 
     # ------------------------------------------------------------------ material
@@ -344,15 +384,17 @@ class JobSecurity:
             return str(info["broker"]), bool(info.get("tls"))
         return f"mqtts://{socket.getfqdn()}:8883", True
 
-    def enroll(self, device_id: str, *, broker: str | None = None, max_samples: int = 0,
+    def enroll(self, device_id: str, *, broker: str | None = None, max_samples: int | None = None,
                out: str | Path | None = None) -> tuple[Credentials, Path]:
         """Enroll (or re-enroll, with fresh secrets) ``device_id``: a random password into
         the password file, a fresh MAC key, a client certificate when the broker speaks
-        TLS; writes its credentials file (``out``, default ``devices/<id>.toml``, 0600).
+        TLS, its sample cap (``max_samples``; None: the job's default, 0: uncapped); writes
+        its credentials file (``out``, default ``devices/<id>.toml``, 0600).
         Returns (credentials, file). Signal a running broker with :meth:`reload_broker`."""
         check_device_id(device_id)
-        if isinstance(max_samples, bool) or not isinstance(max_samples, int) or not 0 <= max_samples <= 1 << 40:
-            raise ConfigError(f"{device_id}: max_samples must be an integer in [0, 2^40], got {max_samples!r}")
+        if max_samples is None:
+            max_samples = self.default_max_samples()
+        check_max_samples(max_samples, f"{device_id}: max_samples")
         url, tls = self.broker_url(broker)
         if not self.coordinator_path.exists():  # the coordinator's entry comes first
             self.coordinator(url, tls=tls)
@@ -391,7 +433,7 @@ class JobSecurity:
                        max_packet_size: int) -> str:
         """A mosquitto.conf for a broker the user runs (``fedbit broker-config``): one
         listener on ``host:port`` (TLS with client certificates when ``tls``), passwords,
-        the ACL, persistence under ``workdir``, the limits of MQTT-NOTES.md."""
+        the ACL, persistence under ``workdir``, the limits of docs/mqtt.md#mosquitto."""
         d = self.dir.resolve()
         lines = [
             f"# generated by fedbit broker-config for job {self.job}",
@@ -407,6 +449,7 @@ class JobSecurity:
             f"persistence_location {Path(workdir).resolve()}/",
             "autosave_interval 1",
             f"listener {int(port)} {host}",
+            "use_username_as_clientid true",
         ]
         if tls:
             lines += [f"cafile {d / 'ca.crt'}", f"certfile {d / 'server.crt'}", f"keyfile {d / 'server.key'}",

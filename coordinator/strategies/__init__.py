@@ -1,4 +1,4 @@
-"""Aggregation as composable streaming stages (DESIGN.md, "Stage pipeline"):
+"""Aggregation as composable streaming stages (docs/architecture.md#the-update-path):
 decode -> dequantize (none | prowd) -> mask (none | prowd-swa) ->
 combine (fedavg | fedshift | grouped | grouped-asym | fedpaq).
 

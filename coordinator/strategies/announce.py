@@ -1,5 +1,5 @@
 """What a round announces: the configured hyper-parameters plus what the strategy needs
-from devices (DESIGN.md, "One round": the announcement carries the hyper-parameters).
+from devices (docs/architecture.md#one-round: the announcement carries the hyper-parameters).
 
 A strategy declares its needs through its stages (``Combiner.device_hparams``): FedPAQ and
 FedWSQ need devices to send their update ``W - W_global`` (``content = "delta"``), FedWSQ

@@ -51,7 +51,7 @@ class Strategy:
     """A named composition of stages (build one with ``build_strategy``).
 
     Params: ``weighted`` (FedAvg weights by ``num_samples``; False = unweighted, 1/N: the
-    FedShift and ProWD papers' averaging, ALGORITHMS.md §4),
+    FedShift and ProWD papers' averaging, docs/algorithms.md §4),
     ``sigma_momentum`` (σ_g EMA, 0.9), ``acc_dtype`` ("float32" default | "float64"
     running sums; float32 halves the accumulator traffic, measured 0.85x vs 0.59x of the
     stacked-mean anchor for float64), ``batch`` (updates folded into the sums together, >= 1).
@@ -216,7 +216,9 @@ class Strategy:
         bases = {b: (group_flat.get(b, global_flat) if self.combiner.grouped else global_flat)
                  for b in sums.bits}
         sums.flush_base(bases)
-        rs = RoundSums(sums, global_flat, group_flat, n, self._n_inferior)
+        last = self.state.last_global_step
+        rs = RoundSums(sums, global_flat, group_flat, n, self._n_inferior,
+                       None if last is None else [_flat32(s) for s in last])
         flat, groups, stats = self.combiner.combine(rs, self.mask)
         new = [f.astype(np.float32).reshape(s) for f, s in zip(flat, self._shapes, strict=True)]
         group_weights = {b: [f.astype(np.float32).reshape(s) for f, s in zip(ws, self._shapes, strict=True)]

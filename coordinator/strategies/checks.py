@@ -5,7 +5,7 @@ way to :meth:`Strategy.fold`; :meth:`Strategy.accept` applies the same ones to a
 caller built from arrays. Every failure is a :class:`ProtocolError` naming the device and
 the field, with its ``reason`` (``wrong_shape``, ``out_of_range``, ``malformed``).
 
-The shared domain (ALGORITHMS.md §2): an integer device's own integers ``q`` (codec
+The shared domain (docs/algorithms.md §2): an integer device's own integers ``q`` (codec
 ``int``) stand for ``q / 2^(s_g - 1)``, ``s_g = max(s, 8)`` (:func:`integer_scale`, from
 ``edge_client.intnn``'s grid); its ternary codes ``t`` (codec ``ternary``, int8) for the
 ternary forward weights ``t * intnn.TERNARY_WEIGHT`` = ``t / 2`` (:func:`unit_value`);
@@ -39,7 +39,7 @@ def integer_scale(compute_bits: int) -> float:
 def unit_value(t: EncodedTensor, compute_bits: int) -> float:
     """The shared-domain value of one unit of an integer tensor ``t`` of an integer
     device: ``intnn.TERNARY_WEIGHT`` for ternary codes (what ``t = +1`` computes in the
-    device's forward, ALGORITHMS.md §1-2), ``integer_scale(s)`` for grid integers."""
+    device's forward, docs/algorithms.md §1-2), ``integer_scale(s)`` for grid integers."""
     if t.codec == "ternary":
         from edge_client.intnn.quant import TERNARY_WEIGHT
 

@@ -3,7 +3,7 @@ arrays in the shared domain, for the updates a strategy cannot fold straight fro
 wire (a ternary uplink, or a dequantizer that needs the values).
 
 Float tensors decode into caller-given buffers (``out``, reused by the strategy); integer
-tensors are mapped exactly to the shared domain (ALGORITHMS.md §1-2, ``checks.unit_value``):
+tensors are mapped exactly to the shared domain (docs/algorithms.md §1-2, ``checks.unit_value``):
 a device's own grid values as ``q * integer_scale(s)``, ternary codes as the ternary forward
 weights they are, ``t * intnn.TERNARY_WEIGHT`` (``t / 2``, whatever the bitwidth).
 """

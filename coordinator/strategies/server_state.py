@@ -1,6 +1,6 @@
 """Server state that device-side methods need, carried across rounds and checkpointed.
 
-- FedFOR's last global step ``g = w_{t-1} - w_t`` (ALGORITHMS.md §4): None until a round
+- FedFOR's last global step ``g = w_{t-1} - w_t`` (docs/algorithms.md §4): None until a round
   has finished (round 1 is then plain FedAvg on the devices).
 - DANUQ's per-layer ``σ_g`` (FedWSQ): ``σ_g <- m·σ_g + (1-m)·mean_k σ_loc,k`` with
   m = 0.9. [decision] Until the first round that brings σ_loc reports, σ_g is None; the

@@ -8,7 +8,7 @@ Problem, per layer, with a = Δlow and b = Δhigh flattened (n elements):
 Write p_i = a_i b_i, q_i = a_i² and, for a kept set S, v(S) = P(S) / sqrt(Q(S)).
 Elements with a_i = 0 change neither sum: they are always kept.
 
-ALGORITHMS.md §4 proposes "the best prefix of the elements sorted by b_i/a_i". That is
+docs/algorithms.md §4 (once) proposed "the best prefix of the elements sorted by b_i/a_i". That is
 exact when the τ budget is not binding, but not in general: with a budget of one drop and
 (a, b) = (1, 1), (0.01, -1), (10, -0.3), the best prefix keeps (1,1),(10,-0.3) (cosine < 0)
 while dropping (10, -0.3) gives 0.99. The exact method used here:

@@ -15,7 +15,7 @@ class ClientUpdate:
     """One device's decoded update for one round.
 
     - ``weights``: one float32 array per model layer, in ``spec.param_shapes()`` order, in
-      the shared parameter domain (ALGORITHMS.md §2). Full weights, or, when ``kind`` is
+      the shared parameter domain (docs/algorithms.md §2). Full weights, or, when ``kind`` is
       ``"delta"``, ``W_local - W_global`` (the model the device started from).
     - ``num_samples``: local training samples (> 0), the FedAvg weight.
     - ``compute_bits``: the device's compute bitwidth (32 = float device); groups and the

@@ -1,4 +1,4 @@
-"""Uplink/downlink codecs and bit packing (ALGORITHMS.md §3).
+"""Uplink/downlink codecs and bit packing (docs/algorithms.md §3).
 
 >>> from edge_client.codecs import get_codec, encode, decode
 >>> t = encode(x, codec="kmeans", bits=4)        # -> EncodedTensor  # doctest: +SKIP

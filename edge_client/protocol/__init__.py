@@ -1,4 +1,4 @@
-"""The wire format (DESIGN.md, "Wire protocol"): message dataclasses, msgpack, validation.
+"""The wire format (docs/architecture.md#wire-protocol): message dataclasses, msgpack, validation.
 
 Every payload is one msgpack map ``{"v": PROTOCOL_VERSION, "kind": KIND, ...fields}``.
 Tensors travel per layer as ``{"name", "shape", "dtype", "codec", "bits", "data", "aux"}``

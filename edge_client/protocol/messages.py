@@ -248,7 +248,7 @@ FLOAT_VARIANT = "float32"
 def model_variant(compute_bits: int, trainer: str) -> str:
     """The model variant a device downloads and trains: ``float32`` for float devices
     (trainer ``torch`` or 32 bits), ``int<s>`` for s-bit integer devices (its weights on
-    the device's storage grid, ALGORITHMS.md §2). Variant names are topic levels
+    the device's storage grid, docs/algorithms.md §2). Variant names are topic levels
     (``model/<variant>``)."""
     return FLOAT_VARIANT if trainer == "torch" or compute_bits >= 32 else f"int{int(compute_bits)}"
 

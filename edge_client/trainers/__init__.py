@@ -1,6 +1,6 @@
 """Local trainers of a device: IntTrainer (integer-only, intnn) and TorchTrainer (float32).
 
-Both train the same shared parameter domain (ALGORITHMS.md §2): real weights ``W`` in
+Both train the same shared parameter domain (docs/algorithms.md §2): real weights ``W`` in
 ``[-0.5, 0.5]``, layer outputs scaled by ``1/alpha_l``, no bias, no batch norm. Weights
 enter with :meth:`load_shared` and leave with :meth:`to_shared` as ``list[np.ndarray]``
 float32 in ``spec.param_shapes()`` order.
@@ -17,7 +17,7 @@ strength on both kinds of device in the shared domain:
   rate ``lr`` and momentum ``beta``. For a term that changes slowly from step to step the
   momentum buffer settles at ``term / (1 - beta)``: each step moves ``W`` by
   ``lr / (1 - beta) * (mu (W - W_g) + alpha g [.])``.
-- integer (:class:`IntTrainer`, ALGORITHMS.md §1-2): the device holds ``q = W S(s_g)``
+- integer (:class:`IntTrainer`, docs/algorithms.md §1-2): the device holds ``q = W S(s_g)``
   (``S(s_g) = 2^(s_g - 1)``). Its data step is WAGE's normalized one (magnitude discarded),
   so it has no float learning rate; the terms are applied beside it, with the float
   device's step ``eta_r = lr / (1 - beta)`` (the float devices' ``lr`` and ``momentum``,
@@ -51,8 +51,10 @@ __all__ = ["DEFAULT_LR_SHIFT", "DEFAULT_MOMENTUM", "DEFAULT_TORCH_LR", "IntTrain
            "TrainReport", "Trainer", "forward_bits", "make_trainer"]
 
 
-def make_trainer(spec: ModelSpec | str, bits: int, seed: int = 0, **hparams) -> Trainer:
-    """``bits == 32`` -> :class:`TorchTrainer`, else an s-bit :class:`IntTrainer`."""
+def make_trainer(spec: ModelSpec | str, bits: int, seed: int = 0, threads: int = 1,
+                 **hparams) -> Trainer:
+    """``bits == 32`` -> :class:`TorchTrainer`, else an s-bit :class:`IntTrainer` whose
+    training steps use ``threads`` cores (torch keeps its own thread setting)."""
     if bits == 32:
         return TorchTrainer(spec, seed=seed, **hparams)
-    return IntTrainer(spec, bits, seed=seed, **hparams)
+    return IntTrainer(spec, bits, seed=seed, threads=threads, **hparams)

@@ -33,7 +33,7 @@ from firmware_models import Conv2d, Flatten, Linear, MaxPool2d, ModelSpec, ReLU
 
 
 class TorchTrainer:
-    """float32 local training of the same parameter domain (ALGORITHMS.md §2).
+    """float32 local training of the same parameter domain (docs/algorithms.md §2).
 
     Forward ``layer(a, W) / alpha_l`` (no quantization), softmax cross-entropy, SGD with
     momentum (fresh each :meth:`train` call), gradient-norm clipping of the data gradient
@@ -45,7 +45,7 @@ class TorchTrainer:
 
     ``forward``: the network it trains and evaluates. ``"float32"`` (default): the float
     forward above. ``"int<s>"``: the s-bit integer devices' forward (:mod:`edge_client.intnn`,
-    ALGORITHMS.md §1), computed in float32 so that one global model is one function for
+    docs/algorithms.md §1), computed in float32 so that one global model is one function for
     every group: inputs ``round(x (S - 1)) / S`` (``S = 2^(s-1)``), weights
     ``0.5 ternary(W)`` (``|round(W S(s_g))| > S(s_g)/4``, as the device ternarizes its grid
     integers), each conv/linear output divided by ``alpha_l`` (the integer shift by

@@ -8,6 +8,7 @@ after the receiver has persisted it (manual-ack sessions).
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -32,7 +33,9 @@ class Transport(Protocol):
     @property
     def connects(self) -> int: ...
 
-    def connect(self, timeout: float = 10.0) -> None: ...
+    def connect(self, timeout: float = 10.0, cancel: threading.Event | None = None) -> None:
+        """Wait up to ``timeout`` s for a session (ConnectionError without one); ``cancel``
+        set ends the wait at once."""
 
     def publish(self, topic: str, payload: bytes, *, qos: int = 1, retain: bool = False,
                 timeout: float = 10.0) -> bool: ...

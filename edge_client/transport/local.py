@@ -164,7 +164,7 @@ class LocalTransport:
     def connects(self) -> int:
         return self._connects
 
-    def connect(self, timeout: float = 10.0) -> None:
+    def connect(self, timeout: float = 10.0, cancel: threading.Event | None = None) -> None:
         self._connected = True
         self._connects += 1
         self.hub._attach(self)

@@ -9,12 +9,16 @@
   with v5; amqtt refuses v5 at connect, so the session then uses 3.1.1);
 - last-will set before connect; "birth" messages and subscriptions (re)sent on every
   connect from the ``on_connect`` callback (non-blocking publishes only);
-- automatic reconnect with exponential backoff (paho's ``reconnect_delay_set``);
+- automatic reconnect with exponential backoff, capped and jittered (each wait drawn
+  uniformly from ``[d/2, d]``, ``d = min(max_s, min_s * 2^attempt)``: a fleet that lost
+  its broker does not come back in lockstep); a wait ends at once on :meth:`close`;
+- a broker that refuses the credentials is named: ``last_error`` reads ``not authorised:
+  this device may be revoked (...)`` and :attr:`MqttTransport.not_authorised` is set;
 - optional manual acknowledgement (``manual_ack=True``): received QoS 1 messages are
   PUBACKed only when the caller calls :meth:`MqttTransport.ack` — after persisting them;
   with ``persistent_session=True`` unacked messages are redelivered after a crash;
 - every paho callback only hands data to a queue and catches everything (an exception in
-  a callback silently stops paho's network thread: MQTT-NOTES.md).
+  a callback silently stops paho's network thread: docs/mqtt.md#paho-mqtt-2x).
 
 paho itself is imported when a session is made, not with this module.
 """
@@ -23,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import random
 import threading
 import time
 from dataclasses import dataclass
@@ -98,6 +103,17 @@ def _reason_is_failure(reason_code: object) -> bool:
         return reason_code not in (0, None)
 
 
+def _is_auth_failure(reason: str) -> bool:
+    """Whether a CONNACK reason says the credentials were refused (v5 "Not authorized",
+    "Bad user name or password"; 3.1.1 return codes 4 and 5)."""
+    r = reason.lower()
+    return "not authori" in r or "bad user" in r or "bad username" in r
+
+
+def _set(event: threading.Event | None) -> bool:
+    return event is not None and event.is_set()
+
+
 def _stop_network_thread(client: object) -> None:
     """``client.loop_stop()`` without paho 2.1's exit race.
 
@@ -130,7 +146,7 @@ class MqttTransport:
         max_payload: bytes; larger publishes raise ProtocolError before reaching paho
             (paho ignores the broker's maximum packet size; an oversized publish would
             just get the connection closed).
-        backoff: ``(min_s, max_s)`` reconnect delays (doubling).
+        backoff: ``(min_s, max_s)`` reconnect delays (doubling, capped at ``max_s``, jittered).
     """
 
     def __init__(self, url: str, client_id: str, *, username: str | None = None,
@@ -167,6 +183,13 @@ class MqttTransport:
         self._connects = 0
         self._lock = threading.Lock()
         self._closed = False
+        self._wake = threading.Event()  # ends a backoff wait (close, kill)
+        self._attempt = 0  # failed attempts since the last session (the backoff's exponent)
+        self._rng = random.Random()  # (seeded from the OS: devices must not agree on delays)
+        #: the broker refused the credentials at the last attempt (bad password, revoked)
+        self.not_authorised = False
+        self._refused = False  # the last CONNACK refused us (its reason stays in last_error)
+        self._refusals = 0
         self.last_error: str = ""
 
     # ------------------------------------------------------------------ properties
@@ -206,7 +229,24 @@ class MqttTransport:
         client.max_queued_messages_set(0)
         lo, hi = self.backoff
         client.reconnect_delay_set(max(1, int(lo)) if lo >= 1 else 1, max(1, int(hi)))
+        # paho's own wait (plain doubling, no jitter) replaced by the jittered one
+        client._reconnect_wait = self._reconnect_wait
         return client
+
+    def next_delay(self) -> float:
+        """The next backoff wait (s): uniform in ``[d/2, d]`` with ``d = min(max_s, min_s *
+        2^attempt)``; the attempt count restarts at the next session."""
+        lo, hi = self.backoff
+        d = min(hi, lo * 2.0 ** min(self._attempt, 40))
+        self._attempt += 1
+        return self._rng.uniform(d / 2, d)
+
+    def _reconnect_wait(self) -> None:
+        """What paho's network thread waits before it reconnects (see :meth:`next_delay`)."""
+        try:
+            self._wake.wait(self.next_delay())
+        except Exception:  # noqa: BLE001 - never let paho's thread die
+            pass
 
     def _connect_kwargs(self, version: str) -> dict:
         if version != "5":
@@ -218,17 +258,23 @@ class MqttTransport:
         props.SessionExpiryInterval = self.session_expiry_s if self.persistent_session else 0
         return {"clean_start": not self.persistent_session, "properties": props}
 
-    def _probe_v5(self, timeout: float) -> bool | None:
-        """Connect once with v5: True accepted, False refused (3.1.1 broker), None unreachable."""
+    def _probe_v5(self, timeout: float, cancel: threading.Event | None = None) -> bool | None:
+        """Connect once with v5: True accepted, False refused (3.1.1 broker), None unreachable.
+
+        The probe sends no credentials: a broker that wants them answers "not authorized"
+        in v5 (which is all the probe asks), and a broker that ties the client id to the
+        username (``use_username_as_clientid``) never hands the probe this client's session
+        (it would end the session of a running client and, with a clean start, discard
+        the persistent session the coordinator's unacknowledged updates wait in)."""
         import paho.mqtt.client as mqtt
         from paho.mqtt.enums import CallbackAPIVersion
 
         result: dict[str, object] = {}
         done = threading.Event()
+        quit_ = threading.Event()
         c = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=f"{self.client_id}-probe"[:64],
                         protocol=mqtt.MQTTv5)
-        if self.username is not None:
-            c.username_pw_set(self.username, self.password)
+        c.connect_timeout = max(1.0, min(timeout, 5.0))
         if self.tls is not None:
             c.tls_set(ca_certs=self.tls.ca_file, certfile=self.tls.cert_file,
                       keyfile=self.tls.key_file)
@@ -251,72 +297,104 @@ class MqttTransport:
 
         c.on_connect = on_connect
         c.on_disconnect = on_disconnect
-        try:
-            c.connect(self.address.host, self.address.port, keepalive=10)
-        except Exception as exc:  # noqa: BLE001 - socket/TLS errors: unreachable
-            self.last_error = f"{type(exc).__name__}: {exc}"
-            return None
-        c.loop_start()
-        try:
-            done.wait(timeout)
-        finally:
+
+        def run() -> None:
+            """On its own thread, so that the caller's wait can be cut short (``cancel``)
+            while a TCP connect or TLS handshake hangs."""
             try:
-                c.disconnect()
-            except Exception:  # noqa: BLE001
-                pass
-            _stop_network_thread(c)
+                c.connect(self.address.host, self.address.port, keepalive=10)
+            except Exception as exc:  # noqa: BLE001 - socket/TLS errors: unreachable
+                result["unreachable"] = f"{type(exc).__name__}: {exc}"
+                done.set()
+                return
+            end = time.monotonic() + timeout
+            try:
+                while not done.is_set() and not quit_.is_set() and time.monotonic() < end:
+                    if c.loop(0.05) != 0:  # the broker hung up without a CONNACK
+                        break
+            finally:
+                try:
+                    c.disconnect()
+                except Exception:  # noqa: BLE001
+                    pass
+                done.set()
+
+        threading.Thread(target=run, name="fedbit-probe", daemon=True).start()
+        end = time.monotonic() + timeout + c.connect_timeout
+        while not done.wait(0.05):
+            if (cancel is not None and cancel.is_set()) or time.monotonic() > end:
+                quit_.set()
+                break
+        if "unreachable" in result or (cancel is not None and cancel.is_set()):
+            self.last_error = str(result.get("unreachable", "interrupted"))
+            return None
         if "ok" not in result:
             # no CONNACK: a 3.1.1 broker may simply close; treat a silent close as refusal
             return False
         if not result["ok"]:
             rc = str(result.get("rc", ""))
+            if _is_auth_failure(rc):
+                return True  # v5 spoke to us: the protocol is fine (credentials: not tried)
             self.last_error = rc
-            if "auth" in rc.lower() or "not authorized" in rc.lower() or "bad user" in rc.lower():
-                return True  # v5 spoke to us: the protocol is fine, the credentials aren't
         return bool(result["ok"])
 
-    def connect(self, timeout: float = 10.0) -> None:
+    def connect(self, timeout: float = 10.0, cancel: threading.Event | None = None) -> None:
         """Negotiate the protocol, connect, start the network thread, wait for CONNACK.
 
         Raises ConnectionError when no session is up after ``timeout`` seconds (the
-        network thread keeps retrying in the background until :meth:`close`).
+        network thread keeps retrying in the background until :meth:`close`), as soon as
+        the broker refuses the CONNECT (``last_error`` says why; paho tries again after
+        the next backoff wait), or at once when ``cancel`` is set (every wait here is cut
+        into 0.1 s slices).
         """
         end = time.monotonic() + timeout
-        if self._client is not None:
-            # a session exists: paho's network thread keeps reconnecting on its own
-            if not self._connected.wait(timeout):
-                raise ConnectionError(f"{self.url}: no session after {timeout:.1f} s ({self.last_error})")
-            return
-        version = self.protocol
-        delay = self.backoff[0]
-        while version == "auto":
-            probe = self._probe_v5(min(2.0, max(0.5, end - time.monotonic())))
-            if probe is not None:
-                version = "5" if probe else "3.1.1"
-                break
-            if time.monotonic() + delay > end:
-                raise ConnectionError(f"{self.url}: unreachable ({self.last_error})")
-            time.sleep(delay)
-            delay = min(delay * 2, self.backoff[1])
-        self.version = version
-        client = self._make_client(version)
-        client.on_connect = self._on_connect
-        client.on_disconnect = self._on_disconnect
-        client.on_message = self._on_message
-        self._client = client
-        client.connect_async(self.address.host, self.address.port, keepalive=self.keepalive,
-                             **self._connect_kwargs(version))
-        client.loop_start()
-        if not self._connected.wait(max(0.0, end - time.monotonic())):
-            raise ConnectionError(f"{self.url}: no session after {timeout:.1f} s ({self.last_error})")
+        if self._client is None:
+            version = self.protocol
+            while version == "auto":
+                probe = self._probe_v5(min(2.0, max(0.5, end - time.monotonic())), cancel)
+                if probe is not None:
+                    version = "5" if probe else "3.1.1"
+                    break
+                delay = min(self.next_delay(), max(0.0, end - time.monotonic()))
+                if (cancel.wait(delay) if cancel is not None else time.sleep(delay)):
+                    raise ConnectionError(f"{self.url}: interrupted")
+                if time.monotonic() >= end:
+                    raise ConnectionError(f"{self.url}: unreachable ({self.last_error})")
+            self.last_error = ""
+            self.version = version
+            client = self._make_client(version)
+            client.on_connect = self._on_connect
+            client.on_disconnect = self._on_disconnect
+            client.on_message = self._on_message
+            self._client = client
+            client.connect_async(self.address.host, self.address.port, keepalive=self.keepalive,
+                                 **self._connect_kwargs(version))
+            client.loop_start()
+        # a session exists: paho's network thread (re)connects on its own
+        refusals = self._refusals
+        while not self._connected.wait(max(0.0, min(0.1, end - time.monotonic()))):
+            if _set(cancel):
+                raise ConnectionError(f"{self.url}: interrupted")
+            if self._refusals != refusals:  # the broker answered: no (paho tries again later)
+                raise ConnectionError(f"{self.url}: {self.last_error}")
+            if time.monotonic() >= end:
+                raise ConnectionError(f"{self.url}: no session after {timeout:.1f} s "
+                                      f"({self.last_error or 'no answer'})")
 
     # ------------------------------------------------------------------ callbacks
 
     def _on_connect(self, client, _userdata, _flags, reason_code, _props=None) -> None:
         try:
             if _reason_is_failure(reason_code):
-                self.last_error = f"connect refused: {reason_code}"
+                self.not_authorised = _is_auth_failure(str(reason_code))
+                self.last_error = (f"not authorised: this device may be revoked (the broker refused "
+                                   f"{self.username!r}: {reason_code})") if self.not_authorised \
+                    else f"connect refused: {reason_code}"
+                self._refused = True
+                self._refusals += 1
                 return
+            self.not_authorised = False
+            self._attempt = 0
             for t in self.subscriptions:
                 client.subscribe(t, qos=1)
             for t, payload, retain in self.birth:
@@ -329,7 +407,9 @@ class MqttTransport:
     def _on_disconnect(self, _client, _userdata, _flags, reason_code, _props=None) -> None:
         try:
             self._connected.clear()
-            self.last_error = f"disconnected: {reason_code}"
+            if not self._refused:  # (keep why the CONNECT was refused)
+                self.last_error = f"disconnected: {reason_code}"
+            self._refused = False
         except Exception:  # noqa: BLE001
             pass
 
@@ -411,6 +491,7 @@ class MqttTransport:
         (the broker publishes the will and keeps unacked messages for the session)."""
         client = self._client
         self._closed = True
+        self._wake.set()
         self._connected.clear()
         if client is not None:
             _stop_network_thread(client)  # the socket stays open
@@ -425,6 +506,7 @@ class MqttTransport:
         """Optionally publish ``clear_will`` (e.g. presence offline), DISCONNECT, stop."""
         if self._closed:
             return
+        self._wake.set()
         client = self._client
         if client is not None:
             if clear_will is not None and self.connected:

@@ -121,12 +121,19 @@ def run_coordinator(a: argparse.Namespace) -> int:
                                 samples_policy=a.samples_policy)
     cfg = ServerConfig(job=a.job, model=MODEL, rounds=a.rounds, min_devices=a.devices,
                        round_timeout_s=a.round_timeout, presence_timeout_s=60, seed=0, admission=admission)
-    fleet = MqttFleet(a.broker, a.job, username="fedbit-coordinator")
+    if a.credentials:  # a secured broker: the coordinator's own user (client id = username)
+        from edge_client.auth import load_credentials
+
+        c = load_credentials(a.credentials)
+        fleet = MqttFleet(a.broker, a.job, username=c.username, password=c.password, client_id=c.username)
+    else:
+        fleet = MqttFleet(a.broker, a.job, username="fedbit-coordinator")
     co = Coordinator(cfg, fleet, build_strategy("fedavg"), RunState(a.out), evaluator=None,
                      init_weights=init_shared(get_spec(MODEL), 0), logger=logger.getChild("server"))
     history = co.run(resume=a.resume)
     fleet.close()
-    print(json.dumps({"rounds": len(history), "republished": fleet.republished}), flush=True)
+    print(json.dumps({"rounds": len(history), "republished": fleet.republished,
+                      "connects": fleet.transport.connects}), flush=True)
     return 0
 
 
@@ -170,17 +177,26 @@ def run_device(a: argparse.Namespace) -> int:
                        train_delay_s=a.delay, publish_timeout_s=5.0, connect_timeout_s=5.0)
     data = SimpleNamespace(x=np.zeros((1, 1, 8, 8), np.float32), y=np.zeros(a.samples, np.int64))
 
-    def connect(**kw):
-        return Transport(a.broker, a.id, backoff=(0.5, 1.0), **kw)
+    user = password = None
+    mac_key = a.mac_key
+    if a.credentials:  # an enrolled device on a secured broker
+        from edge_client.auth import load_credentials
 
-    if a.mac_key:
+        c = load_credentials(a.credentials)
+        user, password, mac_key = c.username, c.password, c.mac_key
+
+    def connect(**kw):
+        return Transport(a.broker, a.id, backoff=(0.5, 1.0), username=user, password=password, **kw)
+
+    if mac_key:
         from edge_client.auth import signing_connector
 
-        connect = signing_connector(connect, bytes.fromhex(a.mac_key))
+        connect = signing_connector(connect, bytes.fromhex(mac_key))
     rt = DeviceRuntime(cfg, data, connect, trainer_factory=lambda spec, bits, seed: ShiftTrainer(a.shift))
     signal.signal(signal.SIGTERM, lambda *_: rt.stop())
     rounds = rt.run(max_seconds=a.max_seconds)
-    print(json.dumps({"device": a.id, "rounds": rounds, "sent": rt.sent, "resent": rt.resent}), flush=True)
+    print(json.dumps({"device": a.id, "rounds": rounds, "sent": rt.sent, "resent": rt.resent,
+                      "connects": rt.transport.connects}), flush=True)
     return 0
 
 
@@ -199,6 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--enrolment", help="the job's enrolled.json: MACs checked")
     c.add_argument("--max-registered", type=int, default=100_000)
     c.add_argument("--samples-policy", default="clip")
+    c.add_argument("--credentials", help="the coordinator's credentials file (a secured broker)")
     d = sub.add_parser("device")
     d.add_argument("--broker", required=True)
     d.add_argument("--id", required=True)
@@ -210,6 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--fault")
     d.add_argument("--job", default="faults")
     d.add_argument("--mac-key", help="sign every message with this key (hex)")
+    d.add_argument("--credentials", help="the device's credentials file: user, password, MAC key")
     a = p.parse_args(argv)
     return run_coordinator(a) if a.role == "coordinator" else run_device(a)
 

@@ -96,9 +96,10 @@ class Run:
 
     def __init__(self, tmp: Path, url: str, *, job: str, rounds: int = 3,
                  devices: list[tuple[str, float, int]] = DEVICES, coordinator_args: tuple[str, ...] = (),
-                 device_args: dict[str, list[str]] | None = None) -> None:
+                 device_args: dict[str, list[str]] | None = None, coordinator_url: str = "") -> None:
         self.tmp = tmp
         self.url = url
+        self.coordinator_url = coordinator_url or url  # (a secured broker: the coordinator's own listener)
         self.job = job
         self.rounds = rounds
         self.devices = devices
@@ -116,7 +117,7 @@ class Run:
 
     def coordinator(self, fault: str | None = None, *, resume: bool = False,
                     round_timeout: float = 20.0) -> Proc:
-        args = ["coordinator", "--broker", self.url, "--out", str(self.out), "--rounds", str(self.rounds),
+        args = ["coordinator", "--broker", self.coordinator_url, "--out", str(self.out), "--rounds", str(self.rounds),
                 "--devices", str(len(self.devices)), "--round-timeout", str(round_timeout)]
         args += ["--job", self.job, *self.coordinator_args]
         if fault:
@@ -154,6 +155,10 @@ class Run:
         assert rc == 0, coord.log.read_text()[-3000:]
         for d in devices:
             assert d.wait(timeout=30) == 0, d.log.read_text()[-2000:]
+
+    def result(self, p: Proc) -> dict:
+        """The JSON line a finished harness process printed last (its counts)."""
+        return json.loads(p.out.read_text().strip().splitlines()[-1])
 
     def logs(self, name: str = "coord") -> list[dict]:
         """JSON log records of every process called ``name``."""

@@ -7,6 +7,12 @@ coordinator's own rules stand between the attacker and the model:
 - an enrolled device claiming 100,000 samples (enrolled with 10);
 - a hello / presence flood from a compromised device, and under a thousand new ids.
 
+and, on the broker ``fedbit serve`` starts for a job with enrolled devices (loopback, no
+``--security``: passwords, the ACL, client id = username, the coordinator on a listener
+of its own), an enrolled device's stolen credentials used to connect under dev1's and the
+coordinator's client ids, an anonymous client, a device password at the coordinator's
+listener, and a device enrolled without ``--max-samples`` claiming 100,000 samples.
+
 Each trial must still end with every round counting each real device once and the exact
 model (``scenario.Run.check``).
 """
@@ -19,8 +25,8 @@ from pathlib import Path
 import pytest
 from scenario import DEVICES, Run, report, trials
 
-from coordinator.ops.broker import MosquittoBroker
-from coordinator.ops.security import JobSecurity
+from coordinator.ops.broker import MosquittoBroker, free_port, resolve_security, start_job_broker
+from coordinator.ops.security import COORDINATOR_USER, DEFAULT_MAX_SAMPLES, JobSecurity
 from edge_client import auth
 from edge_client.protocol import (
     Hello,
@@ -41,7 +47,7 @@ pytestmark = pytest.mark.mosquitto
 def enrolled_run(d: Path, broker: MosquittoBroker, job: str, max_samples: dict[str, int] | None = None,
                  **kw) -> tuple[Run, dict[str, auth.Credentials]]:
     sec = JobSecurity(d / "security", job)
-    creds = {dev: sec.enroll(dev, broker=broker.url, max_samples=(max_samples or {}).get(dev, 0))[0]
+    creds = {dev: sec.enroll(dev, broker=broker.url, max_samples=(max_samples or {}).get(dev))[0]
              for dev, _, _ in kw.get("devices", DEVICES)}
     run = Run(d, broker.url, job=job, coordinator_args=("--enrolment", str(sec.registry_path)),
               device_args={dev: ["--mac-key", c.mac_key] for dev, c in creds.items()}, **kw)
@@ -92,7 +98,9 @@ def test_spoofed_update_on_a_broker_without_acl_is_never_counted(mosquitto: Mosq
         run, _ = enrolled_run(d, mosquitto, f"a{trial}")
         attacker = Attacker(mosquitto.url, run.job, negated)
         try:
-            devs = run.all_devices()
+            # (rounds of >= 0.5 s: the attacker, connecting after the forks on a loaded machine,
+            # is in before round 1 ends, so it forges in every round)
+            devs = run.all_devices(dev1=0.5, dev2=0.5)
             coord = run.coordinator()
             attacker.start()  # (after the forks)
             run.finish(coord, devs)
@@ -170,3 +178,114 @@ def test_hello_and_presence_floods_are_rate_limited(mosquitto: MosquittoBroker, 
         report(fault, trial, "dev1's flood rate-limited, strangers refused; registry = the 2 real devices; "
                "exact model", rejected_rate_limited=totals.get("rejected_rate_limited", 0),
                rejected_unenrolled=totals.get("rejected_unenrolled", 0))
+
+
+def connect_refused(url: str, client_id: str, username: str | None = None, password: str | None = None) -> str:
+    """'' when the broker gives ``client_id`` a session, else why not."""
+    t = MqttTransport(url, client_id, username=username, password=password, protocol="5")
+    try:
+        t.connect(5)
+        return ""
+    except ConnectionError as exc:
+        return str(exc)
+    finally:
+        t.close()
+
+
+class Intruder(threading.Thread):
+    """dev3 (enrolled, its credentials stolen; no device of its own runs) connects over and
+    over under dev1's and the coordinator's client ids and publishes as dev1 while the job
+    runs; between tries, an anonymous client and dev3's password at the coordinator's
+    listener knock."""
+
+    def __init__(self, device_url: str, coordinator_url: str, job: str, dev3: auth.Credentials) -> None:
+        super().__init__(daemon=True)
+        self.urls, self.job, self.dev3 = (device_url, coordinator_url), job, dev3
+        self.stop = threading.Event()
+        self.takeovers = self.anonymous_refused = self.coordinator_listener_refused = 0
+        self.failures: list[str] = []
+
+    def run(self) -> None:
+        device_url, coordinator_url = self.urls
+        victims = ("dev1", COORDINATOR_USER, f"fedbit-coordinator-{self.job}")
+        forged = auth.sign(encode_message(Update("dev1", 1, 100_000, 32, "weights", ())), self.dev3.mac_key_bytes)
+        while not self.stop.is_set():
+            for victim in victims:
+                t = MqttTransport(device_url, victim, username="dev3", password=self.dev3.password, protocol="5")
+                try:
+                    t.connect(5)
+                    t.publish(topic(self.job, "update", "dev1"), forged, qos=0)  # (the ACL drops it)
+                    self.takeovers += 1
+                    self.stop.wait(0.3)
+                except ConnectionError as exc:
+                    self.failures.append(f"dev3 as {victim}: {exc}")
+                finally:
+                    t.close()
+            why = connect_refused(device_url, "anon")
+            self.anonymous_refused += bool(why)
+            if not why:
+                self.failures.append("an anonymous client got a session")
+            why = connect_refused(coordinator_url, "dev3", "dev3", self.dev3.password)
+            self.coordinator_listener_refused += bool(why)
+            if not why:
+                self.failures.append("dev3's password opened the coordinator's listener")
+
+    def close(self) -> None:
+        self.stop.set()
+        self.join(30)
+
+
+def test_secured_job_stolen_credentials_anonymous_and_uncapped_samples(mosquitto_bin: str, tmp_path: Path) -> None:
+    """The broker `fedbit serve` starts for a loopback job with enrolled devices: dev3's
+    credentials never take dev1's or the coordinator's session (both stay connected from
+    start to end, no 'coordinator offline' will fires), an anonymous client and a device
+    password at the coordinator's listener are refused at connect; dev2, enrolled without
+    --max-samples, claims 100,000 samples and weighs the default cap every round."""
+    rows = ("enrolled device's credentials used under dev1's and the coordinator's client ids",
+            "anonymous client on a loopback job with enrolled devices",
+            "a device's password at the coordinator's own listener",
+            f"device enrolled without --max-samples claiming 100,000 samples (default cap {DEFAULT_MAX_SAMPLES:,})")
+    devices = [("dev1", 0.01, 30), ("dev2", -0.02, 100_000)]
+    for trial in range(trials()):
+        d = tmp_path / f"t{trial}"
+        d.mkdir()
+        job, port = f"s{trial}", free_port()
+        sec = JobSecurity(d / "security", job)
+        creds = {dev: sec.enroll(dev, broker=f"mqtt://127.0.0.1:{port}")[0] for dev in ("dev1", "dev2", "dev3")}
+        files = {dev: auth.write_private(d / f"{dev}.toml", c.to_toml()) for dev, c in creds.items()}
+        mode = resolve_security("auto", "127.0.0.1", enrolled=3, tls=False)
+        jb = start_job_broker("127.0.0.1", port, security=mode, job_security=sec, workdir=d / "broker")
+        run = Run(d, jb.device_url, job=job, devices=devices, coordinator_url=jb.coordinator_url,
+                  coordinator_args=("--enrolment", str(sec.registry_path), "--credentials", str(sec.coordinator_path)),
+                  device_args={dev: ["--credentials", str(files[dev])] for dev in ("dev1", "dev2")})
+        intruder = Intruder(jb.device_url, jb.coordinator_url, job, creds["dev3"])
+        try:
+            assert mode == "password"  # (the job's devices were enrolled for mqtt://: passwords + ACL)
+            devs = run.all_devices()
+            coord = run.coordinator()
+            intruder.start()  # (after the forks)
+            run.finish(coord, devs)
+            intruder.close()
+            totals = run.check(samples={"dev2": DEFAULT_MAX_SAMPLES})
+            assert not intruder.failures, intruder.failures[:3]
+            assert intruder.takeovers >= 3 and intruder.anonymous_refused and intruder.coordinator_listener_refused
+            assert run.result(coord)["connects"] == 1                     # never pushed off
+            assert [run.result(p)["connects"] for p in devs] == [1, 1]
+            assert totals.get("clipped_num_samples") == run.rounds
+            assert not any(k.startswith("rejected") for k in totals), totals  # the ACL dropped the forgeries
+        except BaseException:
+            for row in rows:
+                report(row, trial, "FAILED")
+            raise
+        finally:
+            intruder.close()
+            run.close()
+            jb.stop()
+        report(rows[0], trial, "its client id is its username: dev1 and the coordinator kept their one "
+               "session each; publishing as dev1 dropped by the ACL; exact model", takeover_sessions=intruder.takeovers)
+        report(rows[1], trial, "refused at connect (the job has enrolled devices: passwords and ACL on "
+               "loopback too); exact model", anonymous_refused=intruder.anonymous_refused)
+        report(rows[2], trial, "refused at connect (its password file holds the coordinator alone); exact model",
+               coordinator_listener_refused=intruder.coordinator_listener_refused)
+        report(rows[3], trial, "its weight clipped to the default cap every round; exact model",
+               clipped_num_samples=totals["clipped_num_samples"])

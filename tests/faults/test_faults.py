@@ -1,6 +1,6 @@
-"""Fault injection with real processes and a real mosquitto (DESIGN.md, "Failure
-semantics"): the coordinator killed with -9 before and after an ack, during aggregation
-and during its checkpoint write; the broker restarted mid-round with and without
+"""Fault injection with real processes and a real mosquitto
+(docs/architecture.md#failure-semantics): the coordinator killed with -9 before and after
+an ack, during aggregation and during its checkpoint write; the broker restarted mid-round with and without
 persistence; a device killed right after publishing; QoS 1 redelivery of an update the
 coordinator already counted; a damaged or truncated checkpoint and inbox record.
 

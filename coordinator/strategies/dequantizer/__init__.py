@@ -1,4 +1,4 @@
-"""ProWD's progressive weight dequantizer (paper §4.2, appendix C; ALGORITHMS.md §4).
+"""ProWD's progressive weight dequantizer (paper §4.2, appendix C; docs/algorithms.md §4).
 
 ``dequantize="prowd"`` in ``coordinator.strategies`` builds :class:`ProwdDequantizer`
 (``stage``): trained in a background thread between rounds on float32 devices' weights and

@@ -52,7 +52,7 @@ class DequantizerConfig:
     Application: ``gate_margin`` (a layer and entry bitwidth is dequantized only when its
     held-out L1 is below ``(1 - gate_margin)`` times plain dequantization's),
     ``table_limit`` (largest lookup table, in input pairs, of a per-position network),
-    ``clip`` (the shared domain's weight clip, ALGORITHMS.md §1).
+    ``clip`` (the shared domain's weight clip, docs/algorithms.md §1).
     """
 
     ladder: tuple[int, ...] = LADDERS["fleet"]

@@ -18,7 +18,7 @@
   entering at π_j runs steps j..k-1.
 
 Also :func:`spec_forward`, the float forward of a ``firmware_models`` spec on given weight
-tensors (the shared domain of ALGORITHMS.md §2: ``layer(a, W) / α_l``, no bias), used by
+tensors (the shared domain of docs/algorithms.md §2: ``layer(a, W) / α_l``, no bias), used by
 the distillation loss (eq. 5).
 """
 
