@@ -1,7 +1,7 @@
 """Before/after curves of issue 27's reproduction (docs/training-health.md).
 
     python experiments/collapse_curves.py --run before=RUN_DIR --run after=RUN_DIR \
-        [--out benchmarks/results/experiments/fashion-collapse-curves]
+        [--out benchmarks/results/experiments/fashion-collapse-curves] [--title TEXT]
 
 Each ``RUN_DIR`` is an emulated run folder (``fedbit emulate ... --out RUN_DIR``, one
 seed) whose metrics carry the coordinator's health record. Writes ``OUT.png`` (top: every
@@ -37,7 +37,7 @@ def curves(run_dir: Path) -> dict:
     }
 
 
-def plot(runs: dict[str, dict], path: Path) -> None:
+def plot(runs: dict[str, dict], path: Path, title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -58,7 +58,7 @@ def plot(runs: dict[str, dict], path: Path) -> None:
     ax.set_ylabel("test accuracy (%)")
     ax.set_ylim(0, 100)
     ax.legend(fontsize=7, ncol=2, loc="lower right")
-    ax.set_title("Issue 27 reproduction: Fashion-MNIST, 3 Int6 + 3 Int8 + 3 float32 (Int8 forward), seed 31")
+    ax.set_title(title, fontsize=10)
     bx.set_ylabel("conv1 filters that can fire")
     bx.set_xlabel("round")
     bx.set_ylim(0, 17)
@@ -72,6 +72,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--run", action="append", required=True, metavar="LABEL=RUN_DIR")
     ap.add_argument("--out", type=Path, default=RESULTS / "fashion-collapse-curves")
+    ap.add_argument("--title", default="Issue 27's reproduction: Fashion-MNIST, 3 Int6 + 3 Int8 + 3 float32 "
+                                        "(Int8 forward), seed 31")
     args = ap.parse_args()
     runs = {}
     for item in args.run:
@@ -79,7 +81,7 @@ def main() -> int:
         runs[label] = curves(Path(d))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(runs, indent=1))
-    plot(runs, args.out.with_suffix(".png"))
+    plot(runs, args.out.with_suffix(".png"), args.title)
     print(f"wrote {args.out.with_suffix('.png')} and {args.out.with_suffix('.json')}")
     return 0
 
