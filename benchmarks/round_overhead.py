@@ -33,6 +33,10 @@
    ``cpu_seconds``, the CPU time of the loop's thread and of those two).
    Two local data sizes: 1/20 of the digits training split per device (72 samples) and
    1/4 (~360 samples, as in ``fedbit demo``). Target: < 10 %.
+   Second line of each size: the **training-health check** (``coordinator.health``: live
+   units, zero codes, the probe batch's activations in every group's forward, the
+   collapse rules), wall seconds per round against the round time of the same run.
+   Target: <= 2 %.
 3. ``dashboard`` (issue 23), in the 1/20 run of part 2 (rounds are mostly coordination
    there: the hardest case for a relative cost): from round 3 on, the rounds alternate
    between the bare coordinator (even rounds; part 2's figures are theirs) and the
@@ -392,6 +396,9 @@ def end_to_end(quick: bool, workdir: Path, shards: int, dashboard: bool = False)
          rounds=len(steady), eval_seconds=round(eval_s, 4), cpu_seconds=round(cpu_s, 4),
          cpu_ratio=round(cpu_s / round_s, 4), **parts,
          accuracy=hist[-1]["accuracy"], updates_per_round=float(np.mean([h["accepted"] for h in steady])))
+    emit(case, "health_seconds_per_round", float(np.mean([h["health_seconds"] for h in steady])), "s",
+         "round time", round_s, rounds=len(steady), groups=sorted(steady[-1]["health"]["groups"]),
+         collapses=sum(len(h["health"]["collapse"]) for h in hist))
 
 
 def _dashboard_lines(hist: list[dict], bare: list[dict], watched: WatchedRounds, latencies: list[float],

@@ -140,6 +140,9 @@ def finite_number(value: Any) -> bool:
 MAX_ABS_VALUE_CAP = 1e21
 
 
+#: what the coordinator does with a collapsed aggregate (coordinator.health)
+ON_COLLAPSE = ("rollback", "log")
+
 #: what devices are told to train when a config announces nothing
 DEFAULT_HPARAMS: dict[str, Any] = {"epochs": 1, "batch": 32}
 
@@ -160,7 +163,9 @@ class ServerConfig:
     - ``limits``: the protocol limits, ``max_abs_value`` included (at most
       :data:`MAX_ABS_VALUE_CAP`);
     - ``admission``: enrolment, the ``num_samples`` bound, hello rates, registry size
-      (:class:`~coordinator.ops.admission.AdmissionConfig`).
+      (:class:`~coordinator.ops.admission.AdmissionConfig`);
+    - ``on_collapse``: what a collapsed aggregate does (:mod:`coordinator.health`):
+      ``rollback`` to the last healthy model, or ``log`` it and keep it.
     """
 
     job: str = "default"
@@ -180,6 +185,7 @@ class ServerConfig:
     seed: int = 0
     limits: Limits = DEFAULT_LIMITS
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    on_collapse: str = "rollback"
 
     def validate(self, strategy: RoundStrategy | None = None) -> None:
         """ConfigError naming the first bad setting; with ``strategy``, also a configured
@@ -200,6 +206,8 @@ class ServerConfig:
         if not (isinstance(v, int | float) and 0.0 < v <= MAX_ABS_VALUE_CAP):
             raise ConfigError(f"limits.max_abs_value: must be in (0, {MAX_ABS_VALUE_CAP:g}], got {v!r} "
                               f"(larger values let the float32 sums overflow)")
+        if self.on_collapse not in ON_COLLAPSE:
+            raise ConfigError(f"on_collapse: {self.on_collapse!r} is not one of {list(ON_COLLAPSE)}")
         self.admission.validate()
         validate_hparams(self.hparams)
         if strategy is not None:

@@ -70,6 +70,10 @@ class ModelEvaluator:
             self._trainers[variant] = make_trainer(resolve_model(self.model), bits, seed=self.seed, **extra)
         return self._trainers[variant]
 
+    def probe(self, n: int) -> np.ndarray:
+        """The first ``n`` held-out inputs (float32 [n, C, H, W]): the health check's probe."""
+        return np.asarray(self.data.x[:n], dtype=np.float32)
+
     def __call__(self, variants: Mapping[str, list[np.ndarray]]) -> dict[str, tuple[Any, ...]]:
         out: dict[str, tuple[Any, ...]] = {}
         for v in sorted(variants):

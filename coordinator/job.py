@@ -11,6 +11,7 @@ naming the file and the key; ``examples/job.toml`` shows every section)::
     seed = 0
     out = "runs/farm"           # run directory: checkpoint, inbox, metrics.jsonl
     eval_data = "digits:test"   # held-out set: a data source (fashion-mnist:test, a folder: its test split)
+    on_collapse = "rollback"    # a collapsed aggregate (coordinator.health): rollback | log
     [strategy_params]           # build_strategy(strategy, **strategy_params)
     [train]                     # announced to devices (edge_client.hparams), over epochs = 1, batch = 32
     [round]                     # fraction, min_devices, max_devices, min_present, quorum,
@@ -42,6 +43,7 @@ from typing import Any
 from coordinator.config import (
     DEFAULT_HPARAMS,
     NUMBER,
+    ON_COLLAPSE,
     ServerConfig,
     TomlSchema,
     parse_assignments,
@@ -121,7 +123,7 @@ _S, _A, _L, _B = ServerConfig(), AdmissionConfig(), DEFAULT_LIMITS, BrokerSettin
 SCHEMA = TomlSchema({
     "": {"job": (str, _S.job), "model": (str, _S.model), "rounds": (int, _S.rounds),
          "strategy": (str, _S.strategy), "seed": (int, _S.seed), "out": (str, ""),
-         "eval_data": (str, "digits:test"), "resume": (bool, False)},
+         "eval_data": (str, "digits:test"), "resume": (bool, False), "on_collapse": (str, _S.on_collapse)},
     "round": {"fraction": (NUMBER, _S.fraction), "min_devices": (int, _S.min_devices),
               "max_devices": (int, _S.max_devices), "min_present": (int, _S.min_present),
               "quorum": (NUMBER, _S.quorum), "min_updates": (int, _S.min_updates),
@@ -153,6 +155,7 @@ def job_from_dict(raw: dict[str, Any], source: str) -> ServeJob:
     _choice(source, "broker.security", broker.security, SECURITY_MODES)
     _choice(source, "broker.mqtt_version", broker.mqtt_version, MQTT_VERSIONS)
     _choice(source, "log.level", log["level"], LOG_LEVELS)
+    _choice(source, "on_collapse", top["on_collapse"], ON_COLLAPSE)
     if not all(isinstance(h, str) and h for h in broker.hostnames):
         raise ConfigError(f"{source}: broker.hostnames: expected a list of names, got {broker.hostnames!r}")
     if not 0 <= broker.port <= 65535:
@@ -176,7 +179,7 @@ def job_from_dict(raw: dict[str, Any], source: str) -> ServeJob:
         presence_timeout_s=float(rnd["presence_timeout_s"]), hparams=hparams, seed=top["seed"],
         limits=replace(DEFAULT_LIMITS, max_payload_bytes=lim["max_payload_bytes"],
                        max_abs_value=lim["max_abs_value"]),
-        admission=AdmissionConfig(**adm))
+        admission=AdmissionConfig(**adm), on_collapse=top["on_collapse"])
     try:
         cfg.validate()
     except ConfigError as exc:
@@ -228,6 +231,9 @@ FLAGS: list[tuple[str, str, dict[str, Any]]] = [
     ("--strategy", "strategy", {"metavar": "NAME", "help": "aggregation strategy; prowd = ProWD's "
                                 "dequantizer + selective aggregation"}),
     ("--seed", "seed", {"type": int}),
+    ("--on-collapse", "on_collapse", {"choices": list(ON_COLLAPSE), "help": "a collapsed aggregate (every "
+                                      "group at chance, a constant output, a dead layer): go back to the last "
+                                      "healthy model without that round's updates, or log it and keep it"}),
     ("--eval-data", "eval_data", {"metavar": "SRC", "help": "held-out set: a data source (digits:test, fashion-mnist:test, an IDX/CIFAR-10 folder or .npz: its test split)"}),
     ("--fraction", "round.fraction", {"type": float, "metavar": "C", "help": "fraction of present devices per round"}),
     ("--min-devices", "round.min_devices", {"type": int, "help": "fewest devices selected per round"}),

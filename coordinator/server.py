@@ -43,6 +43,7 @@ from coordinator.config import ServerConfig
 from coordinator.devices import DeviceRegistry
 from coordinator.evaluate import Evaluator
 from coordinator.fleet import Fleet
+from coordinator.health import HealthWatch
 from coordinator.ingest import Ingest, OpenRound
 from coordinator.state import Checkpoint, CorruptFile, RoundPlan, RunState
 from coordinator.strategies.round import RoundStrategy
@@ -79,7 +80,7 @@ class Coordinator:
             figures the evaluator adds, such as ``val_accuracy``).
         init_weights: the initial shared weights (``intnn.init_shared(spec, seed)``).
         on_event: progress callback ``(event, fields)``; events ``round_start``,
-            ``update``, ``reject``, ``device``, ``round_end``, ``waiting``.
+            ``update``, ``reject``, ``device``, ``round_end``, ``waiting``, ``health``, ``collapse``.
     """
 
     def __init__(self, cfg: ServerConfig, fleet: Fleet, strategy: RoundStrategy, state: RunState, *,
@@ -107,6 +108,7 @@ class Coordinator:
         self.completed = 0
         self.run_id = f"{int(time.time())}-{os.getpid()}"
         self.history: list[dict[str, Any]] = []
+        self.health = HealthWatch.for_run(self.spec, cfg, evaluator, log=self.log, on_event=self.on_event)
         #: the inbound side: devices, ingest, folding, the inbox and acks
         self.collector = Collector(fleet, Ingest(cfg.model, shapes, cfg.limits, cfg.admission, cfg.job), strategy, state,
                                    on_event=self.on_event, logger=self.log)
@@ -199,9 +201,10 @@ class Coordinator:
                              len(stragglers), stragglers, extra={"event": "stragglers", "round": r})
         stats: dict[str, Any] = {}
         aggregated = len(rnd.accepted) >= cfg.min_updates
-        old = [w.copy() for w in self.weights]
+        old, old_groups = [w.copy() for w in self.weights], self.group_weights
         with clock.timed("aggregate"):
             if aggregated:
+                self.health.snapshot(self.strategy)
                 result = self.strategy.finish()
                 self.weights = [np.asarray(w, dtype=np.float32) for w in result.weights]
                 self.group_weights = {int(b): [np.asarray(w, dtype=np.float32) for w in ws]
@@ -213,8 +216,12 @@ class Coordinator:
                                  r, len(rnd.accepted), cfg.min_updates)
         te = time.perf_counter()
         scores = self._evaluate()
-        loss, acc = scores.get(FLOAT_VARIANT, (math.nan, math.nan))[:2]
         eval_s = time.perf_counter() - te
+        health = self.health.check(r, (self.weights, self.group_weights), (old, old_groups), scores, self.history)
+        if health.rolled_back:  # the last healthy model (and strategy state), this round's updates excluded
+            self.weights, self.group_weights = old, old_groups
+            scores = health.scores or self._evaluate()
+        loss, acc = scores.get(FLOAT_VARIANT, (math.nan, math.nan))[:2]
         change = float(math.sqrt(sum(float(np.sum((a - b) ** 2)) for a, b in zip(self.weights, old, strict=True))))
         finite = lambda v: v if math.isfinite(v) else None  # noqa: E731
         parts = clock.parts
@@ -233,7 +240,8 @@ class Coordinator:
             "groups": {v: {"loss": finite(s[0]), "accuracy": finite(s[1]),
                            **{k: finite(float(x)) for k, x in (s[2] if len(s) > 2 else {}).items()}}
                        for v, s in scores.items()},
-            "uplink_bytes": dict(col.uplink_bytes), **self.fleet.round_report(r),
+            "uplink_bytes": dict(col.uplink_bytes), "health": health.record, "health_seconds": health.seconds,
+            **self.fleet.round_report(r),
         }
         with clock.timed("checkpoint"):
             self.completed = r

@@ -14,7 +14,9 @@ device of an older SDK still accepts announcements that carry keys it does not k
 
 How the learning rates reach each kind of device (docs/algorithms.md §1-2):
 
-- float devices: SGD with ``lr * lr_scale`` and ``momentum``;
+- float devices: SGD with ``lr * lr_scale`` and ``momentum`` on the float forward; on an
+  integer forward (``float_forward = "int<s>"``) the integer devices' data step below, and
+  ``lr``/``momentum`` set the step of the FedProx / FedFOR terms, as on an integer device;
 - integer devices: the data step is ``eta = 2^(lr_shift + round(log2 lr_scale))`` LSBs of the
   8-bit grid (WAGE's normalized step: a float learning rate has no integer counterpart, the
   gradient's magnitude is discarded; ProWD appendix B); ``lr`` and ``momentum`` set the step
@@ -76,7 +78,8 @@ _TABLE = (
            "FedProx/FedFOR terms)", 0, 10, lo_open=True),
     HParam("momentum", float, "float devices' SGD momentum (integer devices: see lr)", 0, 0.99),
     HParam("grad_clip", float, "float devices' gradient-norm clip (0: off)", 0, 1e6),
-    HParam("lr_shift", int, "integer devices' step eta = 2^lr_shift LSBs of the 8-bit grid", -8, 8),
+    HParam("lr_shift", int, "integer devices' step eta = 2^lr_shift LSBs of the 8-bit grid (and float "
+           "devices' on an integer float_forward)", -8, 8),
     HParam("lr_scale", float, "multiplies the learning rate (lr_scale.<variant>: one group's)",
            0, 16, lo_open=True),
     HParam("prox_mu", float, "FedProx mu: + mu/2 ||w - w_global||^2", 0, 10),
@@ -216,7 +219,9 @@ def round_settings(hparams: Mapping[str, Any], *, variant: str, codec: str, code
     default ``float32`` concerns float devices only and is not reported); codec
     ``int`` needs an integer device; an announced codec without ``codec_bits`` keeps the
     profile's bits, clamped to the codec's range; settings meant for the other kind of
-    device (``lr_shift`` on a float device, ``grad_clip`` on an integer one) and
+    device (``lr_shift`` on a float device that trains the float forward, ``grad_clip`` on
+    an integer one or on a float device that trains an integer forward, whose step is the
+    integer devices') and
     ``kmeans_method`` on a device whose uplink is not K-means are not theirs to apply and
     are not reported."""
     values, not_applied = read_hparams(hparams, variant)
@@ -255,7 +260,7 @@ def round_settings(hparams: Mapping[str, Any], *, variant: str, codec: str, code
         content=content, codec=new_codec, codec_bits=bits,
         kmeans_method=values.get("kmeans_method", kmeans_method),
         lr=values.get("lr"), momentum=values.get("momentum"),
-        grad_clip=None if integer else values.get("grad_clip"),
-        lr_shift=values.get("lr_shift") if integer else None,
+        grad_clip=None if integer or forward not in (None, FLOAT_VARIANT) else values.get("grad_clip"),
+        lr_shift=values.get("lr_shift") if integer or forward not in (None, FLOAT_VARIANT) else None,
         ws=values.get("ws"), float_forward=forward, not_applied=not_applied,
     )

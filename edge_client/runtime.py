@@ -485,8 +485,9 @@ class DeviceRuntime:
     def train_kwargs(self, st: RoundSettings, trainer: Any) -> dict[str, Any]:
         """The ``trainer.train`` arguments of ``st`` beyond epochs/steps/batch (the ones left
         out keep the trainer's own values). ``lr_scale`` multiplies a float device's learning
-        rate; on an integer device it moves ``lr_shift`` by ``round(log2 lr_scale)`` (its
-        step is a power of two) and scales the FedProx/FedFOR step like a float device's."""
+        rate; on an integer device, and on a float device training an integer forward, it
+        moves ``lr_shift`` by ``round(log2 lr_scale)`` (its step is a power of two) and
+        scales the FedProx/FedFOR step like a float device's."""
         kw: dict[str, Any] = {"prox_mu": st.prox_mu, "fedfor_alpha": st.fedfor_alpha}
         lr = st.lr
         if st.lr_scale != 1.0:
@@ -497,7 +498,8 @@ class DeviceRuntime:
                            ("weight_standardization", st.ws), ("forward", st.float_forward)):
             if value is not None:
                 kw[key] = value
-        if self.variant != FLOAT_VARIANT:
+        integer_step = self.variant != FLOAT_VARIANT or st.float_forward not in (None, FLOAT_VARIANT)
+        if integer_step:  # an integer device, or a float device training an integer forward
             from edge_client.trainers import DEFAULT_LR_SHIFT
 
             shift = st.lr_shift if st.lr_shift is not None else getattr(trainer, "lr_shift", DEFAULT_LR_SHIFT)
@@ -507,6 +509,7 @@ class DeviceRuntime:
                 shift = min(8, max(-8, shift))
             if st.lr_shift is not None or st.lr_scale != 1.0:
                 kw["lr_shift"] = shift
+        if self.variant != FLOAT_VARIANT:
             kw.pop("weight_standardization", None)
             kw.pop("forward", None)
         return kw

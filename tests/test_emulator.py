@@ -19,7 +19,7 @@ CLOCK = {"seconds_per_sample": {"float32": 1e-4, "int16": 4e-5, "int8": 2e-5, "i
 #: record fields measured in wall time (differ between runs by nature)
 WALL = {"time", "run", "round_seconds", "wait_seconds", "collect_seconds", "aggregate_seconds", "coordinator_seconds",
         "coordinator_cpu_seconds", "eval_seconds", "announce_seconds", "handle_seconds",
-        "checkpoint_seconds", "device_train_seconds", "device_wall_seconds"}
+        "checkpoint_seconds", "device_train_seconds", "device_wall_seconds", "health_seconds"}
 
 
 def config(**over) -> object:

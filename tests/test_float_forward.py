@@ -79,9 +79,10 @@ def test_integer_forward_in_float_is_the_integer_engines_logits(model, bits, bat
 
 def test_straight_through_gradient_reaches_every_weight(batch):
     """The forward is piecewise constant in W; its gradient is the one of the ternary
-    weights, passed to W unchanged: one step of SGD (no momentum, no clipping) moves W by
-    exactly -lr·grad, every layer gets a non-zero gradient, and a few steps lower the SSE
-    loss and flip ternary codes."""
+    weights, passed to W unchanged: every layer gets a non-zero gradient, and one step is
+    the integer devices' (``integer_step``): W moves by ``2^(lr_shift - 7) g / 2^round(log2
+    max|g|)`` per layer, the largest element by 2^lr_shift LSBs of the 8-bit grid; a few
+    steps lower the SSE loss and flip ternary codes."""
     import torch
 
     spec = get_spec("digits_cnn")
@@ -93,9 +94,10 @@ def test_straight_through_gradient_reaches_every_weight(batch):
     grads = [p.grad.numpy().copy() for p in tt.params]
     assert all(np.isfinite(g).all() and np.abs(g).max() > 0 for g in grads)
     w0 = tt.to_shared()
-    tt.train(batch, steps=1, batch=len(batch))
+    tt.train(batch, steps=1, batch=len(batch), lr_shift=2)
     for a, b, g in zip(tt.to_shared(), w0, grads, strict=True):
-        np.testing.assert_allclose(a, np.clip(b - 0.5 * g, -0.5, 0.5), rtol=0, atol=1e-6)
+        k = np.round(np.log2(np.abs(g).max()))
+        np.testing.assert_allclose(a, np.clip(b - 2.0 ** (2 - 7 - k) * g, -0.5, 0.5), rtol=0, atol=1e-6)
     t0 = [np.abs(w) > 0.25 for w in w0]
     loss0 = tt.evaluate(batch)[0]
     tt.train(batch, steps=20, batch=len(batch))
@@ -137,3 +139,38 @@ def test_float_forward_is_an_announced_setting_with_device_rules():
     assert st.float_forward is None and "int6" in st.not_applied["float_forward"]
     st = round_settings({"float_forward": "float32"}, variant="int8", codec="int", codec_bits=8)
     assert st.not_applied == {}
+    # a float device on an integer forward takes the integer devices' step: lr_shift is
+    # its to apply, the gradient-norm clip is not (it has no effect on a normalized step)
+    hp = {"float_forward": "int8", "lr_shift": 2, "grad_clip": 1.0, "lr_scale": 0.5}
+    st = round_settings(hp, variant="float32", codec="float32", codec_bits=32)
+    assert (st.lr_shift, st.grad_clip, st.not_applied) == (2, None, {})
+    st = round_settings(hp | {"float_forward": "float32"}, variant="float32", codec="float32", codec_bits=32)
+    assert (st.lr_shift, st.grad_clip) == (None, 1.0)
+
+
+def test_a_float_device_on_an_integer_forward_gets_the_integer_step_settings(tmp_path):
+    """The runtime hands the float trainer lr_shift moved by round(log2 lr_scale), as an
+    integer device gets it, and the lr (times lr_scale) that sets the FedProx/FedFOR step."""
+    from edge_client.runtime import DeviceConfig, DeviceRuntime
+
+    rt = DeviceRuntime(DeviceConfig("f", 32, "torch", "float32", 32, workdir=tmp_path), None, lambda **kw: None)
+    tt = TorchTrainer("mlp", forward="int8")
+    st = round_settings({"float_forward": "int8", "lr_scale": 0.5}, variant="float32", codec="float32",
+                        codec_bits=32)
+    kw = rt.train_kwargs(st, tt)
+    assert (kw["lr_shift"], kw["forward"], kw["lr"]) == (2, "int8", 0.5)
+    st = round_settings({"lr_scale": 0.5}, variant="float32", codec="float32", codec_bits=32)
+    assert "lr_shift" not in rt.train_kwargs(st, tt)
+
+
+def test_fedprox_pulls_a_float_device_on_an_integer_forward_toward_the_global_model(batch):
+    """Beside the integer step, the FedProx term moves W by lr / (1 - momentum) mu (W - W_g)
+    per step, as on an integer device: a strong mu keeps the round's model nearer W_g."""
+    spec = get_spec("digits_cnn")
+    dist = {}
+    for mu in (0.0, 2.0):
+        tt = TorchTrainer(spec, seed=0, forward="int8", lr=0.05, momentum=0.5)
+        w0 = tt.to_shared()
+        tt.train(batch, steps=30, batch=16, prox_mu=mu)
+        dist[mu] = sum(float(np.sum((a - b) ** 2)) for a, b in zip(tt.to_shared(), w0, strict=True))
+    assert dist[2.0] < 0.7 * dist[0.0], dist

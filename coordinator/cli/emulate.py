@@ -28,6 +28,10 @@ def add_emulate_commands(sub: Any) -> None:
         p.add_argument("--out", metavar="DIR", help="run folder (default: runs/<name>-<time>)")
         p.add_argument("--set", action="append", metavar="KEY=VALUE",
                        help="override a config key, dotted for sections (rounds=5, round.deadline_s=20)")
+        p.add_argument("--on-collapse", choices=["rollback", "log"],
+                       help="a collapsed aggregate (every group at chance, a constant output, a dead layer): "
+                            "go back to the last healthy model without that round's updates (the default), "
+                            "or log it and keep it; sets the config's on_collapse")
         p.add_argument("--quiet", action="store_true", help="no progress display")
         p.add_argument("--dashboard", metavar="[HOST:]PORT", default="",
                        help="serve the live dashboard and Prometheus /metrics while it runs (8080: on 127.0.0.1; "
@@ -58,7 +62,8 @@ def _cmd_emulate(args: argparse.Namespace) -> int:
     setup_logging(json_lines=args.log_json, level=args.log_level)
     sigterm_to_exit()
     try:
-        cfg = load_config(args.config, parse_assignments(args.set))
+        overrides = parse_assignments(args.set) | ({"on_collapse": args.on_collapse} if args.on_collapse else {})
+        cfg = load_config(args.config, overrides)
         expand_sweep(cfg)  # every combination (its values, profiles, codecs) checked before anything is written
     except ConfigError as exc:
         print(f"fedbit emulate: error: {exc}", file=sys.stderr)

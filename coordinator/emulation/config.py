@@ -9,6 +9,7 @@ A config (``fedbit emulate FILE``; the bundled default is ``coordinator/emulatio
     strategy = "fedshift"      # coordinator.strategies name
     transport = "inproc"       # (default: no sockets) | "mqtt" (embedded broker, or `broker`)
     broker = ""                # an external broker URL instead of the embedded one
+    on_collapse = "rollback"   # a collapsed aggregate (coordinator.health): rollback | log
 
     [strategy_params]          # build_strategy(strategy, **strategy_params)
     [devices]                  # hardware profile (bundled name or TOML path) = device count
@@ -58,7 +59,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from coordinator.config import DEFAULT_HPARAMS, NUMBER, ServerConfig, TomlSchema, read_toml
+from coordinator.config import (
+    DEFAULT_HPARAMS,
+    NUMBER,
+    ON_COLLAPSE,
+    ServerConfig,
+    TomlSchema,
+    read_toml,
+)
 from coordinator.emulation.datasets import DATASETS, NEEDS_PATH, PARTITIONS
 from edge_client.errors import ConfigError
 
@@ -70,7 +78,8 @@ _NUM = NUMBER
 SCHEMA = TomlSchema({
     "": {"name": (str, "run"), "model": (str, _SERVER.model), "rounds": (int, _SERVER.rounds),
          "seeds": (list, [0]), "strategy": (str, _SERVER.strategy), "transport": (str, "inproc"),
-         "broker": (str, ""), "target_accuracy": (_NUM, 0.0), "paper": (str, "")},
+         "broker": (str, ""), "target_accuracy": (_NUM, 0.0), "paper": (str, ""),
+         "on_collapse": (str, _SERVER.on_collapse)},
     "data": {"dataset": (str, "digits"), "path": (str, ""), "partition": (str, "iid"),
              "shards_per_device": (int, 2), "alpha": (_NUM, 0.5), "per_device": (int, 32),
              "seed": (int, 0), "validation": (_NUM, 0.0), "inferior": (list, [])},
@@ -95,6 +104,7 @@ class ExperimentConfig:
     broker: str = ""
     target_accuracy: float = 0.0
     paper: str = ""
+    on_collapse: str = _SERVER.on_collapse
     strategy_params: dict[str, Any] = field(default_factory=dict)
     devices: dict[str, int] = field(default_factory=dict)
     codecs: dict[str, str] = field(default_factory=dict)
@@ -108,7 +118,8 @@ class ExperimentConfig:
 
     def as_dict(self) -> dict[str, Any]:
         """The config as the TOML table it came from (for reports and run folders)."""
-        keys = ("name", "model", "rounds", "seeds", "strategy", "transport", "broker", "target_accuracy", "paper")
+        keys = ("name", "model", "rounds", "seeds", "strategy", "transport", "broker", "target_accuracy", "paper",
+                "on_collapse")
         out: dict[str, Any] = {k: copy.deepcopy(getattr(self, k)) for k in keys}
         for sec in ("strategy_params", "devices", "codecs", "data", "train", "round", "cluster", "clock", "sweep"):
             out[sec] = copy.deepcopy(getattr(self, sec))
@@ -180,6 +191,8 @@ def _check_values(cfg: ExperimentConfig, bad) -> None:
         raise bad("strategy", f"{cfg.strategy!r} is not one of {available_strategies()}")
     if cfg.transport not in ("mqtt", "inproc"):
         raise bad("transport", f"{cfg.transport!r} is not 'mqtt' or 'inproc'")
+    if cfg.on_collapse not in ON_COLLAPSE:
+        raise bad("on_collapse", f"{cfg.on_collapse!r} is not one of {list(ON_COLLAPSE)}")
     if cfg.broker and cfg.transport != "mqtt":
         raise bad("broker", "an external broker needs transport = \"mqtt\"")
     if not cfg.devices:

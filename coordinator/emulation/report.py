@@ -108,7 +108,50 @@ def summarize_run(info: dict[str, Any], records: Sequence[dict[str, Any]], last:
         "wall_seconds": info.get("wall_seconds", sum(r.get("round_seconds", 0.0) for r in records)),
         "sim_seconds": records[-1].get("sim_time", math.nan) if records else math.nan,
         "stragglers": sum(int(r.get("stragglers", 0)) for r in records),
+        "health": health_summary(records),
     }
+
+
+def health_summary(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The run's training health (``coordinator.health``): per group and layer the live
+    units at the first and the last round (``[first, last, units]``), the collapses
+    (their reasons, each naming the round and the layer), the rounds rolled back and the
+    warnings (live units lost)."""
+    with_health = [r["health"] for r in records if r.get("health")]
+    if not with_health:
+        return {}
+    live: dict[str, dict[str, list[int]]] = {}
+    for h in (with_health[0], with_health[-1]):
+        for g, layers in h.get("groups", {}).items():
+            for name, v in layers.items():
+                live.setdefault(g, {}).setdefault(name, []).append(int(v.get("live", 0)))
+    for g, layers in live.items():
+        for name, v in layers.items():
+            v.append(int(with_health[-1]["groups"].get(g, {}).get(name, {}).get("units", 0)))
+    return {"live": live, "collapse": [c for h in with_health for c in h.get("collapse", [])],
+            "collapse_rounds": [int(r["round"]) for r in records if (r.get("health") or {}).get("collapse")],
+            "rolled_back": [int(r["round"]) for r in records if (r.get("health") or {}).get("rolled_back")],
+            "warnings": sum(len(h.get("warnings", [])) for h in with_health)}
+
+
+def _health_lines(h: dict[str, Any]) -> list[str]:
+    """The summary's training-health section."""
+    if not h:
+        return []
+    lines = ["## Training health", "", "Live units (can still output a positive value; output layer: any value) "
+             "per layer after the first and the last round, of each group's model as that group runs it:", "",
+             "| group | " + " | ".join(next(iter(h["live"].values()))) + " |",
+             "|---|" + "---|" * len(next(iter(h["live"].values())))]
+    for g, layers in sorted(h["live"].items()):
+        lines.append(f"| {g} | " + " | ".join(f"{a} -> {b} of {n}" for a, b, n in layers.values()) + " |")
+    lines.append("")
+    if h["collapse"]:
+        lines += [f"**Collapse** in round(s) {h['collapse_rounds']}; rolled back: "
+                  f"{h['rolled_back'] or 'none'}:", ""] + [f"- {c}" for c in h["collapse"]] + [""]
+    else:
+        lines += ["No collapse.", ""]
+    lines += [f"{h['warnings']} warning(s) of lost live units (the metrics' `health.warnings`).", ""]
+    return lines
 
 
 def write_report(run_dir: str | Path) -> Path:
@@ -142,6 +185,7 @@ def write_report(run_dir: str | Path) -> Path:
               f"{s['sim_seconds']:.1f} s of simulated time; {s['stragglers']} straggler(s) in all.", "",
               *([_workers_line(info), ""] if "workers" in info else []),
               "Uplink bytes by codec: " + ", ".join(f"{k} {v:,}" for k, v in sorted(s["uplink_bytes"].items())), ""]
+    lines += _health_lines(s["health"])
     lines += onnx_summary_lines(run, info.get("onnx"))
     lines += _split_lines(info)
     path = run / "summary.md"
@@ -190,6 +234,9 @@ def write_sweep_report(root: str | Path, runs: Sequence[tuple[dict[str, Any], in
                 got = by_group.get(g, [])
                 cells.append(f"{_reach([r for r, _ in got], '')} rounds / {_reach([t for _, t in got], ' s')}")
             lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    collapsed = [f"{combo_label(r['combination'])}, seed {r['seed']}: round(s) {r['health']['collapse_rounds']}, "
+                 f"rolled back {r['health']['rolled_back'] or 'none'}" for r in results if r["health"].get("collapse")]
+    lines += ["", "Collapses (coordinator.health): " + ("; ".join(collapsed) if collapsed else "none in any run") + "."]
     path = root / "summary.md"
     path.write_text("\n".join(lines) + "\n")
     figures = {label: ", ".join(f"{g} {_pct_est(r.estimate(g))}" for g in a.groups) for label, r in a.rows.items()}

@@ -153,7 +153,8 @@ class Emulator:
             max_devices=n, min_present=n, quorum=float(rnd["quorum"]),
             min_updates=int(rnd["min_updates"]), round_timeout_s=float(rnd["wall_timeout_s"]),
             presence_timeout_s=max(120.0, float(rnd["wall_timeout_s"])), hparams=dict(cfg.train), seed=seed,
-            admission=replace(AdmissionConfig(), max_registered=max(n, AdmissionConfig().max_registered)))
+            admission=replace(AdmissionConfig(), max_registered=max(n, AdmissionConfig().max_registered)),
+            on_collapse=cfg.on_collapse)
         broker, inner, relay = self._transport(job)
         info["broker"] = (f"embedded {broker.kind} at {broker.url}" if broker is not None
                           else self.cfg.broker or "in-process hub")

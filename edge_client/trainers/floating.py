@@ -21,6 +21,7 @@ from edge_client.intnn.quant import (
 )
 from edge_client.protocol import FLOAT_VARIANT, variant_bits
 from edge_client.trainers.common import (
+    DEFAULT_LR_SHIFT,
     DEFAULT_MOMENTUM,
     DEFAULT_TORCH_LR,
     TrainReport,
@@ -55,13 +56,20 @@ class TorchTrainer:
     are straight-through: to ``W`` through the ternary weights, through the rounding and
     the upper clip (the ReLU masks), as the integer backward passes its errors. Its loss
     is the integer devices' (WAGE's SSE against ``(S - 1)/S`` one-hot) unless ``loss`` is
-    given; weight standardization does not apply to it.
+    given; weight standardization does not apply to it. Its data step is the integer
+    devices' too (:func:`integer_step`: per layer, the largest gradient element moves
+    ``2^lr_shift`` LSBs of the 8-bit grid, no momentum, no gradient clip): SGD with the
+    float forward's ``lr`` and momentum on this piecewise-constant forward drove most
+    first-layer filters past the ternary threshold in the first steps of a round
+    (docs/training-health.md). ``lr``/``momentum`` then set the FedProx/FedFOR step only,
+    ``lr / (1 - momentum)``, as on an integer device.
     """
 
     def __init__(self, spec: ModelSpec | str, lr: float = DEFAULT_TORCH_LR, seed: int = 0,
                  weight_standardization: bool = False, momentum: float = DEFAULT_MOMENTUM,
                  grad_clip: float = 2.0, clip: float = DEFAULT_CLIP, ws_rho: float = 1e-3,
-                 loss: str | None = None, forward: str = FLOAT_VARIANT) -> None:
+                 loss: str | None = None, forward: str = FLOAT_VARIANT,
+                 lr_shift: int = DEFAULT_LR_SHIFT) -> None:
         import torch
 
         self._torch = torch
@@ -75,6 +83,7 @@ class TorchTrainer:
             raise ConfigError(f"weight standardization applies to the float forward, not {forward!r}")
         self.lr = float(lr)
         self.momentum = float(momentum)
+        self.lr_shift = check_lr_shift(lr_shift)
         self.grad_clip = float(grad_clip)
         self.clip = float(clip)
         self.seed = int(seed)
@@ -118,18 +127,21 @@ class TorchTrainer:
         gain = math.sqrt(2.0 / flat.shape[1]) / self.ws_rho
         return ws.reshape(w.shape), gain
 
-    def forward(self, x, ws: bool | None = None, bits: int | None = None):
+    def forward(self, x, ws: bool | None = None, bits: int | None = None, taps: list | None = None):
         """Logits of a float32 batch ``x`` [N, C, H, W] (torch tensor) in [0, 1]; ``ws``:
         weight standardization; ``bits``: 32 for the float forward, s for the s-bit integer
-        forward (class docstring). None: the trainer's settings."""
+        forward (class docstring). None: the trainer's settings. ``taps``: a list that gets
+        each conv/linear layer's output (after the ReLU right after it, if any), as the
+        integer engine keeps its activations."""
         bits = self.forward_bits if bits is None else bits
         if bits != 32:
-            return self._int_forward(x, bits)
+            return self._int_forward(x, bits, taps)
         F = self._torch.nn.functional
         ws = self.weight_standardization if ws is None else ws
         h = x
         p = 0
-        for layer in self.spec.layers:
+        layers = self.spec.layers
+        for i, layer in enumerate(layers):
             if isinstance(layer, Conv2d):
                 w, scale = self._effective(p, self.params[p], ws)
                 h = F.conv2d(h, w, stride=layer.stride, padding=layer.padding) * scale
@@ -144,9 +156,11 @@ class TorchTrainer:
                 h = F.max_pool2d(h, layer.kernel, stride=layer.step, padding=layer.padding)
             elif isinstance(layer, Flatten):
                 h = h.flatten(1)
+            if taps is not None and _tap_after(layers, i):
+                taps.append(h)
         return h
 
-    def _int_forward(self, x, bits: int):
+    def _int_forward(self, x, bits: int, taps: list | None = None):
         """The s-bit integer devices' forward in float32, straight-through (class docstring)."""
         torch = self._torch
         F = torch.nn.functional
@@ -178,6 +192,8 @@ class TorchTrainer:
                     hq = hq.clamp(0.0 if relu else -amax, amax) / s_one
                 h = h + (hq - h).detach()
                 p += 1
+                if taps is not None:
+                    taps.append(h)
             elif isinstance(layer, ReLU):
                 h = F.relu(h)
             elif isinstance(layer, MaxPool2d):
@@ -203,11 +219,11 @@ class TorchTrainer:
               last_global_step: list[np.ndarray] | None = None, lr: float | None = None,
               momentum: float | None = None, grad_clip: float | None = None,
               weight_standardization: bool | None = None,
-              forward: str | None = None) -> TrainReport:
+              forward: str | None = None, lr_shift: int | None = None) -> TrainReport:
         """Local SGD; loss reported is the mean training loss (CE or SSE) over the steps.
         ``lr``, ``momentum``, ``grad_clip``, ``weight_standardization``, ``forward`` (the
-        network trained: ``float32`` or ``int<s>``, class docstring): this call's values
-        (None: the trainer's)."""
+        network trained: ``float32`` or ``int<s>``, class docstring), ``lr_shift`` (the data
+        step of an integer forward): this call's values (None: the trainer's)."""
         torch = self._torch
         n_steps = check_train_args(data, self.spec, epochs, steps, batch, prox_mu,
                                     fedfor_alpha, last_global_step)
@@ -221,6 +237,7 @@ class TorchTrainer:
         bits = self.forward_bits if forward is None else forward_bits(forward)
         if ws and bits != 32:
             raise ConfigError(f"weight standardization applies to the float forward, not {forward!r}")
+        lr_shift = self.lr_shift if lr_shift is None else check_lr_shift(lr_shift)
         t0 = time.perf_counter()
         rng = np.random.default_rng([self.seed, self._calls])
         self._calls += 1
@@ -241,26 +258,41 @@ class TorchTrainer:
                     p.grad.zero_()
             loss = self._loss(self.forward(xb, ws, bits), yb, bits)
             loss.backward()
-            if grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(self.params, grad_clip)
-            if prox_mu > 0 or gsteps is not None:
-                with torch.no_grad():
-                    for i, p in enumerate(self.params):
-                        d = p - anchor[i]
-                        if prox_mu > 0:
-                            p.grad.add_(d, alpha=prox_mu)
-                        if gsteps is not None:
-                            g = gsteps[i]
-                            p.grad.add_(torch.where(g * d > 0, g, torch.zeros_like(g)),
-                                        alpha=fedfor_alpha)
             with torch.no_grad():
-                sgd_step(self.params, buffers, lr, momentum)
+                if bits != 32:  # the integer devices' step, the terms beside it (class docstring)
+                    reg = [self._reg_term(p, anchor[i], prox_mu, gsteps, i, fedfor_alpha)
+                           for i, p in enumerate(self.params)]
+                    integer_step(self.params, lr_shift)
+                    for p, r in zip(self.params, reg, strict=True):
+                        if r is not None:
+                            p.sub_(r, alpha=lr / (1.0 - momentum))
+                else:
+                    if grad_clip > 0:
+                        torch.nn.utils.clip_grad_norm_(self.params, grad_clip)
+                    for i, p in enumerate(self.params):
+                        r = self._reg_term(p, anchor[i], prox_mu, gsteps, i, fedfor_alpha)
+                        if r is not None:
+                            p.grad.add_(r)
+                    sgd_step(self.params, buffers, lr, momentum)
                 for p in self.params:
                     p.clamp_(-self.clip, self.clip)
             total += float(loss.detach()) * len(idx)
             samples += len(idx)
         loss_mean = total / samples if samples else 0.0
         return TrainReport(n_steps, samples, loss_mean, time.perf_counter() - t0)
+
+    def _reg_term(self, p, anchor, prox_mu: float, gsteps, i: int, fedfor_alpha: float):
+        """The FedProx + FedFOR gradient terms of parameter ``p`` (None when both are off):
+        ``mu (W - W_g) + alpha g [g (W - W_g) > 0]``."""
+        if prox_mu <= 0 and gsteps is None:
+            return None
+        torch = self._torch
+        d = p - anchor
+        r = d * prox_mu if prox_mu > 0 else torch.zeros_like(d)
+        if gsteps is not None:
+            g = gsteps[i]
+            r.add_(torch.where(g * d > 0, g, torch.zeros_like(g)), alpha=fedfor_alpha)
+        return r
 
     def evaluate(self, data: Dataset, batch: int = 256) -> tuple[float, float]:
         """(mean loss, accuracy in [0, 1]) of the current weights on ``data``."""
@@ -280,6 +312,15 @@ class TorchTrainer:
         return total / len(data), hits / len(data)
 
 
+def _tap_after(layers, i: int) -> bool:
+    """Whether layer ``i`` ends a conv/linear layer's output: the layer itself when no ReLU
+    follows it, else that ReLU."""
+    layer = layers[i]
+    if isinstance(layer, (Conv2d, Linear)):
+        return not (i + 1 < len(layers) and isinstance(layers[i + 1], ReLU))
+    return isinstance(layer, ReLU) and i > 0 and isinstance(layers[i - 1], (Conv2d, Linear))
+
+
 def forward_bits(forward: str) -> int:
     """The bitwidth of a forward name: 32 for ``float32`` (the float forward), s for
     ``int<s>`` (the s-bit integer devices' forward); ConfigError otherwise."""
@@ -287,6 +328,32 @@ def forward_bits(forward: str) -> int:
         return variant_bits(str(forward))
     except ProtocolError:
         raise ConfigError(f"forward must be 'float32' or 'int2'..'int16', got {forward!r}") from None
+
+
+def check_lr_shift(lr_shift: int) -> int:
+    """An integer forward's step exponent (-8..8, as on an integer device)."""
+    if isinstance(lr_shift, bool) or not isinstance(lr_shift, (int, np.integer)) or not -8 <= lr_shift <= 8:
+        raise ConfigError(f"lr_shift must be an integer in -8..8, got {lr_shift!r}")
+    return int(lr_shift)
+
+
+def integer_step(params: list, lr_shift: int) -> None:
+    """The integer devices' data step (paper eq. 15-16, WAGE) in float: per layer,
+    ``W <- W - 2^(lr_shift - 7) G / 2^round(log2 max|G|)``, i.e. the largest gradient
+    element moves ``2^lr_shift`` LSBs of the 8-bit grid (1/16 of the shared domain's unit
+    at the default 3), whatever the gradient's magnitude. ``round(log2 m)`` is the
+    engine's (``m > 2^(b + 1/2)`` rounds up), computed exactly from the float's exponent.
+    No stochastic rounding: a float device keeps the fraction. The clip is the caller's."""
+    for p in params:
+        g = p.grad
+        if g is None:
+            continue
+        m = float(g.abs().max())
+        if not (m > 0 and math.isfinite(m)):
+            continue
+        f, e = math.frexp(m)  # m = f 2^e, f in [0.5, 1): round(log2 m) = e or e - 1
+        k = e if f > math.sqrt(0.5) else e - 1
+        p.add_(g, alpha=-math.ldexp(1.0, lr_shift - 7 - k))
 
 
 def sgd_step(params: list, buffers: list, lr: float, momentum: float) -> None:

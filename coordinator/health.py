@@ -1,0 +1,275 @@
+"""Training health, watched every round: live units, zero codes, activations, collapse.
+
+After each round's aggregate is evaluated, :class:`HealthWatch` looks at the model of
+every bitwidth group as that group runs it (the forward of each evaluated variant:
+``int<s>`` the s-bit integer engine, ``float32`` the float forward or, with
+``float_forward = "int<s>"``, that integer forward) and writes, per group and parameter
+layer (the metrics record's ``health``):
+
+- ``live`` / ``units``: filters or units that can still output a positive value (an output
+  unit: any value) for some input (:mod:`edge_client.intnn.liveness`; a unit that is not
+  live is dead for every input, and no gradient brings it back);
+- ``zero``: the fraction of its forward weights that are zero (ternary codes);
+- ``act``: the mean |activation| (real units, after the ReLU) on a fixed probe batch of the
+  held-out set (``PROBE_SAMPLES``), and ``sat`` the fraction at the clip ``(S(s)-1)/S(s)``;
+- ``nonfinite``: NaN/Inf weights; ``update``: ``||W - W_prev|| / ||W_prev||`` this round.
+
+A live count that drops is a warning naming the round, the group and the layer (filters
+dying one by one cost accuracy long before the last one goes). A **collapse** is an
+error naming the round and the layer: every group's accuracy at chance (within
+``CHANCE_MARGIN``) after the best round was well above it (``WELL_ABOVE``); a group whose
+output is the same for every probe sample; a layer with no live unit or whose forward
+weights are all zero; non-finite weights. It is logged, written to the metrics, sent as
+an ``on_event("collapse", ...)`` (every round sends ``"health"``), and with
+``on_collapse = "rollback"`` (the default of ``fedbit serve`` and ``fedbit emulate``) the
+coordinator returns to the last healthy global model (weights, group models, strategy
+state) and carries on with that round's updates excluded; ``"log"`` keeps the collapsed
+model. Rollback is the default because a collapsed model cannot recover (a dead network
+passes no gradient), and announcing it would hand the whole fleet a constant function;
+excluding one round's updates costs one round.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from coordinator.config import ON_COLLAPSE, ServerConfig
+from edge_client.intnn.liveness import FLOAT_FORWARD, forward_codes, liveness
+from edge_client.protocol import FLOAT_VARIANT, variant_bits
+from firmware_models import ModelSpec
+
+#: held-out samples of the probe batch (the activation figures, the constant-output check)
+PROBE_SAMPLES = 64
+#: an accuracy within this (absolute) of chance is "at chance"
+CHANCE_MARGIN = 0.05
+#: the best accuracy so far was "well above chance" when it exceeded chance by this
+WELL_ABOVE = 0.25
+
+Weights = list[np.ndarray]
+
+
+@dataclass
+class Verdict:
+    """One round's health: ``record`` (the metrics' ``health`` entry), ``collapse`` (the
+    reasons, each naming the round, group and layer), ``rolled_back`` (the coordinator
+    keeps the previous model), ``scores`` (the previous model's, when rolled back and
+    known), ``seconds`` (the check's wall time)."""
+
+    record: dict[str, Any]
+    collapse: list[str] = field(default_factory=list)
+    rolled_back: bool = False
+    scores: dict[str, tuple[Any, ...]] | None = None
+    seconds: float = 0.0
+
+
+class HealthWatch:
+    """See the module docstring.
+
+    Args:
+        spec: the model.
+        on_collapse: ``"rollback"`` or ``"log"``.
+        probe: float inputs [N, C, H, W] in [0, 1] (the first ``PROBE_SAMPLES`` are used);
+            None: no activation figures and no constant-output check.
+        float_forward: the network the float32 group runs (``float32`` or ``int<s>``).
+        log / on_event: where the warnings, errors and events go.
+    """
+
+    def __init__(self, spec: ModelSpec, on_collapse: str = ServerConfig.on_collapse, *,
+                 probe: np.ndarray | None = None, float_forward: str = FLOAT_VARIANT,
+                 log: logging.Logger | None = None,
+                 on_event: Callable[[str, dict[str, Any]], None] | None = None) -> None:
+        from edge_client.errors import ConfigError
+
+        if on_collapse not in ON_COLLAPSE:
+            raise ConfigError(f"on_collapse: {on_collapse!r} is not one of {list(ON_COLLAPSE)}")
+        self.spec = spec
+        self.on_collapse = on_collapse
+        self.probe = None if probe is None or len(probe) == 0 else \
+            np.ascontiguousarray(probe[:PROBE_SAMPLES], dtype=np.float32)
+        self.float_bits = variant_bits(float_forward)
+        self.log = log or logging.getLogger("fedbit.health")
+        self.on_event = on_event or (lambda _e, _f: None)
+        self.names = spec.param_names()
+        self._engines: dict[int, Any] = {}
+        self._snapshot: dict[str, Any] | None = None
+        self._strategy: Any = None
+
+    @classmethod
+    def for_run(cls, spec: ModelSpec, cfg: ServerConfig, evaluator: Any, **kw: Any) -> HealthWatch:
+        """The watch of a coordinator run: ``cfg.on_collapse``, the float devices' announced
+        ``float_forward``, the probe batch from the evaluator's held-out set (none without one)."""
+        probe = evaluator.probe(PROBE_SAMPLES) if hasattr(evaluator, "probe") else None
+        return cls(spec, cfg.on_collapse, probe=probe,
+                   float_forward=str(cfg.hparams.get("float_forward", FLOAT_VARIANT)), **kw)
+
+    # ------------------------------------------------------------------ rollback
+
+    def snapshot(self, strategy: Any) -> None:
+        """Keep the strategy's state before its ``finish()`` (rollback only): a rollback gives
+        it back."""
+        self._strategy = strategy
+        self._snapshot = strategy.state_dict() if self.on_collapse == "rollback" else None
+
+    # ------------------------------------------------------------------ the check
+
+    def check(self, r: int, new: tuple[Weights, Mapping[int, Weights]], old: tuple[Weights, Mapping[int, Weights]],
+              scores: Mapping[str, tuple[Any, ...]], history: Sequence[Mapping[str, Any]]) -> Verdict:
+        """The health of round ``r``'s models ``new`` = (global weights, group models) against
+        the previous ones ``old``; ``scores`` this round's evaluation ({variant: (loss,
+        accuracy, ...)}), ``history`` the earlier rounds' records. With rollback and a
+        collapse, the strategy of :meth:`snapshot` gets its state from before ``finish()`` back."""
+        t0 = time.perf_counter()
+        groups: dict[str, dict[str, dict[str, Any]]] = {}
+        found: dict[tuple[str, str], list[str]] = {}  # (kind, text after the group) -> groups
+        prev = (history[-1].get("health") or {}).get("groups", {}) if history else {}
+        done: dict[tuple[int, int], dict[str, dict[str, Any]]] = {}
+        for v in sorted(set(scores) | {FLOAT_VARIANT}):
+            bits = variant_bits(v)
+            fwd = self.float_bits if bits == 32 else bits
+            w, w_old = new[1].get(bits, new[0]), old[1].get(bits, old[0])
+            key = (id(w), fwd)  # groups that run the same weights in the same forward
+            if key not in done:
+                done[key] = self._group(w, w_old, fwd)
+            layers = groups[v] = {name: dict(h) for name, h in done[key].items()}
+            for text in self._problems(layers):
+                found.setdefault(("collapse", text), []).append(v)
+            for name, h in layers.items():
+                before = prev.get(v, {}).get(name, {}).get("live")
+                if isinstance(before, int) and h["live"] < before:
+                    found.setdefault(("warning", f"{name}: live units {before} -> {h['live']} of {h['units']}"),
+                                     []).append(v)
+        collapse = [f"round {r}: {', '.join(vs)}: {text}" for (kind, text), vs in found.items() if kind == "collapse"]
+        warnings = [f"round {r}: {', '.join(vs)}: {text}" for (kind, text), vs in found.items() if kind == "warning"]
+        collapse += self._accuracy_collapse(r, scores, history)
+        record: dict[str, Any] = {"groups": groups}
+        verdict = Verdict(record, collapse)
+        if collapse:
+            verdict.rolled_back = self.on_collapse == "rollback"
+            if verdict.rolled_back and self._strategy is not None and self._snapshot is not None:
+                self._strategy.load_state_dict(self._snapshot)
+            if verdict.rolled_back:
+                record["rolled_back_accuracy"] = {v: sc[1] for v, sc in sorted(scores.items())}
+            if verdict.rolled_back and history:
+                verdict.scores = {g: (s.get("loss"), s.get("accuracy"),
+                                      {k: x for k, x in s.items() if k not in ("loss", "accuracy")})
+                                  for g, s in history[-1].get("groups", {}).items()}
+        for text in warnings:
+            self.log.warning("%s", text, extra={"event": "health_warning", "round": r})
+        for text in collapse:
+            then = (f"; rolled back to the model of round {r - 1}, this round's updates excluded"
+                    if verdict.rolled_back else "; the model is kept (on_collapse = log)")
+            self.log.error("collapse: %s%s", text, then, extra={"event": "collapse", "round": r})
+        record.update({"collapse": collapse, "warnings": warnings, "rolled_back": verdict.rolled_back})
+        verdict.seconds = time.perf_counter() - t0
+        self._snapshot = None
+        self.on_event("health", {"round": r, **record})
+        if collapse:
+            self.on_event("collapse", {"round": r, "reasons": collapse, "rolled_back": verdict.rolled_back})
+        return verdict
+
+    def _problems(self, layers: dict[str, dict[str, Any]]) -> list[str]:
+        """The collapse reasons of one group's layers (the probe's constant-output flag is
+        taken out of the record): non-finite weights; the first layer with all-zero codes or
+        no live unit (the layers after it die with it: named once); a constant output."""
+        out = []
+        const = layers[self.names[-1]].pop("_constant", False)
+        dead_at, at = None, 0
+        for name, h in layers.items():
+            layers[name].pop("_constant", None)
+            if h["nonfinite"]:
+                out.append(f"{name}: {h['nonfinite']} non-finite weight(s)")
+            elif dead_at is None and (h["zero"] >= 1.0 or h["live"] == 0):
+                dead_at, at = name, len(out)
+                what = "non-zero" if name == self.names[-1] else "positive"
+                out.append(f"{name}: " + ("every forward weight is zero" if h["zero"] >= 1.0 else
+                                          f"no live unit (0 of {h['units']} can output a {what} value)"))
+        later = [n for n in self.names[self.names.index(dead_at) + 1:] if layers[n]["live"] == 0] if dead_at else []
+        if later:
+            out[at] += f"; with it every later layer ({', '.join(later)})"
+        if const and dead_at is None:
+            out.append(f"{self.names[-1]}: the output is the same for every probe sample (a constant function)")
+        return out
+
+    def _accuracy_collapse(self, r: int, scores: Mapping[str, tuple[Any, ...]],
+                           history: Sequence[Mapping[str, Any]]) -> list[str]:
+        """Every group at chance now, after the best round was well above it."""
+        chance = 1.0 / self.spec.num_classes
+        now = [s[1] for s in scores.values() if isinstance(s[1], int | float) and math.isfinite(s[1])]
+        best = max((a for h in history for g in h.get("groups", {}).values()
+                    if isinstance(a := g.get("accuracy"), int | float)), default=0.0)
+        if now and best >= chance + WELL_ABOVE and max(now) <= chance + CHANCE_MARGIN:
+            return [f"round {r}: every group's accuracy at chance ({', '.join(f'{v} {s[1]:.3f}' for v, s in sorted(scores.items()))}; "
+                    f"best so far {best:.3f}, chance {chance:.3f})"]
+        return []
+
+    # ------------------------------------------------------------------ one group
+
+    def _group(self, w: Weights, w_old: Weights, bits: int) -> dict[str, dict[str, Any]]:
+        """{layer: figures} of the weights ``w`` in the ``bits`` forward (32: float)."""
+        codes = [forward_codes(x, bits) for x in w]
+        out: dict[str, dict[str, Any]] = {}
+        for i, lv in enumerate(liveness(self.spec, w, bits, codes)):
+            a, b = np.asarray(w[i], np.float32), np.asarray(w_old[i], np.float32)
+            base = float(np.linalg.norm(b))
+            upd = float(np.linalg.norm(a - b)) / base if base > 0 else 0.0
+            out[lv.name] = {"live": lv.live, "units": lv.units, "zero": round(lv.zero_frac, 4),
+                            "nonfinite": lv.nonfinite, "update": round(upd, 5) if math.isfinite(upd) else None}
+        if self.probe is not None and not any(h["nonfinite"] for h in out.values()):
+            acts, logits = self._probe(w, bits)
+            for name, (act, sat) in zip(self.names, acts, strict=True):
+                out[name]["act"], out[name]["sat"] = round(act, 5), None if sat is None else round(sat, 4)
+            out[self.names[-1]]["_constant"] = bool(len(logits) > 1 and np.all(np.ptp(logits, axis=0) == 0))
+        return out
+
+    def _probe(self, w: Weights, bits: int) -> tuple[list[tuple[float, float | None]], np.ndarray]:
+        """Per parameter layer (mean |activation| in real units, fraction at the clip) on the
+        probe batch, and the logits [N, classes], in the ``bits`` forward."""
+        x = self.probe
+        if bits >= FLOAT_FORWARD:
+            import torch
+
+            tr = self._engine(bits)
+            tr.load_shared(w)
+            taps: list[Any] = []
+            with torch.no_grad():
+                z = tr.forward(torch.from_numpy(x), taps=taps).numpy()
+            return [(float(np.abs(t.numpy()).mean()), None) for t in taps], z
+        m = self._engine(bits)
+        m.load_shared(w)
+        ws = m.eval_workspace(len(x))
+        n = len(x)
+        ws.x[:n] = self._inputs(m, bits)
+        z = m.forward(ws, n)
+        scale = float(1 << (bits - 1))
+        acts = []
+        for op in m.param_ops:
+            a = ws.acts[m.ops.index(op)][:n]
+            acts.append((float(np.abs(a).mean()) / scale, float(np.mean(np.abs(a) >= m.amax))))
+        return acts, np.array(z, copy=True)
+
+    def _engine(self, bits: int) -> Any:
+        """The forward of ``bits`` (an ``IntModel``, or a float ``TorchTrainer``), kept."""
+        if bits not in self._engines:
+            if bits >= FLOAT_FORWARD:
+                from edge_client.trainers import TorchTrainer
+
+                self._engines[bits] = TorchTrainer(self.spec)
+            else:
+                from edge_client.intnn import IntModel
+
+                self._engines[bits] = IntModel(self.spec, bits)
+        return self._engines[bits]
+
+    def _inputs(self, m: Any, bits: int) -> np.ndarray:
+        key = -bits
+        if key not in self._engines:
+            self._engines[key] = m.prepare_inputs(self.probe)
+        return self._engines[key]
+

@@ -1,0 +1,130 @@
+"""Which units of a network can still fire: live filters and units, read from the weights.
+
+These models have no biases and their inputs are non-negative (images in [0, 1]), so a
+unit whose positive taps are gone outputs <= 0 for every input; after its ReLU it is 0,
+no gradient passes it (in the integer backward or the float devices' straight-through
+one), and nothing brings it back (docs/training-health.md). This module counts such
+units from the weights alone, for the forward a group runs:
+
+- an s-bit integer forward uses ``t = ternary(W)`` (``|round(W S(s_g))| > S(s_g)/4``,
+  :func:`ternary_codes`) and a layer output is ``round_shift(sum t a, 1 + log2 alpha_l)``
+  with activations of at most ``S(s) - 1``;
+- the float forward uses ``W / alpha_l`` itself (signs of ``W``, any magnitude).
+
+Per activation feature two flags are propagated from the input (``can be > 0``: every
+input feature; ``can be < 0``: none, the inputs are non-negative): a layer output can be
+positive when it has ``P`` taps that can make it so (``t > 0`` on an input that can be
+positive, ``t < 0`` on one that can be negative) with ``P (S(s) - 1)`` at least half of
+the shift's unit (``round_shift(P (S(s) - 1), shift) >= 1``; the float forward: ``P >= 1``),
+likewise for negative; a ReLU clears ``can be < 0``; max-pool and flatten carry the flags.
+A unit is **live** when its output, after the ReLU that follows it (if any), can be
+non-zero: a positive value for a hidden unit, any value for an output unit. It is an
+upper bound (it assumes every counted input at its largest value at once): a unit that
+is not live is dead for certain.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from edge_client.intnn.quant import (
+    act_max,
+    alpha_shifts,
+    grid_scale,
+    ternary_threshold,
+)
+from firmware_models import Conv2d, Linear, ModelSpec, ReLU
+
+#: ``bits`` of the float forward (``W / alpha_l``, no ternarization)
+FLOAT_FORWARD = 32
+
+
+@dataclass
+class LayerLiveness:
+    """One parameter layer in one forward: ``units`` (filters or output features),
+    ``live`` of them (module docstring), ``zero_frac`` the fraction of its forward weights
+    that are zero (ternary codes; exact zeros for the float forward), ``nonfinite`` the
+    NaN/Inf values among its weights (counted as zero in the rest)."""
+
+    name: str
+    units: int
+    live: int
+    zero_frac: float
+    nonfinite: int
+
+
+def ternary_codes(w: np.ndarray, bits: int) -> np.ndarray:
+    """int8 codes in {-1, 0, 1} of the shared-domain weights ``w`` (any shape) as an s-bit
+    device ternarizes them after ``from_shared``: ``round(W S(s_g))`` (half to even)
+    compared with ``S(s_g) / 4`` (the clip bound lies beyond the threshold: it changes no
+    code). Non-finite values give 0."""
+    q = np.rint(np.nan_to_num(np.asarray(w, dtype=np.float32), nan=0.0, posinf=0.0, neginf=0.0)
+                * np.float32(grid_scale(bits)))
+    thr = ternary_threshold(bits)
+    return (q > thr).astype(np.int8) - (q < -thr).astype(np.int8)
+
+
+def forward_codes(w: np.ndarray, bits: int) -> np.ndarray:
+    """The forward's weight codes: :func:`ternary_codes` for an integer forward, the signs
+    of ``w`` for the float forward (``bits == 32``)."""
+    if bits >= FLOAT_FORWARD:
+        return np.sign(np.nan_to_num(np.asarray(w, dtype=np.float32))).astype(np.int8)
+    return ternary_codes(w, bits)
+
+
+def liveness(spec: ModelSpec, weights: list[np.ndarray], bits: int,
+             codes: list[np.ndarray] | None = None) -> list[LayerLiveness]:
+    """Per parameter layer of ``spec`` (in order), its live units and zero codes in the
+    ``bits`` forward (``32``: the float forward); ``codes``: the forward codes when the
+    caller has them already (:func:`forward_codes` of each weight)."""
+    if codes is None:
+        codes = [forward_codes(w, bits) for w in weights]
+    shifts = alpha_shifts(spec)
+    # the smallest count P of contributing taps that makes an output non-zero
+    if bits >= FLOAT_FORWARD:
+        need = [1] * len(shifts)
+    else:  # round_shift(P amax, 1 + s) >= 1  <=>  P amax >= 2^s
+        amax = act_max(bits)
+        need = [max(1, -(-(1 << s) // amax)) for s in shifts]
+    pos = np.ones(spec.input_shape[0], bool)  # per channel (or feature): can be > 0
+    neg = np.zeros_like(pos)                    # can be < 0
+    out: list[LayerLiveness] = []
+    layers = spec.layers
+    p = 0
+    for i, layer in enumerate(layers):
+        if isinstance(layer, (Conv2d, Linear)):
+            t = codes[p]
+            w = np.asarray(weights[p])
+            if isinstance(layer, Conv2d):
+                tp = (t > 0).reshape(t.shape[0], t.shape[1], -1).sum(axis=2)  # [O, C]
+                tn = (t < 0).reshape(t.shape[0], t.shape[1], -1).sum(axis=2)
+                feat_pos, feat_neg = pos, neg
+            else:
+                tp, tn = (t > 0).astype(np.int64), (t < 0).astype(np.int64)  # [O, F]
+                reps = t.shape[1] // len(pos)  # a flattened [C, H, W]: C-major features
+                feat_pos, feat_neg = (np.repeat(pos, reps), np.repeat(neg, reps)) if reps > 1 else (pos, neg)
+            can_pos = tp @ feat_pos + tn @ feat_neg >= need[p]
+            can_neg = tn @ feat_pos + tp @ feat_neg >= need[p]
+            relu = _relu_follows(layers, i)
+            live = can_pos if relu else (can_pos | can_neg)
+            out.append(LayerLiveness(layer.name, int(t.shape[0]), int(live.sum()),
+                                     float(np.mean(t == 0)) if t.size else 0.0,
+                                     int(w.size - np.count_nonzero(np.isfinite(w)))))
+            pos, neg = can_pos, can_neg
+            p += 1
+        elif isinstance(layer, ReLU):
+            neg = np.zeros_like(neg)
+        # MaxPool2d and Flatten carry the per-channel flags (a Linear expands them)
+    return out
+
+
+def _relu_follows(layers, i: int) -> bool:
+    """Whether a ReLU acts on layer ``i``'s output before the next parameter layer."""
+    for layer in layers[i + 1:]:
+        if isinstance(layer, ReLU):
+            return True
+        if isinstance(layer, (Conv2d, Linear)):
+            return False
+    return False
