@@ -31,10 +31,17 @@ test: install
 bench: install
 	$(PY) benchmarks/run_all.py --out benchmarks/results/latest.jsonl
 
-# The papers' experiments on the emulator (every config in experiments/, 3 seeds each);
-# results under runs/experiments/, summaries copied to benchmarks/results/experiments/.
+# The papers' experiments on the emulator (every config in experiments/: fmnist-* on
+# Fashion-MNIST, >= 5 seeds, hours; the others their digits versions); ONLY=name runs
+# one (or several, space-separated); results under runs/experiments/, summaries copied to
+# benchmarks/results/experiments/. ESTIMATE=R times R rounds of a covering set of
+# combinations instead and estimates each experiment's full time; SET="k=v ..." overrides
+# keys of every config (SET="data.dataset=cifar10 data.path=DIR model=fedshift_cnn").
+ONLY ?=
+ESTIMATE ?=
+SET ?=
 experiments: install
-	$(PY) experiments/run_all.py --out runs/experiments
+	$(PY) experiments/run_all.py --out runs/experiments $(if $(ESTIMATE),--estimate $(ESTIMATE)) $(foreach s,$(SET),--set $(s)) $(ONLY)
 
 # Fuzzing of every network input, 105,000 inputs with fresh randomness (make test runs
 # 5,600 of the same inputs every time).

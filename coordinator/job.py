@@ -5,12 +5,12 @@ The file follows the conventions of :mod:`coordinator.config` (unknown keys are 
 naming the file and the key; ``examples/job.toml`` shows every section)::
 
     job = "farm"                # topic prefix fedbit/<job>/
-    model = "digits_cnn"
+    model = "digits_cnn"        # a bundled model, or a model file (my_cnn.toml / my_cnn.py)
     rounds = 20
     strategy = "fedshift"
     seed = 0
     out = "runs/farm"           # run directory: checkpoint, inbox, metrics.jsonl
-    eval_data = "digits:test"   # held-out set: digits:test or a CIFAR-10 folder
+    eval_data = "digits:test"   # held-out set: a data source (fashion-mnist:test, a folder: its test split)
     [strategy_params]           # build_strategy(strategy, **strategy_params)
     [train]                     # announced to devices (edge_client.hparams), over epochs = 1, batch = 32
     [round]                     # fraction, min_devices, max_devices, min_present, quorum,
@@ -171,7 +171,7 @@ def job_from_dict(raw: dict[str, Any], source: str) -> ServeJob:
             raise ConfigError(f"{source}: dashboard.listen: {exc}") from None
     hparams = copy.deepcopy(DEFAULT_HPARAMS) | v["train"]
     cfg = ServerConfig(
-        job=top["job"], model=top["model"], rounds=top["rounds"], strategy=top["strategy"],
+        job=top["job"], model=_model(top["model"], source), rounds=top["rounds"], strategy=top["strategy"],
         strategy_params=v["strategy_params"], fraction=float(rnd["fraction"]), min_devices=rnd["min_devices"],
         max_devices=rnd["max_devices"], min_present=rnd["min_present"], quorum=float(rnd["quorum"]),
         min_updates=rnd["min_updates"], round_timeout_s=float(rnd["timeout_s"]),
@@ -186,6 +186,22 @@ def job_from_dict(raw: dict[str, Any], source: str) -> ServeJob:
     return ServeJob(cfg, broker, top["out"], eval_data=top["eval_data"], resume=top["resume"],
                     log_json=log["json"], log_level=log["level"], quiet=log["quiet"], source=source,
                     dashboard=dash, table={**v[""], **{sec: t for sec, t in v.items() if sec}})
+
+
+def _model(ref: str, source: str) -> str:
+    """A bundled model's name, or a user's model file (``*.toml`` / ``*.py``) as an absolute
+    path (relative to the job file's folder when it is there, else to the cwd); ConfigError
+    naming the job file and the model file (and layer) when it does not load."""
+    from firmware_models import SpecError, is_model_file, resolve_model
+
+    if is_model_file(ref) and not Path(ref).is_absolute():
+        near = Path(source).parent / ref
+        ref = str((near if source != "<flags>" and near.is_file() else Path(ref)).resolve())
+    try:
+        resolve_model(ref)
+    except SpecError as exc:
+        raise ConfigError(f"{source}: model: {exc}") from None
+    return ref
 
 
 def load_job(path: str | Path | None, overrides: dict[str, Any] | None = None) -> ServeJob:
@@ -205,12 +221,13 @@ FLAGS: list[tuple[str, str, dict[str, Any]]] = [
     ("--out", "out", {"metavar": "DIR", "help": "run directory (checkpoint, inbox, metrics.jsonl)"}),
     ("--resume", "resume", {"action": "store_true", "help": "continue the run in --out"}),
     ("--job", "job", {"help": "job id (topic prefix fedbit/<job>/)"}),
-    ("--model", "model", {"metavar": "SPEC", "help": "model spec name"}),
+    ("--model", "model", {"metavar": "SPEC", "help": "a bundled model's name, or a model file (TOML layers, "
+                                                     "or a Python file defining a ModelSpec)"}),
     ("--rounds", "rounds", {"type": int, "metavar": "N"}),
     ("--strategy", "strategy", {"metavar": "NAME", "help": "aggregation strategy; prowd = ProWD's "
                                 "dequantizer + selective aggregation"}),
     ("--seed", "seed", {"type": int}),
-    ("--eval-data", "eval_data", {"metavar": "SRC", "help": "held-out set: digits:test or a CIFAR-10 folder"}),
+    ("--eval-data", "eval_data", {"metavar": "SRC", "help": "held-out set: a data source (digits:test, fashion-mnist:test, an IDX/CIFAR-10 folder or .npz: its test split)"}),
     ("--fraction", "round.fraction", {"type": float, "metavar": "C", "help": "fraction of present devices per round"}),
     ("--min-devices", "round.min_devices", {"type": int, "help": "fewest devices selected per round"}),
     ("--max-devices", "round.max_devices", {"type": int, "help": "most devices selected per round"}),

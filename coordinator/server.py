@@ -75,7 +75,8 @@ class Coordinator:
         evaluator: ``{variant: weights} -> {variant: (loss, accuracy)}`` on the held-out
             set (``coordinator.evaluate.ModelEvaluator``; None: skipped). Every round it
             scores each variant the known devices run; ``accuracy``/``loss`` of the record
-            are the float32 (global) model's, ``groups`` has them all.
+            are the float32 (global) model's, ``groups`` has them all (with any further
+            figures the evaluator adds, such as ``val_accuracy``).
         init_weights: the initial shared weights (``intnn.init_shared(spec, seed)``).
         on_event: progress callback ``(event, fields)``; events ``round_start``,
             ``update``, ``reject``, ``device``, ``round_end``, ``waiting``.
@@ -93,9 +94,9 @@ class Coordinator:
         self.evaluator = evaluator
         self.on_event = on_event or (lambda _e, _f: None)
         self.log = logger or log
-        from firmware_models import get_spec
+        from firmware_models import resolve_model
 
-        self.spec = get_spec(cfg.model)
+        self.spec = resolve_model(cfg.model)
         self.names = self.spec.param_names()
         shapes = [tuple(s) for s in self.spec.param_shapes()]
         if [tuple(w.shape) for w in init_weights] != shapes:
@@ -212,7 +213,7 @@ class Coordinator:
                                  r, len(rnd.accepted), cfg.min_updates)
         te = time.perf_counter()
         scores = self._evaluate()
-        loss, acc = scores.get(FLOAT_VARIANT, (math.nan, math.nan))
+        loss, acc = scores.get(FLOAT_VARIANT, (math.nan, math.nan))[:2]
         eval_s = time.perf_counter() - te
         change = float(math.sqrt(sum(float(np.sum((a - b) ** 2)) for a, b in zip(self.weights, old, strict=True))))
         finite = lambda v: v if math.isfinite(v) else None  # noqa: E731
@@ -229,7 +230,9 @@ class Coordinator:
             "eval_seconds": eval_s, "announce_seconds": parts["announce"],
             "handle_seconds": clock.wall - parts["announce"] - parts["aggregate"],
             "counts": dict(col.counts), "stats": stats,
-            "groups": {v: {"loss": finite(lo), "accuracy": finite(ac)} for v, (lo, ac) in scores.items()},
+            "groups": {v: {"loss": finite(s[0]), "accuracy": finite(s[1]),
+                           **{k: finite(float(x)) for k, x in (s[2] if len(s) > 2 else {}).items()}}
+                       for v, s in scores.items()},
             "uplink_bytes": dict(col.uplink_bytes), **self.fleet.round_report(r),
         }
         with clock.timed("checkpoint"):
@@ -255,8 +258,9 @@ class Coordinator:
                       extra={"event": "round_end", "round": r, "accuracy": record["accuracy"]})
         return record
 
-    def _evaluate(self) -> dict[str, tuple[float, float]]:
-        """(loss, accuracy) of every model variant the known devices run (float32 always)."""
+    def _evaluate(self) -> dict[str, tuple[Any, ...]]:
+        """(loss, accuracy[, further figures]) of every model variant the known devices run
+        (float32 always; see ``coordinator.evaluate.Evaluator``)."""
         if self.evaluator is None:
             return {}
         return self.evaluator({v: self.group_weights.get(variant_bits(v), self.weights)

@@ -49,7 +49,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
         cfg = DeviceConfig.from_profile(
             args.id, profile, job=args.job, seed=args.seed,
             workdir=Path(args.workdir) if args.workdir else device_state_dir(args.id),
-            exit_when_done=not args.stay, train_delay_s=args.delay, give_up_after_s=connect_timeout(args))
+            exit_when_done=not args.stay, train_delay_s=args.delay, give_up_after_s=connect_timeout(args),
+            model_files=tuple(args.model_file))
         for k, v in overrides.items():
             setattr(cfg, k, v)
         connect = device_connector(args, ident)
@@ -163,7 +164,11 @@ def build_parser() -> argparse.ArgumentParser:
                        allow_abbrev=False)
     add_device_connection_options(p)
     p.add_argument("--profile", required=True, metavar="NAME", help="hardware profile name or TOML path")
-    p.add_argument("--data", required=True, metavar="SRC", help="a local folder or digits:K/N")
+    p.add_argument("--data", required=True, metavar="SRC", help="fashion-mnist:K/N or digits:K/N (shard K of N), or a local IDX "
+                   "or CIFAR-10 folder or .npz file (DIR:K/N for a shard)")
+    p.add_argument("--model-file", action="append", default=[], metavar="FILE",
+                   help="a user's model (TOML layers or a Python ModelSpec) this device may train when a "
+                        "round announces a model file of that name (repeatable)")
     p.add_argument("--workdir", metavar="DIR", help="outbox, state and TLS files (default $XDG_STATE_HOME/fedbit/<id>, "
                    "else ~/.local/state/fedbit/<id>)")
     p.add_argument("--seed", type=int, default=0)
@@ -191,8 +196,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, metavar="FILE",
                    help="model.onnx (fedbit export) or global.msgpack (a model message)")
     p.add_argument("--data", required=True, metavar="SRC",
-                   help="digits:test, digits:K/N, a .npz with x [N, C, H, W] in [0, 1] (and y), "
-                        "or a CIFAR-10 folder (its test batch)")
+                   help="a .npz with x [N, C, H, W] (and y), or a data source: digits:test, "
+                        "fashion-mnist:test, digits:K/N, an IDX or CIFAR-10 folder (its test split)")
     p.add_argument("--out", metavar="FILE", help="write the predictions (CSV, or .npz with the logits)")
     p.add_argument("--engine", choices=["auto", "onnxruntime", "numba"], default="auto",
                    help="auto: onnxruntime when installed, else numba")

@@ -112,10 +112,10 @@ def _measure(args: argparse.Namespace, profile: Any, transport: Any, model: str,
 
     from edge_client.link import choose_codec, measure_link
     from edge_client.protocol import topic
-    from firmware_models import get_spec
+    from firmware_models import resolve_model
 
     link = measure_link(transport, topic(args.job or "default", "linktest", args.id))
-    n = sum(int(np.prod(s)) for s in get_spec(model).param_shapes())
+    n = sum(int(np.prod(s)) for s in resolve_model(model).param_shapes())
     return link, choose_codec(profile, n, link, budget_s=budget)
 
 

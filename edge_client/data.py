@@ -1,30 +1,60 @@
-"""Local data sets of a device: scikit-learn's bundled digits and a CIFAR-10 folder.
+"""Local data sets of a device and the sources they are named by.
 
-A :class:`Dataset` holds float32 images ``x [N, C, H, W]`` in ``[0, 1]`` and int64
-labels ``y [N]``. Integer devices turn the images into their s-bit activation integers
-once, with :func:`quantize_images` (the only float arithmetic of the integer path is
-here, in data loading). Nothing here imports torch; scikit-learn is imported lazily by
-the digits loader only.
+A :class:`Dataset` holds images ``x [N, C, H, W]`` and int64 labels ``y [N]``. The images
+are either **uint8 pixels** (intensity = value / 255: the IDX, CIFAR-10 and uint8 ``.npz``
+files, held as they are stored, so 70,000 28x28 images cost 55 MB) or float32 intensities
+in [0, 1] (the digits, float ``.npz`` files). :func:`float_images` gives a float device
+its float32 view; integer devices turn either into their s-bit activation integers once,
+with :func:`quantize_images` (a table lookup for pixels: the integer path never sees a
+float there). Nothing here imports torch; scikit-learn is never imported (the digits are
+read from its bundled CSV).
+
+**Sources** (``fedbit-edge run --data SRC``, ``fedbit serve --eval-data SRC``)::
+
+    SRC  := BASE[:PART]
+    BASE := digits | fashion-mnist       (a data set fedbit knows where to find)
+          | mnist | DIR | FILE.npz       (an IDX or CIFAR-10 folder, a .npz file)
+    PART := K/N | train | test           (shard K of N of the training split: IID, seeded;
+                                          or a whole split; default: the caller's)
+
+``fashion-mnist`` is read from :data:`FASHION_MNIST_DIR` (Debian's package
+``dataset-fashion-mnist``); ``mnist`` has no packaged copy, so its folder is named.
+Nothing is ever downloaded.
 """
 
 from __future__ import annotations
 
 import os
-import pickle
 import re
 from dataclasses import dataclass
 
 import numpy as np
 
+from edge_client.data_formats import (
+    is_cifar10_folder,
+    is_idx_folder,
+    read_cifar10,
+    read_idx_folder,
+    read_npz,
+)
 from edge_client.errors import ConfigError
 
 DIGITS_TEST_SIZE = 360  # of 1797 images; the split is fixed (seed DIGITS_SPLIT_SEED)
 DIGITS_SPLIT_SEED = 20240611
+#: where Debian's package ``dataset-fashion-mnist`` installs the IDX files
+FASHION_MNIST_DIR = "/usr/share/datasets/fashion-mnist"
+FASHION_MNIST_PACKAGE = "dataset-fashion-mnist"
+#: data sets named by the sources and experiment configs (``digits``: bundled; ``cifar10``,
+#: ``mnist``, ``idx``, ``npz``: a path is needed)
+DATASETS = ("digits", "fashion-mnist", "mnist", "cifar10", "idx", "npz")
+
+_PIXEL_TO_FLOAT = np.arange(256, dtype=np.float32) / np.float32(255.0)
 
 
 @dataclass(frozen=True)
 class Dataset:
-    """Images ``x`` float32 ``[N, C, H, W]`` in [0, 1] and labels ``y`` int64 ``[N]``."""
+    """Images ``x`` ``[N, C, H, W]`` (uint8 pixels, or float32 in [0, 1]) and labels ``y``
+    int64 ``[N]``."""
 
     x: np.ndarray
     y: np.ndarray
@@ -33,6 +63,8 @@ class Dataset:
         if self.x.ndim < 2 or self.y.ndim != 1 or len(self.x) != len(self.y):
             raise ConfigError(
                 f"Dataset: x {list(self.x.shape)} and y {list(self.y.shape)} do not match")
+        if self.x.dtype != np.uint8 and self.x.dtype.kind != "f":
+            raise ConfigError(f"Dataset: x must be uint8 pixels or float intensities, got {self.x.dtype}")
 
     def __len__(self) -> int:
         return int(self.y.shape[0])
@@ -41,17 +73,36 @@ class Dataset:
         """The samples at the integer indices ``idx`` (copies)."""
         return Dataset(self.x[idx], self.y[idx])
 
+    @property
+    def num_classes(self) -> int:
+        """The largest label + 1 (0 for an empty or unlabelled set)."""
+        return int(self.y.max()) + 1 if len(self.y) and int(self.y.max()) >= 0 else 0
+
+
+def float_images(x: np.ndarray) -> np.ndarray:
+    """float32 intensities in [0, 1], same shape: uint8 pixels / 255 (exactly
+    ``float32(p) / float32(255)``), float images as float32 (no copy when they are)."""
+    if x.dtype == np.uint8:
+        return _PIXEL_TO_FLOAT[x]
+    return np.ascontiguousarray(x, dtype=np.float32)
+
 
 def quantize_images(x: np.ndarray, bits: int) -> np.ndarray:
-    """Images in [0, 1] -> s-bit activation integers ``round(x * (2^(s-1) - 1))``.
+    """Images -> s-bit activation integers ``round(x * (2^(s-1) - 1))``, x in [0, 1].
 
-    Same shape as ``x``; int8 for s <= 8, int16 up to 16 bits.
+    Same shape as ``x``; int8 for s <= 8, int16 up to 16 bits. uint8 pixels go through a
+    256-entry integer table, ``(2 p amax + 255) // 510`` (= round(p amax / 255), never a
+    tie), equal to the float formula on ``float_images(x)`` for every pixel and width.
     """
     if not 2 <= bits <= 16:
         raise ConfigError(f"quantize_images: bits must be in 2..16, got {bits}")
     amax = (1 << (bits - 1)) - 1
+    dtype = np.int8 if bits <= 8 else np.int16
+    if x.dtype == np.uint8:
+        table = ((np.arange(256, dtype=np.int64) * (2 * amax) + 255) // 510).astype(dtype)
+        return table[x]
     q = np.rint(np.clip(x, 0.0, 1.0) * np.float32(amax))
-    return q.astype(np.int8 if bits <= 8 else np.int16)
+    return q.astype(dtype)
 
 
 def _digits_file() -> str:
@@ -92,71 +143,116 @@ def load_digits(split: str = "train") -> Dataset:
     return data.subset(np.sort(idx))
 
 
+def shard(data: Dataset, k: int, n: int, seed: int = 0, what: str = "data") -> Dataset:
+    """Shard ``k`` (1..n) of ``n`` IID shards of ``data`` (a seeded shuffle: the same
+    shards on every device and machine)."""
+    if n < 1 or not 1 <= k <= n:
+        raise ConfigError(f"{what} shard {k}/{n}: need 1 <= k <= n")
+    if n > len(data):
+        raise ConfigError(f"{what} shard {k}/{n}: only {len(data)} training images")
+    perm = np.random.default_rng(seed).permutation(len(data))
+    return data.subset(np.sort(np.array_split(perm, n)[k - 1]))
+
+
 def digits_shard(k: int, n: int, seed: int = 0) -> Dataset:
     """Shard ``k`` (1..n) of ``n`` IID shards of the digits train split (seeded shuffle)."""
-    if n < 1 or not 1 <= k <= n:
-        raise ConfigError(f"digits shard {k}/{n}: need 1 <= k <= n")
-    train = load_digits("train")
-    if n > len(train):
-        raise ConfigError(f"digits shard {k}/{n}: only {len(train)} training images")
-    perm = np.random.default_rng(seed).permutation(len(train))
-    return train.subset(np.sort(np.array_split(perm, n)[k - 1]))
+    return shard(load_digits("train"), k, n, seed, "digits")
 
 
-def _unpickle(path: str) -> dict:
-    with open(path, "rb") as fh:
-        return pickle.load(fh, encoding="bytes")
+def dataset_location(name: str, path: str | None = None) -> str:
+    """The file or folder data set ``name`` is read from: ``path``, or the packaged
+    location (``fashion-mnist``); ConfigError saying which package or path provides it."""
+    if name not in DATASETS:
+        raise ConfigError(f"unknown data set {name!r}; known: {', '.join(DATASETS)}")
+    if name == "digits":
+        if path:
+            raise ConfigError("digits: scikit-learn's bundled copy is used; a path is not")
+        return ""
+    never = "fedbit never downloads data"
+    if name == "fashion-mnist":
+        folder = os.path.expanduser(path or FASHION_MNIST_DIR)
+        if not os.path.isdir(folder):
+            how = (f"install Debian's package {FASHION_MNIST_PACKAGE} (apt-get install "
+                   f"{FASHION_MNIST_PACKAGE}) or give the folder of its IDX files" if not path
+                   else "give the folder of Fashion-MNIST's IDX files")
+            raise ConfigError(f"fashion-mnist: {folder} is missing: {how}; {never}")
+        return folder
+    what = {"mnist": "the folder of MNIST's IDX files (train-images-idx3-ubyte[.gz], ...)",
+            "idx": "a folder of IDX files (train-images-idx3-ubyte[.gz], ...)",
+            "cifar10": "the CIFAR-10 folder (python batches: data_batch_1..5, test_batch)",
+            "npz": "a .npz file with x_train, y_train, x_test, y_test"}[name]
+    if not path:
+        raise ConfigError(f"{name}: needs a path: {what}; {never}")
+    location = os.path.expanduser(path)
+    ok = os.path.isfile(location) if name == "npz" else os.path.isdir(location)
+    if not ok:
+        raise ConfigError(f"{name}: {location!r} is not {'a file' if name == 'npz' else 'a folder'}: "
+                          f"expected {what}; {never}")
+    return location
+
+
+def load_split(name: str, path: str | None = None, split: str = "train") -> Dataset:
+    """Split ``train`` or ``test`` of data set ``name`` (:data:`DATASETS`) read from
+    ``path`` or its packaged location (:func:`dataset_location`)."""
+    if split not in ("train", "test"):
+        raise ConfigError(f"{name}: split must be 'train' or 'test', got {split!r}")
+    location = dataset_location(name, path)
+    if name == "digits":
+        return load_digits(split)
+    if name == "npz":
+        return Dataset(*read_npz(location, split))
+    if name == "cifar10":
+        return load_cifar10(location, split)
+    return Dataset(*read_idx_folder(location, split))
 
 
 def load_cifar10(folder: str, split: str = "train") -> Dataset:
-    """CIFAR-10 in the standard python-pickle layout (data_batch_1..5, test_batch).
-
-    Accepts the folder itself or its parent holding ``cifar-10-batches-py``.
-    x: float32 ``[N, 3, 32, 32]`` in [0, 1]; y: int64 ``[N]``. Never downloads.
-    """
-    if split not in ("train", "test"):
-        raise ConfigError(f"cifar10 split must be 'train' or 'test', got {split!r}")
-    root = folder
-    nested = os.path.join(folder, "cifar-10-batches-py")
-    if os.path.isdir(nested):
-        root = nested
-    names = [f"data_batch_{i}" for i in range(1, 6)] if split == "train" else ["test_batch"]
-    xs, ys = [], []
-    for name in names:
-        path = os.path.join(root, name)
-        if not os.path.isfile(path):
-            raise ConfigError(f"{folder}: CIFAR-10 file {name} not found")
-        try:
-            batch = _unpickle(path)
-            data = np.asarray(batch[b"data"], dtype=np.uint8).reshape(-1, 3, 32, 32)
-            labels = np.asarray(batch[b"labels"], dtype=np.int64)
-        except (KeyError, ValueError, pickle.UnpicklingError, EOFError) as exc:
-            raise ConfigError(f"{path}: not a CIFAR-10 python batch ({exc})") from exc
-        if len(labels) != len(data):
-            raise ConfigError(f"{path}: {len(data)} images but {len(labels)} labels")
-        xs.append(data)
-        ys.append(labels)
-    x = np.concatenate(xs).astype(np.float32) / np.float32(255.0)
-    return Dataset(x, np.concatenate(ys))
+    """CIFAR-10 in the standard python-pickle layout (data_batch_1..5, test_batch), the
+    folder itself or its parent holding ``cifar-10-batches-py``: uint8 pixels
+    ``[N, 3, 32, 32]``, int64 labels. Never downloads."""
+    return Dataset(*read_cifar10(folder, split))
 
 
-_DIGITS_RE = re.compile(r"^digits:(\d+)/(\d+)$")
+_PART_RE = re.compile(r"^(.+):(?:(\d+)/(\d+)|(train|test))$")
 
 
-def load_source(src: str) -> Dataset:
-    """``"digits:K/N"`` (shard K of N of the digits train split) or a CIFAR-10 folder."""
-    m = _DIGITS_RE.match(src.strip()) if isinstance(src, str) else None
-    if m:
-        k, n = int(m.group(1)), int(m.group(2))
-        try:
-            return digits_shard(k, n)
-        except ConfigError as exc:
-            raise ConfigError(f"data source {src!r}: {exc}") from exc
-    if isinstance(src, str) and src.startswith("digits"):
-        raise ConfigError(f"data source {src!r}: expected 'digits:K/N' with 1 <= K <= N")
-    if not isinstance(src, str) or not os.path.isdir(src):
-        raise ConfigError(f"data source {src!r}: not 'digits:K/N' and not a folder")
+def parse_source(src: str, default_part: str = "train") -> tuple[str, str | tuple[int, int]]:
+    """``(base, part)``: part is ``"train"``, ``"test"`` or ``(k, n)`` (see the module
+    docstring); ConfigError naming the source."""
+    if not isinstance(src, str) or not src.strip():
+        raise ConfigError(f"data source {src!r}: empty")
+    src = src.strip()
+    m = _PART_RE.match(src)
+    if not m:
+        return src, default_part
+    if m.group(4):
+        return m.group(1), m.group(4)
+    return m.group(1), (int(m.group(2)), int(m.group(3)))
+
+
+def load_source(src: str, default_part: str = "train") -> Dataset:
+    """The data a source names (see the module docstring): ``"fashion-mnist:3/10"``,
+    ``"digits:test"``, ``"/data/mnist:1/4"``, ``"/data/cifar-10-batches-py"``, ...
+    ``default_part`` is the part of a source that names none."""
+    base, part = parse_source(src, default_part)
     try:
-        return load_cifar10(src, "train")
+        if base in ("digits", "fashion-mnist", "mnist"):
+            name, path = base, None
+        elif base.endswith(".npz") and os.path.isfile(os.path.expanduser(base)):
+            name, path = "npz", base
+        elif os.path.isdir(os.path.expanduser(base)):
+            folder = os.path.expanduser(base)
+            if is_idx_folder(folder):
+                name, path = "idx", folder
+            elif is_cifar10_folder(folder):
+                name, path = "cifar10", folder
+            else:
+                raise ConfigError("a folder without IDX files or CIFAR-10 batches")
+        else:
+            raise ConfigError(f"not one of {', '.join(('digits', 'fashion-mnist', 'mnist'))}, "
+                              f"a folder or a .npz file (expected BASE[:K/N|:train|:test])")
+        if isinstance(part, tuple):
+            return shard(load_split(name, path, "train"), part[0], part[1], 0, base)
+        return load_split(name, path, part)
     except ConfigError as exc:
-        raise ConfigError(f"data source {src!r}: {exc}") from exc
+        raise ConfigError(f"data source {src!r}: {exc}") from None

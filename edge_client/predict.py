@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from edge_client.data import Dataset, load_cifar10, load_digits, load_source, quantize_images
+from edge_client.data import Dataset, float_images, load_source, quantize_images
 from edge_client.errors import ConfigError, FedbitError, ProtocolError
 from firmware_models import ModelSpec, SpecError, get_spec
 
@@ -198,24 +198,22 @@ def check_expected(model: LoadedModel, *, spec: str | None = None,
 
 
 def load_data(src: str) -> Dataset:
-    """Data to predict: ``digits:test`` / ``digits:train`` (the bundled split),
-    ``digits:K/N`` (a train shard), a ``.npz`` with ``x`` (float32 ``[N, C, H, W]`` in
-    [0, 1]) and optionally ``y`` (int labels), or a CIFAR-10 folder (its test batch)."""
-    if src in ("digits", "digits:test"):
-        return load_digits("test")
-    if src == "digits:train":
-        return load_digits("train")
-    if src.startswith("digits"):
-        return load_source(src)
-    if src.endswith(".npz"):
+    """Data to predict: a ``.npz`` with ``x`` (float32 ``[N, C, H, W]`` in [0, 1] or
+    uint8 pixels) and optionally ``y`` (int labels), or any data source
+    (``edge_client.data.load_source``: ``digits:test``, ``fashion-mnist:test``,
+    ``digits:K/N``, an IDX or CIFAR-10 folder, a ``.npz`` with ``x_test``/``y_test``),
+    its test split unless the source names a part."""
+    if src.endswith(".npz") and os.path.isfile(src) and _npz_has_x(src):
         return _load_npz(src)
-    if os.path.isdir(src):
-        try:
-            return load_cifar10(src, "test")
-        except ConfigError as exc:
-            raise ConfigError(f"data {src!r}: {exc}") from None
-    raise ConfigError(f"data {src!r}: not digits:test, digits:K/N, a .npz file or a "
-                      f"CIFAR-10 folder")
+    return load_source(src, default_part="test")
+
+
+def _npz_has_x(src: str) -> bool:
+    try:
+        with np.load(src, allow_pickle=False) as f:
+            return "x" in f.files
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"data {src}: not a readable .npz ({exc})") from None
 
 
 def _load_npz(src: str) -> Dataset:
@@ -227,9 +225,11 @@ def _load_npz(src: str) -> Dataset:
             y = np.asarray(f["y"]) if "y" in f else None
     except (OSError, ValueError) as exc:
         raise ConfigError(f"data {src}: not a readable .npz ({exc})") from None
-    if x.dtype.kind != "f" or x.ndim < 2:
-        raise ConfigError(f"data {src}: 'x' must be float images [N, C, H, W] in [0, 1], "
-                          f"got {x.dtype} {list(x.shape)}")
+    if (x.dtype.kind != "f" and x.dtype != np.uint8) or x.ndim < 2:
+        raise ConfigError(f"data {src}: 'x' must be float images [N, C, H, W] in [0, 1] or "
+                          f"uint8 pixels, got {x.dtype} {list(x.shape)}")
+    if x.dtype == np.uint8:
+        x = x.astype(np.float32) / np.float32(255.0)
     if not np.all(np.isfinite(x)):
         raise ConfigError(f"data {src}: 'x' has NaN/Inf values")
     if y is None:
@@ -288,7 +288,7 @@ def ort_session(graph: onnx.ModelProto, threads: int = 1) -> Any:
 def _inputs(model: LoadedModel, x: np.ndarray) -> np.ndarray:
     """The graph input of float images: float32, or the s-bit integers (NCHW)."""
     if model.bits == 32:
-        return np.ascontiguousarray(x, dtype=np.float32)
+        return float_images(x)
     return np.ascontiguousarray(quantize_images(x, model.bits))
 
 

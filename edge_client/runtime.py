@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -165,7 +166,10 @@ class DeviceConfig:
     set, once the device has had no session for that long (at the start or after losing
     it; 0: it retries forever, as a service does); ``train_delay_s`` sleeps before each local training (emulates a slow device
     in trials and tests); ``kmeans_method`` picks the K-means uplink's method (``fast`` |
-    ``authors``) unless a round announces one.
+    ``authors``) unless a round announces one. ``model_files``: the user's model files
+    (``*.toml`` / ``*.py``, ``firmware_models.files``) this device may train; a round
+    announcing a model file is matched to one of them by file name (a device never loads a
+    path the coordinator names).
     """
 
     device_id: str
@@ -186,6 +190,7 @@ class DeviceConfig:
     publish_timeout_s: float = 10.0
     train_delay_s: float = 0.0
     max_rounds: int = 0
+    model_files: tuple[str, ...] = ()
 
     @classmethod
     def from_profile(cls, device_id: str, profile: Any, **kw: Any) -> DeviceConfig:
@@ -210,6 +215,19 @@ def birth_messages(cfg: DeviceConfig, num_samples: int) -> list[tuple[str, bytes
 
 
 TrainerFactory = Callable[[Any, int, int], Any]  # (spec, bits, seed) -> Trainer
+
+
+def load_model_files(paths: Any) -> dict[str, Any]:
+    """``{file name: ModelSpec}`` of a device's model files (ConfigError naming a bad one)."""
+    from firmware_models import SpecError, load_model_file
+
+    out = {}
+    for path in paths:
+        try:
+            out[os.path.basename(str(path))] = load_model_file(str(path))
+        except SpecError as exc:
+            raise ConfigError(str(exc)) from None
+    return out
 
 
 def default_trainer_factory(spec: Any, bits: int, seed: int) -> Any:
@@ -245,6 +263,7 @@ class DeviceRuntime:
         self.coordinator_active = False
         self.transport: Transport | None = None
         self._trainers: dict[str, Any] = {}
+        self._model_files = load_model_files(cfg.model_files)
         self.stop_event = threading.Event()
         #: why the loop gave up ("" unless it did: no session for ``give_up_after_s``)
         self.failure = ""
@@ -439,9 +458,9 @@ class DeviceRuntime:
 
     def _trainer(self, model: str) -> Any:
         if model not in self._trainers:
-            from firmware_models import get_spec
+            from firmware_models import resolve_model
 
-            spec = get_spec(model)
+            spec = resolve_model(model, self._model_files, allow_paths=False)
             self._trainers[model] = (spec, self._trainer_factory(spec, self.cfg.compute_bits,
                                                                  self.cfg.seed))
         return self._trainers[model]

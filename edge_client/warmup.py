@@ -35,9 +35,9 @@ class WarmupReport:
 def warm_up(profile: Any, model: str = "digits_cnn", *, batch: int = 32, seed: int = 0) -> WarmupReport:
     """Run one training step and one uplink encoding of ``model`` as ``profile`` would.
     Float devices (``trainer = "torch"``) have nothing to compile and return at once."""
-    from firmware_models import get_spec
+    from firmware_models import resolve_model
 
-    spec = get_spec(model)
+    spec = resolve_model(model)
     if not profile.is_integer:
         return WarmupReport(profile.name, model, 32, 0.0, 0.0, compiled=False)
     from edge_client.codecs import decode

@@ -128,21 +128,31 @@ Layer = Conv2d | Linear | ReLU | MaxPool2d | Flatten
 ParamLayer = Conv2d | Linear
 
 
+#: initial weight schemes (``edge_client.intnn.init_shared``): ``wage`` (WAGE eq. 10, fedbit's
+#: default), ``he`` (Kaiming/He normal on the effective weight ``W / alpha``, the FedShift
+#: paper's), both clipped to the shared domain
+INITS = ("wage", "he")
+
+
 @dataclass(frozen=True)
 class ModelSpec:
-    """An architecture: input shape ``[C, H, W]`` (or ``[F]``), layers, class count."""
+    """An architecture: input shape ``[C, H, W]`` (or ``[F]``), layers, class count, and
+    the scheme of its initial weights (:data:`INITS`; not part of its identity)."""
 
     name: str
     input_shape: Shape
     layers: tuple[Layer, ...]
     num_classes: int
     description: str = ""
+    init: str = field(default="wage", compare=False)
     _shapes: tuple[Shape, ...] = field(default=(), repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_shapes", tuple(self._infer_shapes()))
 
     def _infer_shapes(self) -> list[Shape]:
+        if self.init not in INITS:
+            raise SpecError(f"{self.name}: init {self.init!r} is not one of {list(INITS)}")
         names = [layer.name for layer in self.layers]
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:

@@ -91,3 +91,18 @@ def onnx_runtime() -> None:
             if os.environ.get("CI", "").lower() == "true":
                 pytest.fail(f"CI=true: {msg}")
             pytest.skip(msg)
+
+
+@pytest.fixture(scope="session")
+def fashion_mnist() -> str:
+    """The folder of Debian's ``dataset-fashion-mnist`` (IDX files); skip without it,
+    except under CI=true where that is a failure (.ci/run installs the package)."""
+    from edge_client.data import FASHION_MNIST_DIR, FASHION_MNIST_PACKAGE
+
+    if not os.path.isfile(os.path.join(FASHION_MNIST_DIR, "train-images-idx3-ubyte.gz")):
+        msg = (f"Fashion-MNIST is not in {FASHION_MNIST_DIR} "
+               f"(apt-get install {FASHION_MNIST_PACKAGE})")
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail(f"CI=true: {msg}")
+        pytest.skip(msg)
+    return FASHION_MNIST_DIR

@@ -10,6 +10,7 @@ import pytest
 from edge_client.data import (
     Dataset,
     digits_shard,
+    float_images,
     load_cifar10,
     load_digits,
     load_source,
@@ -72,13 +73,14 @@ def test_cifar10_folder(tmp_path):
     _write_cifar(root)
     for folder in (root, tmp_path):
         tr = load_cifar10(str(folder), "train")
-        assert tr.x.shape == (20, 3, 32, 32) and tr.x.dtype == np.float32
-        assert 0.0 <= tr.x.min() and tr.x.max() <= 1.0 and tr.y.dtype == np.int64
+        assert tr.x.shape == (20, 3, 32, 32) and tr.x.dtype == np.uint8  # pixels, as stored
+        assert tr.y.dtype == np.int64
     te = load_cifar10(str(root), "test")
     assert len(te) == 4
     with open(root / "test_batch", "rb") as fh:
         raw = pickle.load(fh)
-    assert np.allclose(te.x[0].ravel(), raw[b"data"][0] / 255.0)
+    assert np.array_equal(te.x[0].ravel(), raw[b"data"][0])
+    assert np.allclose(float_images(te.x)[0].ravel(), raw[b"data"][0] / 255.0)
     src = load_source(str(root))
     assert len(src) == 20
     (root / "data_batch_3").unlink()
@@ -93,7 +95,8 @@ def test_load_source():
     d = load_source("digits:2/5")
     assert isinstance(d, Dataset) and len(d) in (287, 288)
     assert np.array_equal(d.y, digits_shard(2, 5).y)
-    for bad in ("digits:0/5", "digits:6/5", "digits:x/5", "digits", "/nonexistent/folder", ""):
+    assert len(load_source("digits")) == 1437 and len(load_source("digits:test")) == 360
+    for bad in ("digits:0/5", "digits:6/5", "digits:x/5", "digit", "/nonexistent/folder", ""):
         with pytest.raises(ConfigError, match="data source"):
             load_source(bad)
 

@@ -93,4 +93,20 @@ def test_cifar10_from_a_local_folder_or_a_clear_error(tmp_path: Path) -> None:
         (root / name).write_bytes(pickle.dumps(batch))
     split = load_dataset("cifar10", str(tmp_path))
     assert split.train.x.shape == (20, 3, 32, 32) and split.test.x.shape == (3, 3, 32, 32)
-    assert split.train.x.dtype == np.float32 and 0.0 <= split.train.x.min() and split.train.x.max() <= 1.0
+    assert split.train.x.dtype == np.uint8 and split.test.x.dtype == np.uint8
+
+
+def test_the_parity_groups_can_be_named_whatever_the_uplinks(tmp_path: Path) -> None:
+    """FedShift's 32+32 control: the inferior group sends float32 yet keeps the odd labels."""
+    from coordinator.emulation.config import from_dict
+    from coordinator.emulation.emulator import build_fleet
+
+    raw = {"devices": {"desktop": 3, "jetson-orin-nano": 3}, "codecs": {"jetson-orin-nano": "float32"},
+           "data": {"partition": "parity", "inferior": ["jetson-orin-nano"]}}
+    split = load_dataset("digits")
+    fleet = build_fleet(from_dict(raw), 0, split, tmp_path, "j")
+    for dev in fleet:
+        labels = set(split.train.y[dev.shard] % 2)
+        assert labels == ({1} if dev.profile.name == "jetson-orin-nano" else {0}) and dev.config.codec == "float32"
+    del raw["data"]["inferior"]  # by the uplinks: every device is superior, every label even
+    assert all(set(split.train.y[d.shard] % 2) == {0} for d in build_fleet(from_dict(raw), 0, split, tmp_path, "j"))

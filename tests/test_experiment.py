@@ -41,6 +41,10 @@ def test_the_bundled_default_is_a_mixed_fleet_of_twenty() -> None:
     ("seeds = []", "seeds"),
     ("[data]\npartition = \"random\"", "data.partition"),
     ("[data]\nalpha = -1", "data.alpha"),
+    ("[data]\ndataset = \"mnist\"", "data.path"),               # no packaged copy: a path is needed
+    ("[data]\ndataset = \"imagenet\"", "data.dataset"),
+    ("[data]\nvalidation = 1.0", "data.validation"),
+    ("[data]\ninferior = [\"jetson-nano\"]", "data.inferior"),     # not in [devices]
     ("[data]\nlabels = 3", "data.labels"),                      # unknown key in a section
     ("[round]\nquorum = 1.5", "round.quorum"),
     ("[round]\ndeadline_s = -1", "round.deadline_s"),
@@ -105,24 +109,3 @@ def test_a_paper_supplies_strategy_and_settings_and_the_config_overrides_them(tm
         load_config(write(tmp_path, 'paper = "fedfor"\n' + BASE))  # FedFOR's alpha must be given
     with pytest.raises(ConfigError, match="paper"):
         load_config(write(tmp_path, 'paper = "nope"\n' + BASE))
-
-
-def test_paired_differences_are_taken_seed_by_seed() -> None:
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("paired", Path(__file__).resolve().parent.parent / "experiments" / "paired.py")
-    paired = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(paired)
-
-    def run(method: str, seed: int, int8: float, f32: float) -> dict:
-        return {"combination": {"method": method}, "seed": seed,
-                "groups": {"int8": {"last5": int8}, "float32": {"last5": f32}}}
-
-    runs = [run("grouped", 0, 0.60, 0.70), run("grouped", 1, 0.50, 0.72),
-            run("mine", 0, 0.65, 0.70), run("mine", 1, 0.52, 0.69)]
-    table = paired.paired_table(runs, "method=grouped", ["int8", "float32"])
-    row = next(ln for ln in table.splitlines() if ln.startswith("| method=mine"))
-    assert "+3.5 ± 2.1 (2/2)" in row           # (5 + 2) / 2, seed by seed
-    assert "-1.5 ± 2.1 (0/2)" in row           # float32: 0, -3
-    with pytest.raises(SystemExit, match="matches 0 combinations"):
-        paired.paired_table(runs, "method=nope", ["int8"])

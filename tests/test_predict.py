@@ -178,13 +178,15 @@ def test_data_of_the_wrong_shape_or_labels_is_refused(run_dir, tmp_path) -> None
     np.savez(npz, x=np.zeros((5, 1, 8, 8), np.float32), y=np.array([0, 1, 2, 3, 12]))
     with pytest.raises(ConfigError, match="label 12 outside the model's 10 classes"):
         predict(model, load_data(str(npz)))
-    np.savez(npz, x=np.zeros((5, 1, 8, 8), np.uint8))
+    np.savez(npz, x=np.zeros((5, 1, 8, 8), np.int16))
     with pytest.raises(ConfigError, match="'x' must be float images"):
         load_data(str(npz))
+    np.savez(npz, x=np.full((2, 1, 8, 8), 255, np.uint8))  # pixels: intensity 1.0
+    assert load_data(str(npz)).x.max() == 1.0
     np.savez(npz, x=np.full((3, 1, 8, 8), 0.5, np.float32))  # unlabelled: predictions only
     pred = predict(model, load_data(str(npz)))
     assert pred.labels.shape == (3,) and pred.accuracy(np.full(3, -1)) is None
-    with pytest.raises(ConfigError, match="not digits:test"):
+    with pytest.raises(ConfigError, match="data source .*nowhere.*a folder or a .npz file"):
         load_data(str(tmp_path / "nowhere"))
 
 

@@ -330,3 +330,25 @@ def test_finite_flag_skips_only_the_strategy_side_check():
     s.begin_round(2, G)
     with pytest.raises(ProtocolError, match="NaN or Inf"):
         s.accept(ClientUpdate("z", 1, [np.full((2, 2), 1e300), np.zeros(3)], finite=True))
+
+
+def test_fedavgm_applies_server_momentum_to_the_fedavg_step():
+    """FedAvgM: v = β·v_prev + (g - avg), w = g - v; round 1 is FedAvg; the momentum is
+    the checkpointed last global step, so a restored strategy continues it."""
+    s = build_strategy("fedavgm", server_momentum=0.5)
+    s.begin_round(1, G)
+    s.accept(upd("a", layers(1, 2)))
+    s.accept(upd("b", layers(3, 2)))
+    r1 = s.finish()
+    np.testing.assert_allclose(r1.weights[0], np.full((2, 2), 2.0))     # FedAvg: no momentum yet
+    t = build_strategy("fedavgm", server_momentum=0.5)
+    t.load_state_dict(msgpack.unpackb(msgpack.packb(s.state_dict(), use_bin_type=True), raw=False))
+    for strat in (s, t):
+        strat.begin_round(2, r1.weights)
+        strat.accept(upd("a", layers(3, 2)))
+        r2 = strat.finish()
+        # step 1: v = -2; step 2: v = 0.5·(-2) + (2 - 3) = -2 -> w = 2 + 2 = 4 (FedAvg: 3)
+        np.testing.assert_allclose(r2.weights[0], np.full((2, 2), 4.0))
+        np.testing.assert_allclose(r2.weights[1], np.full(3, 2.0 + 0.5 * 2.0))  # momentum only
+    with pytest.raises(ConfigError, match="server_momentum"):
+        build_strategy("fedavgm", server_momentum=1.0)

@@ -23,13 +23,9 @@ def add_serve_command(sub: Any) -> None:
 
 
 def _eval_data(src: str) -> Any:
-    from edge_client.data import load_cifar10, load_digits, load_source
+    from edge_client.data import load_source
 
-    if src in ("digits", "digits:test"):
-        return load_digits("test")
-    if src.startswith("digits:"):
-        return load_source(src)
-    return load_cifar10(src, "test")
+    return load_source(src, default_part="test")
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
@@ -48,7 +44,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from edge_client.errors import ConfigError
     from edge_client.intnn import init_shared
     from edge_client.logs import setup_logging
-    from firmware_models import get_spec
+    from firmware_models import resolve_model
 
     try:
         job = job_from_args(args)
@@ -64,7 +60,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     broker = watch = None
     outcome = "error"
     try:
-        spec = get_spec(cfg.model)
+        spec = resolve_model(cfg.model)
         strategy = build_strategy(cfg.strategy, model=cfg.model, **cfg.strategy_params)
         broker, conn = serve_broker(job, cfg.limits.max_payload_bytes + 65536)
         cfg.admission.enrolment = conn.pop("enrolment")

@@ -59,9 +59,9 @@ def calibrate(model: str, variants: list[str], sample: Any, *, batch: int = 32, 
     one_thread_torch()  # as the emulated devices train (torch's default uses every core)
     from edge_client.protocol import variant_bits
     from edge_client.trainers import make_trainer
-    from firmware_models import get_spec
+    from firmware_models import resolve_model
 
-    spec = get_spec(model)
+    spec = resolve_model(model)
     out = {}
     for v in sorted(set(variants)):
         trainer = make_trainer(spec, variant_bits(v), seed=0)

@@ -15,7 +15,12 @@ A config (``fedbit emulate FILE``; the bundled default is ``coordinator/emulatio
     raspberry-pi-4 = 4
     [codecs]                   # uplink override per profile: "<codec>-<bits>"
     raspberry-pi-5 = "kmeans-4"
-    [data]                     # dataset, path, partition, shards_per_device, alpha, per_device
+    [data]                     # dataset (digits, fashion-mnist, mnist, cifar10, idx, npz), path,
+                               # partition, shards_per_device, alpha, per_device, validation
+                               # (the fraction of the training split held out for choices;
+                               # drawn with `seed`), seed, inferior (the [devices] profiles
+                               # that hold the odd labels of the parity split; default:
+                               # integer devices and lossy uplinks)
     [train]                    # announced to devices: epochs, batch, steps, ... (any key)
     [round]                    # fraction, quorum, min_updates, deadline_s (simulated),
                                # wall_timeout_s, parallel (devices training at once)
@@ -25,6 +30,8 @@ A config (``fedbit emulate FILE``; the bundled default is ``coordinator/emulatio
 prowd-grouped-asym, fedfor, fedwsq) starts from that paper's strategy, its parameters and
 the settings it trains devices with; the config's own keys override them.
     [sweep]                    # dotted key = [values]: every combination is run
+    baseline = "fedavg"        # paired differences of every method to this value (analysis)
+    tune = "train.lr"          # chosen per combination of the others on the validation split
     strategy = ["fedavg", "fedshift"]
     "data.partition" = ["shards", "parity"]
     "@mix" = [                 # "@name": values set together, each a table with a label
@@ -48,7 +55,7 @@ from pathlib import Path
 from typing import Any
 
 from coordinator.config import DEFAULT_HPARAMS, NUMBER, ServerConfig, TomlSchema, read_toml
-from coordinator.emulation.datasets import DATASETS, PARTITIONS
+from coordinator.emulation.datasets import DATASETS, NEEDS_PATH, PARTITIONS
 from edge_client.errors import ConfigError
 
 DEFAULT_CONFIG = Path(__file__).with_name("default.toml")
@@ -62,7 +69,7 @@ SCHEMA = TomlSchema({
          "broker": (str, ""), "target_accuracy": (_NUM, 0.0), "paper": (str, "")},
     "data": {"dataset": (str, "digits"), "path": (str, ""), "partition": (str, "iid"),
              "shards_per_device": (int, 2), "alpha": (_NUM, 0.5), "per_device": (int, 32),
-             "seed": (int, 0)},
+             "seed": (int, 0), "validation": (_NUM, 0.0), "inferior": (list, [])},
     "round": {"fraction": (_NUM, _SERVER.fraction), "quorum": (_NUM, _SERVER.quorum),
               "min_updates": (int, _SERVER.min_updates), "deadline_s": (_NUM, 0.0),
               "wall_timeout_s": (_NUM, 600.0), "parallel": (int, 2)},
@@ -150,10 +157,15 @@ def from_dict(raw: dict[str, Any], source: str = "<config>") -> ExperimentConfig
 
 def _check_values(cfg: ExperimentConfig, bad) -> None:
     from coordinator.strategies import available_strategies, build_strategy
-    from firmware_models import MODELS
+    from firmware_models import SpecError, is_model_file, resolve_model
 
-    if cfg.model not in MODELS:
-        raise bad("model", f"{cfg.model!r} is not one of {sorted(MODELS)}")
+    if is_model_file(cfg.model):  # a user's model file: relative to the config's folder, else the cwd
+        near = Path(cfg.source).parent / cfg.model
+        cfg.model = str((near if near.is_file() and not Path(cfg.model).is_absolute() else Path(cfg.model)).resolve())
+    try:
+        resolve_model(cfg.model)
+    except SpecError as exc:
+        raise bad("model", str(exc)) from None
     if cfg.rounds < 1:
         raise bad("rounds", f"must be >= 1, got {cfg.rounds}")
     if not cfg.seeds or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in cfg.seeds):
@@ -179,9 +191,14 @@ def _check_values(cfg: ExperimentConfig, bad) -> None:
     d = cfg.data
     if d["dataset"] not in DATASETS:
         raise bad("data.dataset", f"{d['dataset']!r} is not one of {list(DATASETS)}")
-    if d["dataset"] == "cifar10" and not (d["path"] and Path(d["path"]).expanduser().is_dir()):
-        raise bad("data.path", f"{d['path']!r} is not a folder (the CIFAR-10 python batches; fedbit never "
-                  "downloads data)")
+    if d["dataset"] in NEEDS_PATH and not d["path"]:
+        raise bad("data.path", f"dataset {d['dataset']!r} needs a path (its file or folder; "
+                               f"fedbit never downloads data)")
+    for prof in d["inferior"]:
+        if prof not in cfg.devices:
+            raise bad("data.inferior", f"{prof!r} is not a profile listed in [devices]")
+    if not 0 <= d["validation"] < 1:
+        raise bad("data.validation", f"must be in [0, 1) (the fraction held out), got {d['validation']}")
     if d["partition"] not in PARTITIONS:
         raise bad("data.partition", f"{d['partition']!r} is not one of {list(PARTITIONS)}")
     if not d["alpha"] > 0:
@@ -214,7 +231,11 @@ def _check_values(cfg: ExperimentConfig, bad) -> None:
         raise bad("[strategy_params] / [train]", str(exc)) from None
     if not 0 <= cfg.target_accuracy <= 1:
         raise bad("target_accuracy", f"must be in (0, 1] (0: none), got {cfg.target_accuracy}")
+    from coordinator.emulation.analysis import ANALYSIS_KEYS, check_analysis
+
     for key, values in cfg.sweep.items():
+        if key in ANALYSIS_KEYS:
+            continue
         if not isinstance(values, list) or not values:
             raise bad(f"sweep.{key}", "must be a non-empty list of values")
         if key in ("sweep", "seeds"):
@@ -222,6 +243,10 @@ def _check_values(cfg: ExperimentConfig, bad) -> None:
         if key.startswith("@") and not all(
                 isinstance(v, dict) and isinstance(v.get("label"), str) and len(v) > 1 for v in values):
             raise bad(f"sweep.{key}", "each value must be a table with a `label` and the keys it sets")
+    try:
+        check_analysis(cfg.sweep)
+    except ConfigError as exc:
+        raise ConfigError(f"{cfg.source}: {exc}") from None
 
 
 def _check_profiles(cfg: ExperimentConfig, bad) -> None:
@@ -262,14 +287,17 @@ def parse_codec(spec: Any, key: str = "codec", bad=None) -> tuple[str, int]:
 
 def expand_sweep(cfg: ExperimentConfig) -> list[tuple[dict[str, Any], ExperimentConfig]]:
     """``[(combination, config)]``: one config per combination of the sweep's values (the
-    config itself when there is no sweep), validated, with the sweep removed."""
-    if not cfg.sweep:
+    config itself when there is no sweep), validated, with the sweep's dimensions removed
+    (its ``baseline`` and ``tune`` are kept: they say how to read the results)."""
+    from coordinator.emulation.analysis import ANALYSIS_KEYS
+
+    keys = [k for k in cfg.sweep if k not in ANALYSIS_KEYS]
+    if not keys:
         return [({}, cfg)]
-    keys = list(cfg.sweep)
     out = []
     for values in itertools.product(*(cfg.sweep[k] for k in keys)):
         raw = cfg.as_dict()
-        raw["sweep"] = {}
+        raw["sweep"] = {k: v for k, v in cfg.sweep.items() if k in ANALYSIS_KEYS}
         combo = {}
         for k, v in zip(keys, values, strict=True):
             if k.startswith("@"):  # a group of keys set together, named by its label

@@ -1,12 +1,25 @@
 """Data sets for emulated fleets and how they are split across devices.
 
-Sources (nothing is downloaded, ever):
+Sources (``data.dataset``; nothing is downloaded, ever; ``edge_client.data`` reads them):
 
 - ``digits``: scikit-learn's bundled 8x8 digits (1,437 train / 360 test, a fixed split);
-- ``cifar10``: CIFAR-10 from a local folder in the standard python-batch layout, through
-  torchvision's ``CIFAR10(download=False)`` when the ``vision`` extra is installed, else
-  the SDK's plain reader (``edge_client.data.load_cifar10``). A missing folder is a
-  ConfigError naming it.
+- ``fashion-mnist``: Fashion-MNIST's IDX files (60,000 train / 10,000 test, 28x28), from
+  Debian's package ``dataset-fashion-mnist`` (``/usr/share/datasets/fashion-mnist``) or
+  ``data.path``;
+- ``mnist``, ``idx``: a folder of IDX files (``data.path``; MNIST, EMNIST, a user's own);
+- ``npz``: a user's ``.npz`` file with ``x_train``, ``y_train``, ``x_test``, ``y_test``;
+- ``cifar10``: CIFAR-10 from a local folder in the standard python-batch layout
+  (``data.path``), through torchvision's ``CIFAR10(download=False)`` when the ``vision``
+  extra is installed, else the SDK's plain reader.
+
+Images are held as the files store them (uint8 pixels: 60,000 28x28 images in 47 MB);
+a missing file or folder is a ConfigError naming it and what provides it.
+
+**Validation split** (``data.validation = f``): a fraction ``f`` of the training split,
+stratified by class and drawn with ``data.seed`` (the same for every run seed), is taken
+out before the devices' shards are cut; the coordinator scores every group's model on it
+each round beside the test split. Choices (learning rates) are made on it; the test split
+is only reported.
 
 Partitioners return one ``int64`` index array per device into the training split (sorted,
 so a device's shard is a reproducible subset). All draw from an explicit
@@ -32,41 +45,80 @@ from pathlib import Path
 
 import numpy as np
 
-from edge_client.data import Dataset, load_cifar10, load_digits
+from edge_client.data import DATASETS, Dataset, dataset_location, load_split
 from edge_client.errors import ConfigError
 
-DATASETS = ("digits", "cifar10")
 PARTITIONS = ("iid", "shards", "dirichlet", "parity", "sample")
+#: the data sets that have no bundled or packaged copy: ``data.path`` names theirs
+NEEDS_PATH = ("mnist", "idx", "npz", "cifar10")
+#: the seed of the validation split when ``data.seed`` is not given
+VALIDATION_SEED = 0
 
 
 @dataclass(frozen=True)
 class DataSplit:
-    """The train and test splits of a data set and its number of classes."""
+    """The train, validation (possibly empty) and test splits of a data set and its
+    number of classes."""
 
     name: str
     train: Dataset
     test: Dataset
     num_classes: int
+    validation: Dataset | None = None
 
 
-def load_dataset(name: str, path: str | None = None) -> DataSplit:
-    """``digits`` (bundled) or ``cifar10`` (``path``: the local folder)."""
-    if name == "digits":
-        return DataSplit("digits", load_digits("train"), load_digits("test"), 10)
-    if name == "cifar10":
-        if not path:
-            raise ConfigError("data.path: the CIFAR-10 folder is required for dataset 'cifar10' "
-                              "(fedbit never downloads data)")
-        folder = Path(path).expanduser()
-        if not folder.is_dir():
-            raise ConfigError(f"data.path: {str(folder)!r} is not a folder (CIFAR-10 python batches "
-                              f"expected; fedbit never downloads data)")
-        return DataSplit("cifar10", _cifar10(folder, "train"), _cifar10(folder, "test"), 10)
-    raise ConfigError(f"data.dataset: {name!r} is not one of {list(DATASETS)}")
+def load_dataset(name: str, path: str | None = None, *, validation: float = 0.0,
+                 seed: int = VALIDATION_SEED) -> DataSplit:
+    """Data set ``name`` (:data:`DATASETS`; ``path``: its file or folder, where one is
+    needed or to replace the packaged copy), with a fraction ``validation`` of the
+    training split set aside (stratified, drawn with ``seed``). ConfigError naming the
+    key (``data.dataset``, ``data.path``) and what provides a missing data set."""
+    if name not in DATASETS:
+        raise ConfigError(f"data.dataset: {name!r} is not one of {list(DATASETS)}")
+    if not 0.0 <= validation < 1.0:
+        raise ConfigError(f"data.validation: must be in [0, 1), got {validation}")
+    try:
+        location = dataset_location(name, path)
+        if name == "cifar10":
+            train, test = _cifar10(Path(location), "train"), _cifar10(Path(location), "test")
+        else:
+            train, test = load_split(name, path, "train"), load_split(name, path, "test")
+    except ConfigError as exc:
+        key = "data.path" if path or name in NEEDS_PATH else "data.dataset"
+        raise ConfigError(f"{key}: {exc}") from None
+    if train.x.shape[1:] != test.x.shape[1:]:
+        raise ConfigError(f"data.path: {name}: train images {list(train.x.shape[1:])} but test "
+                          f"images {list(test.x.shape[1:])}")
+    num_classes = max(train.num_classes, test.num_classes)
+    val = None
+    if validation > 0:
+        keep, held = validation_split(train.y, validation, np.random.default_rng(seed))
+        if not len(held) or not len(keep):
+            raise ConfigError(f"data.validation: {validation} of {len(train)} training samples "
+                              f"leaves an empty split")
+        train, val = train.subset(keep), train.subset(held)
+    return DataSplit(name, train, test, num_classes, val)
+
+
+def validation_split(labels: np.ndarray, fraction: float, rng: np.random.Generator
+                     ) -> tuple[np.ndarray, np.ndarray]:
+    """(kept, held-out) sorted index arrays: per class, ``round(fraction x count)`` of its
+    samples held out at random."""
+    labels = np.asarray(labels)
+    held = []
+    for c in np.unique(labels):
+        idx = np.flatnonzero(labels == c)
+        held.append(rng.choice(idx, int(round(fraction * len(idx))), replace=False))
+    out = np.sort(np.concatenate(held)) if held else np.empty(0, np.int64)
+    mask = np.ones(len(labels), bool)
+    mask[out] = False
+    return np.flatnonzero(mask), out
 
 
 def _cifar10(folder: Path, split: str) -> Dataset:
     """torchvision's reader when it is installed (the ``vision`` extra), else the SDK's."""
+    from edge_client.data import load_cifar10
+
     try:
         from torchvision.datasets import CIFAR10  # type: ignore[import-not-found]
     except Exception:  # noqa: BLE001 - not installed, or broken beside this torch
@@ -75,8 +127,8 @@ def _cifar10(folder: Path, split: str) -> Dataset:
     try:
         ds = CIFAR10(str(root), train=split == "train", download=False)
     except RuntimeError as exc:  # torchvision: "Dataset not found or corrupted"
-        raise ConfigError(f"data.path: {str(folder)!r}: {exc}") from None
-    x = np.asarray(ds.data, dtype=np.float32).transpose(0, 3, 1, 2) / np.float32(255.0)
+        raise ConfigError(f"{str(folder)!r}: {exc}") from None
+    x = np.asarray(ds.data, dtype=np.uint8).transpose(0, 3, 1, 2)
     return Dataset(np.ascontiguousarray(x), np.asarray(ds.targets, dtype=np.int64))
 
 

@@ -23,6 +23,7 @@ from edge_client.protocol import (
     model_variant,
 )
 from edge_client.runtime import DeviceConfig, DeviceRuntime, birth_messages
+from firmware_models import is_model_file
 
 log = logging.getLogger("fedbit.emulator")
 
@@ -56,6 +57,7 @@ def build_fleet(cfg: ExperimentConfig, seed: int, data: DataSplit, workdir: Path
     from hw_profiles import load_profile
 
     specs = []
+    keys = []  # each device's [devices] key
     for name, count in cfg.devices.items():
         try:
             prof = load_profile(name)
@@ -68,7 +70,11 @@ def build_fleet(cfg: ExperimentConfig, seed: int, data: DataSplit, workdir: Path
         width = len(str(max(1, count) - 1))
         for i in range(count):
             specs.append((f"{prof.name}-{i:0{width}d}", prof, codec, bits))
+            keys.append(name)
     inferior = [p.trainer == "int" or p.compute_bits < 32 or c != "float32" for _, p, c, _ in specs]
+    if cfg.data["inferior"]:  # the parity split's groups named, whatever the uplinks
+        inferior = [k in cfg.data["inferior"] for k in keys]
+    model_files = (cfg.model,) if is_model_file(cfg.model) else ()  # a user's model: the devices get the file
     d = cfg.data
     shards = partition(d["partition"], data.train.y, len(specs), np.random.default_rng(derive_seed("data", seed)),
                        k=d["shards_per_device"], alpha=float(d["alpha"]), inferior=inferior,
@@ -76,7 +82,8 @@ def build_fleet(cfg: ExperimentConfig, seed: int, data: DataSplit, workdir: Path
     devices = []
     for (dev_id, prof, codec, bits), shard, inf in zip(specs, shards, inferior, strict=True):
         dc = replace(DeviceConfig.from_profile(dev_id, prof, job=job, workdir=workdir / dev_id,
-                                               seed=derive_seed("device", seed, dev_id), max_rounds=1),
+                                               seed=derive_seed("device", seed, dev_id), max_rounds=1,
+                                               model_files=model_files),
                      codec=codec, codec_bits=bits)
         devices.append(EmulatedDevice(dev_id, prof, dc, shard, model_variant(prof.compute_bits, prof.trainer), inf))
     return devices

@@ -97,14 +97,15 @@ class Emulator:
         from coordinator.state import RunState
         from coordinator.strategies import build_strategy
         from edge_client.intnn import init_shared
-        from firmware_models import get_spec
+        from firmware_models import resolve_model
 
         cfg, seed = self.cfg, self.seed
         self.run_dir.mkdir(parents=True, exist_ok=True)
         one_thread_torch()
         t_start = time.monotonic()
         job = "".join(c if c.isalnum() or c in "._-" else "-" for c in f"{cfg.name}-s{seed}")[:64]
-        data = load_dataset(cfg.data["dataset"], cfg.data["path"] or None)
+        data = load_dataset(cfg.data["dataset"], cfg.data["path"] or None,
+                            validation=float(cfg.data["validation"]), seed=int(cfg.data["seed"]))
         devices = build_fleet(cfg, seed, data, self.run_dir / "devices", job)
         variants = sorted({d.variant for d in devices} | {FLOAT_VARIANT})
         pinned = {str(k): float(v) for k, v in cfg.clock["seconds_per_sample"].items()}
@@ -135,8 +136,8 @@ class Emulator:
             host.register(registrar)
             coord = Coordinator(server_cfg, fleet, strategy, RunState(self.run_dir / "out"),
                                 evaluator=evaluator_for(cfg.model, data.test, strategy.device_hparams(cfg.train),
-                                                        seed=seed),
-                                init_weights=init_shared(get_spec(cfg.model), seed), on_event=self.on_event,
+                                                        seed=seed, validation=data.validation),
+                                init_weights=init_shared(resolve_model(cfg.model), seed), on_event=self.on_event,
                                 logger=log.getChild("server"))
             history = coord.run()
             host.join()
@@ -179,6 +180,7 @@ class Emulator:
         return {
             "config": self.cfg.as_dict(), "source": self.cfg.source, "seed": self.seed,
             "dataset": data.name, "train_samples": len(data.train), "test_samples": len(data.test),
+            "validation_samples": len(data.validation) if data.validation is not None else 0,
             "seconds_per_sample": sps, "calibrated": sorted(measured),
             "profiles": {p: {"count": n, **{k: v for k, v in asdict(next(
                 d.profile for d in devices if d.profile.name == p)).items() if k != "notes"}}

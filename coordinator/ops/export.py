@@ -30,7 +30,7 @@ from edge_client.protocol import (
     tensors_digest,
     variant_bits,
 )
-from firmware_models import ModelSpec, SpecError, get_spec
+from firmware_models import ModelSpec, SpecError, resolve_model
 
 ONNX_DIR = "onnx"
 
@@ -55,7 +55,7 @@ def load_final(run_dir: str | Path, round_id: int | None = None) -> Checkpoint:
 
 def _spec(ckpt: Checkpoint) -> ModelSpec:
     try:
-        return get_spec(ckpt.model)
+        return resolve_model(ckpt.model)
     except SpecError as exc:
         raise ConfigError(f"checkpoint of job {ckpt.job}: {exc}") from None
 

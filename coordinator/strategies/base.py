@@ -216,7 +216,9 @@ class Strategy:
         bases = {b: (group_flat.get(b, global_flat) if self.combiner.grouped else global_flat)
                  for b in sums.bits}
         sums.flush_base(bases)
-        rs = RoundSums(sums, global_flat, group_flat, n, self._n_inferior)
+        last = self.state.last_global_step
+        rs = RoundSums(sums, global_flat, group_flat, n, self._n_inferior,
+                       None if last is None else [_flat32(s) for s in last])
         flat, groups, stats = self.combiner.combine(rs, self.mask)
         new = [f.astype(np.float32).reshape(s) for f, s in zip(flat, self._shapes, strict=True)]
         group_weights = {b: [f.astype(np.float32).reshape(s) for f, s in zip(ws, self._shapes, strict=True)]

@@ -31,6 +31,8 @@ class RoundSums:
     group_flat: dict[int, list[np.ndarray]]      # float32 flat, known group models
     n_updates: int
     n_inferior: int
+    #: float32 flat, the previous round's global step ``w_{t-2} - w_{t-1}`` (None before)
+    last_step: list[np.ndarray] | None = None
 
 
 class Combiner(Protocol):
@@ -114,6 +116,36 @@ class FedPaqCombine:
             a -= g
             a *= self.server_lr
             a += g
+        return avg, {}, stats
+
+
+class FedAvgMCombine:
+    """FedAvgM (Hsu, Qi and Brown, 2019): server momentum over the FedAvg step. With the
+    round's start model ``g``, the average ``a`` and the previous global step ``s``
+    (``w_{t-2} - w_{t-1}``, which the strategy checkpoints anyway): ``v = β·s / η + (g -
+    a)``, the new model ``g - η·v`` (β ``server_momentum``, η ``server_lr``); the first
+    round has no ``s`` (plain FedAvg times η)."""
+
+    name, grouped = "fedavgm", False
+
+    def __init__(self, server_momentum: float = 0.9, server_lr: float = 1.0) -> None:
+        if not 0.0 <= float(server_momentum) < 1.0:
+            raise ConfigError(f"fedavgm: server_momentum must be in [0, 1), got {server_momentum}")
+        if not float(server_lr) > 0:
+            raise ConfigError(f"fedavgm: server_lr must be > 0, got {server_lr}")
+        self.momentum = float(server_momentum)
+        self.server_lr = float(server_lr)
+
+    def device_hparams(self, devices: Sequence[Hello]) -> dict[str, Any]:
+        return {}
+
+    def combine(self, rs: RoundSums, mask: MaskStage):
+        avg, stats = mask.average(rs.sums, rs.global_flat)
+        for i, (a, g) in enumerate(zip(avg, rs.global_flat, strict=True)):
+            v = g - a                      # this round's FedAvg step, float64
+            if rs.last_step is not None:
+                v += (self.momentum / self.server_lr) * rs.last_step[i]
+            np.subtract(g, self.server_lr * v, out=a)
         return avg, {}, stats
 
 

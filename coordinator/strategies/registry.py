@@ -1,12 +1,12 @@
 """Strategy names -> stage compositions.
 
 A name is ``[<mask>+]<combiner>``: combiners ``fedavg``, ``fedshift``, ``grouped``,
-``grouped-asym``, ``fedpaq``, ``fedwsq``; mask ``prowd-swa`` (alone it means
+``grouped-asym``, ``fedpaq``, ``fedwsq``, ``fedavgm``; mask ``prowd-swa`` (alone it means
 ``prowd-swa+fedavg``). The dequantize stage is a parameter (``dequantize="none"`` |
 ``"prowd"``), not part of the name, except in ``prowd``: ProWD in full,
 ``dequantize="prowd"`` + ``prowd-swa`` + ``fedavg``. Params go to the stage that owns them:
 ``tau``, ``fill`` (mask); ``layers`` (fedshift); ``server_lr`` (fedpaq, fedwsq); ``bits``
-(fedwsq); ``scale_lr`` (grouped, grouped-asym); ``weighted`` (False: 1/N averaging, the
+(fedwsq); ``server_momentum``, ``server_lr`` (fedavgm); ``scale_lr`` (grouped, grouped-asym); ``weighted`` (False: 1/N averaging, the
 FedShift and ProWD papers' choice), ``sigma_momentum``, ``acc_dtype``, ``batch``
 (strategy); ``dequantize`` and ``dequantize_params`` (a dict), or ``dequantize.<key>`` one
 at a time (``fedbit serve --strategy-param dequantize.epochs=2``); ``clip``, ``robust``,
@@ -26,6 +26,7 @@ from coordinator.strategies.base import Strategy
 from coordinator.strategies.combine import (
     Combiner,
     FedAvgCombine,
+    FedAvgMCombine,
     FedPaqCombine,
     FedShiftCombine,
     FedWsqCombine,
@@ -39,6 +40,7 @@ COMBINERS: dict[str, Callable[..., Combiner]] = {
     "fedavg": FedAvgCombine,
     "fedshift": FedShiftCombine,
     "fedpaq": FedPaqCombine,
+    "fedavgm": FedAvgMCombine,
     "fedwsq": FedWsqCombine,
     "grouped": lambda scale_lr=False: GroupedCombine(asymmetric=False, scale_lr=scale_lr),
     "grouped-asym": lambda scale_lr=False: GroupedCombine(asymmetric=True, scale_lr=scale_lr),

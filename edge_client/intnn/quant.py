@@ -85,7 +85,10 @@ def alpha_shifts(spec: ModelSpec) -> list[int]:
 
 
 def init_shared(spec: ModelSpec, seed: int, clip: float = DEFAULT_CLIP) -> list[np.ndarray]:
-    """Paper eq. 10: ``W ~ U(-L, L)``, ``L = max(0.75, sqrt(3/fan_in))``, clipped to +-clip.
+    """The initial shared weights, clipped to +-clip, by ``spec.init``: ``wage`` (paper
+    eq. 10: ``W ~ U(-L, L)``, ``L = max(0.75, sqrt(3/fan_in))``) or ``he`` (Kaiming normal
+    on the effective weight: ``W = alpha_l * N(0, 2 / fan_in)``, the float forward being
+    ``W / alpha_l``).
 
     Returns float32 arrays in ``spec.param_shapes()`` order (the shared domain).
     """
@@ -93,13 +96,18 @@ def init_shared(spec: ModelSpec, seed: int, clip: float = DEFAULT_CLIP) -> list[
 
 
 def _init_layers(spec: ModelSpec, seed: int, clip: float):
-    """Yield the eq. 10 initial weights layer by layer (float32, one layer alive at a time)."""
+    """Yield the initial weights layer by layer (float32, one layer alive at a time)."""
     rng = np.random.default_rng(seed)
+    he = getattr(spec, "init", "wage") == "he"
     for shape, fan_in in zip(spec.param_shapes(), spec.fan_ins(), strict=True):
-        bound = np.float32(max(0.75, math.sqrt(3.0 / fan_in)))
-        w = rng.random(size=shape, dtype=np.float32)  # float32 throughout: small peak RSS
-        w *= np.float32(2.0) * bound
-        w -= bound
+        if he:
+            w = rng.standard_normal(size=shape, dtype=np.float32)
+            w *= np.float32((1 << alpha_log2(fan_in)) * math.sqrt(2.0 / fan_in))
+        else:
+            bound = np.float32(max(0.75, math.sqrt(3.0 / fan_in)))
+            w = rng.random(size=shape, dtype=np.float32)  # float32 throughout: small peak RSS
+            w *= np.float32(2.0) * bound
+            w -= bound
         np.clip(w, -clip, clip, out=w)
         yield w
 

@@ -11,7 +11,7 @@ import numpy as np
 
 from edge_client.data import Dataset
 from edge_client.errors import ConfigError, TrainingError
-from firmware_models import ModelSpec, get_spec
+from firmware_models import ModelSpec, resolve_model
 
 DEFAULT_LR_SHIFT = 3      # eta_8 = 2^3 = 8 LSBs (ProWD appendix A: eta = 8)
 # Measured on digits_cnn (3 seeds, 20 epochs, lr/8 for the last 6): lr 1.0 -> 98-99% test
@@ -55,7 +55,7 @@ class Trainer(Protocol):
 
 def as_spec(spec: ModelSpec | str) -> ModelSpec:
     if isinstance(spec, str):
-        return get_spec(spec)
+        return resolve_model(spec)
     if not isinstance(spec, ModelSpec):
         raise ConfigError(f"expected a ModelSpec or a model name, got {type(spec).__name__}")
     return spec

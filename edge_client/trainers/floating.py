@@ -8,7 +8,7 @@ import time
 
 import numpy as np
 
-from edge_client.data import Dataset
+from edge_client.data import Dataset, float_images
 from edge_client.errors import ConfigError, ProtocolError, TrainingError
 from edge_client.intnn.quant import (
     DEFAULT_CLIP,
@@ -228,7 +228,7 @@ class TorchTrainer:
         if fedfor_alpha > 0 and last_global_step is not None:
             gsteps = [torch.from_numpy(np.asarray(g, dtype=np.float32)) for g in last_global_step]
         buffers: list = [None] * len(self.params)  # momentum buffers, fresh each call
-        x_all = torch.from_numpy(np.ascontiguousarray(data.x, dtype=np.float32))
+        x_all = torch.from_numpy(float_images(data.x))
         y_all = torch.from_numpy(np.ascontiguousarray(data.y, dtype=np.int64))
         total = 0.0
         samples = 0
@@ -266,7 +266,7 @@ class TorchTrainer:
         torch = self._torch
         if len(data) == 0:
             raise TrainingError("evaluate: the data set is empty")
-        x_all = torch.from_numpy(np.ascontiguousarray(data.x, dtype=np.float32))
+        x_all = torch.from_numpy(float_images(data.x))
         y_all = torch.from_numpy(np.ascontiguousarray(data.y, dtype=np.int64))
         total = 0.0
         hits = 0

@@ -72,9 +72,9 @@ def _close_all() -> None:
 
 def load_buffer(source: Any, input_shape: Sequence[int], size: int, seed: int) -> np.ndarray:
     """The server's unlabeled inputs, float32 [size, *input_shape] in [0, 1]:
-    ``"noise"`` (uniform noise images), ``"digits:test"``/``"digits:train"`` (the bundled
-    digits), ``"digits:K/N"`` or a CIFAR-10 folder (``edge_client.data.load_source``), or
-    an array. ConfigError naming the source when it does not fit the model."""
+    ``"noise"`` (uniform noise images), a data source (``edge_client.data.load_source``:
+    ``"digits:test"``, ``"fashion-mnist:train"``, ``"digits:K/N"``, an IDX or CIFAR-10
+    folder; its training split unless it names a part), or an array. ConfigError naming the source when it does not fit the model."""
     shape = tuple(int(d) for d in input_shape)
     rng = np.random.default_rng(seed)
     if isinstance(source, np.ndarray):
@@ -82,10 +82,9 @@ def load_buffer(source: Any, input_shape: Sequence[int], size: int, seed: int) -
     elif source == "noise":
         return rng.random((size, *shape), dtype=np.float32)
     elif isinstance(source, str):
-        from edge_client.data import load_digits, load_source
+        from edge_client.data import float_images, load_source
 
-        x = (load_digits(source.split(":")[1]) if source in ("digits:test", "digits:train")
-             else load_source(source)).x
+        x = float_images(load_source(source).x)
     else:
         raise ConfigError(f"dequantizer: buffer must be 'noise', a data source or an array, got {source!r}")
     if x.ndim != len(shape) + 1 or tuple(x.shape[1:]) != shape or len(x) == 0:
@@ -108,10 +107,10 @@ class ProwdDequantizer:
         self.spec = None
         self._buffer: np.ndarray | None = None
         if model is not None:
-            from firmware_models import SpecError, get_spec
+            from firmware_models import SpecError, resolve_model
 
             try:
-                self.spec = get_spec(model)
+                self.spec = resolve_model(model)
             except SpecError as exc:
                 raise ConfigError(f"dequantizer: {exc}") from None
             if self.cfg.lam > 0:

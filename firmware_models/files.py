@@ -1,0 +1,251 @@
+"""A user's own model from a file: a TOML list of layers, or a Python file defining a
+:class:`ModelSpec`.
+
+TOML (``my_cnn.toml``)::
+
+    name = "my_cnn"                 # default: the file's stem
+    input = [1, 28, 28]             # [C, H, W] (or [F])
+    classes = 10                    # default: what the last layer outputs
+    description = "..."             # optional
+    init = "wage"                   # initial weights: wage (default) | he
+
+    [[layers]]
+    type = "conv2d"                 # conv2d | linear | relu | maxpool2d | flatten
+    out = 16                        # conv2d: out, kernel, stride = 1, padding = 0
+    kernel = 3
+    padding = 1
+    [[layers]]
+    type = "relu"
+    [[layers]]
+    type = "maxpool2d"              # maxpool2d: kernel, stride = kernel, padding = 0
+    kernel = 2
+    ...
+    [[layers]]
+    type = "linear"                 # linear: out (its input is the previous layer's)
+    out = 10
+
+Every layer may give a ``name`` (default: ``conv1``, ``relu1``, ``pool1``, ``fc1``,
+``flatten``, numbered per kind) and ``in`` (default: the previous layer's output,
+checked when given). No layer has a bias (the shared parameter domain of
+``firmware_models.spec``).
+
+Python (``my_cnn.py``): a module that defines ``MODEL``, a :class:`ModelSpec` (or
+exactly one module-level ``ModelSpec``), built from ``firmware_models``' layer types.
+Loading a Python file runs it: only files the user names are loaded (a device loads
+only the files on its own command line, never a path a coordinator announces).
+
+Errors are :class:`SpecError` naming the file and, for a layer, its index and name.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from collections.abc import Mapping
+from typing import Any
+
+from firmware_models.errors import SpecError
+from firmware_models.spec import Conv2d, Flatten, Linear, MaxPool2d, ModelSpec, ReLU
+
+try:
+    import tomllib as _toml
+except ImportError:  # Python < 3.11 (a device): the tomli backport, when installed
+    try:
+        import tomli as _toml  # type: ignore[no-redef]
+    except ImportError:
+        _toml = None  # type: ignore[assignment]
+
+#: the file name endings that make a model reference a file
+MODEL_FILE_SUFFIXES = (".toml", ".py")
+
+_TOP_KEYS = {"name", "input", "classes", "description", "layers", "init"}
+#: per layer type: (class, required keys, optional keys with defaults, name prefix)
+_LAYER_TYPES: dict[str, tuple[type, tuple[str, ...], dict[str, Any], str]] = {
+    "conv2d": (Conv2d, ("out", "kernel"), {"stride": 1, "padding": 0, "in": None}, "conv"),
+    "linear": (Linear, ("out",), {"in": None}, "fc"),
+    "relu": (ReLU, (), {}, "relu"),
+    "maxpool2d": (MaxPool2d, ("kernel",), {"stride": None, "padding": 0}, "pool"),
+    "flatten": (Flatten, (), {}, "flatten"),
+}
+_ALIASES = {"conv": "conv2d", "maxpool": "maxpool2d", "dense": "linear", "fc": "linear"}
+
+
+def is_model_file(ref: str) -> bool:
+    """Whether a model reference names a file (``*.toml`` / ``*.py``) rather than a zoo model."""
+    return isinstance(ref, str) and ref.endswith(MODEL_FILE_SUFFIXES)
+
+
+def load_model_file(path: str, reserved: tuple[str, ...] = ()) -> ModelSpec:
+    """The :class:`ModelSpec` a TOML or Python file describes (see the module docstring).
+
+    ``reserved``: names the spec may not take (the zoo's). SpecError naming the file (and
+    the layer) for anything wrong.
+    """
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise SpecError(f"model file {path}: not found")
+    if path.endswith(".toml"):
+        spec = _from_toml(path)
+    elif path.endswith(".py"):
+        spec = _from_python(path)
+    else:
+        raise SpecError(f"model file {path}: expected a .toml or .py file")
+    if spec.name in reserved:
+        raise SpecError(f"model file {path}: name {spec.name!r} is a bundled model's; choose another")
+    return spec
+
+
+# ----------------------------------------------------------------------------- TOML
+
+
+def _from_toml(path: str) -> ModelSpec:
+    if _toml is None:
+        raise SpecError(f"model file {path}: reading TOML needs Python >= 3.11 or the tomli package")
+    try:
+        with open(path, "rb") as fh:
+            table = _toml.load(fh)
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SpecError(f"model file {path}: cannot read it ({exc})") from None
+    except _toml.TOMLDecodeError as exc:
+        raise SpecError(f"model file {path}: not valid TOML ({exc})") from None
+    return spec_from_table(table, path)
+
+
+def spec_from_table(table: Mapping[str, Any], source: str = "<model>") -> ModelSpec:
+    """A :class:`ModelSpec` from a TOML-shaped table (see the module docstring)."""
+    unknown = sorted(set(table) - _TOP_KEYS)
+    if unknown:
+        raise SpecError(f"model file {source}: unknown key {unknown[0]!r} (known: {sorted(_TOP_KEYS)})")
+    name = table.get("name", os.path.splitext(os.path.basename(source))[0])
+    if not isinstance(name, str) or not name:
+        raise SpecError(f"model file {source}: name must be a non-empty string")
+    shape = table.get("input")
+    if (not isinstance(shape, list) or not 1 <= len(shape) <= 3
+            or not all(_is_int(d) and d >= 1 for d in shape)):
+        raise SpecError(f"model file {source}: input must be [C, H, W] or [F] of positive integers, "
+                        f"got {shape!r}")
+    layers_raw = table.get("layers")
+    if not isinstance(layers_raw, list) or not layers_raw:
+        raise SpecError(f"model file {source}: layers must be a non-empty list of tables ([[layers]])")
+    counters: dict[str, int] = {}
+    layers = []
+    current: tuple[int, ...] = tuple(int(d) for d in shape)
+    for i, raw in enumerate(layers_raw):
+        layer = _layer(raw, i, current, counters, source)
+        try:
+            current = layer.output_shape(current)
+        except SpecError as exc:
+            raise SpecError(f"model file {source}: layers[{i}] ({layer.name}): {exc}") from None
+        layers.append(layer)
+    if len(current) != 1:
+        raise SpecError(f"model file {source}: the last layer outputs {list(current)}, not [classes] "
+                        f"(end with a linear layer)")
+    classes = table.get("classes", current[0])
+    if not _is_int(classes) or classes < 2:
+        raise SpecError(f"model file {source}: classes must be an integer >= 2, got {classes!r}")
+    if classes != current[0]:
+        raise SpecError(f"model file {source}: layers[{len(layers) - 1}] ({layers[-1].name}) outputs "
+                        f"{current[0]} values but classes = {classes}")
+    description = table.get("description", f"from {os.path.basename(source)}")
+    if not isinstance(description, str):
+        raise SpecError(f"model file {source}: description must be a string")
+    init = table.get("init", "wage")
+    if not isinstance(init, str):
+        raise SpecError(f"model file {source}: init must be a string")
+    try:
+        return ModelSpec(name, tuple(int(d) for d in shape), tuple(layers), int(classes), description, init)
+    except SpecError as exc:
+        raise SpecError(f"model file {source}: {exc}") from None
+
+
+def _layer(raw: Any, i: int, current: tuple[int, ...], counters: dict[str, int], source: str) -> Any:
+    where = f"model file {source}: layers[{i}]"
+    if not isinstance(raw, dict):
+        raise SpecError(f"{where}: expected a table with a type, got {raw!r}")
+    kind = raw.get("type")
+    if not isinstance(kind, str):
+        raise SpecError(f"{where}: needs type = one of {sorted(_LAYER_TYPES)}")
+    kind = _ALIASES.get(kind.lower(), kind.lower())
+    if kind not in _LAYER_TYPES:
+        raise SpecError(f"{where}: type {raw.get('type')!r} is not one of {sorted(_LAYER_TYPES)}")
+    cls, required, optional, prefix = _LAYER_TYPES[kind]
+    counters[prefix] = counters.get(prefix, 0) + 1
+    default_name = prefix if kind == "flatten" and counters[prefix] == 1 else f"{prefix}{counters[prefix]}"
+    name = raw.get("name", default_name)
+    if not isinstance(name, str) or not name:
+        raise SpecError(f"{where}: name must be a non-empty string")
+    where = f"{where} ({kind} {name})"
+    unknown = sorted(set(raw) - {"type", "name", *required, *optional})
+    if unknown:
+        raise SpecError(f"{where}: unknown key {unknown[0]!r} (known: {sorted({*required, *optional})})")
+    values: dict[str, Any] = dict(optional)
+    for key in required:
+        if key not in raw:
+            raise SpecError(f"{where}: needs {key!r}")
+    values.update({k: v for k, v in raw.items() if k not in ("type", "name")})
+    for key, v in values.items():
+        if v is None and key in ("in", "stride"):
+            continue
+        low = 0 if key == "padding" else 1
+        if not _is_int(v) or v < low:
+            raise SpecError(f"{where}: {key} must be an integer >= {low}, got {v!r}")
+    if cls is Conv2d:
+        c_in = current[0] if len(current) == 3 else None
+        if c_in is None:
+            raise SpecError(f"{where}: needs a [C, H, W] input, the previous layer gives {list(current)}")
+        _check_in(values["in"], c_in, where, "input channels")
+        return Conv2d(name, c_in, values["out"], values["kernel"], values["stride"], values["padding"])
+    if cls is Linear:
+        if len(current) != 1:
+            raise SpecError(f"{where}: needs a flat input, the previous layer gives {list(current)} "
+                            f"(add a flatten layer)")
+        _check_in(values["in"], current[0], where, "input features")
+        return Linear(name, current[0], values["out"])
+    if cls is MaxPool2d:
+        return MaxPool2d(name, values["kernel"], values["stride"], values["padding"])
+    return cls(name)
+
+
+def _check_in(given: Any, actual: int, where: str, what: str) -> None:
+    if given is not None and given != actual:
+        raise SpecError(f"{where}: in = {given} but the previous layer gives {actual} {what}")
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+# ----------------------------------------------------------------------------- Python
+
+
+def _from_python(path: str) -> ModelSpec:
+    module_name = "fedbit_user_model_" + str(abs(hash(os.path.abspath(path))))
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    if spec is None or spec.loader is None:
+        raise SpecError(f"model file {path}: cannot load it as a Python module")
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except SpecError as exc:
+        raise SpecError(f"model file {path}: {exc}") from None
+    except Exception as exc:  # noqa: BLE001 - the user's code: say where it failed
+        line = ""
+        tb = exc.__traceback__
+        while tb is not None:
+            if os.path.abspath(tb.tb_frame.f_code.co_filename) == os.path.abspath(path):
+                line = f" (line {tb.tb_lineno})"
+            tb = tb.tb_next
+        raise SpecError(f"model file {path}{line}: {type(exc).__name__}: {exc}") from None
+    finally:
+        sys.modules.pop(module_name, None)
+    found = getattr(module, "MODEL", None)
+    if found is None:
+        specs = [v for k, v in vars(module).items() if isinstance(v, ModelSpec) and not k.startswith("_")]
+        if len(specs) != 1:
+            raise SpecError(f"model file {path}: define MODEL = ModelSpec(...) "
+                            f"(found {len(specs)} module-level ModelSpec values)")
+        found = specs[0]
+    if not isinstance(found, ModelSpec):
+        raise SpecError(f"model file {path}: MODEL is a {type(found).__name__}, not a ModelSpec")
+    return found

@@ -1,0 +1,98 @@
+"""Every experiment config loads, expands into valid combinations and, in its quick form
+(digits, 2 rounds, every method once), runs end to end through the sweep report with its
+statistics: what `make experiments` would run, in seconds."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from coordinator.emulation.config import expand_sweep, load_config
+from coordinator.emulation.sweep import run_experiment
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = sorted((ROOT / "experiments").glob("*.toml"))
+
+
+def _run_all():
+    spec = importlib.util.spec_from_file_location("run_all", ROOT / "experiments" / "run_all.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_every_config_and_combination_is_valid_with_five_seeds_on_fashion_mnist() -> None:
+    names = [p.stem for p in CONFIGS]
+    for twin in ("fedshift-table1", "prowd-table2", "prowd-ablation", "fedfor", "mixed-fleet"):
+        assert f"fmnist-{twin}" in names
+    for path in CONFIGS:
+        cfg = load_config(path)
+        combos = expand_sweep(cfg)  # every combination validated
+        assert combos and all(c.sweep.keys() <= {"baseline", "tune"} for _, c in combos)
+        if path.stem.startswith("fmnist-"):
+            assert cfg.data["dataset"] == "fashion-mnist" and cfg.data["validation"] > 0
+            assert len(cfg.seeds) >= 5 and cfg.sweep.get("baseline"), path.name
+            assert "Kept" in path.read_text() or "Not a paper" in path.read_text(), path.name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
+def test_the_quick_form_runs_end_to_end(path: Path, tmp_path: Path) -> None:
+    run_all = _run_all()
+    fmnist = path.stem.startswith("fmnist-")
+    cfg = run_all.quick_config(load_config(path), every_method=fmnist)
+    cfg.clock = {"seconds_per_sample": dict.fromkeys(run_all.VARIANTS, 1e-4)}
+    assert cfg.data["dataset"] == "digits" and cfg.rounds == 2 and cfg.model in ("digits_cnn", "mlp")
+    summary = run_experiment(cfg, tmp_path / "out", echo=lambda _m: None)
+    text = summary.read_text()
+    results = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert all(r["rounds"] == 2 and r["rounds_averaged"] == 2 for r in results)
+    assert "the last 5" not in text and "all 2 rounds" in text
+    analysis = json.loads((tmp_path / "out" / "analysis.json").read_text())
+    if fmnist:
+        methods = {str(r["combination"].get("method", r["combination"].get("strategy"))) for r in results}
+        assert len(methods) >= 2 and "Paired differences to the baseline" in text
+        assert analysis["paired"] and all(c["rows"] for c in analysis["paired"])
+        assert "Validation split" in text
+    if cfg.sweep.get("tune"):
+        assert "chosen on the validation split" in text and analysis["chosen"]
+
+
+def _write_cifar(folder: Path, per_batch: int = 16, test: int = 20) -> None:
+    """A small CIFAR-10 folder in the python-batch layout (random pixels, balanced labels)."""
+    import pickle
+
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    folder.mkdir(parents=True)
+    for name, n in [*((f"data_batch_{i}", per_batch) for i in range(1, 6)), ("test_batch", test)]:
+        batch = {b"data": rng.integers(0, 256, (n, 3072), dtype=np.uint8), b"labels": [i % 10 for i in range(n)]}
+        (folder / name).write_bytes(pickle.dumps(batch))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, model", [("fmnist-fedshift-table1", "fedshift_cnn"),
+                                         ("fmnist-prowd-table2", "vgg7_small")])
+def test_the_experiments_run_on_a_cifar10_folder_with_the_papers_models(name: str, model: str,
+                                                                        tmp_path: Path) -> None:
+    """`--set data.dataset=cifar10 --set data.path=DIR --set model=...`: the same config on a
+    user's CIFAR-10 copy with the paper's model (fedshift_cnn with its He init)."""
+    run_all = _run_all()
+    _write_cifar(tmp_path / "cifar-10-batches-py")
+    cfg = load_config(ROOT / "experiments" / f"{name}.toml",
+                      {"data.dataset": "cifar10", "data.path": str(tmp_path), "model": model})
+    cfg = run_all.quick_config(cfg, every_method=False, keep_data=True)
+    cfg.clock = {"seconds_per_sample": dict.fromkeys(run_all.VARIANTS, 1e-4)}
+    cfg.seeds = [0, 1]  # one combination (the baseline's), two seeds: the sweep report's statistics
+    cfg.sweep = {k: (v[:1] if isinstance(v, list) else v) for k, v in cfg.sweep.items() if k != "baseline"}
+    summary = run_experiment(cfg, tmp_path / "out", echo=lambda _m: None)
+    results = json.loads((tmp_path / "out" / "results.json").read_text())
+    info = json.loads((tmp_path / "out" / results[0]["run"] / "emulation.json").read_text())
+    assert info["dataset"] == "cifar10" and info["test_samples"] == 20 and info["config"]["model"] == model
+    assert info["train_samples"] + info["validation_samples"] == 80 and info["validation_samples"] > 0
+    assert len(results) == 2 and all(r["rounds"] == 2 for r in results)
+    assert "mean ± sample SD [95% CI" in summary.read_text()
