@@ -482,7 +482,8 @@ class DeviceRuntime:
 
             lr = (lr if lr is not None else getattr(trainer, "lr", DEFAULT_TORCH_LR)) * st.lr_scale
         for key, value in (("lr", lr), ("momentum", st.momentum), ("grad_clip", st.grad_clip),
-                           ("weight_standardization", st.ws), ("forward", st.float_forward)):
+                           ("weight_standardization", st.ws), ("weight_norm", st.wn),
+                           ("forward", st.float_forward)):
             if value is not None:
                 kw[key] = value
         if self.variant != FLOAT_VARIANT:
@@ -496,6 +497,7 @@ class DeviceRuntime:
             if st.lr_shift is not None or st.lr_scale != 1.0:
                 kw["lr_shift"] = shift
             kw.pop("weight_standardization", None)
+            kw.pop("weight_norm", None)
             kw.pop("forward", None)
         return kw
 

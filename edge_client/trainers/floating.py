@@ -40,7 +40,12 @@ class TorchTrainer:
     ``[-clip, clip]`` after every step. ``weight_standardization`` (FedWSQ): each output
     channel's weights are standardized, ``W~ = rho (W - mean) / std`` with ``rho = 1e-3``
     (FedWSQ's value), and, since these models have no normalization layer after it, the
-    layer output is rescaled by ``sqrt(2 / fan_in) / rho`` (He gain).
+    layer output is rescaled by ``sqrt(2 / fan_in) / rho`` (He gain). ``weight_norm``
+    (ProWD appendix B: Weight Normalization on the float clients, so that the scale of the
+    aggregated weights, which integer devices pull toward their ternary levels, does not
+    change the float network): each output channel's weights are used as
+    ``g W_c / ||W_c||`` with the gain ``g = sqrt(2)`` fixed (the He norm of a filter; the
+    shared domain has no parameter to carry a trained g) in place of ``W / alpha_l``.
 
     ``forward``: the network it trains and evaluates. ``"float32"`` (default): the float
     forward above. ``"int<s>"``: the s-bit integer devices' forward (:mod:`edge_client.intnn`,
@@ -60,7 +65,7 @@ class TorchTrainer:
     def __init__(self, spec: ModelSpec | str, lr: float = DEFAULT_TORCH_LR, seed: int = 0,
                  weight_standardization: bool = False, momentum: float = DEFAULT_MOMENTUM,
                  grad_clip: float = 2.0, clip: float = DEFAULT_CLIP, ws_rho: float = 1e-3,
-                 loss: str | None = None, forward: str = FLOAT_VARIANT) -> None:
+                 loss: str | None = None, forward: str = FLOAT_VARIANT, weight_norm: bool = False) -> None:
         import torch
 
         self._torch = torch
@@ -70,14 +75,14 @@ class TorchTrainer:
         self.forward_bits = forward_bits(forward)
         if loss not in (None, "ce", "sse"):
             raise ConfigError(f"loss must be 'ce' or 'sse', got {loss!r}")
-        if weight_standardization and self.forward_bits != 32:
-            raise ConfigError(f"weight standardization applies to the float forward, not {forward!r}")
+        _check_norms(weight_standardization, weight_norm, self.forward_bits, forward)
         self.lr = float(lr)
         self.momentum = float(momentum)
         self.grad_clip = float(grad_clip)
         self.clip = float(clip)
         self.seed = int(seed)
         self.weight_standardization = bool(weight_standardization)
+        self.weight_norm = bool(weight_norm)
         self.ws_rho = float(ws_rho)
         self.loss_kind = loss  # None: CE for the float forward, SSE for an integer one
         self._alpha = [float(1 << a) for a in alpha_shifts(self.spec)]
@@ -107,7 +112,12 @@ class TorchTrainer:
 
     # model -----------------------------------------------------------------
 
-    def _effective(self, i: int, w, ws: bool):
+    def _effective(self, i: int, w, ws: bool, wn: bool = False):
+        """(the layer's effective weight, the factor its output is multiplied by)."""
+        if wn:
+            flat = w.reshape(w.shape[0], -1)
+            norm = flat.norm(dim=1, keepdim=True).clamp_min(1e-12)
+            return (flat * (WN_GAIN / norm)).reshape(w.shape), 1.0
         if not ws:
             return w, 1.0 / self._alpha[i]
         flat = w.reshape(w.shape[0], -1)
@@ -117,24 +127,26 @@ class TorchTrainer:
         gain = math.sqrt(2.0 / flat.shape[1]) / self.ws_rho
         return ws.reshape(w.shape), gain
 
-    def forward(self, x, ws: bool | None = None, bits: int | None = None):
+    def forward(self, x, ws: bool | None = None, bits: int | None = None, wn: bool | None = None):
         """Logits of a float32 batch ``x`` [N, C, H, W] (torch tensor) in [0, 1]; ``ws``:
-        weight standardization; ``bits``: 32 for the float forward, s for the s-bit integer
-        forward (class docstring). None: the trainer's settings."""
+        weight standardization; ``wn``: weight normalization; ``bits``: 32 for the float
+        forward, s for the s-bit integer forward (class docstring). None: the trainer's
+        settings."""
         bits = self.forward_bits if bits is None else bits
         if bits != 32:
             return self._int_forward(x, bits)
         F = self._torch.nn.functional
         ws = self.weight_standardization if ws is None else ws
+        wn = self.weight_norm if wn is None else wn
         h = x
         p = 0
         for layer in self.spec.layers:
             if isinstance(layer, Conv2d):
-                w, scale = self._effective(p, self.params[p], ws)
+                w, scale = self._effective(p, self.params[p], ws, wn)
                 h = F.conv2d(h, w, stride=layer.stride, padding=layer.padding) * scale
                 p += 1
             elif isinstance(layer, Linear):
-                w, scale = self._effective(p, self.params[p], ws)
+                w, scale = self._effective(p, self.params[p], ws, wn)
                 h = F.linear(h, w) * scale
                 p += 1
             elif isinstance(layer, ReLU):
@@ -202,11 +214,11 @@ class TorchTrainer:
               last_global_step: list[np.ndarray] | None = None, lr: float | None = None,
               momentum: float | None = None, grad_clip: float | None = None,
               weight_standardization: bool | None = None,
-              forward: str | None = None) -> TrainReport:
+              forward: str | None = None, weight_norm: bool | None = None) -> TrainReport:
         """Local SGD; loss reported is the mean training loss (CE or SSE) over the steps.
-        ``lr``, ``momentum``, ``grad_clip``, ``weight_standardization``, ``forward`` (the
-        network trained: ``float32`` or ``int<s>``, class docstring): this call's values
-        (None: the trainer's)."""
+        ``lr``, ``momentum``, ``grad_clip``, ``weight_standardization``, ``weight_norm``,
+        ``forward`` (the network trained: ``float32`` or ``int<s>``, class docstring): this
+        call's values (None: the trainer's)."""
         torch = self._torch
         n_steps = check_train_args(data, self.spec, epochs, steps, batch, prox_mu,
                                     fedfor_alpha, last_global_step)
@@ -217,9 +229,9 @@ class TorchTrainer:
         if not grad_clip >= 0:
             raise ConfigError(f"grad_clip must be >= 0, got {grad_clip}")
         ws = self.weight_standardization if weight_standardization is None else bool(weight_standardization)
+        wn = self.weight_norm if weight_norm is None else bool(weight_norm)
         bits = self.forward_bits if forward is None else forward_bits(forward)
-        if ws and bits != 32:
-            raise ConfigError(f"weight standardization applies to the float forward, not {forward!r}")
+        _check_norms(ws, wn, bits, forward)
         t0 = time.perf_counter()
         rng = np.random.default_rng([self.seed, self._calls])
         self._calls += 1
@@ -238,7 +250,7 @@ class TorchTrainer:
             for p in self.params:
                 if p.grad is not None:
                     p.grad.zero_()
-            loss = self._loss(self.forward(xb, ws, bits), yb, bits)
+            loss = self._loss(self.forward(xb, ws, bits, wn), yb, bits)
             loss.backward()
             if grad_clip > 0:
                 torch.nn.utils.clip_grad_norm_(self.params, grad_clip)
@@ -277,6 +289,20 @@ class TorchTrainer:
                 total += float(self._loss(logits, yb)) * len(yb)
                 hits += int((logits.argmax(dim=1) == yb).sum())
         return total / len(data), hits / len(data)
+
+
+#: Weight Normalization's fixed gain: every output channel's effective weight has norm sqrt(2)
+WN_GAIN = math.sqrt(2.0)
+
+
+def _check_norms(ws: bool, wn: bool, bits: int, forward: object) -> None:
+    """ConfigError when weight standardization or normalization cannot apply: both at
+    once, or either with an integer forward."""
+    if ws and wn:
+        raise ConfigError("weight standardization and weight normalization exclude each other")
+    if (ws or wn) and bits != 32:
+        what = "weight standardization" if ws else "weight normalization"
+        raise ConfigError(f"{what} applies to the float forward, not {forward!r}")
 
 
 def forward_bits(forward: str) -> int:
