@@ -31,9 +31,6 @@ from typing import Any
 
 import numpy as np
 
-from coordinator.ops.dashboard.runview import served_info
-from coordinator.ops.export import onnx_summary_lines
-from coordinator.ops.rundir import coordinator_dir
 from coordinator.emulation.analysis import (
     LAST_ROUNDS,
     Analysis,
@@ -44,6 +41,9 @@ from coordinator.emulation.analysis import (
 )
 from coordinator.emulation.plots import plot_bytes, plot_run_accuracy, plot_sweep
 from coordinator.emulation.stats import estimate
+from coordinator.ops.dashboard.runview import served_info
+from coordinator.ops.export import onnx_summary_lines
+from coordinator.ops.rundir import coordinator_dir
 from edge_client.errors import ConfigError
 
 
