@@ -164,7 +164,8 @@ class ProwdDequantizer:
         self._counts: dict[str, int | float] = {}
         self._stop = threading.Event()
         # the anchored slice form: the tables of the round in progress and the version they are of
-        self._rungs: set[int] = set(table_rungs(self.cfg)) if self.cfg.slices else set()
+        self._rungs: set[int] = set(table_rungs(self.cfg)) if self.cfg.slices else set()  # compiled
+        self._seen: set[int] = set()  # entry rungs of this round's integer updates
         self._tables: tuple[SliceVersion, dict[int, list[np.ndarray]]] | None = None
         self._compiled = threading.Event()
         self._compiler: threading.Thread | None = None
@@ -187,6 +188,8 @@ class ProwdDequantizer:
         self._round = RoundData(int(round_id), glob)
         self._counts = {"updates": 0, "passed": 0, "fallback": 0, "layers_on": 0, "layers_off": 0,
                         "wait_s": 0.0}
+        if self._seen:  # compile the rungs the last round's integer updates came in on
+            self._rungs, self._seen = self._seen & set(table_rungs(self.cfg)), set()
         if self.anchored:
             self._start_compile(glob)
 
@@ -201,7 +204,7 @@ class ProwdDequantizer:
             if update.kind != "weights" or not self.cfg.slices:
                 return
             bits = tuple(grid_precision(w, self.cfg.clip) for w in update.weights)
-            self._rungs.update(b for b in bits if b in self.cfg.ladder[:-1])
+            self._seen.update(b for b in bits if b in self.cfg.ladder[:-1])
             if not self.anchored and len(rnd.ints) < self.cfg.models_per_round:
                 rnd.ints.append(([np.array(x, dtype=np.float32) for x in update.weights], bits))
             return
