@@ -5,7 +5,8 @@
 ``fedshift_cnn``, batch 1 and 32, one thread per engine, random images (integer inputs
 ``round(pixel * 127)``), each engine in its own subprocess (``NUMBA_NUM_THREADS=1``,
 ONNX Runtime ``intra_op_num_threads=1`` sequential, ``torch.set_num_threads(1)``); the
-engines take turns three times (once with ``--quick``) and each reports its best:
+engines take turns three times (once with ``--quick``) and each reports its best (in the
+calling thread's CPU time):
 
 - ONNX Runtime, Int8 integer graph (``fedbit export``), anchored on the Numba engine's
   Int8 forward (``IntModel.forward``) and on torch float32 (``TorchTrainer.forward``);
@@ -55,17 +56,19 @@ def _images(batch: int, seed: int = 0):
 
 
 def _best_rate(run, batch: int, iters: int, chunks: int = 4) -> float:
-    """Samples/s of the fastest of ``chunks`` timed runs of iters/chunks calls each (the
-    machine is shared: the least disturbed chunk, for every engine alike)."""
+    """Samples/s of the fastest of ``chunks`` timed runs of iters/chunks calls each, in
+    the calling thread's CPU time (every engine runs single-threaded on the calling
+    thread; on a shared machine, time when another process has the core does not count
+    against any of them)."""
     run()  # warm-up (allocation, caches)
     per = max(1, iters // chunks)
     best = float("inf")
     for _ in range(chunks):
-        t0 = time.perf_counter()
+        t0 = time.thread_time()
         for _ in range(per):
             run()
-        best = min(best, time.perf_counter() - t0)
-    return per * batch / best
+        best = min(best, time.thread_time() - t0)
+    return per * batch / max(best, 1e-9)
 
 
 def worker_ort(iters: dict[int, int], profile: bool) -> dict:

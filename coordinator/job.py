@@ -161,8 +161,6 @@ def job_from_dict(raw: dict[str, Any], source: str) -> ServeJob:
         raise ConfigError(f"{source}: out: no run directory (give --out DIR or `out = \"DIR\"` in the job file)")
     if lim["max_payload_bytes"] < 1024:
         raise ConfigError(f"{source}: limits.max_payload_bytes: must be >= 1024, got {lim['max_payload_bytes']}")
-    if top["model"] not in MODELS:
-        raise ConfigError(f"{source}: model: {top['model']!r} is not one of {sorted(MODELS)}")
     dash = DashboardSettings(str(v["dashboard"]["listen"]).strip(), v["dashboard"]["password_file"])
     if dash.listen:
         try:
@@ -194,6 +192,9 @@ def _model(ref: str, source: str) -> str:
     naming the job file and the model file (and layer) when it does not load."""
     from firmware_models import SpecError, is_model_file, resolve_model
 
+    if not is_model_file(ref) and ref not in MODELS:
+        raise ConfigError(f"{source}: model: {ref!r} is not one of {sorted(MODELS)} (or a model file: "
+                          f"*.toml, *.py)")
     if is_model_file(ref) and not Path(ref).is_absolute():
         near = Path(source).parent / ref
         ref = str((near if source != "<flags>" and near.is_file() else Path(ref)).resolve())

@@ -34,6 +34,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from edge_client.connection import connect_timeout, device_connector, device_identity
     from edge_client.data import load_source
     from edge_client.errors import ConfigError
+    from edge_client.intnn.parallel import check_threads
     from edge_client.logs import setup_logging
     from edge_client.runtime import DeviceConfig, DeviceRuntime
     from hw_profiles import load_profile
@@ -46,6 +47,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
         overrides = {}
         if args.codec:
             overrides = {"codec": args.codec, "codec_bits": args.codec_bits or profile.codec_bits}
+        if args.threads is not None:
+            overrides["threads"] = check_threads(args.threads)
         cfg = DeviceConfig.from_profile(
             args.id, profile, job=args.job, seed=args.seed,
             workdir=Path(args.workdir) if args.workdir else device_state_dir(args.id),
@@ -77,9 +80,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    threads = f", {cfg.threads} threads" if profile.is_integer else ""
     print(f"fedbit-edge: device {args.id} ({profile.name}, {profile.compute_bits}-bit "
-          f"{profile.trainer}, uplink {cfg.codec}-{cfg.codec_bits}, {len(data.y)} samples) "
-          f"-> {args.broker}", flush=True)
+          f"{profile.trainer}{threads}, uplink {cfg.codec}-{cfg.codec_bits}, {len(data.y)} "
+          f"samples) -> {args.broker}", flush=True)
     try:
         n = rt.run(max_seconds=args.max_seconds or None)
     except KeyboardInterrupt:
@@ -179,6 +183,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "(fedbit-edge measure-link)")
     p.add_argument("--delay", type=float, default=0.0, metavar="S",
                    help="wait S seconds before each local training (emulate a slow device)")
+    p.add_argument("--threads", type=int, default=None, metavar="N",
+                   help="cores a training step uses (default: the profile's threads; the "
+                        "results are the same for any N)")
     p.add_argument("--stay", action="store_true", help="keep running after the coordinator is done")
     p.add_argument("--max-seconds", type=float, default=0.0, help="stop after this long (0: never)")
     add_connect_timeout_option(p)

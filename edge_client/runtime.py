@@ -22,6 +22,7 @@ Nothing here imports torch (a float device's trainer imports it lazily) or ``coo
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -166,10 +167,11 @@ class DeviceConfig:
     set, once the device has had no session for that long (at the start or after losing
     it; 0: it retries forever, as a service does); ``train_delay_s`` sleeps before each local training (emulates a slow device
     in trials and tests); ``kmeans_method`` picks the K-means uplink's method (``fast`` |
-    ``authors``) unless a round announces one. ``model_files``: the user's model files
-    (``*.toml`` / ``*.py``, ``firmware_models.files``) this device may train; a round
-    announcing a model file is matched to one of them by file name (a device never loads a
-    path the coordinator names).
+    ``authors``) unless a round announces one; ``threads`` the cores the default trainer's
+    integer training step uses (the profile's ``threads``, or ``fedbit-edge run --threads``).
+    ``model_files``: the user's model files (``*.toml`` / ``*.py``, ``firmware_models.files``)
+    this device may train; a round announcing a model file is matched to one of them by
+    file name (a device never loads a path the coordinator names).
     """
 
     device_id: str
@@ -191,11 +193,13 @@ class DeviceConfig:
     train_delay_s: float = 0.0
     max_rounds: int = 0
     model_files: tuple[str, ...] = ()
+    threads: int = 1
 
     @classmethod
     def from_profile(cls, device_id: str, profile: Any, **kw: Any) -> DeviceConfig:
         """From a :class:`hw_profiles.HardwareProfile`."""
         kw.setdefault("kmeans_method", getattr(profile, "kmeans_method", "fast"))
+        kw.setdefault("threads", getattr(profile, "threads", 1))
         return cls(device_id=device_id, compute_bits=profile.compute_bits, trainer=profile.trainer,
                    codec=profile.codec, codec_bits=profile.codec_bits, profile=profile.name, **kw)
 
@@ -230,27 +234,34 @@ def load_model_files(paths: Any) -> dict[str, Any]:
     return out
 
 
-def default_trainer_factory(spec: Any, bits: int, seed: int) -> Any:
+def default_trainer_factory(spec: Any, bits: int, seed: int, threads: int = 1) -> Any:
+    """A device's trainer: ``threads`` cores; an integer one drops LLVM's machine code from
+    the process's resident memory once its kernels are loaded
+    (``edge_client.intnn.memory``)."""
     from edge_client.trainers import make_trainer
 
-    return make_trainer(spec, bits, seed=seed)
+    if bits == 32:
+        return make_trainer(spec, bits, seed=seed)
+    return make_trainer(spec, bits, seed=seed, threads=threads, release_pages=True)
 
 
 class DeviceRuntime:
     """The device loop. ``connect(will=, birth=, subscriptions=)`` builds the transport.
 
     ``data`` is an ``edge_client.data.Dataset``; ``trainer_factory(spec, bits, seed)``
-    builds the local trainer (``edge_client.trainers.make_trainer`` by default).
+    builds the local trainer (by default ``edge_client.trainers.make_trainer`` with the
+    config's ``threads``).
     """
 
     def __init__(self, cfg: DeviceConfig, data: Any,
                  connect: Callable[..., Transport], *,
-                 trainer_factory: TrainerFactory = default_trainer_factory,
+                 trainer_factory: TrainerFactory | None = None,
                  logger: logging.Logger | None = None) -> None:
         self.cfg = cfg
         self.data = data
         self._connect = connect
-        self._trainer_factory = trainer_factory
+        self._trainer_factory = trainer_factory or functools.partial(default_trainer_factory,
+                                                                     threads=cfg.threads)
         self.log = logger or log
         self.variant = model_variant(cfg.compute_bits, cfg.trainer)
         self.outbox = Outbox(Path(cfg.workdir) / "outbox")

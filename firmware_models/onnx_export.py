@@ -14,7 +14,19 @@ as ``edge_client.data.quantize_images`` makes them). Outputs ``logits`` (same dt
 
 with ternary weights ``t`` in {-1, 0, 1}, ``k`` the layer's shift (``1 + log2 alpha``),
 ``round_shift`` dividing by ``2^k`` rounding half away from zero, ``amax = 2^(s-1) - 1``.
-How each piece maps onto ONNX Runtime's CPU kernels (opset 17):
+
+At s <= 8 (``onnx_graph.QLinearGraph``) every activation is one byte from input to
+logits: ``uint8`` with a zero point (0 after a ReLU, else 128), weights ``int8``. A conv
+is one ``QLinearConv``, a linear one ``QLinearMatMul``, with scales 1 and an output scale
+``2^k / (1 + 2^-22)``: ONNX Runtime's requantization ``nearbyint(acc * scale)`` then
+rounds exactly as ``round_shift`` (ties away from zero, nothing else moved; checked for
+every accumulator up to 600,000 in magnitude, the limit this path is used within), its
+uint8 saturation is the ReLU (zero point 0) or the lower clip, and a byte ``Clip`` after
+the max-pool (max and clip commute) is the upper one; pools are byte ``MaxPool``. ONNX
+Runtime picks its int8 GEMM kernels (VNNI where the CPU has it) and an NHWC layout.
+
+Otherwise (s > 8, or larger accumulators; ``onnx_graph.IntegerGraph``), int32 throughout
+(opset 17):
 
 - ``sum t * a``: ``ConvInteger`` / ``MatMulInteger`` with int32 accumulators. Activations
   travel as ``uint8`` with a zero point (0 after a ReLU, else 128: ``a + 128``); conv
@@ -35,8 +47,9 @@ How each piece maps onto ONNX Runtime's CPU kernels (opset 17):
   strided ``Slice`` + ``Max`` (``MaxPool`` has no integer kernel wider than 8 bits). A
   padded cell holds the int32 minimum, or the byte 0 (below every value + zero point but
   a 0 itself), so it never wins, as in the engine; a ReLU on its own is an int32 ``Max``;
-- flatten: ``Flatten`` of NCHW, i.e. (c, h, w) order, the spec's weight column order (the
-  engine permutes its columns to its internal (h, w, c) order: the same sums).
+
+In both, flatten is ``Flatten`` of NCHW, i.e. (c, h, w) order, the spec's weight column
+order (the engine permutes its columns to its internal (h, w, c) order: the same sums).
 
 **Float graph** (``export_float``): ``Conv`` / ``MatMul`` with the shared weights, each
 layer's output times ``2^-log2(alpha)``, ``Relu``, ``MaxPool``, ``Flatten``: the float
@@ -63,9 +76,11 @@ from firmware_models.onnx_graph import (
     INT32_MAX,
     LABEL,
     LOGITS,
+    QLINEAR_MAX_ACC,
     Act,
     Builder,
     IntegerGraph,
+    QLinearGraph,
     onnx_type,
 )
 from firmware_models.spec import Conv2d, Flatten, Linear, MaxPool2d, ModelSpec, ReLU
@@ -73,7 +88,8 @@ from firmware_models.spec import Conv2d, Flatten, Linear, MaxPool2d, ModelSpec, 
 if TYPE_CHECKING:  # pragma: no cover
     import onnx
 
-#: the ai.onnx opset of every export (ONNX Runtime >= 1.17, TensorRT >= 8.6 read it)
+#: the ai.onnx opset of every export (ONNX Runtime >= 1.17 reads it; the Int<=8 graph's
+#: QLinearConv / QLinearMatMul are ONNX Runtime's quantized ops, not TensorRT's QDQ form)
 OPSET = 17
 #: IR version 8: the oldest that carries opset 17 (read by ONNX Runtime >= 1.11)
 IR_VERSION = 8
@@ -272,7 +288,8 @@ def _check_integer_args(spec: ModelSpec, bits: int, ternary: Sequence[np.ndarray
 
 def export_integer(spec: ModelSpec, bits: int, ternary: Sequence[np.ndarray],
                    shifts: Sequence[int], amax: int) -> onnx.ModelProto:
-    """The integer graph of ``spec`` at ``bits`` bits (see the module docstring).
+    """The integer graph of ``spec`` at ``bits`` bits (see the module docstring: one byte
+    per activation and ``QLinearConv`` / ``QLinearMatMul`` at s <= 8, int32 otherwise).
 
     ``ternary``: per parameter layer, int8 {-1, 0, 1} in the spec's layout
     (``[O, C, K, K]``, ``[O, F]``); ``shifts``: per parameter layer, the forward rounding
@@ -280,8 +297,58 @@ def export_integer(spec: ModelSpec, bits: int, ternary: Sequence[np.ndarray],
     """
     ts = _check_integer_args(spec, bits, ternary, shifts, amax)
     b = Builder()
-    g = IntegerGraph(b, int(bits), int(amax))
-    act = Act(b.op("Cast", [INPUT], "x32", to=onnx_type(np.int32)), "i32", 0, False)
+    out_dtype = _input_dtype(bits)
+    if bits <= 8 and max(layer.fan_in for layer in spec.param_layers) * amax <= QLINEAR_MAX_ACC:
+        z = _qlinear_layers(QLinearGraph(b, int(bits), int(amax)), spec, ts, shifts)
+        b.op("Identity", [z], LOGITS, output=LOGITS)
+    else:
+        z = _widened_layers(IntegerGraph(b, int(bits), int(amax)), spec, ts, shifts)
+        b.op("Cast", [z], LOGITS, output=LOGITS, to=onnx_type(out_dtype))
+    b.op("ArgMax", [z], LABEL, output=LABEL, axis=1, keepdims=0)
+    doc = (f"fedbit {spec.name}, Int{bits} integer forward (bit-exact with the Numba engine). "
+           f"Input x: {out_dtype} [N, {', '.join(map(str, spec.input_shape))}] = "
+           f"round(pixel * {amax}); outputs: {LOGITS} {out_dtype}, {LABEL} int64.")
+    return b.model(spec, out_dtype, out_dtype,
+                   _metadata(spec, int(bits), KIND_INTEGER, shifts, int(amax)), doc,
+                   OPSET, IR_VERSION)
+
+
+def _qlinear_layers(g: QLinearGraph, spec: ModelSpec, ts: Sequence[np.ndarray],
+                    shifts: Sequence[int]) -> str:
+    """The layers at s <= 8 (``QLinearGraph``); returns the int8 logits' name."""
+    act = g.input(INPUT)
+    layers = spec.layers
+    p = 0
+    i = 0
+    while i < len(layers):
+        layer = layers[i]
+        if isinstance(layer, (Conv2d, Linear)):
+            relu = i + 1 < len(layers) and isinstance(layers[i + 1], ReLU)
+            act = g.layer(act, layer, ts[p], int(shifts[p]), relu)
+            p += 1
+            i += 2 if relu else 1
+            if i < len(layers) and isinstance(layers[i], MaxPool2d):
+                act = g.pool(act, layers[i])  # clip after the pool: a quarter of the bytes
+                i += 1
+            act = g.clip(act)
+            continue
+        if isinstance(layer, ReLU):
+            act = g.relu(act)
+        elif isinstance(layer, MaxPool2d):
+            act = g.pool(act, layer)
+        elif isinstance(layer, Flatten):
+            act = g.flatten(act)
+        else:  # pragma: no cover - the spec module has no other layer kinds
+            raise SpecError(f"{spec.name}: cannot export layer {layer!r}")
+        i += 1
+    return g.int8_values(act)
+
+
+def _widened_layers(g: IntegerGraph, spec: ModelSpec, ts: Sequence[np.ndarray],
+                    shifts: Sequence[int]) -> str:
+    """The layers on int32 accumulators (``IntegerGraph``: ConvInteger / MatMulInteger,
+    Int16 split in bytes); returns the int32 logits' name."""
+    act = Act(g.b.op("Cast", [INPUT], "x32", to=onnx_type(np.int32)), "i32", 0, False)
     layers = spec.layers
     shapes = spec.activation_shapes
     p = 0
@@ -304,16 +371,7 @@ def export_integer(spec: ModelSpec, bits: int, ternary: Sequence[np.ndarray],
         else:  # pragma: no cover - the spec module has no other layer kinds
             raise SpecError(f"{spec.name}: cannot export layer {layer!r}")
         i += 1
-    z = g.i32(act).name
-    out_dtype = _input_dtype(bits)
-    b.op("Cast", [z], LOGITS, output=LOGITS, to=onnx_type(out_dtype))
-    b.op("ArgMax", [z], LABEL, output=LABEL, axis=1, keepdims=0)
-    doc = (f"fedbit {spec.name}, Int{bits} integer forward (bit-exact with the Numba engine). "
-           f"Input x: {out_dtype} [N, {', '.join(map(str, spec.input_shape))}] = "
-           f"round(pixel * {amax}); outputs: {LOGITS} {out_dtype}, {LABEL} int64.")
-    return b.model(spec, out_dtype, out_dtype,
-                   _metadata(spec, int(bits), KIND_INTEGER, shifts, int(amax)), doc,
-                   OPSET, IR_VERSION)
+    return g.i32(act).name
 
 
 def export_float(spec: ModelSpec, weights: Sequence[np.ndarray],
@@ -384,8 +442,8 @@ def exported_ternary(model: onnx.ModelProto, info: ExportInfo) -> list[np.ndarra
         if t is None:
             raise SpecError(f"{info.spec.name}: no weights {layer.name}.w in the graph")
         a = numpy_helper.to_array(t)
-        if isinstance(layer, Conv2d):
-            a = a.astype(np.int16) - 1
+        if isinstance(layer, Conv2d):  # uint8 t + 1 (ConvInteger) or int8 t (QLinearConv)
+            a = a.astype(np.int16) - (1 if a.dtype == np.uint8 else 0)
         else:
             a = a.T.astype(np.int16)
         if tuple(a.shape) != tuple(layer.weight_shape) or (a.size and np.abs(a).max() > 1):

@@ -260,6 +260,95 @@ class IntegerGraph:
         return Act(self.b.op("Flatten", [a.name], "flatten", axis=1), a.kind, a.zp, a.nonneg)
 
 
+# requantization of QLinearConv / QLinearMatMul: ONNX Runtime computes
+# nearbyint(acc * x_scale * w_scale / y_scale) (round half to even) in float32; with
+# x_scale = w_scale = 1 and y_scale = 2^k / (1 + 2^-22) that is round_shift(acc, k) (half
+# away from zero) for every |acc| <= 600,000 and k <= 15: the factor 1 + 2^-22 moves a
+# tie away from zero, and moves nothing else across a rounding boundary (|acc| 2^-22 2^-k
+# < 2^-(k+2)); tests/test_onnx_export.py checks ties of both signs and saturation.
+QLINEAR_TIE_BREAK = 2.0 ** -22
+QLINEAR_MAX_ACC = 600_000
+
+
+class QLinearGraph:
+    """The integer graph at s <= 8 bits on ONNX Runtime's quantized kernels: activations
+    as ``uint8`` with a zero point (0 after a ReLU, else 128), ternary weights as
+    ``int8``; each conv / linear is one ``QLinearConv`` / ``QLinearMatMul`` whose output
+    rounding is the engine's (see ``QLINEAR_TIE_BREAK``) and whose uint8 saturation is the
+    ReLU (zero point 0) or the lower clip; the upper clip ``amax`` is a ``Clip`` on bytes,
+    after the max-pool when one follows (max and clip commute): one byte per value from
+    input to logits, requantization fused in the kernels."""
+
+    def __init__(self, b: Builder, bits: int, amax: int) -> None:
+        self.b, self.bits, self.amax = b, bits, amax
+        self.one = b.const(1.0, np.float32, "scale")
+        self.wzp = b.const(0, np.int8, "w_zp")
+
+    def input(self, x: str) -> Act:
+        """int8 images -> uint8 with zero point 128 (any int8 value, exactly)."""
+        b = self.b
+        v = b.op("Add", [b.op("Cast", [x], "x32", to=onnx_type(np.int32)),
+                         b.const(128, np.int32)], "x_off")
+        return Act(b.op("Cast", [v], "x_u8", to=onnx_type(np.uint8)), "u8", 128, False)
+
+    def layer(self, a: Act, layer: Conv2d | Linear, t: np.ndarray, shift: int, relu: bool
+              ) -> Act:
+        """``clip(round_shift(relu?(sum t * a), shift), +-amax)`` but the upper clip (see
+        :meth:`clip`)."""
+        b = self.b
+        zp = 0 if relu else 128
+        y_scale = b.const(np.float32(2.0 ** shift / (1.0 + QLINEAR_TIE_BREAK)), np.float32,
+                          "y_scale")
+        x_zp = b.const(a.zp, np.uint8, "x_zp")
+        y_zp = b.const(zp, np.uint8, "y_zp")
+        if isinstance(layer, Conv2d):
+            w = b.tensor(f"{layer.name}.w", t.astype(np.int8))
+            p, s = layer.padding, layer.stride
+            y = b.op("QLinearConv", [a.name, self.one, x_zp, w, self.one, self.wzp, y_scale,
+                                     y_zp], layer.name, kernel_shape=[layer.kernel] * 2,
+                     strides=[s, s], pads=[p] * 4)
+        else:
+            w = b.tensor(f"{layer.name}.w", np.ascontiguousarray(t.T.astype(np.int8)))
+            y = b.op("QLinearMatMul", [a.name, self.one, x_zp, w, self.one, self.wzp, y_scale,
+                                       y_zp], layer.name)
+        return Act(y, "u8", zp, relu)
+
+    def clip(self, a: Act) -> Act:
+        """Values to [-amax, amax] ([0, amax] when non-negative) on the bytes."""
+        b = self.b
+        lo = a.zp if a.nonneg else a.zp - self.amax
+        y = b.op("Clip", [a.name, b.const(lo, np.uint8), b.const(a.zp + self.amax, np.uint8)],
+                 "clip")
+        return Act(y, "u8", a.zp, a.nonneg)
+
+    def relu(self, a: Act) -> Act:
+        if a.nonneg:
+            return a
+        b = self.b
+        y = b.op("Clip", [a.name, b.const(a.zp, np.uint8), b.const(255, np.uint8)], "relu")
+        return Act(y, "u8", a.zp, True)
+
+    def pool(self, a: Act, layer: MaxPool2d) -> Act:
+        """``MaxPool`` on the bytes (byte order is value order; a padded cell reads 0, the
+        lowest byte, so it never exceeds the window's maximum)."""
+        k, s, p = layer.kernel, layer.step, layer.padding
+        y = self.b.op("MaxPool", [a.name], layer.name, kernel_shape=[k, k], strides=[s, s],
+                      pads=[p] * 4)
+        return Act(y, "u8", a.zp, a.nonneg)
+
+    def flatten(self, a: Act) -> Act:
+        return Act(self.b.op("Flatten", [a.name], "flatten", axis=1), a.kind, a.zp, a.nonneg)
+
+    def int8_values(self, a: Act) -> str:
+        """The values as int8 (the logits)."""
+        b = self.b
+        if a.zp == 0:
+            return b.op("Cast", [a.name], "i8", to=onnx_type(np.int8))
+        v = b.op("Sub", [b.op("Cast", [a.name], "i32", to=onnx_type(np.int32)),
+                         b.const(a.zp, np.int32)], "i32")
+        return b.op("Cast", [v], "i8", to=onnx_type(np.int8))
+
+
 def onnx_type(dtype: Any) -> int:
     from onnx import helper
 

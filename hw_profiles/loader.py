@@ -45,6 +45,9 @@ class HardwareProfile:
     devices (``trainer = "torch"``). ``codec``/``codec_bits`` pick the uplink codec;
     ``kmeans_method`` (optional, ``"fast"`` by default) the K-means uplink's method:
     ``"fast"`` (optimal 1-D MSE) or ``"authors"`` (the FedShift code's random-init Lloyd).
+    ``threads`` (optional, 1 by default; 1..256): the cores an integer device's training
+    step uses (its results do not depend on it; the emulator runs every emulated device
+    on one thread whatever its profile says).
     """
 
     name: str
@@ -61,6 +64,7 @@ class HardwareProfile:
     relative_speed: float
     notes: str = ""
     kmeans_method: str = "fast"
+    threads: int = 1
 
     @property
     def is_integer(self) -> bool:
@@ -68,7 +72,8 @@ class HardwareProfile:
 
 
 FIELDS: tuple[str, ...] = tuple(f.name for f in fields(HardwareProfile))
-_OPTIONAL = {"notes", "kmeans_method"}
+_OPTIONAL = {"notes", "kmeans_method", "threads"}
+MAX_THREADS = 256
 KMEANS_METHODS = ("fast", "authors")
 
 
@@ -150,6 +155,7 @@ def parse_profile(table: dict[str, Any], where: str = "<profile>") -> HardwarePr
         relative_speed=_check(where, "relative_speed", v["relative_speed"], float, 0, 1e4, lo_open=True),
         notes=_check(where, "notes", v.get("notes", ""), str),
         kmeans_method=kmeans_method,
+        threads=_check(where, "threads", v.get("threads", 1), int, 1, MAX_THREADS),
     )
 
 

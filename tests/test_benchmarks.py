@@ -35,7 +35,12 @@ WANTED = {
     "security": [("MAC verified", "updates_per_s"), ("robust clip", "round_seconds"), ("robust median", "round_seconds"),
                  ("robust trimmed_mean", "peak_memory"), ("robust median", "peak_memory")],
     "train_throughput": [("fedshift_cnn int8", "throughput"), ("digits_cnn int8", "throughput"),
+                         ("fedshift_cnn int8 2 threads", "throughput"),
+                         ("fedshift_cnn int8 2 threads", "throughput_vs_float"),
                          ("fedshift_cnn int8", "rss"), ("fedshift_cnn int8", "warm_start_s")],
+    "layer_profile": [("fedshift_cnn int8 conv layers", "arithmetic_bound_fraction"),
+                      ("fedshift_cnn conv2 forward", "seconds"),
+                      ("int8 SIMD rate: ternary_add", "rate")],
 }
 
 

@@ -373,16 +373,17 @@ def test_conv_forward_matches_reference(bits, stride, pad, k):
             if stride == 1:  # the padded-plane variant: ternary runs, blocks of 11 positions
                 out3 = np.zeros_like(out)
                 t_o = np.ascontiguousarray(t.transpose(0, 2, 3, 1)).astype(np.int8)
-                lst = np.full((7, k * k * 5), -1, np.int32)
+                lst = np.full((7, k * k * 5 + 1), -1, np.int32)
                 cnt = np.zeros((7, 2), np.int32)
                 K.ternary_lists(t_o, lst, cnt)
                 assert np.array_equal(cnt[:, 1], (t != 0).reshape(7, -1).sum(axis=1))
                 plane = np.full((5, plane_len(3, 9, 8, pad)), 99, dt)
-                K.conv_forward_plane(np.ascontiguousarray(a.transpose(0, 2, 3, 1)).astype(dt),
-                                     lst, cnt, k, pad, shift, amax, relu, out3, plane,
-                                     np.zeros(k * k * 5, np.int32), np.zeros(11, np.int32),
-                                     np.zeros(11 if bits <= 8 else 0, np.int16),
-                                     np.zeros((7, 11), dt))
+                a_k = np.ascontiguousarray(a.transpose(0, 2, 3, 1)).astype(dt)
+                for n0, n1 in ((0, 3), (0, 2), (2, 3)):  # sample ranges (threads) as well
+                    K.conv_forward_plane(a_k, lst, cnt, k, pad, shift, amax, relu, out3, plane,
+                                         np.zeros(k * k * 5, np.int32), np.zeros(11, np.int32),
+                                         np.zeros(11 if bits <= 8 else 0, np.int16),
+                                         np.zeros((7, 11), dt), n0, n1)
                 assert np.array_equal(out3, out)
             saturated |= bool((np.abs(ref) == amax).any())
             if relu:
@@ -395,21 +396,48 @@ def test_conv_forward_matches_reference(bits, stride, pad, k):
 def test_maxpool_forward_backward_with_ties(bits, k, stride, pad):
     rng = np.random.default_rng(k * 31 + stride * 7 + pad + bits)
     a = rng.integers(0, 3, size=(2, 4, 7, 6))  # tiny range: many ties
+    a[0, 1] = 0  # windows whose maximum is 0
     out_ref, src = ref_pool(a, k, stride, pad)
     dt = np.int8 if bits <= 8 else np.int16
     ho, wo = out_ref.shape[2:]
     out = np.zeros((2, ho, wo, 4), dt)
-    idx = np.zeros((2, ho, wo, 4), np.int32)
+    win = np.zeros((2, ho, wo, 4), np.int8)
     a_k = np.ascontiguousarray(a.transpose(0, 2, 3, 1)).astype(dt)
-    K.maxpool_forward(a_k, k, stride, pad, out, idx, True)
+    K.maxpool_forward(a_k, k, stride, pad, out, win, True, False, 0, 1)  # two sample ranges
+    K.maxpool_forward(a_k, k, stride, pad, out, win, True, False, 1, 2)
     assert np.array_equal(nchw(out), out_ref)
+    assert win.min() >= 0 and win.max() < k * k
     out2 = np.zeros_like(out)
-    K.maxpool_forward(a_k, k, stride, pad, out2, np.zeros((1, 1, 1, 1), np.int32), False)
+    K.maxpool_forward(a_k, k, stride, pad, out2, np.zeros((1, 1, 1, 1), np.int8), False, False, 0,
+                      2)
     assert np.array_equal(out2, out)
     e = rng.integers(-50, 51, size=out_ref.shape)
-    back = np.zeros((2, 7, 6, 4), np.int32)
-    K.maxpool_backward(np.ascontiguousarray(e.transpose(0, 2, 3, 1)).astype(np.int32), idx, back)
+    e_k = np.ascontiguousarray(e.transpose(0, 2, 3, 1)).astype(np.int32)
+    back = np.full((2, 7, 6, 4), 9, np.int32)
+    rdst, rval = np.zeros(6 * 4, np.int32), np.zeros(6 * 4, np.int32)
+    K.maxpool_backward(e_k, win, k, stride, pad, back, rdst, rval)
     assert np.array_equal(nchw(back), ref_pool_back(e, src, a.shape))
+    # after a ReLU: a window whose maximum is 0 routes nothing (the ReLU would zero it)
+    win_r = np.zeros_like(win)
+    K.maxpool_forward(a_k, k, stride, pad, out2, win_r, True, True, 0, 2)
+    assert np.array_equal(win_r, np.where(out > 0, win, -1)) and (win_r < 0).any()
+    K.maxpool_backward(e_k, win_r, k, stride, pad, back, rdst, rval)
+    masked = np.where(a > 0, ref_pool_back(e, src, a.shape), 0)
+    assert np.array_equal(nchw(back), masked)
+    if k <= stride:  # routed and quantized in one pass
+        for scale in (3, 50, 5000):
+            e2 = rng.integers(-scale, scale + 1, size=e_k.shape).astype(np.int32)
+            eq = np.full(a_k.shape, 5, dt)  # NHWC offsets
+            kq = K.pool_error_quantize(e2, win_r, k, stride, pad, bits, eq, 7 * 6 * 4, 6 * 4, 4,
+                                       1, rdst, rval)
+            routed = np.where(a > 0, ref_pool_back(nchw(e2), src, a.shape), 0)
+            assert np.array_equal(nchw(eq), ref_quantize_error(routed, bits))
+            assert kq == (ref_round_log2(int(np.abs(routed).max())) if routed.any() else -1)
+            eqp = np.full((4, 2, 9, 8), 5, dt)  # channel-major, rows of 8, samples of 9 rows
+            K.pool_error_quantize(e2, win_r, k, stride, pad, bits, eqp, 9 * 8, 8, 1, 2 * 9 * 8,
+                                  rdst, rval)
+            assert np.array_equal(eqp[:, :, :7, :6].transpose(1, 0, 2, 3), nchw(eq))
+            assert not eqp[:, :, 7:].any() and not eqp[:, :, :, 6:].any()
 
 
 @pytest.mark.parametrize("bits", BITS)
@@ -427,10 +455,20 @@ def test_quantize_error_matches_reference(bits):
         ref = ref_quantize_error(e, bits)
         assert np.array_equal(out, ref)
         clipped |= bool((np.abs(ref) == act_max(bits)).any())
+        act = rng.integers(-2, 3, size=997).astype(dt)
+        out_m = np.zeros(997, dt)
+        e_m = e.copy()
+        k_m = K.mask_quantize_error(e_m, act, bits, out_m)
+        masked = np.where(act > 0, e, 0)
+        assert np.array_equal(out_m, ref_quantize_error(masked, bits))
+        assert np.array_equal(e_m, masked)
+        assert k_m == ref_round_log2(int(np.abs(masked).max()))
     assert clipped, "clipping must be exercised"
     zero = np.zeros(10, np.int32)
     out = np.ones(10, dt)
     assert K.quantize_error(zero, bits, out) == -1 and not out.any()
+    out = np.ones(10, dt)
+    assert K.mask_quantize_error(np.ones(10, np.int32), zero, bits, out) == -1 and not out.any()
 
 
 @pytest.mark.parametrize("bits", BITS)
@@ -453,7 +491,10 @@ def test_conv_backward_kernels_match_reference(bits, stride, pad, k):
     assert np.array_equal(nchw(back), ref_conv_back_data(eq, t, stride, pad, a.shape))
     if 5 * amax <= 32767:  # int16 per-pixel sums (O * amax fits)
         back16 = np.full((4, 8, 7, 3), 7, np.int32)
-        K.conv_backward_data_narrow(eq_k, t_k, stride, pad, back16, np.zeros(k * k * 3, np.int16))
+        for n0, n1 in ((0, 1), (1, 4)):  # two sample ranges
+            K.conv_backward_data_narrow(eq_k, t_k, stride, pad, back16,
+                                        np.zeros(k * k * 3, np.int16), np.zeros(9, np.int32),
+                                        np.zeros(9, np.int32), n0, n1)
         assert np.array_equal(back16, back)
     for gdt in ((np.int32, np.int64) if bits <= 8 else (np.int64,)):  # int32 when it fits
         g = np.zeros((k, k, 3, 5), gdt)
@@ -462,37 +503,45 @@ def test_conv_backward_kernels_match_reference(bits, stride, pad, k):
         # driven by the non-zero errors (odd and even counts per output channel)
         for e_k in (eq_k, np.where(np.arange(5) == 2, 0, eq_k).astype(dt)):
             g = np.full((k, k, 3, 5), 3, gdt)
-            K.conv_weight_grad_sparse(e_k, a_k, stride, pad, g,
-                                      np.full((4, 8 + 2 * pad, 7 + 2 * pad, 3), 9, dt),
-                                      np.full((5, k * k * 3), 9, gdt))
+            a_pad = np.full((4, 8 + 2 * pad, 7 + 2 * pad, 3), 9, dt)
+            K.pad_nhwc(a_k, pad, a_pad, 0, 3)
+            K.pad_nhwc(a_k, pad, a_pad, 3, 4)
+            gt = np.full((5, k * k * 3), 9, gdt)
+            gmax = max(K.conv_weight_grad_sparse(e_k, a_pad, stride, g, gt,
+                                                 np.zeros(4 * ho * wo + 4, np.int32),
+                                                 np.zeros(4 * ho * wo + 4, np.int32), o0, o1)
+                       for o0, o1 in ((0, 2), (2, 5)))  # output channels in two parts
             want = ref_conv_wgrad(nchw(e_k).astype(np.int64), a, stride, pad, k)
             assert np.array_equal(g.transpose(3, 2, 0, 1), want)
+            assert gmax == np.abs(want).max()
     if bits <= 8:  # the int32 dot-product kernel, two samples per im2col group
         g = np.zeros((k, k, 3, 5), np.int32)
         cols = 2 * ho * wo
         K.conv_weight_grad_dot(eq_k, a_k, stride, pad, g, np.zeros((k * k * 3, cols), dt),
                                np.zeros((5, cols), dt), False)
         assert np.array_equal(g.transpose(3, 2, 0, 1), ref_conv_wgrad(eq, a, stride, pad, k))
-        if stride == 1:  # from the padded plane (rebuilt here, or left by the forward)
-            wp = 7 + pad
-            for have_plane in (False, True):
-                plane = np.full((3, plane_len(4, 8, 7, pad)), 99, dt)
-                if have_plane:
-                    t_o = rng.integers(-1, 2, size=(2, k, k, 3)).astype(np.int8)
-                    lst = np.zeros((2, k * k * 3), np.int32)
-                    cnt = np.zeros((2, 2), np.int32)
-                    K.ternary_lists(t_o, lst, cnt)
-                    K.conv_forward_plane(a_k, lst, cnt, k, pad, 0, amax, True,
-                                         np.zeros((4, ho, wo, 2), dt), plane,
-                                         np.zeros(k * k * 3, np.int32), np.zeros(16, np.int32),
-                                         np.zeros(16, np.int16), np.zeros((2, 16), dt))
-                g = np.full((k, k, 3, 5), 7, np.int32)
-                group = 3 if have_plane else 4  # 3: groups of 3 and 1 samples
-                K.conv_weight_grad_plane(eq_k, a_k, k, pad, g, plane,
-                                         np.full((k * k * 3, group * ho * wp), 5, dt),
-                                         np.full((5, group * ho * wp), 5, dt), have_plane)
-                assert np.array_equal(g.transpose(3, 2, 0, 1),
-                                      ref_conv_wgrad(eq, a, stride, pad, k))
+        if stride == 1:  # the plane the forward left against the errors at plane positions
+            wp, hs = 7 + pad, (8 + pad) * (7 + pad)
+            plane = np.full((3, plane_len(4, 8, 7, pad)), 99, dt)
+            t_o = rng.integers(-1, 2, size=(2, k, k, 3)).astype(np.int8)
+            lst = np.zeros((2, k * k * 3 + 1), np.int32)
+            cnt = np.zeros((2, 2), np.int32)
+            offs = np.zeros(k * k * 3, np.int32)
+            K.ternary_lists(t_o, lst, cnt)
+            K.conv_forward_plane(a_k, lst, cnt, k, pad, 0, amax, True,
+                                 np.zeros((4, ho, wo, 2), dt), plane, offs,
+                                 np.zeros(16, np.int32), np.zeros(16, np.int16),
+                                 np.zeros((2, 16), dt), 0, 4)
+            eqp = np.full((5, 4 * hs), 5, dt)
+            K.eq_to_planar(eq_k, wp, hs, eqp, 0, 2)
+            K.eq_to_planar(eq_k, wp, hs, eqp, 2, 4)
+            g = np.full((k, k, 3, 5), 7, np.int32)
+            n_pos = 3 * hs + (ho - 1) * wp + wo
+            gmax = max(K.conv_weight_grad_plane(eqp, plane, offs, n_pos, g, r0, r1)
+                       for r0, r1 in ((0, 7), (7, k * k * 3)))  # weight rows in two parts
+            want = ref_conv_wgrad(eq, a, stride, pad, k)
+            assert np.array_equal(g.transpose(3, 2, 0, 1), want)
+            assert gmax == np.abs(want).max()
 
 
 @pytest.mark.parametrize("bits", BITS)
@@ -500,22 +549,34 @@ def test_linear_kernels_match_reference(bits):
     rng = np.random.default_rng(bits + 99)
     amax = act_max(bits)
     dt = np.int8 if bits <= 8 else np.int16
-    a = rng.integers(-amax, amax + 1, size=(6, 37))
-    t = rng.integers(-1, 2, size=(11, 37))
+    a = rng.integers(-amax, amax + 1, size=(6, 600))
+    a[rng.random(a.shape) < 0.4] = 0  # zero inputs are skipped
+    a[0] = amax  # > 256 non-zero inputs in a row: the int16 partial sums are flushed
+    t = rng.integers(-1, 2, size=(11, 600))
+    t_k = np.ascontiguousarray(t.T).astype(np.int8)  # stored [F, O]
+    idx, val = np.zeros(600, np.int32), np.zeros(600, np.int32)
     for n in (6, 5):  # an odd number of samples: one left after the pairs
-        out = np.zeros((n, 11), dt)
-        K.linear_forward(a[:n].astype(dt), t.astype(np.int8), 3, amax, True, out,
-                         np.full((6, 11), 5, np.int32))
-        assert np.array_equal(out, ref_finish(a[:n] @ t.T, 3, amax, True))
+        for shift, relu in ((3, True), (9, False)):
+            out = np.zeros((n, 11), dt)
+            for n0, n1 in ((0, 2), (2, n)):
+                K.linear_forward(a[:n].astype(dt), t_k, shift, amax, relu, out,
+                                 np.full(11, 5, np.int32),
+                                 np.full(11 if bits <= 8 else 0, 5, np.int16), idx, val, n0, n1)
+            assert np.array_equal(out, ref_finish(a[:n] @ t.T, shift, amax, relu))
     eq = rng.integers(-amax, amax + 1, size=(6, 11))
     eq[rng.random(eq.shape) < 0.3] = 0  # odd and even numbers of non-zero errors
-    back = np.full((6, 37), 3, np.int32)
-    K.linear_backward_data(eq.astype(dt), t.astype(np.int8), back)
-    assert np.array_equal(back, eq @ t)
+    for masked in (False, True):
+        back = np.full((6, 600), 3, np.int32)
+        for n0, n1 in ((0, 3), (3, 6)):
+            K.linear_backward_data(eq.astype(dt), t_k, a.astype(dt), masked, back, idx, n0, n1)
+        want = eq @ t
+        assert np.array_equal(back, np.where(a > 0, want, 0) if masked else want)
     for gdt in ((np.int32, np.int64) if bits <= 8 else (np.int64,)):
-        g = np.full((11, 37), 3, gdt)
-        K.linear_weight_grad(eq.astype(dt), a.astype(dt), g)
-        assert np.array_equal(g, eq.T @ a)
+        g = np.full((600, 11), 3, gdt)
+        a_t = np.zeros((600, 6), dt)
+        gmax = max(K.linear_weight_grad(eq.astype(dt), a.astype(dt), g, idx, val, a_t, f0, f1)
+                   for f0, f1 in ((0, 333), (333, 600)))
+        assert np.array_equal(g, a.T @ eq) and gmax == np.abs(a.T @ eq).max()
 
 
 @pytest.mark.parametrize("bits", BITS)
@@ -530,10 +591,21 @@ def test_update_matches_reference(bits, lr_log2):
     key = K.stream_key(bits, lr_log2, 1, 0)
     w_new = w.copy()
     t = np.zeros(1500, np.int8)
-    K.sgd_update(w_new, g, lr_log2, wmax, thr, key, t, np.zeros(0, np.int64), -1, key)
+    for i0, i1 in ((0, 512), (512, 1500)):  # two parts, the first a multiple of 256
+        K.sgd_update(w_new, g, int(np.abs(g).max()), lr_log2, wmax, thr, key, t,
+                     np.zeros(0, np.int64), -1, key, 0, 0, i0, i1)
     ref = ref_update(w, g, lr_log2, wmax, key)
     assert np.array_equal(w_new, ref)
     assert np.array_equal(t, ref_ternary(ref, thr))
+    # stored [F, O] = [30, 50] with the counter running over [O, F]; max |g| passed in
+    w_t = np.ascontiguousarray(w.reshape(50, 30).T)
+    g_t = np.ascontiguousarray(g.reshape(50, 30).T)
+    t_t = np.zeros(1500, np.int8)
+    for i0, i1 in ((0, 650), (650, 1500)):  # rows of 50
+        K.sgd_update(w_t.reshape(-1), g_t.reshape(-1), int(np.abs(g).max()), lr_log2, wmax, thr,
+                     key, t_t, np.zeros(0, np.int64), -1, key, 30, 50, i0, i1)
+    assert np.array_equal(w_t.T.reshape(-1), ref)
+    assert np.array_equal(t_t.reshape(30, 50).T.reshape(-1), ref_ternary(ref, thr))
     if lr_log2 >= 11:
         assert (np.abs(ref) == wmax).any(), "weight clipping must be exercised"
 
@@ -547,8 +619,15 @@ def test_update_huge_gradients_and_extra_term():
     key, key2 = K.stream_key(1, 2, 3, 0), K.stream_key(1, 2, 3, 1)
     t = np.zeros(300, np.int8)
     w_new = w.copy()
-    K.sgd_update(w_new, g, -3, 64, 32, key, t, extra, 20, key2)
-    assert np.array_equal(w_new, ref_update(w, g, -3, 64, key, extra, 20, key2))
+    K.sgd_update(w_new, g, -1, -3, 64, 32, key, t, extra, 20, key2, 0, 0, 0, 300)
+    want = ref_update(w, g, -3, 64, key, extra, 20, key2)
+    assert np.array_equal(w_new, want)
+    # the general loop in the [F, O] storage order: same draws per canonical index
+    w_t = np.ascontiguousarray(w.reshape(20, 15).T)
+    K.sgd_update(w_t.reshape(-1), np.ascontiguousarray(g.reshape(20, 15).T).reshape(-1), -1, -3,
+                 64, 32, key, t, np.ascontiguousarray(extra.reshape(20, 15).T).reshape(-1), 20,
+                 key2, 15, 20, 0, 300)
+    assert np.array_equal(w_t.T.reshape(-1), want)
 
 
 def test_stochastic_rounding_is_unbiased():
@@ -557,7 +636,8 @@ def test_stochastic_rounding_is_unbiased():
     g[0] = -16  # max |g| = 16 -> k = 4; eta = 1 -> each element moves 3/16 LSB on average
     w = np.zeros(g.size, np.int8)
     t = np.zeros(g.size, np.int8)
-    K.sgd_update(w, g, 0, 64, 32, K.stream_key(0, 0, 0, 0), t, np.zeros(0, np.int64), -1, 0)
+    K.sgd_update(w, g, -1, 0, 64, 32, K.stream_key(0, 0, 0, 0), t, np.zeros(0, np.int64), -1, 0,
+                 0, 0, 0, g.size)
     mean = w[1:].astype(np.float64).mean()
     assert abs(mean - 3 / 16) < 0.005
     assert set(np.unique(w[1:])) <= {0, 1}
@@ -616,7 +696,8 @@ def test_training_step_matches_reference(bits, lr_log2, loss):
     assert sse == ref["sse"]
     for op in model.param_ops:
         i = model.ops.index(op)
-        assert np.array_equal(nchw(ws.eq[i][:n]), ref["eq"][op.param]), op.layer.name
+        assert np.array_equal(nchw(model.quantized_error(ws, i, n)), ref["eq"][op.param]), \
+            op.layer.name
     for got, want in zip(model.int_weights(), ref["weights"], strict=True):
         assert np.array_equal(got, want)
     changed = sum(int((g != w).sum()) for g, w in zip(model.int_weights(), weights, strict=True))

@@ -187,8 +187,11 @@ def test_every_export_passes_the_checker_and_records_opset_spec_and_bits(tmp_pat
             m.load_shared(w)
             assert list(info.shifts) == forward_shifts(m) and info.amax == m.amax
     ops = {n.op_type for n in onnx.load(str(tmp_path / "m8.onnx")).graph.node}
-    assert {"ConvInteger", "MatMulInteger", "Max"} <= ops
-    assert not ops & {"Conv", "MatMul", "QuantizeLinear", "DequantizeLinear"}  # integer only
+    assert {"QLinearConv", "QLinearMatMul", "MaxPool", "Clip"} <= ops  # bytes throughout
+    ops16 = {n.op_type for n in onnx.load(str(tmp_path / "m16.onnx")).graph.node}
+    assert {"ConvInteger", "MatMulInteger", "Max"} <= ops16  # int16: byte halves, int32 sums
+    for kind in (ops, ops16):  # integer only
+        assert not kind & {"Conv", "MatMul", "QuantizeLinear", "DequantizeLinear"}
 
 
 def test_export_refuses_weights_and_shifts_that_do_not_fit_the_spec() -> None:

@@ -23,6 +23,12 @@ def test_bundled_profiles_have_the_required_bitwidths() -> None:
         assert (profile_dir() / f"{p.name}.toml").is_file(), "file name must equal the profile name"
 
 
+def test_integer_profiles_train_on_the_board_s_cores() -> None:
+    cores = {"raspberry-pi-zero-2w": 4, "raspberry-pi-4": 4, "raspberry-pi-5": 4,
+             "jetson-nano": 4, "jetson-orin-nano": 1, "desktop": 1}  # float devices: torch
+    assert {p.name: p.threads for p in list_profiles()} == cores
+
+
 def test_codec_table_mirrors_the_protocol() -> None:
     from edge_client.protocol import CODEC_BITS as WIRE
 
@@ -59,6 +65,9 @@ def _write(tmp_path: Path, **changes) -> Path:
         ({"relative_speed": "true"}, "relative_speed"),
         ({"name": '"a b"'}, "name"),
         ({"arch": None}, "arch"),
+        ({"threads": "0"}, "threads"),
+        ({"threads": "2.5"}, "threads"),
+        ({"threads": "1000"}, "threads"),
     ],
 )
 def test_bad_profiles_name_file_and_key(tmp_path: Path, changes, key) -> None:

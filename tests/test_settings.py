@@ -243,8 +243,9 @@ def test_fedfor_g_of_1e3_keeps_its_sign_pattern_on_int8():
         extra = np.zeros(w.size, np.int64)
         K.regularizer_terms(w, anchor, 0, reg.d_shift, gi, reg.alpha_q, extra)
         before = w.astype(np.int64)
-        K.sgd_update(w, np.zeros(w.size, np.int32), 0, wmax, tr.model.thr, 1, np.zeros(w.size, np.int8),
-                     extra, reg.shift, K.stream_key(0, 0, 0, 1))
+        K.sgd_update(w, np.zeros(w.size, np.int32), -1, 0, wmax, tr.model.thr, 1,
+                     np.zeros(w.size, np.int8), extra, reg.shift, K.stream_key(0, 0, 0, 1), 0, 0,
+                     0, w.size)
         moved = before - w  # = alpha g S per step in expectation (1e-3 * S LSBs)
         for sign in (1, -1):
             m = moved[np.sign(gi) == sign]

@@ -241,6 +241,11 @@ def _check_values(cfg: ExperimentConfig, bad) -> None:
     if d["dataset"] in NEEDS_PATH and not d["path"]:
         raise bad("data.path", f"dataset {d['dataset']!r} needs a path (its file or folder; "
                                f"fedbit never downloads data)")
+    if d["path"]:
+        where = Path(d["path"]).expanduser()
+        if not (where.is_file() if d["dataset"] == "npz" else where.is_dir()):
+            raise bad("data.path", f"{d['path']!r} is not a {'file' if d['dataset'] == 'npz' else 'folder'} "
+                      f"(the {d['dataset']} data; fedbit never downloads data)")
     for prof in d["inferior"]:
         if prof not in cfg.devices:
             raise bad("data.inferior", f"{prof!r} is not a profile listed in [devices]")

@@ -39,6 +39,13 @@ class Op:
     needs_input_error: bool = False
     grad_int64: bool = False
     grad_mode: str = ""            # conv weight gradient: "int64" | "sparse" | "plane" | "dot"
+    split: bool = False            # large enough to split over the model's threads
+    # the input activation comes out of a ReLU (possibly through max-pools / a flatten):
+    # an error at an input <= 0 is zeroed further down, so it need not be computed
+    relu_in: bool = False
+    # max-pool right after a conv/linear with a fused ReLU, windows not overlapping: its
+    # backward writes that layer's quantized error (kernels.pool_error_quantize)
+    fused_error: bool = False
 
     @property
     def plane(self) -> bool:
@@ -47,46 +54,62 @@ class Op:
 
 
 @dataclass
+class Scratch:
+    """One thread's scratch buffers (lists indexed like ``IntModel.ops``, None where
+    unused): ``pacc``/``pacc16``/``ptile`` pixel-block accumulators and finished outputs of
+    a conv forward, ``offs`` (int32 [K*K*C]) its plane-run offsets, ``pbuf`` [K*K*C]
+    backward-data sums (int16 when ``O * amax`` fits, else int32), ``lacc``/``lacc16``
+    int32 / int16 [O] accumulators of a linear forward; ``nz_idx``/``nz_val``: int32 lists
+    (non-zero inputs or errors, a row of a max-pool's routed errors)."""
+
+    pacc: list[np.ndarray | None]
+    pacc16: list[np.ndarray | None]
+    ptile: list[np.ndarray | None]
+    offs: list[np.ndarray | None]
+    pbuf: list[np.ndarray | None]
+    lacc: list[np.ndarray | None]
+    lacc16: list[np.ndarray | None]
+    nz_idx: np.ndarray
+    nz_val: np.ndarray
+
+
+@dataclass
 class Workspace:
     """Integer buffers for batches of up to ``capacity`` samples (all views are [:n]).
 
     Per op (lists indexed like ``IntModel.ops``, None where unused): ``acts`` outputs
-    (s-bit), ``idx`` max-pool winners (int32), ``eq`` quantized errors at conv/linear
-    outputs (s-bit), ``err_in`` raw errors at op inputs (int32), ``patch`` int32 [O]
-    accumulators of the sparse conv (int32 [N, O] for a linear layer's forward), ``pbuf``
-    [K*K*C] backward-data scratch (int16 when ``O * amax`` fits, else int32),
-    ``gacc`` [O] gradient scratch (int64 path), ``col_t`` the transposed im2col
-    [K*K*C, pixels] (s-bit), ``e_t`` errors transposed [O, pixels], ``pacc``/``pacc16``/
-    ``ptile`` pixel-block accumulators and finished outputs of the conv forward;
-    stride-1 convs use ``plane`` (the input in the padded planar layout, [C, plane_len])
-    and ``offs`` (int32 [K*K*C] run offsets) instead of an im2col in the forward, and
-    ``col_t``/``e_t`` are then [K*K*C | O, G*Ho*(W+pad)] (runs copied from the plane for
-    G = PLANE_GRAD_GROUP samples at a time).
-    ``a_pad`` (the input with zero borders, NHWC) and ``gt`` ([O, K*K*C], gradient
-    dtype) serve the error-driven conv weight gradient (``grad_mode == "sparse"``).
-    ``grad32``/``grad64``: one weight gradient buffer shared by all layers; ``extra``:
-    FedProx/FedFOR numerators (int64, only touched when those terms are on).
+    (s-bit), ``win`` max-pool winners (int8, :func:`kernels.maxpool_forward`), ``eq``
+    quantized errors at conv/linear outputs (s-bit, NHWC / [N, O]), ``eqp`` the same at
+    the positions of the stride-1 plane layout ([O, N*hs], convs whose weight gradient
+    is ``"plane"``), ``err_in`` raw errors at op inputs (int32), ``patch`` int32 [O]
+    accumulators of the sparse conv, ``a_t`` a linear layer's input transposed [F, N]
+    (its weight gradient), ``gacc`` [O] gradient scratch (int64 path), ``col_t`` the
+    transposed im2col [K*K*C, pixels] (s-bit) and ``e_t`` errors transposed [O, pixels]
+    (strided convs), ``plane`` a stride-1 conv's input in the padded planar layout
+    ([C, plane_len]), ``a_pad`` (the input with zero borders, NHWC) and ``gt`` ([O, K*K*C],
+    gradient dtype) of the error-driven conv weight gradient (``grad_mode == "sparse"``).
+    ``scratch``: per thread (:class:`Scratch`). ``grad32``/``grad64``: one weight
+    gradient buffer shared by all layers; ``extra``: FedProx/FedFOR numerators (int64,
+    only touched when those terms are on).
     """
 
     capacity: int
     x: np.ndarray
     acts: list[np.ndarray]
-    idx: list[np.ndarray | None]
+    win: list[np.ndarray | None]
     eq: list[np.ndarray | None]
+    eqp: list[np.ndarray | None]
     err_in: list[np.ndarray | None]
     err_out: np.ndarray
     patch: list[np.ndarray | None]
-    pbuf: list[np.ndarray | None]
+    a_t: list[np.ndarray | None]
     gacc: list[np.ndarray | None]
     col_t: list[np.ndarray | None]
     e_t: list[np.ndarray | None]
-    pacc: list[np.ndarray | None]
-    pacc16: list[np.ndarray | None]
-    ptile: list[np.ndarray | None]
     plane: list[np.ndarray | None]
-    offs: list[np.ndarray | None]
     a_pad: list[np.ndarray | None]
     gt: list[np.ndarray | None]
+    scratch: list[Scratch]
     grad32: np.ndarray
     grad64: np.ndarray
     extra: np.ndarray

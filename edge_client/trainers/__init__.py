@@ -51,8 +51,10 @@ __all__ = ["DEFAULT_LR_SHIFT", "DEFAULT_MOMENTUM", "DEFAULT_TORCH_LR", "IntTrain
            "TrainReport", "Trainer", "forward_bits", "make_trainer"]
 
 
-def make_trainer(spec: ModelSpec | str, bits: int, seed: int = 0, **hparams) -> Trainer:
-    """``bits == 32`` -> :class:`TorchTrainer`, else an s-bit :class:`IntTrainer`."""
+def make_trainer(spec: ModelSpec | str, bits: int, seed: int = 0, threads: int = 1,
+                 **hparams) -> Trainer:
+    """``bits == 32`` -> :class:`TorchTrainer`, else an s-bit :class:`IntTrainer` whose
+    training steps use ``threads`` cores (torch keeps its own thread setting)."""
     if bits == 32:
         return TorchTrainer(spec, seed=seed, **hparams)
-    return IntTrainer(spec, bits, seed=seed, **hparams)
+    return IntTrainer(spec, bits, seed=seed, threads=threads, **hparams)

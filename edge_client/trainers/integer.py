@@ -11,6 +11,7 @@ import numpy as np
 from edge_client.data import Dataset
 from edge_client.errors import ConfigError, TrainingError
 from edge_client.intnn import kernels as K
+from edge_client.intnn.memory import release_compiler_pages
 from edge_client.intnn.model import IntModel
 from edge_client.intnn.ops import Regularizer
 from edge_client.intnn.quant import (
@@ -45,20 +46,32 @@ class IntTrainer:
     across calls of :meth:`train`, so two trainers with the same seed and the same calls
     end bit for bit equal. ``lr``/``momentum``: the float devices' SGD settings whose
     FedProx/FedFOR step ``lr / (1 - momentum)`` this device's terms match (module docstring);
-    they do not change the data step.
+    they do not change the data step. ``threads``: cores a training step uses (results
+    are the same bit for bit for any number; ignored when a model is passed in).
+    ``release_pages``: a device process's trainer drops LLVM's machine code from its
+    resident memory once its kernels are loaded (:mod:`edge_client.intnn.memory`; after
+    construction and after the first :meth:`train`).
     """
 
     def __init__(self, spec_or_model: ModelSpec | IntModel | str, bits: int,
                  lr_shift: int = DEFAULT_LR_SHIFT, seed: int = 0,
                  clip: float = DEFAULT_CLIP, loss: str = "sse", lr: float = DEFAULT_TORCH_LR,
-                 momentum: float = DEFAULT_MOMENTUM) -> None:
+                 momentum: float = DEFAULT_MOMENTUM, threads: int = 1,
+                 release_pages: bool = False) -> None:
+        self._release_pages = bool(release_pages)
+        if self._release_pages:
+            # drop the code `import numba` touched; start Numba (its JIT engine, its runtime
+            # helpers compiled by LLVM) now, before the model's buffers exist; drop again
+            release_compiler_pages()
+            K.stream_key(0, 0, 0, 0)
+            release_compiler_pages()
         if isinstance(spec_or_model, IntModel):
             self.model = spec_or_model
             if spec_or_model.bits != bits:
                 raise ConfigError(f"IntTrainer: model has {spec_or_model.bits} bits, not {bits}")
         else:
             spec = as_spec(spec_or_model)
-            self.model = IntModel(spec, bits, clip, loss=loss)
+            self.model = IntModel(spec, bits, clip, loss=loss, threads=threads)
             self.model.load_int(init_int(spec, seed, bits, clip))
         if not -8 <= lr_shift <= 8:
             raise ConfigError(f"lr_shift must be in -8..8, got {lr_shift}")
@@ -72,6 +85,8 @@ class IntTrainer:
         self.step_count = 0
         self._calls = 0
         self._cache: tuple[int, np.ndarray, np.ndarray] | None = None
+        if self._release_pages:
+            release_compiler_pages()  # the weight kernels' cache loads
 
     # weights ---------------------------------------------------------------
 
@@ -174,6 +189,8 @@ class IntTrainer:
             self.step_count += 1
             samples += n
         loss = self._loss_value(sse, samples)
+        if self._release_pages and self._calls == 1:
+            release_compiler_pages()  # the kernels' cache loads
         return TrainReport(n_steps, samples, loss, time.perf_counter() - t0)
 
     def _loss_value(self, total: int, samples: int) -> float:

@@ -6,7 +6,9 @@ what they compute:
 - :mod:`.layout` NHWC / ``[K, K, C, O]`` conversions, ternarization, im2col and planes;
 - :mod:`.conv_forward` the three convolution forward variants (and when each is used);
 - :mod:`.conv_backward` backward-data and the four weight-gradient variants;
-- :mod:`.linear`, :mod:`.pool` (max-pool, ReLU), :mod:`.loss` (SSE, integer softmax);
+- :mod:`.linear` (input-major weights, driven by the non-zero inputs), :mod:`.pool`
+  (max-pool with int8 winners, the pool's error routed and quantized in one pass, ReLU),
+  :mod:`.loss` (SSE, integer softmax);
 - :mod:`.update` error quantization (eq. 12) and the stochastic weight update (eq. 15-16).
 
 Every kernel takes and returns integers (or booleans) only; no float value exists in any
@@ -28,6 +30,8 @@ from edge_client.intnn.kernels.conv_backward import (
     conv_weight_grad_dot,
     conv_weight_grad_plane,
     conv_weight_grad_sparse,
+    eq_to_planar,
+    pad_nhwc,
 )
 from edge_client.intnn.kernels.conv_forward import (
     conv_forward,
@@ -37,6 +41,7 @@ from edge_client.intnn.kernels.conv_forward import (
 from edge_client.intnn.kernels.layout import (
     quantize_inputs_nhwc,
     ternarize,
+    ternary_copies,
     ternary_lists,
     transpose_kkco_okkc,
 )
@@ -49,30 +54,40 @@ from edge_client.intnn.kernels.loss import SOFTMAX_ONE, argmax_correct, softmax_
 from edge_client.intnn.kernels.pool import (
     maxpool_backward,
     maxpool_forward,
+    pool_error_quantize,
     relu_forward,
     relu_mask,
 )
 from edge_client.intnn.kernels.rng import mix64, rand62, stream_key
-from edge_client.intnn.kernels.update import quantize_error, regularizer_terms, sgd_update
+from edge_client.intnn.kernels.update import (
+    grad_max,
+    mask_quantize_error,
+    quantize_error,
+    regularizer_terms,
+    sgd_update,
+)
 
 # The kernels a training step runs from Python (their compiled signatures must be
 # integer-only). The jitted helpers they call are all inline="always": their bodies are
 # typed inside these kernels.
 TRAINING_KERNELS = (
     conv_forward, conv_forward_col, linear_forward, maxpool_forward, relu_forward,
-    sse_error, softmax_error, relu_mask, quantize_error, conv_backward_data, conv_weight_grad,
-    conv_weight_grad_dot, linear_backward_data, linear_weight_grad, maxpool_backward,
-    sgd_update, regularizer_terms, ternarize, transpose_kkco_okkc,
-    argmax_correct, stream_key, ternary_lists, conv_forward_plane, conv_weight_grad_plane,
-    conv_weight_grad_sparse, conv_backward_data_narrow,
+    sse_error, softmax_error, relu_mask, quantize_error, mask_quantize_error,
+    conv_backward_data, conv_weight_grad, conv_weight_grad_dot, linear_backward_data,
+    linear_weight_grad, maxpool_backward, pool_error_quantize, sgd_update, regularizer_terms,
+    ternarize, ternary_copies, argmax_correct, stream_key, conv_forward_plane,
+    conv_weight_grad_plane, conv_weight_grad_sparse, conv_backward_data_narrow, eq_to_planar,
+    pad_nhwc, grad_max,
 )
 
 __all__ = [
     "LOG2_HALF_THRESH", "SOFTMAX_ONE", "TRAINING_KERNELS", "argmax_correct", "conv_backward_data",
     "conv_backward_data_narrow", "conv_forward", "conv_forward_col", "conv_forward_plane",
     "conv_weight_grad", "conv_weight_grad_dot", "conv_weight_grad_plane", "conv_weight_grad_sparse",
-    "linear_backward_data", "linear_forward", "linear_weight_grad", "max_abs", "maxpool_backward",
-    "maxpool_forward", "mix64", "quantize_error", "quantize_inputs_nhwc", "rand62", "regularizer_terms",
-    "relu_forward", "relu_mask", "round_log2", "round_shift", "sgd_update", "softmax_error",
-    "sse_error", "stream_key", "ternarize", "ternary_lists", "transpose_kkco_okkc",
+    "eq_to_planar", "grad_max", "pad_nhwc",
+    "linear_backward_data", "linear_forward", "linear_weight_grad", "mask_quantize_error", "max_abs",
+    "maxpool_backward", "maxpool_forward", "mix64", "pool_error_quantize", "quantize_error",
+    "quantize_inputs_nhwc", "rand62", "regularizer_terms", "relu_forward", "relu_mask", "round_log2",
+    "round_shift", "sgd_update", "softmax_error", "sse_error", "stream_key", "ternarize",
+    "ternary_copies", "ternary_lists", "transpose_kkco_okkc",
 ]

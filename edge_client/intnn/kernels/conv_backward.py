@@ -4,6 +4,11 @@ Backward-data (the error through the ternary weights, ``[O, K, K, C]`` copy) sum
 pixel in int16 when ``O * amax`` fits (:func:`conv_backward_data_narrow`), else in int32
 (:func:`conv_backward_data`).
 
+The error-driven kernels list the non-zero errors branch-free first (a branch per error
+would be mispredicted at 5-20% density) and index flat arrays with unsigned offsets: no
+array view per pixel (views cost reference counting), no wraparound checks, so the runs
+over K*C values vectorize.
+
 Weight gradient ``G = sum_batch e_q (x) a`` (``IntModel._grad_mode`` picks one per layer):
 
 - :func:`conv_weight_grad` (``"int64"``): row-blocked accumulation in int64, when
@@ -11,8 +16,9 @@ Weight gradient ``G = sum_batch e_q (x) a`` (``IntModel._grad_mode`` picks one p
 - :func:`conv_weight_grad_sparse` (``"sparse"``): driven by the non-zero errors (after
   ReLU masking and max-pool routing 5-20% are non-zero), when the ``K*C`` values of a
   patch row are enough to vectorize (``>= SPARSE_GRAD_MIN_ROW``);
-- :func:`conv_weight_grad_plane` (``"plane"``): int32 dot products over pixels from runs
-  of the stride-1 plane, copied for ``PLANE_GRAD_GROUP`` samples at a time;
+- :func:`conv_weight_grad_plane` (``"plane"``): int32 dot products over the positions of
+  the stride-1 plane (the forward's input plane against the errors at the same
+  positions, :func:`eq_to_planar`), no copy;
 - :func:`conv_weight_grad_dot` (``"dot"``): int32 dot products over pixels from the
   transposed im2col (kept by the forward, or rebuilt).
 """
@@ -23,10 +29,12 @@ import numpy as np
 from numba import njit
 
 from edge_client.intnn.kernels.arith import _dots_rows
-from edge_client.intnn.kernels.layout import _im2col_t, _pad_nhwc, _to_plane
+from edge_client.intnn.kernels.layout import _im2col_t, _pad_nhwc
+
+U = np.uint64
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def conv_backward_data(eq, t, stride, pad, out, pbuf):
     """Error to the conv input: out[n] = col2im(sum_o eq[n, y, x, o] * t[o]); int32 out.
 
@@ -69,58 +77,59 @@ def conv_backward_data(eq, t, stride, pad, out, pbuf):
                         r += c_in
 
 
-@njit(cache=True, inline="always")
-def _acc_pair(buf, ta, tb, g1, g2, init):
-    """buf = g1*ta + g2*tb (init False) or buf += g1*ta + g2*tb, wrapping to buf's width."""
-    if init:
-        for r in range(buf.shape[0]):
-            buf[r] = buf[r] + g1 * ta[r] + g2 * tb[r]
-    else:
-        for r in range(buf.shape[0]):
-            buf[r] = g1 * ta[r] + g2 * tb[r]
-
-
-@njit(cache=True)
-def conv_backward_data_narrow(eq, t, stride, pad, out, pbuf16):
+@njit(cache=True, nogil=True)
+def conv_backward_data_narrow(eq, t, stride, pad, out, pbuf16, oi, ov, n0, n1):
     """Same result as :func:`conv_backward_data` when ``O * max|eq| <= 32767``: the
-    per-pixel sum over output channels sum_o eq * t[o] is then exact in int16 (16 lanes
-    per vector instead of 8), two non-zero errors per pass; it is added to ``out`` one
-    run of K*C (fewer at the borders) contiguous values per kernel row.
+    per-pixel sum over output channels sum_o eq * t[o] is then exact in int16 (32 lanes
+    per vector instead of 16). Per pixel the non-zero errors are listed (branch-free;
+    oi/ov: int32 scratch [>= O + 4]) and combined four rows of t at a time; the sum is
+    added to ``out`` one run of K*C (fewer at the borders) contiguous values per kernel
+    row.
 
     eq: [N, Ho, Wo, O]; t: [O, K, K, C]; out: [N, H, W, C] int32; pbuf16: int16 [K*K*C].
+    Samples n0 <= n < n1 only (out[n0:n1] is zeroed first).
     """
     k = t.shape[1]
     c_in = t.shape[3]
     h_in = out.shape[1]
     w_in = out.shape[2]
     n_out = t.shape[0]
-    t2 = t.reshape(n_out, -1)
+    r_len = k * k * c_in
     kc = k * c_in
-    out[...] = 0
-    for n in range(eq.shape[0]):
-        for y in range(eq.shape[1]):
-            for x in range(eq.shape[2]):
-                init = False
-                have = False
-                g1 = np.int32(0)
-                o1 = 0
-                for o in range(n_out):
-                    g = np.int32(eq[n, y, x, o])
-                    if g == 0:
-                        continue
-                    if not have:
-                        g1 = g
-                        o1 = o
-                        have = True
-                        continue
-                    have = False
-                    _acc_pair(pbuf16, t2[o1], t2[o], np.int16(g1), np.int16(g), init)
-                    init = True
-                if have:
-                    _acc_pair(pbuf16, t2[o1], t2[o1], np.int16(g1), np.int16(0), init)
-                    init = True
-                if not init:
+    h_out = eq.shape[1]
+    w_out = eq.shape[2]
+    tf = t.reshape(-1)
+    ef = eq.reshape(-1)
+    of = out.reshape(-1)
+    out[n0:n1] = 0
+    p = n0 * h_out * w_out
+    for n in range(n0, n1):
+        for y in range(h_out):
+            for x in range(w_out):
+                cnt = _nonzero_channels(ef, p * n_out, n_out, r_len, oi, ov)
+                p += 1
+                if cnt == 0:
                     continue
+                for j in range(0, cnt, 4):
+                    g1 = np.int16(ov[j])
+                    g2 = np.int16(ov[j + 1])
+                    g3 = np.int16(ov[j + 2])
+                    g4 = np.int16(ov[j + 3])
+                    r1 = oi[j]
+                    r2 = oi[j + 1]
+                    r3 = oi[j + 2]
+                    r4 = oi[j + 3]
+                    if j == 0:
+                        for r in range(r_len):
+                            pbuf16[U(r)] = np.int16(
+                                g1 * np.int16(tf[U(r1 + r)]) + g2 * np.int16(tf[U(r2 + r)])
+                                + g3 * np.int16(tf[U(r3 + r)]) + g4 * np.int16(tf[U(r4 + r)]))
+                    else:
+                        for r in range(r_len):
+                            pbuf16[U(r)] = np.int16(
+                                pbuf16[U(r)] + g1 * np.int16(tf[U(r1 + r)])
+                                + g2 * np.int16(tf[U(r2 + r)]) + g3 * np.int16(tf[U(r3 + r)])
+                                + g4 * np.int16(tf[U(r4 + r)]))
                 ix0 = x * stride - pad
                 kw_lo = 0 if ix0 >= 0 else -ix0
                 kw_hi = k if ix0 + k <= w_in else w_in - ix0
@@ -131,14 +140,32 @@ def conv_backward_data_narrow(eq, t, stride, pad, out, pbuf16):
                     iy = y * stride + kh - pad
                     if iy < 0 or iy >= h_in:
                         continue
-                    dst = out[n, iy].reshape(-1)[(ix0 + kw_lo) * c_in:(ix0 + kw_hi) * c_in]
+                    d0 = ((n * h_in + iy) * w_in + ix0 + kw_lo) * c_in
                     r0 = kh * kc + kw_lo * c_in
-                    src = pbuf16[r0:r0 + ln]
                     for j in range(ln):
-                        dst[j] = dst[j] + src[j]
+                        of[U(d0 + j)] = of[U(d0 + j)] + pbuf16[U(r0 + j)]
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True, inline="always")
+def _nonzero_channels(ef, b, n_out, r_len, oi, ov):
+    """The non-zero errors of one pixel (ef[b:b + O]) as (row offset o * r_len, value),
+    branch-free, padded with zero terms to a multiple of 4; returns their number."""
+    cnt = 0
+    for o in range(n_out):
+        g = ef[U(b + o)]
+        oi[cnt] = o * r_len
+        ov[cnt] = g
+        cnt += np.int64(g != 0)
+    if cnt == 0:
+        return 0
+    while cnt & 3:
+        oi[cnt] = 0
+        ov[cnt] = 0
+        cnt += 1
+    return cnt
+
+
+@njit(cache=True, nogil=True)
 def conv_weight_grad(eq, a, stride, pad, g_out, acc):
     """Weight gradient G[kh, kw, c, o] = sum_{n,y,x} eq[n,y,x,o] * a[n, iy, ix, c].
 
@@ -182,7 +209,7 @@ def conv_weight_grad(eq, a, stride, pad, g_out, acc):
                                 g2[r0 + c, o] += acc[o]
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def conv_weight_grad_dot(eq, a, stride, pad, g_out, col_t, e_t, have_cols):
     """Same result as :func:`conv_weight_grad` for an int32 ``g_out`` [K, K, C, O], as
     dot products over the output pixels of a group of samples (they vectorize well).
@@ -215,67 +242,125 @@ def conv_weight_grad_dot(eq, a, stride, pad, g_out, col_t, e_t, have_cols):
         _dots_rows(col_t, e_t, cols, g2, r_len, n_out)
 
 
-@njit(cache=True)
-def conv_weight_grad_plane(eq, a, k, pad, g_out, plane, col_t, e_t, have_plane):
-    """Same result as :func:`conv_weight_grad` for stride 1 and an int32 ``g_out``
-    [K, K, C, O], as dot products over output positions.
-
-    plane: [C, >= pad*wp + pad + N*hs] (left there by :func:`conv_forward_plane` when
-    ``have_plane``, else rebuilt from ``a``); col_t: scratch [K*K*C, G*Ho*wp] that
-    receives, for G samples at a time, for every weight index r and sample one contiguous
-    run of Ho*wp plane positions (a copy, no gather); e_t: scratch [O, G*Ho*wp] (dtype of
-    eq), the errors at the same positions, zero at the wp - Wo columns that are not
-    output pixels.
-    """
-    c_in = g_out.shape[2]
-    n_out = g_out.shape[3]
-    g2 = g_out.reshape(-1, n_out)
-    r_len = g2.shape[0]
-    n_s = eq.shape[0]
+@njit(cache=True, nogil=True)
+def eq_to_planar(eq, wp, hs, eqp, n0, n1):
+    """eqp[o, n*hs + y*wp + x] = eq[n, y, x, o] (NHWC errors -> the positions of the
+    stride-1 plane layout, zero at the positions that are not output pixels), samples
+    n0 <= n < n1."""
     h_out = eq.shape[1]
     w_out = eq.shape[2]
-    h_in = a.shape[1]
-    w_in = a.shape[2]
-    wp = w_in + pad
-    hs = (h_in + pad) * wp
-    seg = h_out * wp
-    group = max(1, col_t.shape[1] // seg)
-    if not have_plane:
-        _to_plane(a, pad, plane)
-    g_out[...] = 0
-    for n0 in range(0, n_s, group):
-        n1 = min(n_s, n0 + group)
-        for kh in range(k):
-            for kw in range(k):
-                off = kh * wp + kw
-                for c in range(c_in):
-                    row = col_t[(kh * k + kw) * c_in + c]
-                    for n in range(n0, n1):
-                        src = plane[c, n * hs + off:n * hs + off + seg]
-                        dst = row[(n - n0) * seg:(n - n0) * seg + seg]
-                        for j in range(seg):
-                            dst[j] = src[j]
+    n_out = eq.shape[3]
+    ef = eq.reshape(-1)
+    for o in range(n_out):
+        row = eqp[o]
+        for i in range(n0 * hs, min(n1 * hs, row.shape[0])):
+            row[U(i)] = 0
         for n in range(n0, n1):
             for y in range(h_out):
-                p = (n - n0) * seg + y * wp
+                b = n * hs + y * wp
+                src = ((n * h_out + y) * w_out) * n_out + o
                 for x in range(w_out):
-                    for o in range(n_out):
-                        e_t[o, p + x] = eq[n, y, x, o]
-                for o in range(n_out):
-                    for x in range(w_out, wp):
-                        e_t[o, p + x] = 0
-        _dots_rows(col_t, e_t, (n1 - n0) * seg, g2, r_len, n_out)
+                    row[U(b + x)] = ef[U(src + x * n_out)]
 
 
-@njit(cache=True)
-def conv_weight_grad_sparse(eq, a, stride, pad, g_out, a_pad, gt):
+@njit(cache=True, nogil=True)
+def conv_weight_grad_plane(eqp, plane, offs, n_pos, g_out, r0, r1):
+    """Same result as :func:`conv_weight_grad` for stride 1 and an int32 ``g_out``
+    [K, K, C, O], as int32 dot products over the positions of the padded plane layout,
+    for the weight rows r0 <= r < r1 (r = (kh*K + kw)*C + c). Returns their max |G|.
+
+    eqp: [O, >= n_pos] the quantized errors at the plane positions (zero where no output
+    pixel: :func:`eq_to_planar` or the pool's routing writes it); plane / offs: the
+    input plane and run offsets :func:`conv_forward_plane` left; n_pos = (N-1)*hs +
+    (Ho-1)*wp + Wo. G[r, o] = sum_q plane[offs[r] + q] * eqp[o, q]: two weight rows x
+    four output channels per pass over the positions (no copy of the plane).
+    """
+    n_out = g_out.shape[3]
+    g2 = g_out.reshape(-1, n_out)
+    pf = plane.reshape(-1)
+    ef = eqp.reshape(-1)
+    le = eqp.shape[1]
+    o = 0
+    while o + 4 <= n_out:
+        e0 = U(o * le)
+        e1 = U((o + 1) * le)
+        e2 = U((o + 2) * le)
+        e3 = U((o + 3) * le)
+        r = r0
+        while r < r1:
+            pa = U(offs[r])
+            pb = U(offs[r + 1]) if r + 1 < r1 else pa
+            a0 = np.int32(0)
+            a1 = np.int32(0)
+            a2 = np.int32(0)
+            a3 = np.int32(0)
+            b0 = np.int32(0)
+            b1 = np.int32(0)
+            b2 = np.int32(0)
+            b3 = np.int32(0)
+            for q in range(n_pos):
+                qu = U(q)
+                u = np.int32(pf[pa + qu])
+                v = np.int32(pf[pb + qu])
+                x0 = np.int32(ef[e0 + qu])
+                x1 = np.int32(ef[e1 + qu])
+                x2 = np.int32(ef[e2 + qu])
+                x3 = np.int32(ef[e3 + qu])
+                a0 = np.int32(a0 + u * x0)
+                a1 = np.int32(a1 + u * x1)
+                a2 = np.int32(a2 + u * x2)
+                a3 = np.int32(a3 + u * x3)
+                b0 = np.int32(b0 + v * x0)
+                b1 = np.int32(b1 + v * x1)
+                b2 = np.int32(b2 + v * x2)
+                b3 = np.int32(b3 + v * x3)
+            g2[r, o] = a0
+            g2[r, o + 1] = a1
+            g2[r, o + 2] = a2
+            g2[r, o + 3] = a3
+            if r + 1 < r1:
+                g2[r + 1, o] = b0
+                g2[r + 1, o + 1] = b1
+                g2[r + 1, o + 2] = b2
+                g2[r + 1, o + 3] = b3
+            r += 2
+        o += 4
+    while o < n_out:
+        e0 = U(o * le)
+        for r in range(r0, r1):
+            pa = U(offs[r])
+            a0 = np.int32(0)
+            for q in range(n_pos):
+                a0 = np.int32(a0 + np.int32(pf[pa + U(q)]) * np.int32(ef[e0 + U(q)]))
+            g2[r, o] = a0
+        o += 1
+    gmax = np.int64(0)
+    for r in range(r0, r1):
+        for oo in range(n_out):
+            v = np.int64(g2[r, oo])
+            v = -v if v < 0 else v
+            gmax = v if v > gmax else gmax
+    return gmax
+
+
+@njit(cache=True, nogil=True)
+def pad_nhwc(a, pad, a_pad, n0, n1):
+    """a_pad[n, pad + iy, pad + ix, c] = a[n, iy, ix, c] with zero borders, samples
+    n0 <= n < n1 (the input of :func:`conv_weight_grad_sparse`)."""
+    _pad_nhwc(a, pad, a_pad, n0, n1)
+
+
+@njit(cache=True, nogil=True)
+def conv_weight_grad_sparse(eq, a_pad, stride, g_out, gt, pi, pv, o0, o1):
     """Same result as :func:`conv_weight_grad`, driven by the non-zero errors (after ReLU
-    masking and max-pool routing most are zero).
+    masking and max-pool routing most are zero), for output channels o0 <= o < o1.
+    Returns their max |G| (int64).
 
-    For output channel o, every non-zero eq[n, y, x, o] adds eq * patch to row o of
-    gt [O, K*K*C] (scratch of g_out's dtype, one row stays in L1): the patch is K rows of
-    K*C contiguous values of a_pad [N, H+2p, W+2p, C] (scratch of a's dtype, the input
-    with zero borders), two non-zero errors per pass. g_out [K, K, C, O] = gt transposed.
+    For output channel o, the non-zero eq[n, y, x, o] are listed (branch-free; pi/pv:
+    int32 scratch [>= N*Ho*Wo + 4]), then each adds eq * patch to row o of gt
+    [O, K*K*C] (scratch of g_out's dtype, one row stays in L1), four errors per pass: the
+    patch is K rows of K*C contiguous values of a_pad [N, H+2p, W+2p, C] (:func:`pad_nhwc`
+    of the input). g_out [K, K, C, O] = gt transposed (columns o0..o1 written here).
     """
     k = g_out.shape[0]
     c_in = g_out.shape[2]
@@ -289,42 +374,57 @@ def conv_weight_grad_sparse(eq, a, stride, pad, g_out, a_pad, gt):
     wpp = a_pad.shape[2]
     kc = k * c_in
     rowstep = wpp * c_in
-    _pad_nhwc(a, pad, a_pad)
     apf = a_pad.reshape(-1)
-    e2d = eq.reshape(-1, n_out)
-    gt[...] = 0
-    for o in range(n_out):
-        gro = gt[o]
-        have = False
-        e1 = np.int32(0)
-        b1 = 0
+    ef = eq.reshape(-1)
+    gf = gt.reshape(-1)
+    for o in range(o0, o1):
+        go = o * r_len
+        for r in range(r_len):
+            gf[U(go + r)] = 0
+        cnt = 0
         p = 0
         for n in range(n_s):
             for y in range(h_out):
+                rb = (n * hp + y * stride) * rowstep
                 for x in range(w_out):
-                    e = np.int32(e2d[p, o])
+                    e = ef[U(p * n_out + o)]
                     p += 1
-                    if e == 0:
-                        continue
-                    base = ((n * hp + y * stride) * wpp + x * stride) * c_in
-                    if not have:
-                        e1 = e
-                        b1 = base
-                        have = True
-                        continue
-                    have = False
-                    for kh in range(k):
-                        s1 = apf[b1 + kh * rowstep:b1 + kh * rowstep + kc]
-                        s2 = apf[base + kh * rowstep:base + kh * rowstep + kc]
-                        dst = gro[kh * kc:kh * kc + kc]
-                        for j in range(kc):
-                            dst[j] = dst[j] + e1 * s1[j] + e * s2[j]
-        if have:
+                    pi[cnt] = rb + x * stride * c_in
+                    pv[cnt] = e
+                    cnt += np.int64(e != 0)
+        while cnt & 3:
+            pi[cnt] = 0
+            pv[cnt] = 0
+            cnt += 1
+        for j in range(0, cnt, 4):
+            e1 = np.int64(pv[j])
+            e2 = np.int64(pv[j + 1])
+            e3 = np.int64(pv[j + 2])
+            e4 = np.int64(pv[j + 3])
             for kh in range(k):
-                s1 = apf[b1 + kh * rowstep:b1 + kh * rowstep + kc]
-                dst = gro[kh * kc:kh * kc + kc]
-                for j in range(kc):
-                    dst[j] = dst[j] + e1 * s1[j]
+                s1 = pi[j] + kh * rowstep
+                s2 = pi[j + 1] + kh * rowstep
+                s3 = pi[j + 2] + kh * rowstep
+                s4 = pi[j + 3] + kh * rowstep
+                d = go + kh * kc
+                if gt.itemsize <= 4:
+                    for jj in range(kc):
+                        gf[U(d + jj)] = np.int32(
+                            gf[U(d + jj)] + np.int32(e1) * np.int32(apf[U(s1 + jj)])
+                            + np.int32(e2) * np.int32(apf[U(s2 + jj)])
+                            + np.int32(e3) * np.int32(apf[U(s3 + jj)])
+                            + np.int32(e4) * np.int32(apf[U(s4 + jj)]))
+                else:
+                    for jj in range(kc):
+                        gf[U(d + jj)] = (gf[U(d + jj)] + e1 * np.int64(apf[U(s1 + jj)])
+                                         + e2 * np.int64(apf[U(s2 + jj)])
+                                         + e3 * np.int64(apf[U(s3 + jj)])
+                                         + e4 * np.int64(apf[U(s4 + jj)]))
+    gmax = np.int64(0)
     for r in range(r_len):
-        for o in range(n_out):
-            g2[r, o] = gt[o, r]
+        for o in range(o0, o1):
+            v = np.int64(gt[o, r])
+            g2[r, o] = v
+            v = -v if v < 0 else v
+            gmax = v if v > gmax else gmax
+    return gmax

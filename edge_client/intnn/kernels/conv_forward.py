@@ -22,8 +22,10 @@ from numba import njit
 from edge_client.intnn.kernels.arith import _finish
 from edge_client.intnn.kernels.layout import _im2col_t, _to_plane
 
+U = np.uint64
 
-@njit(cache=True)
+
+@njit(cache=True, nogil=True)
 def conv_forward(a, t, stride, pad, shift, amax, relu, out, acc):
     """Fused direct conv: ternary accumulate + rounding shift + clip (+ ReLU).
 
@@ -96,7 +98,7 @@ def conv_forward(a, t, stride, pad, shift, amax, relu, out, acc):
                     out[n, y, x, o] = _finish(acc[o], shift, amax, relu)
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True, nogil=True, inline="always")
 def _finish_row(acc, m, shift, amax, relu, tile, o):
     """tile[o, :m] = clip(round_shift(acc[:m], shift), +-amax) (ReLU'd if relu), written
     branch-free so that it vectorizes; same values as :func:`_finish`."""
@@ -117,7 +119,7 @@ def _finish_row(acc, m, shift, amax, relu, tile, o):
             tile[o, j] = lo if v < lo else v
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def conv_forward_col(a, t_o, stride, pad, shift, amax, relu, out, col_t, acc, acc16, tile):
     """Same result as :func:`conv_forward`, vectorized over output pixels instead.
 
@@ -183,69 +185,96 @@ def conv_forward_col(a, t_o, stride, pad, shift, amax, relu, out, col_t, acc, ac
                     out2[base + j, o] = tile[o, j]
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True, nogil=True, inline="always")
+def _scatter_rows(tile, m, q0, hs, wp, h_out, w_out, out):
+    """out (NHWC) at the output pixels among plane positions q0..q0+m = tile [O, block]
+    transposed, one output row segment (contiguous x) at a time."""
+    n_out = out.shape[3]
+    block = tile.shape[1]
+    tf = tile.reshape(-1)
+    of = out.reshape(-1)
+    j = 0
+    while j < m:
+        q = q0 + j
+        n = q // hs
+        rem = q - n * hs
+        y = rem // wp
+        x = rem - y * wp
+        run = min(m - j, wp - x)  # positions up to the end of this plane row
+        if y < h_out and x < w_out:
+            valid = min(run, w_out - x)
+            base = ((n * h_out + y) * w_out + x) * n_out
+            for xx in range(valid):
+                d = base + xx * n_out
+                for o in range(n_out):
+                    of[U(d + o)] = tf[U(o * block + j + xx)]
+        j += run
+
+
+@njit(cache=True, nogil=True, inline="always")
 def _add_runs(accv, pf, offs, lst_o, i0, i1, npos, q0, m):
     """accv[:m] += sum of the plane runs pf[offs[r] + q0:][:m] for the list entries
-    i0 <= i < i1 (added below npos, subtracted from npos on), eight runs per pass."""
+    i0 <= i < i1 (added below npos, subtracted from npos on), eight runs per pass (flat
+    unsigned offsets: no array views, no wraparound checks)."""
     i = i0
     pe = min(i1, npos)
     while i + 8 <= pe:
-        r0, r1, r2, r3, r4, r5, r6, r7 = _eight_runs(pf, offs, lst_o, i, q0, m)
-        for j in range(m):
-            accv[j] = accv[j] + (((r0[j] + r1[j]) + (r2[j] + r3[j]))
-                                 + ((r4[j] + r5[j]) + (r6[j] + r7[j])))
+        _eight_runs(accv, pf, offs, lst_o, i, q0, m, False)
         i += 8
     while i < pe:
-        b0 = offs[lst_o[i]] + q0
-        r0 = pf[b0:b0 + m]
+        b0 = U(offs[lst_o[i]] + q0)
         for j in range(m):
-            accv[j] = accv[j] + r0[j]
+            accv[U(j)] = accv[U(j)] + pf[b0 + U(j)]
         i += 1
     if i < npos:
         i = npos
     while i + 8 <= i1:
-        r0, r1, r2, r3, r4, r5, r6, r7 = _eight_runs(pf, offs, lst_o, i, q0, m)
-        for j in range(m):
-            accv[j] = accv[j] - (((r0[j] + r1[j]) + (r2[j] + r3[j]))
-                                 + ((r4[j] + r5[j]) + (r6[j] + r7[j])))
+        _eight_runs(accv, pf, offs, lst_o, i, q0, m, True)
         i += 8
     while i < i1:
-        b0 = offs[lst_o[i]] + q0
-        r0 = pf[b0:b0 + m]
+        b0 = U(offs[lst_o[i]] + q0)
         for j in range(m):
-            accv[j] = accv[j] - r0[j]
+            accv[U(j)] = accv[U(j)] - pf[b0 + U(j)]
         i += 1
 
 
-@njit(cache=True, inline="always")
-def _eight_runs(pf, offs, lst_o, i, q0, m):
-    b0 = offs[lst_o[i]] + q0
-    b1 = offs[lst_o[i + 1]] + q0
-    b2 = offs[lst_o[i + 2]] + q0
-    b3 = offs[lst_o[i + 3]] + q0
-    b4 = offs[lst_o[i + 4]] + q0
-    b5 = offs[lst_o[i + 5]] + q0
-    b6 = offs[lst_o[i + 6]] + q0
-    b7 = offs[lst_o[i + 7]] + q0
-    return (pf[b0:b0 + m], pf[b1:b1 + m], pf[b2:b2 + m], pf[b3:b3 + m],
-            pf[b4:b4 + m], pf[b5:b5 + m], pf[b6:b6 + m], pf[b7:b7 + m])
+@njit(cache=True, nogil=True, inline="always")
+def _eight_runs(accv, pf, offs, lst_o, i, q0, m, neg):
+    b0 = U(offs[lst_o[i]] + q0)
+    b1 = U(offs[lst_o[i + 1]] + q0)
+    b2 = U(offs[lst_o[i + 2]] + q0)
+    b3 = U(offs[lst_o[i + 3]] + q0)
+    b4 = U(offs[lst_o[i + 4]] + q0)
+    b5 = U(offs[lst_o[i + 5]] + q0)
+    b6 = U(offs[lst_o[i + 6]] + q0)
+    b7 = U(offs[lst_o[i + 7]] + q0)
+    if neg:
+        for j in range(m):
+            ju = U(j)
+            accv[ju] = accv[ju] - (((pf[b0 + ju] + pf[b1 + ju]) + (pf[b2 + ju] + pf[b3 + ju]))
+                                   + ((pf[b4 + ju] + pf[b5 + ju]) + (pf[b6 + ju] + pf[b7 + ju])))
+    else:
+        for j in range(m):
+            ju = U(j)
+            accv[ju] = accv[ju] + (((pf[b0 + ju] + pf[b1 + ju]) + (pf[b2 + ju] + pf[b3 + ju]))
+                                   + ((pf[b4 + ju] + pf[b5 + ju]) + (pf[b6 + ju] + pf[b7 + ju])))
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def conv_forward_plane(a, lst, cnt, k, pad, shift, amax, relu, out, plane, offs, acc, acc16,
-                       tile):
-    """Same result as :func:`conv_forward` for stride 1, from the padded planar layout.
+                       tile, n0, n1):
+    """Same result as :func:`conv_forward` for stride 1, from the padded planar layout,
+    for samples n0 <= n < n1 (disjoint sample ranges may run on other threads at once).
 
-    lst/cnt: the weights' :func:`ternary_lists`; plane: scratch [C, >= pad*wp + pad +
-    N*hs] (dtype of ``a``; left holding this input's plane for the weight gradient);
-    offs: int32 scratch [K*K*C]; acc: int32 scratch and acc16 int16 scratch (s <= 8;
-    else length 0) of a block of positions; tile: [O, block] scratch of out's dtype.
-    For every non-zero ternary weight a run of the plane is added or subtracted (no
-    multiplication, eight runs per pass; int16 partial sums over <= 256 runs when
-    |a| <= 127, which cannot overflow), then rounding shift + clip (+ ReLU) write the valid
-    positions of ``out``.
+    lst/cnt: the weights' :func:`ternary_lists`; plane: [C, >= plane_len(N, H, W, pad)]
+    (dtype of ``a``; this call writes the rows of its samples, and they stay there for
+    the weight gradient); offs: int32 scratch [K*K*C]; acc: int32 scratch and acc16 int16
+    scratch (s <= 8; else length 0) of a block of positions; tile: [O, block] scratch of
+    out's dtype. For every non-zero ternary weight a run of the plane is added or
+    subtracted (no multiplication, eight runs per pass; int16 partial sums over <= 256
+    runs when |a| <= 127, which cannot overflow), then rounding shift + clip (+ ReLU)
+    write the valid positions of ``out``.
     """
-    n_s = a.shape[0]
     h_in = a.shape[1]
     w_in = a.shape[2]
     c_in = a.shape[3]
@@ -255,16 +284,19 @@ def conv_forward_plane(a, lst, cnt, k, pad, shift, amax, relu, out, plane, offs,
     wp = w_in + pad
     hs = (h_in + pad) * wp
     lp = plane.shape[1]
-    _to_plane(a, pad, plane)
+    if n1 <= n0:
+        return
+    _to_plane(a, pad, plane, n0, n1)
     for kh in range(k):
         for kw in range(k):
             for c in range(c_in):
                 offs[(kh * k + kw) * c_in + c] = c * lp + kh * wp + kw
     pf = plane.reshape(-1)
-    q_end = (n_s - 1) * hs + (h_out - 1) * wp + w_out
+    q_begin = n0 * hs
+    q_end = (n1 - 1) * hs + (h_out - 1) * wp + w_out
     block = acc.shape[0]
     narrow = amax <= 127 and acc16.shape[0] >= block
-    for q0 in range(0, q_end, block):
+    for q0 in range(q_begin, q_end, block):
         m = min(q_end, q0 + block) - q0
         for o in range(n_out):
             npos = cnt[o, 0]
@@ -282,18 +314,4 @@ def conv_forward_plane(a, lst, cnt, k, pad, shift, amax, relu, out, plane, offs,
             else:
                 _add_runs(acc, pf, offs, lst_o, 0, nnz, npos, q0, m)
             _finish_row(acc, m, shift, amax, relu, tile, o)
-        n = q0 // hs
-        rem = q0 - n * hs
-        y = rem // wp
-        x = rem - y * wp
-        for j in range(m):
-            if y < h_out and x < w_out:
-                for o in range(n_out):
-                    out[n, y, x, o] = tile[o, j]
-            x += 1
-            if x == wp:
-                x = 0
-                y += 1
-                if y * wp == hs:
-                    y = 0
-                    n += 1
+        _scatter_rows(tile, m, q0, hs, wp, h_out, w_out, out)

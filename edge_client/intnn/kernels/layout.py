@@ -17,10 +17,13 @@ only used at the module boundary (``model.py``).
 
 from __future__ import annotations
 
+import numpy as np
 from numba import njit
 
+U = np.uint64
 
-@njit(cache=True, inline="always")
+
+@njit(cache=True, nogil=True, inline="always")
 def _im2col_t(a, n0, n1, h_out, w_out, k, stride, pad, col_t):
     """col_t[(kh*k + kw)*C + c, (n - n0)*Ho*Wo + y*Wo + x] = a[n, iy, ix, c] (0 if padded)."""
     h_in = a.shape[1]
@@ -44,85 +47,100 @@ def _im2col_t(a, n0, n1, h_out, w_out, k, stride, pad, col_t):
                                 col_t[r0 + c, p] = 0
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def ternary_lists(t_o, lst, cnt):
     """Per output channel o: lst[o, :cnt[o, 1]] = the flat indices r of the non-zero
     ternary weights t_o[o] ([O, K, K, C] flattened per o), the +1 weights first
-    (cnt[o, 0] of them), then the -1 weights. lst: int32 [O, K*K*C]; cnt: int32 [O, 2]."""
+    (cnt[o, 0] of them), then the -1 weights. lst: int32 [O, K*K*C + 1] (the last column
+    is slack: the compaction is branch-free, every index is written and only the kept
+    ones advance); cnt: int32 [O, 2]."""
     n_out = t_o.shape[0]
     t2 = t_o.reshape(n_out, -1)
+    r_len = t2.shape[1]
     for o in range(n_out):
         m = 0
-        for r in range(t2.shape[1]):
-            if t2[o, r] > 0:
-                lst[o, m] = r
-                m += 1
+        for r in range(r_len):
+            lst[o, m] = r
+            m += np.int64(t2[o, r] > 0)
         cnt[o, 0] = m
-        for r in range(t2.shape[1]):
-            if t2[o, r] < 0:
-                lst[o, m] = r
-                m += 1
+        for r in range(r_len):
+            lst[o, m] = r
+            m += np.int64(t2[o, r] < 0)
         cnt[o, 1] = m
 
 
-@njit(cache=True, inline="always")
-def _to_plane(a, pad, plane):
-    """plane[c, s0 + n*hs + iy*wp + ix] = a[n, iy, ix, c], gaps zeroed (see above)."""
-    n_s = a.shape[0]
+@njit(cache=True, nogil=True)
+def ternary_copies(t, tb, lst, cnt, want_lists):
+    """The derived copies of conv ternary weights t [K, K, C, O]: tb [O, K, K, C] (the
+    backward-data layout) and, when ``want_lists``, :func:`ternary_lists` of tb."""
+    transpose_kkco_okkc(t, tb)
+    if want_lists:
+        ternary_lists(tb, lst, cnt)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _to_plane(a, pad, plane, n0, n1):
+    """plane[c, s0 + n*hs + iy*wp + ix] = a[n, iy, ix, c] for samples n0 <= n < n1, their
+    gaps zeroed (and the leading s0 = pad*wp + pad zeros when n0 == 0); wp = W + pad,
+    hs = (H + pad) * wp: one zero column / row of each pair of neighbours is shared. A
+    channel at a time (contiguous writes)."""
     h_in = a.shape[1]
     w_in = a.shape[2]
     c_in = a.shape[3]
     wp = w_in + pad
     hs = (h_in + pad) * wp
     s0 = pad * wp + pad
+    af = a.reshape(-1)
     for c in range(c_in):
-        for i in range(s0):
-            plane[c, i] = 0
-    for n in range(n_s):
-        for iy in range(h_in):
-            base = s0 + n * hs + iy * wp
-            for ix in range(w_in):
-                for c in range(c_in):
-                    plane[c, base + ix] = a[n, iy, ix, c]
-            for c in range(c_in):
+        pc = plane[c]
+        if n0 == 0:
+            for i in range(s0):
+                pc[i] = 0
+        for n in range(n0, n1):
+            for iy in range(h_in):
+                base = s0 + n * hs + iy * wp
+                src = ((n * h_in + iy) * w_in) * c_in + c
+                for ix in range(w_in):
+                    pc[U(base + ix)] = af[U(src + ix * c_in)]
                 for ix in range(w_in, wp):
-                    plane[c, base + ix] = 0
-        for iy in range(h_in, h_in + pad):
-            base = s0 + n * hs + iy * wp
-            for c in range(c_in):
+                    pc[U(base + ix)] = 0
+            for iy in range(h_in, h_in + pad):
+                base = s0 + n * hs + iy * wp
                 for ix in range(wp):
-                    plane[c, base + ix] = 0
+                    pc[U(base + ix)] = 0
 
 
-@njit(cache=True, inline="always")
-def _pad_nhwc(a, pad, a_pad):
-    """a_pad[n, pad + iy, pad + ix, c] = a[n, iy, ix, c], zero borders ([N, H+2p, W+2p, C])."""
-    n_s = a.shape[0]
+@njit(cache=True, nogil=True, inline="always")
+def _pad_nhwc(a, pad, a_pad, n0, n1):
+    """a_pad[n, pad + iy, pad + ix, c] = a[n, iy, ix, c], zero borders ([N, H+2p, W+2p, C]),
+    samples n0 <= n < n1."""
     h_in = a.shape[1]
     w_in = a.shape[2]
     c_in = a.shape[3]
     hp = a_pad.shape[1]
     wpp = a_pad.shape[2]
-    for n in range(n_s):
+    af = a.reshape(-1)
+    pf = a_pad.reshape(-1)
+    row = wpp * c_in
+    for n in range(n0, n1):
         for iy in range(hp):
+            b = (n * hp + iy) * row
             yy = iy - pad
             if yy < 0 or yy >= h_in:
-                for ix in range(wpp):
-                    for c in range(c_in):
-                        a_pad[n, iy, ix, c] = 0
+                for j in range(row):
+                    pf[U(b + j)] = 0
                 continue
-            for ix in range(pad):
-                for c in range(c_in):
-                    a_pad[n, iy, ix, c] = 0
-            for ix in range(w_in):
-                for c in range(c_in):
-                    a_pad[n, iy, pad + ix, c] = a[n, yy, ix, c]
-            for ix in range(pad + w_in, wpp):
-                for c in range(c_in):
-                    a_pad[n, iy, ix, c] = 0
+            for j in range(pad * c_in):
+                pf[U(b + j)] = 0
+            src = (n * h_in + yy) * w_in * c_in
+            d = b + pad * c_in
+            for j in range(w_in * c_in):
+                pf[U(d + j)] = af[U(src + j)]
+            for j in range((pad + w_in) * c_in, row):
+                pf[U(b + j)] = 0
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True, inline="always")
 def transpose_kkco_okkc(t, out):
     """Ternary conv weights [K, K, C, O] -> [O, K, K, C] (the backward-data layout)."""
     for kh in range(t.shape[0]):
@@ -132,7 +150,7 @@ def transpose_kkco_okkc(t, out):
                     out[o, kh, kw, c] = t[kh, kw, c, o]
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def ternarize(w, thr, t):
     """t = +1 where w > thr, -1 where w < -thr, 0 elsewhere (flat)."""
     for j in range(w.shape[0]):
@@ -145,7 +163,7 @@ def ternarize(w, thr, t):
             t[j] = 0
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def quantize_inputs_nhwc(xq, out):
     """Copy NCHW integers into the NHWC activation layout (data loading, integers)."""
     for n in range(xq.shape[0]):

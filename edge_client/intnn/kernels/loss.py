@@ -8,7 +8,7 @@ import numpy as np
 from numba import njit
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def sse_error(z, y, target, e):
     """Output error of the SSE loss on one-hot targets: e = z - target*onehot(y).
 
@@ -33,7 +33,7 @@ EXP2_NEG_FRAC_Q30 = np.array([round(2.0 ** (30 - j / 16)) for j in range(16)], d
 SOFTMAX_ONE = 1 << 15  # probabilities in Q15
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def softmax_error(z, y, bits, temp_shift, e):
     """Integer softmax cross-entropy error (NITI style): e = Q15(softmax) - Q15(onehot).
 
@@ -73,7 +73,7 @@ def softmax_error(z, y, bits, temp_shift, e):
     return total
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def argmax_correct(z, y):
     """Number of rows of z whose first maximum is at column y[n]."""
     hits = 0

@@ -25,13 +25,13 @@ _MIX2 = np.int64(0x94D049BB133111EB - (1 << 64))
 _MASK62 = np.int64((1 << 62) - 1)
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True, nogil=True, inline="always")
 def _lsr(z: int, k: int) -> int:
     """Logical right shift of a 64-bit pattern held in an int64 (0 < k < 64)."""
     return (z >> k) & ((np.int64(1) << (64 - k)) - 1)
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True, nogil=True, inline="always")
 def mix64(z: int) -> int:
     """SplitMix64 finalizer on an int64 bit pattern (wrapping arithmetic)."""
     z = (z ^ _lsr(z, 30)) * _MIX1
@@ -39,13 +39,13 @@ def mix64(z: int) -> int:
     return z ^ _lsr(z, 31)
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True, nogil=True, inline="always")
 def rand62(key: int, j: int) -> int:
     """The ``j``-th 62-bit random integer of the counter-based stream ``key``."""
     return (mix64(key + (j + 1) * _GOLDEN) >> 2) & _MASK62
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def stream_key(seed: int, step: int, layer: int, stream: int) -> int:
     """Key of the random stream for (device seed, step counter, layer, stream id)."""
     z = mix64(seed * _GOLDEN + 0x1234567)
@@ -53,7 +53,7 @@ def stream_key(seed: int, step: int, layer: int, stream: int) -> int:
     return z
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True, nogil=True, inline="always")
 def _stoch_round_shift(v: int, sh: int, key: int, j: int) -> int:
     """``v / 2^sh`` stochastically rounded: sign(v)(floor|.| + Bernoulli(frac|.|))."""
     if sh <= 0:

@@ -1,0 +1,236 @@
+"""The integer forward pass and training step of an :class:`~edge_client.intnn.model.IntModel`
+(``IntModel.forward`` / ``IntModel.train_step`` call these): which kernel runs for each op,
+on which buffers, split over how many threads.
+
+Large kernels are split into disjoint parts that run at once on the model's threads
+(``IntModel(threads=)``, :class:`~edge_client.intnn.parallel.Splitter`): the forward,
+backward-data and pooling over samples, the error-driven conv gradient over output
+channels, the dot-product conv gradient and the linear gradient over weight rows, the
+update over stored weights. Every part writes its own outputs and every sum is an exact
+integer one, so the results do not depend on the number of threads.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from edge_client.intnn import kernels as K
+from edge_client.intnn.ops import Op, Regularizer, Workspace
+
+if TYPE_CHECKING:  # pragma: no cover
+    from edge_client.intnn.model import IntModel
+
+UPDATE_ALIGN = 256  # canonical-order weights are updated in runs of 256 (kernels.sgd_update)
+
+
+def forward(model: IntModel, ws: Workspace, n: int) -> np.ndarray:
+    """Run the forward pass on ``ws.x[:n]``; returns the logits view [n, classes]."""
+    prev = ws.x[:n]
+    for i, op in enumerate(model.ops):
+        out = ws.acts[i][:n]
+        _forward_op(model, ws, i, op, prev, out, n)
+        prev = out
+    return prev
+
+
+def _forward_op(model: IntModel, ws: Workspace, i: int, op: Op, prev: np.ndarray,
+                out: np.ndarray, n: int) -> None:
+    """Op i of the forward pass: ``out`` from ``prev`` (samples [:n])."""
+    run = model.splitter.run
+    sc = ws.scratch
+    p = op.param
+    if op.kind == "conv":
+        lay = op.layer
+        if model.conv_impl == "col" and op.plane:
+            run(K.conv_forward_plane, lambda t, lo, hi: (
+                prev, model.tlist[p], model.tcnt[p], lay.kernel, lay.padding, op.shift,
+                model.amax, op.relu, out, ws.plane[i], sc[t].offs[i], sc[t].pacc[i],
+                sc[t].pacc16[i], sc[t].ptile[i], lo, hi), n, split=op.split)
+        elif model.conv_impl == "col":
+            K.conv_forward_col(prev, model.tb[p], lay.stride, lay.padding, op.shift,
+                               model.amax, op.relu, out, ws.col_t[i], sc[0].pacc[i],
+                               sc[0].pacc16[i], sc[0].ptile[i])
+        else:
+            K.conv_forward(prev, model.t[p], lay.stride, lay.padding, op.shift, model.amax,
+                           op.relu, out, ws.patch[i])
+    elif op.kind == "linear":
+        run(K.linear_forward, lambda t, lo, hi: (
+            prev, model.t[p], op.shift, model.amax, op.relu, out, sc[t].lacc[i],
+            sc[t].lacc16[i], sc[t].nz_idx, sc[t].nz_val, lo, hi), n, split=op.split)
+    elif op.kind == "pool":
+        lay = op.layer
+        win = ws.win[i][:n] if ws.train else ws.win[i]
+        run(K.maxpool_forward, lambda t, lo, hi: (
+            prev, lay.kernel, lay.step, lay.padding, out, win, ws.train, op.relu_in, lo, hi),
+            n, split=op.split)
+    elif op.kind == "relu":
+        K.relu_forward(prev.reshape(-1), out.reshape(-1))
+
+
+def train_step(model: IntModel, ws: Workspace, y: np.ndarray, n: int, lr_log2: int, seed: int,
+               step: int, reg: Regularizer | None = None) -> int:
+    """One SGD step (see ``IntModel.train_step``); returns the integer loss sum."""
+    z = forward(model, ws, n)
+    e = ws.err_out[:n]
+    if model.loss == "sse":
+        sse = K.sse_error(z, y, model.target, e)
+    else:
+        sse = K.softmax_error(z, y, model.bits, model.ce_temp_shift, e)
+    cur = e
+    eq_ready = False  # the op's quantized error was written by the max-pool after it
+    for i in range(len(model.ops) - 1, -1, -1):
+        op = model.ops[i]
+        if op.kind == "flatten":
+            cur = cur.reshape(n, *op.in_shape)
+            continue
+        if op.kind == "relu":
+            K.relu_mask(cur.reshape(-1), ws.acts[i][:n].reshape(-1))
+            continue
+        if op.kind == "pool":
+            lay = op.layer
+            sc0 = ws.scratch[0]
+            if op.fused_error:
+                _pool_error(model, ws, i, cur, n)
+                eq_ready = True
+                continue
+            if not op.needs_input_error:
+                break
+            dst = ws.err_in[i][:n]
+            K.maxpool_backward(cur, ws.win[i][:n], lay.kernel, lay.step, lay.padding, dst,
+                               sc0.nz_idx, sc0.nz_val)
+            cur = dst
+            continue
+        cur = _param_backward(model, ws, i, cur, eq_ready, n, lr_log2, seed, step, reg)
+        eq_ready = False
+        if not op.needs_input_error:
+            break
+    return int(sse)
+
+
+def _pool_error(model: IntModel, ws: Workspace, i: int, e: np.ndarray, n: int) -> None:
+    """Max-pool op i's error ``e`` routed to its winners and quantized: the quantized error
+    of the conv before it, NHWC (``ws.eq``) or at the plane positions (``ws.eqp``)."""
+    op, conv = model.ops[i], model.ops[i - 1]
+    lay = op.layer
+    sc0 = ws.scratch[0]
+    if ws.eq[i - 1] is not None:
+        dst = ws.eq[i - 1][:n]
+        h, w, c = conv.out_shape
+        strides = (h * w * c, w * c, c, 1)
+    else:  # the plane-position layout of the conv's input: [O, N * hs]
+        dst = ws.eqp[i - 1]
+        h_in, w_in, _ = conv.in_shape
+        wp = w_in + conv.layer.padding
+        hs = (h_in + conv.layer.padding) * wp
+        strides = (hs, wp, 1, dst.shape[1])
+    K.pool_error_quantize(e, ws.win[i][:n], lay.kernel, lay.step, lay.padding, model.bits, dst,
+                          *strides, sc0.nz_idx, sc0.nz_val)
+
+
+def _param_backward(model: IntModel, ws: Workspace, i: int, cur: np.ndarray | None,
+                    eq_ready: bool, n: int, lr_log2: int, seed: int, step: int,
+                    reg: Regularizer | None) -> np.ndarray | None:
+    """Backward of conv/linear op i: its quantized error (unless ``eq_ready``), weight
+    gradient, the error at its input (returned) and the update of its weights."""
+    op = model.ops[i]
+    p = op.param
+    eq = ws.eq[i][:n] if ws.eq[i] is not None else None
+    if not eq_ready:
+        if op.relu:
+            K.mask_quantize_error(cur.reshape(-1), ws.acts[i][:n].reshape(-1), model.bits,
+                                  eq.reshape(-1))
+        else:
+            K.quantize_error(cur.reshape(-1), model.bits, eq.reshape(-1))
+    a_in = ws.acts[i - 1][:n] if i > 0 else ws.x[:n]
+    size = model.w[p].size
+    dst = ws.err_in[i][:n] if op.needs_input_error else None
+    g = (ws.grad64 if op.grad_int64 else ws.grad32)[:size].reshape(model.w[p].shape)
+    if op.kind == "linear":
+        gmax = _linear_backward(model, ws, i, eq, a_in.reshape(n, -1), g, dst, n)
+    else:
+        gmax = _conv_backward(model, ws, i, eq, a_in, g, dst, n)
+    _update(model, ws, op, g, gmax, lr_log2, seed, step, reg)
+    return dst
+
+
+def _linear_backward(model: IntModel, ws: Workspace, i: int, eq: np.ndarray, a2: np.ndarray,
+                     g: np.ndarray, dst: np.ndarray | None, n: int) -> int:
+    """Weight gradient (returns max |G|) and, when ``dst``, the error at the input."""
+    op = model.ops[i]
+    run = model.splitter.run
+    sc = ws.scratch
+    gmax = max(run(K.linear_weight_grad, lambda t, lo, hi: (
+        eq, a2, g, sc[t].nz_idx, sc[t].nz_val, ws.a_t[i], lo, hi), g.shape[0], split=op.split))
+    if dst is not None:
+        d2 = dst.reshape(n, -1)
+        run(K.linear_backward_data, lambda t, lo, hi: (
+            eq, model.t[op.param], a2, op.relu_in, d2, sc[t].nz_idx, lo, hi), n, split=op.split)
+    return gmax
+
+
+def _conv_backward(model: IntModel, ws: Workspace, i: int, eq: np.ndarray | None,
+                   a_in: np.ndarray, g: np.ndarray, dst: np.ndarray | None, n: int) -> int:
+    """Weight gradient (returns max |G|, -1 when the kernel does not report it) and, when
+    ``dst``, the error at the input."""
+    op = model.ops[i]
+    lay = op.layer
+    run = model.splitter.run
+    sc = ws.scratch
+    gmax = -1
+    if op.grad_mode == "int64":
+        K.conv_weight_grad(eq, a_in, lay.stride, lay.padding, g, ws.gacc[i])
+    elif op.grad_mode == "sparse":
+        run(K.pad_nhwc, lambda t, lo, hi: (a_in, lay.padding, ws.a_pad[i][:n], lo, hi), n,
+            split=op.split)
+        gmax = max(run(K.conv_weight_grad_sparse, lambda t, lo, hi: (
+            eq, ws.a_pad[i][:n], lay.stride, g, ws.gt[i], sc[t].nz_idx, sc[t].nz_val, lo, hi),
+            lay.out_channels, split=op.split))
+    elif op.grad_mode == "plane":
+        h_in, w_in, _ = op.in_shape
+        wp = w_in + lay.padding
+        hs = (h_in + lay.padding) * wp
+        if eq is not None:  # NHWC errors to the plane positions (else the pool wrote them)
+            run(K.eq_to_planar, lambda t, lo, hi: (eq, wp, hs, ws.eqp[i], lo, hi), n,
+                split=op.split)
+        n_pos = (n - 1) * hs + (op.out_shape[0] - 1) * wp + op.out_shape[1]
+        gmax = max(run(K.conv_weight_grad_plane, lambda t, lo, hi: (
+            ws.eqp[i], ws.plane[i], sc[0].offs[i], n_pos, g, lo, hi), g.shape[0] * g.shape[1]
+            * g.shape[2], align=2, split=op.split))
+    else:
+        K.conv_weight_grad_dot(eq, a_in, lay.stride, lay.padding, g, ws.col_t[i], ws.e_t[i],
+                               model.conv_impl == "col")
+    if dst is not None:
+        if sc[0].pbuf[i].dtype == np.int16:
+            run(K.conv_backward_data_narrow, lambda t, lo, hi: (
+                eq, model.tb[op.param], lay.stride, lay.padding, dst, sc[t].pbuf[i],
+                sc[t].nz_idx, sc[t].nz_val, lo, hi), n, split=op.split)
+        else:
+            K.conv_backward_data(eq, model.tb[op.param], lay.stride, lay.padding, dst,
+                                 sc[0].pbuf[i])
+    return gmax
+
+
+def _update(model: IntModel, ws: Workspace, op: Op, g: np.ndarray, gmax: int, lr_log2: int,
+            seed: int, step: int, reg: Regularizer | None) -> None:
+    """Eq. 15-16 on op's weights (the regularizer's term when active), then the derived
+    ternary copies."""
+    p = op.param
+    wf = model.w[p].reshape(-1)
+    tf = model.t[p].reshape(-1)
+    gf = g.reshape(-1)
+    size = wf.shape[0]
+    key = K.stream_key(seed, step, p, 0)
+    extra, extra_shift, key2 = ws.extra[:0], -1, key
+    if reg is not None and reg.active:
+        extra, extra_shift, key2 = ws.extra[:size], reg.shift, K.stream_key(seed, step, p, 1)
+        K.regularizer_terms(wf, reg.anchor[p].reshape(-1), reg.mu_q, reg.d_shift,
+                            reg.step_g[p].reshape(-1), reg.alpha_q, extra)
+    if gmax < 0:
+        gmax = K.grad_max(gf)
+    rows, cols = model.counter_layout(op)
+    model.splitter.run(K.sgd_update, lambda t, lo, hi: (
+        wf, gf, gmax, lr_log2, model.wmax, model.thr, key, tf, extra, extra_shift, key2, rows,
+        cols, lo, hi), size, align=cols if cols else UPDATE_ALIGN, split=size >= 1 << 16)
+    model.ternary_copies(p)

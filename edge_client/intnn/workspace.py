@@ -1,0 +1,220 @@
+"""The integer buffers of an :class:`~edge_client.intnn.model.IntModel` pass
+(:class:`~edge_client.intnn.ops.Workspace`), sized for a batch capacity, and the choice
+of each conv's weight-gradient kernel. Allocated once per capacity and reused by every
+step (``IntModel.workspace``); nothing is allocated per step. Buffers a kernel writes
+from several threads at once (disjoint parts) are shared; scratch is per thread.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from edge_client.errors import ConfigError
+from edge_client.intnn.ops import Op, Scratch, Workspace, internal_shape, plane_len
+
+if TYPE_CHECKING:  # pragma: no cover
+    from edge_client.intnn.model import IntModel
+
+INT32_LIMIT = (1 << 31) - 1
+INT16_LIMIT = (1 << 15) - 1
+GROUP_PIXELS = 4096  # output pixels per im2col group when evaluating (memory bound)
+PIXEL_BLOCK = 2048   # output pixels accumulated at a time by the conv forward (L1-sized)
+PLANE_BLOCK = 1024   # plane positions accumulated at a time by the stride-1 conv forward
+# conv weight gradient from the non-zero errors when a patch row (K*C values) is at least
+# this long (short rows do not vectorize: the dense dot products are faster there)
+SPARSE_GRAD_MIN_ROW = 32
+MAX_POOL_KERNEL = 11  # pool winners are int8 cell numbers kh * k + kw
+# an op's kernels are split over the threads when its forward does at least this many
+# multiply-accumulates per batch (a split costs ~10-30 us of thread hand-off)
+SPLIT_MIN_MACS = 1 << 20
+
+
+def grad_needs_int64(model: IntModel, op: Op, batch: int) -> bool:
+    """True when a sum of batch*pixels products of s-bit errors and activations may
+    exceed int32."""
+    pixels = int(np.prod(op.out_shape[:-1])) if op.kind == "conv" else 1
+    return model.amax * model.amax * batch * pixels > INT32_LIMIT
+
+
+def grad_mode(model: IntModel, op: Op, batch: int) -> str:
+    """Which kernel computes this conv's weight gradient for ``batch`` samples."""
+    if grad_needs_int64(model, op, batch):
+        return "int64"
+    if op.layer.kernel * op.layer.in_channels >= SPARSE_GRAD_MIN_ROW:
+        return "sparse"
+    if op.plane and model.conv_impl == "col":
+        return "plane"
+    return "dot"
+
+
+def op_macs(op: Op) -> int:
+    """Multiply-accumulates of one sample's forward through op (0 for ops without
+    weights)."""
+    if op.kind == "conv":
+        lay = op.layer
+        return int(np.prod(op.out_shape)) * lay.kernel * lay.kernel * lay.in_channels
+    if op.kind == "linear":
+        return op.in_shape[0] * op.out_shape[0]
+    return 0
+
+
+def check_bounds(model: IntModel) -> None:
+    """int32 forward/backward accumulators must not overflow for this spec and s."""
+    for op in model.param_ops:
+        fan_in = op.layer.fan_in
+        if fan_in * model.amax > INT32_LIMIT:
+            raise ConfigError(f"{op.layer.name}: fan-in {fan_in} overflows int32 at "
+                              f"{model.bits} bits")
+        fan_out = (op.layer.out_channels * op.layer.kernel ** 2 if op.kind == "conv"
+                   else op.layer.out_features)
+        if fan_out * model.amax * 4 > INT32_LIMIT:
+            raise ConfigError(f"{op.layer.name}: fan-out {fan_out} overflows int32 at "
+                              f"{model.bits} bits")
+    for op in model.ops:
+        if op.kind == "pool" and op.layer.kernel > MAX_POOL_KERNEL:
+            raise ConfigError(f"{op.layer.name}: pool kernel {op.layer.kernel} > "
+                              f"{MAX_POOL_KERNEL}")
+
+
+def eq_planar_from_pool(model: IntModel, i: int) -> bool:
+    """Op i's quantized error is written by the max-pool after it straight into the
+    plane-position layout (``eqp``) and needed in no other layout."""
+    op = model.ops[i]
+    return (op.grad_mode == "plane" and not op.needs_input_error and i + 1 < len(model.ops)
+            and model.ops[i + 1].fused_error)
+
+
+class _PerOp:
+    """Per-op buffer lists being filled (one entry per op, None where unused)."""
+
+    def __init__(self, names: tuple[str, ...]) -> None:
+        self.names = names
+        self.lists: dict[str, list[np.ndarray | None]] = {name: [] for name in names}
+
+    def add(self, arrays: dict[str, np.ndarray | None]) -> None:
+        unknown = set(arrays) - set(self.names)
+        if unknown:  # pragma: no cover - a programming error in this module
+            raise KeyError(sorted(unknown))
+        for name in self.names:
+            self.lists[name].append(arrays.get(name))
+
+
+SHARED = ("acts", "win", "eq", "eqp", "err_in", "patch", "a_t", "gacc", "col_t", "e_t",
+          "plane", "a_pad", "gt")
+PER_THREAD = ("pacc", "pacc16", "ptile", "offs", "pbuf", "lacc", "lacc16")
+
+
+def build_workspace(model: IntModel, capacity: int, train: bool) -> Workspace:
+    """Buffers for batches of up to ``capacity`` samples (training or forward-only)."""
+    check_bounds(model)
+    n = capacity
+    ad = model.adtype
+    threads = model.splitter.threads
+    x = np.zeros((n, *internal_shape(model.spec.input_shape)), ad)
+    shared = _PerOp(SHARED)
+    per_thread = [_PerOp(PER_THREAD) for _ in range(threads)]
+    prev = x
+    g32 = g64 = 0
+    nz = n + 4
+    for i, op in enumerate(model.ops):
+        out = prev.reshape(n, *op.out_shape) if op.kind == "flatten" else \
+            np.zeros((n, *op.out_shape), ad)
+        is_param = op.param >= 0
+        op.split = threads > 1 and op_macs(op) * n >= SPLIT_MIN_MACS
+        arrays: dict[str, np.ndarray | None] = {"acts": out}
+        scratch: dict[str, np.ndarray | None] = {}
+        if op.kind == "pool":
+            # winners are needed by backward only; evaluation passes a 1-cell dummy
+            arrays["win"] = np.zeros((n, *op.out_shape) if train else (1, 1, 1, 1), np.int8)
+            op.split = threads > 1 and model.ops[i - 1].split
+            nz = max(nz, op.out_shape[1] * op.out_shape[2])  # backward routes a row at a time
+        if (train and op.needs_input_error and op.kind not in ("flatten", "relu")
+                and not (op.kind == "pool" and op.fused_error)):
+            arrays["err_in"] = np.zeros((n, *op.in_shape), np.int32)
+        if op.kind == "conv":
+            conv_shared, scratch = _conv_buffers(model, op, n, train)
+            arrays.update(conv_shared)
+            # error lists of the sparse gradient (per channel) and backward-data (per pixel)
+            nz = max(nz, n * op.out_shape[0] * op.out_shape[1] + 4, op.out_shape[2] + 4)
+        elif op.kind == "linear":
+            n_out = op.out_shape[0]
+            scratch = {"lacc": np.zeros(n_out, np.int32),
+                       "lacc16": np.zeros(n_out if model.amax <= 127 else 0, np.int16)}
+            if train and is_param:
+                arrays["a_t"] = np.zeros((op.in_shape[0], n), ad)
+            nz = max(nz, op.in_shape[0])
+        if train and is_param:
+            if not eq_planar_from_pool(model, i):
+                arrays["eq"] = np.zeros((n, *op.out_shape), ad)
+            size = int(np.prod(model.internal_shapes[op.param]))
+            op.grad_int64 = grad_needs_int64(model, op, n)
+            if op.grad_int64:
+                g64 = max(g64, size)
+            else:
+                g32 = max(g32, size)
+        shared.add(arrays)
+        for t, lists in enumerate(per_thread):
+            # thread 0's scratch always; the others' (copies) only where the op is split
+            if t == 0:
+                lists.add(scratch)
+            else:
+                lists.add({k: (None if v is None else v.copy()) for k, v in scratch.items()}
+                          if op.split else {})
+        prev = out
+    max_param = max((int(np.prod(s)) for s in model.internal_shapes), default=0)
+    return Workspace(
+        capacity=n, x=x, err_out=np.zeros((n, model.spec.num_classes), np.int32) if train else
+        np.zeros((0, 0), np.int32),
+        scratch=[Scratch(nz_idx=np.zeros(nz, np.int32), nz_val=np.zeros(nz, np.int32),
+                         **lists.lists) for lists in per_thread],
+        grad32=np.zeros(g32, np.int32), grad64=np.zeros(g64, np.int64),
+        extra=np.zeros(max_param if train else 0, np.int64), train=train, **shared.lists,
+    )
+
+
+def _conv_buffers(model: IntModel, op: Op, n: int, train: bool
+                  ) -> tuple[dict[str, np.ndarray | None], dict[str, np.ndarray | None]]:
+    """(shared, per-thread) buffers of one conv: forward blocks, plane or im2col,
+    gradient scratch."""
+    lay = op.layer
+    ad = model.adtype
+    is_param = op.param >= 0
+    r = lay.kernel * lay.kernel * lay.in_channels
+    pix = op.out_shape[0] * op.out_shape[1]
+    h, w, c = op.in_shape
+    pad = lay.padding
+    gmode = grad_mode(model, op, n) if (train and is_param) else ""
+    if gmode:
+        op.grad_mode = gmode
+    shared: dict[str, np.ndarray | None] = {}
+    scratch: dict[str, np.ndarray | None] = {}
+    if op.plane and model.conv_impl == "col":
+        block = PLANE_BLOCK
+        shared["plane"] = np.zeros((c, plane_len(n, h, w, pad)), ad)
+        scratch["offs"] = np.zeros(r, np.int32)
+        if gmode == "plane":
+            wp = w + pad
+            shared["eqp"] = np.zeros((lay.out_channels, n * (h + pad) * wp), ad)
+    else:
+        # training keeps the whole batch's im2col for the weight gradient
+        cols = pix * (n if train else max(1, min(n, GROUP_PIXELS // pix)))
+        block = min(cols, PIXEL_BLOCK)
+        shared["col_t"] = np.zeros((r, cols), ad)
+        if gmode == "dot":
+            shared["e_t"] = np.zeros((lay.out_channels, cols), ad)
+    if gmode == "sparse":
+        shared["a_pad"] = np.zeros((n, h + 2 * pad, w + 2 * pad, c), ad)
+        shared["gt"] = np.zeros((lay.out_channels, r), np.int32)
+    scratch["pacc"] = np.zeros(block, np.int32)
+    scratch["pacc16"] = np.zeros(block if model.amax <= 127 else 0, np.int16)
+    scratch["ptile"] = np.zeros((lay.out_channels, block), ad)
+    shared["patch"] = np.zeros(lay.out_channels, np.int32)
+    if train:
+        # backward-data scratch: int16 when sum_o |eq| <= O * amax cannot overflow it
+        narrow_bd = lay.out_channels * model.amax <= INT16_LIMIT
+        scratch["pbuf"] = np.zeros(r, np.int16 if narrow_bd else np.int32)
+    if gmode == "int64":
+        shared["gacc"] = np.zeros(lay.out_channels, np.int64)
+    return shared, scratch

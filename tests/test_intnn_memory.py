@@ -1,0 +1,95 @@
+"""A device process drops LLVM's machine code from its resident memory once its kernels
+are loaded; nothing it computes changes, and LLVM still works afterwards."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from edge_client.intnn.memory import compiler_mappings
+
+MAPS = """\
+7f21cd600000-7f21cd965000 r--p 00000000 08:01 123 /venv/llvmlite/binding/libllvmlite.so
+7f21cd965000-7f21d2994000 r-xp 00365000 08:01 123 /venv/llvmlite/binding/libllvmlite.so
+7f21d6c77000-7f21d6e3c000 r--p 05677000 08:01 123 /venv/llvmlite/binding/libllvmlite.so
+7f21e0000000-7f21e0021000 r-xp 00000000 08:01 456 /usr/lib/x86_64-linux-gnu/libc.so.6
+7f21e1000000-7f21e1021000 rw-p 00000000 00:00 0
+"""
+
+
+def test_only_the_library_s_executable_mappings_are_chosen():
+    assert compiler_mappings(MAPS) == [(0x7F21CD965000, 0x7F21D2994000)]
+    assert compiler_mappings("") == []
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc and madvise are Linux's")
+def test_released_compiler_pages_are_clean_and_come_back_when_needed():
+    code = textwrap.dedent("""
+        import json, numpy as np
+        from numba import njit
+        from edge_client.intnn import kernels as K
+        from edge_client.intnn.memory import LIBRARY, release_compiler_pages
+
+        def llvm_pages():
+            out, cur = [], None
+            with open("/proc/self/smaps") as f:
+                for line in f:
+                    p = line.split()
+                    if p and "-" in p[0] and ":" not in p[0]:
+                        cur = (p[1], p[5] if len(p) > 5 else "")
+                    elif cur and LIBRARY in cur[1] and cur[0] == "r-xp" and p[0] in (
+                            "Rss:", "Private_Dirty:", "Anonymous:"):
+                        out.append((p[0], int(p[1])))
+            return out
+
+        w = np.arange(-40, 41, dtype=np.int8)
+        t = np.zeros_like(w)
+        K.ternarize(w, 32, t)                       # Numba started, a kernel loaded
+        before = llvm_pages()
+        released = release_compiler_pages()
+        after = llvm_pages()
+        t2 = np.zeros_like(w)
+        K.ternarize(w, 32, t2)                      # the loaded kernel still runs
+
+        @njit
+        def fresh(a):                               # and LLVM compiles a new one
+            return a.sum() * 3
+
+        print(json.dumps({"released": released, "before": before, "after": after,
+                          "same": bool((t == t2).all()), "fresh": int(fresh(w))}))
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300, check=False)
+    assert out.returncode == 0, out.stderr[-3000:]
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert r["released"] > 0
+    rss = lambda pages: sum(v for k, v in pages if k == "Rss:")  # noqa: E731
+    assert all(v == 0 for k, v in r["before"] if k in ("Private_Dirty:", "Anonymous:"))
+    assert rss(r["before"]) > 10_000 and rss(r["after"]) < rss(r["before"]) / 4
+    assert r["same"] and r["fresh"] == 0  # sum of -40..40 is 0
+
+
+def test_the_device_trainer_releases_and_trains_the_same():
+    """The device runtime's trainer (pages released) and a plain one end bit-equal."""
+    import numpy as np
+
+    from edge_client.data import Dataset
+    from edge_client.runtime import default_trainer_factory
+    from edge_client.trainers import IntTrainer
+    from firmware_models import get_spec
+
+    spec = get_spec("digits_cnn")
+    rng = np.random.default_rng(0)
+    d = Dataset(rng.random((40, *spec.input_shape), dtype=np.float32),
+                rng.integers(0, 10, 40).astype(np.int64))
+    dev = default_trainer_factory(spec, 8, 4)
+    assert dev._release_pages
+    plain = IntTrainer(spec, 8, seed=4)
+    for tr in (dev, plain):
+        tr.train(d, steps=3, batch=16)
+    for a, b in zip(dev.int_weights(), plain.int_weights(), strict=True):
+        assert np.array_equal(a, b)

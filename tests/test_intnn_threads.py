@@ -1,0 +1,137 @@
+"""Training on several threads inside one process: the kernels release the GIL, a step's
+large kernels are split into disjoint parts, and the result is the same bit for bit as on
+one thread for the same seed."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import edge_client.intnn.workspace as W
+from edge_client.data import Dataset
+from edge_client.errors import ConfigError
+from edge_client.intnn import IntModel
+from edge_client.intnn import kernels as K
+from edge_client.intnn.parallel import Splitter, split_range
+from edge_client.trainers import IntTrainer
+from firmware_models import Conv2d, Flatten, Linear, MaxPool2d, ModelSpec, ReLU, get_spec
+
+
+def every_path_spec() -> ModelSpec:
+    """A first conv whose error the pool writes at plane positions, a conv with K*C >= 32
+    (error-driven gradient, backward-data), an overlapping pool (routed, then masked), a
+    stride-1 conv not followed by a pool (its errors converted to plane positions), a
+    lone ReLU, two linears."""
+    return ModelSpec("paths", (3, 12, 12), (
+        Conv2d("c1", 3, 8, 3, padding=1), ReLU("r1"), MaxPool2d("p1", 2),
+        Conv2d("c2", 8, 8, 5, padding=2), ReLU("r2"), MaxPool2d("p2", 3, 2, 1),
+        Conv2d("c3", 8, 4, 3, padding=1), ReLU("r3"), Flatten("f"),
+        Linear("l1", 36, 20), ReLU("r4"), Linear("l2", 20, 5),
+    ), 5)
+
+
+def data(spec: ModelSpec, n: int, seed: int) -> Dataset:
+    rng = np.random.default_rng(seed)
+    x = rng.random((n, *spec.input_shape), dtype=np.float32)
+    return Dataset(x, rng.integers(0, spec.num_classes, n).astype(np.int64))
+
+
+def train(spec: ModelSpec, bits: int, threads: int, d: Dataset, **kw) -> tuple[list, float]:
+    tr = IntTrainer(spec, bits, seed=3, threads=threads)
+    r = tr.train(d, steps=4, batch=16, **kw)
+    tr.model.close()
+    return tr.int_weights(), r.loss
+
+
+@pytest.mark.parametrize("bits", [4, 8, 16])
+def test_any_number_of_threads_gives_the_same_weights_bit_for_bit(monkeypatch, bits):
+    monkeypatch.setattr(W, "SPLIT_MIN_MACS", 0)  # split every op, however small
+    spec = every_path_spec()
+    d = data(spec, 48, bits)
+    one, loss1 = train(spec, bits, 1, d, prox_mu=0.05)
+    for threads in (2, 3):
+        many, loss = train(spec, bits, threads, d, prox_mu=0.05)
+        assert loss == loss1
+        for a, b in zip(one, many, strict=True):
+            assert a.dtype == b.dtype and np.array_equal(a, b), (bits, threads)
+    model = IntModel(spec, bits, threads=3)
+    model.workspace(16)
+    assert all(op.split for op in model.ops if op.param >= 0)
+
+
+def test_the_default_split_follows_the_work():
+    """With 2 threads only the large ops are split (the hand-off costs ~10-30 us)."""
+    model = IntModel(get_spec("fedshift_cnn"), 8, threads=2)
+    model.workspace(32)
+    split = {op.layer.name: op.split for op in model.ops if op.param >= 0}
+    assert split == {"conv1": True, "conv2": True, "fc1": True, "fc2": False}
+    one = IntModel(get_spec("fedshift_cnn"), 8, threads=1)
+    one.workspace(32)
+    assert not any(op.split for op in one.ops)
+
+
+def test_training_kernels_release_the_gil():
+    for kernel in K.TRAINING_KERNELS:
+        assert kernel.targetoptions.get("nogil") is True, kernel.py_func.__name__
+
+
+def test_split_ranges_cover_everything_once_and_keep_the_alignment():
+    for total, parts, align in ((75, 2, 2), (51200, 3, 256), (4096 * 512, 2, 512), (5, 8, 1),
+                                (3, 2, 4), (0, 2, 1)):
+        ranges = split_range(total, parts, align)
+        covered = [i for lo, hi in ranges for i in range(lo, hi)] if total < 10_000 else None
+        assert len(ranges) <= parts
+        assert all(lo % align == 0 for lo, _ in ranges)
+        if covered is not None:
+            assert covered == list(range(total))
+        else:
+            assert ranges[0][0] == 0 and ranges[-1][1] == total
+            assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:], strict=False))
+
+
+def test_a_part_that_fails_does_not_leave_the_others_running():
+    seen = []
+
+    def kernel(i):
+        if i == 0:
+            raise RuntimeError("part 0 failed")
+        seen.append(i)
+        return i
+
+    sp = Splitter(3)
+    with pytest.raises(RuntimeError, match="part 0"):
+        sp.run(kernel, lambda t, lo, hi: (t,), 30)
+    assert sorted(seen) == [1, 2]  # both other parts finished before the error surfaced
+    sp.close()
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True, "2", 257])
+def test_bad_thread_counts_are_refused(bad):
+    with pytest.raises(ConfigError, match="threads"):
+        IntModel(get_spec("digits_cnn"), 8, threads=bad)
+
+
+def test_a_device_trains_on_its_profile_s_threads_unless_told_otherwise(tmp_path):
+    from edge_client.runtime import DeviceConfig, DeviceRuntime
+    from hw_profiles import load_profile
+
+    spec = get_spec("digits_cnn")
+    d = data(spec, 8, 0)
+    for overrides, want in (({}, 4), ({"threads": 2}, 2)):
+        cfg = DeviceConfig.from_profile("pi", load_profile("raspberry-pi-4"),
+                                        workdir=tmp_path / "pi", **overrides)
+        rt = DeviceRuntime(cfg, d, lambda **kw: None)
+        _, trainer = rt._trainer("digits_cnn")
+        assert trainer.model.splitter.threads == want
+
+
+def test_fedbit_edge_run_refuses_a_bad_thread_count(tmp_path):
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "edge_client.cli", "run", "--profile",
+                          "raspberry-pi-4", "--data", "digits:1/4", "--id", "dev-1",
+                          "--broker", "mqtt://127.0.0.1:1", "--workdir", str(tmp_path),
+                          "--threads", "0"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1
+    assert "threads must be an integer in 1..256, got 0" in out.stderr
