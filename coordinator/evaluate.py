@@ -31,6 +31,7 @@ class ModelEvaluator:
         seed: the trainers' seed (evaluation itself draws nothing).
         weight_standardization: evaluate the float forward the devices train (FedWSQ's
             ``ws``; integer variants are unaffected).
+        weight_norm: the same for weight normalization (ProWD's float clients, ``wn``).
         float_forward: the network the float devices train (the announced
             ``float_forward``): ``float32`` or ``int<s>``; the float32 variant is scored in it.
         validation: a second held-out set (the validation split carved from the training
@@ -38,7 +39,7 @@ class ModelEvaluator:
     """
 
     def __init__(self, model: str, data: Any, *, seed: int = 0, weight_standardization: bool = False,
-                 float_forward: str = "float32", validation: Any = None) -> None:
+                 float_forward: str = "float32", validation: Any = None, weight_norm: bool = False) -> None:
         from edge_client.trainers import forward_bits
 
         self.model = model
@@ -48,6 +49,9 @@ class ModelEvaluator:
         self.float_forward = str(float_forward)
         forward_bits(self.float_forward)  # ConfigError naming a bad value
         self.weight_standardization = bool(weight_standardization) and self.float_forward == "float32"
+        # as a float device reads the announcement (edge_client.hparams.round_settings)
+        self.weight_norm = (bool(weight_norm) and self.float_forward == "float32"
+                            and not self.weight_standardization)
         self._trainers: dict[str, Any] = {}
 
     def _trainer(self, variant: str) -> Any:
@@ -67,6 +71,8 @@ class ModelEvaluator:
                 extra = {"forward": self.float_forward}
                 if self.weight_standardization:
                     extra["weight_standardization"] = True
+                if self.weight_norm:
+                    extra["weight_norm"] = True
             self._trainers[variant] = make_trainer(resolve_model(self.model), bits, seed=self.seed, **extra)
         return self._trainers[variant]
 
@@ -88,17 +94,19 @@ class ModelEvaluator:
 
 
 def make_evaluator(model: str, data: Any, *, seed: int = 0, weight_standardization: bool = False,
-                   float_forward: str = "float32", validation: Any = None) -> ModelEvaluator:
+                   float_forward: str = "float32", validation: Any = None,
+                   weight_norm: bool = False) -> ModelEvaluator:
     """A :class:`ModelEvaluator` of ``model`` on ``data`` (and ``validation``; torch is
     imported lazily, for the float32 variant only)."""
     return ModelEvaluator(model, data, seed=seed, weight_standardization=weight_standardization,
-                          float_forward=float_forward, validation=validation)
+                          float_forward=float_forward, validation=validation, weight_norm=weight_norm)
 
 
 def evaluator_for(model: str, data: Any, announced: Mapping[str, Any], *, seed: int = 0,
                   validation: Any = None) -> ModelEvaluator:
     """The evaluator of a run whose rounds announce ``announced`` (the strategy's
     ``device_hparams``): the float32 variant in the forward the float devices train
-    (``float_forward``, ``ws``); ``validation``: see :class:`ModelEvaluator`."""
+    (``float_forward``, ``ws``, ``wn``); ``validation``: see :class:`ModelEvaluator`."""
     return make_evaluator(model, data, seed=seed, weight_standardization=bool(announced.get("ws", False)),
-                          float_forward=str(announced.get("float_forward", "float32")), validation=validation)
+                          float_forward=str(announced.get("float_forward", "float32")), validation=validation,
+                          weight_norm=bool(announced.get("wn", False)))

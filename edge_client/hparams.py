@@ -88,6 +88,8 @@ _TABLE = (
     HParam("content", str, "what updates hold: the local weights or the update W - W_global",
            choices=("weights", "delta")),
     HParam("ws", bool, "weight standardization in the forward pass (FedWSQ; float devices)"),
+    HParam("wn", bool, "weight normalization in the float forward (ProWD appendix B; float devices): "
+           "each output channel's weights used as sqrt(2) W_c / ||W_c||"),
     HParam("codec", str, "uplink codec, overriding the device profile's", choices=tuple(CODEC_BITS)),
     HParam("codec_bits", int, "uplink codec bits, overriding the device profile's", 1, 32),
     HParam("kmeans_method", str, "K-means uplink: 'fast' (optimal 1-D) or 'authors' (FedShift's "
@@ -202,6 +204,7 @@ class RoundSettings:
     grad_clip: float | None = None
     lr_shift: int | None = None
     ws: bool | None = None
+    wn: bool | None = None
     float_forward: str | None = None
     not_applied: dict[str, str] = field(default_factory=dict)
 
@@ -213,7 +216,9 @@ def round_settings(hparams: Mapping[str, Any], *, variant: str, codec: str, code
     what it cannot honour lands in ``not_applied``.
 
     Device rules: ``ws`` needs a float device (the integer forward is ternary) that trains
-    the float forward (``float_forward`` ``float32``); ``float_forward`` is the float
+    the float forward (``float_forward`` ``float32``); so does ``wn``, which is the float
+    devices' own setting (an integer device does not report it) and gives way to ``ws``;
+    ``float_forward`` is the float
     devices' network: an integer device always trains its own forward and reports an
     announced ``int<s'>`` of another bitwidth (the fleet's function is not its own; the
     default ``float32`` concerns float devices only and is not reported); codec
@@ -229,14 +234,21 @@ def round_settings(hparams: Mapping[str, Any], *, variant: str, codec: str, code
     if values.get("ws") and integer:
         not_applied["ws"] = "integer device: its forward pass is ternary, no weight standardization"
         values.pop("ws")
+    if integer:
+        values.pop("wn", None)  # the float devices' setting (ProWD's float clients): not reported
+    if values.get("wn") and values.get("ws"):
+        not_applied["wn"] = "weight standardization (ws) is on; the two exclude each other"
+        values.pop("wn")
     forward = values.pop("float_forward", None)
     if integer:
         if forward not in (None, FLOAT_VARIANT, variant):
             not_applied["float_forward"] = f"an {variant} device trains its own forward ({variant}), not {forward}"
         forward = None
-    elif forward not in (None, FLOAT_VARIANT) and values.get("ws"):
-        not_applied["ws"] = f"no weight standardization in the integer forward ({forward})"
-        values.pop("ws")
+    elif forward not in (None, FLOAT_VARIANT):
+        for key, what in (("ws", "standardization"), ("wn", "normalization")):
+            if values.get(key):
+                not_applied[key] = f"no weight {what} in the integer forward ({forward})"
+                values.pop(key)
     new_codec = values.get("codec", codec)
     if new_codec == "int" and not integer:
         not_applied["codec"] = "codec 'int' needs an integer device"
@@ -262,5 +274,5 @@ def round_settings(hparams: Mapping[str, Any], *, variant: str, codec: str, code
         lr=values.get("lr"), momentum=values.get("momentum"),
         grad_clip=None if integer or forward not in (None, FLOAT_VARIANT) else values.get("grad_clip"),
         lr_shift=values.get("lr_shift") if integer or forward not in (None, FLOAT_VARIANT) else None,
-        ws=values.get("ws"), float_forward=forward, not_applied=not_applied,
+        ws=values.get("ws"), wn=values.get("wn"), float_forward=forward, not_applied=not_applied,
     )

@@ -495,7 +495,8 @@ class DeviceRuntime:
 
             lr = (lr if lr is not None else getattr(trainer, "lr", DEFAULT_TORCH_LR)) * st.lr_scale
         for key, value in (("lr", lr), ("momentum", st.momentum), ("grad_clip", st.grad_clip),
-                           ("weight_standardization", st.ws), ("forward", st.float_forward)):
+                           ("weight_standardization", st.ws), ("weight_norm", st.wn),
+                           ("forward", st.float_forward)):
             if value is not None:
                 kw[key] = value
         integer_step = self.variant != FLOAT_VARIANT or st.float_forward not in (None, FLOAT_VARIANT)
@@ -511,6 +512,7 @@ class DeviceRuntime:
                 kw["lr_shift"] = shift
         if self.variant != FLOAT_VARIANT:
             kw.pop("weight_standardization", None)
+            kw.pop("weight_norm", None)
             kw.pop("forward", None)
         return kw
 

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import coordinator.strategies.swa as swa
-from coordinator.strategies.swa import cosine, max_dropped, swa_mask
+from coordinator.strategies.swa import cosine, max_dropped, max_kept, swa_mask
 
 
 def brute_force(a: np.ndarray, b: np.ndarray, tau: float) -> float:
@@ -109,3 +109,48 @@ def test_shape_is_preserved_and_budget_respected_on_a_big_layer():
     assert r.keep.shape == a.shape
     assert 0 < (~r.keep).sum() <= max_dropped(a.size, 0.1)
     assert r.cos_after > r.cos_before
+
+
+def brute_force_keep(a: np.ndarray, b: np.ndarray, tau: float) -> float:
+    """Best cosine over every mask with at most floor(τn) ones among the nonzero Δlow
+    elements; 0 (nothing kept) when none reaches a positive cosine."""
+    a = a.ravel().astype(np.float64)
+    b = b.ravel().astype(np.float64)
+    nz = np.flatnonzero(a)
+    k = min(max_kept(a.size, tau), nz.size)
+    best = 0.0
+    if not b.any():
+        return best
+    for r in range(1, k + 1):
+        for keep in itertools.combinations(nz.tolist(), r):
+            c = np.zeros_like(a)
+            c[list(keep)] = a[list(keep)]
+            best = max(best, cosine(c, b))
+    return best
+
+
+@settings(max_examples=120, deadline=None)
+@given(layer=layers(max_n=10), tau=st.sampled_from([0.1, 0.25, 0.5, 1.0]))
+def test_keep_mode_matches_brute_force(layer, tau):
+    """tau_mode = "keep" (eq. 8's |c| <= τ read as the fraction kept): the exact optimum
+    over masks with at most floor(τn) ones."""
+    a, b = layer
+    r = swa_mask(a, b, tau, "keep")
+    assert r.keep.sum() <= max_kept(a.size, tau)
+    assert not (r.keep & (a == 0)).any()
+    assert r.cos_after == pytest.approx(brute_force_keep(a, b, tau), abs=1e-9)
+    assert r.cos_after == pytest.approx(cosine(np.where(r.keep, a, 0.0), b), abs=1e-12)
+
+
+def test_keep_mode_on_a_big_layer_keeps_at_most_tau_and_aligns():
+    rng = np.random.default_rng(1)
+    a = rng.standard_normal((32, 16, 3, 3))
+    b = a + 2 * rng.standard_normal(a.shape)
+    drop, keep = swa_mask(a, b, 0.1, "drop"), swa_mask(a, b, 0.1, "keep")
+    assert (~drop.keep).mean() <= 0.1 and keep.keep.mean() <= 0.1
+    assert 0.05 < keep.keep.mean() and drop.cos_after > drop.cos_before
+    # a tenth of the elements, chosen, align better than all of them
+    assert keep.cos_after > keep.cos_before
+    assert swa_mask(np.array([1.0, 2.0]), -np.ones(2), 0.5, "keep").keep.sum() == 0  # never positive
+    with pytest.raises(ValueError, match="mode"):
+        swa_mask(a, b, 0.1, "kept")

@@ -115,6 +115,14 @@ class ExperimentConfig:
     clock: dict[str, Any] = field(default_factory=dict)
     sweep: dict[str, list[Any]] = field(default_factory=dict)
     source: str = "<config>"
+    #: the paper's settings of the strategy's own stages (``swa.<key>``, ``dequantize.<key>``;
+    #: ``papers.PaperSettings.stage_params``), under the config's own ``strategy_params``
+    paper_stage_params: dict[str, Any] = field(default_factory=dict)
+
+    def build_params(self) -> dict[str, Any]:
+        """The strategy's parameters as the run builds it: the paper's stage settings, then
+        the config's own ``strategy_params`` over them."""
+        return self.paper_stage_params | self.strategy_params
 
     def as_dict(self) -> dict[str, Any]:
         """The config as the TOML table it came from (for reports and run folders)."""
@@ -160,6 +168,8 @@ def from_dict(raw: dict[str, Any], source: str = "<config>") -> ExperimentConfig
         raw.setdefault("strategy", ps.strategy)
         raw["strategy_params"] = ps.strategy_params | raw.get("strategy_params", {})
         raw["train"] = ps.hparams
+        if ps.int_codec:
+            _paper_codecs(raw, ps.int_codec, bad)
     cfg = ExperimentConfig(source=source)
     values = SCHEMA.validate(raw, source)
     for key, v in values.pop("").items():
@@ -168,8 +178,45 @@ def from_dict(raw: dict[str, Any], source: str = "<config>") -> ExperimentConfig
         if sec in SCHEMA.free and sec not in raw:
             continue  # the dataclass default (e.g. [train]: DEFAULT_HPARAMS)
         setattr(cfg, sec, table)
+    if cfg.paper:
+        _paper_stages(cfg, ps.stage_params)
     _check_values(cfg, bad)
     return cfg
+
+
+def _paper_codecs(raw: dict[str, Any], codec: str, bad) -> None:
+    """The paper's integer uplink for every integer profile of ``[devices]`` that the
+    config's ``[codecs]`` leaves out."""
+    from hw_profiles import load_profile
+
+    devices, codecs = raw.get("devices", {}), raw.setdefault("codecs", {})
+    if not isinstance(devices, dict) or not isinstance(codecs, dict):
+        return  # the schema names the bad section
+    for name in devices:
+        try:
+            prof = load_profile(name)
+        except ValueError as exc:
+            raise bad(f"devices.{name}", str(exc)) from None
+        if prof.trainer == "int":
+            codecs.setdefault(name, codec)
+
+
+def _paper_stages(cfg: ExperimentConfig, stage_params: dict[str, Any]) -> None:
+    """Keep the paper's stage settings the strategy has a stage for (and the config does
+    not set itself)."""
+    from coordinator.strategies import strategy_stages
+
+    own = cfg.strategy_params
+    stages = strategy_stages(cfg.strategy, own)
+
+    def set_by_config(key: str) -> bool:
+        stage, _, name = key.partition(".")
+        if key in own:
+            return True
+        return name in (own if stage == "swa" else own.get("dequantize_params") or {})
+
+    cfg.paper_stage_params = {k: v for k, v in stage_params.items()
+                              if k.partition(".")[0] in stages and not set_by_config(k)}
 
 
 def _check_values(cfg: ExperimentConfig, bad) -> None:
@@ -258,7 +305,7 @@ def _check_values(cfg: ExperimentConfig, bad) -> None:
         if isinstance(t, dict | list):
             raise bad(f"train.{key}", "must be a number, boolean or string")
     try:  # the strategy's parameters, and the announced settings as the coordinator checks them
-        build_strategy(cfg.strategy, **cfg.strategy_params).device_hparams(cfg.train)
+        build_strategy(cfg.strategy, **cfg.build_params()).device_hparams(cfg.train)
     except ConfigError as exc:
         raise bad("[strategy_params] / [train]", str(exc)) from None
     if not 0 <= cfg.target_accuracy <= 1:

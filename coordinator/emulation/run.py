@@ -145,11 +145,11 @@ class Emulator:
         sps = pinned | measured
         info = self._describe(plan, data, sps, measured)
         rnd = cfg.round
-        strategy = build_strategy(cfg.strategy, model=cfg.model, **cfg.strategy_params)
+        strategy = build_strategy(cfg.strategy, model=cfg.model, **cfg.build_params())
         n = len(plan)
         server_cfg = ServerConfig(
             job=job, model=cfg.model, rounds=cfg.rounds, strategy=cfg.strategy,
-            strategy_params=dict(cfg.strategy_params), fraction=float(rnd["fraction"]), min_devices=1,
+            strategy_params=cfg.build_params(), fraction=float(rnd["fraction"]), min_devices=1,
             max_devices=n, min_present=n, quorum=float(rnd["quorum"]),
             min_updates=int(rnd["min_updates"]), round_timeout_s=float(rnd["wall_timeout_s"]),
             presence_timeout_s=max(120.0, float(rnd["wall_timeout_s"])), hparams=dict(cfg.train), seed=seed,
@@ -241,7 +241,8 @@ class Emulator:
         devices = [plan.device(d) for d in listed]
         counts = class_counts([d.shard for d in devices], data.train.y, data.num_classes)
         return {
-            "config": self.cfg.as_dict(), "source": self.cfg.source, "seed": self.seed,
+            "config": self.cfg.as_dict(), "paper_stage_params": dict(self.cfg.paper_stage_params),
+            "source": self.cfg.source, "seed": self.seed,
             "dataset": data.name, "train_samples": len(data.train), "test_samples": len(data.test),
             "validation_samples": len(data.validation) if data.validation is not None else 0,
             "seconds_per_sample": sps, "calibrated": sorted(measured),

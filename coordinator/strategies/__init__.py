@@ -11,10 +11,10 @@ combine (fedavg | fedshift | grouped | grouped-asym | fedpaq).
 """
 
 from coordinator.strategies.base import Strategy
-from coordinator.strategies.registry import available_strategies, build_strategy
+from coordinator.strategies.registry import available_strategies, build_strategy, strategy_stages
 from coordinator.strategies.round import RoundStrategy
 from coordinator.strategies.swa import swa_mask
 from coordinator.strategies.types import AggregateResult, ClientUpdate, EncodedUpdate
 
 __all__ = ["AggregateResult", "ClientUpdate", "EncodedUpdate", "RoundStrategy", "Strategy", "available_strategies", "build_strategy",
-           "swa_mask"]
+           "strategy_stages", "swa_mask"]

@@ -13,6 +13,12 @@ combiner starts from.
   ``fill="exclude"`` leaves a masked element out of that element's average instead
   (denominator = weight of the updates that kept it); ``fill="literal"`` is eq. 9 as
   printed. With no low or no high update in the round, the mask is all ones.
+  ``tau_mode``: how eq. 8's |c*| ≤ τ is read (``swa``): "drop" (the default: at most a τ
+  fraction of a layer's low-bit elements left out) or "keep" (at most a τ fraction kept).
+  Stats per round: ``masked_fraction/<layer>`` (the fraction of the layer's low-bit
+  elements left out) and ``masked_fraction/<layer>/<variant>`` for every group of the
+  round (a low group: that fraction, every low group shares the mask; a high group: 0),
+  ``cos_before/<layer>``, ``cos_after/<layer>``.
 """
 
 from __future__ import annotations
@@ -22,8 +28,9 @@ from typing import Protocol
 import numpy as np
 
 from coordinator.strategies.accumulate import GroupSums
-from coordinator.strategies.swa import swa_mask
+from coordinator.strategies.swa import MODES, swa_mask
 from edge_client.errors import ConfigError
+from edge_client.protocol import model_variant
 
 Stats = dict[str, float | int]
 
@@ -64,13 +71,16 @@ def split_bits(bits: list[int]) -> tuple[list[int], list[int]]:
 class ProwdSwaMask:
     name = "prowd-swa"
 
-    def __init__(self, tau: float = 0.1, fill: str = "exclude") -> None:
+    def __init__(self, tau: float = 0.1, fill: str = "exclude", tau_mode: str = "drop") -> None:
         if not 0.0 <= float(tau) <= 1.0:
             raise ConfigError(f"prowd-swa: tau must be in [0, 1], got {tau}")
         if fill not in ("exclude", "literal"):
             raise ConfigError(f"prowd-swa: fill must be 'exclude' or 'literal', got {fill!r}")
+        if tau_mode not in MODES:
+            raise ConfigError(f"prowd-swa: tau_mode must be one of {list(MODES)}, got {tau_mode!r}")
         self.tau = float(tau)
         self.fill = fill
+        self.tau_mode = tau_mode
 
     def average(self, sums: GroupSums, global_flat: list[np.ndarray]) -> tuple[list[np.ndarray], Stats]:
         low, high = split_bits(sums.bits)
@@ -78,6 +88,8 @@ class ProwdSwaMask:
         if not low or not high:
             for i in range(len(global_flat)):
                 stats[f"masked_fraction/{i}"] = 0.0
+                for b in sums.bits:
+                    stats[f"masked_fraction/{i}/{_variant(b)}"] = 0.0
             return plain_average(sums), stats
         s_low, w_low = sums.combined(low)
         s_high, w_high = sums.combined(high)
@@ -86,7 +98,7 @@ class ProwdSwaMask:
         for i, (sl, sh, g) in enumerate(zip(s_low, s_high, global_flat, strict=True)):
             d_low = sl / w_low - g
             d_high = sh / w_high - g
-            r = swa_mask(d_low, d_high, self.tau)
+            r = swa_mask(d_low, d_high, self.tau, self.tau_mode)
             c = r.keep
             sh += np.where(c, sl, 0.0)  # reuse the high sum as the masked total
             if self.fill == "exclude":
@@ -94,7 +106,17 @@ class ProwdSwaMask:
             else:
                 sh /= w_high + w_low
             out.append(sh)
-            stats[f"masked_fraction/{i}"] = float(1.0 - c.mean()) if c.size else 0.0
+            masked = float(1.0 - c.mean()) if c.size else 0.0
+            stats[f"masked_fraction/{i}"] = masked
+            for b in low:
+                stats[f"masked_fraction/{i}/{_variant(b)}"] = masked
+            for b in high:
+                stats[f"masked_fraction/{i}/{_variant(b)}"] = 0.0
             stats[f"cos_before/{i}"] = r.cos_before
             stats[f"cos_after/{i}"] = r.cos_after
         return out, stats
+
+
+def _variant(bits: int) -> str:
+    """A group's variant name (``float32``, ``int<s>``)."""
+    return model_variant(bits, "int")

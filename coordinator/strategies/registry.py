@@ -5,7 +5,7 @@ A name is ``[<mask>+]<combiner>``: combiners ``fedavg``, ``fedshift``, ``grouped
 ``prowd-swa+fedavg``). The dequantize stage is a parameter (``dequantize="none"`` |
 ``"prowd"``), not part of the name, except in ``prowd``: ProWD in full,
 ``dequantize="prowd"`` + ``prowd-swa`` + ``fedavg``. Params go to the stage that owns them:
-``tau``, ``fill`` (mask); ``layers`` (fedshift); ``server_lr`` (fedpaq, fedwsq); ``bits``
+``tau``, ``fill``, ``tau_mode`` (mask; also as ``swa.<key>``); ``layers`` (fedshift); ``server_lr`` (fedpaq, fedwsq); ``bits``
 (fedwsq); ``server_momentum``, ``server_lr`` (fedavgm); ``scale_lr`` (grouped, grouped-asym); ``weighted`` (False: 1/N averaging, the
 FedShift and ProWD papers' choice), ``sigma_momentum``, ``acc_dtype``, ``batch``
 (strategy); ``dequantize`` and ``dequantize_params`` (a dict), or ``dequantize.<key>`` one
@@ -53,6 +53,22 @@ PRESETS: dict[str, tuple[str, str, str]] = {"prowd": ("prowd-swa", "fedavg", "pr
 _STRATEGY_PARAMS = ("weighted", "sigma_momentum", "acc_dtype", "batch")
 _ROBUST_PARAMS = ("clip", "robust", "trim")
 _DEQ_PREFIX = "dequantize."
+_SWA_PREFIX = "swa."
+
+
+def strategy_stages(name: str, params: dict[str, Any] | None = None) -> frozenset[str]:
+    """The optional stages strategy ``name`` with ``params`` has: ``"swa"`` (a selective
+    weight aggregation mask) and ``"dequantize"`` (a dequantizer other than ``none``); a
+    ``swa.<key>`` / ``dequantize.<key>`` parameter is valid only with its stage."""
+    params = params or {}
+    mask_name, _, _ = name.rpartition("+")
+    deq = params.get("dequantize", "none")
+    if name in PRESETS:
+        mask_name = PRESETS[name][0]
+        deq = params.get("dequantize", PRESETS[name][2])
+    elif name in MASKS:
+        mask_name = name
+    return frozenset(({"swa"} if mask_name else set()) | ({"dequantize"} if deq != "none" else set()))
 
 
 def available_strategies() -> list[str]:
@@ -85,6 +101,10 @@ def build_strategy(name: str, *, model: str | None = None, **params: Any) -> Str
     deq_params = dict(params.pop("dequantize_params", None) or {})
     for key in [k for k in params if k.startswith(_DEQ_PREFIX)]:
         deq_params[key[len(_DEQ_PREFIX):]] = params.pop(key)
+    for key in [k for k in params if k.startswith(_SWA_PREFIX)]:
+        if not mask_name:
+            raise ConfigError(f"strategy {name!r} has no selective weight aggregation: {key!r}")
+        params[key[len(_SWA_PREFIX):]] = params.pop(key)
     mask: MaskStage = MASKS[mask_name](**_take(MASKS[mask_name], params)) if mask_name else NoMask()
     combiner = COMBINERS[comb_name](**_take(COMBINERS[comb_name], params))
     deq = build_dequantizer(params.pop("dequantize", "none"), model=model, **deq_params)

@@ -42,7 +42,12 @@ class TorchTrainer:
     ``[-clip, clip]`` after every step. ``weight_standardization`` (FedWSQ): each output
     channel's weights are standardized, ``W~ = rho (W - mean) / std`` with ``rho = 1e-3``
     (FedWSQ's value), and, since these models have no normalization layer after it, the
-    layer output is rescaled by ``sqrt(2 / fan_in) / rho`` (He gain).
+    layer output is rescaled by ``sqrt(2 / fan_in) / rho`` (He gain). ``weight_norm``
+    (ProWD appendix B: Weight Normalization on the float clients, so that the scale of the
+    aggregated weights, which integer devices pull toward their ternary levels, does not
+    change the float network): each output channel's weights are used as
+    ``g W_c / ||W_c||`` with the gain ``g = sqrt(2)`` fixed (the He norm of a filter; the
+    shared domain has no parameter to carry a trained g) in place of ``W / alpha_l``.
 
     ``forward``: the network it trains and evaluates. ``"float32"`` (default): the float
     forward above. ``"int<s>"``: the s-bit integer devices' forward (:mod:`edge_client.intnn`,
@@ -69,7 +74,7 @@ class TorchTrainer:
                  weight_standardization: bool = False, momentum: float = DEFAULT_MOMENTUM,
                  grad_clip: float = 2.0, clip: float = DEFAULT_CLIP, ws_rho: float = 1e-3,
                  loss: str | None = None, forward: str = FLOAT_VARIANT,
-                 lr_shift: int = DEFAULT_LR_SHIFT) -> None:
+                 lr_shift: int = DEFAULT_LR_SHIFT, weight_norm: bool = False) -> None:
         import torch
 
         self._torch = torch
@@ -79,8 +84,7 @@ class TorchTrainer:
         self.forward_bits = forward_bits(forward)
         if loss not in (None, "ce", "sse"):
             raise ConfigError(f"loss must be 'ce' or 'sse', got {loss!r}")
-        if weight_standardization and self.forward_bits != 32:
-            raise ConfigError(f"weight standardization applies to the float forward, not {forward!r}")
+        _check_norms(weight_standardization, weight_norm, self.forward_bits, forward)
         self.lr = float(lr)
         self.momentum = float(momentum)
         self.lr_shift = check_lr_shift(lr_shift)
@@ -88,6 +92,7 @@ class TorchTrainer:
         self.clip = float(clip)
         self.seed = int(seed)
         self.weight_standardization = bool(weight_standardization)
+        self.weight_norm = bool(weight_norm)
         self.ws_rho = float(ws_rho)
         self.loss_kind = loss  # None: CE for the float forward, SSE for an integer one
         self._alpha = [float(1 << a) for a in alpha_shifts(self.spec)]
@@ -117,7 +122,12 @@ class TorchTrainer:
 
     # model -----------------------------------------------------------------
 
-    def _effective(self, i: int, w, ws: bool):
+    def _effective(self, i: int, w, ws: bool, wn: bool = False):
+        """(the layer's effective weight, the factor its output is multiplied by)."""
+        if wn:
+            flat = w.reshape(w.shape[0], -1)
+            norm = flat.norm(dim=1, keepdim=True).clamp_min(1e-12)
+            return (flat * (WN_GAIN / norm)).reshape(w.shape), 1.0
         if not ws:
             return w, 1.0 / self._alpha[i]
         flat = w.reshape(w.shape[0], -1)
@@ -127,27 +137,29 @@ class TorchTrainer:
         gain = math.sqrt(2.0 / flat.shape[1]) / self.ws_rho
         return ws.reshape(w.shape), gain
 
-    def forward(self, x, ws: bool | None = None, bits: int | None = None, taps: list | None = None):
+    def forward(self, x, ws: bool | None = None, bits: int | None = None, taps: list | None = None,
+                wn: bool | None = None):
         """Logits of a float32 batch ``x`` [N, C, H, W] (torch tensor) in [0, 1]; ``ws``:
-        weight standardization; ``bits``: 32 for the float forward, s for the s-bit integer
-        forward (class docstring). None: the trainer's settings. ``taps``: a list that gets
-        each conv/linear layer's output (after the ReLU right after it, if any), as the
-        integer engine keeps its activations."""
+        weight standardization; ``wn``: weight normalization; ``bits``: 32 for the float
+        forward, s for the s-bit integer forward (class docstring). None: the trainer's
+        settings. ``taps``: a list that gets each conv/linear layer's output (after the ReLU
+        right after it, if any), as the integer engine keeps its activations."""
         bits = self.forward_bits if bits is None else bits
         if bits != 32:
             return self._int_forward(x, bits, taps)
         F = self._torch.nn.functional
         ws = self.weight_standardization if ws is None else ws
+        wn = self.weight_norm if wn is None else wn
         h = x
         p = 0
         layers = self.spec.layers
         for i, layer in enumerate(layers):
             if isinstance(layer, Conv2d):
-                w, scale = self._effective(p, self.params[p], ws)
+                w, scale = self._effective(p, self.params[p], ws, wn)
                 h = F.conv2d(h, w, stride=layer.stride, padding=layer.padding) * scale
                 p += 1
             elif isinstance(layer, Linear):
-                w, scale = self._effective(p, self.params[p], ws)
+                w, scale = self._effective(p, self.params[p], ws, wn)
                 h = F.linear(h, w) * scale
                 p += 1
             elif isinstance(layer, ReLU):
@@ -219,11 +231,13 @@ class TorchTrainer:
               last_global_step: list[np.ndarray] | None = None, lr: float | None = None,
               momentum: float | None = None, grad_clip: float | None = None,
               weight_standardization: bool | None = None,
-              forward: str | None = None, lr_shift: int | None = None) -> TrainReport:
+              forward: str | None = None, lr_shift: int | None = None,
+              weight_norm: bool | None = None) -> TrainReport:
         """Local SGD; loss reported is the mean training loss (CE or SSE) over the steps.
-        ``lr``, ``momentum``, ``grad_clip``, ``weight_standardization``, ``forward`` (the
-        network trained: ``float32`` or ``int<s>``, class docstring), ``lr_shift`` (the data
-        step of an integer forward): this call's values (None: the trainer's)."""
+        ``lr``, ``momentum``, ``grad_clip``, ``weight_standardization``, ``weight_norm``,
+        ``forward`` (the network trained: ``float32`` or ``int<s>``, class docstring),
+        ``lr_shift`` (the data step of an integer forward): this call's values (None: the
+        trainer's)."""
         torch = self._torch
         n_steps = check_train_args(data, self.spec, epochs, steps, batch, prox_mu,
                                     fedfor_alpha, last_global_step)
@@ -234,9 +248,9 @@ class TorchTrainer:
         if not grad_clip >= 0:
             raise ConfigError(f"grad_clip must be >= 0, got {grad_clip}")
         ws = self.weight_standardization if weight_standardization is None else bool(weight_standardization)
+        wn = self.weight_norm if weight_norm is None else bool(weight_norm)
         bits = self.forward_bits if forward is None else forward_bits(forward)
-        if ws and bits != 32:
-            raise ConfigError(f"weight standardization applies to the float forward, not {forward!r}")
+        _check_norms(ws, wn, bits, forward)
         lr_shift = self.lr_shift if lr_shift is None else check_lr_shift(lr_shift)
         t0 = time.perf_counter()
         rng = np.random.default_rng([self.seed, self._calls])
@@ -256,14 +270,14 @@ class TorchTrainer:
             for p in self.params:
                 if p.grad is not None:
                     p.grad.zero_()
-            loss = self._loss(self.forward(xb, ws, bits), yb, bits)
+            loss = self._loss(self.forward(xb, ws, bits, wn=wn), yb, bits)
             loss.backward()
             with torch.no_grad():
                 if bits != 32:  # the integer devices' step, the terms beside it (class docstring)
                     reg = [self._reg_term(p, anchor[i], prox_mu, gsteps, i, fedfor_alpha)
                            for i, p in enumerate(self.params)]
                     integer_step(self.params, lr_shift)
-                    for p, r in zip(self.params, reg, strict=True):
+                    for p, r in zip_strict(self.params, reg):
                         if r is not None:
                             p.sub_(r, alpha=lr / (1.0 - momentum))
                 else:
@@ -319,6 +333,20 @@ def _tap_after(layers, i: int) -> bool:
     if isinstance(layer, (Conv2d, Linear)):
         return not (i + 1 < len(layers) and isinstance(layers[i + 1], ReLU))
     return isinstance(layer, ReLU) and i > 0 and isinstance(layers[i - 1], (Conv2d, Linear))
+
+
+#: Weight Normalization's fixed gain: every output channel's effective weight has norm sqrt(2)
+WN_GAIN = math.sqrt(2.0)
+
+
+def _check_norms(ws: bool, wn: bool, bits: int, forward: object) -> None:
+    """ConfigError when weight standardization or normalization cannot apply: both at
+    once, or either with an integer forward."""
+    if ws and wn:
+        raise ConfigError("weight standardization and weight normalization exclude each other")
+    if (ws or wn) and bits != 32:
+        what = "weight standardization" if ws else "weight normalization"
+        raise ConfigError(f"{what} applies to the float forward, not {forward!r}")
 
 
 def forward_bits(forward: str) -> int:

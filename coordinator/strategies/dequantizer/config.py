@@ -30,7 +30,11 @@ class DequantizerConfig:
 
     Network: ``ladder`` (bitwidths π_0 < ... < π_k, each 2..16, the last may be 32 =
     float; a block φ^{π_j → π_j+1} per step), ``tau`` (φ(w) = w + τ·ρ(ρ(w))), ``block``
-    ([C, H, W] of one weight block; C even), ``modules`` (cut conv layers of shape
+    ([C, H, W] of one weight block; C even; or ``"slices"``: the slice dequantizer on conv
+    slices, ``dequantizer.slices``, with ``context`` "update" (the convolutions read the
+    received weights: the paper's) or "global" (they read the global model the device
+    started from, and the update enters per position: compiled into a lookup table per
+    round for entry rungs of at most ``table_levels`` levels)), ``modules`` (cut conv layers of shape
     [64a, 64b, 3, 3] into the paper's 64x64x3x3 modules; needs ``block == (64, 24, 24)``),
     ``kernel`` (k×k convolutions inside α, β, γ: 1 = per position, 3 = the paper's),
     ``growth`` (channels each dense layer of α, β, γ adds), ``residual`` ("deviation":
@@ -58,6 +62,9 @@ class DequantizerConfig:
     ladder: tuple[int, ...] = LADDERS["fleet"]
     tau: float = 0.1
     block: tuple[int, int, int] = GENERIC_BLOCK
+    slices: bool = False
+    context: str = "update"
+    table_levels: int = 17
     modules: bool = False
     kernel: int = 1
     growth: int = 8
@@ -93,6 +100,9 @@ class DequantizerConfig:
         p = dict(params)
         if "ladder" in p:
             p["ladder"] = _ladder(p["ladder"])
+        if p.get("block") == "slices":
+            p["slices"] = True
+            p["block"] = GENERIC_BLOCK
         if "block" in p:
             block = _block(p["block"])
             if p["block"] == "paper" and "modules" not in p:
@@ -129,6 +139,14 @@ class DequantizerConfig:
         for name, ok in checks:
             if not ok:
                 raise ConfigError(f"dequantizer: {name} out of range: {getattr(self, name)!r}")
+        if self.context not in ("update", "global"):
+            raise ConfigError(f"dequantizer: context must be 'update' or 'global', got {self.context!r}")
+        if self.context == "global" and not self.slices:
+            raise ConfigError("dequantizer: context 'global' needs block = 'slices'")
+        if self.slices and (self.modules or self.residual != "deviation"):
+            raise ConfigError("dequantizer: block 'slices' takes neither modules nor residual 'literal'")
+        if not 3 <= self.table_levels <= 1025:
+            raise ConfigError(f"dequantizer: table_levels out of range: {self.table_levels!r}")
         if self.residual not in ("deviation", "literal"):
             raise ConfigError(f"dequantizer: residual must be 'deviation' or 'literal', got {self.residual!r}")
         if self.optimizer not in ("sgd", "adam"):
@@ -137,7 +155,7 @@ class DequantizerConfig:
     def network_key(self) -> dict[str, Any]:
         """What a trained network's parameters and meaning depend on: a checkpoint is
         restored only into a dequantizer with the same key."""
-        keys = ("ladder", "tau", "block", "modules", "kernel", "growth", "residual", "clip")
+        keys = ("ladder", "tau", "block", "slices", "context", "modules", "kernel", "growth", "residual", "clip")
         d = asdict(self)
         return {k: list(d[k]) if isinstance(d[k], tuple) else d[k] for k in keys}
 

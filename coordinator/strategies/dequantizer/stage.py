@@ -16,7 +16,15 @@ Per round (the strategy calls the hooks):
   delays a round: a round uses the last finished version.
 
 Held out: the most recent round's models (the pool's older rounds are trained on); with
-one round in the pool, its last model. A failure while training is logged, counted
+one round in the pool, its last model.
+
+``block = "slices"`` (``slices``, ``slicetrain``): the slice dequantizer trains on pairs
+(a float32 device's weights, the global model of its round) and, for ``context =
+"update"``, (an integer device's received weights, the global model it started from);
+with ``context = "global"`` the round's tables are compiled in a background thread when
+the round opens (``begin_round``), from the version then in use, for the entry rungs the
+last round's integer updates came in on, and an update is dequantized by a lookup (it
+waits for that compilation if it has not finished: ``dequantizer_wait_s``). A failure while training is logged, counted
 (``dequantizer_failures``) and leaves no version: the stage falls back to plain
 dequantization until a later training succeeds. The coordinator never sees the exception.
 
@@ -35,7 +43,7 @@ import threading
 import time
 import weakref
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -44,6 +52,20 @@ from coordinator.strategies.dequantizer.blocks import BlockLayout
 from coordinator.strategies.dequantizer.config import DequantizerConfig
 from coordinator.strategies.dequantizer.ladder import grid_precision
 from coordinator.strategies.dequantizer.network import build_network
+from coordinator.strategies.dequantizer.slices import (
+    SliceLayout,
+    build_slice_net,
+    compile_tables,
+    flat_inputs,
+)
+from coordinator.strategies.dequantizer.slicetrain import (
+    Pair,
+    SliceVersion,
+    dequantize_layer,
+    table_rungs,
+    train_slices,
+)
+from coordinator.strategies.dequantizer.slicetrain import heldout_l1 as slice_heldout_l1
 from coordinator.strategies.dequantizer.train import Distillation, TrainingStopped, train_network
 from coordinator.strategies.dequantizer.version import (
     Version,
@@ -94,6 +116,22 @@ def load_buffer(source: Any, input_shape: Sequence[int], size: int, seed: int) -
     return np.ascontiguousarray(x[np.sort(pick)], dtype=np.float32)
 
 
+@dataclass
+class RoundData:
+    """What a round leaves for training: its global model, float32 devices' weights and
+    integer devices' received weights with each layer's entry rung (0: on no rung)."""
+
+    round_id: int
+    glob: list[np.ndarray]
+    floats: list[list[np.ndarray]] = field(default_factory=list)
+    ints: list[tuple[list[np.ndarray], tuple[int, ...]]] = field(default_factory=list)
+
+    @property
+    def models(self) -> list[list[np.ndarray]]:
+        """The block network's training models: the global model, then the floats."""
+        return [self.glob, *self.floats]
+
+
 class ProwdDequantizer:
     """The stage (see the module docstring). ``model``: the model spec's name (the
     distillation term needs the network; without it only the reconstruction loss is
@@ -116,18 +154,26 @@ class ProwdDequantizer:
             if self.cfg.lam > 0:
                 self._buffer = load_buffer(buffer, self.spec.input_shape, self.cfg.buffer_size, self.cfg.seed)
         self._lock = threading.Lock()
-        self._version: Version | None = None  # the last finished one; None: plain dequantization
+        self._version: Version | SliceVersion | None = None  # the last finished one; None: plain
         self._next_number = 1
         self._failures = 0
         self._thread: threading.Thread | None = None
-        self._pool: list[tuple[int, list[list[np.ndarray]]]] = []
-        self._round_models: list[list[np.ndarray]] = []
-        self._global: list[np.ndarray] | None = None
-        self._layout: BlockLayout | None = None
-        self._round_id = 0
-        self._counts: dict[str, int] = {}
+        self._pool: list[RoundData] = []
+        self._round: RoundData | None = None
+        self._layout: BlockLayout | SliceLayout | None = None
+        self._counts: dict[str, int | float] = {}
         self._stop = threading.Event()
+        # the anchored slice form: the tables of the round in progress and the version they are of
+        self._rungs: set[int] = set(table_rungs(self.cfg)) if self.cfg.slices else set()  # compiled
+        self._seen: set[int] = set()  # entry rungs of this round's integer updates
+        self._tables: tuple[SliceVersion, dict[int, list[np.ndarray]]] | None = None
+        self._compiled = threading.Event()
+        self._compiler: threading.Thread | None = None
         _LIVE.add(self)
+
+    @property
+    def anchored(self) -> bool:
+        return self.cfg.slices and self.cfg.context == "global"
 
     # ------------------------------------------------------------------ hooks
     def begin_round(self, round_id: int, global_weights: Sequence[np.ndarray]) -> None:
@@ -136,31 +182,49 @@ class ProwdDequantizer:
         if self.spec is not None and shapes != [tuple(s) for s in self.spec.param_shapes()]:
             raise ConfigError(f"dequantizer: the round's model does not match {self.spec.name}")
         if self._layout is None or self._layout.shapes != shapes:
-            self._layout = BlockLayout(shapes, self.cfg.block, self.cfg.modules)
-        self._round_id = int(round_id)
-        self._global = [np.array(w, dtype=np.float32) for w in global_weights]
-        self._round_models = [self._global]
-        self._counts = {"updates": 0, "passed": 0, "fallback": 0, "layers_on": 0, "layers_off": 0}
+            self._layout = (SliceLayout(shapes, flat_inputs(self.spec)) if self.cfg.slices
+                            else BlockLayout(shapes, self.cfg.block, self.cfg.modules))
+        glob = [np.array(w, dtype=np.float32) for w in global_weights]
+        self._round = RoundData(int(round_id), glob)
+        self._counts = {"updates": 0, "passed": 0, "fallback": 0, "layers_on": 0, "layers_off": 0,
+                        "wait_s": 0.0}
+        if self._seen:  # compile the rungs the last round's integer updates came in on
+            self._rungs, self._seen = self._seen & set(table_rungs(self.cfg)), set()
+        if self.anchored:
+            self._start_compile(glob)
 
     def observe(self, update: ClientUpdate) -> None:
         """Keep a float32 device's lossless weights for training (copied: the strategy
-        reuses its decode buffers)."""
-        if (update.compute_bits < FLOAT_BITS or update.lossy or self._global is None
-                or len(self._round_models) > self.cfg.models_per_round):
+        reuses its decode buffers); with the slice network, an integer device's received
+        weights and their entry rungs too."""
+        rnd = self._round
+        if rnd is None:
+            return
+        if update.compute_bits < FLOAT_BITS:
+            if update.kind != "weights" or not self.cfg.slices:
+                return
+            bits = tuple(grid_precision(w, self.cfg.clip) for w in update.weights)
+            self._seen.update(b for b in bits if b in self.cfg.ladder[:-1])
+            if not self.anchored and len(rnd.ints) < self.cfg.models_per_round:
+                rnd.ints.append(([np.array(x, dtype=np.float32) for x in update.weights], bits))
+            return
+        if update.lossy or len(rnd.floats) >= self.cfg.models_per_round:
             return
         if update.kind == "delta":
             w = [np.add(g, np.asarray(d, np.float32).reshape(g.shape), dtype=np.float32)
-                 for g, d in zip(self._global, update.weights, strict=True)]
+                 for g, d in zip(rnd.glob, update.weights, strict=True)]
         else:
             w = [np.array(x, dtype=np.float32) for x in update.weights]
-        self._round_models.append(w)
+        rnd.floats.append(w)
 
     def __call__(self, update: ClientUpdate) -> ClientUpdate:
         """A low-bit device's weights, dequantized where the last finished version
         applies (new arrays; the input arrays are not modified)."""
         if update.compute_bits >= FLOAT_BITS or update.kind != "weights" or self._layout is None:
             return update
-        version = self._version
+        version, tables = self._version, None
+        if self.anchored:
+            version, tables = self._round_tables()
         if version is None:
             self._count("fallback")
             self._count("passed")
@@ -173,16 +237,18 @@ class ProwdDequantizer:
                 self._count("layers_off")
                 continue
             try:
-                y = version.dequantize(self._layout, i, w, bits)
+                y = self._apply(version, tables, i, w, bits)
             except Exception as exc:  # noqa: BLE001 - never let the stage reject an update
                 log.error("dequantizer v%d failed on layer %d of %s: %s; passed through",
                           version.number, i, update.device_id, exc)
-                self._count("layers_off")
-                continue
-            # a table's outputs are finite by construction (make_tables); the network's are checked
-            if version.table_for(self._layout, i, bits) is None and has_nonfinite(y.reshape(-1)):
+                y = None
+            # a table's outputs are finite by construction (make_tables, compile_tables); the
+            # network's are checked
+            if y is not None and not self._tabled(version, i, bits) and has_nonfinite(y.reshape(-1)):
                 log.error("dequantizer v%d: non-finite output on layer %d of %s; passed through",
                           version.number, i, update.device_id)
+                y = None
+            if y is None:
                 self._count("layers_off")
                 continue
             out[i] = y.reshape(np.shape(w))
@@ -191,15 +257,25 @@ class ProwdDequantizer:
         self._count("updates" if changed else "passed")
         return replace(update, weights=out) if changed else update
 
+    def _tabled(self, version, i: int, bits: int) -> bool:
+        """Whether layer ``i`` entering at ``bits`` is looked up in a table."""
+        if isinstance(version, SliceVersion):
+            return self.anchored
+        return version.table_for(self._layout, i, bits) is not None
+
+    def _apply(self, version, tables, i: int, w: np.ndarray, bits: int) -> np.ndarray | None:
+        if isinstance(version, SliceVersion):
+            return dequantize_layer(version.net, self._layout, i, w, bits, tables)
+        return version.dequantize(self._layout, i, w, bits)
+
     def end_round(self) -> dict[str, float | int]:
         """Close the round: its models join the pool, a training starts when none runs;
         returns the round's stats (see :meth:`stats`)."""
-        if self._global is not None and self._round_models:
-            self._pool.append((self._round_id, self._round_models))
+        if self._round is not None:
+            self._pool.append(self._round)
             self._pool = self._pool[-self.cfg.pool_rounds:]
         stats = self.stats()
-        self._round_models = []
-        self._global = None
+        self._round = None
         self._start_training()
         return stats
 
@@ -207,9 +283,10 @@ class ProwdDequantizer:
         """``dequantizer_version`` (0: none), ``dequantizer_updates`` (low-bit updates
         dequantized), ``dequantizer_passed`` (passed through), ``dequantizer_fallback``
         (low-bit updates that came while no version was ready: plain dequantization),
-        ``dequantizer_layers_on/off``, ``dequantizer_failures`` (trainings that failed, in
-        all), ``dequantizer_training`` (1 while one runs), and per layer i and entry bits b
-        of the version in use ``dequantizer_on/i/intb`` (0/1) and
+        ``dequantizer_layers_on/off``, ``dequantizer_wait_s`` (the anchored form: seconds
+        updates waited for the round's tables), ``dequantizer_failures`` (trainings that
+        failed, in all), ``dequantizer_training`` (1 while one runs), and per layer i and
+        entry bits b of the version in use ``dequantizer_on/i/intb`` (0/1) and
         ``dequantizer_l1_ratio/i/intb`` (held-out L1, dequantized / plain)."""
         v = self._version
         out: dict[str, float | int] = {f"dequantizer_{k}": n for k, n in self._counts.items()}
@@ -223,12 +300,50 @@ class ProwdDequantizer:
                     out[f"dequantizer_l1_ratio/{i}/int{b}"] = deq / plain
         return out
 
-    def _count(self, key: str) -> None:
-        self._counts[key] = self._counts.get(key, 0) + 1
+    def _count(self, key: str, n: float = 1) -> None:
+        self._counts[key] = self._counts.get(key, 0) + n
+
+    # ------------------------------------------------------------------ the anchored form's tables
+    def _start_compile(self, glob: list[np.ndarray]) -> None:
+        """Compile the round's tables from the version in use, in the background."""
+        self._compiled.clear()
+        self._tables = None
+        version = self._version
+        if version is None or not isinstance(version, SliceVersion) or self._stop.is_set():
+            self._compiled.set()
+            return
+        rungs = sorted(r for r in self._rungs if any(version.is_on(i, r) for i in range(len(glob))))
+        layout = self._layout
+
+        def work() -> None:
+            try:
+                tables = compile_tables(version.net, layout, glob, rungs)
+                self._tables = (version, tables)
+            except Exception:  # noqa: BLE001 - the round falls back to plain dequantization
+                log.exception("dequantizer v%d: compiling the round's tables failed; plain dequantization",
+                              version.number)
+            finally:
+                self._compiled.set()
+
+        if not self.cfg.background:
+            work()
+            return
+        self._compiler = threading.Thread(target=work, name=f"prowd-tables-{version.number}", daemon=True)
+        self._compiler.start()
+
+    def _round_tables(self):
+        """(version, tables) of the round in progress (waiting for their compilation), or
+        (None, None)."""
+        if not self._compiled.is_set():
+            t0 = time.perf_counter()
+            self._compiled.wait()
+            self._count("wait_s", time.perf_counter() - t0)
+        got = self._tables
+        return (None, None) if got is None else got
 
     # ------------------------------------------------------------------ training
     @property
-    def version(self) -> Version | None:
+    def version(self) -> Version | SliceVersion | None:
         """The last finished version (None: plain dequantization)."""
         return self._version
 
@@ -249,22 +364,24 @@ class ProwdDequantizer:
         finished version stays in use. Called at interpreter exit for every stage."""
         self._stop.set()
         self.wait(timeout)
+        if self._compiler is not None:
+            self._compiler.join(timeout)
 
     def _start_training(self) -> None:
         if self.training or self._layout is None or self._stop.is_set():
             return
-        split = _split(self._pool)
+        split = _slice_split(self._pool) if self.cfg.slices else _split([(r.round_id, r.models) for r in self._pool])
         if split is None:
             return
         number, self._next_number = self._next_number, self._next_number + 1
-        job = (split, number, self._pool[-1][0], self._layout, self._version)
+        job = (split, number, self._pool[-1].round_id, self._layout, self._version)
         if not self.cfg.background:
             self._train(*job)
             return
         self._thread = threading.Thread(target=self._train, args=job, name=f"prowd-train-{number}", daemon=True)
         self._thread.start()
 
-    def _train(self, split, number: int, round_id: int, layout: BlockLayout, previous: Version | None) -> None:
+    def _train(self, split, number: int, round_id: int, layout, previous) -> None:
         """Train version ``number`` (warm-started from ``previous``); on any failure, log
         it and fall back to plain dequantization."""
         try:
@@ -280,18 +397,27 @@ class ProwdDequantizer:
             return
         with self._lock:
             self._version = version
-        _log_version(version, layout)
+        _log_version(version)
 
     def train_version(self, train_models, heldout_models, number: int, round_id: int,
-                      layout: BlockLayout, previous: Version | None = None) -> Version:
-        """Train a version on ``train_models``, judge it on ``heldout_models`` (each a list
-        of float32 layers); ``previous``: a version to continue from."""
+                      layout, previous=None):
+        """Train a version on ``train_models``, judge it on ``heldout_models`` (block
+        network: lists of float32 layers; slice network: :class:`Pair` s); ``previous``: a
+        version to continue from."""
         t0 = time.perf_counter()
-        net = copy.deepcopy(previous.net) if previous is not None else build_network(self.cfg, self.cfg.seed)
-        st = train_network(net, self.cfg, layout, train_models, self._distillation(), seed=self.cfg.seed + number,
-                           stop=self._stop)
-        version = Version(number, round_id, self.cfg, net, make_tables(net, self.cfg))
-        version.heldout = heldout_l1(version, layout, heldout_models, self._stop)
+        if self.cfg.slices:
+            net = (copy.deepcopy(previous.net) if isinstance(previous, SliceVersion)
+                   else build_slice_net(self.cfg, self.cfg.seed))
+            st = train_slices(net, self.cfg, layout, train_models, self._distillation(),
+                              seed=self.cfg.seed + number, stop=self._stop)
+            version = SliceVersion(number, round_id, self.cfg, net)
+            version.heldout = slice_heldout_l1(net, layout, heldout_models, self._stop)
+        else:
+            net = copy.deepcopy(previous.net) if isinstance(previous, Version) else build_network(self.cfg, self.cfg.seed)
+            st = train_network(net, self.cfg, layout, train_models, self._distillation(),
+                               seed=self.cfg.seed + number, stop=self._stop)
+            version = Version(number, round_id, self.cfg, net, make_tables(net, self.cfg))
+            version.heldout = heldout_l1(version, layout, heldout_models, self._stop)
         version.gates = decide_gates(version.heldout, self.cfg.gate_margin)
         version.info = {"steps": st.steps, "blocks": st.blocks, "recon": st.recon, "distill": st.distill,
                         "train_seconds": st.seconds, "seconds": time.perf_counter() - t0,
@@ -322,11 +448,29 @@ class ProwdDequantizer:
             raise ConfigError(f"dequantizer checkpoint was made with {state.get('network')}, "
                               f"this dequantizer is {self.cfg.network_key()}")
         d = state.get("version")
-        version = None if d is None else Version.from_state(self.cfg, d)
+        kind = SliceVersion if self.cfg.slices else Version
+        version = None if d is None else kind.from_state(self.cfg, d)
         with self._lock:
             self._version = version
             self._next_number = int(state.get("next_number", 1))
             self._failures = int(state.get("failures", 0))
+
+
+def _slice_split(pool: list[RoundData]):
+    """(training pairs, held-out pairs) of the slice network: the float32 devices of older
+    rounds with their globals plus every round's integer pairs vs the latest round's float32
+    devices; with one round, all its floats but the last vs the last. None when nothing
+    can be held out."""
+    def floats(r: RoundData) -> list[Pair]:
+        return [Pair(w, r.glob) for w in r.floats]
+
+    ints = [Pair(r.glob, r.glob, x, bits) for r in pool for x, bits in r.ints]
+    if len(pool) >= 2 and pool[-1].floats:
+        return [p for r in pool[:-1] for p in floats(r)] + ints, floats(pool[-1])
+    if pool and len(pool[-1].floats) >= 2:
+        last = floats(pool[-1])
+        return last[:-1] + ints, last[-1:]
+    return None
 
 
 def _split(pool: list[tuple[int, list[list[np.ndarray]]]]):
@@ -339,7 +483,7 @@ def _split(pool: list[tuple[int, list[list[np.ndarray]]]]):
     return None
 
 
-def _log_version(version: Version, layout: BlockLayout) -> None:
+def _log_version(version: Version | SliceVersion) -> None:
     info = version.info
     log.info("dequantizer v%d ready (after round %d): %d steps on %d blocks of %d model(s), %.1f s",
              version.number, version.round_id, info.get("steps", 0), info.get("blocks", 0),
