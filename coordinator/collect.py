@@ -97,6 +97,9 @@ class Collector:
             lambda: self.state.inbox_sync(), lambda m: self.fleet.ack(m),
             persist=lambda rec: self.state.inbox_append(*rec))
         self._to_persist: list[tuple[int, str, bytes]] = []
+        #: (device, what it reported) already logged at WARNING: a device that reports the
+        #: same setting not applied every round is logged once, then at DEBUG (still counted)
+        self._reported: set[tuple[str, str]] = set()
 
     def new_round(self) -> None:
         """Reset the per-round counters and the stopwatch (before selection)."""
@@ -198,6 +201,8 @@ class Collector:
     #: refusals of one reason logged per round at their level; more go to debug (a flood
     #: must not flood the log; every one is counted)
     log_per_reason = 20
+    #: most (device, report) pairs remembered for logging not-applied settings once
+    max_reported = 100_000
 
     def _not_applied(self, device_id: str, round_id: int, items: dict[str, str]) -> None:
         """An accepted update whose device reports announced hyper-parameters it did not
@@ -205,10 +210,15 @@ class Collector:
         for key in items:
             self.counts[f"not_applied_{key}"] += 1
             self.totals[f"not_applied_{key}"] += 1
-        self.log.warning("round %d: %r did not apply %s", round_id, device_id,
-                         "; ".join(f"{k} ({v})" for k, v in items.items()),
-                         extra={"event": "not_applied", "round": round_id, "device": device_id,
-                                "keys": sorted(items)})
+        what = "; ".join(f"{k} ({v})" for k, v in items.items())
+        first = (device_id, what) not in self._reported
+        if first and len(self._reported) < self.max_reported:
+            self._reported.add((device_id, what))
+        self.log.log(logging.WARNING if first else logging.DEBUG,
+                     "round %d: %r did not apply %s%s", round_id, device_id, what,
+                     " (logged once per device; counted every round)" if first else "",
+                     extra={"event": "not_applied", "round": round_id, "device": device_id,
+                            "keys": sorted(items)})
 
     def _refused(self, exc: Rejected, kind: str, device_id: str) -> None:
         self.counts[exc.metric] += 1

@@ -273,6 +273,9 @@ class DeviceRuntime:
         self.announcement: RoundAnnouncement | None = None
         self.models: dict[str, ModelMessage] = {}
         self.coordinator_active = False
+        #: the last "not applied" report logged at WARNING (the same again goes to DEBUG);
+        #: a host that re-creates runtimes (the emulator) carries it from one to the next
+        self.not_applied_logged = ""
         self.transport: Transport | None = None
         self._trainers: dict[str, Any] = {}
         self._model_files = load_model_files(cfg.model_files)
@@ -560,9 +563,11 @@ class DeviceRuntime:
                                         ternary_weights=tern)
         loss = float(getattr(report, "loss", 0.0))
         not_applied = {k: v[:self.cfg.limits.max_str] for k, v in st.not_applied.items()}
-        if not_applied:
-            self.log.warning("round %d: announced settings not applied: %s", a.round_id,
-                             "; ".join(f"{k}: {v}" for k, v in not_applied.items()))
+        if not_applied:  # logged once while the job announces the same; reported every round
+            what = "; ".join(f"{k}: {v}" for k, v in not_applied.items())
+            self.log.log(logging.DEBUG if what == self.not_applied_logged else logging.WARNING,
+                         "round %d: announced settings not applied: %s", a.round_id, what)
+            self.not_applied_logged = what
         upd = Update(device_id=self.cfg.device_id, round_id=a.round_id,
                      num_samples=int(len(self.data.y)), compute_bits=self.cfg.compute_bits,
                      content=st.content, tensors=tensors, model_digest=m.digest,

@@ -31,7 +31,7 @@ from edge_client.errors import ConfigError
 #: record fields measured in wall time (differ between runs by nature)
 WALL = {"time", "run", "round_seconds", "wait_seconds", "collect_seconds", "aggregate_seconds", "coordinator_seconds",
         "coordinator_cpu_seconds", "eval_seconds", "announce_seconds", "handle_seconds",
-        "checkpoint_seconds", "device_train_seconds", "device_wall_seconds"}
+        "checkpoint_seconds", "device_train_seconds", "device_wall_seconds", "health_seconds"}
 #: every bitwidth group, a lossy uplink codec, and a device too slow for the deadline (int6:
 #: 1e-2 s per sample / 0.08 speed: a straggler every round)
 RAW = {"name": "w", "model": "mlp", "rounds": 2, "strategy": "fedavg", "transport": "inproc",

@@ -9,6 +9,8 @@ rounding. Then the integer forms of FedProx / FedFOR against the float devices'.
 
 from __future__ import annotations
 
+import logging
+
 import threading
 from pathlib import Path
 
@@ -161,6 +163,19 @@ def test_fedwsq_devices_standardize_weights_and_quantize_the_update_by_the_serve
     assert res.updates[1]["i"].not_applied.keys() == {"ws"}
     assert res.co.history[0]["counts"]["not_applied_ws"] == 1
     assert res.updates[1]["f"].not_applied == {}
+
+
+def test_a_setting_not_applied_every_round_is_logged_once_and_counted_every_round(tmp_path, caplog):
+    """The Int8 device cannot standardize weights, in either round: the coordinator and
+    the device each log that at WARNING once (then at DEBUG), and every round counts it."""
+    caplog.set_level(logging.DEBUG)
+    res = run(tmp_path, [float_device("f", 1), int8_device("i", 2)], strategy="fedwsq",
+              params={"bits": 2}, rounds=2)
+    assert [h["counts"]["not_applied_ws"] for h in res.co.history] == [1, 1]
+    server = [r for r in caplog.records if "did not apply" in r.getMessage()]
+    device = [r for r in caplog.records if "announced settings not applied" in r.getMessage()]
+    for records in (server, device):
+        assert [r.levelno for r in records] == [logging.WARNING, logging.DEBUG]
 
 
 # ------------------------------------------------------------------ 2. FedProx on Int8

@@ -179,6 +179,7 @@ class DeviceWorker:
         self._running: set[Any] = set()  # the runtimes running now (stopped by close)
         self._lock = threading.Lock()
         self._closed = False
+        self._not_applied: dict[str, str] = {}  # device id -> its runtime's not_applied_logged
         self._feed = self.hub.client("fedbit-worker-feed")
         self._feed.connect()
         updates = topic(spec.job, "round").rsplit("/", 1)[0] + "/update/+"
@@ -201,9 +202,9 @@ class DeviceWorker:
                 warm_up(prof, self.spec.model)
             else:
                 from edge_client.trainers import make_trainer
-                from firmware_models import get_spec
+                from firmware_models import resolve_model
 
-                spec = get_spec(self.spec.model)
+                spec = resolve_model(self.spec.model)  # a bundled model or the user's file
                 trainer = make_trainer(spec, 32, seed=0)
                 one_thread_torch()
                 rng = np.random.default_rng(0)
@@ -270,10 +271,13 @@ class DeviceWorker:
         try:
             rt = DeviceRuntime(cfg, self.train.subset(dev.shard), connect, trainer_factory=trainer_factory,
                                logger=log.getChild("device"))
+            rt.not_applied_logged = self._not_applied.get(dev.device_id, "")
             with self._lock:
                 self._running.add(rt)
             if not self._closed:
                 rt.run(max_seconds=self.spec.wall_timeout_s)
+            if rt.not_applied_logged:  # logged once per device, not once per round
+                self._not_applied[dev.device_id] = rt.not_applied_logged
             state = "done" if rt.rounds_done else "failed"
         except Exception:  # noqa: BLE001 - a device failing is an event of the round, not of the worker
             log.exception("device %s failed in round %d", dev.device_id, round_id)
