@@ -10,7 +10,6 @@ rounding. Then the integer forms of FedProx / FedFOR against the float devices'.
 from __future__ import annotations
 
 import logging
-
 import threading
 from pathlib import Path
 
