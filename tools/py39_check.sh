@@ -19,7 +19,7 @@
 # FEDBIT_ROOTFS_FRESH=1 rebuilds it, FEDBIT_ROOTFS_FRESH_VENV=1 only the venv.
 # FEDBIT_PY39_MIN_RATIO (0.85): the throughput floor. The target is 0.9 (issue 24); since
 # the integer engine's faster kernels (issue 25) numba 0.60, the last for Python 3.9, runs
-# them at 0.88-0.90 of numba 0.68 under 3.11 on an idle machine (docs/device.md), so CI
+# them at 0.88-0.93 of numba 0.68 under 3.11 on an idle machine (docs/device.md), so CI
 # fails on a regression below 0.85, not on that gap.
 set -euo pipefail
 cd "$(dirname "$0")/.."
