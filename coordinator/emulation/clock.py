@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from coordinator.devices import Cohort
-from coordinator.emulation.emulator import FleetPlan
-from coordinator.emulation.worker import RoundMessages, derive_seed, one_thread_torch
+from coordinator.emulation.emulator import FleetPlan, derive_seed
+from coordinator.emulation.worker import RoundMessages, one_thread_torch
 from coordinator.fleet import Fleet, Inbound
 from edge_client.errors import ProtocolError
 from edge_client.protocol import (

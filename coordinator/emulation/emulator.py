@@ -15,6 +15,7 @@ made when it trains.
 from __future__ import annotations
 
 import bisect
+import hashlib
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -25,14 +26,39 @@ import numpy as np
 from coordinator.devices import Cohort
 from coordinator.emulation.config import ExperimentConfig, parse_codec
 from coordinator.emulation.datasets import DataSplit, partition
-from coordinator.emulation.worker import EmulatedDevice, derive_seed
 from edge_client.errors import ConfigError
 from edge_client.protocol import model_variant
-from edge_client.runtime import DeviceConfig, device_hello
+from edge_client.runtime import DeviceConfig, DeviceRuntime, device_hello
 from firmware_models import is_model_file
 
 __all__ = ["DeviceGroup", "EmulatedDevice", "FleetPlan", "ListedShards", "SampledShards", "build_fleet",
-           "derive_seed"]
+           "derive_seed", "device_runtime"]
+
+
+def derive_seed(*parts: object) -> int:
+    """A stable 31-bit seed from ``parts`` (SHA-256 of their text): the same on every run
+    and machine, unlike ``hash()``."""
+    h = hashlib.sha256(":".join(str(p) for p in parts).encode()).digest()
+    return int.from_bytes(h[:4], "little") & 0x7FFFFFFF
+
+
+@dataclass
+class EmulatedDevice:
+    """One device of the fleet: its profile, config (codec override and seed applied) and
+    shard (``int64`` indices into the training split)."""
+
+    device_id: str
+    profile: Any  # hw_profiles.HardwareProfile
+    config: DeviceConfig
+    shard: np.ndarray
+    variant: str
+    inferior: bool  # FedShift's inferior group: an integer device or a lossy uplink
+
+
+def device_runtime(cfg: DeviceConfig, data: Any, connect: Any, **kw: Any) -> DeviceRuntime:
+    """The real device runtime of one emulated device (``kw``: ``trainer_factory``,
+    ``logger``): this module is the emulator's one door to the device application."""
+    return DeviceRuntime(cfg, data, connect, **kw)
 
 
 @dataclass(frozen=True)

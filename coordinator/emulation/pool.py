@@ -43,10 +43,9 @@ from multiprocessing.connection import Connection
 from typing import Any, Protocol
 
 from coordinator.devices import Cohort
-from coordinator.emulation.emulator import FleetPlan
+from coordinator.emulation.emulator import EmulatedDevice, FleetPlan
 from coordinator.emulation.worker import (
     DeviceWorker,
-    EmulatedDevice,
     RoundMessages,
     SharedData,
     WorkerEvent,

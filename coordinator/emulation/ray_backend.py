@@ -23,9 +23,9 @@ import threading
 from dataclasses import replace
 from typing import Any
 
+from coordinator.emulation.emulator import EmulatedDevice
 from coordinator.emulation.worker import (
     DeviceWorker,
-    EmulatedDevice,
     RoundMessages,
     WorkerEvent,
     WorkerSpec,

@@ -5,8 +5,8 @@ a worker process, a Ray actor).
 A worker has its own in-memory hub (:class:`~edge_client.transport.LocalHub`). Per round it
 gets the coordinator's messages once (:class:`RoundMessages`: the model variants, the
 round announcement, the status, as the coordinator published them) and publishes them,
-retained, on that hub; each of its devices then runs :class:`edge_client.runtime.DeviceRuntime`
-(the code a Pi runs: download, train with its profile's trainer, encode with its codec,
+retained, on that hub; each of its devices then runs :class:`edge_client.runtime.DeviceRuntime`,
+made by :func:`coordinator.emulation.emulator.device_runtime` (the code a Pi runs: download, train with its profile's trainer, encode with its codec,
 publish) against the hub, at most ``slots`` training at once, and every update a device
 publishes is handed on unchanged (:class:`WorkerEvent` ``update``, the exact bytes) for
 the emulator to publish on the device's update topic of the real fleet. When a device's
@@ -19,7 +19,6 @@ limits (:func:`serve`) before the trainers load them.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import queue
@@ -36,32 +35,12 @@ from typing import Any
 
 import numpy as np
 
+from coordinator.emulation.emulator import EmulatedDevice, derive_seed, device_runtime
 from edge_client.data import Dataset
 from edge_client.protocol import parse_topic, topic
-from edge_client.runtime import DeviceConfig, DeviceRuntime
 from edge_client.transport import LocalHub
 
 log = logging.getLogger("fedbit.emulator")
-
-
-def derive_seed(*parts: object) -> int:
-    """A stable 31-bit seed from ``parts`` (SHA-256 of their text): the same on every run
-    and machine, unlike ``hash()``."""
-    h = hashlib.sha256(":".join(str(p) for p in parts).encode()).digest()
-    return int.from_bytes(h[:4], "little") & 0x7FFFFFFF
-
-
-@dataclass
-class EmulatedDevice:
-    """One device of the fleet: its profile, config (codec override and seed applied) and
-    shard (``int64`` indices into the training split)."""
-
-    device_id: str
-    profile: Any  # hw_profiles.HardwareProfile
-    config: DeviceConfig
-    shard: np.ndarray
-    variant: str
-    inferior: bool  # FedShift's inferior group: an integer device or a lossy uplink
 
 
 @dataclass(frozen=True)
@@ -269,7 +248,7 @@ class DeviceWorker:
         state = "failed"
         rt = None
         try:
-            rt = DeviceRuntime(cfg, self.train.subset(dev.shard), connect, trainer_factory=trainer_factory,
+            rt = device_runtime(cfg, self.train.subset(dev.shard), connect, trainer_factory=trainer_factory,
                                logger=log.getChild("device"))
             rt.not_applied_logged = self._not_applied.get(dev.device_id, "")
             with self._lock:
