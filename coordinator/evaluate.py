@@ -3,23 +3,52 @@
 A float32 device runs the shared weights through the float forward (or, when the fleet
 announces ``float_forward = "int<s>"``, through the s-bit integer forward computed in
 float, the network it then trains); an s-bit integer device runs ``from_shared(W, s)``
-through the integer forward (ternary weights, shifts, s-bit activations). :class:`ModelEvaluator` scores every variant it is given with the
-same trainer code the devices use (``edge_client.trainers.make_trainer``), one trainer
-per variant, kept between rounds.
+through the integer forward (ternary weights, shifts, s-bit activations).
+:class:`ModelEvaluator` scores every variant it is given with the same trainer code the
+devices use (``edge_client.trainers.make_trainer``), kept between rounds.
+
+**Threads.** The held-out sets are cut into fixed chunks of :data:`EVAL_CHUNK` samples
+and the (variant, chunk) tasks are dealt to ``threads`` lanes, each a thread with its own
+trainer per variant (the integer kernels and torch release the GIL). The chunks and the
+order in which their results are summed do not depend on ``threads``: the scores are the
+same for any thread count (the accuracy exactly, the loss up to the float summation of a
+chunk's mean; ``tests/test_evaluate.py``).
+
+**Validation rounds.** The validation split (``validation``) is scored only in rounds
+``>= validate_from`` (and whenever no round is given): the emulator's reports use it
+only over the last rounds they average (``coordinator.emulation.analysis.LAST_ROUNDS``),
+to choose a tuned setting, so earlier rounds need not pay for it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Protocol
 
 import numpy as np
 
 from edge_client.protocol import variant_bits
 
-#: ``{variant: weights}`` -> ``{variant: (loss, accuracy)}``, or ``(loss, accuracy,
-#: {figure: value})`` with further figures of the group (``val_loss``, ``val_accuracy``)
-Evaluator = Callable[[Mapping[str, list[np.ndarray]]], dict[str, tuple[Any, ...]]]
+#: samples per evaluation task (a multiple of the trainers' evaluation batch of 256)
+EVAL_CHUNK = 1024
+
+
+class Evaluator(Protocol):
+    """``{variant: weights}`` -> ``{variant: (loss, accuracy)}``, or ``(loss, accuracy,
+    {figure: value})`` with further figures of the group (``val_loss``, ``val_accuracy``);
+    ``at_round``: the round being scored (None: outside a run)."""
+
+    def __call__(self, variants: Mapping[str, list[np.ndarray]], *,
+                 at_round: int | None = None) -> dict[str, tuple[Any, ...]]: ...
+
+
+def _chunks(data: Any, size: int) -> list[Any]:
+    """``data`` cut into consecutive pieces of ``size`` samples (the last one shorter)."""
+    n = len(data)
+    if n <= size:
+        return [data]
+    return [data.subset(np.arange(s, min(s + size, n))) for s in range(0, n, size)]
 
 
 class ModelEvaluator:
@@ -36,15 +65,23 @@ class ModelEvaluator:
             ``float_forward``): ``float32`` or ``int<s>``; the float32 variant is scored in it.
         validation: a second held-out set (the validation split carved from the training
             data): each variant's result gains ``{"val_loss", "val_accuracy"}`` on it.
+        validate_from: the first round whose call scores ``validation`` (module docstring).
+        threads: how many threads score the chunks (module docstring; >= 1).
     """
 
     def __init__(self, model: str, data: Any, *, seed: int = 0, weight_standardization: bool = False,
-                 float_forward: str = "float32", validation: Any = None, weight_norm: bool = False) -> None:
+                 float_forward: str = "float32", validation: Any = None, weight_norm: bool = False,
+                 validate_from: int = 0, threads: int = 1) -> None:
+        from edge_client.errors import ConfigError
         from edge_client.trainers import forward_bits
 
+        if int(threads) < 1:
+            raise ConfigError(f"evaluator threads must be >= 1, got {threads}")
         self.model = model
         self.data = data
         self.validation = validation if validation is not None and len(validation) else None
+        self.validate_from = int(validate_from)
+        self.threads = int(threads)
         self.seed = seed
         self.float_forward = str(float_forward)
         forward_bits(self.float_forward)  # ConfigError naming a bad value
@@ -52,10 +89,18 @@ class ModelEvaluator:
         # as a float device reads the announcement (edge_client.hparams.round_settings)
         self.weight_norm = (bool(weight_norm) and self.float_forward == "float32"
                             and not self.weight_standardization)
-        self._trainers: dict[str, Any] = {}
+        self._trainers: dict[tuple[str, int], Any] = {}
+        self._sets: dict[str, list[Any]] = {}
+        self._pool: ThreadPoolExecutor | None = None
 
-    def _trainer(self, variant: str) -> Any:
-        if variant not in self._trainers:
+    def _split(self, name: str) -> list[Any]:
+        """The chunks of the held-out set ``test`` or ``val`` (cut once)."""
+        if name not in self._sets:
+            self._sets[name] = _chunks(self.data if name == "test" else self.validation, EVAL_CHUNK)
+        return self._sets[name]
+
+    def _trainer(self, variant: str, lane: int = 0) -> Any:
+        if (variant, lane) not in self._trainers:
             from edge_client.trainers import forward_bits, make_trainer
             from firmware_models import resolve_model
 
@@ -73,40 +118,80 @@ class ModelEvaluator:
                     extra["weight_standardization"] = True
                 if self.weight_norm:
                     extra["weight_norm"] = True
-            self._trainers[variant] = make_trainer(resolve_model(self.model), bits, seed=self.seed, **extra)
-        return self._trainers[variant]
+            self._trainers[variant, lane] = make_trainer(resolve_model(self.model), bits, seed=self.seed, **extra)
+        return self._trainers[variant, lane]
 
     def probe(self, n: int) -> np.ndarray:
         """The first ``n`` held-out inputs (float32 [n, C, H, W]): the health check's probe."""
         return np.asarray(self.data.x[:n], dtype=np.float32)
 
-    def __call__(self, variants: Mapping[str, list[np.ndarray]]) -> dict[str, tuple[Any, ...]]:
+    def __call__(self, variants: Mapping[str, list[np.ndarray]], *,
+                 at_round: int | None = None) -> dict[str, tuple[Any, ...]]:
+        validate = self.validation is not None and (at_round is None or at_round >= self.validate_from)
+        splits = ("test", "val") if validate else ("test",)
+        tasks = [(v, s, i) for v in sorted(variants) for s in splits for i in range(len(self._split(s)))]
+        lanes = min(self.threads, len(tasks))
+        weights = {v: [np.asarray(w, dtype=np.float32) for w in variants[v]] for v in variants}
+
+        def run_lane(lane: int) -> list[tuple[float, float]]:
+            loaded: set[str] = set()
+            out = []
+            for v, s, i in tasks[lane::lanes]:
+                trainer = self._trainer(v, lane)
+                if v not in loaded:
+                    trainer.load_shared(weights[v])
+                    loaded.add(v)
+                out.append(trainer.evaluate(self._split(s)[i]))
+            return out
+
+        if lanes == 1:
+            per_lane = [run_lane(0)]
+        else:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="fedbit-eval")
+            per_lane = list(self._pool.map(run_lane, range(lanes)))
+        results = {t: per_lane[k % lanes][k // lanes] for k, t in enumerate(tasks)}
         out: dict[str, tuple[Any, ...]] = {}
         for v in sorted(variants):
-            trainer = self._trainer(v)
-            trainer.load_shared([np.asarray(w, dtype=np.float32) for w in variants[v]])
-            loss, acc = trainer.evaluate(self.data)
-            out[v] = (float(loss), float(acc))
-            if self.validation is not None:
-                vloss, vacc = trainer.evaluate(self.validation)
-                out[v] += ({"val_loss": float(vloss), "val_accuracy": float(vacc)},)
+            scored = {s: _combine([(results[v, s, i], len(c)) for i, c in enumerate(self._split(s))])
+                      for s in splits}
+            out[v] = scored["test"]
+            if validate:
+                out[v] += ({"val_loss": scored["val"][0], "val_accuracy": scored["val"][1]},)
         return out
+
+    def close(self) -> None:
+        """End the evaluation threads (a later call starts them again)."""
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
+
+
+def _combine(parts: list[tuple[tuple[float, float], int]]) -> tuple[float, float]:
+    """(mean loss, accuracy) of a set from its chunks' ((mean loss, accuracy), size), in
+    chunk order."""
+    n = sum(size for _, size in parts)
+    loss = sum(float(score[0]) * size for score, size in parts) / n
+    hits = sum(int(round(float(score[1]) * size)) for score, size in parts)
+    return loss, hits / n
 
 
 def make_evaluator(model: str, data: Any, *, seed: int = 0, weight_standardization: bool = False,
                    float_forward: str = "float32", validation: Any = None,
-                   weight_norm: bool = False) -> ModelEvaluator:
+                   weight_norm: bool = False, validate_from: int = 0, threads: int = 1) -> ModelEvaluator:
     """A :class:`ModelEvaluator` of ``model`` on ``data`` (and ``validation``; torch is
     imported lazily, for the float32 variant only)."""
     return ModelEvaluator(model, data, seed=seed, weight_standardization=weight_standardization,
-                          float_forward=float_forward, validation=validation, weight_norm=weight_norm)
+                          float_forward=float_forward, validation=validation, weight_norm=weight_norm,
+                          validate_from=validate_from, threads=threads)
 
 
 def evaluator_for(model: str, data: Any, announced: Mapping[str, Any], *, seed: int = 0,
-                  validation: Any = None) -> ModelEvaluator:
+                  validation: Any = None, validate_from: int = 0, threads: int = 1) -> ModelEvaluator:
     """The evaluator of a run whose rounds announce ``announced`` (the strategy's
     ``device_hparams``): the float32 variant in the forward the float devices train
-    (``float_forward``, ``ws``, ``wn``); ``validation``: see :class:`ModelEvaluator`."""
+    (``float_forward``, ``ws``, ``wn``); the rest: see :class:`ModelEvaluator`."""
     return make_evaluator(model, data, seed=seed, weight_standardization=bool(announced.get("ws", False)),
                           float_forward=str(announced.get("float_forward", "float32")), validation=validation,
-                          weight_norm=bool(announced.get("wn", False)))
+                          weight_norm=bool(announced.get("wn", False)), validate_from=validate_from,
+                          threads=threads)

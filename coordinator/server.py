@@ -215,12 +215,12 @@ class Coordinator:
                 self.log.warning("round %d: %d update(s) < min_updates %d; the model is unchanged",
                                  r, len(rnd.accepted), cfg.min_updates)
         te = time.perf_counter()
-        scores = self._evaluate()
+        scores = self._evaluate(r)
         eval_s = time.perf_counter() - te
         health = self.health.check(r, (self.weights, self.group_weights), (old, old_groups), scores, self.history)
         if health.rolled_back:  # the last healthy model (and strategy state), this round's updates excluded
             self.weights, self.group_weights = old, old_groups
-            scores = health.scores or self._evaluate()
+            scores = health.scores or self._evaluate(r)
         loss, acc = scores.get(FLOAT_VARIANT, (math.nan, math.nan))[:2]
         change = float(math.sqrt(sum(float(np.sum((a - b) ** 2)) for a, b in zip(self.weights, old, strict=True))))
         finite = lambda v: v if math.isfinite(v) else None  # noqa: E731
@@ -266,13 +266,13 @@ class Coordinator:
                       extra={"event": "round_end", "round": r, "accuracy": record["accuracy"]})
         return record
 
-    def _evaluate(self) -> dict[str, tuple[Any, ...]]:
+    def _evaluate(self, r: int) -> dict[str, tuple[Any, ...]]:
         """(loss, accuracy[, further figures]) of every model variant the known devices run
-        (float32 always; see ``coordinator.evaluate.Evaluator``)."""
+        after round ``r`` (float32 always; see ``coordinator.evaluate.Evaluator``)."""
         if self.evaluator is None:
             return {}
         return self.evaluator({v: self.group_weights.get(variant_bits(v), self.weights)
-                               for v in self.collector.devices.variants()})
+                               for v in self.collector.devices.variants()}, at_round=r)
 
     # ------------------------------------------------------------------ checkpoints
 

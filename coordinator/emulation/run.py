@@ -62,6 +62,7 @@ from typing import Any
 
 import numpy as np
 
+from coordinator.emulation.analysis import LAST_ROUNDS
 from coordinator.emulation.clock import EmulatedFleet, SimLinks, calibrate, one_thread_torch
 from coordinator.emulation.config import ExperimentConfig
 from coordinator.emulation.datasets import DataSplit, class_counts, load_dataset
@@ -158,7 +159,7 @@ class Emulator:
         broker, inner, relay = self._transport(job)
         info["broker"] = (f"embedded {broker.kind} at {broker.url}" if broker is not None
                           else self.cfg.broker or "in-process hub")
-        pool = fleet = None
+        pool = fleet = evaluator = None
         try:
             relay.connect(timeout=30.0)
             pool = self.pool = self._workers(plan, data, relay, job)
@@ -170,14 +171,19 @@ class Emulator:
             fleet = EmulatedFleet(inner, pool, links, quorum=float(rnd["quorum"]),
                                   deadline_s=float(rnd["deadline_s"]), wall_timeout_s=float(rnd["wall_timeout_s"]),
                                   on_progress=(lambda f: self.on_event("devices", f)) if self.on_event else None)
-            coord = Coordinator(server_cfg, fleet, strategy, RunState(self.run_dir / "out"),
-                                evaluator=evaluator_for(cfg.model, data.test, strategy.device_hparams(cfg.train),
-                                                        seed=seed, validation=data.validation),
+            # the validation split is read only over the rounds the reports average
+            # (analysis.LAST_ROUNDS); every core scores, the device workers idle meanwhile
+            evaluator = evaluator_for(cfg.model, data.test, strategy.device_hparams(cfg.train), seed=seed,
+                                      validation=data.validation, validate_from=cfg.rounds - LAST_ROUNDS + 1,
+                                      threads=machine_cores())
+            coord = Coordinator(server_cfg, fleet, strategy, RunState(self.run_dir / "out"), evaluator=evaluator,
                                 init_weights=init_shared(resolve_model(cfg.model), seed), on_event=self.on_event,
                                 logger=log.getChild("server"))
             history = coord.run()
             info |= pool.describe() | {"workers_lost": pool.lost}
         finally:
+            if evaluator is not None:
+                evaluator.close()
             if pool is not None:
                 pool.close()
             if fleet is not None:
