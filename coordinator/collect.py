@@ -26,6 +26,7 @@ from coordinator.ingest import Ingest, OpenRound, Rejected
 from coordinator.state import RunState
 from coordinator.strategies.round import RoundStrategy
 from edge_client.errors import ProtocolError
+from edge_client.hparams import not_applied_level
 
 
 def codec_label(tensors: Any) -> str:
@@ -214,7 +215,7 @@ class Collector:
         first = (device_id, what) not in self._reported
         if first and len(self._reported) < self.max_reported:
             self._reported.add((device_id, what))
-        self.log.log(logging.WARNING if first else logging.DEBUG,
+        self.log.log(not_applied_level(items) if first else logging.DEBUG,
                      "round %d: %r did not apply %s%s", round_id, device_id, what,
                      " (logged once per device; counted every round)" if first else "",
                      extra={"event": "not_applied", "round": round_id, "device": device_id,

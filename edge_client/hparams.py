@@ -27,6 +27,7 @@ How the learning rates reach each kind of device (docs/algorithms.md §1-2):
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -207,6 +208,20 @@ class RoundSettings:
     wn: bool | None = None
     float_forward: str | None = None
     not_applied: dict[str, str] = field(default_factory=dict)
+
+
+#: settings a device is expected not to apply in a mixed fleet: an Int6 or Int16 device
+#: under the fleet's ``float_forward = "int8"`` trains its own forward, the closest it
+#: has. Reported and counted like any other, but logged at INFO, not WARNING: the default
+#: demo's fleet has such devices, and a newcomer's first run should not read as broken.
+EXPECTED_NOT_APPLIED = frozenset({"float_forward"})
+
+
+def not_applied_level(keys: Any) -> int:
+    """The level at which the first report of the not-applied settings ``keys`` is logged:
+    INFO when every one is expected in a mixed fleet (:data:`EXPECTED_NOT_APPLIED`), else
+    WARNING (later reports of the same go to DEBUG)."""
+    return logging.INFO if set(keys) <= EXPECTED_NOT_APPLIED else logging.WARNING
 
 
 def round_settings(hparams: Mapping[str, Any], *, variant: str, codec: str, codec_bits: int,

@@ -39,7 +39,7 @@ import numpy as np
 from edge_client import __version__
 from edge_client.compat import zip_strict
 from edge_client.errors import CodecError, ConfigError, ProtocolError, TrainingError
-from edge_client.hparams import RoundSettings, round_settings
+from edge_client.hparams import RoundSettings, not_applied_level, round_settings
 from edge_client.outbox import Outbox
 from edge_client.protocol import (
     DEFAULT_LIMITS,
@@ -565,7 +565,7 @@ class DeviceRuntime:
         not_applied = {k: v[:self.cfg.limits.max_str] for k, v in st.not_applied.items()}
         if not_applied:  # logged once while the job announces the same; reported every round
             what = "; ".join(f"{k}: {v}" for k, v in not_applied.items())
-            self.log.log(logging.DEBUG if what == self.not_applied_logged else logging.WARNING,
+            self.log.log(logging.DEBUG if what == self.not_applied_logged else not_applied_level(not_applied),
                          "round %d: announced settings not applied: %s", a.round_id, what)
             self.not_applied_logged = what
         upd = Update(device_id=self.cfg.device_id, round_id=a.round_id,

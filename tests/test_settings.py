@@ -526,3 +526,19 @@ def test_update_not_applied_on_the_wire_is_optional_and_checked():
     assert decode_message(msgpack.packb(old)).not_applied == {}
     with pytest.raises(ProtocolError, match="not_applied"):
         decode_message(msgpack.packb(body | {"not_applied": {"ws": 1}}))
+
+
+def test_an_integer_device_under_another_bitwidths_forward_is_reported_at_info(tmp_path, caplog):
+    """An Int6 device under ``float_forward = "int8"`` (the default demo's fleet) trains its
+    own forward: it reports that every round and the coordinator counts it, but the first
+    report is logged at INFO on both sides (expected in a mixed fleet), then at DEBUG."""
+    caplog.set_level(logging.DEBUG)
+    int6 = int8_device("i6", 2, compute_bits=6)
+    res = run(tmp_path, [float_device("f", 1), int6], hparams={"float_forward": "int8"}, rounds=2)
+    assert [h["counts"]["not_applied_float_forward"] for h in res.co.history] == [1, 1]
+    assert "int6" in res.updates[1]["i6"].not_applied["float_forward"]
+    server = [r for r in caplog.records if "did not apply" in r.getMessage()]
+    device = [r for r in caplog.records if "announced settings not applied" in r.getMessage()]
+    for records in (server, device):
+        assert [r.levelno for r in records] == [logging.INFO, logging.DEBUG]
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING and "float_forward" in r.getMessage()]
