@@ -84,3 +84,20 @@ def test_a_short_preset_run_uses_ternary_uplinks_and_logs_every_stage(tmp_path: 
     assert {d["codec"] for d in info["devices"] if d["variant"] == "int8"} == {"ternary-2"}
     for g in ("int8", "float32"):
         assert max(h["groups"][g]["accuracy"] for h in hist) > 0.3, g  # chance: 0.1
+
+
+def test_a_preset_run_with_the_dequantizer_trained_in_the_round_loop_repeats_exactly(tmp_path: Path) -> None:
+    """The dequantizer trains on a background thread by default, and a round applies the
+    last version finished by then, so two runs of one seed can differ. With
+    ``dequantize.background = false`` it trains between rounds in the round loop: the same
+    seed gives the same run, every group's accuracy and every stage's figure in every round
+    (a version is trained and applied within the three rounds)."""
+    params = {"dequantize.epochs": 1, "dequantize.background": False}
+    runs = [Emulator(from_dict(raw(strategy_params=params), "t"), 0, tmp_path / f"run{i}").run().history
+            for i in range(2)]
+    assert runs[1][-1]["stats"]["dequantizer_version"] >= 1
+    assert any(v == 1 for k, v in runs[1][-1]["stats"].items() if k.startswith("dequantizer_on/"))
+    for a, b in zip(runs[0], runs[1], strict=True):
+        assert a["groups"] == b["groups"], a["round"]
+        figures = lambda h: {k: v for k, v in h["stats"].items() if "seconds" not in k and not k.endswith("_s")}  # noqa: E731
+        assert figures(a) == figures(b), a["round"]
