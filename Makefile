@@ -47,12 +47,14 @@ bench-flower: install $(FLOWER_VENV)/bin/python
 # one (or several, space-separated); results under runs/experiments/, summaries copied to
 # benchmarks/results/experiments/. ESTIMATE=R times R rounds of a covering set of
 # combinations instead and estimates each experiment's full time; SET="k=v ..." overrides
-# keys of every config (SET="data.dataset=cifar10 data.path=DIR model=fedshift_cnn").
+# keys of every config (SET="data.dataset=cifar10 data.path=DIR model=fedshift_cnn");
+# RESUME=1 goes on with experiments a killed run left in runs/experiments (finished runs kept).
 ONLY ?=
 ESTIMATE ?=
 SET ?=
+RESUME ?=
 experiments: install
-	$(PY) experiments/run_all.py --out runs/experiments $(if $(ESTIMATE),--estimate $(ESTIMATE)) $(foreach s,$(SET),--set $(s)) $(ONLY)
+	$(PY) experiments/run_all.py --out runs/experiments $(if $(ESTIMATE),--estimate $(ESTIMATE)) $(if $(RESUME),--resume) $(foreach s,$(SET),--set $(s)) $(ONLY)
 
 # Fuzzing of every network input, 105,000 inputs with fresh randomness (make test runs
 # 5,600 of the same inputs every time).

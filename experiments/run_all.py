@@ -12,6 +12,10 @@ each variant, per model) is measured once and pinned for every run, so the simul
 times of all experiments share one clock (``clock.json``); a run of named experiments
 reuses it unless ``--calibrate``.
 
+``--resume``: go on with experiments a killed process left in ``--out``: the runs that
+finished there (same config and seed) are kept, the others made (see
+``coordinator.emulation.sweep``); without it each experiment's folder is cleared first.
+
 ``--quick``: each config's quick form (:func:`quick_config`: digits, 2 rounds, one seed,
 the sweep cut to its baseline and one other value per dimension) on a nominal clock, into
 ``--out``, nothing copied or measured: what ``make test`` runs to prove every config runs
@@ -199,6 +203,9 @@ def main() -> int:
     mode.add_argument("--quick", action="store_true", help="each config's quick form (make test)")
     mode.add_argument("--estimate", type=int, metavar="R", help="time R rounds of every combination, "
                       "one seed, and estimate each experiment's full time")
+    ap.add_argument("--resume", action="store_true",
+                    help="go on with interrupted experiments in --out: finished runs (same config and seed) "
+                         "are kept, the rest made (default: each experiment's folder is cleared first)")
     ap.add_argument("names", nargs="*", help="experiment names (default: every experiments/*.toml)")
     args = ap.parse_args()
 
@@ -233,7 +240,7 @@ def main() -> int:
             k: v for k, v in cfg.clock.items() if k != "seconds_per_sample"}
         t0 = time.monotonic()
         out = args.out / path.stem
-        if out.exists():
+        if out.exists() and not (args.resume and args.estimate is None):
             shutil.rmtree(out)
         if args.estimate is not None:
             print(f"== {path.name}: estimating from {args.estimate} rounds of a covering set of combinations",
@@ -245,7 +252,7 @@ def main() -> int:
                   f"({time.monotonic() - t0:.0f} s to estimate)", flush=True)
             continue
         print(f"== {path.name} -> {out}", flush=True)
-        summary = run_experiment(cfg, out, echo=lambda m: print("  " + m, flush=True))
+        summary = run_experiment(cfg, out, echo=lambda m: print("  " + m, flush=True), resume=args.resume)
         print(f"   {time.monotonic() - t0:.0f} s; {summary}", flush=True)
         if args.quick:
             continue

@@ -32,6 +32,9 @@ def add_emulate_commands(sub: Any) -> None:
                        help="a collapsed aggregate (every group at chance, a constant output, a dead layer): "
                             "go back to the last healthy model without that round's updates (the default), "
                             "or log it and keep it; sets the config's on_collapse")
+        p.add_argument("--resume", action="store_true",
+                       help="go on with an interrupted run or sweep in --out: its finished runs (same "
+                            "config and seed) are kept, a run cut off part-way is made again")
         p.add_argument("--quiet", action="store_true", help="no progress display")
         p.add_argument("--dashboard", metavar="[HOST:]PORT", default="",
                        help="serve the live dashboard and Prometheus /metrics while it runs (8080: on 127.0.0.1; "
@@ -69,8 +72,12 @@ def _cmd_emulate(args: argparse.Namespace) -> int:
         print(f"fedbit emulate: error: {exc}", file=sys.stderr)
         return 1
     out = Path(args.out) if args.out else Path("runs") / f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
-    if out.exists() and any(out.iterdir()):
-        print(f"fedbit emulate: error: {out} is not empty: pick another --out", file=sys.stderr)
+    if args.resume and not args.out:
+        print("fedbit emulate: error: --resume needs the --out of the run to go on with", file=sys.stderr)
+        return 1
+    if out.exists() and any(out.iterdir()) and not args.resume:
+        print(f"fedbit emulate: error: {out} is not empty: pick another --out, or --resume to go on "
+              "with the run there", file=sys.stderr)
         return 1
     try:
         watch = Watch(listen=args.dashboard, security_dir=out / "security", job_id="emulate")
@@ -99,7 +106,8 @@ def _cmd_emulate(args: argparse.Namespace) -> int:
 
     outcome = "error"
     try:
-        summary = run_experiment(cfg, out, on_event=progress, echo=lambda m: print(m, flush=True), on_run=watched)
+        summary = run_experiment(cfg, out, on_event=progress, echo=lambda m: print(m, flush=True), on_run=watched,
+                                 resume=args.resume)
         outcome = "done"
     except (ConfigError, ConnectionError) as exc:
         print(f"fedbit emulate: error: {exc}", file=sys.stderr)
