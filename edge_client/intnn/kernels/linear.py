@@ -55,21 +55,24 @@ def linear_forward(a, t, shift, amax, relu, out, acc, acc16, idx, val, n0, n1):
                 s1 = min(cnt, s0 + 256)
                 for o in range(n_out):
                     acc16[o] = 0
+                # int32 arithmetic truncated to int16 at the store: exact (the partial
+                # sums fit), and LLVM 14 (numba 0.60, Python 3.9) vectorizes it, where
+                # int16 operands made it run 3x slower than newer LLVMs
                 j = s0
                 while j + 2 <= s1:
-                    v1 = np.int16(val[j])
-                    v2 = np.int16(val[j + 1])
+                    v1 = np.int32(val[j])
+                    v2 = np.int32(val[j + 1])
                     r1 = idx[j] * n_out
                     r2 = idx[j + 1] * n_out
                     for o in range(n_out):
-                        acc16[o] = np.int16(acc16[o] + v1 * np.int16(tf[U(r1 + o)])
-                                            + v2 * np.int16(tf[U(r2 + o)]))
+                        acc16[o] = np.int16(np.int32(acc16[o]) + v1 * np.int32(tf[U(r1 + o)])
+                                            + v2 * np.int32(tf[U(r2 + o)]))
                     j += 2
                 if j < s1:
-                    v1 = np.int16(val[j])
+                    v1 = np.int32(val[j])
                     r1 = idx[j] * n_out
                     for o in range(n_out):
-                        acc16[o] = np.int16(acc16[o] + v1 * np.int16(tf[U(r1 + o)]))
+                        acc16[o] = np.int16(np.int32(acc16[o]) + v1 * np.int32(tf[U(r1 + o)]))
                 for o in range(n_out):
                     acc[o] = np.int32(acc[o] + np.int32(acc16[o]))
         else:
