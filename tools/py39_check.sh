@@ -18,7 +18,7 @@
 # (default ~/.cache/fedbit/amd64-bullseye, ~600 MB with its pip cache and venv);
 # FEDBIT_ROOTFS_FRESH=1 rebuilds it, FEDBIT_ROOTFS_FRESH_VENV=1 only the venv.
 # FEDBIT_PY39_MIN_RATIO (0.9, issue 24's target): the throughput floor. numba 0.60, the
-# last for Python 3.9, runs the kernels at 0.98-1.07 of numba 0.68 under 3.11 (docs/device.md).
+# last for Python 3.9, runs the kernels at 0.98-1.03 of numba 0.68 under 3.11 (docs/device.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 REPO=$PWD
