@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from edge_client.compat import zip_strict
-from edge_client.data import Dataset, digits_shard, load_digits
+from edge_client.data import Dataset, digits_shard, float_images, load_digits
 from edge_client.errors import ConfigError, TrainingError
 from edge_client.intnn import from_shared, init_shared, weight_max
 from edge_client.trainers import IntTrainer, TorchTrainer, Trainer, TrainReport, make_trainer
@@ -256,3 +256,53 @@ def test_float_training_leaves_torch_dynamo_unimported():
             "make_trainer('digits_cnn', 32).train(digits_shard(1, 20), steps=2);"
             "sys.exit(1 if 'torch._dynamo' in sys.modules else 0)")
     assert subprocess.run([sys.executable, "-c", code], timeout=120).returncode == 0
+
+
+@pytest.mark.parametrize("kernel,step,padding", [(2, 2, 0), (2, 2, 1), (3, 2, 1), (2, 1, 0)])
+def test_evaluation_max_pool_equals_torchs(kernel, step, padding):
+    """The channels-last max-pool used when no gradient is recorded gives F.max_pool2d's
+    values bit for bit, ties (quantized activations), NaN, odd sizes and padding included;
+    with a gradient recorded it is F.max_pool2d itself."""
+    import torch
+
+    from edge_client.trainers.floating import max_pool
+    from firmware_models import MaxPool2d
+
+    layer = MaxPool2d("pool", kernel, step, padding)
+    F = torch.nn.functional
+    rng = np.random.default_rng(kernel * 10 + step + padding)
+    for shape in ((3, 4, 8, 8), (2, 5, 7, 9), (1, 16, 28, 28)):
+        h = torch.from_numpy(rng.integers(-2, 3, shape).astype(np.float32) / 4)  # many ties
+        h[0, 0, 1, 1] = float("nan")
+        h[-1, -1, 0, :] = -float("inf")
+        want = F.max_pool2d(h, kernel, stride=step, padding=padding)
+        with torch.no_grad():
+            got = max_pool(torch, h, layer)
+        assert got.is_contiguous() and got.shape == want.shape
+        np.testing.assert_array_equal(got.numpy(), want.numpy())  # NaN where torch's has NaN
+        g = h.clone().requires_grad_(True)
+        out = max_pool(torch, g, layer)
+        out.backward(torch.ones_like(out))
+        g2 = h.clone().requires_grad_(True)
+        F.max_pool2d(g2, kernel, stride=step, padding=padding).backward(torch.ones_like(out))
+        assert torch.equal(g.grad, g2.grad)  # the training path routes gradients as torch does
+
+
+def test_float_evaluation_scores_are_unchanged_by_the_fast_pool(digits):
+    """A trained float model scores the same (loss bits included) through evaluate(), which
+    pools channels-last, as through the training forward's NCHW pool."""
+    import torch
+
+    train, test = digits
+    t = TorchTrainer("digits_cnn", lr=0.5, seed=1)
+    t.train(train, steps=20, batch=32)
+    loss, acc = t.evaluate(test, batch=256)
+    x = torch.from_numpy(float_images(test.x))
+    y = torch.from_numpy(test.y.astype(np.int64))
+    total, hits = 0.0, 0
+    for s in range(0, len(test), 256):  # grad recorded: F.max_pool2d in NCHW
+        logits = t.forward(x[s:s + 256])
+        total += float(t._loss(logits, y[s:s + 256]).detach()) * len(y[s:s + 256])
+        hits += int((logits.argmax(dim=1) == y[s:s + 256]).sum())
+    assert acc > 0.5  # a trained model, not a constant one
+    assert (loss, acc) == (total / len(test), hits / len(test))

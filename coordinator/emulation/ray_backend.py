@@ -45,6 +45,9 @@ class RayDeviceWorker:
     def __init__(self, x: Any, y: Any, spec: WorkerSpec) -> None:
         limit_threads(spec.threads)
         one_thread_torch()
+        from edge_client.intnn.memory import keep_freed_memory
+
+        keep_freed_memory()
         spec = replace(spec, workdir=tempfile.mkdtemp(prefix="fedbit-ray-worker-"))
         self.worker = DeviceWorker(Dataset(x, y), spec)
         self.worker.warm_up()

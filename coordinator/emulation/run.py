@@ -128,11 +128,13 @@ class Emulator:
         from coordinator.state import RunState
         from coordinator.strategies import build_strategy
         from edge_client.intnn import init_shared
+        from edge_client.intnn.memory import keep_freed_memory
         from firmware_models import resolve_model
 
         cfg, seed = self.cfg, self.seed
         self.run_dir.mkdir(parents=True, exist_ok=True)
         one_thread_torch()
+        keep_freed_memory()  # the evaluator's activations: reused heap, not fresh pages
         t_start = time.monotonic()
         job = "".join(c if c.isalnum() or c in "._-" else "-" for c in f"{cfg.name}-s{seed}")[:64]
         data = load_dataset(cfg.data["dataset"], cfg.data["path"] or None,

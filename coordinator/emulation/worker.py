@@ -306,10 +306,11 @@ def serve(conn: Any) -> None:
     or a closed connection ends it."""
     spec, data = conn.recv()
     limit_threads(spec.threads)
+    from edge_client.intnn.memory import keep_freed_memory, release_compiler_pages
+
+    keep_freed_memory()  # the float devices' activations: reused heap, not fresh pages
     worker = DeviceWorker(data.open(), spec)
     worker.warm_up()
-    from edge_client.intnn.memory import release_compiler_pages
-
     release_compiler_pages()  # LLVM's machine code, not run again once the kernels are loaded
     lock = threading.Lock()
 

@@ -1,5 +1,5 @@
-"""A device process's resident memory: dropping the compiler's code once the kernels are
-loaded.
+"""A process's memory: dropping the compiler's code once the kernels are loaded (devices),
+keeping freed heap for reuse (the emulator's and the coordinator's processes).
 
 Numba maps LLVM (``libllvmlite``, ~180 MB of machine code) into the process: its static
 initializers touch ~35 MB of it at ``import numba``, Numba's first use (the JIT engine,
@@ -16,6 +16,15 @@ nothing but a future page fault is lost. Linux only; elsewhere a no-op.
 before it allocates anything (so that the compiler's peak does not add to the model's and
 the data's), then calls this after Numba's start, after building its model and after its
 first training call.
+
+:func:`keep_freed_memory` is for the processes that train and score float32 models over and
+over (the emulator's, its device workers): glibc returns a freed block of more than its
+mmap threshold (128 KiB at start) to the kernel at once, and trims the top of the heap, so
+each torch activation of a batch (a 50 x 16 x 28 x 28 float32 tensor is 2.5 MB) is
+fresh memory the kernel must fault in page by page. Measured on a 2-core VM, one
+``mnist_cnn`` training step of 50 images: 1.46 M minor faults in 15 s of steps before,
+52 k after; the step 1.2x and the no-grad forward 1.4x as fast. Not for a
+device: the heap it keeps is resident.
 """
 
 from __future__ import annotations
@@ -25,6 +34,15 @@ import sys
 
 MADV_DONTNEED = 4
 LIBRARY = "libllvmlite"
+
+# mallopt(3) parameters
+M_TRIM_THRESHOLD = -1
+M_MMAP_THRESHOLD = -3
+#: blocks up to this size come from the heap, not from their own mapping (glibc's ceiling
+#: for the threshold on 64-bit is 32 MiB)
+HEAP_BLOCKS_UP_TO = 32 << 20
+#: free memory at the top of the heap returned to the kernel only beyond this
+TRIM_BEYOND = 1 << 30
 
 
 def compiler_mappings(maps_text: str) -> list[tuple[int, int]]:
@@ -61,3 +79,19 @@ def release_compiler_pages() -> int:
         if madvise(lo, hi - lo, MADV_DONTNEED) == 0:
             done += hi - lo
     return done
+
+
+def keep_freed_memory(blocks_up_to: int = HEAP_BLOCKS_UP_TO, trim_beyond: int = TRIM_BEYOND) -> bool:
+    """Keep freed memory in this process for the next allocation (module docstring): blocks
+    up to ``blocks_up_to`` bytes come from the heap, and the heap keeps up to
+    ``trim_beyond`` bytes of free memory. Process-wide; returns whether glibc took both
+    settings (False elsewhere: musl, macOS, Windows)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):  # not glibc
+        return False
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    mallopt.restype = ctypes.c_int
+    return bool(mallopt(M_MMAP_THRESHOLD, int(blocks_up_to)) and mallopt(M_TRIM_THRESHOLD, int(trim_beyond)))
