@@ -93,6 +93,34 @@ def test_overrides_and_sweeps(tmp_path: Path) -> None:
         load_config(path, {"nosuch.key": 1})
 
 
+def test_a_config_extends_another(tmp_path: Path) -> None:
+    """``extends``: the base's tables merged key by key under this file's, other values
+    replaced (a sweep dimension whole), the path relative to this file; a missing base, a
+    non-string and a cycle are errors naming the file."""
+    (tmp_path / "parts").mkdir()
+    base = tmp_path / "base.toml"
+    base.write_text(BASE + '[train]\nsteps = 7\nlr = 0.5\n[sweep]\nbaseline = "fedavg"\n'
+                    'strategy = ["fedavg", "fedshift"]\n"@split" = [{label = "a", "data.partition" = "iid"}]\n')
+    part = tmp_path / "parts" / "b.toml"
+    part.write_text('extends = "../base.toml"\nname = "t-b"\n[devices]\ndesktop = 4\n[train]\nlr = 2.0\n'
+                    '[sweep]\n"@split" = [{label = "b", "data.partition" = "shards"}]\n')
+    cfg = load_config(part)
+    assert cfg.name == "t-b" and cfg.devices == {"raspberry-pi-4": 2, "desktop": 4}
+    assert cfg.train["steps"] == 7 and cfg.train["lr"] == 2.0
+    combos = [c for c, _ in expand_sweep(cfg)]
+    assert combos == [{"strategy": s, "split": "b"} for s in ("fedavg", "fedshift")]
+    assert load_config(base).name == "t"  # the base itself is unchanged
+    for text, why in (('extends = "nope.toml"', "no config file"), ("extends = 3", "expected the file name"),
+                      ('extends = "b.toml"', "a cycle")):
+        bad = tmp_path / "parts" / "c.toml"
+        bad.write_text(text + "\n")
+        if why == "a cycle":
+            (tmp_path / "parts" / "b.toml").write_text('extends = "c.toml"\n')
+        with pytest.raises(ConfigError, match=why) as e:
+            load_config(bad)
+        assert "c.toml" in str(e.value) or "b.toml" in str(e.value)
+
+
 def test_codec_specs() -> None:
     assert parse_codec("kmeans-4") == ("kmeans", 4)
     assert parse_codec("float32") == ("float32", 32)

@@ -79,6 +79,7 @@ def test_finished_run_compares_the_config_the_seed_and_the_rounds(tmp_path: Path
     assert finished_run(run_dir, c, 0)
     assert not finished_run(run_dir, c, 1)  # another seed
     assert finished_run(run_dir, from_dict(raw(sweep={}, seeds=[0, 1, 2]), "t"), 0)  # more seeds: same run
+    assert finished_run(run_dir, from_dict(raw(sweep={}, seeds=[0], name="part-b"), "t"), 0)  # a label only
     assert not finished_run(run_dir, from_dict(raw(sweep={}, seeds=[0], rounds=3), "t"), 0)
     assert not finished_run(run_dir, from_dict(raw(sweep={}, seeds=[0], train={"steps": 4}), "t"), 0)
     assert not finished_run(run_dir, from_dict(raw(sweep={}, seeds=[0], strategy="fedshift"), "t"), 0)

@@ -43,6 +43,12 @@ the settings it trains devices with; the config's own keys override them.
       {label = "50/50", "devices.raspberry-pi-4" = 5, "devices.desktop" = 5},
       {label = "80/20", "devices.raspberry-pi-4" = 8, "devices.desktop" = 2}]
 
+``extends = "other.toml"`` (a path relative to this file) starts from that config: this
+file's tables are merged over its tables key by key, any other value replaces the base's
+(a sweep dimension given here replaces the base's whole list). An experiment too long to
+run at once is cut this way into parts that share one text: ``fmnist-fedfor-dirichlet.toml``
+is ``fmnist-fedfor.toml`` with another name and another ``"@split"``.
+
 ``target_accuracy`` (0 < t <= 1, optional) makes the reports count the rounds and the
 simulated seconds each group's model takes to reach it.
 
@@ -138,10 +144,39 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
     """Read and validate a config file (None: the bundled default), then apply dotted
     ``overrides`` (``{"rounds": 3, "round.deadline_s": 20}``)."""
     src = Path(path) if path is not None else DEFAULT_CONFIG
-    raw = read_toml(src)
+    raw = read_extended(src)
     for key, value in (overrides or {}).items():
         set_dotted(raw, key, value, str(src))
     return from_dict(raw, str(src))
+
+
+def read_extended(src: Path, chain: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """The table of config file ``src`` with its ``extends`` base (module docstring) merged
+    under it; ConfigError naming the file for a missing base, a non-string or a cycle."""
+    raw = read_toml(src)
+    base = raw.pop("extends", None)
+    if base is None:
+        return raw
+    if not isinstance(base, str) or not base:
+        raise ConfigError(f"{src}: extends: expected the file name of a config, got {base!r}")
+    path = (src.parent / base).resolve()
+    chain = (*chain, src.resolve())
+    if path in chain:
+        raise ConfigError(f"{src}: extends: {base!r} leads back to a file of this chain (a cycle)")
+    if not path.is_file():
+        raise ConfigError(f"{src}: extends: no config file {path}")
+    return _merged(read_extended(path, chain), raw)
+
+
+def _merged(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """``over`` merged over ``base``: tables key by key, anything else replaced."""
+    out = dict(base)
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merged(out[key], value)
+        else:
+            out[key] = value
+    return out
 
 
 def set_dotted(table: dict[str, Any], key: str, value: Any, source: str) -> None:

@@ -20,7 +20,7 @@ from coordinator.emulation.config import ExperimentConfig, expand_sweep, run_slu
 
 #: config keys that do not change what one run computes: which seeds the sweep has and the
 #: sweep table itself (its baselines and tuning are read by the reports only)
-_NOT_THE_RUN = ("seeds", "sweep")
+_NOT_THE_RUN = ("name", "seeds", "sweep")  # the name labels folders; nothing computed reads it
 
 
 def finished_run(run_dir: str | Path, cfg: ExperimentConfig, seed: int) -> bool:
