@@ -43,9 +43,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from coordinator.strategies import build_strategy
     from edge_client.errors import ConfigError
     from edge_client.intnn import init_shared
+    from edge_client.intnn.memory import keep_freed_memory
     from edge_client.logs import setup_logging
     from firmware_models import resolve_model
 
+    keep_freed_memory()  # each round's evaluation reuses the heap (edge_client/intnn/memory.py)
     try:
         job = job_from_args(args)
     except ConfigError as exc:

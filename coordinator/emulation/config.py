@@ -155,9 +155,9 @@ def read_extended(src: Path, chain: tuple[Path, ...] = ()) -> dict[str, Any]:
     under it; ConfigError naming the file for a missing base, a non-string or a cycle."""
     raw = read_toml(src)
     base = raw.pop("extends", None)
-    if base is None:
+    if base is None or base == "":  # "": none, the documented default
         return raw
-    if not isinstance(base, str) or not base:
+    if not isinstance(base, str):
         raise ConfigError(f"{src}: extends: expected the file name of a config, got {base!r}")
     path = (src.parent / base).resolve()
     chain = (*chain, src.resolve())
