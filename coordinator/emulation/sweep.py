@@ -18,15 +18,16 @@ from typing import Any
 
 from coordinator.emulation.config import ExperimentConfig, expand_sweep, run_slug
 
-#: config keys that do not change what one run computes: which seeds the sweep has and the
-#: sweep table itself (its baselines and tuning are read by the reports only)
-_NOT_THE_RUN = ("name", "seeds", "sweep")  # the name labels folders; nothing computed reads it
+#: config keys that do not change what one run computes: the name (it labels folders and
+#: the job), which seeds the sweep has and the sweep table itself (its baselines and tuning
+#: are read by the reports only)
+_NOT_THE_RUN = ("name", "seeds", "sweep")
 
 
 def finished_run(run_dir: str | Path, cfg: ExperimentConfig, seed: int) -> bool:
     """Whether ``run_dir`` holds a finished run of ``cfg`` (one sweep combination) with
     ``seed``: its ``emulation.json`` was written at the run's end (``wall_seconds``), it
-    records the same config (every key but the seed list and the sweep table), the same
+    records the same config (every key but the name, the seed list and the sweep table), the same
     stage settings and the same seed, and ``out/metrics.jsonl`` has one record for each
     of ``cfg.rounds`` rounds. Unreadable files count as not finished."""
     run_dir = Path(run_dir)
