@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -41,8 +42,6 @@ def test_every_config_and_combination_is_valid_with_five_seeds_on_fashion_mnist(
             assert len(cfg.seeds) >= 5 and cfg.sweep.get("baseline"), path.name
             assert "Kept" in path.read_text() or "Not a paper" in path.read_text(), path.name
     for part in sorted(set(CONFIGS) - set(WHOLE)):  # a part's quick run is its base's
-        import tomllib
-
         base = (part.parent / tomllib.loads(part.read_text())["extends"]).resolve()
         assert base in {p.resolve() for p in WHOLE}, part.name
 
