@@ -18,8 +18,9 @@ the data's), then calls this after Numba's start, after building its model and a
 first training call.
 
 :func:`keep_freed_memory` is for the processes that train and score float32 models over and
-over (the emulator's, its device workers, ``fedbit serve``'s evaluation): glibc returns a freed block of more than its
-mmap threshold (128 KiB at start) to the kernel at once, and trims the top of the heap, so
+over (the emulator's, its device workers, ``fedbit serve``'s evaluation): glibc returns a
+freed block of more than its mmap threshold (128 KiB at start) to the kernel at once, and
+trims the top of the heap, so
 each torch activation of a batch (a 50 x 16 x 28 x 28 float32 tensor is 2.5 MB) is
 fresh memory the kernel must fault in page by page. Measured on a 2-core VM, one
 ``mnist_cnn`` training step of 50 images: 1.46 M minor faults in 15 s of steps before,
