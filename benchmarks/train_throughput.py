@@ -5,7 +5,11 @@ Prints JSON lines (docs/architecture.md#benchmarks; plus ``target``, ``spread`` 
 
 - ``throughput`` (samples/s), Int8 ``IntTrainer`` vs PyTorch float32 (``TorchTrainer``,
   ``torch.set_num_threads(1)``), one thread each, batch 32, random data, models
-  ``fedshift_cnn`` (target >= 3.0) and ``digits_cnn`` (>= 4.0);
+  ``fedshift_cnn`` (target >= 3.0) and ``digits_cnn`` (>= 4.0); for information,
+  ``ratio_torch_heap_kept``: the same ratio against PyTorch with glibc keeping freed
+  activations (``edge_client.intnn.memory.keep_freed_memory``; by default glibc returns
+  every activation over 128 KiB to the kernel and the next step faults its pages in
+  again, which costs PyTorch ~15-20 % in a VM);
 - ``fedshift_cnn int8 2 threads``: ``throughput`` against the same engine on one thread
   (target >= 1.7, needs two idle cores) and ``throughput_vs_float`` against PyTorch
   float32 on two threads (>= 3.0);
@@ -100,11 +104,17 @@ def worker_int(name: str, steps: int, bits: int, threads: int) -> dict:
     return out
 
 
-def worker_torch(name: str, steps: int, threads: int) -> dict:
+def worker_torch(name: str, steps: int, threads: int, heap: str = "default") -> dict:
+    """PyTorch float32 training throughput; ``heap == "kept"``: with glibc told to keep
+    freed activations (``keep_freed_memory``, as the emulator's processes run)."""
     import torch
 
     from edge_client.trainers import TorchTrainer
 
+    if heap == "kept":
+        from edge_client.intnn.memory import keep_freed_memory
+
+        keep_freed_memory()
     torch.set_num_threads(threads)
     spec, data = _random_data(name, DATA_SAMPLES)
     tr = TorchTrainer(spec, seed=0)
@@ -207,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         if kind == "int":
             res = worker_int(name, int(rest[0]), int(rest[1]), int(rest[2]))
         elif kind == "torch":
-            res = worker_torch(name, int(rest[0]), int(rest[1]))
+            res = worker_torch(name, int(rest[0]), int(rest[1]), *rest[2:])
         elif kind == "rss":
             res = worker_rss(name, int(rest[0]), int(rest[1]), rest[2], rest[3])
         else:
@@ -225,6 +235,9 @@ def main(argv: list[str] | None = None) -> int:
             n = str(steps[name])
             rates.setdefault(f"{name} int 1", []).append(run_worker("int", name, n, bits, "1"))
             rates.setdefault(f"{name} torch 1", []).append(run_worker("torch", name, n, "1"))
+            if not args.quick:
+                rates.setdefault(f"{name} torch 1 kept", []).append(
+                    run_worker("torch", name, n, "1", "kept"))
         n = str(steps["fedshift_cnn"])
         rates.setdefault("fedshift_cnn int 2", []).append(
             run_worker("int", "fedshift_cnn", n, bits, "2"))
@@ -235,9 +248,14 @@ def main(argv: list[str] | None = None) -> int:
         ints, torches = rates[f"{name} int 1"], rates[f"{name} torch 1"]
         ratios = [a["cpu"] / b["cpu"] for a, b in zip(ints, torches, strict=True)]
         k = ratios.index(statistics.median_low(ratios))
+        extra = {}
+        if f"{name} torch 1 kept" in rates:  # information: PyTorch without glibc's page faults
+            kept = [a["cpu"] / b["cpu"] for a, b in zip(ints, rates[f"{name} torch 1 kept"],
+                                                         strict=True)]
+            extra = {"ratio_torch_heap_kept": round(statistics.median_low(kept), 4)}
         emit(f"{name} {q}", "throughput", ints[k]["cpu"], "samples/s",
              f"{name} torch float32 1 thread", torches[k]["cpu"], target=f">= {TARGETS[name]}",
-             timing="thread CPU time, best of 4 chunks", **_summary(ratios))
+             timing="thread CPU time, best of 4 chunks", **_summary(ratios), **extra)
     one, two = rates["fedshift_cnn int 1"], rates["fedshift_cnn int 2"]
     torch2 = rates["fedshift_cnn torch 2"]
     for metric, anchor, base, target in (

@@ -439,6 +439,14 @@ def test_maxpool_forward_backward_with_ties(bits, k, stride, pad):
                                   rdst, rval)
             assert np.array_equal(eqp[:, :, :7, :6].transpose(1, 0, 2, 3), nchw(eq))
             assert not eqp[:, :, 7:].any() and not eqp[:, :, :, 6:].any()
+            # the batch's scale, then each sample on its own (as threads split it): the same
+            assert K.pool_error_scale(e2, win_r) == kq
+            for buf, strides in ((eq, (7 * 6 * 4, 6 * 4, 4, 1)), (eqp, (9 * 8, 8, 1, 2 * 9 * 8))):
+                parts = np.full_like(buf, 7)
+                for n0 in (1, 0):
+                    K.pool_error_route(e2, win_r, k, stride, pad, bits, kq, parts, *strides, rdst,
+                                       rval, n0, n0 + 1)
+                assert np.array_equal(parts, buf)
 
 
 @pytest.mark.parametrize("bits", BITS)

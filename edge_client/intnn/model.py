@@ -50,7 +50,7 @@ from edge_client.intnn.quant import (
     weight_dtype,
     weight_max,
 )
-from edge_client.intnn.workspace import build_workspace
+from edge_client.intnn.workspace import build_workspace, vnni_forward, vnni_padded
 from firmware_models import Conv2d, Flatten, Linear, MaxPool2d, ModelSpec, ReLU
 
 DEFAULT_CE_TEMP_SHIFT = 5  # softmax temperature 2^-5 on the real logits (measured, see docs)
@@ -100,6 +100,13 @@ class IntModel:
                       for op, s in zip_strict(self.param_ops, self.internal_shapes)]
         self.tcnt = [np.zeros((s[3], 2), np.int32) if op.plane else None
                      for op, s in zip_strict(self.param_ops, self.internal_shapes)]
+        # convs whose forward runs on VNNI: ternary rows [Op, Rp] and their sums
+        for op in self.param_ops:
+            op.vnni = vnni_forward(self, op)
+        self.tv = [np.zeros(vnni_padded(op)[::-1], np.int8) if op.vnni else None
+                   for op in self.param_ops]
+        self.tsum = [np.zeros(vnni_padded(op)[1], np.int32) if op.vnni else None
+                     for op in self.param_ops]
         self._no_list = np.zeros((1, 1), np.int32)
         self._workspaces: dict[bool, Workspace] = {}
 
@@ -208,11 +215,14 @@ class IntModel:
             self.ternary_copies(i)
 
     def ternary_copies(self, p: int) -> None:
-        """Refresh the derived copies of ternary weights p (backward layout, run lists)."""
+        """Refresh the derived copies of ternary weights p (backward layout, run lists, the
+        VNNI forward's rows)."""
         if self.tb[p] is not None:
-            lists = self.tlist[p] is not None
+            lists = self.tlist[p] is not None and self.tv[p] is None
             K.ternary_copies(self.t[p], self.tb[p], self.tlist[p] if lists else self._no_list,
                              self.tcnt[p] if lists else self._no_list, lists)
+            if self.tv[p] is not None:
+                K.pad_rows(self.tb[p], self.tv[p], self.tsum[p])
 
     def load_shared(self, weights: list[np.ndarray]) -> None:
         """Set the weights from the shared float domain (``round(W * S(s_g))``)."""

@@ -46,6 +46,8 @@ class Op:
     # max-pool right after a conv/linear with a fused ReLU, windows not overlapping: its
     # backward writes that layer's quantized error (kernels.pool_error_quantize)
     fused_error: bool = False
+    # conv forward as int8 dot products on AVX-512 VNNI (kernels.vnni; workspace.vnni_forward)
+    vnni: bool = False
 
     @property
     def plane(self) -> bool:
@@ -57,7 +59,8 @@ class Op:
 class Scratch:
     """One thread's scratch buffers (lists indexed like ``IntModel.ops``, None where
     unused): ``pacc``/``pacc16``/``ptile`` pixel-block accumulators and finished outputs of
-    a conv forward, ``offs`` (int32 [K*K*C]) its plane-run offsets, ``pbuf`` [K*K*C]
+    a conv forward, ``vcol``/``vacc`` the patches (s-bit [B, Rp]) and int32 sums [B * Op]
+    of the VNNI conv forward, ``offs`` (int32 [K*K*C]) its plane-run offsets, ``pbuf`` [K*K*C]
     backward-data sums (int16 when ``O * amax`` fits, else int32), ``lacc``/``lacc16``
     int32 / int16 [O] accumulators of a linear forward; ``nz_idx``/``nz_val``: int32 lists
     (non-zero inputs or errors, a row of a max-pool's routed errors)."""
@@ -65,6 +68,8 @@ class Scratch:
     pacc: list[np.ndarray | None]
     pacc16: list[np.ndarray | None]
     ptile: list[np.ndarray | None]
+    vcol: list[np.ndarray | None]
+    vacc: list[np.ndarray | None]
     offs: list[np.ndarray | None]
     pbuf: list[np.ndarray | None]
     lacc: list[np.ndarray | None]

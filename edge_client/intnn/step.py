@@ -43,7 +43,12 @@ def _forward_op(model: IntModel, ws: Workspace, i: int, op: Op, prev: np.ndarray
     p = op.param
     if op.kind == "conv":
         lay = op.layer
-        if model.conv_impl == "col" and op.plane:
+        if op.vnni:
+            run(K.conv_forward_vnni, lambda t, lo, hi: (
+                prev, model.tv[p], model.tsum[p], lay.kernel * lay.kernel * lay.in_channels,
+                lay.kernel, lay.stride, lay.padding, op.shift, model.amax, op.relu, out,
+                sc[t].vcol[i], sc[t].vacc[i], lo, hi), n, split=op.split)
+        elif model.conv_impl == "col" and op.plane:
             run(K.conv_forward_plane, lambda t, lo, hi: (
                 prev, model.tlist[p], model.tcnt[p], lay.kernel, lay.padding, op.shift,
                 model.amax, op.relu, out, ws.plane[i], sc[t].offs[i], sc[t].pacc[i],
@@ -114,7 +119,6 @@ def _pool_error(model: IntModel, ws: Workspace, i: int, e: np.ndarray, n: int) -
     of the conv before it, NHWC (``ws.eq``) or at the plane positions (``ws.eqp``)."""
     op, conv = model.ops[i], model.ops[i - 1]
     lay = op.layer
-    sc0 = ws.scratch[0]
     if ws.eq[i - 1] is not None:
         dst = ws.eq[i - 1][:n]
         h, w, c = conv.out_shape
@@ -125,8 +129,12 @@ def _pool_error(model: IntModel, ws: Workspace, i: int, e: np.ndarray, n: int) -
         wp = w_in + conv.layer.padding
         hs = (h_in + conv.layer.padding) * wp
         strides = (hs, wp, 1, dst.shape[1])
-    K.pool_error_quantize(e, ws.win[i][:n], lay.kernel, lay.step, lay.padding, model.bits, dst,
-                          *strides, sc0.nz_idx, sc0.nz_val)
+    win = ws.win[i][:n]
+    kq = K.pool_error_scale(e, win)  # the batch's scale first: then samples split
+    sc = ws.scratch
+    model.splitter.run(K.pool_error_route, lambda t, lo, hi: (
+        e, win, lay.kernel, lay.step, lay.padding, model.bits, kq, dst, *strides,
+        sc[t].nz_idx, sc[t].nz_val, lo, hi), n, split=op.split)
 
 
 def _param_backward(model: IntModel, ws: Workspace, i: int, cur: np.ndarray | None,
@@ -195,7 +203,8 @@ def _conv_backward(model: IntModel, ws: Workspace, i: int, eq: np.ndarray | None
             run(K.eq_to_planar, lambda t, lo, hi: (eq, wp, hs, ws.eqp[i], lo, hi), n,
                 split=op.split)
         n_pos = (n - 1) * hs + (op.out_shape[0] - 1) * wp + op.out_shape[1]
-        gmax = max(run(K.conv_weight_grad_plane, lambda t, lo, hi: (
+        kernel = K.conv_weight_grad_plane_vnni if _vnni_grad(model) else K.conv_weight_grad_plane
+        gmax = max(run(kernel, lambda t, lo, hi: (
             ws.eqp[i], ws.plane[i], sc[0].offs[i], n_pos, g, lo, hi), g.shape[0] * g.shape[1]
             * g.shape[2], align=2, split=op.split))
     else:
@@ -210,6 +219,11 @@ def _conv_backward(model: IntModel, ws: Workspace, i: int, eq: np.ndarray | None
             K.conv_backward_data(eq, model.tb[op.param], lay.stride, lay.padding, dst,
                                  sc[0].pbuf[i])
     return gmax
+
+
+def _vnni_grad(model: IntModel) -> bool:
+    """The plane weight gradient's dot products run on AVX-512 VNNI (int8 operands)."""
+    return K.VNNI and model.amax <= 127
 
 
 def _update(model: IntModel, ws: Workspace, op: Op, g: np.ndarray, gmax: int, lr_log2: int,

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from edge_client.errors import ConfigError
+from edge_client.intnn import kernels as K
 from edge_client.intnn.ops import Op, Scratch, Workspace, internal_shape, plane_len
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -22,6 +23,7 @@ INT16_LIMIT = (1 << 15) - 1
 GROUP_PIXELS = 4096  # output pixels per im2col group when evaluating (memory bound)
 PIXEL_BLOCK = 2048   # output pixels accumulated at a time by the conv forward (L1-sized)
 PLANE_BLOCK = 1024   # plane positions accumulated at a time by the stride-1 conv forward
+VNNI_BLOCK = 64      # output pixels whose patches the VNNI conv forward gathers at a time
 # conv weight gradient from the non-zero errors when a patch row (K*C values) is at least
 # this long (short rows do not vectorize: the dense dot products are faster there)
 SPARSE_GRAD_MIN_ROW = 32
@@ -47,6 +49,15 @@ def grad_mode(model: IntModel, op: Op, batch: int) -> str:
     if op.plane and model.conv_impl == "col":
         return "plane"
     return "dot"
+
+
+def vnni_forward(model: IntModel, op: Op) -> bool:
+    """This conv's forward runs as int8 dot products on AVX-512 VNNI (``kernels.vnni``):
+    the CPU has them, activations are int8 (s <= 8) and a patch row (K*C values) is long
+    enough that its im2col copies cost less than the ternary adds they replace (a 3-channel
+    first layer stays on the plane kernel: 3x slower as dot products)."""
+    return (K.VNNI and model.amax <= 127 and model.conv_impl == "col" and op.kind == "conv"
+            and op.layer.kernel * op.layer.in_channels >= SPARSE_GRAD_MIN_ROW)
 
 
 def op_macs(op: Op) -> int:
@@ -103,7 +114,15 @@ class _PerOp:
 
 SHARED = ("acts", "win", "eq", "eqp", "err_in", "patch", "a_t", "gacc", "col_t", "e_t",
           "plane", "a_pad", "gt")
-PER_THREAD = ("pacc", "pacc16", "ptile", "offs", "pbuf", "lacc", "lacc16")
+PER_THREAD = ("pacc", "pacc16", "ptile", "vcol", "vacc", "offs", "pbuf", "lacc", "lacc16")
+
+
+def vnni_padded(op: Op) -> tuple[int, int]:
+    """(Rp, Op) of a VNNI conv: its patch length K*K*C in whole 64-byte vectors and its
+    output channels in whole groups of four (kernels.vnni.pad_rows)."""
+    lay = op.layer
+    return (K.vnni.padded(lay.kernel * lay.kernel * lay.in_channels),
+            K.vnni.padded(lay.out_channels, 4))
 
 
 def build_workspace(model: IntModel, capacity: int, train: bool) -> Workspace:
@@ -190,7 +209,12 @@ def _conv_buffers(model: IntModel, op: Op, n: int, train: bool
         op.grad_mode = gmode
     shared: dict[str, np.ndarray | None] = {}
     scratch: dict[str, np.ndarray | None] = {}
-    if op.plane and model.conv_impl == "col":
+    if op.vnni:
+        block = VNNI_BLOCK
+        rp, n_op = vnni_padded(op)
+        scratch["vcol"] = np.zeros((block, rp), ad)
+        scratch["vacc"] = np.zeros(block * n_op, np.int32)
+    elif op.plane and model.conv_impl == "col":
         block = PLANE_BLOCK
         shared["plane"] = np.zeros((c, plane_len(n, h, w, pad)), ad)
         scratch["offs"] = np.zeros(r, np.int32)

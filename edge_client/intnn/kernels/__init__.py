@@ -9,7 +9,9 @@ what they compute:
 - :mod:`.linear` (input-major weights, driven by the non-zero inputs), :mod:`.pool`
   (max-pool with int8 winners, the pool's error routed and quantized in one pass, ReLU),
   :mod:`.loss` (SSE, integer softmax);
-- :mod:`.update` error quantization (eq. 12) and the stochastic weight update (eq. 15-16).
+- :mod:`.update` error quantization (eq. 12) and the stochastic weight update (eq. 15-16);
+- :mod:`.vnni` the conv forward and the plane weight gradient as int8 dot products on
+  AVX-512 VNNI, where the CPU has it (:data:`VNNI`; bit-identical to the others).
 
 Every kernel takes and returns integers (or booleans) only; no float value exists in any
 of them (``tests/test_intnn_integer_only.py`` inspects the compiled type maps of
@@ -22,6 +24,7 @@ This package re-exports every kernel, so ``from edge_client.intnn import kernels
 K.conv_forward(...)`` works as before the split.
 """
 
+from edge_client.intnn.kernels import vnni
 from edge_client.intnn.kernels.arith import LOG2_HALF_THRESH, max_abs, round_log2, round_shift
 from edge_client.intnn.kernels.conv_backward import (
     conv_backward_data,
@@ -55,6 +58,8 @@ from edge_client.intnn.kernels.pool import (
     maxpool_backward,
     maxpool_forward,
     pool_error_quantize,
+    pool_error_route,
+    pool_error_scale,
     relu_forward,
     relu_mask,
 )
@@ -66,6 +71,12 @@ from edge_client.intnn.kernels.update import (
     regularizer_terms,
     sgd_update,
 )
+from edge_client.intnn.kernels.vnni import AVAILABLE as VNNI
+from edge_client.intnn.kernels.vnni import (
+    conv_forward_vnni,
+    conv_weight_grad_plane_vnni,
+    pad_rows,
+)
 
 # The kernels a training step runs from Python (their compiled signatures must be
 # integer-only). The jitted helpers they call are all inline="always": their bodies are
@@ -74,19 +85,22 @@ TRAINING_KERNELS = (
     conv_forward, conv_forward_col, linear_forward, maxpool_forward, relu_forward,
     sse_error, softmax_error, relu_mask, quantize_error, mask_quantize_error,
     conv_backward_data, conv_weight_grad, conv_weight_grad_dot, linear_backward_data,
-    linear_weight_grad, maxpool_backward, pool_error_quantize, sgd_update, regularizer_terms,
+    linear_weight_grad, maxpool_backward, pool_error_scale, pool_error_route,
+    sgd_update, regularizer_terms,
     ternarize, ternary_copies, argmax_correct, stream_key, conv_forward_plane,
     conv_weight_grad_plane, conv_weight_grad_sparse, conv_backward_data_narrow, eq_to_planar,
     pad_nhwc, grad_max,
-)
+) + ((conv_forward_vnni, conv_weight_grad_plane_vnni, pad_rows) if VNNI else ())
 
 __all__ = [
-    "LOG2_HALF_THRESH", "SOFTMAX_ONE", "TRAINING_KERNELS", "argmax_correct", "conv_backward_data",
+    "LOG2_HALF_THRESH", "SOFTMAX_ONE", "TRAINING_KERNELS", "VNNI", "argmax_correct", "conv_backward_data",
     "conv_backward_data_narrow", "conv_forward", "conv_forward_col", "conv_forward_plane",
+    "conv_forward_vnni", "conv_weight_grad_plane_vnni", "pad_rows", "vnni",
     "conv_weight_grad", "conv_weight_grad_dot", "conv_weight_grad_plane", "conv_weight_grad_sparse",
     "eq_to_planar", "grad_max", "pad_nhwc",
     "linear_backward_data", "linear_forward", "linear_weight_grad", "mask_quantize_error", "max_abs",
-    "maxpool_backward", "maxpool_forward", "mix64", "pool_error_quantize", "quantize_error",
+    "maxpool_backward", "maxpool_forward", "mix64", "pool_error_quantize", "pool_error_route",
+    "pool_error_scale", "quantize_error",
     "quantize_inputs_nhwc", "rand62", "regularizer_terms", "relu_forward", "relu_mask", "round_log2",
     "round_shift", "sgd_update", "softmax_error", "sse_error", "stream_key", "ternarize",
     "ternary_copies", "ternary_lists", "transpose_kkco_okkc",

@@ -109,15 +109,14 @@ def _pool_quad(af, of, wf, b0, b1, b2, b3, ob, c_in, want_win, relu_in):
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _route(e, win, k, stride, pad, of, ns, ys, xs, cs, quantize, sh, amax, rdst, rval):
+def _route(e, win, k, stride, pad, of, ns, ys, xs, cs, quantize, sh, amax, rdst, rval, n0, n1):
     """Each pool output's error to its winner's cell (n, iy, ix, c) of the flat of, at
     offset n*ns + iy*ys + ix*xs + c*cs (``+=`` when not ``quantize``, else the quantized
-    value is stored). One row of pool outputs at a time:
+    value is stored), for samples n0 <= n < n1. One row of pool outputs at a time:
     first their destinations and values (branch-free, vectorized; a masked output (-1)
     sends 0 to its window's first cell inside the input, which changes nothing), then a
     plain scatter. rdst/rval: int32 [>= Wo * C] scratch. ``win`` must come from
     :func:`maxpool_forward` (a winner is never a padded cell)."""
-    n_s = e.shape[0]
     h_out = e.shape[1]
     w_out = e.shape[2]
     c_in = e.shape[3]
@@ -125,7 +124,7 @@ def _route(e, win, k, stride, pad, of, ns, ys, xs, cs, quantize, sh, amax, rdst,
     wf = win.reshape(-1)
     div = 65536 // k + 1  # (w * div) >> 16 == w // k for 0 <= w < k^2 <= 121
     m = w_out * c_in
-    for n in range(n_s):
+    for n in range(n0, n1):
         for y in range(h_out):
             iy0 = y * stride - pad
             kh0 = -iy0 if iy0 < 0 else 0
@@ -166,19 +165,31 @@ def maxpool_backward(e, win, k, stride, pad, out, rdst, rval):
     w_in = out.shape[2]
     c_in = out.shape[3]
     _route(e, win, k, stride, pad, out.reshape(-1), h_in * w_in * c_in, w_in * c_in, c_in, 1,
-           False, 0, 0, rdst, rval)
+           False, 0, 0, rdst, rval, 0, e.shape[0])
 
 
 @njit(cache=True, nogil=True)
 def pool_error_quantize(e, win, k, stride, pad, bits, out, ns, ys, xs, cs, rdst, rval):
     """The error at a max-pool's output routed to its winners and quantized (eq. 12), for
-    non-overlapping windows (k <= stride): ``out`` (s-bit dtype, any shape, zeroed) holds
-    the quantized error at the pool's input, zero off the winners, element
-    (n, iy, ix, c) at flat offset n*ns + iy*ys + ix*xs + c*cs (NHWC, or the positions of
-    the stride-1 plane layout, channel-major, for the conv's weight gradient). Same values
-    as :func:`maxpool_backward` then :func:`quantize_error` (and the ReLU mask, folded into
+    non-overlapping windows (k <= stride): ``out`` (s-bit dtype, any shape) holds the
+    quantized error at the pool's input, zero off the winners, element (n, iy, ix, c) at
+    flat offset n*ns + iy*ys + ix*xs + c*cs (NHWC, or the positions of the stride-1 plane
+    layout, channel-major, for the conv's weight gradient). Same values as
+    :func:`maxpool_backward` then :func:`quantize_error` (and the ReLU mask, folded into
     ``win``). e: [N, Ho, Wo, C] int32; rdst/rval: int32 [>= Wo * C] scratch. Returns
-    k = round(log2 max|e|) (-1: all zero)."""
+    k = round(log2 max|e|) (-1: all zero). The whole batch at once: :func:`pool_error_scale`
+    then :func:`pool_error_route` over all samples (which may be split over threads)."""
+    kq = pool_error_scale(e, win)
+    pool_error_route(e, win, k, stride, pad, bits, kq, out, ns, ys, xs, cs, rdst, rval, 0,
+                     e.shape[0])
+    return kq
+
+
+@njit(cache=True, nogil=True)
+def pool_error_scale(e, win):
+    """k = round(log2 max|e|) over the pool outputs that route an error (``win >= 0``), the
+    scale of eq. 12 for the whole batch; -1 when all of them are zero. e: [N, Ho, Wo, C]
+    int32; win: int8, e's shape."""
     ef = e.reshape(-1)
     wf = win.reshape(-1)
     m = np.int64(0)
@@ -187,13 +198,29 @@ def pool_error_quantize(e, win, k, stride, pad, bits, out, ns, ys, xs, cs, rdst,
         v = -v if v < 0 else v
         v = v if wf[U(i)] >= 0 else np.int64(0)
         m = v if v > m else m
-    out[...] = 0
     if m == 0:
         return -1
-    kq = round_log2(m)
-    _route(e, win, k, stride, pad, out.reshape(-1), ns, ys, xs, cs, True,
-           kq - (bits - 1), (np.int64(1) << (bits - 1)) - 1, rdst, rval)
-    return kq
+    return round_log2(m)
+
+
+@njit(cache=True, nogil=True)
+def pool_error_route(e, win, k, stride, pad, bits, kq, out, ns, ys, xs, cs, rdst, rval, n0, n1):
+    """Samples n0 <= n < n1 of :func:`pool_error_quantize` at the batch's scale ``kq``
+    (:func:`pool_error_scale`): their elements of ``out`` (offsets n*ns + [0, ns) of every
+    channel row c*cs; all of them when cs == 1, NHWC) zeroed, then their errors routed and
+    quantized. Disjoint sample ranges may run on other threads at once."""
+    of = out.reshape(-1)
+    if cs == 1:
+        for i in range(n0 * ns, n1 * ns):
+            of[U(i)] = 0
+    else:
+        for c in range(e.shape[3]):
+            for i in range(c * cs + n0 * ns, c * cs + n1 * ns):
+                of[U(i)] = 0
+    if kq < 0:
+        return
+    _route(e, win, k, stride, pad, of, ns, ys, xs, cs, True, kq - (bits - 1),
+           (np.int64(1) << (bits - 1)) - 1, rdst, rval, n0, n1)
 
 
 @njit(cache=True, nogil=True)

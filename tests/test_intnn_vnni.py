@@ -1,0 +1,169 @@
+"""The AVX-512 VNNI kernels (edge_client.intnn.kernels.vnni) against the generic ones, bit
+for bit: the conv forward, the plane weight gradient, and whole training runs with the
+VNNI kernels on and off. Skipped, with the reason, on a CPU without the instruction."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from edge_client.compat import zip_strict
+from edge_client.data import Dataset
+from edge_client.intnn import IntModel
+from edge_client.intnn import kernels as K
+from edge_client.intnn.kernels import vnni as V
+from edge_client.intnn.ops import plane_len
+from edge_client.trainers import IntTrainer
+from firmware_models import Conv2d, Flatten, Linear, MaxPool2d, ModelSpec, ReLU, get_spec
+
+needs_vnni = pytest.mark.skipif(not K.VNNI, reason="this CPU has no AVX-512 VNNI (the "
+                                "generic kernels run; their tests cover them)")
+
+
+def ternary(rng, shape, p_zero=0.4) -> np.ndarray:
+    p = (1 - p_zero) / 2
+    return rng.choice(np.array([-1, 0, 1], np.int8), size=shape, p=[p, p_zero, p])
+
+
+@needs_vnni
+@pytest.mark.parametrize("case", range(12))
+def test_the_vnni_conv_forward_equals_the_generic_one(case):
+    rng = np.random.default_rng(case)
+    n = int(rng.integers(1, 5))
+    c = int(rng.choice([1, 3, 8, 16, 33]))
+    o = int(rng.choice([1, 4, 6, 13, 32]))
+    k = int(rng.choice([1, 3, 5]))
+    stride = int(rng.choice([1, 2]))
+    pad = int(rng.integers(0, k))
+    h, w = int(rng.integers(k, 12)), int(rng.integers(k, 12))
+    amax = 127 if case % 3 else 31
+    a = rng.integers(-amax, amax + 1, (n, h, w, c)).astype(np.int8)
+    if case % 4 == 0:
+        a[a < 0] = 0  # after a ReLU
+    t_kkco = ternary(rng, (k, k, c, o))
+    tb = np.ascontiguousarray(t_kkco.transpose(3, 0, 1, 2))
+    h_out = (h + 2 * pad - k) // stride + 1
+    w_out = (w + 2 * pad - k) // stride + 1
+    r_len = k * k * c
+    tv = np.full((V.padded(o, 4), V.padded(r_len)), 9, np.int8)  # pad_rows clears the slack
+    tsum = np.full(tv.shape[0], 9, np.int32)
+    V.pad_rows(tb, tv, tsum)
+    assert np.array_equal(tsum[:o], tb.reshape(o, -1).sum(1)) and not tsum[o:].any()
+    for shift, relu in ((int(rng.integers(1, 9)), True), (0, False), (-1, False)):
+        ref = np.zeros((n, h_out, w_out, o), np.int8)
+        K.conv_forward(a, t_kkco, stride, pad, shift, amax, relu, ref, np.zeros(o, np.int32))
+        for block in (2, 6, 64):
+            out = np.full_like(ref, 55)
+            col = np.full((block, tv.shape[1]), 7, np.int8)  # stale bytes must not matter
+            acc = np.zeros(block * tv.shape[0], np.int32)
+            for lo, hi in ((0, n // 2), (n // 2, n)):  # two threads' sample ranges
+                V.conv_forward_vnni(a, tv, tsum, r_len, k, stride, pad, shift, amax, relu, out,
+                                    col, acc, lo, hi)
+            assert np.array_equal(out, ref), (case, shift, block)
+
+
+@needs_vnni
+@pytest.mark.parametrize("case", range(8))
+def test_the_vnni_plane_weight_gradient_equals_the_generic_one(case):
+    rng = np.random.default_rng(100 + case)
+    n = int(rng.integers(1, 4))
+    c = int(rng.choice([1, 3, 5]))
+    o = int(rng.choice([1, 3, 4, 8, 11]))
+    k = int(rng.choice([1, 3, 5]))
+    pad = int(rng.integers(0, k))
+    h, w = int(rng.integers(k, 20)), int(rng.integers(k, 20))
+    wp, hs = w + pad, (h + pad) * (w + pad)
+    h_out, w_out = h + 2 * pad - k + 1, w + 2 * pad - k + 1
+    a = rng.integers(-127, 128, (n, h, w, c)).astype(np.int8)
+    t = ternary(rng, (o, k, k, c))
+    lst = np.zeros((o, k * k * c + 1), np.int32)
+    cnt = np.zeros((o, 2), np.int32)
+    K.ternary_lists(t, lst, cnt)
+    # the plane forward writes the plane and the run offsets the gradient reads
+    plane = np.zeros((c, plane_len(n, h, w, pad)), np.int8)
+    offs = np.zeros(k * k * c, np.int32)
+    K.conv_forward_plane(a, lst, cnt, k, pad, 3, 127, True,
+                         np.zeros((n, h_out, w_out, o), np.int8), plane, offs,
+                         np.zeros(64, np.int32), np.zeros(64, np.int16),
+                         np.zeros((o, 64), np.int8), 0, n)
+    n_pos = (n - 1) * hs + (h_out - 1) * wp + w_out
+    eqp = np.zeros((o, n * hs), np.int8)
+    e = rng.integers(-127, 128, (o, n, h_out, w_out)).astype(np.int8)
+    e[rng.random(e.shape) < 0.6] = 0
+    for s in range(n):
+        for y in range(h_out):
+            eqp[:, s * hs + y * wp: s * hs + y * wp + w_out] = e[:, s, y]
+    rows = k * k * c
+    ref = np.zeros((k, k, c, o), np.int32)
+    gmax_ref = K.conv_weight_grad_plane(eqp, plane, offs, n_pos, ref, 0, rows)
+    # dense check of the reference itself: G[r, o] = sum over pixels of a * e
+    a_pad = np.pad(a.astype(np.int64), ((0, 0), (pad, pad), (pad, pad), (0, 0)))
+    dense = np.einsum("nyxkhc,onyx->khco", np.lib.stride_tricks.sliding_window_view(
+        a_pad, (k, k), axis=(1, 2)).transpose(0, 1, 2, 4, 5, 3)[:, :h_out, :w_out],
+        e.astype(np.int64))
+    assert np.array_equal(ref, dense)
+    got = np.full_like(ref, 77)
+    split = (0, rows // 2 | 1, rows) if rows > 2 else (0, rows)  # odd boundaries too
+    gmax = max(V.conv_weight_grad_plane_vnni(eqp, plane, offs, n_pos, got, lo, hi)
+               for lo, hi in zip_strict(split[:-1], split[1:]))
+    assert np.array_equal(got, ref) and gmax == gmax_ref
+
+
+def small_cnn() -> ModelSpec:
+    """A conv with K*C >= 32 (the VNNI forward) after a stride-1 3-channel conv (the plane
+    forward, whose weight gradient runs on VNNI), an odd channel count, two linears."""
+    return ModelSpec("vnni_cnn", (3, 12, 12), (
+        Conv2d("c1", 3, 8, 5, padding=1), ReLU("r1"), MaxPool2d("p1", 2, padding=1),
+        Conv2d("c2", 8, 13, 5, padding=1), ReLU("r2"), MaxPool2d("p2", 2),
+        Flatten("f"), Linear("l1", 13 * 2 * 2, 16), ReLU("r3"), Linear("l2", 16, 10),
+    ), 10)
+
+
+def _train(spec: ModelSpec, bits: int, threads: int, d: Dataset) -> tuple[list, float, float]:
+    tr = IntTrainer(spec, bits, seed=5, threads=threads)
+    r = tr.train(d, steps=5, batch=16)
+    _, acc = tr.evaluate(d)
+    tr.model.close()
+    return tr.int_weights(), r.loss, acc
+
+
+@needs_vnni
+@pytest.mark.parametrize("name,bits", [("small", 8), ("small", 6), ("digits_cnn", 8)])
+def test_training_with_and_without_vnni_gives_the_same_weights(monkeypatch, name, bits):
+    spec = small_cnn() if name == "small" else get_spec(name)
+    rng = np.random.default_rng(bits)
+    d = Dataset(rng.random((48, *spec.input_shape), dtype=np.float32),
+                rng.integers(0, spec.num_classes, 48).astype(np.int64))
+    on = IntModel(spec, bits)
+    assert any(op.vnni for op in on.param_ops)
+    with_vnni = _train(spec, bits, 1, d)
+    monkeypatch.setattr(K, "VNNI", False)
+    assert not any(op.vnni for op in IntModel(spec, bits).param_ops)
+    without = _train(spec, bits, 1, d)
+    assert with_vnni[1:] == without[1:]
+    for a, b in zip_strict(with_vnni[0], without[0]):
+        assert np.array_equal(a, b)
+    monkeypatch.setattr(K, "VNNI", True)
+    assert _train(spec, bits, 2, d)[1:] == without[1:]  # and split over two threads
+
+
+def test_int16_activations_never_take_the_vnni_kernels():
+    model = IntModel(small_cnn(), 12)
+    assert not any(op.vnni for op in model.param_ops)
+    assert all(tv is None for tv in model.tv)
+
+
+def test_fedbit_no_vnni_turns_the_vnni_kernels_off():
+    code = "from edge_client.intnn import kernels as K; print(K.VNNI)"
+    env = dict(os.environ, FEDBIT_NO_VNNI="1")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip() == "False"
+    env["FEDBIT_NO_VNNI"] = "0"  # "0" or unset: the CPU decides
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip() == str(V._target_has_vnni())
