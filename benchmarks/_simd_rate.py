@@ -6,6 +6,10 @@ bound of ``benchmarks/layer_profile.py``). Every loop runs on L1-resident data:
 - ``int8_dot``: int8 x int8 products summed in int32, one dot product (LLVM emits
   ``vpmaddwd`` / ``vpdpwssd`` for it), and two rows x four outputs per pass (the conv and
   linear gradients' form);
+- ``vnni_dot``: where the CPU has AVX-512 VNNI (``edge_client.intnn.kernels.VNNI``), two
+  rows x four rows of int8 dot products through ``vpdpbusd`` (the engine's
+  ``kernels.vnni._dot_block``, as its conv and linear kernels use it): 64
+  multiply-accumulates an instruction, the fastest int8 arithmetic of such a CPU;
 - ``update``: one SplitMix64 draw, a compare and a clip per weight (the stochastic
   update's work per weight).
 
@@ -18,6 +22,9 @@ import time
 
 import numpy as np
 from numba import njit
+
+from edge_client.intnn.kernels import VNNI
+from edge_client.intnn.kernels.vnni import _dot_block
 
 ROW = 1024  # positions per row (int8: 8 rows + the int16 accumulator stay in L1)
 
@@ -76,6 +83,16 @@ def _int8_dots_2x4(x, e, reps):
     return tot
 
 
+@njit(cache=True, nogil=True)
+def _vnni_dots_2x4(x, e, reps):
+    tot = np.int32(0)
+    n = x.shape[0] // 2
+    for _ in range(reps):
+        s = _dot_block(x, (0, n), e, (0, n, 2 * n, 3 * n), n // 64)
+        tot = np.int32(tot + s[0] + s[7])
+    return tot
+
+
 _GOLDEN = np.int64(0x9E3779B97F4A7C15 - (1 << 64))
 _MIX1 = np.int64(0xBF58476D1CE4E5B9 - (1 << 64))
 _MIX2 = np.int64(0x94D049BB133111EB - (1 << 64))
@@ -111,9 +128,9 @@ def _best_rate(fn, args, work: float, reps: int, repeats: int) -> float:
 
 
 def measure(repeats: int = 5, scale: float = 1.0) -> dict[str, float]:
-    """Rates of the three primitives (operations per second): ``ternary_add`` and
-    ``int8_dot`` in multiply-accumulates (an add by a ternary weight counts as one),
-    ``update`` in weights; ``int8_mac`` is the best of the MAC rates."""
+    """Rates of the primitives (operations per second): ``ternary_add``, ``int8_dot`` and
+    (with VNNI) ``vnni_dot`` in multiply-accumulates (an add by a ternary weight counts as
+    one), ``update`` in weights; ``int8_mac`` is the best of the MAC rates."""
     rng = np.random.default_rng(0)
     rows = rng.integers(-127, 128, (8, ROW)).astype(np.int8)
     acc = np.zeros(ROW, np.int16)
@@ -130,5 +147,9 @@ def measure(repeats: int = 5, scale: float = 1.0) -> dict[str, float]:
                         _best_rate(_int8_dots_2x4, (x, e), 8 * x.shape[1], n, repeats)),
         "update": _best_rate(_update, (w, g), w.size, n, repeats),
     }
-    out["int8_mac"] = max(out["ternary_add"], out["int8_dot"])
+    if VNNI:
+        xv = rng.integers(-128, 128, 2 * 2048).astype(np.int8)
+        ev = rng.integers(-128, 128, 4 * 2048).astype(np.int8)
+        out["vnni_dot"] = _best_rate(_vnni_dots_2x4, (xv, ev), 8 * 2048, n, repeats)
+    out["int8_mac"] = max(out["ternary_add"], out["int8_dot"], out.get("vnni_dot", 0.0))
     return out

@@ -44,11 +44,12 @@ KERNEL_PHASE = {
     "conv_forward_col": "forward", "conv_forward": "forward",
     "linear_forward": "forward", "maxpool_forward": "forward", "relu_forward": "forward",
     "conv_backward_data_narrow": "backward-data", "conv_backward_data": "backward-data",
-    "linear_backward_data": "backward-data",
+    "linear_backward_data": "backward-data", "linear_backward_data_vnni": "backward-data",
     "conv_weight_grad_plane": "weight gradient", "conv_weight_grad_plane_vnni": "weight gradient",
     "conv_weight_grad_sparse": "weight gradient",
     "conv_weight_grad_dot": "weight gradient", "conv_weight_grad": "weight gradient",
-    "linear_weight_grad": "weight gradient", "pad_nhwc": "weight gradient",
+    "linear_weight_grad": "weight gradient", "linear_weight_grad_vnni": "weight gradient",
+    "linear_grad_max_vnni": "weight gradient", "linear_update_vnni": "update", "pad_nhwc": "weight gradient",
     "eq_to_planar": "weight gradient", "grad_max": "update",
     "sgd_update": "update", "ternary_copies": "update", "pad_rows": "update", "stream_key": "update",
     "regularizer_terms": "update",
@@ -61,26 +62,32 @@ KERNEL_PHASE = {
 }
 # what each kernel does today and what closing the rest of its gap would take
 NOTES = {
-    ("conv", "forward"): "ternary runs of the padded plane added in int16, 8 per pass "
-                         "(~120-130 G adds/s on L2-resident planes vs ~190 in L1); skips "
-                         "zero weights, not zero inputs; 18-32% of the positions are the "
-                         "plane's padding. More: pool fused into the block loop (no NHWC "
-                         "scatter of the full-size output), VNNI (vpdpbusd) that LLVM does "
-                         "not emit from Numba loops.",
+    ("conv", "forward"): "K*C >= 32 with VNNI: 64-pixel im2col blocks x the ternary rows "
+                         "padded to 64 bytes, 2 pixels x 4 channels of vpdpbusd dot products "
+                         "(dense: zero weights cost as much as others). Else (the 3-channel "
+                         "first conv, no VNNI): ternary runs of the padded plane added in "
+                         "int16, 8 per pass (skips zero weights; 18-32% of the positions "
+                         "are the plane's padding, ~27% of the time the NHWC scatter). More: "
+                         "the pool fused into the block loop; VNNI for the first conv needs "
+                         "its 75-byte patches packed without per-pixel copies.",
     ("conv", "backward-data"): "per output pixel, the non-zero errors (5-15%) combine rows of "
                                "the ternary weights in int16, added to K rows of the input "
                                "error. More: skip inputs the ReLU zeroes (44% live).",
     ("conv", "weight gradient"): "K*C >= 32: error-driven (only non-zero errors), four per "
-                                 "pass, int32; K*C < 32 (first conv): dense int32 dot "
-                                 "products over the plane positions (~80 G MAC/s, vpmulld). "
-                                 "More: vpmaddwd/VNNI dot products (LLVM forms them only "
-                                 "for one reduction per loop).",
+                                 "pass, int32 (dense VNNI is 2x slower there: 80-90% of "
+                                 "the errors are zero); K*C < 32 (first conv): dot products "
+                                 "over the plane positions, 2 rows x 4 channels of vpdpbusd "
+                                 "with VNNI (3.5x the int32 vpmulld form).",
     ("linear", "forward"): "driven by the non-zero inputs (25-50% after ReLU + pool): rows of "
                            "the [F, O] ternary weights added in int16.",
-    ("linear", "backward-data"): "dot products only where the input is positive (the ReLU "
-                                 "below zeroes the rest), four weight rows per pass.",
-    ("linear", "weight gradient"): "driven by the non-zero inputs, int32 rows; bounded by "
-                                   "writing the int32 gradient (8 MB for fc1).",
+    ("linear", "backward-data"): "VNNI (O >= 64): 4 weight rows x 2 samples of vpdpbusd "
+                                 "dot products, dense, masked after; else dot products only "
+                                 "where the input is positive, four weight rows per pass.",
+    ("linear", "weight gradient"): "VNNI (O a multiple of 64): four samples' products per "
+                                   "vpdpbusd into 16 outputs' lanes (no reduction), two rows "
+                                   "x 64 outputs a block; on several threads only its max, "
+                                   "the update makes it again (8 MB of int32 for fc1 never "
+                                   "stored). Else driven by the non-zero inputs.",
     ("linear", "update"): "one SplitMix64 draw per weight (bit-exact stream), fused clip + "
                           "ternarize; memory-bound on G (int32) + w + t.",
     ("conv", "update"): "as linear; plus the backward copy and the +-1 run lists.",
@@ -177,7 +184,9 @@ def main(argv: list[str] | None = None) -> int:
         again = _simd_rate.measure(repeats=repeats, scale=scale)
         rates = {k: max(v, again[k]) for k, v in rates.items()}
     mac = rates["int8_mac"]
-    for key in ("ternary_add", "int8_dot", "update"):
+    for key in ("ternary_add", "int8_dot", "vnni_dot", "update"):
+        if key not in rates:  # vnni_dot: only on a CPU with AVX-512 VNNI
+            continue
         emit(f"int8 SIMD rate: {key}", "rate", rates[key] / 1e9, "G/s", "int8_mac", mac / 1e9)
     tables = []
     for name in MODELS:
@@ -241,7 +250,10 @@ def _markdown(tables, rates) -> str:
            "phase is its dense multiply-accumulates over the int8 rate measured in the same "
            f"run: {rates['int8_mac'] / 1e9:.0f} G MAC/s (ternary add into int16 "
            f"{rates['ternary_add'] / 1e9:.0f} G/s, int8 dot product "
-           f"{rates['int8_dot'] / 1e9:.0f} G/s, L1-resident); the update's is one SplitMix64 "
+           f"{rates['int8_dot'] / 1e9:.0f} G/s"
+           + (f", VNNI dot products (vpdpbusd) {rates['vnni_dot'] / 1e9:.0f} G/s"
+              if "vnni_dot" in rates else "")
+           + ", L1-resident); the update's is one SplitMix64 "
            f"draw + clip per weight at {rates['update'] / 1e9:.2f} G weights/s. A fraction "
            "above 1 means the kernel skips enough zeros (ternary weights, errors after ReLU "
            "and max-pool, zero activations) to beat the dense bound.", ""]

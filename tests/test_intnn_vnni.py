@@ -11,9 +11,10 @@ import sys
 import numpy as np
 import pytest
 
+import edge_client.intnn.workspace as W
 from edge_client.compat import zip_strict
 from edge_client.data import Dataset
-from edge_client.intnn import IntModel
+from edge_client.intnn import IntModel, step
 from edge_client.intnn import kernels as K
 from edge_client.intnn.kernels import vnni as V
 from edge_client.intnn.ops import plane_len
@@ -113,13 +114,84 @@ def test_the_vnni_plane_weight_gradient_equals_the_generic_one(case):
     assert np.array_equal(got, ref) and gmax == gmax_ref
 
 
+@needs_vnni
+@pytest.mark.parametrize("case", range(8))
+def test_the_vnni_linear_backward_data_equals_the_generic_one(case):
+    rng = np.random.default_rng(200 + case)
+    n = int(rng.integers(1, 9))
+    f = int(rng.integers(1, 300))
+    o = int(rng.choice([64, 70, 128, 200, 512]))
+    t = ternary(rng, (f, o))
+    eq = rng.integers(-127, 128, (n, o)).astype(np.int8)
+    eq[rng.random(eq.shape) < 0.5] = 0
+    a_in = rng.integers(-5, 6, (n, f)).astype(np.int8)
+    for masked in (False, True):
+        ref = np.zeros((n, f), np.int32)
+        K.linear_backward_data(eq, t, a_in, masked, ref, np.zeros(f + 4, np.int32), 0, n)
+        dense = eq.astype(np.int64) @ t.T.astype(np.int64)
+        assert np.array_equal(ref, np.where(a_in > 0, dense, 0) if masked else dense)
+        got = np.full_like(ref, 3)
+        corr = np.zeros(n + 4, np.int32)
+        for lo, hi in ((0, n // 2), (n // 2, n)):
+            V.linear_backward_data_vnni(eq, t, a_in, masked, got, corr, lo, hi)
+        assert np.array_equal(got, ref), (case, masked)
+
+
+@needs_vnni
+@pytest.mark.parametrize("n,f,o", [(32, 300, 512), (7, 33, 64), (13, 100, 128), (1, 5, 64)])
+def test_the_vnni_linear_weight_gradient_equals_the_generic_one(n, f, o):
+    rng = np.random.default_rng(n * f)
+    a = rng.integers(-128, 128, (n, f)).astype(np.int8)
+    a[rng.random(a.shape) < 0.5] = 0
+    eq = rng.integers(-127, 128, (n, o)).astype(np.int8)
+    ref = np.zeros((f, o), np.int32)
+    gmax_ref = K.linear_weight_grad(eq, a, ref, np.zeros(n + 4, np.int32),
+                                    np.zeros(n + 4, np.int32), np.zeros((f, n), np.int8), 0, f)
+    assert np.array_equal(ref, a.T.astype(np.int64) @ eq.astype(np.int64))
+    n4 = V.padded(n, 4)
+    got = np.full_like(ref, 9)
+    a_t = np.full((f, n4), 5, np.int8)  # stale bytes past n must not matter
+    split = (0, f // 2 | 1, f) if f > 2 else (0, f)
+    gmax = max(V.linear_weight_grad_vnni(eq, a, got, a_t, np.full(n4 * o, 3, np.int8), lo, hi)
+               for lo, hi in zip_strict(split[:-1], split[1:]))
+    assert np.array_equal(got, ref) and gmax == gmax_ref
+
+
+@needs_vnni
+@pytest.mark.parametrize("n,f,o,sh", [(32, 301, 128, 9), (5, 8, 64, 1), (9, 40, 192, 62)])
+def test_the_fused_linear_update_equals_gradient_then_update(n, f, o, sh):
+    rng = np.random.default_rng(f)
+    a = rng.integers(-128, 128, (n, f)).astype(np.int8)
+    eq = rng.integers(-127, 128, (n, o)).astype(np.int8)
+    w0 = rng.integers(-127, 128, (f, o)).astype(np.int8)
+    g = a.T.astype(np.int64) @ eq.astype(np.int64)
+    n4 = V.padded(n, 4)
+    a_t, ep = np.zeros((f, n4), np.int8), np.zeros(n4 * o, np.int8)
+    gmax = V.linear_grad_max_vnni(eq, a, a_t, ep, 0, f)
+    assert gmax == np.abs(g).max()
+    w_ref, t_ref = w0.copy(), np.zeros((f, o), np.int8)
+    key = int(K.stream_key(3, 7, 1, 0))
+    # sgd_update's shift is round_log2(gmax) - lr_log2: pick lr_log2 for the wanted sh
+    lr_log2 = int(K.round_log2(gmax)) - sh
+    K.sgd_update(w_ref.reshape(-1), g.astype(np.int32).reshape(-1), gmax, lr_log2, 100, 20,
+                 key, t_ref.reshape(-1), np.zeros(0, np.int64), -1, key, f, o, 0, f * o)
+    w, t = w0.copy(), np.zeros((f, o), np.int8)
+    for lo, hi in ((0, f // 2 | 1), (f // 2 | 1, f)):
+        V.linear_update_vnni(eq, a, a_t, ep, w.reshape(-1), t.reshape(-1), sh, 100, 20, key, f,
+                             lo, hi)
+    assert np.array_equal(w, w_ref) and np.array_equal(t, t_ref)
+
+
 def small_cnn() -> ModelSpec:
     """A conv with K*C >= 32 (the VNNI forward) after a stride-1 3-channel conv (the plane
-    forward, whose weight gradient runs on VNNI), an odd channel count, two linears."""
+    forward, whose weight gradient runs on VNNI), an odd channel count, linears whose
+    backward-data runs on VNNI (O >= 64, 70 not a multiple of 64), one whose weight
+    gradient does too (O = 64) and one with neither (O = 10)."""
     return ModelSpec("vnni_cnn", (3, 12, 12), (
         Conv2d("c1", 3, 8, 5, padding=1), ReLU("r1"), MaxPool2d("p1", 2, padding=1),
         Conv2d("c2", 8, 13, 5, padding=1), ReLU("r2"), MaxPool2d("p2", 2),
-        Flatten("f"), Linear("l1", 13 * 2 * 2, 16), ReLU("r3"), Linear("l2", 16, 10),
+        Flatten("f"), Linear("l1", 13 * 2 * 2, 70), ReLU("r3"), Linear("l2", 70, 64),
+        ReLU("r4"), Linear("l3", 64, 10),
     ), 10)
 
 
@@ -139,7 +211,8 @@ def test_training_with_and_without_vnni_gives_the_same_weights(monkeypatch, name
     d = Dataset(rng.random((48, *spec.input_shape), dtype=np.float32),
                 rng.integers(0, spec.num_classes, 48).astype(np.int64))
     on = IntModel(spec, bits)
-    assert any(op.vnni for op in on.param_ops)
+    assert any(op.vnni for op in on.param_ops)  # a VNNI conv forward, a VNNI linear gradient
+    assert any(lep is not None for lep in on.workspace(16).scratch[0].lep)
     with_vnni = _train(spec, bits, 1, d)
     monkeypatch.setattr(K, "VNNI", False)
     assert not any(op.vnni for op in IntModel(spec, bits).param_ops)
@@ -148,7 +221,16 @@ def test_training_with_and_without_vnni_gives_the_same_weights(monkeypatch, name
     for a, b in zip_strict(with_vnni[0], without[0]):
         assert np.array_equal(a, b)
     monkeypatch.setattr(K, "VNNI", True)
-    assert _train(spec, bits, 2, d)[1:] == without[1:]  # and split over two threads
+    # split over two threads, every op (the linear update then makes its gradient again)
+    monkeypatch.setattr(W, "SPLIT_MIN_MACS", 0)
+    fused = []
+    real = step._fused_update
+    monkeypatch.setattr(step, "_fused_update", lambda *a: fused.append(real(*a)) or fused[-1])
+    two = _train(spec, bits, 2, d)
+    assert any(fused)
+    assert two[1:] == without[1:]
+    for a, b in zip_strict(two[0], without[0]):
+        assert np.array_equal(a, b)
 
 
 def test_int16_activations_never_take_the_vnni_kernels():

@@ -62,7 +62,8 @@ class Scratch:
     a conv forward, ``vcol``/``vacc`` the patches (s-bit [B, Rp]) and int32 sums [B * Op]
     of the VNNI conv forward, ``offs`` (int32 [K*K*C]) its plane-run offsets, ``pbuf`` [K*K*C]
     backward-data sums (int16 when ``O * amax`` fits, else int32), ``lacc``/``lacc16``
-    int32 / int16 [O] accumulators of a linear forward; ``nz_idx``/``nz_val``: int32 lists
+    int32 / int16 [O] accumulators of a linear forward, ``lep`` its errors packed in
+    groups of four samples for the VNNI weight gradient (int8 [N4 * O]); ``nz_idx``/``nz_val``: int32 lists
     (non-zero inputs or errors, a row of a max-pool's routed errors)."""
 
     pacc: list[np.ndarray | None]
@@ -74,6 +75,7 @@ class Scratch:
     pbuf: list[np.ndarray | None]
     lacc: list[np.ndarray | None]
     lacc16: list[np.ndarray | None]
+    lep: list[np.ndarray | None]
     nz_idx: np.ndarray
     nz_val: np.ndarray
 

@@ -60,6 +60,13 @@ def vnni_forward(model: IntModel, op: Op) -> bool:
             and op.layer.kernel * op.layer.in_channels >= SPARSE_GRAD_MIN_ROW)
 
 
+def vnni_linear_grad(model: IntModel, op: Op, batch: int) -> bool:
+    """This linear layer's weight gradient runs on AVX-512 VNNI: int8 operands, an int32
+    gradient, outputs in whole 64-lane blocks."""
+    return (K.VNNI and model.amax <= 127 and op.kind == "linear"
+            and op.out_shape[0] % 64 == 0 and not grad_needs_int64(model, op, batch))
+
+
 def op_macs(op: Op) -> int:
     """Multiply-accumulates of one sample's forward through op (0 for ops without
     weights)."""
@@ -114,7 +121,8 @@ class _PerOp:
 
 SHARED = ("acts", "win", "eq", "eqp", "err_in", "patch", "a_t", "gacc", "col_t", "e_t",
           "plane", "a_pad", "gt")
-PER_THREAD = ("pacc", "pacc16", "ptile", "vcol", "vacc", "offs", "pbuf", "lacc", "lacc16")
+PER_THREAD = ("pacc", "pacc16", "ptile", "vcol", "vacc", "offs", "pbuf", "lacc", "lacc16",
+              "lep")
 
 
 def vnni_padded(op: Op) -> tuple[int, int]:
@@ -162,7 +170,10 @@ def build_workspace(model: IntModel, capacity: int, train: bool) -> Workspace:
             scratch = {"lacc": np.zeros(n_out, np.int32),
                        "lacc16": np.zeros(n_out if model.amax <= 127 else 0, np.int16)}
             if train and is_param:
-                arrays["a_t"] = np.zeros((op.in_shape[0], n), ad)
+                n4 = K.vnni.padded(n, 4)  # the VNNI gradient takes samples in fours
+                arrays["a_t"] = np.zeros((op.in_shape[0], n4), ad)
+                if vnni_linear_grad(model, op, n):
+                    scratch["lep"] = np.zeros(n4 * n_out, ad)
             nz = max(nz, op.in_shape[0])
         if train and is_param:
             if not eq_planar_from_pool(model, i):

@@ -17,7 +17,14 @@ Results are bit-identical to the generic kernels (tests/test_intnn_vnni.py).
 
 - :func:`conv_weight_grad_plane_vnni`: :func:`~.conv_backward.conv_weight_grad_plane`;
 - :func:`conv_forward_vnni`: the stride-any conv forward as a product of an im2col block
-  and the ternary weights in ``[O, R]`` rows padded to 64 bytes (:func:`pad_rows`).
+  and the ternary weights in ``[O, R]`` rows padded to 64 bytes (:func:`pad_rows`);
+- :func:`linear_backward_data_vnni`: :func:`~.linear.linear_backward_data` for O >= 64;
+- :func:`linear_weight_grad_vnni`: :func:`~.linear.linear_weight_grad` for O a multiple of
+  64 (:func:`_outer_block`: four samples' products per instruction into 16 outputs' lanes);
+  :func:`linear_grad_max_vnni` + :func:`linear_update_vnni`: the same gradient's max, then
+  the stochastic update with the gradient made again two rows at a time: a 512 x 4096
+  layer's 8 MB int32 gradient is never written and read back (the step is memory-bound
+  there, most of all on several cores).
 """
 
 from __future__ import annotations
@@ -29,6 +36,9 @@ from llvmlite import ir
 from numba import njit, types
 from numba.core import cgutils, config
 from numba.extending import intrinsic
+
+from edge_client.intnn.kernels.rng import _GOLDEN
+from edge_client.intnn.kernels.update import _update_rows
 
 U = np.uint64
 VEC = 64  # bytes a vpdpbusd takes from each operand
@@ -291,3 +301,237 @@ def conv_forward_vnni(a, tv, tsum, r_len, k, stride, pad, shift, amax, relu, out
                     v = v << (-shift)
                 v = amax if v > amax else v
                 of[U(ob + o)] = lo if v < lo else v
+
+
+@njit(cache=True, nogil=True)
+def linear_backward_data_vnni(eq, t, a_in, masked, out, corr, n0, n1):
+    """:func:`~.linear.linear_backward_data` (out [N, F] int32 = eq @ t.T, 0 where
+    ``masked`` and a_in <= 0) with vpdpbusd, for O >= 64: four rows of t (the unsigned
+    side, flipped) x two samples' errors per block, every row of t read once per call;
+    the last O % 64 outputs in plain integers. corr: int32 [>= n1 - n0] scratch (128 x
+    each sample's error sum: the flip's correction). Samples n0 <= n < n1."""
+    n_in = t.shape[0]
+    n_out = t.shape[1]
+    tf = t.reshape(-1)
+    ef = eq.reshape(-1)
+    n64 = n_out // VEC
+    tail = n64 * VEC
+    for n in range(n0, n1):
+        s = np.int32(0)
+        for o in range(tail):
+            s = np.int32(s + np.int32(ef[U(n * n_out + o)]))
+        corr[n - n0] = np.int32(s * 128)
+    last = n_in - 1
+    for f in range(0, n_in, 4):
+        fi = (f, min(f + 1, last), min(f + 2, last), min(f + 3, last))
+        rows = (fi[0] * n_out, fi[1] * n_out, fi[2] * n_out, fi[3] * n_out)
+        for n in range(n0, n1, 2):
+            nb = min(n + 1, n1 - 1)
+            s = _dot_block(tf, rows, ef, (n * n_out, nb * n_out), n64)
+            for i in range(4):
+                for j in range(2):
+                    nn = n if j == 0 else nb
+                    v = np.int32(s[2 * i + j] - corr[nn - n0])
+                    for o in range(tail, n_out):
+                        v = np.int32(v + np.int32(ef[U(nn * n_out + o)])
+                                     * np.int32(tf[U(rows[i] + o)]))
+                    if masked and a_in[nn, fi[i]] <= 0:
+                        v = np.int32(0)
+                    out[nn, fi[i]] = v
+
+
+@intrinsic
+def _outer_block(typingctx, a, a_offs, nq, e, e_stride, o_offs, corr, g, g_offs):
+    # pragma: no cover (compiled)
+    """For every row i of a_offs and column block b of o_offs (UniTuples): the 16 int32
+    g[g_offs[i] + o_offs[b] + l] = sum_k dot4(a[a_offs[i] + 4k : +4] ^ 0x80,
+    e[k*e_stride + 4*(o_offs[b] + l) : +4]) - corr[o_offs[b] + l], l < 16, k < nq: a
+    weight gradient's rows from groups of four samples (``a`` transposed [F, N], ``e``
+    packed [N/4, O, 4]), each accumulated in the lanes of one vector (no reduction)."""
+    if not (isinstance(a, types.Array) and isinstance(e, types.Array)
+            and isinstance(g, types.Array) and isinstance(corr, types.Array)
+            and a.dtype == types.int8 and e.dtype == types.int8 and g.dtype == types.int32
+            and corr.dtype == types.int32 and isinstance(a_offs, types.UniTuple)
+            and isinstance(o_offs, types.UniTuple) and isinstance(g_offs, types.UniTuple)):
+        return None
+    na, nb = a_offs.count, o_offs.count
+    sig = types.none(a, a_offs, nq, e, e_stride, o_offs, corr, g, g_offs)
+
+    def codegen(context, builder, signature, args):
+        a_, ao_, nq_, e_, es_, oo_, c_, g_, go_ = args
+        i64 = ir.IntType(64)
+        i32 = ir.IntType(32)
+        i8p = ir.IntType(8).as_pointer()
+        v16 = ir.VectorType(i32, 16)
+
+        def base(k, v):
+            return builder.bitcast(context.make_array(signature.args[k])(
+                context, builder, v).data, i8p)
+
+        def as_i64(v):
+            return builder.sext(v, i64) if v.type.width < 64 else v
+
+        a_base, e_base, c_base, g_base = base(0, a_), base(3, e_), base(6, c_), base(7, g_)
+        a_offs_v = [as_i64(builder.extract_value(ao_, i)) for i in range(na)]
+        o_offs_v = [as_i64(builder.extract_value(oo_, i)) for i in range(nb)]
+        g_offs_v = [as_i64(builder.extract_value(go_, i)) for i in range(na)]
+        n_groups = as_i64(nq_)
+        stride = as_i64(es_)
+        dp = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(v16, [v16, v16, v16]), "llvm.x86.avx512.vpdpbusd.512")
+        zero = ir.Constant(v16, None)
+        four = ir.Constant(i64, 4)
+        pre = builder.block
+        loop = builder.append_basic_block("outer.loop")
+        done = builder.append_basic_block("outer.done")
+        builder.cbranch(builder.icmp_signed(">", n_groups, ir.Constant(i64, 0)), loop, done)
+        builder.position_at_end(loop)
+        k = builder.phi(i64)
+        k.add_incoming(ir.Constant(i64, 0), pre)
+        accs = []
+        for _ in range(na * nb):
+            p = builder.phi(v16)
+            p.add_incoming(zero, pre)
+            accs.append(p)
+        k4 = builder.mul(k, four)
+        splats = []
+        for off in a_offs_v:
+            ptr = builder.bitcast(builder.gep(a_base, [builder.add(off, k4)]), i32.as_pointer())
+            word = builder.xor(builder.load(ptr, align=1), ir.Constant(i32, 0x80808080))
+            vec = builder.insert_element(ir.Constant(v16, ir.Undefined), word,
+                                         ir.Constant(i32, 0))
+            splats.append(builder.shuffle_vector(vec, ir.Constant(v16, ir.Undefined),
+                                                 ir.Constant(v16, [0] * 16)))
+        row = builder.mul(k, stride)
+        cols = []
+        for off in o_offs_v:
+            ptr = builder.gep(e_base, [builder.add(row, builder.mul(off, four))])
+            cols.append(builder.load(builder.bitcast(ptr, v16.as_pointer()), align=1))
+        new = [builder.call(dp, [accs[i * nb + j], splats[i], cols[j]])
+               for i in range(na) for j in range(nb)]
+        k_next = builder.add(k, ir.Constant(i64, 1))
+        end = builder.block
+        k.add_incoming(k_next, end)
+        for p, v in zip(accs, new):
+            p.add_incoming(v, end)
+        builder.cbranch(builder.icmp_signed("<", k_next, n_groups), loop, done)
+        builder.position_at_end(done)
+        outs = []
+        for v in new:
+            ph = builder.phi(v16)
+            ph.add_incoming(zero, pre)
+            ph.add_incoming(v, end)
+            outs.append(ph)
+        for i in range(na):
+            for j in range(nb):
+                cptr = builder.gep(c_base, [builder.mul(o_offs_v[j], four)])
+                cv = builder.load(builder.bitcast(cptr, v16.as_pointer()), align=1)
+                gptr = builder.gep(g_base, [builder.mul(builder.add(g_offs_v[i], o_offs_v[j]),
+                                                        four)])
+                builder.store(builder.sub(outs[i * nb + j], cv),
+                              builder.bitcast(gptr, v16.as_pointer()), align=1)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _pack_linear(eq, a, a_t, ep, f0, f1):
+    """a_t[f, :N4] = a[:, f] (zero past N) for f0 <= f < f1, ep = eq packed [N4/4, O, 4]
+    (zero past N); returns 128 x each output's error sum (int32 [O], the flip's
+    correction)."""
+    n_s = a.shape[0]
+    n_out = eq.shape[1]
+    n4 = (n_s + 3) // 4 * 4
+    ef = eq.reshape(-1)
+    for f in range(f0, f1):
+        for n in range(n_s):
+            a_t[f, n] = a[n, f]
+        for n in range(n_s, n4):
+            a_t[f, n] = 0
+    for k in range(n4 // 4):
+        for o in range(n_out):
+            for j in range(4):
+                n = 4 * k + j
+                ep[U((k * n_out + o) * 4 + j)] = ef[U(n * n_out + o)] if n < n_s else 0
+    corr = np.zeros(n_out, np.int32)
+    for n in range(n_s):
+        for o in range(n_out):
+            corr[o] = np.int32(corr[o] + np.int32(ef[U(n * n_out + o)]))
+    for o in range(n_out):
+        corr[o] = np.int32(corr[o] * 128)
+    return corr
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _grad_rows(af, la, nq, ep, corr, f, fb, gf, g0, g1):
+    """Rows f and fb of the gradient into gf at offsets g0 and g1 (O a multiple of 64)."""
+    n_out = corr.shape[0]
+    for o in range(0, n_out, 64):
+        _outer_block(af, (f * la, fb * la), nq, ep, n_out * 4, (o, o + 16, o + 32, o + 48),
+                     corr, gf, (g0, g1))
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _max_abs_run(gf, i0, i1, m):
+    for i in range(i0, i1):
+        v = np.int64(gf[U(i)])
+        v = -v if v < 0 else v
+        m = v if v > m else m
+    return m
+
+
+@njit(cache=True, nogil=True)
+def linear_weight_grad_vnni(eq, a, g_out, a_t, ep, f0, f1):
+    """:func:`~.linear.linear_weight_grad` (int32 g_out [F, O] = a.T @ eq, rows
+    f0 <= f < f1; returns their max |g|) with vpdpbusd, for O a multiple of 64: each
+    instruction adds four samples' products to 16 outputs of a row, two rows x 64 outputs
+    per block, so no sum is reduced across lanes. a_t: [F, >= N4] scratch (N4: N rounded
+    up to 4) receives a transposed, zero past N; ep: [>= N4 * O] int8 scratch receives
+    eq packed in groups of four samples ([N4/4, O, 4])."""
+    n_out = g_out.shape[1]
+    corr = _pack_linear(eq, a, a_t, ep, f0, f1)
+    gf = g_out.reshape(-1)
+    nq = (a.shape[0] + 3) // 4
+    for f in range(f0, f1, 2):
+        fb = min(f + 1, f1 - 1)
+        _grad_rows(a_t.reshape(-1), a_t.shape[1], nq, ep, corr, f, fb, gf, f * n_out,
+                   fb * n_out)
+    return _max_abs_run(gf, f0 * n_out, f1 * n_out, np.int64(0))
+
+
+@njit(cache=True, nogil=True)
+def linear_grad_max_vnni(eq, a, a_t, ep, f0, f1):
+    """The max |g| :func:`linear_weight_grad_vnni` returns, with the gradient's rows made
+    two at a time in a small buffer and not stored (the update makes them again:
+    :func:`linear_update_vnni`)."""
+    n_out = eq.shape[1]
+    corr = _pack_linear(eq, a, a_t, ep, f0, f1)
+    buf = np.empty(2 * n_out, np.int32)
+    nq = (a.shape[0] + 3) // 4
+    m = np.int64(0)
+    for f in range(f0, f1, 2):
+        _grad_rows(a_t.reshape(-1), a_t.shape[1], nq, ep, corr, f, min(f + 1, f1 - 1), buf, 0,
+                   n_out)
+        m = _max_abs_run(buf, 0, 2 * n_out, m)
+    return m
+
+
+@njit(cache=True, nogil=True)
+def linear_update_vnni(eq, a, a_t, ep, w, t, sh, wmax, thr, key, rows, f0, f1):
+    """:func:`~.update.sgd_update` on rows f0 <= f < f1 of a linear layer ([F, O] storage,
+    counters over [O, F]: ``rows`` = F) in its usual case (0 < sh <= 62, no extra term),
+    each pair of gradient rows made again (:func:`linear_grad_max_vnni`) in a small
+    buffer just before its weights are updated: the gradient never goes to memory."""
+    n_out = eq.shape[1]
+    corr = _pack_linear(eq, a, a_t, ep, f0, f1)
+    buf = np.empty(2 * n_out, np.int32)
+    nq = (a.shape[0] + 3) // 4
+    for f in range(f0, f1, 2):
+        fb = min(f + 1, f1 - 1)
+        _grad_rows(a_t.reshape(-1), a_t.shape[1], nq, ep, corr, f, fb, buf, 0, n_out)
+        _update_rows(w, buf, t, f * n_out, 0, n_out, sh, wmax, thr, key + (f + 1) * _GOLDEN,
+                     rows * _GOLDEN)
+        if fb != f:
+            _update_rows(w, buf, t, fb * n_out, n_out, n_out, sh, wmax, thr,
+                         key + (fb + 1) * _GOLDEN, rows * _GOLDEN)
