@@ -36,7 +36,7 @@ def test_the_vnni_conv_forward_equals_the_generic_one(case):
     rng = np.random.default_rng(case)
     n = int(rng.integers(1, 5))
     c = int(rng.choice([1, 3, 8, 16, 33]))
-    o = int(rng.choice([1, 4, 6, 13, 32]))
+    o = int(rng.choice([1, 4, 6, 13, 32, 48, 64, 80, 112]))
     k = int(rng.choice([1, 3, 5]))
     stride = int(rng.choice([1, 2]))
     pad = int(rng.integers(0, k))
@@ -50,21 +50,29 @@ def test_the_vnni_conv_forward_equals_the_generic_one(case):
     h_out = (h + 2 * pad - k) // stride + 1
     w_out = (w + 2 * pad - k) // stride + 1
     r_len = k * k * c
-    tv = np.full((V.padded(o, 4), V.padded(r_len)), 9, np.int8)  # pad_rows clears the slack
-    tsum = np.full(tv.shape[0], 9, np.int32)
-    V.pad_rows(tb, tv, tsum)
-    assert np.array_equal(tsum[:o], tb.reshape(o, -1).sum(1)) and not tsum[o:].any()
+    rp, n_op = V.padded(r_len, 4), V.padded(o, 16)
+    tp = np.full((rp // 4, n_op, 4), 9, np.int8)  # pad_rows clears the slack
+    corr = np.full(n_op, 9, np.int32)
+    V.pad_rows(tb, tp, corr)
+    rows = tp.transpose(1, 0, 2).reshape(n_op, rp)  # channel o's (kh, kw, c) weights
+    assert np.array_equal(rows[:o, :r_len], tb.reshape(o, -1)) and not rows[o:].any()
+    assert not rows[:, r_len:].any()
+    assert np.array_equal(corr[:o], 128 * tb.reshape(o, -1).sum(1)) and not corr[o:].any()
     for shift, relu in ((int(rng.integers(1, 9)), True), (0, False), (-1, False)):
         ref = np.zeros((n, h_out, w_out, o), np.int8)
         K.conv_forward(a, t_kkco, stride, pad, shift, amax, relu, ref, np.zeros(o, np.int32))
-        for block in (2, 6, 64):
+        for block in (4, 8, 64):
             out = np.full_like(ref, 55)
-            col = np.full((block, tv.shape[1]), 7, np.int8)  # stale bytes must not matter
-            acc = np.zeros(block * tv.shape[0], np.int32)
+            col = np.full((block, rp), 7, np.int8)  # stale bytes must not matter
+            acc = np.zeros(block * n_op, np.int32)
+            a_pad = np.full((n, h + 2 * pad, w + 2 * pad, c), 3, np.int8)
             for lo, hi in ((0, n // 2), (n // 2, n)):  # two threads' sample ranges
-                V.conv_forward_vnni(a, tv, tsum, r_len, k, stride, pad, shift, amax, relu, out,
-                                    col, acc, lo, hi)
+                V.conv_forward_vnni(a, tp, corr, r_len, k, stride, pad, shift, amax, relu, out,
+                                    a_pad, col, acc, lo, hi)
             assert np.array_equal(out, ref), (case, shift, block)
+            padded_ref = np.zeros_like(a_pad)
+            K.pad_nhwc(a, pad, padded_ref, 0, n)  # what the weight gradient reads
+            assert np.array_equal(a_pad, padded_ref)
 
 
 @needs_vnni

@@ -100,12 +100,12 @@ class IntModel:
                       for op, s in zip_strict(self.param_ops, self.internal_shapes)]
         self.tcnt = [np.zeros((s[3], 2), np.int32) if op.plane else None
                      for op, s in zip_strict(self.param_ops, self.internal_shapes)]
-        # convs whose forward runs on VNNI: ternary rows [Op, Rp] and their sums
+        # convs whose forward runs on VNNI: ternary weights packed [Rp/4, Op, 4], 128 x sums
         for op in self.param_ops:
             op.vnni = vnni_forward(self, op)
-        self.tv = [np.zeros(vnni_padded(op)[::-1], np.int8) if op.vnni else None
-                   for op in self.param_ops]
-        self.tsum = [np.zeros(vnni_padded(op)[1], np.int32) if op.vnni else None
+        self.tv = [np.zeros((vnni_padded(op)[0] // 4, vnni_padded(op)[1], 4), np.int8)
+                   if op.vnni else None for op in self.param_ops]
+        self.tcorr = [np.zeros(vnni_padded(op)[1], np.int32) if op.vnni else None
                      for op in self.param_ops]
         self._no_list = np.zeros((1, 1), np.int32)
         self._workspaces: dict[bool, Workspace] = {}
@@ -222,7 +222,7 @@ class IntModel:
             K.ternary_copies(self.t[p], self.tb[p], self.tlist[p] if lists else self._no_list,
                              self.tcnt[p] if lists else self._no_list, lists)
             if self.tv[p] is not None:
-                K.pad_rows(self.tb[p], self.tv[p], self.tsum[p])
+                K.pad_rows(self.tb[p], self.tv[p], self.tcorr[p])
 
     def load_shared(self, weights: list[np.ndarray]) -> None:
         """Set the weights from the shared float domain (``round(W * S(s_g))``)."""

@@ -45,9 +45,9 @@ def _forward_op(model: IntModel, ws: Workspace, i: int, op: Op, prev: np.ndarray
         lay = op.layer
         if op.vnni:
             run(K.conv_forward_vnni, lambda t, lo, hi: (
-                prev, model.tv[p], model.tsum[p], lay.kernel * lay.kernel * lay.in_channels,
+                prev, model.tv[p], model.tcorr[p], lay.kernel * lay.kernel * lay.in_channels,
                 lay.kernel, lay.stride, lay.padding, op.shift, model.amax, op.relu, out,
-                sc[t].vcol[i], sc[t].vacc[i], lo, hi), n, split=op.split)
+                ws.a_pad[i], sc[t].vcol[i], sc[t].vacc[i], lo, hi), n, split=op.split)
         elif model.conv_impl == "col" and op.plane:
             run(K.conv_forward_plane, lambda t, lo, hi: (
                 prev, model.tlist[p], model.tcnt[p], lay.kernel, lay.padding, op.shift,
@@ -247,8 +247,9 @@ def _conv_backward(model: IntModel, ws: Workspace, i: int, eq: np.ndarray | None
     if op.grad_mode == "int64":
         K.conv_weight_grad(eq, a_in, lay.stride, lay.padding, g, ws.gacc[i])
     elif op.grad_mode == "sparse":
-        run(K.pad_nhwc, lambda t, lo, hi: (a_in, lay.padding, ws.a_pad[i][:n], lo, hi), n,
-            split=op.split)
+        if not op.vnni:  # else the forward padded the input already
+            run(K.pad_nhwc, lambda t, lo, hi: (a_in, lay.padding, ws.a_pad[i][:n], lo, hi), n,
+                split=op.split)
         gmax = max(run(K.conv_weight_grad_sparse, lambda t, lo, hi: (
             eq, ws.a_pad[i][:n], lay.stride, g, ws.gt[i], sc[t].nz_idx, sc[t].nz_val, lo, hi),
             lay.out_channels, split=op.split))

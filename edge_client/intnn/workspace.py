@@ -126,11 +126,11 @@ PER_THREAD = ("pacc", "pacc16", "ptile", "vcol", "vacc", "offs", "pbuf", "lacc",
 
 
 def vnni_padded(op: Op) -> tuple[int, int]:
-    """(Rp, Op) of a VNNI conv: its patch length K*K*C in whole 64-byte vectors and its
-    output channels in whole groups of four (kernels.vnni.pad_rows)."""
+    """(Rp, Op) of a VNNI conv: its patch length K*K*C in whole groups of four bytes and
+    its output channels in whole groups of 16 (kernels.vnni.pad_rows)."""
     lay = op.layer
-    return (K.vnni.padded(lay.kernel * lay.kernel * lay.in_channels),
-            K.vnni.padded(lay.out_channels, 4))
+    return (K.vnni.padded(lay.kernel * lay.kernel * lay.in_channels, 4),
+            K.vnni.padded(lay.out_channels, 16))
 
 
 def build_workspace(model: IntModel, capacity: int, train: bool) -> Workspace:
@@ -239,8 +239,9 @@ def _conv_buffers(model: IntModel, op: Op, n: int, train: bool
         shared["col_t"] = np.zeros((r, cols), ad)
         if gmode == "dot":
             shared["e_t"] = np.zeros((lay.out_channels, cols), ad)
-    if gmode == "sparse":
+    if gmode == "sparse" or op.vnni:  # the VNNI forward pads the input for the gradient
         shared["a_pad"] = np.zeros((n, h + 2 * pad, w + 2 * pad, c), ad)
+    if gmode == "sparse":
         shared["gt"] = np.zeros((lay.out_channels, r), np.int32)
     scratch["pacc"] = np.zeros(block, np.int32)
     scratch["pacc16"] = np.zeros(block if model.amax <= 127 else 0, np.int16)

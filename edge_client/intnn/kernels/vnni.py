@@ -17,7 +17,8 @@ Results are bit-identical to the generic kernels (tests/test_intnn_vnni.py).
 
 - :func:`conv_weight_grad_plane_vnni`: :func:`~.conv_backward.conv_weight_grad_plane`;
 - :func:`conv_forward_vnni`: the stride-any conv forward as a product of an im2col block
-  and the ternary weights in ``[O, R]`` rows padded to 64 bytes (:func:`pad_rows`);
+  (copied out of the zero-padded input) and the ternary weights packed in fours
+  (:func:`pad_rows`), 4 pixels x 64 channels a block with no reduction across lanes;
 - :func:`linear_backward_data_vnni`: :func:`~.linear.linear_backward_data` for O >= 64;
 - :func:`linear_weight_grad_vnni`: :func:`~.linear.linear_weight_grad` for O a multiple of
   64 (:func:`_outer_block`: four samples' products per instruction into 16 outputs' lanes);
@@ -37,6 +38,7 @@ from numba import njit, types
 from numba.core import cgutils, config
 from numba.extending import intrinsic
 
+from edge_client.intnn.kernels.layout import _pad_nhwc
 from edge_client.intnn.kernels.rng import _GOLDEN
 from edge_client.intnn.kernels.update import _update_rows
 
@@ -148,22 +150,26 @@ def padded(r: int, unit: int = VEC) -> int:
 
 
 @njit(cache=True, nogil=True)
-def pad_rows(tb, tv, tsum):
-    """Conv ternary weights [O, K, K, C] (``tb``) as rows tv [Op, Rp] (R = K*K*C, zeros up
-    to Rp, a multiple of 64, and in the rows from O up to Op, a multiple of 4) and their
-    sums tsum [Op] int32 (the flip's correction)."""
+def pad_rows(tb, tp, corr):
+    """Conv ternary weights [O, K, K, C] (``tb``; row r = (kh*K + kw)*C + c of channel o)
+    packed for :func:`conv_forward_vnni`: tp [Rp/4, Op, 4] holds t[o, 4q + i] at (q, o, i)
+    (R = K*K*C padded with zeros to Rp, a multiple of 4; channels to Op, a multiple of
+    16), and corr [Op] int32 = 128 x each channel's weight sum (the flip's correction)."""
     n_out = tb.shape[0]
     t2 = tb.reshape(n_out, -1)
     r_len = t2.shape[1]
-    tv[...] = 0
-    tsum[...] = 0
+    n_op = tp.shape[1]
+    tp[...] = 0
+    corr[...] = 0
     for o in range(n_out):
         s = 0
         for r in range(r_len):
             v = t2[o, r]
-            tv[o, r] = v
+            tp[r // 4, o, r % 4] = v
             s += v
-        tsum[o] = s
+        corr[o] = np.int32(s * 128)
+    for o in range(n_out, n_op):
+        corr[o] = 0
 
 
 @njit(cache=True, nogil=True)
@@ -213,86 +219,82 @@ def conv_weight_grad_plane_vnni(eqp, plane, offs, n_pos, g_out, r0, r1):
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _patches(af, h_in, w_in, c_in, k, stride, pad, h_out, w_out, p0, m, cf, rp):
-    """cf[j*rp + (kh*k + kw)*C + c] = a[n, iy, ix, c] (0 where padded) for the output
-    pixels p0 <= p < p0 + m (flat over samples, rows, columns)."""
+def _patches(pf, hp, wpp, c_in, k, stride, h_out, w_out, p0, m, cf, rp):
+    """cf[j*rp + (kh*k + kw)*C + c] = a_pad[n, y*stride + kh, x*stride + kw, c] for the
+    output pixels p0 <= p < p0 + m (flat over samples, rows, columns): per kernel row one
+    contiguous copy of K*C bytes out of the padded input (pf: a_pad flat, [N, hp, wpp,
+    C])."""
     n_pix = h_out * w_out
+    run = k * c_in
     for j in range(m):
         p = p0 + j
         n = p // n_pix
         rem = p - n * n_pix
         y = rem // w_out
         x = rem - y * w_out
-        base = j * rp
+        d = j * rp
         for kh in range(k):
-            iy = y * stride + kh - pad
-            for kw in range(k):
-                ix = x * stride + kw - pad
-                d = base + (kh * k + kw) * c_in
-                if iy >= 0 and iy < h_in and ix >= 0 and ix < w_in:
-                    src = ((n * h_in + iy) * w_in + ix) * c_in
-                    for c in range(c_in):
-                        cf[U(d + c)] = af[U(src + c)]
-                else:
-                    for c in range(c_in):
-                        cf[U(d + c)] = 0
+            src = ((n * hp + y * stride + kh) * wpp + x * stride) * c_in
+            for i in range(run):
+                cf[U(d + i)] = pf[U(src + i)]
+            d += run
 
 
 @njit(cache=True, nogil=True)
-def conv_forward_vnni(a, tv, tsum, r_len, k, stride, pad, shift, amax, relu, out, col, acc,
-                      n0, n1):
+def conv_forward_vnni(a, tp, corr, r_len, k, stride, pad, shift, amax, relu, out, a_pad, col,
+                      acc, n0, n1):
     """The conv forward (:func:`~.conv_forward.conv_forward`'s result) for samples
-    n0 <= n < n1 with vpdpbusd: ``col`` [B, Rp] int8 scratch (B even) receives the
-    patches of B output pixels at a time ((kh, kw, c) order, zeros for padding and up to
-    Rp), every pair of pixels x four output channels is a 2 x 4 block of dot products
-    with ``tv`` [Op, Rp] (:func:`pad_rows`; ``tsum`` its row sums, r_len = K*K*C) into
-    ``acc`` int32 [B * Op] scratch, then ``clip(round_shift(sum, shift), +-amax)`` (ReLU'd
-    if relu) writes NHWC ``out``."""
-    h_in = a.shape[1]
-    w_in = a.shape[2]
+    n0 <= n < n1 with vpdpbusd. Their input is first padded into ``a_pad`` ([N, H+2p, W+2p,
+    C], zero borders: the error-driven weight gradient reads it too); ``col`` [B, Rp] int8
+    scratch (B a multiple of 4) receives the patches of B output pixels at a time ((kh,
+    kw, c) order, one copy per kernel row, zeros up to Rp). Then every 4 pixels x 64 (or
+    32, 16) channels: four patch bytes broadcast x the packed weights ``tp`` [Rp/4, Op, 4]
+    (:func:`pad_rows`, its correction ``corr``; r_len = K*K*C) add into 16 channels' lanes
+    per instruction (no sum reduced across lanes) in ``acc`` int32 [B * Op] scratch, then
+    ``clip(round_shift(sum, shift), +-amax)`` (ReLU'd if relu) writes NHWC ``out``."""
+    _pad_nhwc(a, pad, a_pad, n0, n1)
+    hp = a_pad.shape[1]
+    wpp = a_pad.shape[2]
     c_in = a.shape[3]
     h_out = out.shape[1]
     w_out = out.shape[2]
     n_out = out.shape[3]
-    n_op = tv.shape[0]
-    rp = tv.shape[1]
-    n64 = rp // VEC
+    n_op = tp.shape[1]
+    rp = col.shape[1]
+    nq = rp // 4
     block = col.shape[0]
     cf = col.reshape(-1)
-    tf = tv.reshape(-1)
-    af = a.reshape(-1)
+    tf = tp.reshape(-1)
+    pf = a_pad.reshape(-1)
     of = out.reshape(-1)
     n_pix = h_out * w_out
     p_end = n1 * n_pix
+    o64 = n_op - n_op % 64
     for j in range(block):  # the columns past R stay zero
         for r in range(r_len, rp):
             cf[U(j * rp + r)] = 0
-    corr = np.empty(n_op, np.int32)
-    for o in range(n_op):
-        corr[o] = np.int32(tsum[o] * 128)
     lo = 0 if relu else -amax
     half = (np.int64(1) << (shift - 1)) if shift > 0 else np.int64(0)
     for p0 in range(n0 * n_pix, p_end, block):
         m = min(p_end, p0 + block) - p0
-        _patches(af, h_in, w_in, c_in, k, stride, pad, h_out, w_out, p0, m, cf, rp)
-        for j in range(0, m, 2):  # an odd m's last pair reads a stale row: not written out
-            for o in range(0, n_op, 4):
-                s = _dot_block(cf, (j * rp, (j + 1) * rp), tf,
-                               (o * rp, (o + 1) * rp, (o + 2) * rp, (o + 3) * rp), n64)
-                b = j * n_op + o
-                acc[b] = s[0]
-                acc[b + 1] = s[1]
-                acc[b + 2] = s[2]
-                acc[b + 3] = s[3]
-                acc[b + n_op] = s[4]
-                acc[b + n_op + 1] = s[5]
-                acc[b + n_op + 2] = s[6]
-                acc[b + n_op + 3] = s[7]
+        _patches(pf, hp, wpp, c_in, k, stride, h_out, w_out, p0, m, cf, rp)
+        for j in range(0, m, 4):  # a last group past m reads stale rows: not written out
+            rows = (j * rp, (j + 1) * rp, (j + 2) * rp, (j + 3) * rp)
+            dst = (j * n_op, (j + 1) * n_op, (j + 2) * n_op, (j + 3) * n_op)
+            for o in range(0, o64, 64):
+                _outer_block(cf, rows, nq, tf, n_op * 4, (o, o + 16, o + 32, o + 48), corr, acc,
+                             dst)
+            o = o64
+            if o + 32 <= n_op:
+                _outer_block(cf, rows, nq, tf, n_op * 4, (o, o + 16), corr, acc, dst)
+                o += 32
+            if o < n_op:
+                _outer_block(cf, rows, nq, tf, n_op * 4, (o,), corr, acc, dst)
         for j in range(m):  # branch-free finish, as conv_forward_plane's (vectorizes)
             ob = (p0 + j) * n_out
             ab = j * n_op
             for o in range(n_out):
-                v = np.int64(np.int32(acc[U(ab + o)] - corr[o]))
+                v = np.int64(acc[U(ab + o)])
                 if shift > 0:
                     av = -v if v < 0 else v
                     r = (av + half) >> shift
