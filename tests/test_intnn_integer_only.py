@@ -17,6 +17,7 @@ from numba.core.compiler_machinery import FunctionPass, register_pass
 from numba.core.registry import cpu_target
 from numba.core.typed_passes import NopythonTypeInference
 
+import edge_client.intnn.workspace as W
 from edge_client.compat import zip_strict
 from edge_client.data import Dataset
 from edge_client.intnn import IntModel, init_shared
@@ -37,6 +38,16 @@ def wide_spec() -> ModelSpec:
     return ModelSpec("wide", (12, 5, 5), (
         Conv2d("c1", 12, 6, 3, padding=1), ReLU("r1"), MaxPool2d("p1", 2),
         Flatten("f"), Linear("l1", 24, 3),
+    ), 3)
+
+
+def vnni_spec() -> ModelSpec:
+    """Every path of the VNNI kernels (kernels.vnni, on a CPU that has them): the first
+    conv's plane gradient, a K*C >= 32 conv forward, a linear layer with O = 64."""
+    return ModelSpec("vnni", (3, 8, 8), (
+        Conv2d("c1", 3, 8, 3, padding=1), ReLU("r1"), MaxPool2d("p1", 2),
+        Conv2d("c2", 8, 16, 5, padding=1), ReLU("r2"), Flatten("f"), Linear("l1", 64, 64),
+        ReLU("r3"), Linear("l2", 64, 3),
     ), 3)
 
 
@@ -73,6 +84,15 @@ def trained_all_widths():
         sparse.load_shared(init_shared(spec, 0))
         ws = sparse.workspace(4)
         sparse.train_step(ws, data.y[:4], 4, 3, 0, 0)
+        # one and two threads, every op split: the VNNI linear update that makes its
+        # gradient again runs only on several threads
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(W, "SPLIT_MIN_MACS", 0)
+            for threads in (1, 2):
+                v = IntTrainer(vnni_spec(), bits, seed=1, threads=threads)
+                v.train(random_data(v.spec, 8), steps=1, batch=8)
+                v.evaluate(random_data(v.spec, 8))
+                v.model.close()
     return spec
 
 
