@@ -46,6 +46,7 @@ KERNEL_PHASE = {
     "conv_backward_data_narrow": "backward-data", "conv_backward_data": "backward-data",
     "linear_backward_data": "backward-data", "linear_backward_data_vnni": "backward-data",
     "conv_weight_grad_plane": "weight gradient", "conv_weight_grad_plane_vnni": "weight gradient",
+    "plane_for_grad": "weight gradient",
     "conv_weight_grad_sparse": "weight gradient",
     "conv_weight_grad_dot": "weight gradient", "conv_weight_grad": "weight gradient",
     "linear_weight_grad": "weight gradient", "linear_weight_grad_vnni": "weight gradient",
@@ -62,14 +63,11 @@ KERNEL_PHASE = {
 }
 # what each kernel does today and what closing the rest of its gap would take
 NOTES = {
-    ("conv", "forward"): "K*C >= 32 with VNNI: 64-pixel im2col blocks x the ternary rows "
-                         "padded to 64 bytes, 2 pixels x 4 channels of vpdpbusd dot products "
-                         "(dense: zero weights cost as much as others). Else (the 3-channel "
-                         "first conv, no VNNI): ternary runs of the padded plane added in "
-                         "int16, 8 per pass (skips zero weights; 18-32% of the positions "
-                         "are the plane's padding, ~27% of the time the NHWC scatter). More: "
-                         "the pool fused into the block loop; VNNI for the first conv needs "
-                         "its 75-byte patches packed without per-pixel copies.",
+    ("conv", "forward"): "VNNI: straight from the padded input, four input bytes broadcast "
+                         "x the ternary weights packed per kernel row, 4 pixels x 64 "
+                         "channels of vpdpbusd a block (dense: zero weights cost as much as "
+                         "others; a 15-byte kernel row takes 16). Else: ternary runs of the "
+                         "padded plane added in int16, 8 per pass.",
     ("conv", "backward-data"): "per output pixel, the non-zero errors (5-15%) combine rows of "
                                "the ternary weights in int16, added to K rows of the input "
                                "error. More: skip inputs the ReLU zeroes (44% live).",

@@ -49,26 +49,27 @@ def test_the_vnni_conv_forward_equals_the_generic_one(case):
     tb = np.ascontiguousarray(t_kkco.transpose(3, 0, 1, 2))
     h_out = (h + 2 * pad - k) // stride + 1
     w_out = (w + 2 * pad - k) // stride + 1
-    r_len = k * k * c
-    rp, n_op = V.padded(r_len, 4), V.padded(o, 16)
-    tp = np.full((rp // 4, n_op, 4), 9, np.int8)  # pad_rows clears the slack
+    ng = -(-(k * c) // 4)  # groups of four bytes per kernel row
+    n_op = V.padded(o, 16)
+    tp = np.full((k * ng, n_op, 4), 9, np.int8)  # pad_rows clears the slack
     corr = np.full(n_op, 9, np.int32)
     V.pad_rows(tb, tp, corr)
-    rows = tp.transpose(1, 0, 2).reshape(n_op, rp)  # channel o's (kh, kw, c) weights
-    assert np.array_equal(rows[:o, :r_len], tb.reshape(o, -1)) and not rows[o:].any()
-    assert not rows[:, r_len:].any()
+    rows = tp.reshape(k, ng, n_op, 4).transpose(2, 0, 1, 3).reshape(n_op, k, 4 * ng)
+    assert np.array_equal(rows[:o, :, :k * c], tb.reshape(o, k, k * c))
+    assert not rows[o:].any() and not rows[:, :, k * c:].any()
     assert np.array_equal(corr[:o], 128 * tb.reshape(o, -1).sum(1)) and not corr[o:].any()
     for shift, relu in ((int(rng.integers(1, 9)), True), (0, False), (-1, False)):
         ref = np.zeros((n, h_out, w_out, o), np.int8)
         K.conv_forward(a, t_kkco, stride, pad, shift, amax, relu, ref, np.zeros(o, np.int32))
         for block in (4, 8, 64):
             out = np.full_like(ref, 55)
-            col = np.full((block, rp), 7, np.int8)  # stale bytes must not matter
             acc = np.zeros(block * n_op, np.int32)
-            a_pad = np.full((n, h + 2 * pad, w + 2 * pad, c), 3, np.int8)
+            size = n * (h + 2 * pad) * (w + 2 * pad) * c
+            # 3 bytes after the padded input: a kernel row is read in groups of four
+            a_pad = np.full(size + 4, 3, np.int8)[:size].reshape(n, h + 2 * pad, w + 2 * pad, c)
             for lo, hi in ((0, n // 2), (n // 2, n)):  # two threads' sample ranges
-                V.conv_forward_vnni(a, tp, corr, r_len, k, stride, pad, shift, amax, relu, out,
-                                    a_pad, col, acc, lo, hi)
+                V.conv_forward_vnni(a, tp, corr, k, stride, pad, shift, amax, relu, out, a_pad,
+                                    acc, lo, hi)
             assert np.array_equal(out, ref), (case, shift, block)
             padded_ref = np.zeros_like(a_pad)
             K.pad_nhwc(a, pad, padded_ref, 0, n)  # what the weight gradient reads
@@ -99,6 +100,11 @@ def test_the_vnni_plane_weight_gradient_equals_the_generic_one(case):
                          np.zeros((n, h_out, w_out, o), np.int8), plane, offs,
                          np.zeros(64, np.int32), np.zeros(64, np.int16),
                          np.zeros((o, 64), np.int8), 0, n)
+    plane2 = np.full_like(plane, 7)
+    offs2 = np.zeros_like(offs)
+    for lo, hi in ((0, n // 2), (n // 2, n)):
+        V.plane_for_grad(a, k, pad, plane2, offs2, lo, hi)  # what the VNNI forward skips
+    assert np.array_equal(plane2, plane) and np.array_equal(offs2, offs)
     n_pos = (n - 1) * hs + (h_out - 1) * wp + w_out
     eqp = np.zeros((o, n * hs), np.int8)
     e = rng.integers(-127, 128, (o, n, h_out, w_out)).astype(np.int8)

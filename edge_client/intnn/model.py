@@ -100,11 +100,11 @@ class IntModel:
                       for op, s in zip_strict(self.param_ops, self.internal_shapes)]
         self.tcnt = [np.zeros((s[3], 2), np.int32) if op.plane else None
                      for op, s in zip_strict(self.param_ops, self.internal_shapes)]
-        # convs whose forward runs on VNNI: ternary weights packed [Rp/4, Op, 4], 128 x sums
+        # convs whose forward runs on VNNI: ternary weights packed [K*ng, Op, 4], 128 x sums
         for op in self.param_ops:
             op.vnni = vnni_forward(self, op)
-        self.tv = [np.zeros((vnni_padded(op)[0] // 4, vnni_padded(op)[1], 4), np.int8)
-                   if op.vnni else None for op in self.param_ops]
+        self.tv = [np.zeros((*vnni_padded(op), 4), np.int8) if op.vnni else None
+                   for op in self.param_ops]
         self.tcorr = [np.zeros(vnni_padded(op)[1], np.int32) if op.vnni else None
                      for op in self.param_ops]
         self._no_list = np.zeros((1, 1), np.int32)

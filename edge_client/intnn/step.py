@@ -45,9 +45,9 @@ def _forward_op(model: IntModel, ws: Workspace, i: int, op: Op, prev: np.ndarray
         lay = op.layer
         if op.vnni:
             run(K.conv_forward_vnni, lambda t, lo, hi: (
-                prev, model.tv[p], model.tcorr[p], lay.kernel * lay.kernel * lay.in_channels,
-                lay.kernel, lay.stride, lay.padding, op.shift, model.amax, op.relu, out,
-                ws.a_pad[i], sc[t].vcol[i], sc[t].vacc[i], lo, hi), n, split=op.split)
+                prev, model.tv[p], model.tcorr[p], lay.kernel, lay.stride, lay.padding,
+                op.shift, model.amax, op.relu, out, ws.a_pad[i], sc[t].vacc[i], lo, hi), n,
+                split=op.split)
         elif model.conv_impl == "col" and op.plane:
             run(K.conv_forward_plane, lambda t, lo, hi: (
                 prev, model.tlist[p], model.tcnt[p], lay.kernel, lay.padding, op.shift,
@@ -257,6 +257,10 @@ def _conv_backward(model: IntModel, ws: Workspace, i: int, eq: np.ndarray | None
         h_in, w_in, _ = op.in_shape
         wp = w_in + lay.padding
         hs = (h_in + lay.padding) * wp
+        if op.vnni:  # the VNNI forward read the padded input: the plane is made here
+            run(K.plane_for_grad, lambda t, lo, hi: (
+                a_in, lay.kernel, lay.padding, ws.plane[i], sc[t].offs[i], lo, hi), n,
+                split=op.split)
         if eq is not None:  # NHWC errors to the plane positions (else the pool wrote them)
             run(K.eq_to_planar, lambda t, lo, hi: (eq, wp, hs, ws.eqp[i], lo, hi), n,
                 split=op.split)

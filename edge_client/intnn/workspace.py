@@ -53,11 +53,10 @@ def grad_mode(model: IntModel, op: Op, batch: int) -> str:
 
 def vnni_forward(model: IntModel, op: Op) -> bool:
     """This conv's forward runs as int8 dot products on AVX-512 VNNI (``kernels.vnni``):
-    the CPU has them, activations are int8 (s <= 8) and a patch row (K*C values) is long
-    enough that its im2col copies cost less than the ternary adds they replace (a 3-channel
-    first layer stays on the plane kernel: 3x slower as dot products)."""
+    the CPU has them, activations are int8 (s <= 8), and its weight gradient does not read
+    the col forward's im2col (a strided conv with K*C < 32 takes the ``"dot"`` gradient)."""
     return (K.VNNI and model.amax <= 127 and model.conv_impl == "col" and op.kind == "conv"
-            and op.layer.kernel * op.layer.in_channels >= SPARSE_GRAD_MIN_ROW)
+            and (op.plane or op.layer.kernel * op.layer.in_channels >= SPARSE_GRAD_MIN_ROW))
 
 
 def vnni_linear_grad(model: IntModel, op: Op, batch: int) -> bool:
@@ -121,15 +120,14 @@ class _PerOp:
 
 SHARED = ("acts", "win", "eq", "eqp", "err_in", "patch", "a_t", "gacc", "col_t", "e_t",
           "plane", "a_pad", "gt")
-PER_THREAD = ("pacc", "pacc16", "ptile", "vcol", "vacc", "offs", "pbuf", "lacc", "lacc16",
-              "lep")
+PER_THREAD = ("pacc", "pacc16", "ptile", "vacc", "offs", "pbuf", "lacc", "lacc16", "lep")
 
 
 def vnni_padded(op: Op) -> tuple[int, int]:
-    """(Rp, Op) of a VNNI conv: its patch length K*K*C in whole groups of four bytes and
-    its output channels in whole groups of 16 (kernels.vnni.pad_rows)."""
+    """(groups, Op) of a VNNI conv (kernels.vnni.pad_rows): its weights' groups of four
+    bytes, ceil(K*C / 4) per kernel row, and its output channels in whole groups of 16."""
     lay = op.layer
-    return (K.vnni.padded(lay.kernel * lay.kernel * lay.in_channels, 4),
+    return (lay.kernel * (-(-(lay.kernel * lay.in_channels) // 4)),
             K.vnni.padded(lay.out_channels, 16))
 
 
@@ -220,19 +218,18 @@ def _conv_buffers(model: IntModel, op: Op, n: int, train: bool
         op.grad_mode = gmode
     shared: dict[str, np.ndarray | None] = {}
     scratch: dict[str, np.ndarray | None] = {}
+    block = VNNI_BLOCK
     if op.vnni:
-        block = VNNI_BLOCK
-        rp, n_op = vnni_padded(op)
-        scratch["vcol"] = np.zeros((block, rp), ad)
-        scratch["vacc"] = np.zeros(block * n_op, np.int32)
-    elif op.plane and model.conv_impl == "col":
-        block = PLANE_BLOCK
+        scratch["vacc"] = np.zeros(block * vnni_padded(op)[1], np.int32)
+    if op.plane and model.conv_impl == "col" and (gmode == "plane" or not op.vnni):
+        if not op.vnni:
+            block = PLANE_BLOCK
         shared["plane"] = np.zeros((c, plane_len(n, h, w, pad)), ad)
         scratch["offs"] = np.zeros(r, np.int32)
         if gmode == "plane":
             wp = w + pad
             shared["eqp"] = np.zeros((lay.out_channels, n * (h + pad) * wp), ad)
-    else:
+    elif not op.vnni:
         # training keeps the whole batch's im2col for the weight gradient
         cols = pix * (n if train else max(1, min(n, GROUP_PIXELS // pix)))
         block = min(cols, PIXEL_BLOCK)
@@ -240,7 +237,9 @@ def _conv_buffers(model: IntModel, op: Op, n: int, train: bool
         if gmode == "dot":
             shared["e_t"] = np.zeros((lay.out_channels, cols), ad)
     if gmode == "sparse" or op.vnni:  # the VNNI forward pads the input for the gradient
-        shared["a_pad"] = np.zeros((n, h + 2 * pad, w + 2 * pad, c), ad)
+        size = n * (h + 2 * pad) * (w + 2 * pad) * c
+        # VNNI reads a kernel row in groups of four bytes: up to 3 past the last row
+        shared["a_pad"] = np.zeros(size + 4, ad)[:size].reshape(n, h + 2 * pad, w + 2 * pad, c)
     if gmode == "sparse":
         shared["gt"] = np.zeros((lay.out_channels, r), np.int32)
     scratch["pacc"] = np.zeros(block, np.int32)

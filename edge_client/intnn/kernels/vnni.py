@@ -16,9 +16,10 @@ stay the reference and the fallback: Arm's ``sdot`` would be the same idea, not 
 Results are bit-identical to the generic kernels (tests/test_intnn_vnni.py).
 
 - :func:`conv_weight_grad_plane_vnni`: :func:`~.conv_backward.conv_weight_grad_plane`;
-- :func:`conv_forward_vnni`: the stride-any conv forward as a product of an im2col block
-  (copied out of the zero-padded input) and the ternary weights packed in fours
-  (:func:`pad_rows`), 4 pixels x 64 channels a block with no reduction across lanes;
+- :func:`conv_forward_vnni`: the conv forward straight from the zero-padded input (no
+  im2col): four input bytes broadcast x the ternary weights packed in fours per kernel
+  row (:func:`pad_rows`), 4 pixels x 64 channels a block with no reduction across lanes;
+  :func:`plane_for_grad` makes the planar input a stride-1 conv's VNNI gradient reads;
 - :func:`linear_backward_data_vnni`: :func:`~.linear.linear_backward_data` for O >= 64;
 - :func:`linear_weight_grad_vnni`: :func:`~.linear.linear_weight_grad` for O a multiple of
   64 (:func:`_outer_block`: four samples' products per instruction into 16 outputs' lanes);
@@ -38,7 +39,7 @@ from numba import njit, types
 from numba.core import cgutils, config
 from numba.extending import intrinsic
 
-from edge_client.intnn.kernels.layout import _pad_nhwc
+from edge_client.intnn.kernels.layout import _pad_nhwc, _to_plane
 from edge_client.intnn.kernels.rng import _GOLDEN
 from edge_client.intnn.kernels.update import _update_rows
 
@@ -151,22 +152,26 @@ def padded(r: int, unit: int = VEC) -> int:
 
 @njit(cache=True, nogil=True)
 def pad_rows(tb, tp, corr):
-    """Conv ternary weights [O, K, K, C] (``tb``; row r = (kh*K + kw)*C + c of channel o)
-    packed for :func:`conv_forward_vnni`: tp [Rp/4, Op, 4] holds t[o, 4q + i] at (q, o, i)
-    (R = K*K*C padded with zeros to Rp, a multiple of 4; channels to Op, a multiple of
-    16), and corr [Op] int32 = 128 x each channel's weight sum (the flip's correction)."""
+    """Conv ternary weights [O, K, K, C] (``tb``) packed for :func:`conv_forward_vnni`:
+    each kernel row's K*C weights (kw, c) in ng = ceil(K*C / 4) groups of four, zeros past
+    K*C; tp [K*ng, Op, 4] holds group g = kh*ng + q of channel o at (g, o, :) (channels
+    padded with zeros to Op, a multiple of 16), and corr [Op] int32 = 128 x each channel's
+    weight sum (the flip's correction)."""
     n_out = tb.shape[0]
-    t2 = tb.reshape(n_out, -1)
-    r_len = t2.shape[1]
+    k = tb.shape[1]
+    seg = tb.shape[2] * tb.shape[3]
+    ng = tp.shape[0] // k
     n_op = tp.shape[1]
     tp[...] = 0
     corr[...] = 0
     for o in range(n_out):
         s = 0
-        for r in range(r_len):
-            v = t2[o, r]
-            tp[r // 4, o, r % 4] = v
-            s += v
+        for kh in range(k):
+            row = tb[o, kh].reshape(-1)
+            for b in range(seg):
+                v = row[b]
+                tp[kh * ng + b // 4, o, b % 4] = v
+                s += v
         corr[o] = np.int32(s * 128)
     for o in range(n_out, n_op):
         corr[o] = 0
@@ -219,39 +224,29 @@ def conv_weight_grad_plane_vnni(eqp, plane, offs, n_pos, g_out, r0, r1):
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _patches(pf, hp, wpp, c_in, k, stride, h_out, w_out, p0, m, cf, rp):
-    """cf[j*rp + (kh*k + kw)*C + c] = a_pad[n, y*stride + kh, x*stride + kw, c] for the
-    output pixels p0 <= p < p0 + m (flat over samples, rows, columns): per kernel row one
-    contiguous copy of K*C bytes out of the padded input (pf: a_pad flat, [N, hp, wpp,
-    C])."""
-    n_pix = h_out * w_out
-    run = k * c_in
-    for j in range(m):
-        p = p0 + j
-        n = p // n_pix
-        rem = p - n * n_pix
-        y = rem // w_out
-        x = rem - y * w_out
-        d = j * rp
-        for kh in range(k):
-            src = ((n * hp + y * stride + kh) * wpp + x * stride) * c_in
-            for i in range(run):
-                cf[U(d + i)] = pf[U(src + i)]
-            d += run
+def _pixel_base(p, p_last, n_pix, w_out, hp, wpp, c_in, stride):
+    """Offset in the padded input of output pixel p's patch (p clamped to p_last)."""
+    p = min(p, p_last)
+    n = p // n_pix
+    rem = p - n * n_pix
+    y = rem // w_out
+    x = rem - y * w_out
+    return ((n * hp + y * stride) * wpp + x * stride) * c_in
 
 
 @njit(cache=True, nogil=True)
-def conv_forward_vnni(a, tp, corr, r_len, k, stride, pad, shift, amax, relu, out, a_pad, col,
-                      acc, n0, n1):
+def conv_forward_vnni(a, tp, corr, k, stride, pad, shift, amax, relu, out, a_pad, acc, n0, n1):
     """The conv forward (:func:`~.conv_forward.conv_forward`'s result) for samples
-    n0 <= n < n1 with vpdpbusd. Their input is first padded into ``a_pad`` ([N, H+2p, W+2p,
-    C], zero borders: the error-driven weight gradient reads it too); ``col`` [B, Rp] int8
-    scratch (B a multiple of 4) receives the patches of B output pixels at a time ((kh,
-    kw, c) order, one copy per kernel row, zeros up to Rp). Then every 4 pixels x 64 (or
-    32, 16) channels: four patch bytes broadcast x the packed weights ``tp`` [Rp/4, Op, 4]
-    (:func:`pad_rows`, its correction ``corr``; r_len = K*K*C) add into 16 channels' lanes
-    per instruction (no sum reduced across lanes) in ``acc`` int32 [B * Op] scratch, then
-    ``clip(round_shift(sum, shift), +-amax)`` (ReLU'd if relu) writes NHWC ``out``."""
+    n0 <= n < n1 with vpdpbusd, straight from the zero-padded input (no im2col): their
+    input is first padded into ``a_pad`` ([N, H+2p, W+2p, C], zero borders; the
+    error-driven weight gradient reads it too; at least 3 bytes must follow it in memory:
+    a kernel row is read in groups of four), then every 4 output pixels x 64 (or 32, 16)
+    channels: four input bytes broadcast x the packed weights ``tp`` [K*ng, Op, 4]
+    (:func:`pad_rows`, its correction ``corr``) add into 16 channels' lanes per
+    instruction, kernel row after kernel row, into ``acc`` int32 [B * Op] scratch (B
+    pixels at a time, a multiple of 4); then ``clip(round_shift(sum, shift), +-amax)``
+    (ReLU'd if relu) writes NHWC ``out``. A group past a kernel row's K*C bytes reads the
+    next bytes of the input, whose weights are zero."""
     _pad_nhwc(a, pad, a_pad, n0, n1)
     hp = a_pad.shape[1]
     wpp = a_pad.shape[2]
@@ -260,36 +255,37 @@ def conv_forward_vnni(a, tp, corr, r_len, k, stride, pad, shift, amax, relu, out
     w_out = out.shape[2]
     n_out = out.shape[3]
     n_op = tp.shape[1]
-    rp = col.shape[1]
-    nq = rp // 4
-    block = col.shape[0]
-    cf = col.reshape(-1)
+    ng = tp.shape[0] // k
+    row_bytes = wpp * c_in
+    jump = row_bytes - 4 * ng  # from the end of one kernel row's groups to the next row
+    block = acc.shape[0] // n_op
     tf = tp.reshape(-1)
     pf = a_pad.reshape(-1)
     of = out.reshape(-1)
     n_pix = h_out * w_out
-    p_end = n1 * n_pix
+    p_last = n1 * n_pix - 1
     o64 = n_op - n_op % 64
-    for j in range(block):  # the columns past R stay zero
-        for r in range(r_len, rp):
-            cf[U(j * rp + r)] = 0
     lo = 0 if relu else -amax
     half = (np.int64(1) << (shift - 1)) if shift > 0 else np.int64(0)
-    for p0 in range(n0 * n_pix, p_end, block):
-        m = min(p_end, p0 + block) - p0
-        _patches(pf, hp, wpp, c_in, k, stride, h_out, w_out, p0, m, cf, rp)
-        for j in range(0, m, 4):  # a last group past m reads stale rows: not written out
-            rows = (j * rp, (j + 1) * rp, (j + 2) * rp, (j + 3) * rp)
+    for p0 in range(n0 * n_pix, p_last + 1, block):
+        m = min(p_last + 1, p0 + block) - p0
+        for j in range(0, m, 4):  # a last group past m repeats the last pixel: not written
+            q = p0 + j
+            rows = (_pixel_base(q, p_last, n_pix, w_out, hp, wpp, c_in, stride),
+                    _pixel_base(q + 1, p_last, n_pix, w_out, hp, wpp, c_in, stride),
+                    _pixel_base(q + 2, p_last, n_pix, w_out, hp, wpp, c_in, stride),
+                    _pixel_base(q + 3, p_last, n_pix, w_out, hp, wpp, c_in, stride))
             dst = (j * n_op, (j + 1) * n_op, (j + 2) * n_op, (j + 3) * n_op)
             for o in range(0, o64, 64):
-                _outer_block(cf, rows, nq, tf, n_op * 4, (o, o + 16, o + 32, o + 48), corr, acc,
-                             dst)
+                _outer_block(pf, rows, k * ng, tf, n_op * 4, (o, o + 16, o + 32, o + 48), corr,
+                             acc, dst, ng, jump)
             o = o64
             if o + 32 <= n_op:
-                _outer_block(cf, rows, nq, tf, n_op * 4, (o, o + 16), corr, acc, dst)
+                _outer_block(pf, rows, k * ng, tf, n_op * 4, (o, o + 16), corr, acc, dst, ng,
+                             jump)
                 o += 32
             if o < n_op:
-                _outer_block(cf, rows, nq, tf, n_op * 4, (o,), corr, acc, dst)
+                _outer_block(pf, rows, k * ng, tf, n_op * 4, (o,), corr, acc, dst, ng, jump)
         for j in range(m):  # branch-free finish, as conv_forward_plane's (vectorizes)
             ob = (p0 + j) * n_out
             ab = j * n_op
@@ -303,6 +299,21 @@ def conv_forward_vnni(a, tp, corr, r_len, k, stride, pad, shift, amax, relu, out
                     v = v << (-shift)
                 v = amax if v > amax else v
                 of[U(ob + o)] = lo if v < lo else v
+
+
+@njit(cache=True, nogil=True)
+def plane_for_grad(a, k, pad, plane, offs, n0, n1):
+    """The padded planar layout of a stride-1 conv's input (samples n0 <= n < n1) and its
+    run offsets, as :func:`~.conv_forward.conv_forward_plane` leaves them for
+    :func:`conv_weight_grad_plane_vnni` (the VNNI forward does not make them)."""
+    c_in = a.shape[3]
+    wp = a.shape[2] + pad
+    lp = plane.shape[1]
+    _to_plane(a, pad, plane, n0, n1)
+    for kh in range(k):
+        for kw in range(k):
+            for c in range(c_in):
+                offs[(kh * k + kw) * c_in + c] = c * lp + kh * wp + kw
 
 
 @njit(cache=True, nogil=True)
@@ -343,13 +354,16 @@ def linear_backward_data_vnni(eq, t, a_in, masked, out, corr, n0, n1):
 
 
 @intrinsic
-def _outer_block(typingctx, a, a_offs, nq, e, e_stride, o_offs, corr, g, g_offs):
+def _outer_block(typingctx, a, a_offs, nq, e, e_stride, o_offs, corr, g, g_offs, ng, jump):
     # pragma: no cover (compiled)
     """For every row i of a_offs and column block b of o_offs (UniTuples): the 16 int32
-    g[g_offs[i] + o_offs[b] + l] = sum_k dot4(a[a_offs[i] + 4k : +4] ^ 0x80,
-    e[k*e_stride + 4*(o_offs[b] + l) : +4]) - corr[o_offs[b] + l], l < 16, k < nq: a
-    weight gradient's rows from groups of four samples (``a`` transposed [F, N], ``e``
-    packed [N/4, O, 4]), each accumulated in the lanes of one vector (no reduction)."""
+    g[g_offs[i] + o_offs[b] + l] = sum_k dot4(a[a_offs[i] + off(k) : +4] ^ 0x80,
+    e[k*e_stride + 4*(o_offs[b] + l) : +4]) - corr[o_offs[b] + l], l < 16, k < nq, each
+    accumulated in the lanes of one vector (no reduction): a weight gradient's rows from
+    groups of four samples (``a`` transposed [F, N], ``e`` packed [N/4, O, 4]), or a conv's
+    outputs from its input (``e`` the packed weights). off(k) = 4k + jump * (k // ng): the
+    groups come in segments of ng, ``jump`` bytes apart beyond their own 4*ng (a conv
+    patch's kernel rows in the padded input; ng >= nq, jump 0: one contiguous run)."""
     if not (isinstance(a, types.Array) and isinstance(e, types.Array)
             and isinstance(g, types.Array) and isinstance(corr, types.Array)
             and a.dtype == types.int8 and e.dtype == types.int8 and g.dtype == types.int32
@@ -357,10 +371,10 @@ def _outer_block(typingctx, a, a_offs, nq, e, e_stride, o_offs, corr, g, g_offs)
             and isinstance(o_offs, types.UniTuple) and isinstance(g_offs, types.UniTuple)):
         return None
     na, nb = a_offs.count, o_offs.count
-    sig = types.none(a, a_offs, nq, e, e_stride, o_offs, corr, g, g_offs)
+    sig = types.none(a, a_offs, nq, e, e_stride, o_offs, corr, g, g_offs, ng, jump)
 
     def codegen(context, builder, signature, args):
-        a_, ao_, nq_, e_, es_, oo_, c_, g_, go_ = args
+        a_, ao_, nq_, e_, es_, oo_, c_, g_, go_, ng_, jump_ = args
         i64 = ir.IntType(64)
         i32 = ir.IntType(32)
         i8p = ir.IntType(8).as_pointer()
@@ -379,6 +393,8 @@ def _outer_block(typingctx, a, a_offs, nq, e, e_stride, o_offs, corr, g, g_offs)
         g_offs_v = [as_i64(builder.extract_value(go_, i)) for i in range(na)]
         n_groups = as_i64(nq_)
         stride = as_i64(es_)
+        per_seg = as_i64(ng_)
+        seg_jump = as_i64(jump_)
         dp = cgutils.get_or_insert_function(
             builder.module, ir.FunctionType(v16, [v16, v16, v16]), "llvm.x86.avx512.vpdpbusd.512")
         zero = ir.Constant(v16, None)
@@ -390,15 +406,18 @@ def _outer_block(typingctx, a, a_offs, nq, e, e_stride, o_offs, corr, g, g_offs)
         builder.position_at_end(loop)
         k = builder.phi(i64)
         k.add_incoming(ir.Constant(i64, 0), pre)
+        pos = builder.phi(i64)  # off(k): the byte offset of group k from a row's start
+        pos.add_incoming(ir.Constant(i64, 0), pre)
+        left = builder.phi(i64)  # groups left in the current segment
+        left.add_incoming(per_seg, pre)
         accs = []
         for _ in range(na * nb):
             p = builder.phi(v16)
             p.add_incoming(zero, pre)
             accs.append(p)
-        k4 = builder.mul(k, four)
         splats = []
         for off in a_offs_v:
-            ptr = builder.bitcast(builder.gep(a_base, [builder.add(off, k4)]), i32.as_pointer())
+            ptr = builder.bitcast(builder.gep(a_base, [builder.add(off, pos)]), i32.as_pointer())
             word = builder.xor(builder.load(ptr, align=1), ir.Constant(i32, 0x80808080))
             vec = builder.insert_element(ir.Constant(v16, ir.Undefined), word,
                                          ir.Constant(i32, 0))
@@ -412,8 +431,14 @@ def _outer_block(typingctx, a, a_offs, nq, e, e_stride, o_offs, corr, g, g_offs)
         new = [builder.call(dp, [accs[i * nb + j], splats[i], cols[j]])
                for i in range(na) for j in range(nb)]
         k_next = builder.add(k, ir.Constant(i64, 1))
+        last = builder.icmp_signed("==", left, ir.Constant(i64, 1))
+        pos_next = builder.add(builder.add(pos, four),
+                               builder.select(last, seg_jump, ir.Constant(i64, 0)))
+        left_next = builder.select(last, per_seg, builder.sub(left, ir.Constant(i64, 1)))
         end = builder.block
         k.add_incoming(k_next, end)
+        pos.add_incoming(pos_next, end)
+        left.add_incoming(left_next, end)
         for p, v in zip(accs, new):
             p.add_incoming(v, end)
         builder.cbranch(builder.icmp_signed("<", k_next, n_groups), loop, done)
@@ -471,7 +496,7 @@ def _grad_rows(af, la, nq, ep, corr, f, fb, gf, g0, g1):
     n_out = corr.shape[0]
     for o in range(0, n_out, 64):
         _outer_block(af, (f * la, fb * la), nq, ep, n_out * 4, (o, o + 16, o + 32, o + 48),
-                     corr, gf, (g0, g1))
+                     corr, gf, (g0, g1), nq, 0)
 
 
 @njit(cache=True, nogil=True, inline="always")
