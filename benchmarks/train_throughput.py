@@ -13,9 +13,9 @@ Prints JSON lines (docs/architecture.md#benchmarks; plus ``target``, ``spread`` 
 - ``fedshift_cnn int8 2 threads``: ``throughput`` against the same engine on one thread
   (target >= 1.7, needs two idle cores) and ``throughput_vs_float`` against PyTorch
   float32 on two threads (>= 3.0); ``machine_2core_scaling``: what two threads gain on
-  this machine at all in the same run (an L2-resident stream and a SIMD dot-product loop
-  on private arrays, 2.0 for two real cores; two vCPUs sharing a physical core or a noisy
-  host give ~1.0-1.3, and then no kernel reaches 1.7);
+  this machine at all, once per round beside the engines (an L2-resident stream and a
+  SIMD dot-product loop on private arrays: 2.0 for two real cores; two vCPUs sharing a
+  physical core or a busy host give ~1.0-1.3, and then no kernel reaches 1.7);
 - ``rss`` (MB): peak RSS of a device process training Int8 ``fedshift_cnn``, anchored on
   the 150 MB budget: the device runtime's trainer (``edge_client.runtime.
   default_trainer_factory``, which drops LLVM's machine code from the process's resident
@@ -294,6 +294,7 @@ def main(argv: list[str] | None = None) -> int:
             run_worker("int", "fedshift_cnn", n, bits, "2"))
         rates.setdefault("fedshift_cnn torch 2", []).append(
             run_worker("torch", "fedshift_cnn", n, "2"))
+        rates.setdefault("scaling", []).append(run_worker("scaling", "-"))  # 2-thread context
     q = f"int{bits}"
     for name in MODELS:
         ints, torches = rates[f"{name} int 1"], rates[f"{name} torch 1"]
@@ -307,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
         emit(f"{name} {q}", "throughput", ints[k]["cpu"], "samples/s",
              f"{name} torch float32 1 thread", torches[k]["cpu"], target=f">= {TARGETS[name]}",
              timing="thread CPU time, best of 4 chunks", **_summary(ratios), **extra)
-    machine = run_worker("scaling", "-")  # context for the 2-thread lines
+    machine = {k: [r[k] for r in rates["scaling"]] for k in rates["scaling"][0]}
     one, two = rates["fedshift_cnn int 1"], rates["fedshift_cnn int 2"]
     torch2 = rates["fedshift_cnn torch 2"]
     for metric, anchor, base, target in (
