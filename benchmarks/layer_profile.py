@@ -47,7 +47,7 @@ KERNEL_PHASE = {
     "linear_backward_data": "backward-data", "linear_backward_data_vnni": "backward-data",
     "conv_weight_grad_plane": "weight gradient", "conv_weight_grad_plane_vnni": "weight gradient",
     "plane_for_grad": "weight gradient",
-    "conv_weight_grad_sparse": "weight gradient",
+    "conv_weight_grad_sparse": "weight gradient", "conv_weight_grad_sparse_vnni": "weight gradient",
     "conv_weight_grad_dot": "weight gradient", "conv_weight_grad": "weight gradient",
     "linear_weight_grad": "weight gradient", "linear_weight_grad_vnni": "weight gradient",
     "linear_grad_max_vnni": "weight gradient", "linear_update_vnni": "update", "pad_nhwc": "weight gradient",

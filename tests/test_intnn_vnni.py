@@ -130,6 +130,42 @@ def test_the_vnni_plane_weight_gradient_equals_the_generic_one(case):
 
 @needs_vnni
 @pytest.mark.parametrize("case", range(8))
+def test_the_vnni_error_driven_conv_gradient_equals_the_generic_one(case):
+    rng = np.random.default_rng(300 + case)
+    n = int(rng.integers(1, 6))
+    c = int(rng.choice([4, 11, 16, 32]))
+    o = int(rng.choice([1, 5, 16]))
+    k = int(rng.choice([3, 5]))  # K*C from 12 to 160: whole 16-byte chunks and tails
+    stride = int(rng.choice([1, 2]))
+    pad = int(rng.integers(0, k))
+    h, w = int(rng.integers(k, 14)), int(rng.integers(k, 14))
+    h_out = (h + 2 * pad - k) // stride + 1
+    w_out = (w + 2 * pad - k) // stride + 1
+    a = rng.integers(-128, 128, (n, h, w, c)).astype(np.int8)
+    eq = rng.integers(-127, 128, (n, h_out, w_out, o)).astype(np.int8)
+    eq[rng.random(eq.shape) < 0.7] = 0
+    a_pad = np.zeros((n, h + 2 * pad, w + 2 * pad, c), np.int8)
+    K.pad_nhwc(a, pad, a_pad, 0, n)
+    scratch = [np.zeros(n * h_out * w_out + 8, np.int32) for _ in range(2)]
+    ref = np.zeros((k, k, c, o), np.int32)
+    gmax_ref = K.conv_weight_grad_sparse(eq, a_pad, stride, ref, np.zeros((o, k * k * c),
+                                         np.int32), *scratch, 0, o)
+    dense = np.zeros((k, k, c, o), np.int64)
+    for kh in range(k):
+        for kw in range(k):
+            win = a_pad[:, kh:kh + stride * h_out:stride, kw:kw + stride * w_out:stride]
+            dense[kh, kw] = np.einsum("nyxc,nyxo->co", win.astype(np.int64),
+                                      eq.astype(np.int64))
+    assert np.array_equal(ref, dense)
+    got = np.full_like(ref, 4)
+    gt = np.full((o, k * k * c), 6, np.int32)
+    gmax = max(V.conv_weight_grad_sparse_vnni(eq, a_pad, stride, got, gt, *scratch, lo, hi)
+               for lo, hi in ((0, o // 2), (o // 2, o)))
+    assert np.array_equal(got, ref) and gmax == gmax_ref
+
+
+@needs_vnni
+@pytest.mark.parametrize("case", range(8))
 def test_the_vnni_linear_backward_data_equals_the_generic_one(case):
     rng = np.random.default_rng(200 + case)
     n = int(rng.integers(1, 9))

@@ -250,7 +250,9 @@ def _conv_backward(model: IntModel, ws: Workspace, i: int, eq: np.ndarray | None
         if not op.vnni:  # else the forward padded the input already
             run(K.pad_nhwc, lambda t, lo, hi: (a_in, lay.padding, ws.a_pad[i][:n], lo, hi), n,
                 split=op.split)
-        gmax = max(run(K.conv_weight_grad_sparse, lambda t, lo, hi: (
+        sparse = (K.conv_weight_grad_sparse_vnni if _vnni_grad(model) and g.dtype == np.int32
+                  else K.conv_weight_grad_sparse)
+        gmax = max(run(sparse, lambda t, lo, hi: (
             eq, ws.a_pad[i][:n], lay.stride, g, ws.gt[i], sc[t].nz_idx, sc[t].nz_val, lo, hi),
             lay.out_channels, split=op.split))
     elif op.grad_mode == "plane":
@@ -284,7 +286,7 @@ def _conv_backward(model: IntModel, ws: Workspace, i: int, eq: np.ndarray | None
 
 
 def _vnni_grad(model: IntModel) -> bool:
-    """The plane weight gradient's and a linear layer's backward-data dot products run on
+    """The conv weight gradients' and a linear layer's backward-data dot products run on
     AVX-512 VNNI (int8 operands)."""
     return K.VNNI and model.amax <= 127
 

@@ -75,6 +75,7 @@ from edge_client.intnn.kernels.vnni import AVAILABLE as VNNI
 from edge_client.intnn.kernels.vnni import (
     conv_forward_vnni,
     conv_weight_grad_plane_vnni,
+    conv_weight_grad_sparse_vnni,
     linear_backward_data_vnni,
     linear_grad_max_vnni,
     linear_update_vnni,
@@ -95,14 +96,16 @@ TRAINING_KERNELS = (
     ternarize, ternary_copies, argmax_correct, stream_key, conv_forward_plane,
     conv_weight_grad_plane, conv_weight_grad_sparse, conv_backward_data_narrow, eq_to_planar,
     pad_nhwc, grad_max,
-) + ((conv_forward_vnni, conv_weight_grad_plane_vnni, linear_backward_data_vnni,
+) + ((conv_forward_vnni, conv_weight_grad_plane_vnni, conv_weight_grad_sparse_vnni,
+      linear_backward_data_vnni,
       linear_grad_max_vnni, linear_update_vnni, linear_weight_grad_vnni, pad_rows,
       plane_for_grad) if VNNI else ())
 
 __all__ = [
     "LOG2_HALF_THRESH", "SOFTMAX_ONE", "TRAINING_KERNELS", "VNNI", "argmax_correct", "conv_backward_data",
     "conv_backward_data_narrow", "conv_forward", "conv_forward_col", "conv_forward_plane",
-    "conv_forward_vnni", "conv_weight_grad_plane_vnni", "linear_backward_data_vnni",
+    "conv_forward_vnni", "conv_weight_grad_plane_vnni", "conv_weight_grad_sparse_vnni",
+    "linear_backward_data_vnni",
     "linear_grad_max_vnni", "linear_update_vnni", "linear_weight_grad_vnni", "pad_rows",
     "plane_for_grad", "vnni",
     "conv_weight_grad", "conv_weight_grad_dot", "conv_weight_grad_plane", "conv_weight_grad_sparse",

@@ -20,6 +20,8 @@ Results are bit-identical to the generic kernels (tests/test_intnn_vnni.py).
   im2col): four input bytes broadcast x the ternary weights packed in fours per kernel
   row (:func:`pad_rows`), 4 pixels x 64 channels a block with no reduction across lanes;
   :func:`plane_for_grad` makes the planar input a stride-1 conv's VNNI gradient reads;
+- :func:`conv_weight_grad_sparse_vnni`: the error-driven conv weight gradient, four errors'
+  patches interleaved (:func:`_interleave4_dot`);
 - :func:`linear_backward_data_vnni`: :func:`~.linear.linear_backward_data` for O >= 64;
 - :func:`linear_weight_grad_vnni`: :func:`~.linear.linear_weight_grad` for O a multiple of
   64 (:func:`_outer_block`: four samples' products per instruction into 16 outputs' lanes);
@@ -562,3 +564,160 @@ def linear_update_vnni(eq, a, a_t, ep, w, t, sh, wmax, thr, key, rows, f0, f1):
         if fb != f:
             _update_rows(w, buf, t, fb * n_out, n_out, n_out, sh, wmax, thr,
                          key + (fb + 1) * _GOLDEN, rows * _GOLDEN)
+
+
+@intrinsic
+def _interleave4_dot(typingctx, g, g_off, a, a_offs, packed_e, chunks):
+    # pragma: no cover (compiled)
+    """g[g_off + 16c + l] += sum_i (a[a_offs[i] + 16c + l] ^ 0x80) * e_i for l < 16,
+    c < chunks (g int32, a int8 flat arrays; a_offs a UniTuple of four offsets; packed_e
+    the four int8 e_i in one int32, e_0 in the low byte): the four rows' bytes interleaved
+    (byte l of row i at 4l + i) so that one vpdpbusd adds the four products to each of 16
+    int32 lanes; the caller subtracts 128 * sum(e_i) per lane."""
+    if not (isinstance(g, types.Array) and isinstance(a, types.Array)
+            and g.dtype == types.int32 and a.dtype == types.int8
+            and isinstance(a_offs, types.UniTuple) and a_offs.count == 4):
+        return None
+    sig = types.none(g, g_off, a, a_offs, packed_e, chunks)
+    def codegen(context, builder, signature, args):
+        g_, go_, a_, ao_, pe_, ch_ = args
+        i64 = ir.IntType(64)
+        i32 = ir.IntType(32)
+        i8p = ir.IntType(8).as_pointer()
+        v16b = ir.VectorType(ir.IntType(8), 16)
+        v64b = ir.VectorType(ir.IntType(8), VEC)
+        v16 = ir.VectorType(i32, 16)
+
+        def as_i64(v):
+            return builder.sext(v, i64) if v.type.width < 64 else v
+
+        def base(k, v):
+            return builder.bitcast(context.make_array(signature.args[k])(
+                context, builder, v).data, i8p)
+
+        g_base, a_base = base(0, g_), base(2, a_)
+        a_offs_v = [as_i64(builder.extract_value(ao_, i)) for i in range(4)]
+        g_off = as_i64(go_)
+        n = as_i64(ch_)
+        word = builder.trunc(pe_, i32) if pe_.type.width > 32 else pe_
+        e_vec = builder.shuffle_vector(
+            builder.insert_element(ir.Constant(v16, ir.Undefined), word, ir.Constant(i32, 0)),
+            ir.Constant(v16, ir.Undefined), ir.Constant(v16, [0] * 16))
+        dp = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(v16, [v16, v16, v16]), "llvm.x86.avx512.vpdpbusd.512")
+        flip = ir.Constant(v64b, [0x80] * VEC)
+        # rows 0|1 and 2|3 as 32 bytes each, then byte l of row i to position 4l + i
+        pair_mask = ir.Constant(ir.VectorType(i32, 32), list(range(32)))
+        join_mask = ir.Constant(ir.VectorType(i32, VEC), list(range(VEC)))
+        inter_mask = ir.Constant(ir.VectorType(i32, VEC),
+                                 [16 * i + lane for lane in range(16) for i in range(4)])
+        pre = builder.block
+        loop = builder.append_basic_block("il4.loop")
+        done = builder.append_basic_block("il4.done")
+        builder.cbranch(builder.icmp_signed(">", n, ir.Constant(i64, 0)), loop, done)
+        builder.position_at_end(loop)
+        c = builder.phi(i64)
+        c.add_incoming(ir.Constant(i64, 0), pre)
+        off = builder.mul(c, ir.Constant(i64, 16))
+        rows = []
+        for ao in a_offs_v:
+            ptr = builder.gep(a_base, [builder.add(ao, off)])
+            rows.append(builder.load(builder.bitcast(ptr, v16b.as_pointer()), align=1))
+        both = builder.shuffle_vector(builder.shuffle_vector(rows[0], rows[1], pair_mask),
+                                      builder.shuffle_vector(rows[2], rows[3], pair_mask),
+                                      join_mask)
+        mixed = builder.xor(builder.shuffle_vector(both, ir.Constant(v64b, ir.Undefined),
+                                                   inter_mask), flip)
+        gptr = builder.bitcast(
+            builder.gep(g_base, [builder.mul(builder.add(g_off, off), ir.Constant(i64, 4))]),
+            v16.as_pointer())
+        acc = builder.load(gptr, align=1)
+        builder.store(builder.call(dp, [acc, builder.bitcast(mixed, v16), e_vec]), gptr,
+                      align=1)
+        c_next = builder.add(c, ir.Constant(i64, 1))
+        c.add_incoming(c_next, builder.block)
+        builder.cbranch(builder.icmp_signed("<", c_next, n), loop, done)
+        builder.position_at_end(done)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@njit(cache=True, nogil=True)
+def conv_weight_grad_sparse_vnni(eq, a_pad, stride, g_out, gt, pi, pv, o0, o1):
+    """:func:`~.conv_backward.conv_weight_grad_sparse` (same arguments and results, an
+    int32 ``gt``) with vpdpbusd: each pass's four non-zero errors, packed in one int32,
+    against their four patches' bytes interleaved (:func:`_interleave4_dot`), 16
+    gradient elements an instruction; the last K*C % 16 of a patch row in plain
+    integers. Returns max |G| of channels o0 <= o < o1."""
+    k = g_out.shape[0]
+    c_in = g_out.shape[2]
+    n_out = g_out.shape[3]
+    g2 = g_out.reshape(-1, n_out)
+    r_len = g2.shape[0]
+    n_s = eq.shape[0]
+    h_out = eq.shape[1]
+    w_out = eq.shape[2]
+    hp = a_pad.shape[1]
+    wpp = a_pad.shape[2]
+    kc = k * c_in
+    chunks = kc // 16
+    tail = chunks * 16
+    rowstep = wpp * c_in
+    apf = a_pad.reshape(-1)
+    ef = eq.reshape(-1)
+    gf = gt.reshape(-1)
+    for o in range(o0, o1):
+        go = o * r_len
+        for r in range(r_len):
+            gf[U(go + r)] = 0
+        cnt = 0
+        p = 0
+        esum = np.int64(0)  # the flip's correction: 128 x the channel's error sum
+        for n in range(n_s):
+            for y in range(h_out):
+                rb = (n * hp + y * stride) * rowstep
+                for x in range(w_out):
+                    e = ef[U(p * n_out + o)]
+                    p += 1
+                    pi[cnt] = rb + x * stride * c_in
+                    pv[cnt] = e
+                    esum += e
+                    cnt += np.int64(e != 0)
+        while cnt & 3:
+            pi[cnt] = 0
+            pv[cnt] = 0
+            cnt += 1
+        for j in range(0, cnt, 4):
+            e1 = np.int64(pv[j])
+            e2 = np.int64(pv[j + 1])
+            e3 = np.int64(pv[j + 2])
+            e4 = np.int64(pv[j + 3])
+            packed = np.int32(np.uint32((e1 & 0xFF) | ((e2 & 0xFF) << 8) | ((e3 & 0xFF) << 16)
+                                        | ((e4 & 0xFF) << 24)))
+            for kh in range(k):
+                s1 = pi[j] + kh * rowstep
+                s2 = pi[j + 1] + kh * rowstep
+                s3 = pi[j + 2] + kh * rowstep
+                s4 = pi[j + 3] + kh * rowstep
+                d = go + kh * kc
+                _interleave4_dot(gf, d, apf, (s1, s2, s3, s4), packed, chunks)
+                for jj in range(tail, kc):
+                    gf[U(d + jj)] = np.int32(
+                        gf[U(d + jj)] + np.int32(e1) * np.int32(apf[U(s1 + jj)])
+                        + np.int32(e2) * np.int32(apf[U(s2 + jj)])
+                        + np.int32(e3) * np.int32(apf[U(s3 + jj)])
+                        + np.int32(e4) * np.int32(apf[U(s4 + jj)]))
+        corr = np.int32(esum * 128)
+        for kh in range(k):
+            d = go + kh * kc
+            for jj in range(tail):
+                gf[U(d + jj)] = np.int32(gf[U(d + jj)] - corr)
+    gmax = np.int64(0)
+    for r in range(r_len):
+        for o in range(o0, o1):
+            v = np.int64(gt[o, r])
+            g2[r, o] = v
+            v = -v if v < 0 else v
+            gmax = v if v > gmax else gmax
+    return gmax
