@@ -72,10 +72,11 @@ NOTES = {
                                "the ternary weights in int16, added to K rows of the input "
                                "error. More: skip inputs the ReLU zeroes (44% live).",
     ("conv", "weight gradient"): "K*C >= 32: error-driven (only non-zero errors), four per "
-                                 "pass, int32 (dense VNNI is 2x slower there: 80-90% of "
-                                 "the errors are zero); K*C < 32 (first conv): dot products "
-                                 "over the plane positions, 2 rows x 4 channels of vpdpbusd "
-                                 "with VNNI (3.5x the int32 vpmulld form).",
+                                 "pass: with VNNI their patches' bytes interleaved into one "
+                                 "vpdpbusd per 16 elements (a dense VNNI gradient is 2x "
+                                 "slower: 80-90% of the errors are zero); K*C < 32 (first "
+                                 "conv): dot products over the plane positions, 2 rows x 4 "
+                                 "channels of vpdpbusd (3.5x the int32 vpmulld form).",
     ("linear", "forward"): "driven by the non-zero inputs (25-50% after ReLU + pool): rows of "
                            "the [F, O] ternary weights added in int16.",
     ("linear", "backward-data"): "VNNI (O >= 64): 4 weight rows x 2 samples of vpdpbusd "
