@@ -2,13 +2,9 @@
 signed bytes and adds them in fours to 16 int32 lanes, 64 multiply-accumulates an
 instruction (four times an int32 multiply's lanes, and no widening of the bytes).
 
-LLVM does not produce ``vpdpbusd`` from a loop by itself (Numba's loops over int8 products
-become 16-lane ``vpmulld``), so :func:`_dot_block` emits it through LLVM's intrinsic: an
-A x B block of dot products of byte rows, each row read once per 64 bytes for all the
-products it takes part in. The unsigned operand is the activation side with its sign bit
-flipped (``a ^ 0x80 = a + 128`` in [0, 255] for every int8 ``a``), so any int8 works; the
-caller subtracts ``128 * sum(b)``. The instruction wraps (no saturation), so the result is
-exact modulo 2^32, hence exact whenever the true sum fits in int32 (the engine's bounds).
+LLVM does not produce ``vpdpbusd`` from a loop by itself, so the kernels here call the
+intrinsics of :mod:`.vnni_intrinsics` (which explains the sign-bit flip and its
+correction: any int8 works, results are exact).
 
 :data:`AVAILABLE` says whether the CPU Numba compiles for has the instruction; the
 kernels here are only typed and compiled when it does (``step`` picks them, the others
@@ -33,123 +29,24 @@ Results are bit-identical to the generic kernels (tests/test_intnn_vnni.py).
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
-from llvmlite import ir
-from numba import njit, types
-from numba.core import cgutils, config
-from numba.extending import intrinsic
+from numba import njit
 
 from edge_client.intnn.kernels.layout import _pad_nhwc, _to_plane
 from edge_client.intnn.kernels.rng import _GOLDEN
 from edge_client.intnn.kernels.update import _update_rows
+from edge_client.intnn.kernels.vnni_intrinsics import (  # noqa: F401 (re-exported)
+    AVAILABLE,
+    DISABLE_ENV,
+    VEC,
+    _dot_block,
+    _interleave4_dot,
+    _outer_block,
+    _target_has_vnni,
+    padded,
+)
 
 U = np.uint64
-VEC = 64  # bytes a vpdpbusd takes from each operand
-DISABLE_ENV = "FEDBIT_NO_VNNI"  # "1": use the generic kernels (A/B, the fallback's tests)
-
-
-def _target_has_vnni() -> bool:
-    """True when Numba compiles for a CPU with AVX-512 VNNI and BW (the host, unless
-    NUMBA_CPU_NAME / NUMBA_CPU_FEATURES name another)."""
-    if os.environ.get(DISABLE_ENV, "") not in ("", "0"):
-        return False
-    try:
-        import llvmlite.binding as llvm
-
-        if config.CPU_FEATURES is not None:
-            feats = config.CPU_FEATURES
-        elif config.CPU_NAME not in (None, "host"):
-            return False  # a named portable target: do not assume the instruction
-        else:
-            feats = llvm.get_host_cpu_features().flatten()
-    except Exception:  # noqa: BLE001 (no LLVM host query: the generic kernels)
-        return False
-    return "+avx512vnni" in feats and "+avx512bw" in feats
-
-
-AVAILABLE = _target_has_vnni()
-
-
-@intrinsic
-def _dot_block(typingctx, a, a_offs, b, b_offs, n64):  # pragma: no cover (compiled)
-    """sum_{q < 64*n64} (a[ia + q] ^ 0x80) * b[ib + q] for every ia in a_offs x ib in
-    b_offs (flat int8 arrays, UniTuples of offsets): a UniTuple(int32) in that order,
-    row-major over (a_offs, b_offs), wrapped modulo 2^32."""
-    if not (isinstance(a, types.Array) and isinstance(b, types.Array)
-            and a.dtype == types.int8 and b.dtype == types.int8
-            and isinstance(a_offs, types.UniTuple) and isinstance(b_offs, types.UniTuple)):
-        return None
-    na, nb = a_offs.count, b_offs.count
-    ret = types.UniTuple(types.int32, na * nb)
-    sig = ret(a, a_offs, b, b_offs, n64)
-
-    def codegen(context, builder, signature, args):
-        a_, ao_, b_, bo_, n_ = args
-        i64 = ir.IntType(64)
-        i8p = ir.IntType(8).as_pointer()
-        v64 = ir.VectorType(ir.IntType(8), VEC)
-        v16 = ir.VectorType(ir.IntType(32), 16)
-        a_base = builder.bitcast(context.make_array(signature.args[0])(
-            context, builder, a_).data, i8p)
-        b_base = builder.bitcast(context.make_array(signature.args[2])(
-            context, builder, b_).data, i8p)
-
-        def as_i64(v):
-            return builder.sext(v, i64) if v.type.width < 64 else v
-
-        a_offs_v = [as_i64(builder.extract_value(ao_, i)) for i in range(na)]
-        b_offs_v = [as_i64(builder.extract_value(bo_, i)) for i in range(nb)]
-        nbytes = builder.mul(as_i64(n_), ir.Constant(i64, VEC))
-        dp = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(v16, [v16, v16, v16]), "llvm.x86.avx512.vpdpbusd.512")
-        red = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(ir.IntType(32), [v16]), "llvm.vector.reduce.add.v16i32")
-        flip = ir.Constant(v64, [0x80] * VEC)
-        zero = ir.Constant(v16, None)
-        pre = builder.block
-        loop = builder.append_basic_block("vnni.loop")
-        done = builder.append_basic_block("vnni.done")
-        builder.cbranch(builder.icmp_signed(">", nbytes, ir.Constant(i64, 0)), loop, done)
-        builder.position_at_end(loop)
-        q = builder.phi(i64)
-        q.add_incoming(ir.Constant(i64, 0), pre)
-        accs = []
-        for _ in range(na * nb):
-            p = builder.phi(v16)
-            p.add_incoming(zero, pre)
-            accs.append(p)
-
-        def load(base, off):
-            ptr = builder.gep(base, [builder.add(off, q)])
-            return builder.load(builder.bitcast(ptr, v64.as_pointer()), align=1)
-
-        av = [builder.bitcast(builder.xor(load(a_base, o), flip), v16) for o in a_offs_v]
-        bv = [builder.bitcast(load(b_base, o), v16) for o in b_offs_v]
-        new = [builder.call(dp, [accs[i * nb + j], av[i], bv[j]])
-               for i in range(na) for j in range(nb)]
-        q_next = builder.add(q, ir.Constant(i64, VEC))
-        end = builder.block
-        q.add_incoming(q_next, end)
-        for p, v in zip(accs, new):
-            p.add_incoming(v, end)
-        builder.cbranch(builder.icmp_signed("<", q_next, nbytes), loop, done)
-        builder.position_at_end(done)
-        outs = []
-        for v in new:
-            ph = builder.phi(v16)
-            ph.add_incoming(zero, pre)
-            ph.add_incoming(v, end)
-            outs.append(ph)
-        return context.make_tuple(builder, ret, [builder.call(red, [ph]) for ph in outs])
-
-    return sig, codegen
-
-
-def padded(r: int, unit: int = VEC) -> int:
-    """r rounded up to a multiple of ``unit`` (64 bytes: whole vectors)."""
-    return -(-r // unit) * unit
 
 
 @njit(cache=True, nogil=True)
@@ -355,115 +252,6 @@ def linear_backward_data_vnni(eq, t, a_in, masked, out, corr, n0, n1):
                     out[nn, fi[i]] = v
 
 
-@intrinsic
-def _outer_block(typingctx, a, a_offs, nq, e, e_stride, o_offs, corr, g, g_offs, ng, jump):
-    # pragma: no cover (compiled)
-    """For every row i of a_offs and column block b of o_offs (UniTuples): the 16 int32
-    g[g_offs[i] + o_offs[b] + l] = sum_k dot4(a[a_offs[i] + off(k) : +4] ^ 0x80,
-    e[k*e_stride + 4*(o_offs[b] + l) : +4]) - corr[o_offs[b] + l], l < 16, k < nq, each
-    accumulated in the lanes of one vector (no reduction): a weight gradient's rows from
-    groups of four samples (``a`` transposed [F, N], ``e`` packed [N/4, O, 4]), or a conv's
-    outputs from its input (``e`` the packed weights). off(k) = 4k + jump * (k // ng): the
-    groups come in segments of ng, ``jump`` bytes apart beyond their own 4*ng (a conv
-    patch's kernel rows in the padded input; ng >= nq, jump 0: one contiguous run)."""
-    if not (isinstance(a, types.Array) and isinstance(e, types.Array)
-            and isinstance(g, types.Array) and isinstance(corr, types.Array)
-            and a.dtype == types.int8 and e.dtype == types.int8 and g.dtype == types.int32
-            and corr.dtype == types.int32 and isinstance(a_offs, types.UniTuple)
-            and isinstance(o_offs, types.UniTuple) and isinstance(g_offs, types.UniTuple)):
-        return None
-    na, nb = a_offs.count, o_offs.count
-    sig = types.none(a, a_offs, nq, e, e_stride, o_offs, corr, g, g_offs, ng, jump)
-
-    def codegen(context, builder, signature, args):
-        a_, ao_, nq_, e_, es_, oo_, c_, g_, go_, ng_, jump_ = args
-        i64 = ir.IntType(64)
-        i32 = ir.IntType(32)
-        i8p = ir.IntType(8).as_pointer()
-        v16 = ir.VectorType(i32, 16)
-
-        def base(k, v):
-            return builder.bitcast(context.make_array(signature.args[k])(
-                context, builder, v).data, i8p)
-
-        def as_i64(v):
-            return builder.sext(v, i64) if v.type.width < 64 else v
-
-        a_base, e_base, c_base, g_base = base(0, a_), base(3, e_), base(6, c_), base(7, g_)
-        a_offs_v = [as_i64(builder.extract_value(ao_, i)) for i in range(na)]
-        o_offs_v = [as_i64(builder.extract_value(oo_, i)) for i in range(nb)]
-        g_offs_v = [as_i64(builder.extract_value(go_, i)) for i in range(na)]
-        n_groups = as_i64(nq_)
-        stride = as_i64(es_)
-        per_seg = as_i64(ng_)
-        seg_jump = as_i64(jump_)
-        dp = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(v16, [v16, v16, v16]), "llvm.x86.avx512.vpdpbusd.512")
-        zero = ir.Constant(v16, None)
-        four = ir.Constant(i64, 4)
-        pre = builder.block
-        loop = builder.append_basic_block("outer.loop")
-        done = builder.append_basic_block("outer.done")
-        builder.cbranch(builder.icmp_signed(">", n_groups, ir.Constant(i64, 0)), loop, done)
-        builder.position_at_end(loop)
-        k = builder.phi(i64)
-        k.add_incoming(ir.Constant(i64, 0), pre)
-        pos = builder.phi(i64)  # off(k): the byte offset of group k from a row's start
-        pos.add_incoming(ir.Constant(i64, 0), pre)
-        left = builder.phi(i64)  # groups left in the current segment
-        left.add_incoming(per_seg, pre)
-        accs = []
-        for _ in range(na * nb):
-            p = builder.phi(v16)
-            p.add_incoming(zero, pre)
-            accs.append(p)
-        splats = []
-        for off in a_offs_v:
-            ptr = builder.bitcast(builder.gep(a_base, [builder.add(off, pos)]), i32.as_pointer())
-            word = builder.xor(builder.load(ptr, align=1), ir.Constant(i32, 0x80808080))
-            vec = builder.insert_element(ir.Constant(v16, ir.Undefined), word,
-                                         ir.Constant(i32, 0))
-            splats.append(builder.shuffle_vector(vec, ir.Constant(v16, ir.Undefined),
-                                                 ir.Constant(v16, [0] * 16)))
-        row = builder.mul(k, stride)
-        cols = []
-        for off in o_offs_v:
-            ptr = builder.gep(e_base, [builder.add(row, builder.mul(off, four))])
-            cols.append(builder.load(builder.bitcast(ptr, v16.as_pointer()), align=1))
-        new = [builder.call(dp, [accs[i * nb + j], splats[i], cols[j]])
-               for i in range(na) for j in range(nb)]
-        k_next = builder.add(k, ir.Constant(i64, 1))
-        last = builder.icmp_signed("==", left, ir.Constant(i64, 1))
-        pos_next = builder.add(builder.add(pos, four),
-                               builder.select(last, seg_jump, ir.Constant(i64, 0)))
-        left_next = builder.select(last, per_seg, builder.sub(left, ir.Constant(i64, 1)))
-        end = builder.block
-        k.add_incoming(k_next, end)
-        pos.add_incoming(pos_next, end)
-        left.add_incoming(left_next, end)
-        for p, v in zip(accs, new):
-            p.add_incoming(v, end)
-        builder.cbranch(builder.icmp_signed("<", k_next, n_groups), loop, done)
-        builder.position_at_end(done)
-        outs = []
-        for v in new:
-            ph = builder.phi(v16)
-            ph.add_incoming(zero, pre)
-            ph.add_incoming(v, end)
-            outs.append(ph)
-        for i in range(na):
-            for j in range(nb):
-                cptr = builder.gep(c_base, [builder.mul(o_offs_v[j], four)])
-                cv = builder.load(builder.bitcast(cptr, v16.as_pointer()), align=1)
-                gptr = builder.gep(g_base, [builder.mul(builder.add(g_offs_v[i], o_offs_v[j]),
-                                                        four)])
-                builder.store(builder.sub(outs[i * nb + j], cv),
-                              builder.bitcast(gptr, v16.as_pointer()), align=1)
-        return context.get_dummy_value()
-
-    return sig, codegen
-
-
 @njit(cache=True, nogil=True, inline="always")
 def _pack_linear(eq, a, a_t, ep, f0, f1):
     """a_t[f, :N4] = a[:, f] (zero past N) for f0 <= f < f1, ep = eq packed [N4/4, O, 4]
@@ -564,83 +352,6 @@ def linear_update_vnni(eq, a, a_t, ep, w, t, sh, wmax, thr, key, rows, f0, f1):
         if fb != f:
             _update_rows(w, buf, t, fb * n_out, n_out, n_out, sh, wmax, thr,
                          key + (fb + 1) * _GOLDEN, rows * _GOLDEN)
-
-
-@intrinsic
-def _interleave4_dot(typingctx, g, g_off, a, a_offs, packed_e, chunks):
-    # pragma: no cover (compiled)
-    """g[g_off + 16c + l] += sum_i (a[a_offs[i] + 16c + l] ^ 0x80) * e_i for l < 16,
-    c < chunks (g int32, a int8 flat arrays; a_offs a UniTuple of four offsets; packed_e
-    the four int8 e_i in one int32, e_0 in the low byte): the four rows' bytes interleaved
-    (byte l of row i at 4l + i) so that one vpdpbusd adds the four products to each of 16
-    int32 lanes; the caller subtracts 128 * sum(e_i) per lane."""
-    if not (isinstance(g, types.Array) and isinstance(a, types.Array)
-            and g.dtype == types.int32 and a.dtype == types.int8
-            and isinstance(a_offs, types.UniTuple) and a_offs.count == 4):
-        return None
-    sig = types.none(g, g_off, a, a_offs, packed_e, chunks)
-    def codegen(context, builder, signature, args):
-        g_, go_, a_, ao_, pe_, ch_ = args
-        i64 = ir.IntType(64)
-        i32 = ir.IntType(32)
-        i8p = ir.IntType(8).as_pointer()
-        v16b = ir.VectorType(ir.IntType(8), 16)
-        v64b = ir.VectorType(ir.IntType(8), VEC)
-        v16 = ir.VectorType(i32, 16)
-
-        def as_i64(v):
-            return builder.sext(v, i64) if v.type.width < 64 else v
-
-        def base(k, v):
-            return builder.bitcast(context.make_array(signature.args[k])(
-                context, builder, v).data, i8p)
-
-        g_base, a_base = base(0, g_), base(2, a_)
-        a_offs_v = [as_i64(builder.extract_value(ao_, i)) for i in range(4)]
-        g_off = as_i64(go_)
-        n = as_i64(ch_)
-        word = builder.trunc(pe_, i32) if pe_.type.width > 32 else pe_
-        e_vec = builder.shuffle_vector(
-            builder.insert_element(ir.Constant(v16, ir.Undefined), word, ir.Constant(i32, 0)),
-            ir.Constant(v16, ir.Undefined), ir.Constant(v16, [0] * 16))
-        dp = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(v16, [v16, v16, v16]), "llvm.x86.avx512.vpdpbusd.512")
-        flip = ir.Constant(v64b, [0x80] * VEC)
-        # rows 0|1 and 2|3 as 32 bytes each, then byte l of row i to position 4l + i
-        pair_mask = ir.Constant(ir.VectorType(i32, 32), list(range(32)))
-        join_mask = ir.Constant(ir.VectorType(i32, VEC), list(range(VEC)))
-        inter_mask = ir.Constant(ir.VectorType(i32, VEC),
-                                 [16 * i + lane for lane in range(16) for i in range(4)])
-        pre = builder.block
-        loop = builder.append_basic_block("il4.loop")
-        done = builder.append_basic_block("il4.done")
-        builder.cbranch(builder.icmp_signed(">", n, ir.Constant(i64, 0)), loop, done)
-        builder.position_at_end(loop)
-        c = builder.phi(i64)
-        c.add_incoming(ir.Constant(i64, 0), pre)
-        off = builder.mul(c, ir.Constant(i64, 16))
-        rows = []
-        for ao in a_offs_v:
-            ptr = builder.gep(a_base, [builder.add(ao, off)])
-            rows.append(builder.load(builder.bitcast(ptr, v16b.as_pointer()), align=1))
-        both = builder.shuffle_vector(builder.shuffle_vector(rows[0], rows[1], pair_mask),
-                                      builder.shuffle_vector(rows[2], rows[3], pair_mask),
-                                      join_mask)
-        mixed = builder.xor(builder.shuffle_vector(both, ir.Constant(v64b, ir.Undefined),
-                                                   inter_mask), flip)
-        gptr = builder.bitcast(
-            builder.gep(g_base, [builder.mul(builder.add(g_off, off), ir.Constant(i64, 4))]),
-            v16.as_pointer())
-        acc = builder.load(gptr, align=1)
-        builder.store(builder.call(dp, [acc, builder.bitcast(mixed, v16), e_vec]), gptr,
-                      align=1)
-        c_next = builder.add(c, ir.Constant(i64, 1))
-        c.add_incoming(c_next, builder.block)
-        builder.cbranch(builder.icmp_signed("<", c_next, n), loop, done)
-        builder.position_at_end(done)
-        return context.get_dummy_value()
-
-    return sig, codegen
 
 
 @njit(cache=True, nogil=True)
