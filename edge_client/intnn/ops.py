@@ -59,11 +59,12 @@ class Op:
 class Scratch:
     """One thread's scratch buffers (lists indexed like ``IntModel.ops``, None where
     unused): ``pacc``/``pacc16``/``ptile`` pixel-block accumulators and finished outputs of
-    a conv forward, ``vacc`` the int32 sums [B * Op] of the VNNI conv forward, ``offs`` (int32 [K*K*C]) its plane-run offsets, ``pbuf`` [K*K*C]
-    backward-data sums (int16 when ``O * amax`` fits, else int32), ``lacc``/``lacc16``
-    int32 / int16 [O] accumulators of a linear forward, ``lep`` its errors packed in
-    groups of four samples for the VNNI weight gradient (int8 [N4 * O]); ``nz_idx``/``nz_val``: int32 lists
-    (non-zero inputs or errors, a row of a max-pool's routed errors)."""
+    a conv forward, ``vacc`` the int32 sums [B * Op] of the VNNI conv forward, ``offs``
+    (int32 [K*K*C]) the plane-run offsets, ``pbuf`` [K*K*C] backward-data sums (int16 when
+    ``O * amax`` fits, else int32), ``lacc``/``lacc16`` int32 / int16 [O] accumulators of a
+    linear forward, ``lep`` its errors packed in groups of four samples for the VNNI weight
+    gradient (int8 [N4 * O]); ``nz_idx``/``nz_val``: int32 lists (non-zero inputs or
+    errors, a row of a max-pool's routed errors)."""
 
     pacc: list[np.ndarray | None]
     pacc16: list[np.ndarray | None]

@@ -23,7 +23,7 @@ INT16_LIMIT = (1 << 15) - 1
 GROUP_PIXELS = 4096  # output pixels per im2col group when evaluating (memory bound)
 PIXEL_BLOCK = 2048   # output pixels accumulated at a time by the conv forward (L1-sized)
 PLANE_BLOCK = 1024   # plane positions accumulated at a time by the stride-1 conv forward
-VNNI_BLOCK = 64      # output pixels whose patches the VNNI conv forward gathers at a time
+VNNI_BLOCK = 64      # output pixels the VNNI conv forward sums at a time (int32 [B, Op])
 # conv weight gradient from the non-zero errors when a patch row (K*C values) is at least
 # this long (short rows do not vectorize: the dense dot products are faster there)
 SPARSE_GRAD_MIN_ROW = 32
