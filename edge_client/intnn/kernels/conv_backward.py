@@ -350,6 +350,44 @@ def pad_nhwc(a, pad, a_pad, n0, n1):
     _pad_nhwc(a, pad, a_pad, n0, n1)
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _list_errors(ef, o, n_out, n_s, h_out, w_out, hp, rowstep, stride, c_in, pi, pv):
+    """The non-zero errors of output channel o (ef: eq flat, NHWC) as (offset of the
+    pixel's patch in the padded input, value) in pi/pv, branch-free, padded with zero terms
+    to a multiple of 4; returns (their number, the sum of all of o's errors)."""
+    cnt = 0
+    p = 0
+    esum = np.int64(0)
+    for n in range(n_s):
+        for y in range(h_out):
+            rb = (n * hp + y * stride) * rowstep
+            for x in range(w_out):
+                e = ef[U(p * n_out + o)]
+                p += 1
+                pi[cnt] = rb + x * stride * c_in
+                pv[cnt] = e
+                esum += e
+                cnt += np.int64(e != 0)
+    while cnt & 3:
+        pi[cnt] = 0
+        pv[cnt] = 0
+        cnt += 1
+    return cnt, esum
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _gt_out(gt, g2, o0, o1):
+    """g2 [K*K*C, O] columns o0..o1 = gt [O, K*K*C] transposed; returns their max |G|."""
+    gmax = np.int64(0)
+    for r in range(g2.shape[0]):
+        for o in range(o0, o1):
+            v = np.int64(gt[o, r])
+            g2[r, o] = v
+            v = -v if v < 0 else v
+            gmax = v if v > gmax else gmax
+    return gmax
+
+
 @njit(cache=True, nogil=True)
 def conv_weight_grad_sparse(eq, a_pad, stride, g_out, gt, pi, pv, o0, o1):
     """Same result as :func:`conv_weight_grad`, driven by the non-zero errors (after ReLU
@@ -381,21 +419,7 @@ def conv_weight_grad_sparse(eq, a_pad, stride, g_out, gt, pi, pv, o0, o1):
         go = o * r_len
         for r in range(r_len):
             gf[U(go + r)] = 0
-        cnt = 0
-        p = 0
-        for n in range(n_s):
-            for y in range(h_out):
-                rb = (n * hp + y * stride) * rowstep
-                for x in range(w_out):
-                    e = ef[U(p * n_out + o)]
-                    p += 1
-                    pi[cnt] = rb + x * stride * c_in
-                    pv[cnt] = e
-                    cnt += np.int64(e != 0)
-        while cnt & 3:
-            pi[cnt] = 0
-            pv[cnt] = 0
-            cnt += 1
+        cnt, _ = _list_errors(ef, o, n_out, n_s, h_out, w_out, hp, rowstep, stride, c_in, pi, pv)
         for j in range(0, cnt, 4):
             e1 = np.int64(pv[j])
             e2 = np.int64(pv[j + 1])
@@ -420,11 +444,4 @@ def conv_weight_grad_sparse(eq, a_pad, stride, g_out, gt, pi, pv, o0, o1):
                                          + e2 * np.int64(apf[U(s2 + jj)])
                                          + e3 * np.int64(apf[U(s3 + jj)])
                                          + e4 * np.int64(apf[U(s4 + jj)]))
-    gmax = np.int64(0)
-    for r in range(r_len):
-        for o in range(o0, o1):
-            v = np.int64(gt[o, r])
-            g2[r, o] = v
-            v = -v if v < 0 else v
-            gmax = v if v > gmax else gmax
-    return gmax
+    return _gt_out(gt, g2, o0, o1)

@@ -99,24 +99,31 @@ def conv_forward(a, t, stride, pad, shift, amax, relu, out, acc):
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _finish_row(acc, m, shift, amax, relu, tile, o):
-    """tile[o, :m] = clip(round_shift(acc[:m], shift), +-amax) (ReLU'd if relu), written
-    branch-free so that it vectorizes; same values as :func:`_finish`."""
+def _finish_run(src, s0, dst, d0, m, shift, amax, relu):
+    """dst[d0 + j] = clip(round_shift(src[s0 + j], shift), +-amax) (ReLU'd if relu) for
+    j < m, flat arrays, written branch-free so that it vectorizes; same values as
+    :func:`_finish`."""
     lo = 0 if relu else -amax
     if shift > 0:
         half = np.int64(1) << (shift - 1)
         for j in range(m):
-            v = np.int64(acc[j])
+            v = np.int64(src[U(s0 + j)])
             av = -v if v < 0 else v
             r = (av + half) >> shift
             v = -r if v < 0 else r
             v = amax if v > amax else v
-            tile[o, j] = lo if v < lo else v
+            dst[U(d0 + j)] = lo if v < lo else v
     else:
         for j in range(m):
-            v = np.int64(acc[j]) << (-shift)
+            v = np.int64(src[U(s0 + j)]) << (-shift)
             v = amax if v > amax else v
-            tile[o, j] = lo if v < lo else v
+            dst[U(d0 + j)] = lo if v < lo else v
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _finish_row(acc, m, shift, amax, relu, tile, o):
+    """tile[o, :m] = the finished acc[:m] (:func:`_finish_run`)."""
+    _finish_run(acc, 0, tile.reshape(-1), o * tile.shape[1], m, shift, amax, relu)
 
 
 @njit(cache=True, nogil=True)

@@ -32,6 +32,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from edge_client.intnn.kernels.conv_backward import _gt_out, _list_errors
+from edge_client.intnn.kernels.conv_forward import _finish_run
 from edge_client.intnn.kernels.layout import _pad_nhwc, _to_plane
 from edge_client.intnn.kernels.rng import _GOLDEN
 from edge_client.intnn.kernels.update import _update_rows
@@ -164,8 +166,6 @@ def conv_forward_vnni(a, tp, corr, k, stride, pad, shift, amax, relu, out, a_pad
     n_pix = h_out * w_out
     p_last = n1 * n_pix - 1
     o64 = n_op - n_op % 64
-    lo = 0 if relu else -amax
-    half = (np.int64(1) << (shift - 1)) if shift > 0 else np.int64(0)
     for p0 in range(n0 * n_pix, p_last + 1, block):
         m = min(p_last + 1, p0 + block) - p0
         for j in range(0, m, 4):  # a last group past m repeats the last pixel: not written
@@ -185,19 +185,8 @@ def conv_forward_vnni(a, tp, corr, k, stride, pad, shift, amax, relu, out, a_pad
                 o += 32
             if o < n_op:
                 _outer_block(pf, rows, k * ng, tf, n_op * 4, (o,), corr, acc, dst, ng, jump)
-        for j in range(m):  # branch-free finish, as conv_forward_plane's (vectorizes)
-            ob = (p0 + j) * n_out
-            ab = j * n_op
-            for o in range(n_out):
-                v = np.int64(acc[U(ab + o)])
-                if shift > 0:
-                    av = -v if v < 0 else v
-                    r = (av + half) >> shift
-                    v = -r if v < 0 else r
-                else:
-                    v = v << (-shift)
-                v = amax if v > amax else v
-                of[U(ob + o)] = lo if v < lo else v
+        for j in range(m):
+            _finish_run(acc, j * n_op, of, (p0 + j) * n_out, n_out, shift, amax, relu)
 
 
 @njit(cache=True, nogil=True)
@@ -382,23 +371,9 @@ def conv_weight_grad_sparse_vnni(eq, a_pad, stride, g_out, gt, pi, pv, o0, o1):
         go = o * r_len
         for r in range(r_len):
             gf[U(go + r)] = 0
-        cnt = 0
-        p = 0
-        esum = np.int64(0)  # the flip's correction: 128 x the channel's error sum
-        for n in range(n_s):
-            for y in range(h_out):
-                rb = (n * hp + y * stride) * rowstep
-                for x in range(w_out):
-                    e = ef[U(p * n_out + o)]
-                    p += 1
-                    pi[cnt] = rb + x * stride * c_in
-                    pv[cnt] = e
-                    esum += e
-                    cnt += np.int64(e != 0)
-        while cnt & 3:
-            pi[cnt] = 0
-            pv[cnt] = 0
-            cnt += 1
+        # esum: the flip's correction is 128 x the channel's error sum
+        cnt, esum = _list_errors(ef, o, n_out, n_s, h_out, w_out, hp, rowstep, stride, c_in,
+                                 pi, pv)
         for j in range(0, cnt, 4):
             e1 = np.int64(pv[j])
             e2 = np.int64(pv[j + 1])
@@ -424,11 +399,4 @@ def conv_weight_grad_sparse_vnni(eq, a_pad, stride, g_out, gt, pi, pv, o0, o1):
             d = go + kh * kc
             for jj in range(tail):
                 gf[U(d + jj)] = np.int32(gf[U(d + jj)] - corr)
-    gmax = np.int64(0)
-    for r in range(r_len):
-        for o in range(o0, o1):
-            v = np.int64(gt[o, r])
-            g2[r, o] = v
-            v = -v if v < 0 else v
-            gmax = v if v > gmax else gmax
-    return gmax
+    return _gt_out(gt, g2, o0, o1)
