@@ -376,6 +376,18 @@ def _list_errors(ef, o, n_out, n_s, h_out, w_out, hp, rowstep, stride, c_in, pi,
 
 
 @njit(cache=True, nogil=True, inline="always")
+def _add_four_patches(gf, d, apf, s1, s2, s3, s4, e1, e2, e3, e4, j0, j1):
+    """gf[d + j] += e1*apf[s1 + j] + e2*apf[s2 + j] + e3*apf[s3 + j] + e4*apf[s4 + j] for
+    j0 <= j < j1, in int32 (the caller's bound keeps the sums in range)."""
+    for jj in range(j0, j1):
+        gf[U(d + jj)] = np.int32(
+            gf[U(d + jj)] + np.int32(e1) * np.int32(apf[U(s1 + jj)])
+            + np.int32(e2) * np.int32(apf[U(s2 + jj)])
+            + np.int32(e3) * np.int32(apf[U(s3 + jj)])
+            + np.int32(e4) * np.int32(apf[U(s4 + jj)]))
+
+
+@njit(cache=True, nogil=True, inline="always")
 def _gt_out(gt, g2, o0, o1):
     """g2 [K*K*C, O] columns o0..o1 = gt [O, K*K*C] transposed; returns their max |G|."""
     gmax = np.int64(0)
@@ -432,12 +444,7 @@ def conv_weight_grad_sparse(eq, a_pad, stride, g_out, gt, pi, pv, o0, o1):
                 s4 = pi[j + 3] + kh * rowstep
                 d = go + kh * kc
                 if gt.itemsize <= 4:
-                    for jj in range(kc):
-                        gf[U(d + jj)] = np.int32(
-                            gf[U(d + jj)] + np.int32(e1) * np.int32(apf[U(s1 + jj)])
-                            + np.int32(e2) * np.int32(apf[U(s2 + jj)])
-                            + np.int32(e3) * np.int32(apf[U(s3 + jj)])
-                            + np.int32(e4) * np.int32(apf[U(s4 + jj)]))
+                    _add_four_patches(gf, d, apf, s1, s2, s3, s4, e1, e2, e3, e4, 0, kc)
                 else:
                     for jj in range(kc):
                         gf[U(d + jj)] = (gf[U(d + jj)] + e1 * np.int64(apf[U(s1 + jj)])

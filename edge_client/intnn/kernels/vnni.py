@@ -32,7 +32,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from edge_client.intnn.kernels.conv_backward import _gt_out, _list_errors
+from edge_client.intnn.kernels.conv_backward import _add_four_patches, _gt_out, _list_errors
 from edge_client.intnn.kernels.conv_forward import _finish_run
 from edge_client.intnn.kernels.layout import _pad_nhwc, _to_plane
 from edge_client.intnn.kernels.rng import _GOLDEN
@@ -388,12 +388,7 @@ def conv_weight_grad_sparse_vnni(eq, a_pad, stride, g_out, gt, pi, pv, o0, o1):
                 s4 = pi[j + 3] + kh * rowstep
                 d = go + kh * kc
                 _interleave4_dot(gf, d, apf, (s1, s2, s3, s4), packed, chunks)
-                for jj in range(tail, kc):
-                    gf[U(d + jj)] = np.int32(
-                        gf[U(d + jj)] + np.int32(e1) * np.int32(apf[U(s1 + jj)])
-                        + np.int32(e2) * np.int32(apf[U(s2 + jj)])
-                        + np.int32(e3) * np.int32(apf[U(s3 + jj)])
-                        + np.int32(e4) * np.int32(apf[U(s4 + jj)]))
+                _add_four_patches(gf, d, apf, s1, s2, s3, s4, e1, e2, e3, e4, tail, kc)
         corr = np.int32(esum * 128)
         for kh in range(k):
             d = go + kh * kc
