@@ -300,7 +300,6 @@ def export_integer(spec: ModelSpec, bits: int, ternary: Sequence[np.ndarray],
     out_dtype = _input_dtype(bits)
     if bits <= 8 and max(layer.fan_in for layer in spec.param_layers) * amax <= QLINEAR_MAX_ACC:
         z = _qlinear_layers(QLinearGraph(b, int(bits), int(amax)), spec, ts, shifts)
-        b.op("Identity", [z], LOGITS, output=LOGITS)
     else:
         z = _widened_layers(IntegerGraph(b, int(bits), int(amax)), spec, ts, shifts)
         b.op("Cast", [z], LOGITS, output=LOGITS, to=onnx_type(out_dtype))
@@ -315,9 +314,10 @@ def export_integer(spec: ModelSpec, bits: int, ternary: Sequence[np.ndarray],
 
 def _qlinear_layers(g: QLinearGraph, spec: ModelSpec, ts: Sequence[np.ndarray],
                     shifts: Sequence[int]) -> str:
-    """The layers at s <= 8 (``QLinearGraph``); returns the int8 logits' name."""
-    act = g.input(INPUT)
+    """The layers at s <= 8 (``QLinearGraph``); returns the int8 logits' name
+    (:data:`LOGITS`)."""
     layers = spec.layers
+    act = g.input(INPUT, spec.input_shape[0] if isinstance(layers[0], Conv2d) else None)
     p = 0
     i = 0
     while i < len(layers):
@@ -341,7 +341,7 @@ def _qlinear_layers(g: QLinearGraph, spec: ModelSpec, ts: Sequence[np.ndarray],
         else:  # pragma: no cover - the spec module has no other layer kinds
             raise SpecError(f"{spec.name}: cannot export layer {layer!r}")
         i += 1
-    return g.int8_values(act)
+    return g.int8_values(act, LOGITS)
 
 
 def _widened_layers(g: IntegerGraph, spec: ModelSpec, ts: Sequence[np.ndarray],
@@ -444,6 +444,9 @@ def exported_ternary(model: onnx.ModelProto, info: ExportInfo) -> list[np.ndarra
         a = numpy_helper.to_array(t)
         if isinstance(layer, Conv2d):  # uint8 t + 1 (ConvInteger) or int8 t (QLinearConv)
             a = a.astype(np.int16) - (1 if a.dtype == np.uint8 else 0)
+            c = layer.weight_shape[1]  # a padded image input's channels have zero weights
+            if a.ndim == 4 and a.shape[1] > c and not np.any(a[:, c:]):
+                a = a[:, :c]
         else:
             a = a.T.astype(np.int16)
         if tuple(a.shape) != tuple(layer.weight_shape) or (a.size and np.abs(a).max() > 1):

@@ -144,6 +144,40 @@ def test_signed_activations_strided_convs_and_a_lone_relu_stay_bit_exact(bits: i
     assert (ref < 0).any() and np.unique(ref).size > 10
 
 
+@pytest.mark.parametrize("name,channels", [("digits_cnn", 1), ("fedshift_cnn", 3),
+                                           ("odd_orders", 2)])
+def test_the_first_convs_image_channels_are_padded_to_four_and_read_back(name: str,
+                                                                        channels: int) -> None:
+    """At Int<=8 the image's channels are padded to 4 with zeros (a Pad on the int8 input)
+    and the first conv gets zero weights for them; the weights read back from the graph
+    are the engine's, and padding with non-zero weights is not read back as ternary."""
+    from firmware_models.onnx_export import describe, exported_ternary
+    from onnx import numpy_helper
+
+    spec = ODD_SPEC if name == "odd_orders" else get_spec(name)
+    assert spec.input_shape[0] == channels
+    m = IntModel(spec, 8)
+    m.load_int(init_int(spec, 5, 8))
+    graph = int_model_onnx(m)
+    assert "Pad" in {n.op_type for n in graph.graph.node}
+    inits = {t.name: t for t in graph.graph.initializer}
+    w = numpy_helper.to_array(inits["conv1.w"]).copy()
+    assert w.shape[1] == 4 and not w[:, channels:].any()
+    np.testing.assert_array_equal(w[:, :channels], ternary_weights(m)[0])
+    info = describe(graph)
+    for got, want in zip(exported_ternary(graph, info), ternary_weights(m), strict=True):
+        np.testing.assert_array_equal(got, want)
+    w[:, channels:] = 1  # a weight on a padded channel: not the spec's layer any more
+    inits["conv1.w"].CopyFrom(numpy_helper.from_array(w, "conv1.w"))
+    with pytest.raises(SpecError, match="conv1.w are not ternary"):
+        exported_ternary(graph, info)
+    # Int16 keeps the spec's channels (its int32 graph has no such padding)
+    m16 = IntModel(spec, 16)
+    m16.load_int(init_int(spec, 5, 16))
+    g16 = int_model_onnx(m16)
+    assert {t.name: t for t in g16.graph.initializer}["conv1.w"].dims[1] == channels
+
+
 @pytest.mark.parametrize("name", ["digits_cnn", "fedshift_cnn", "mlp"])
 def test_float_export_matches_the_float_forward(name: str) -> None:
     import torch
