@@ -42,6 +42,7 @@ from edge_client.intnn.kernels.vnni_intrinsics import (  # noqa: F401 (re-export
     DISABLE_ENV,
     VEC,
     _dot_block,
+    _finish16,
     _interleave4_dot,
     _outer_block,
     _target_has_vnni,
@@ -49,6 +50,8 @@ from edge_client.intnn.kernels.vnni_intrinsics import (  # noqa: F401 (re-export
 )
 
 U = np.uint64
+#: positions of the first conv's plane weight gradient a chunk (its errors and planes in L1)
+PLANE_CHUNK = 3072
 
 
 @njit(cache=True, nogil=True)
@@ -81,8 +84,10 @@ def pad_rows(tb, tp, corr):
 @njit(cache=True, nogil=True)
 def conv_weight_grad_plane_vnni(eqp, plane, offs, n_pos, g_out, r0, r1):
     """:func:`~.conv_backward.conv_weight_grad_plane` (same arguments, same G and max |G|)
-    with vpdpbusd: two weight rows x four output channels per pass over the positions,
-    the last n_pos % 64 positions in plain integers."""
+    with vpdpbusd: two weight rows x four output channels a pass, over the positions in
+    chunks of :data:`PLANE_CHUNK` (a chunk's errors and planes stay in L1 while every row
+    and channel passes over it; whole passes stream them from L2 again and again); the
+    last n_pos % 64 positions in plain integers."""
     n_out = g_out.shape[3]
     g2 = g_out.reshape(-1, n_out)
     pf = plane.reshape(-1)
@@ -96,25 +101,32 @@ def conv_weight_grad_plane_vnni(eqp, plane, offs, n_pos, g_out, r0, r1):
         for q in range(tail):
             s = np.int32(s + np.int32(ef[U(o * le + q)]))
         corr[o] = np.int32(s * 128)
+    for r in range(r0, r1):
+        for o in range(n_out):
+            g2[r, o] = -corr[o]
     last = n_out - 1
-    for o in range(0, n_out, 4):
-        # four output channels a pass (the last pass repeats the last channel when fewer)
-        oc = (o, min(o + 1, last), min(o + 2, last), min(o + 3, last))
-        eo = (oc[0] * le, oc[1] * le, oc[2] * le, oc[3] * le)
-        for r in range(r0, r1, 2):
-            rb = min(r + 1, r1 - 1)
-            pa = offs[r]
-            pb = offs[rb]
-            s = _dot_block(pf, (pa, pb), ef, eo, n64)
-            for j in range(4):
-                a = np.int32(s[j] - corr[oc[j]])
-                b = np.int32(s[4 + j] - corr[oc[j]])
-                for q in range(tail, n_pos):
-                    x = np.int32(ef[U(eo[j] + q)])
-                    a = np.int32(a + np.int32(pf[U(pa + q)]) * x)
-                    b = np.int32(b + np.int32(pf[U(pb + q)]) * x)
-                g2[r, oc[j]] = a
-                g2[rb, oc[j]] = b
+    for c0 in range(0, tail, PLANE_CHUNK):
+        nc = min(PLANE_CHUNK, tail - c0) // VEC
+        for o in range(0, n_out, 4):
+            # four output channels a pass (the last pass repeats the last channel when
+            # fewer: its repeats are not added)
+            oc = (o, min(o + 1, last), min(o + 2, last), min(o + 3, last))
+            eo = (oc[0] * le + c0, oc[1] * le + c0, oc[2] * le + c0, oc[3] * le + c0)
+            n_oc = min(4, n_out - o)
+            for r in range(r0, r1, 2):
+                rb = min(r + 1, r1 - 1)
+                s = _dot_block(pf, (offs[r] + c0, offs[rb] + c0), ef, eo, nc)
+                for j in range(n_oc):
+                    g2[r, oc[j]] = np.int32(g2[r, oc[j]] + s[j])
+                    if rb != r:
+                        g2[rb, oc[j]] = np.int32(g2[rb, oc[j]] + s[4 + j])
+    for r in range(r0, r1):
+        pa = offs[r]
+        for o in range(n_out):
+            a = g2[r, o]
+            for q in range(tail, n_pos):
+                a = np.int32(a + np.int32(pf[U(pa + q)]) * np.int32(ef[U(o * le + q)]))
+            g2[r, o] = a
     gmax = np.int64(0)
     for r in range(r0, r1):
         for o in range(n_out):
@@ -125,14 +137,36 @@ def conv_weight_grad_plane_vnni(eqp, plane, offs, n_pos, g_out, r0, r1):
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _pixel_base(p, p_last, n_pix, w_out, hp, wpp, c_in, stride):
-    """Offset in the padded input of output pixel p's patch (p clamped to p_last)."""
-    p = min(p, p_last)
-    n = p // n_pix
-    rem = p - n * n_pix
-    y = rem // w_out
-    x = rem - y * w_out
-    return ((n * hp + y * stride) * wpp + x * stride) * c_in
+def _finish_fast(src, s0, dst, d0, m, shift, amax, relu):
+    """:func:`~.conv_forward._finish_run` (same values) for int8 ``dst``, sixteen at a time
+    in int32 lanes (:func:`_finish16`) where the rounding fits int32, the rest as it does."""
+    lo = 0 if relu else -amax
+    done = 0
+    if 0 < shift <= 22 and (np.int64(amax + 1) << shift) + (np.int64(1) << shift) < 2 ** 31:
+        lim = (amax + 1) << shift
+        done = m - m % 16
+        for j in range(0, done, 16):
+            _finish16(src, s0 + j, dst, d0 + j, shift, lim, amax, lo)
+    if done < m:
+        _finish_run(src, s0 + done, dst, d0 + done, m - done, shift, amax, relu)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _next_pixel(cur, move, w_out, h_out, step_x, step_y, step_n):
+    """The scan-order successor of an output pixel ``cur`` = (x, y, its row's patch offset,
+    its patch offset) in the padded input (``move`` False: ``cur`` itself)."""
+    x, y, row, base = cur
+    if not move:
+        return cur
+    x += 1
+    if x < w_out:
+        return (x, y, row, base + step_x)
+    y += 1
+    row += step_y
+    if y == h_out:
+        y = 0
+        row += step_n
+    return (0, y, row, row)
 
 
 @njit(cache=True, nogil=True)
@@ -166,14 +200,25 @@ def conv_forward_vnni(a, tp, corr, k, stride, pad, shift, amax, relu, out, a_pad
     n_pix = h_out * w_out
     p_last = n1 * n_pix - 1
     o64 = n_op - n_op % 64
+    step_x = stride * c_in
+    step_y = stride * row_bytes
+    step_n = (hp - h_out * stride) * row_bytes
+    # the pixels' patch offsets advance in scan order (no division per pixel); a last
+    # group past m repeats the last pixel (not written)
+    cur = (0, 0, n0 * hp * row_bytes, n0 * hp * row_bytes)  # x, y, row's base, pixel's base
     for p0 in range(n0 * n_pix, p_last + 1, block):
         m = min(p_last + 1, p0 + block) - p0
-        for j in range(0, m, 4):  # a last group past m repeats the last pixel: not written
+        for j in range(0, m, 4):
             q = p0 + j
-            rows = (_pixel_base(q, p_last, n_pix, w_out, hp, wpp, c_in, stride),
-                    _pixel_base(q + 1, p_last, n_pix, w_out, hp, wpp, c_in, stride),
-                    _pixel_base(q + 2, p_last, n_pix, w_out, hp, wpp, c_in, stride),
-                    _pixel_base(q + 3, p_last, n_pix, w_out, hp, wpp, c_in, stride))
+            b0 = cur[3]
+            cur = _next_pixel(cur, q < p_last, w_out, h_out, step_x, step_y, step_n)
+            b1 = cur[3]
+            cur = _next_pixel(cur, q + 1 < p_last, w_out, h_out, step_x, step_y, step_n)
+            b2 = cur[3]
+            cur = _next_pixel(cur, q + 2 < p_last, w_out, h_out, step_x, step_y, step_n)
+            b3 = cur[3]
+            cur = _next_pixel(cur, q + 3 < p_last, w_out, h_out, step_x, step_y, step_n)
+            rows = (b0, b1, b2, b3)
             dst = (j * n_op, (j + 1) * n_op, (j + 2) * n_op, (j + 3) * n_op)
             for o in range(0, o64, 64):
                 _outer_block(pf, rows, k * ng, tf, n_op * 4, (o, o + 16, o + 32, o + 48), corr,
@@ -185,8 +230,11 @@ def conv_forward_vnni(a, tp, corr, k, stride, pad, shift, amax, relu, out, a_pad
                 o += 32
             if o < n_op:
                 _outer_block(pf, rows, k * ng, tf, n_op * 4, (o,), corr, acc, dst, ng, jump)
-        for j in range(m):
-            _finish_run(acc, j * n_op, of, (p0 + j) * n_out, n_out, shift, amax, relu)
+        if n_op == n_out:  # the block's sums are its outputs' NHWC run: one pass
+            _finish_fast(acc, 0, of, p0 * n_out, m * n_out, shift, amax, relu)
+        else:
+            for j in range(m):
+                _finish_fast(acc, j * n_op, of, (p0 + j) * n_out, n_out, shift, amax, relu)
 
 
 @njit(cache=True, nogil=True)

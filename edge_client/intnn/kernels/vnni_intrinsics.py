@@ -9,7 +9,9 @@ here write their loops in LLVM IR around ``llvm.x86.avx512.vpdpbusd.512``:
 - :func:`_outer_block`: four bytes of a row broadcast x a packed operand, into 16 output
   lanes per instruction (no reduction), optionally in segments (a conv patch's kernel rows
   read out of the padded input);
-- :func:`_interleave4_dot`: four rows' bytes interleaved against four packed int8 values.
+- :func:`_interleave4_dot`: four rows' bytes interleaved against four packed int8 values;
+- :func:`_finish16`: sixteen int32 sums rounded, clipped and narrowed to int8 in int32
+  lanes (Numba types the generic finishing loop in int64: half the lanes).
 
 The unsigned operand is the activation side with its sign bit flipped (``a ^ 0x80 =
 a + 128`` in [0, 255] for every int8 ``a``); the caller subtracts ``128 * sum(other
@@ -309,6 +311,63 @@ def _interleave4_dot(typingctx, g, g_off, a, a_offs, packed_e, chunks):
         c.add_incoming(c_next, builder.block)
         builder.cbranch(builder.icmp_signed("<", c_next, n), loop, done)
         builder.position_at_end(done)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def _finish16(typingctx, src, s0, dst, d0, shift, lim, amax, lo):  # pragma: no cover
+    """dst[d0 + l] = clip(round_shift(src[s0 + l], shift), lo, amax) for l < 16 in int32
+    lanes (int32 ``src``, int8 ``dst``): ``v`` clamped to +-``lim`` first (``lim`` =
+    (amax + 1) << shift: no result changes, and |v| + 2^(shift-1) stays in int32; the
+    caller checks that it fits), then half away from zero as the engine rounds. Plain
+    vector IR: no VNNI needed, used by the VNNI forward's finishing step."""
+    if not (isinstance(src, types.Array) and isinstance(dst, types.Array)
+            and src.dtype == types.int32 and dst.dtype == types.int8):
+        return None
+    sig = types.none(src, s0, dst, d0, shift, lim, amax, lo)
+
+    def codegen(context, builder, signature, args):
+        src_, s0_, dst_, d0_, shift_, lim_, amax_, lo_ = args
+        i32 = ir.IntType(32)
+        i64 = ir.IntType(64)
+        v16 = ir.VectorType(i32, 16)
+        v16b = ir.VectorType(ir.IntType(8), 16)
+
+        def arg32(k, v):
+            return builder.trunc(v, i32) if v.type.width > 32 else builder.sext(v, i32) \
+                if v.type.width < 32 else v
+
+        def splat(v):
+            vec = builder.insert_element(ir.Constant(v16, ir.Undefined), v, ir.Constant(i32, 0))
+            return builder.shuffle_vector(vec, ir.Constant(v16, ir.Undefined),
+                                          ir.Constant(v16, [0] * 16))
+
+        def as_i64(v):
+            return builder.sext(v, i64) if v.type.width < 64 else v
+
+        sh = arg32(4, shift_)
+        lim = splat(arg32(5, lim_))
+        nlim = builder.neg(lim)
+        hi = splat(arg32(6, amax_))
+        low = splat(arg32(7, lo_))
+        half = splat(builder.shl(ir.Constant(i32, 1), builder.sub(sh, ir.Constant(i32, 1))))
+        shv = splat(sh)
+        zero = ir.Constant(v16, None)
+        sp = builder.gep(context.make_array(signature.args[0])(context, builder, src_).data,
+                         [as_i64(s0_)])
+        dp = builder.gep(context.make_array(signature.args[2])(context, builder, dst_).data,
+                         [as_i64(d0_)])
+        v = builder.load(builder.bitcast(sp, v16.as_pointer()), align=4)
+        v = builder.select(builder.icmp_signed(">", v, lim), lim, v)
+        v = builder.select(builder.icmp_signed("<", v, nlim), nlim, v)
+        neg = builder.icmp_signed("<", v, zero)
+        r = builder.ashr(builder.add(builder.select(neg, builder.neg(v), v), half), shv)
+        r = builder.select(neg, builder.neg(r), r)
+        r = builder.select(builder.icmp_signed(">", r, hi), hi, r)
+        r = builder.select(builder.icmp_signed("<", r, low), low, r)
+        builder.store(builder.trunc(r, v16b), builder.bitcast(dp, v16b.as_pointer()), align=1)
         return context.get_dummy_value()
 
     return sig, codegen
