@@ -181,7 +181,7 @@ def report_l1(run: Run, split: int, params: dict, label: str, extra: dict | None
     return deq, version
 
 
-def time_epoch(run: Run, split: int, params: dict) -> None:
+def time_epoch(run: Run, split: int, params: dict, reps: int) -> None:
     from coordinator.strategies.dequantizer.slicetrain import train_slices
 
     deq, version, _ = train_and_judge(run, split, params | {"epochs": 0})
@@ -189,7 +189,7 @@ def time_epoch(run: Run, split: int, params: dict) -> None:
 
     train, _ = _slice_split([RoundData(r, run.globals_[r], list(run.floats[r])) for r in range(split + 1)])
     best = float("inf")
-    for rep in range(2):
+    for rep in range(reps):
         st = train_slices(version.net, deq.cfg, deq._layout, train, deq._distillation(), seed=rep, epochs=1)
         best = min(best, st.seconds)
     emit(f"{MODEL} {len(train)} pairs, the preset's config", "epoch_s", best, "s",
@@ -286,11 +286,11 @@ def main() -> None:
         rounds, n_float, n_int, steps, per_device = 9, 4, 2, 100, 3000
     split = rounds * 2 // 3 - 1  # train on [0, split), gates on round split, figures after
     run = federated_run(rounds, n_float, n_int, steps, per_device)
-    base = preset_params() | ({"epochs": 1, "max_train_blocks": 1024} if args.quick else {})
+    base = preset_params() | ({"epochs": 1, "max_train_blocks": 256} if args.quick else {})
     deq, version = report_l1(run, split, base, "preset (context=global)", ints=True)
     if not args.quick:
         report_l1(run, split, base | {"context": "update"}, "paper's form (context=update)", ints=True)
-    time_epoch(run, split, base)
+    time_epoch(run, split, base, 1 if args.quick else 2)
     time_apply(deq, version, run, 5 if args.quick else 15)
     if args.sweep:
         sweep(run, split, base)
