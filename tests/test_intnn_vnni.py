@@ -31,6 +31,33 @@ def ternary(rng, shape, p_zero=0.4) -> np.ndarray:
 
 
 @needs_vnni
+@pytest.mark.parametrize("shift", [1, 2, 5, 9, 16, 22, 23])
+def test_the_int32_lane_finish_equals_the_generic_one(shift):
+    """_finish_fast (sixteen int32 lanes, |v| clamped first) against _finish_run (int64)
+    on ties of both signs, the clamp's edges, int32's extremes, runs not a multiple of 16
+    and offsets into both arrays, with and without ReLU, Int8 and Int6 clips."""
+    from edge_client.intnn.kernels.conv_forward import _finish_run as generic
+
+    finish = V._finish_fast
+    rng = np.random.default_rng(shift)
+    for amax in (127, 31):
+        lim = (amax + 1) << shift
+        half = 1 << (shift - 1)
+        edges = [0, 1, -1, half, -half, half - 1, -(half - 1), 3 * half, -3 * half,
+                 lim - 1, lim, lim + 1, -lim + 1, -lim, -lim - 1, lim - half, -(lim - half),
+                 2 ** 31 - 1, -2 ** 31, 2 ** 31 - half, -2 ** 31 + half]
+        src = np.concatenate([np.array(edges, np.int64),
+                              rng.integers(-2 * lim, 2 * lim, 400)]).astype(np.int32)
+        for relu in (True, False):
+            for s0, d0, m in ((0, 0, src.size), (3, 5, src.size - 7), (1, 0, 16), (2, 1, 15)):
+                want = np.full(src.size + 8, 77, np.int8)
+                got = want.copy()
+                generic(src, s0, want, d0, m, shift, amax, relu)
+                finish(src, s0, got, d0, m, shift, amax, relu)
+                assert np.array_equal(got, want), (amax, relu, s0, d0, m)
+
+
+@needs_vnni
 @pytest.mark.parametrize("case", range(12))
 def test_the_vnni_conv_forward_equals_the_generic_one(case):
     rng = np.random.default_rng(case)
@@ -58,7 +85,8 @@ def test_the_vnni_conv_forward_equals_the_generic_one(case):
     assert np.array_equal(rows[:o, :, :k * c], tb.reshape(o, k, k * c))
     assert not rows[o:].any() and not rows[:, :, k * c:].any()
     assert np.array_equal(corr[:o], 128 * tb.reshape(o, -1).sum(1)) and not corr[o:].any()
-    for shift, relu in ((int(rng.integers(1, 9)), True), (0, False), (-1, False)):
+    for shift, relu in ((int(rng.integers(1, 9)), True), (int(rng.integers(1, 9)), False),
+                        (0, False), (-1, False)):
         ref = np.zeros((n, h_out, w_out, o), np.int8)
         K.conv_forward(a, t_kkco, stride, pad, shift, amax, relu, ref, np.zeros(o, np.int32))
         for block in (4, 8, 64):
