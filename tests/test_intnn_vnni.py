@@ -162,7 +162,7 @@ def test_the_vnni_error_driven_conv_gradient_equals_the_generic_one(case):
     rng = np.random.default_rng(300 + case)
     n = int(rng.integers(1, 6))
     c = int(rng.choice([4, 11, 16, 32]))
-    o = int(rng.choice([1, 5, 16]))
+    o = int(rng.choice([1, 5, 16, 70]))  # 70: two blocks of channel masks
     k = int(rng.choice([3, 5]))  # K*C from 12 to 160: whole 16-byte chunks and tails
     stride = int(rng.choice([1, 2]))
     pad = int(rng.integers(0, k))
@@ -185,11 +185,19 @@ def test_the_vnni_error_driven_conv_gradient_equals_the_generic_one(case):
             dense[kh, kw] = np.einsum("nyxc,nyxo->co", win.astype(np.int64),
                                       eq.astype(np.int64))
     assert np.array_equal(ref, dense)
-    got = np.full_like(ref, 4)
-    gt = np.full((o, k * k * c), 6, np.int32)
-    gmax = max(V.conv_weight_grad_sparse_vnni(eq, a_pad, stride, got, gt, *scratch, lo, hi)
-               for lo, hi in ((0, o // 2), (o // 2, o)))
-    assert np.array_equal(got, ref) and gmax == gmax_ref
+    # the VNNI form's buckets: from the least scratch it takes (chunks of 5 pixels) up
+    for size in (8 * min(64, o), int(rng.integers(8 * min(64, o), 40 * min(64, o))),
+                 min(64, o) * (V.SPARSE_CHUNK + 4)):
+        for parts in (((0, o),), ((0, o // 2), (o // 2, o))):  # one call; two threads'
+            buckets = [np.full(size, 7, np.int32) for _ in range(2)]
+            got = np.full_like(ref, 4)
+            gt = np.full((o, k * k * c), 6, np.int32)
+            gmax = max(V.conv_weight_grad_sparse_vnni(eq, a_pad, stride, got, gt, *buckets,
+                                                      lo, hi) for lo, hi in parts)
+            assert np.array_equal(got, ref) and gmax == gmax_ref, (size, parts)
+    with pytest.raises(ValueError, match="under 8 per channel"):
+        V.conv_weight_grad_sparse_vnni(eq, a_pad, stride, got, gt, np.zeros(7, np.int32),
+                                       np.zeros(7, np.int32), 0, 1)
 
 
 @needs_vnni

@@ -163,6 +163,9 @@ def build_workspace(model: IntModel, capacity: int, train: bool) -> Workspace:
             arrays.update(conv_shared)
             # error lists of the sparse gradient (per channel) and backward-data (per pixel)
             nz = max(nz, n * op.out_shape[0] * op.out_shape[1] + 4, op.out_shape[2] + 4)
+            if train and op.grad_mode == "sparse" and K.VNNI and model.amax <= 127:
+                # the VNNI form lists up to 64 channels' errors a chunk of pixels at a time
+                nz = max(nz, min(64, op.out_shape[2]) * (K.vnni.SPARSE_CHUNK + 4))
         elif op.kind == "linear":
             n_out = op.out_shape[0]
             scratch = {"lacc": np.zeros(n_out, np.int32),

@@ -32,7 +32,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from edge_client.intnn.kernels.conv_backward import _add_four_patches, _gt_out, _list_errors
+from edge_client.intnn.kernels.conv_backward import _add_four_patches, _gt_out
 from edge_client.intnn.kernels.conv_forward import _finish_run
 from edge_client.intnn.kernels.layout import _pad_nhwc, _to_plane
 from edge_client.intnn.kernels.rng import _GOLDEN
@@ -44,6 +44,9 @@ from edge_client.intnn.kernels.vnni_intrinsics import (  # noqa: F401 (re-export
     _dot_block,
     _finish16,
     _interleave4_dot,
+    _interleave4_rows,
+    _lowest_bit,
+    _nonzero_mask,
     _outer_block,
     _target_has_vnni,
     padded,
@@ -52,6 +55,9 @@ from edge_client.intnn.kernels.vnni_intrinsics import (  # noqa: F401 (re-export
 U = np.uint64
 #: positions of the first conv's plane weight gradient a chunk (its errors and planes in L1)
 PLANE_CHUNK = 3072
+#: pixels whose non-zero errors the sparse conv gradient lists at a time (the workspace
+#: sizes its pi/pv scratch for it)
+SPARSE_CHUNK = 2048
 
 
 @njit(cache=True, nogil=True)
@@ -391,13 +397,36 @@ def linear_update_vnni(eq, a, a_t, ep, w, t, sh, wmax, thr, key, rows, f0, f1):
                          key + (fb + 1) * _GOLDEN, rows * _GOLDEN)
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _rows_dot(gf, d, apf, pi, pv, q0, q1, row_off, n):
+    """gf[d + j] += sum_q (apf[pi[q] + row_off + j] ^ 0x80) * pv[q] for j < n (a multiple
+    of 16), q0 <= q < q1: :func:`_interleave4_rows` on 8, 4, 2 and 1 chunks of 16."""
+    c = 0
+    while c + 128 <= n:
+        _interleave4_rows(gf, d, apf, pi, pv, q0, q1, row_off,
+                          (c, c + 16, c + 32, c + 48, c + 64, c + 80, c + 96, c + 112))
+        c += 128
+    if c + 64 <= n:
+        _interleave4_rows(gf, d, apf, pi, pv, q0, q1, row_off, (c, c + 16, c + 32, c + 48))
+        c += 64
+    if c + 32 <= n:
+        _interleave4_rows(gf, d, apf, pi, pv, q0, q1, row_off, (c, c + 16))
+        c += 32
+    if c + 16 <= n:
+        _interleave4_rows(gf, d, apf, pi, pv, q0, q1, row_off, (c,))
+
+
 @njit(cache=True, nogil=True)
 def conv_weight_grad_sparse_vnni(eq, a_pad, stride, g_out, gt, pi, pv, o0, o1):
     """:func:`~.conv_backward.conv_weight_grad_sparse` (same arguments and results, an
-    int32 ``gt``) with vpdpbusd: each pass's four non-zero errors, packed in one int32,
-    against their four patches' bytes interleaved (:func:`_interleave4_dot`), 16
-    gradient elements an instruction; the last K*C % 16 of a patch row in plain
-    integers. Returns max |G| of channels o0 <= o < o1."""
+    int32 ``gt``; pi/pv int32 scratch of at least 8 x min(64, o1 - o0), best
+    :data:`SPARSE_CHUNK` + 4 times that) with vpdpbusd: each pass's four non-zero errors,
+    packed in one int32, against their four patches' bytes interleaved
+    (:func:`_interleave4_dot`), 16 gradient elements an instruction; the last K*C % 16 of
+    a patch row in plain integers. The errors are listed in one pass over ``eq`` for up to
+    64 channels at once (a pixel's non-zero channels as a bit mask, into per-channel
+    buckets of pi/pv), a chunk of pixels at a time. Returns max |G| of channels
+    o0 <= o < o1."""
     k = g_out.shape[0]
     c_in = g_out.shape[2]
     n_out = g_out.shape[3]
@@ -415,31 +444,65 @@ def conv_weight_grad_sparse_vnni(eq, a_pad, stride, g_out, gt, pi, pv, o0, o1):
     apf = a_pad.reshape(-1)
     ef = eq.reshape(-1)
     gf = gt.reshape(-1)
-    for o in range(o0, o1):
-        go = o * r_len
-        for r in range(r_len):
-            gf[U(go + r)] = 0
-        # esum: the flip's correction is 128 x the channel's error sum
-        cnt, esum = _list_errors(ef, o, n_out, n_s, h_out, w_out, hp, rowstep, stride, c_in,
-                                 pi, pv)
-        for j in range(0, cnt, 4):
-            e1 = np.int64(pv[j])
-            e2 = np.int64(pv[j + 1])
-            e3 = np.int64(pv[j + 2])
-            e4 = np.int64(pv[j + 3])
-            packed = np.int32(np.uint32((e1 & 0xFF) | ((e2 & 0xFF) << 8) | ((e3 & 0xFF) << 16)
-                                        | ((e4 & 0xFF) << 24)))
+    n_pos = n_s * h_out * w_out
+    for ob in range(o0, o1, 64):
+        nb = min(64, o1 - ob)
+        cap = pi.size // nb // 4 * 4  # a channel's bucket: a chunk's errors + 3 zero terms
+        if cap < 8:
+            raise ValueError("conv_weight_grad_sparse_vnni: pi/pv hold under 8 per channel")
+        chunk = cap - 3
+        fill = np.zeros(nb, np.int64)
+        esum = np.zeros(nb, np.int64)
+        for r in range(ob * r_len, (ob + nb) * r_len):
+            gf[U(r)] = 0
+        x = 0
+        y = 0
+        row = 0  # the patch offset of output row (n, y)'s first pixel in a_pad
+        for p0 in range(0, n_pos, chunk):
+            fill[:] = 0
+            for p in range(p0, min(n_pos, p0 + chunk)):
+                base = row + x * stride * c_in
+                mask = _nonzero_mask(ef, p * n_out + ob, nb)
+                while mask != 0:
+                    j = _lowest_bit(mask)
+                    mask &= mask - np.uint64(1)
+                    e = ef[U(p * n_out + ob + j)]
+                    q = j * cap + fill[j]
+                    pi[q] = base
+                    pv[q] = e
+                    fill[j] += 1
+                    esum[j] += e
+                x += 1
+                if x == w_out:
+                    x = 0
+                    y += 1
+                    row += stride * rowstep
+                    if y == h_out:
+                        y = 0
+                        row += (hp - h_out * stride) * rowstep
+            for j in range(nb):
+                q0 = j * cap
+                cnt = fill[j]
+                while cnt & 3:  # zero terms up to a multiple of four
+                    pi[q0 + cnt] = 0
+                    pv[q0 + cnt] = 0
+                    cnt += 1
+                go = (ob + j) * r_len
+                for kh in range(k):
+                    _rows_dot(gf, go + kh * kc, apf, pi, pv, q0, q0 + cnt, kh * rowstep, tail)
+                if tail < kc:  # the last K*C % 16 of each patch row
+                    for q in range(q0, q0 + cnt, 4):
+                        for kh in range(k):
+                            _add_four_patches(gf, go + kh * kc, apf, pi[q] + kh * rowstep,
+                                              pi[q + 1] + kh * rowstep,
+                                              pi[q + 2] + kh * rowstep,
+                                              pi[q + 3] + kh * rowstep, np.int64(pv[q]),
+                                              np.int64(pv[q + 1]), np.int64(pv[q + 2]),
+                                              np.int64(pv[q + 3]), tail, kc)
+        for j in range(nb):  # the flip's correction: 128 x the channel's error sum
+            corr = np.int32(esum[j] * 128)
             for kh in range(k):
-                s1 = pi[j] + kh * rowstep
-                s2 = pi[j + 1] + kh * rowstep
-                s3 = pi[j + 2] + kh * rowstep
-                s4 = pi[j + 3] + kh * rowstep
-                d = go + kh * kc
-                _interleave4_dot(gf, d, apf, (s1, s2, s3, s4), packed, chunks)
-                _add_four_patches(gf, d, apf, s1, s2, s3, s4, e1, e2, e3, e4, tail, kc)
-        corr = np.int32(esum * 128)
-        for kh in range(k):
-            d = go + kh * kc
-            for jj in range(tail):
-                gf[U(d + jj)] = np.int32(gf[U(d + jj)] - corr)
+                d = (ob + j) * r_len + kh * kc
+                for jj in range(tail):
+                    gf[U(d + jj)] = np.int32(gf[U(d + jj)] - corr)
     return _gt_out(gt, g2, o0, o1)

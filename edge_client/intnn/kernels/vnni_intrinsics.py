@@ -9,9 +9,13 @@ here write their loops in LLVM IR around ``llvm.x86.avx512.vpdpbusd.512``:
 - :func:`_outer_block`: four bytes of a row broadcast x a packed operand, into 16 output
   lanes per instruction (no reduction), optionally in segments (a conv patch's kernel rows
   read out of the padded input);
-- :func:`_interleave4_dot`: four rows' bytes interleaved against four packed int8 values;
+- :func:`_interleave4_dot`: four rows' bytes interleaved against four packed int8 values,
+  and :func:`_interleave4_rows` the same over a whole list of such fours, its sums in
+  registers;
 - :func:`_finish16`: sixteen int32 sums rounded, clipped and narrowed to int8 in int32
-  lanes (Numba types the generic finishing loop in int64: half the lanes).
+  lanes (Numba types the generic finishing loop in int64: half the lanes);
+- :func:`_nonzero_mask` and :func:`_lowest_bit`: which of 64 bytes are not zero, and the
+  set bits of that mask one by one (the sparse gradient's error lists).
 
 The unsigned operand is the activation side with its sign bit flipped (``a ^ 0x80 =
 a + 128`` in [0, 255] for every int8 ``a``); the caller subtracts ``128 * sum(other
@@ -317,6 +321,110 @@ def _interleave4_dot(typingctx, g, g_off, a, a_offs, packed_e, chunks):
 
 
 @intrinsic
+def _interleave4_rows(typingctx, g, g_off, a, pi, pv, q0, q1, row_off, c_offs):
+    # pragma: no cover (compiled)
+    """For every chunk offset c of the UniTuple ``c_offs`` and l < 16:
+    g[g_off + c + l] += sum over q0 <= q < q1 of (a[pi[q] + row_off + c + l] ^ 0x80) * pv[q]
+    (g int32, a int8 flat; pi, pv int32: patch offsets and int8 error values, q1 - q0 a
+    multiple of four): :func:`_interleave4_dot` over a channel's whole error list at once,
+    its 16 x len(c_offs) sums held in registers across the list (no load and store of g
+    per instruction). The caller subtracts 128 * sum(pv) per lane."""
+    if not (isinstance(g, types.Array) and isinstance(a, types.Array)
+            and isinstance(pi, types.Array) and isinstance(pv, types.Array)
+            and g.dtype == types.int32 and a.dtype == types.int8
+            and pi.dtype == types.int32 and pv.dtype == types.int32
+            and isinstance(c_offs, types.UniTuple)):
+        return None
+    nc = c_offs.count
+    sig = types.none(g, g_off, a, pi, pv, q0, q1, row_off, c_offs)
+
+    def codegen(context, builder, signature, args):
+        g_, go_, a_, pi_, pv_, q0_, q1_, ro_, co_ = args
+        i64 = ir.IntType(64)
+        i32 = ir.IntType(32)
+        i8p = ir.IntType(8).as_pointer()
+        v16b = ir.VectorType(ir.IntType(8), 16)
+        v64b = ir.VectorType(ir.IntType(8), VEC)
+        v16 = ir.VectorType(i32, 16)
+
+        def as_i64(v):
+            return builder.sext(v, i64) if v.type.width < 64 else v
+
+        def data(k, v, ty):
+            return builder.bitcast(context.make_array(signature.args[k])(
+                context, builder, v).data, ty)
+
+        g_base, a_base = data(0, g_, i8p), data(2, a_, i8p)
+        pi_base, pv_base = data(3, pi_, i32.as_pointer()), data(4, pv_, i32.as_pointer())
+        c_offs_v = [as_i64(builder.extract_value(co_, i)) for i in range(nc)]
+        row_off = as_i64(ro_)
+        q_end = as_i64(q1_)
+        dp = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(v16, [v16, v16, v16]), "llvm.x86.avx512.vpdpbusd.512")
+        flip = ir.Constant(v64b, [0x80] * VEC)
+        pair_mask = ir.Constant(ir.VectorType(i32, 32), list(range(32)))
+        join_mask = ir.Constant(ir.VectorType(i32, VEC), list(range(VEC)))
+        inter_mask = ir.Constant(ir.VectorType(i32, VEC),
+                                 [16 * i + lane for lane in range(16) for i in range(4)])
+        zero = ir.Constant(v16, None)
+        pre = builder.block
+        loop = builder.append_basic_block("il4r.loop")
+        done = builder.append_basic_block("il4r.done")
+        q_start = as_i64(q0_)
+        builder.cbranch(builder.icmp_signed("<", q_start, q_end), loop, done)
+        builder.position_at_end(loop)
+        q = builder.phi(i64)
+        q.add_incoming(q_start, pre)
+        accs = []
+        for _ in range(nc):
+            p = builder.phi(v16)
+            p.add_incoming(zero, pre)
+            accs.append(p)
+        word = ir.Constant(i32, 0)
+        offs = []
+        for i in range(4):
+            qi = builder.add(q, ir.Constant(i64, i))
+            offs.append(builder.add(as_i64(builder.load(builder.gep(pi_base, [qi]))), row_off))
+            e = builder.and_(builder.load(builder.gep(pv_base, [qi])), ir.Constant(i32, 0xFF))
+            word = builder.or_(word, builder.shl(e, ir.Constant(i32, 8 * i)))
+        e_vec = builder.shuffle_vector(
+            builder.insert_element(ir.Constant(v16, ir.Undefined), word, ir.Constant(i32, 0)),
+            ir.Constant(v16, ir.Undefined), ir.Constant(v16, [0] * 16))
+        new = []
+        for acc, co in zip(accs, c_offs_v):
+            rows = [builder.load(builder.bitcast(builder.gep(a_base, [builder.add(o, co)]),
+                                                 v16b.as_pointer()), align=1) for o in offs]
+            both = builder.shuffle_vector(builder.shuffle_vector(rows[0], rows[1], pair_mask),
+                                          builder.shuffle_vector(rows[2], rows[3], pair_mask),
+                                          join_mask)
+            mixed = builder.xor(builder.shuffle_vector(both, ir.Constant(v64b, ir.Undefined),
+                                                       inter_mask), flip)
+            new.append(builder.call(dp, [acc, builder.bitcast(mixed, v16), e_vec]))
+        q_next = builder.add(q, ir.Constant(i64, 4))
+        end = builder.block
+        q.add_incoming(q_next, end)
+        for p, v in zip(accs, new):
+            p.add_incoming(v, end)
+        builder.cbranch(builder.icmp_signed("<", q_next, q_end), loop, done)
+        builder.position_at_end(done)
+        totals = []
+        for v in new:  # every phi first
+            total = builder.phi(v16)
+            total.add_incoming(zero, pre)
+            total.add_incoming(v, end)
+            totals.append(total)
+        g_off = as_i64(go_)
+        for total, co in zip(totals, c_offs_v):
+            gptr = builder.bitcast(builder.gep(g_base, [builder.mul(builder.add(g_off, co),
+                                                                    ir.Constant(i64, 4))]),
+                                   v16.as_pointer())
+            builder.store(builder.add(builder.load(gptr, align=1), total), gptr, align=1)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
 def _finish16(typingctx, src, s0, dst, d0, shift, lim, amax, lo):  # pragma: no cover
     """dst[d0 + l] = clip(round_shift(src[s0 + l], shift), lo, amax) for l < 16 in int32
     lanes (int32 ``src``, int8 ``dst``): ``v`` clamped to +-``lim`` first (``lim`` =
@@ -369,6 +477,62 @@ def _finish16(typingctx, src, s0, dst, d0, shift, lim, amax, lo):  # pragma: no 
         r = builder.select(builder.icmp_signed("<", r, low), low, r)
         builder.store(builder.trunc(r, v16b), builder.bitcast(dp, v16b.as_pointer()), align=1)
         return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def _nonzero_mask(typingctx, a, off, width):  # pragma: no cover (compiled)
+    """Bit l (l < ``width`` <= 64) set where the int8 a[off + l] is not zero, as a uint64:
+    one masked 64-byte load (nothing past ``width`` is read) and one compare."""
+    if not (isinstance(a, types.Array) and a.dtype == types.int8):
+        return None
+    sig = types.uint64(a, off, width)
+
+    def codegen(context, builder, signature, args):
+        a_, off_, w_ = args
+        i64 = ir.IntType(64)
+        i32 = ir.IntType(32)
+        i1 = ir.IntType(1)
+        v64b = ir.VectorType(ir.IntType(8), VEC)
+        v64m = ir.VectorType(i1, VEC)
+        v64i = ir.VectorType(i32, VEC)
+
+        def as_i64(v):
+            return builder.sext(v, i64) if v.type.width < 64 else v
+
+        ptr = builder.gep(context.make_array(signature.args[0])(context, builder, a_).data,
+                          [as_i64(off_)])
+        w = builder.trunc(as_i64(w_), i32)
+        wv = builder.shuffle_vector(
+            builder.insert_element(ir.Constant(v64i, ir.Undefined), w, ir.Constant(i32, 0)),
+            ir.Constant(v64i, ir.Undefined), ir.Constant(v64i, [0] * VEC))
+        lanes = builder.icmp_unsigned("<", ir.Constant(v64i, list(range(VEC))), wv)
+        vptr = builder.bitcast(ptr, v64b.as_pointer())
+        load = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(v64b, [v64b.as_pointer(), i32, v64m, v64b]),
+            "llvm.masked.load.v64i8.p0v64i8")
+        v = builder.call(load, [vptr, ir.Constant(i32, 1), lanes, ir.Constant(v64b, None)])
+        nz = builder.icmp_unsigned("!=", v, ir.Constant(v64b, None))
+        return builder.bitcast(nz, i64)
+
+    return sig, codegen
+
+
+@intrinsic
+def _lowest_bit(typingctx, x):  # pragma: no cover (compiled)
+    """The index of the lowest set bit of the uint64 ``x`` (64 when x is 0), as int64."""
+    if not isinstance(x, types.Integer):
+        return None
+    sig = types.int64(x)
+
+    def codegen(context, builder, signature, args):
+        (x_,) = args
+        i64 = ir.IntType(64)
+        v = builder.zext(x_, i64) if x_.type.width < 64 else x_
+        cttz = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(i64, [i64, ir.IntType(1)]), "llvm.cttz.i64")
+        return builder.call(cttz, [v, ir.Constant(ir.IntType(1), 0)])
 
     return sig, codegen
 
