@@ -47,6 +47,7 @@ KERNEL_PHASE = {
     "conv_forward_col": "forward", "conv_forward": "forward",
     "linear_forward": "forward", "maxpool_forward": "forward", "relu_forward": "forward",
     "conv_backward_data_narrow": "backward-data", "conv_backward_data": "backward-data",
+    "conv_backward_data_vnni": "backward-data",
     "linear_backward_data": "backward-data", "linear_backward_data_vnni": "backward-data",
     "conv_weight_grad_plane": "weight gradient", "conv_weight_grad_plane_vnni": "weight gradient",
     "plane_for_grad": "weight gradient",

@@ -157,6 +157,38 @@ def test_the_vnni_plane_weight_gradient_equals_the_generic_one(case):
 
 
 @needs_vnni
+@pytest.mark.parametrize("case", range(10))
+def test_the_vnni_conv_backward_data_equals_the_generic_one(case):
+    """Strides, paddings (patches cut at every border), channel counts that are not
+    multiples of 16 (plain-integer row tails) and over 64 outputs (two channel masks),
+    errors of both signs with -128, all-zero pixels, two threads' sample ranges, stale
+    output and scratch."""
+    rng = np.random.default_rng(500 + case)
+    n = int(rng.integers(1, 5))
+    c = int(rng.choice([1, 3, 16, 32, 40]))
+    o = int(rng.choice([1, 4, 13, 64, 70]))
+    k = int(rng.choice([1, 3, 5]))
+    stride = int(rng.choice([1, 2]))
+    pad = int(rng.integers(0, k))
+    h, w = int(rng.integers(k, 12)), int(rng.integers(k, 12))
+    h_out = (h + 2 * pad - k) // stride + 1
+    w_out = (w + 2 * pad - k) // stride + 1
+    eq = rng.integers(-128, 128, (n, h_out, w_out, o)).astype(np.int8)
+    eq[rng.random(eq.shape) < rng.choice([0.0, 0.5, 0.9])] = 0
+    eq[0, 0, 0] = 0  # a pixel without errors
+    tb = ternary(rng, (o, k, k, c))
+    ref = np.zeros((n, h, w, c), np.int32)
+    K.conv_backward_data(eq, tb, stride, pad, ref, np.zeros(k * k * c, np.int32))
+    assert ref.any()
+    got = np.full_like(ref, 5)
+    split = (0, n // 2, n)
+    for lo, hi in zip_strict(split[:-1], split[1:]):
+        V.conv_backward_data_vnni(eq, tb, stride, pad, got, np.full(o + 4, 9, np.int32),
+                                  np.full(o + 4, 9, np.int32), lo, hi)
+    assert np.array_equal(got, ref), (case, n, c, o, k, stride, pad)
+
+
+@needs_vnni
 @pytest.mark.parametrize("case", range(8))
 def test_the_vnni_error_driven_conv_gradient_equals_the_generic_one(case):
     rng = np.random.default_rng(300 + case)

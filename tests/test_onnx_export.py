@@ -151,8 +151,9 @@ def test_the_first_convs_image_channels_are_padded_to_four_and_read_back(name: s
     """At Int<=8 the image's channels are padded to 4 with zeros (a Pad on the int8 input)
     and the first conv gets zero weights for them; the weights read back from the graph
     are the engine's, and padding with non-zero weights is not read back as ternary."""
-    from firmware_models.onnx_export import describe, exported_ternary
     from onnx import numpy_helper
+
+    from firmware_models.onnx_export import describe, exported_ternary
 
     spec = ODD_SPEC if name == "odd_orders" else get_spec(name)
     assert spec.input_shape[0] == channels

@@ -17,7 +17,10 @@ Results are bit-identical to the generic kernels (tests/test_intnn_vnni.py).
   row (:func:`pad_rows`), 4 pixels x 64 channels a block with no reduction across lanes;
   :func:`plane_for_grad` makes the planar input a stride-1 conv's VNNI gradient reads;
 - :func:`conv_weight_grad_sparse_vnni`: the error-driven conv weight gradient, four errors'
-  patches interleaved (:func:`_interleave4_dot`);
+  patches interleaved, a channel's whole error list with its sums in registers
+  (:func:`_interleave4_rows`); the errors listed for 64 channels in one pass (bit masks);
+- :func:`conv_backward_data_vnni`: the conv backward-data the same way, per output pixel
+  its non-zero errors against their weight rows, added into the patch it covers;
 - :func:`linear_backward_data_vnni`: :func:`~.linear.linear_backward_data` for O >= 64;
 - :func:`linear_weight_grad_vnni`: :func:`~.linear.linear_weight_grad` for O a multiple of
   64 (:func:`_outer_block`: four samples' products per instruction into 16 outputs' lanes);
@@ -43,7 +46,6 @@ from edge_client.intnn.kernels.vnni_intrinsics import (  # noqa: F401 (re-export
     VEC,
     _dot_block,
     _finish16,
-    _interleave4_dot,
     _interleave4_rows,
     _lowest_bit,
     _nonzero_mask,
@@ -398,22 +400,91 @@ def linear_update_vnni(eq, a, a_t, ep, w, t, sh, wmax, thr, key, rows, f0, f1):
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _rows_dot(gf, d, apf, pi, pv, q0, q1, row_off, n):
-    """gf[d + j] += sum_q (apf[pi[q] + row_off + j] ^ 0x80) * pv[q] for j < n (a multiple
-    of 16), q0 <= q < q1: :func:`_interleave4_rows` on 8, 4, 2 and 1 chunks of 16."""
+def _rows_dot(gf, d, a, pi, pv, q0, q1, row_off, n, bias):
+    """gf[d + j] += sum_q (a[pi[q] + row_off + j] ^ 0x80) * pv[q] - bias for j < n (a
+    multiple of 16), q0 <= q < q1: :func:`_interleave4_rows` on 8, 4, 2 and 1 chunks of
+    16."""
     c = 0
     while c + 128 <= n:
-        _interleave4_rows(gf, d, apf, pi, pv, q0, q1, row_off,
-                          (c, c + 16, c + 32, c + 48, c + 64, c + 80, c + 96, c + 112))
+        _interleave4_rows(gf, d, a, pi, pv, q0, q1, row_off,
+                          (c, c + 16, c + 32, c + 48, c + 64, c + 80, c + 96, c + 112), bias)
         c += 128
     if c + 64 <= n:
-        _interleave4_rows(gf, d, apf, pi, pv, q0, q1, row_off, (c, c + 16, c + 32, c + 48))
+        _interleave4_rows(gf, d, a, pi, pv, q0, q1, row_off, (c, c + 16, c + 32, c + 48),
+                          bias)
         c += 64
     if c + 32 <= n:
-        _interleave4_rows(gf, d, apf, pi, pv, q0, q1, row_off, (c, c + 16))
+        _interleave4_rows(gf, d, a, pi, pv, q0, q1, row_off, (c, c + 16), bias)
         c += 32
     if c + 16 <= n:
-        _interleave4_rows(gf, d, apf, pi, pv, q0, q1, row_off, (c,))
+        _interleave4_rows(gf, d, a, pi, pv, q0, q1, row_off, (c,), bias)
+
+
+@njit(cache=True, nogil=True)
+def conv_backward_data_vnni(eq, t, stride, pad, out, oi, ov, n0, n1):
+    """:func:`~.conv_backward.conv_backward_data` (out [N, H, W, C] int32 = the input's
+    error; eq int8 [N, Ho, Wo, O], t int8 [O, K, K, C]) with vpdpbusd: per output pixel,
+    its non-zero errors (a bit mask per 64 channels; oi/ov int32 scratch [>= O + 4]) in
+    fours, packed in one int32 against their four weight rows' bytes interleaved
+    (:func:`_interleave4_rows`, the sums in registers), added straight into the K rows of
+    ``out`` the pixel's patch covers (K*C contiguous values each, fewer at the borders);
+    the last of a row that is not a multiple of 16 in plain integers. Samples
+    n0 <= n < n1 only (out[n0:n1] is zeroed first)."""
+    k = t.shape[1]
+    c_in = t.shape[3]
+    h_in = out.shape[1]
+    w_in = out.shape[2]
+    n_out = t.shape[0]
+    r_len = k * k * c_in
+    kc = k * c_in
+    h_out = eq.shape[1]
+    w_out = eq.shape[2]
+    tf = t.reshape(-1)
+    ef = eq.reshape(-1)
+    of = out.reshape(-1)
+    out[n0:n1] = 0
+    p = n0 * h_out * w_out
+    for n in range(n0, n1):
+        for y in range(h_out):
+            for x in range(w_out):
+                cnt = 0
+                esum = 0
+                for ob in range(0, n_out, 64):
+                    mask = _nonzero_mask(ef, p * n_out + ob, min(64, n_out - ob))
+                    while mask != 0:
+                        j = _lowest_bit(mask)
+                        mask &= mask - np.uint64(1)
+                        e = ef[U(p * n_out + ob + j)]
+                        oi[cnt] = (ob + j) * r_len
+                        ov[cnt] = e
+                        esum += e
+                        cnt += 1
+                p += 1
+                if cnt == 0:
+                    continue
+                while cnt & 3:  # zero terms up to a multiple of four
+                    oi[cnt] = 0
+                    ov[cnt] = 0
+                    cnt += 1
+                ix0 = x * stride - pad
+                kw_lo = 0 if ix0 >= 0 else -ix0
+                kw_hi = k if ix0 + k <= w_in else w_in - ix0
+                if kw_hi <= kw_lo:
+                    continue
+                ln = (kw_hi - kw_lo) * c_in
+                m16 = ln - ln % 16
+                for kh in range(k):
+                    iy = y * stride + kh - pad
+                    if iy < 0 or iy >= h_in:
+                        continue
+                    d0 = ((n * h_in + iy) * w_in + ix0 + kw_lo) * c_in
+                    r0 = kh * kc + kw_lo * c_in
+                    _rows_dot(of, d0, tf, oi, ov, 0, cnt, r0, m16, 128 * esum)
+                    for j in range(m16, ln):
+                        s = np.int32(0)
+                        for q in range(cnt):
+                            s = np.int32(s + np.int32(ov[q]) * np.int32(tf[U(oi[q] + r0 + j)]))
+                        of[U(d0 + j)] = np.int32(of[U(d0 + j)] + s)
 
 
 @njit(cache=True, nogil=True)
@@ -422,7 +493,7 @@ def conv_weight_grad_sparse_vnni(eq, a_pad, stride, g_out, gt, pi, pv, o0, o1):
     int32 ``gt``; pi/pv int32 scratch of at least 8 x min(64, o1 - o0), best
     :data:`SPARSE_CHUNK` + 4 times that) with vpdpbusd: each pass's four non-zero errors,
     packed in one int32, against their four patches' bytes interleaved
-    (:func:`_interleave4_dot`), 16 gradient elements an instruction; the last K*C % 16 of
+    (:func:`_interleave4_rows`), 16 gradient elements an instruction; the last K*C % 16 of
     a patch row in plain integers. The errors are listed in one pass over ``eq`` for up to
     64 channels at once (a pixel's non-zero channels as a bit mask, into per-channel
     buckets of pi/pv), a chunk of pixels at a time. Returns max |G| of channels
@@ -489,7 +560,8 @@ def conv_weight_grad_sparse_vnni(eq, a_pad, stride, g_out, gt, pi, pv, o0, o1):
                     cnt += 1
                 go = (ob + j) * r_len
                 for kh in range(k):
-                    _rows_dot(gf, go + kh * kc, apf, pi, pv, q0, q0 + cnt, kh * rowstep, tail)
+                    _rows_dot(gf, go + kh * kc, apf, pi, pv, q0, q0 + cnt, kh * rowstep, tail,
+                              0)
                 if tail < kc:  # the last K*C % 16 of each patch row
                     for q in range(q0, q0 + cnt, 4):
                         for kh in range(k):

@@ -9,9 +9,9 @@ here write their loops in LLVM IR around ``llvm.x86.avx512.vpdpbusd.512``:
 - :func:`_outer_block`: four bytes of a row broadcast x a packed operand, into 16 output
   lanes per instruction (no reduction), optionally in segments (a conv patch's kernel rows
   read out of the padded input);
-- :func:`_interleave4_dot`: four rows' bytes interleaved against four packed int8 values,
-  and :func:`_interleave4_rows` the same over a whole list of such fours, its sums in
-  registers;
+- :func:`_interleave4_rows`: four rows' bytes interleaved (byte l of row i at 4l + i)
+  against four int8 values packed in one int32, over a whole list of such fours, its sums
+  in registers;
 - :func:`_finish16`: sixteen int32 sums rounded, clipped and narrowed to int8 in int32
   lanes (Numba types the generic finishing loop in int64: half the lanes);
 - :func:`_nonzero_mask` and :func:`_lowest_bit`: which of 64 bytes are not zero, and the
@@ -244,91 +244,17 @@ def _outer_block(typingctx, a, a_offs, nq, e, e_stride, o_offs, corr, g, g_offs,
 
 
 @intrinsic
-def _interleave4_dot(typingctx, g, g_off, a, a_offs, packed_e, chunks):
-    # pragma: no cover (compiled)
-    """g[g_off + 16c + l] += sum_i (a[a_offs[i] + 16c + l] ^ 0x80) * e_i for l < 16,
-    c < chunks (g int32, a int8 flat arrays; a_offs a UniTuple of four offsets; packed_e
-    the four int8 e_i in one int32, e_0 in the low byte): the four rows' bytes interleaved
-    (byte l of row i at 4l + i) so that one vpdpbusd adds the four products to each of 16
-    int32 lanes; the caller subtracts 128 * sum(e_i) per lane."""
-    if not (isinstance(g, types.Array) and isinstance(a, types.Array)
-            and g.dtype == types.int32 and a.dtype == types.int8
-            and isinstance(a_offs, types.UniTuple) and a_offs.count == 4):
-        return None
-    sig = types.none(g, g_off, a, a_offs, packed_e, chunks)
-    def codegen(context, builder, signature, args):
-        g_, go_, a_, ao_, pe_, ch_ = args
-        i64 = ir.IntType(64)
-        i32 = ir.IntType(32)
-        i8p = ir.IntType(8).as_pointer()
-        v16b = ir.VectorType(ir.IntType(8), 16)
-        v64b = ir.VectorType(ir.IntType(8), VEC)
-        v16 = ir.VectorType(i32, 16)
-
-        def as_i64(v):
-            return builder.sext(v, i64) if v.type.width < 64 else v
-
-        def base(k, v):
-            return builder.bitcast(context.make_array(signature.args[k])(
-                context, builder, v).data, i8p)
-
-        g_base, a_base = base(0, g_), base(2, a_)
-        a_offs_v = [as_i64(builder.extract_value(ao_, i)) for i in range(4)]
-        g_off = as_i64(go_)
-        n = as_i64(ch_)
-        word = builder.trunc(pe_, i32) if pe_.type.width > 32 else pe_
-        e_vec = builder.shuffle_vector(
-            builder.insert_element(ir.Constant(v16, ir.Undefined), word, ir.Constant(i32, 0)),
-            ir.Constant(v16, ir.Undefined), ir.Constant(v16, [0] * 16))
-        dp = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(v16, [v16, v16, v16]), "llvm.x86.avx512.vpdpbusd.512")
-        flip = ir.Constant(v64b, [0x80] * VEC)
-        # rows 0|1 and 2|3 as 32 bytes each, then byte l of row i to position 4l + i
-        pair_mask = ir.Constant(ir.VectorType(i32, 32), list(range(32)))
-        join_mask = ir.Constant(ir.VectorType(i32, VEC), list(range(VEC)))
-        inter_mask = ir.Constant(ir.VectorType(i32, VEC),
-                                 [16 * i + lane for lane in range(16) for i in range(4)])
-        pre = builder.block
-        loop = builder.append_basic_block("il4.loop")
-        done = builder.append_basic_block("il4.done")
-        builder.cbranch(builder.icmp_signed(">", n, ir.Constant(i64, 0)), loop, done)
-        builder.position_at_end(loop)
-        c = builder.phi(i64)
-        c.add_incoming(ir.Constant(i64, 0), pre)
-        off = builder.mul(c, ir.Constant(i64, 16))
-        rows = []
-        for ao in a_offs_v:
-            ptr = builder.gep(a_base, [builder.add(ao, off)])
-            rows.append(builder.load(builder.bitcast(ptr, v16b.as_pointer()), align=1))
-        both = builder.shuffle_vector(builder.shuffle_vector(rows[0], rows[1], pair_mask),
-                                      builder.shuffle_vector(rows[2], rows[3], pair_mask),
-                                      join_mask)
-        mixed = builder.xor(builder.shuffle_vector(both, ir.Constant(v64b, ir.Undefined),
-                                                   inter_mask), flip)
-        gptr = builder.bitcast(
-            builder.gep(g_base, [builder.mul(builder.add(g_off, off), ir.Constant(i64, 4))]),
-            v16.as_pointer())
-        acc = builder.load(gptr, align=1)
-        builder.store(builder.call(dp, [acc, builder.bitcast(mixed, v16), e_vec]), gptr,
-                      align=1)
-        c_next = builder.add(c, ir.Constant(i64, 1))
-        c.add_incoming(c_next, builder.block)
-        builder.cbranch(builder.icmp_signed("<", c_next, n), loop, done)
-        builder.position_at_end(done)
-        return context.get_dummy_value()
-
-    return sig, codegen
-
-
-@intrinsic
-def _interleave4_rows(typingctx, g, g_off, a, pi, pv, q0, q1, row_off, c_offs):
+def _interleave4_rows(typingctx, g, g_off, a, pi, pv, q0, q1, row_off, c_offs, bias):
     # pragma: no cover (compiled)
     """For every chunk offset c of the UniTuple ``c_offs`` and l < 16:
     g[g_off + c + l] += sum over q0 <= q < q1 of (a[pi[q] + row_off + c + l] ^ 0x80) * pv[q]
-    (g int32, a int8 flat; pi, pv int32: patch offsets and int8 error values, q1 - q0 a
-    multiple of four): :func:`_interleave4_dot` over a channel's whole error list at once,
-    its 16 x len(c_offs) sums held in registers across the list (no load and store of g
-    per instruction). The caller subtracts 128 * sum(pv) per lane."""
+    - bias (g int32, a int8 flat; pi, pv int32: row offsets and int8 values, q1 - q0 a
+    multiple of four). Per four q: their rows' 16 bytes interleaved (byte l of row i at
+    4l + i, one vpermt2b) so that one vpdpbusd adds the four products to each of 16 int32
+    lanes, against the four values packed in one int32; the 16 x len(c_offs) sums stay in
+    registers across the list (no load and store of g per instruction). ``bias`` = 128 *
+    sum(pv) makes the sums exact (the flip's correction); a caller that corrects later
+    passes 0."""
     if not (isinstance(g, types.Array) and isinstance(a, types.Array)
             and isinstance(pi, types.Array) and isinstance(pv, types.Array)
             and g.dtype == types.int32 and a.dtype == types.int8
@@ -336,10 +262,10 @@ def _interleave4_rows(typingctx, g, g_off, a, pi, pv, q0, q1, row_off, c_offs):
             and isinstance(c_offs, types.UniTuple)):
         return None
     nc = c_offs.count
-    sig = types.none(g, g_off, a, pi, pv, q0, q1, row_off, c_offs)
+    sig = types.none(g, g_off, a, pi, pv, q0, q1, row_off, c_offs, bias)
 
     def codegen(context, builder, signature, args):
-        g_, go_, a_, pi_, pv_, q0_, q1_, ro_, co_ = args
+        g_, go_, a_, pi_, pv_, q0_, q1_, ro_, co_, bias_ = args
         i64 = ir.IntType(64)
         i32 = ir.IntType(32)
         i8p = ir.IntType(8).as_pointer()
@@ -414,11 +340,16 @@ def _interleave4_rows(typingctx, g, g_off, a, pi, pv, q0, q1, row_off, c_offs):
             total.add_incoming(v, end)
             totals.append(total)
         g_off = as_i64(go_)
+        b32 = builder.trunc(bias_, i32) if bias_.type.width > 32 else bias_
+        b_vec = builder.shuffle_vector(
+            builder.insert_element(ir.Constant(v16, ir.Undefined), b32, ir.Constant(i32, 0)),
+            ir.Constant(v16, ir.Undefined), ir.Constant(v16, [0] * 16))
         for total, co in zip(totals, c_offs_v):
             gptr = builder.bitcast(builder.gep(g_base, [builder.mul(builder.add(g_off, co),
                                                                     ir.Constant(i64, 4))]),
                                    v16.as_pointer())
-            builder.store(builder.add(builder.load(gptr, align=1), total), gptr, align=1)
+            builder.store(builder.add(builder.load(gptr, align=1), builder.sub(total, b_vec)),
+                          gptr, align=1)
         return context.get_dummy_value()
 
     return sig, codegen
