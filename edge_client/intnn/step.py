@@ -260,9 +260,8 @@ def _conv_backward(model: IntModel, ws: Workspace, i: int, eq: np.ndarray | None
         wp = w_in + lay.padding
         hs = (h_in + lay.padding) * wp
         if op.vnni:  # the VNNI forward read the padded input: the plane is made here
-            run(K.plane_for_grad, lambda t, lo, hi: (
-                a_in, lay.kernel, lay.padding, ws.plane[i], sc[t].offs[i], lo, hi), n,
-                split=op.split)
+            # one thread: a copy (~40 us a step) costs less than handing half of it over
+            K.plane_for_grad(a_in, lay.kernel, lay.padding, ws.plane[i], sc[0].offs[i], 0, n)
         if eq is not None:  # NHWC errors to the plane positions (else the pool wrote them)
             run(K.eq_to_planar, lambda t, lo, hi: (eq, wp, hs, ws.eqp[i], lo, hi), n,
                 split=op.split)
