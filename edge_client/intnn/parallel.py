@@ -68,6 +68,19 @@ class Splitter:
             rest = [f.result() for f in futures]
         return [first] + rest
 
+    def run_chain(self, tasks: Sequence[tuple[Callable[..., Any], Callable[[int, int, int],
+                                                                    Sequence[Any]]]],
+                  total: int, align: int = 1) -> None:
+        """Every (kernel, args) of ``tasks`` in order on each part of ``range(total)``: one
+        hand-off for the whole chain (each part's kernels read only what the same part's
+        earlier kernels wrote, e.g. the layers of a forward pass over a range of
+        samples)."""
+        def chain(part: int, lo: int, hi: int) -> None:
+            for kernel, args in tasks:
+                kernel(*args(part, lo, hi))
+
+        self.run(chain, lambda part, lo, hi: (part, lo, hi), total, align)
+
     def close(self) -> None:
         """Stop the pool threads (a later :meth:`run` starts them again)."""
         if self._pool is not None:

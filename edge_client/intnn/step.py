@@ -26,50 +26,92 @@ UPDATE_ALIGN = 256  # canonical-order weights are updated in runs of 256 (kernel
 
 
 def forward(model: IntModel, ws: Workspace, n: int) -> np.ndarray:
-    """Run the forward pass on ``ws.x[:n]``; returns the logits view [n, classes]."""
+    """Run the forward pass on ``ws.x[:n]``; returns the logits view [n, classes].
+
+    On several threads, each run of consecutive split ops (split over samples alike) is
+    one task per sample range: a thread takes its samples through every op of the run,
+    one hand-off for the run instead of one per op, its samples staying in its caches."""
     prev = ws.x[:n]
-    for i, op in enumerate(model.ops):
+    ops = model.ops
+    i = 0
+    while i < len(ops):
+        tasks = []
+        j = i
+        p = prev
+        while model.splitter.threads > 1 and j < len(ops) and ops[j].split:
+            task = _forward_task(model, ws, j, ops[j], p, ws.acts[j][:n], n)
+            if task is None:
+                break
+            tasks.append(task)
+            p = ws.acts[j][:n]
+            j += 1
+        if len(tasks) > 1:
+            model.splitter.run_chain(tasks, n)
+            prev = p
+            i = j
+            continue
         out = ws.acts[i][:n]
-        _forward_op(model, ws, i, op, prev, out, n)
+        _forward_op(model, ws, i, ops[i], prev, out, n)
         prev = out
+        i += 1
     return prev
 
 
-def _forward_op(model: IntModel, ws: Workspace, i: int, op: Op, prev: np.ndarray,
-                out: np.ndarray, n: int) -> None:
-    """Op i of the forward pass: ``out`` from ``prev`` (samples [:n])."""
-    run = model.splitter.run
+def _forward_task(model: IntModel, ws: Workspace, i: int, op: Op, prev: np.ndarray,
+                  out: np.ndarray, n: int):
+    """(kernel, args(thread, lo, hi)) of op i's forward over samples lo..hi, or None when
+    the op does not run that way (its kernel is not split over samples). A flatten is a
+    view: no kernel, an empty task."""
     sc = ws.scratch
     p = op.param
     if op.kind == "conv":
         lay = op.layer
         if op.vnni:
-            run(K.conv_forward_vnni, lambda t, lo, hi: (
+            return K.conv_forward_vnni, lambda t, lo, hi: (
                 prev, model.tv[p], model.tcorr[p], lay.kernel, lay.stride, lay.padding,
-                op.shift, model.amax, op.relu, out, ws.a_pad[i], sc[t].vacc[i], lo, hi), n,
-                split=op.split)
-        elif model.conv_impl == "col" and op.plane:
-            run(K.conv_forward_plane, lambda t, lo, hi: (
+                op.shift, model.amax, op.relu, out, ws.a_pad[i], sc[t].vacc[i], lo, hi)
+        if model.conv_impl == "col" and op.plane:
+            return K.conv_forward_plane, lambda t, lo, hi: (
                 prev, model.tlist[p], model.tcnt[p], lay.kernel, lay.padding, op.shift,
                 model.amax, op.relu, out, ws.plane[i], sc[t].offs[i], sc[t].pacc[i],
-                sc[t].pacc16[i], sc[t].ptile[i], lo, hi), n, split=op.split)
-        elif model.conv_impl == "col":
+                sc[t].pacc16[i], sc[t].ptile[i], lo, hi)
+        return None
+    if op.kind == "linear":
+        return K.linear_forward, lambda t, lo, hi: (
+            prev, model.t[p], op.shift, model.amax, op.relu, out, sc[t].lacc[i],
+            sc[t].lacc16[i], sc[t].nz_idx, sc[t].nz_val, lo, hi)
+    if op.kind == "pool":
+        lay = op.layer
+        win = ws.win[i][:n] if ws.train else ws.win[i]
+        return K.maxpool_forward, lambda t, lo, hi: (
+            prev, lay.kernel, lay.step, lay.padding, out, win, ws.train, op.relu_in, lo, hi)
+    if op.kind == "flatten":
+        return _no_kernel, lambda t, lo, hi: ()
+    return None
+
+
+def _no_kernel() -> None:
+    """A flatten's task: its output is a view of its input."""
+
+
+def _forward_op(model: IntModel, ws: Workspace, i: int, op: Op, prev: np.ndarray,
+                out: np.ndarray, n: int) -> None:
+    """Op i of the forward pass: ``out`` from ``prev`` (samples [:n])."""
+    task = _forward_task(model, ws, i, op, prev, out, n)
+    if task is not None:
+        model.splitter.run(task[0], task[1], n, split=op.split)
+        return
+    sc = ws.scratch
+    p = op.param
+    if op.kind == "conv":
+        lay = op.layer
+        if model.conv_impl == "col":
             K.conv_forward_col(prev, model.tb[p], lay.stride, lay.padding, op.shift,
                                model.amax, op.relu, out, ws.col_t[i], sc[0].pacc[i],
                                sc[0].pacc16[i], sc[0].ptile[i])
         else:
             K.conv_forward(prev, model.t[p], lay.stride, lay.padding, op.shift, model.amax,
                            op.relu, out, ws.patch[i])
-    elif op.kind == "linear":
-        run(K.linear_forward, lambda t, lo, hi: (
-            prev, model.t[p], op.shift, model.amax, op.relu, out, sc[t].lacc[i],
-            sc[t].lacc16[i], sc[t].nz_idx, sc[t].nz_val, lo, hi), n, split=op.split)
-    elif op.kind == "pool":
-        lay = op.layer
-        win = ws.win[i][:n] if ws.train else ws.win[i]
-        run(K.maxpool_forward, lambda t, lo, hi: (
-            prev, lay.kernel, lay.step, lay.padding, out, win, ws.train, op.relu_in, lo, hi),
-            n, split=op.split)
     elif op.kind == "relu":
         K.relu_forward(prev.reshape(-1), out.reshape(-1))
 
