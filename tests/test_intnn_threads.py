@@ -106,6 +106,30 @@ def test_a_part_that_fails_does_not_leave_the_others_running():
     sp.close()
 
 
+def test_a_chain_runs_each_part_through_every_kernel_in_order():
+    """run_chain: every part runs the tasks in order on its own range (one hand-off), the
+    parts together cover the range once; on one thread, one part."""
+    import threading
+
+    for threads in (1, 3):
+        log = []
+
+        def first(part, lo, hi):
+            log.append(("a", part, lo, hi, threading.get_ident()))
+
+        def second(part, lo, hi):
+            assert ("a", part, lo, hi, threading.get_ident()) in log  # same thread, earlier
+            log.append(("b", part, lo, hi, threading.get_ident()))
+
+        sp = Splitter(threads)
+        sp.run_chain([(first, lambda t, lo, hi: (t, lo, hi)),
+                      (second, lambda t, lo, hi: (t, lo, hi))], 32, align=4)
+        sp.close()
+        ranges = sorted((lo, hi) for tag, _, lo, hi, _ in log if tag == "a")
+        assert ranges == sorted((lo, hi) for tag, _, lo, hi, _ in log if tag == "b")
+        assert ranges == split_range(32, threads, 4) and len(ranges) == threads
+
+
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True, "2", 257])
 def test_bad_thread_counts_are_refused(bad):
     with pytest.raises(ConfigError, match="threads"):
