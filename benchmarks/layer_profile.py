@@ -69,18 +69,24 @@ KERNEL_PHASE = {
 NOTES = {
     ("conv", "forward"): "VNNI: straight from the padded input, four input bytes broadcast "
                          "x the ternary weights packed per kernel row, 4 pixels x 64 "
-                         "channels of vpdpbusd a block (dense: zero weights cost as much as "
-                         "others; a 15-byte kernel row takes 16). Else: ternary runs of the "
-                         "padded plane added in int16, 8 per pass.",
-    ("conv", "backward-data"): "per output pixel, the non-zero errors (5-15%) combine rows of "
-                               "the ternary weights in int16, added to K rows of the input "
-                               "error. More: skip inputs the ReLU zeroes (44% live).",
-    ("conv", "weight gradient"): "K*C >= 32: error-driven (only non-zero errors), four per "
-                                 "pass: with VNNI their patches' bytes interleaved into one "
-                                 "vpdpbusd per 16 elements (a dense VNNI gradient is 2x "
-                                 "slower: 80-90% of the errors are zero); K*C < 32 (first "
-                                 "conv): dot products over the plane positions, 2 rows x 4 "
-                                 "channels of vpdpbusd (3.5x the int32 vpmulld form).",
+                         "channels of vpdpbusd a block, pixels stepped without divisions, "
+                         "sums finished in int32 lanes; the broadcast form tops at ~75% of "
+                         "the dot-product rate (measured alone), and it is dense: zero "
+                         "weights cost as much as others, a 15-byte kernel row takes 16. "
+                         "Else: ternary runs of the padded plane added in int16, 8 per pass.",
+    ("conv", "backward-data"): "VNNI: per output pixel its non-zero errors (5-15%, a bit "
+                               "mask per 64 channels) in fours against their weight rows "
+                               "interleaved, the sums in registers, added into the patch it "
+                               "covers (the add of K rows per pixel is a third of its time). "
+                               "Else: the same errors combine weight rows in int16.",
+    ("conv", "weight gradient"): "K*C >= 32: error-driven (only non-zero errors, listed for "
+                                 "64 channels in one pass over the errors): with VNNI a "
+                                 "channel's whole list against its patches' bytes "
+                                 "interleaved, its gradient row in registers (a dense VNNI "
+                                 "gradient is 2x slower: 80-90% of the errors are zero); "
+                                 "K*C < 32 (first conv): dot products over the plane "
+                                 "positions, 2 rows x 4 channels of vpdpbusd, in chunks of "
+                                 "positions that stay in L1.",
     ("linear", "forward"): "driven by the non-zero inputs (25-50% after ReLU + pool): rows of "
                            "the [F, O] ternary weights added in int16.",
     ("linear", "backward-data"): "VNNI (O >= 64): 4 weight rows x 2 samples of vpdpbusd "

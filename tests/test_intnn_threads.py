@@ -112,12 +112,12 @@ def test_a_chain_runs_each_part_through_every_kernel_in_order():
     import threading
 
     for threads in (1, 3):
-        log = []
+        log: list = []
 
-        def first(part, lo, hi):
+        def first(part, lo, hi, log=log):
             log.append(("a", part, lo, hi, threading.get_ident()))
 
-        def second(part, lo, hi):
+        def second(part, lo, hi, log=log):
             assert ("a", part, lo, hi, threading.get_ident()) in log  # same thread, earlier
             log.append(("b", part, lo, hi, threading.get_ident()))
 
