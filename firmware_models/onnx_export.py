@@ -23,7 +23,11 @@ rounds exactly as ``round_shift`` (ties away from zero, nothing else moved; chec
 every accumulator up to 600,000 in magnitude, the limit this path is used within), its
 uint8 saturation is the ReLU (zero point 0) or the lower clip, and a byte ``Clip`` after
 the max-pool (max and clip commute) is the upper one; pools are byte ``MaxPool``. ONNX
-Runtime picks its int8 GEMM kernels (VNNI where the CPU has it) and an NHWC layout.
+Runtime picks its int8 GEMM kernels (VNNI where the CPU has it) and an NHWC layout. An
+image input whose channel count is not a multiple of 4 is padded with zero channels
+(``Pad``) that the first conv's zero weights ignore (its weights are then
+``[O, 4 * ceil(C / 4), K, K]``; :func:`exported_ternary` drops the zero channels): ONNX
+Runtime's int8 conv runs the padded input faster.
 
 Otherwise (s > 8, or larger accumulators; ``onnx_graph.IntegerGraph``), int32 throughout
 (opset 17):
