@@ -281,7 +281,7 @@ def main() -> None:
 
     torch.set_num_threads(1)  # everything on one core: the run, the training, the timings
     if args.quick:
-        rounds, n_float, n_int, steps, per_device = 4, 2, 1, 10, 320
+        rounds, n_float, n_int, steps, per_device = 3, 2, 1, 10, 320
     else:
         rounds, n_float, n_int, steps, per_device = 9, 4, 2, 100, 3000
     split = rounds * 2 // 3 - 1  # train on [0, split), gates on round split, figures after
