@@ -28,9 +28,10 @@ UPDATE_ALIGN = 256  # canonical-order weights are updated in runs of 256 (kernel
 def forward(model: IntModel, ws: Workspace, n: int) -> np.ndarray:
     """Run the forward pass on ``ws.x[:n]``; returns the logits view [n, classes].
 
-    On several threads, each run of consecutive split ops (split over samples alike) is
-    one task per sample range: a thread takes its samples through every op of the run,
-    one hand-off for the run instead of one per op, its samples staying in its caches."""
+    On several threads, each run of consecutive split ops (split over samples alike; a
+    flatten, a view, joins it) is one task per sample range: a thread takes its samples
+    through every op of the run, one hand-off for the run instead of one per op, its
+    samples staying in its caches."""
     prev = ws.x[:n]
     ops = model.ops
     i = 0
@@ -38,7 +39,8 @@ def forward(model: IntModel, ws: Workspace, n: int) -> np.ndarray:
         tasks = []
         j = i
         p = prev
-        while model.splitter.threads > 1 and j < len(ops) and ops[j].split:
+        while model.splitter.threads > 1 and j < len(ops) and (ops[j].split
+                                                                or ops[j].kind == "flatten"):
             task = _forward_task(model, ws, j, ops[j], p, ws.acts[j][:n], n)
             if task is None:
                 break
