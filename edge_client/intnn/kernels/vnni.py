@@ -43,6 +43,7 @@ from edge_client.intnn.kernels.update import _update_rows
 from edge_client.intnn.kernels.vnni_intrinsics import (  # noqa: F401 (re-exported)
     AVAILABLE,
     DISABLE_ENV,
+    INTERLEAVE_FAST,
     VEC,
     _dot_block,
     _finish16,
