@@ -43,11 +43,11 @@ from edge_client.intnn.kernels.update import _update_rows
 from edge_client.intnn.kernels.vnni_intrinsics import (  # noqa: F401 (re-exported)
     AVAILABLE,
     DISABLE_ENV,
-    INTERLEAVE_FAST,
     VEC,
     _dot_block,
     _finish16,
     _interleave4_rows,
+    _llvm_major,
     _lowest_bit,
     _nonzero_mask,
     _outer_block,
@@ -56,6 +56,13 @@ from edge_client.intnn.kernels.vnni_intrinsics import (  # noqa: F401 (re-export
 )
 
 U = np.uint64
+#: Whether ``step`` runs :func:`conv_backward_data_vnni`. Compiled by LLVM 14
+#: (numba 0.60, the last for Python 3.9) that kernel ran slower than the int16 one it
+#: replaces (fedshift_cnn: 1.92 vs 1.50 ms; by LLVM 22: 1.22 vs 1.59), so it stays off
+#: there. The cause was not found: the interleaved dot products alone measured only 14%
+#: slower on LLVM 14. Measured on LLVM 14 and 22; the versions between are assumed to be
+#: like 22.
+VNNI_BACKWARD_DATA = _llvm_major() >= 15
 #: positions of the first conv's plane weight gradient a chunk (its errors and planes in L1)
 PLANE_CHUNK = 3072
 #: pixels whose non-zero errors the sparse conv gradient lists at a time (the workspace

@@ -60,20 +60,13 @@ AVAILABLE = _target_has_vnni()
 
 
 def _llvm_major() -> int:
+    """The major version of the LLVM Numba compiles with (0 when it cannot say)."""
     try:
         import llvmlite.binding as llvm
 
         return int(llvm.llvm_version_info[0])
     except Exception:  # noqa: BLE001 (no version: assume the oldest)
         return 0
-
-
-#: LLVM lowers :func:`_interleave4_rows`' two-source byte shuffle to one ``vpermt2b`` from
-#: version 15 on; LLVM 14 (numba 0.60, the last for Python 3.9) emits a longer sequence and
-#: the conv backward-data on it ran 1.6x slower than the int16 kernel it replaces (1.92 vs
-#: 1.50 ms, fedshift_cnn; LLVM 22: 1.22 vs 1.59), so ``step`` keeps that kernel off there.
-#: (Measured on LLVM 14 and 22; the versions between are assumed to be like 22.)
-INTERLEAVE_FAST = _llvm_major() >= 15
 
 
 @intrinsic
