@@ -88,8 +88,6 @@ def trained_all_widths():
         # gradient again runs only on several threads
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(W, "SPLIT_MIN_MACS", 0)
-            # the VNNI backward-data too where this LLVM would keep it off (slower there)
-            mp.setattr(K.vnni, "VNNI_BACKWARD_DATA", True)
             for threads in (1, 2):
                 v = IntTrainer(vnni_spec(), bits, seed=1, threads=threads)
                 v.train(random_data(v.spec, 8), steps=1, batch=8)

@@ -318,7 +318,7 @@ def _conv_backward(model: IntModel, ws: Workspace, i: int, eq: np.ndarray | None
         K.conv_weight_grad_dot(eq, a_in, lay.stride, lay.padding, g, ws.col_t[i], ws.e_t[i],
                                model.conv_impl == "col")
     if dst is not None:
-        if _vnni_grad(model) and eq.dtype == np.int8 and K.vnni.VNNI_BACKWARD_DATA:
+        if _vnni_grad(model) and eq.dtype == np.int8:
             run(K.conv_backward_data_vnni, lambda t, lo, hi: (
                 eq, model.tb[op.param], lay.stride, lay.padding, dst, sc[t].nz_idx,
                 sc[t].nz_val, lo, hi), n, split=op.split)

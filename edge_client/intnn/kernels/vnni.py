@@ -47,7 +47,6 @@ from edge_client.intnn.kernels.vnni_intrinsics import (  # noqa: F401 (re-export
     _dot_block,
     _finish16,
     _interleave4_rows,
-    _llvm_major,
     _lowest_bit,
     _nonzero_mask,
     _outer_block,
@@ -56,13 +55,6 @@ from edge_client.intnn.kernels.vnni_intrinsics import (  # noqa: F401 (re-export
 )
 
 U = np.uint64
-#: Whether ``step`` runs :func:`conv_backward_data_vnni`. Compiled by LLVM 14
-#: (numba 0.60, the last for Python 3.9) that kernel ran slower than the int16 one it
-#: replaces (fedshift_cnn: 1.92 vs 1.50 ms; by LLVM 22: 1.22 vs 1.59), so it stays off
-#: there. The cause was not found: the interleaved dot products alone measured only 14%
-#: slower on LLVM 14. Measured on LLVM 14 and 22; the versions between are assumed to be
-#: like 22.
-VNNI_BACKWARD_DATA = _llvm_major() >= 15
 #: positions of the first conv's plane weight gradient a chunk (its errors and planes in L1)
 PLANE_CHUNK = 3072
 #: pixels whose non-zero errors the sparse conv gradient lists at a time (the workspace
@@ -410,14 +402,10 @@ def linear_update_vnni(eq, a, a_t, ep, w, t, sh, wmax, thr, key, rows, f0, f1):
 @njit(cache=True, nogil=True, inline="always")
 def _rows_dot(gf, d, a, pi, pv, q0, q1, row_off, n, bias):
     """gf[d + j] += sum_q (a[pi[q] + row_off + j] ^ 0x80) * pv[q] - bias for j < n (a
-    multiple of 16), q0 <= q < q1: :func:`_interleave4_rows` on 8, 4, 2 and 1 chunks of
-    16."""
+    multiple of 16), q0 <= q < q1: :func:`_interleave4_rows` on 4, 2 and 1 chunks of 16
+    (eight a call were as fast by LLVM 22 and 1.3x slower by LLVM 14, numba 0.60)."""
     c = 0
-    while c + 128 <= n:
-        _interleave4_rows(gf, d, a, pi, pv, q0, q1, row_off,
-                          (c, c + 16, c + 32, c + 48, c + 64, c + 80, c + 96, c + 112), bias)
-        c += 128
-    if c + 64 <= n:
+    while c + 64 <= n:
         _interleave4_rows(gf, d, a, pi, pv, q0, q1, row_off, (c, c + 16, c + 32, c + 48),
                           bias)
         c += 64

@@ -59,16 +59,6 @@ def _target_has_vnni() -> bool:
 AVAILABLE = _target_has_vnni()
 
 
-def _llvm_major() -> int:
-    """The major version of the LLVM Numba compiles with (0 when it cannot say)."""
-    try:
-        import llvmlite.binding as llvm
-
-        return int(llvm.llvm_version_info[0])
-    except Exception:  # noqa: BLE001 (no version: assume the oldest)
-        return 0
-
-
 @intrinsic
 def _dot_block(typingctx, a, a_offs, b, b_offs, n64):  # pragma: no cover (compiled)
     """sum_{q < 64*n64} (a[ia + q] ^ 0x80) * b[ib + q] for every ia in a_offs x ib in
