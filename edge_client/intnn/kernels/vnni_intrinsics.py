@@ -59,6 +59,33 @@ def _target_has_vnni() -> bool:
 AVAILABLE = _target_has_vnni()
 
 
+def _as_i64(builder, v):
+    """An integer IR value sign-extended to i64 (as it is when already i64)."""
+    return builder.sext(v, ir.IntType(64)) if v.type.width < 64 else v
+
+
+def _splat(builder, v, vec_type):
+    """Scalar ``v`` in every lane of ``vec_type`` (an insert and a zero-mask shuffle)."""
+    lane0 = builder.insert_element(ir.Constant(vec_type, ir.Undefined), v,
+                                   ir.Constant(ir.IntType(32), 0))
+    return builder.shuffle_vector(lane0, ir.Constant(vec_type, ir.Undefined),
+                                  ir.Constant(ir.VectorType(ir.IntType(32), vec_type.count),
+                                              [0] * vec_type.count))
+
+
+def _exit_values(builder, values, zero, pre, end):
+    """After a loop that may run zero times: per loop-carried value, a phi of ``zero``
+    (from ``pre``, the block before the loop) and its last value (from ``end``); all phis
+    first in the exit block, as LLVM requires."""
+    out = []
+    for v in values:
+        ph = builder.phi(v.type)
+        ph.add_incoming(zero, pre)
+        ph.add_incoming(v, end)
+        out.append(ph)
+    return out
+
+
 @intrinsic
 def _dot_block(typingctx, a, a_offs, b, b_offs, n64):  # pragma: no cover (compiled)
     """sum_{q < 64*n64} (a[ia + q] ^ 0x80) * b[ib + q] for every ia in a_offs x ib in
@@ -83,12 +110,10 @@ def _dot_block(typingctx, a, a_offs, b, b_offs, n64):  # pragma: no cover (compi
         b_base = builder.bitcast(context.make_array(signature.args[2])(
             context, builder, b_).data, i8p)
 
-        def as_i64(v):
-            return builder.sext(v, i64) if v.type.width < 64 else v
 
-        a_offs_v = [as_i64(builder.extract_value(ao_, i)) for i in range(na)]
-        b_offs_v = [as_i64(builder.extract_value(bo_, i)) for i in range(nb)]
-        nbytes = builder.mul(as_i64(n_), ir.Constant(i64, VEC))
+        a_offs_v = [_as_i64(builder, builder.extract_value(ao_, i)) for i in range(na)]
+        b_offs_v = [_as_i64(builder, builder.extract_value(bo_, i)) for i in range(nb)]
+        nbytes = builder.mul(_as_i64(builder, n_), ir.Constant(i64, VEC))
         dp = cgutils.get_or_insert_function(
             builder.module, ir.FunctionType(v16, [v16, v16, v16]), "llvm.x86.avx512.vpdpbusd.512")
         red = cgutils.get_or_insert_function(
@@ -123,12 +148,7 @@ def _dot_block(typingctx, a, a_offs, b, b_offs, n64):  # pragma: no cover (compi
             p.add_incoming(v, end)
         builder.cbranch(builder.icmp_signed("<", q_next, nbytes), loop, done)
         builder.position_at_end(done)
-        outs = []
-        for v in new:
-            ph = builder.phi(v16)
-            ph.add_incoming(zero, pre)
-            ph.add_incoming(v, end)
-            outs.append(ph)
+        outs = _exit_values(builder, new, zero, pre, end)
         return context.make_tuple(builder, ret, [builder.call(red, [ph]) for ph in outs])
 
     return sig, codegen
@@ -165,17 +185,15 @@ def _outer_block(typingctx, a, a_offs, nq, e, e_stride, o_offs, corr, g, g_offs,
             return builder.bitcast(context.make_array(signature.args[k])(
                 context, builder, v).data, i8p)
 
-        def as_i64(v):
-            return builder.sext(v, i64) if v.type.width < 64 else v
 
         a_base, e_base, c_base, g_base = base(0, a_), base(3, e_), base(6, c_), base(7, g_)
-        a_offs_v = [as_i64(builder.extract_value(ao_, i)) for i in range(na)]
-        o_offs_v = [as_i64(builder.extract_value(oo_, i)) for i in range(nb)]
-        g_offs_v = [as_i64(builder.extract_value(go_, i)) for i in range(na)]
-        n_groups = as_i64(nq_)
-        stride = as_i64(es_)
-        per_seg = as_i64(ng_)
-        seg_jump = as_i64(jump_)
+        a_offs_v = [_as_i64(builder, builder.extract_value(ao_, i)) for i in range(na)]
+        o_offs_v = [_as_i64(builder, builder.extract_value(oo_, i)) for i in range(nb)]
+        g_offs_v = [_as_i64(builder, builder.extract_value(go_, i)) for i in range(na)]
+        n_groups = _as_i64(builder, nq_)
+        stride = _as_i64(builder, es_)
+        per_seg = _as_i64(builder, ng_)
+        seg_jump = _as_i64(builder, jump_)
         dp = cgutils.get_or_insert_function(
             builder.module, ir.FunctionType(v16, [v16, v16, v16]), "llvm.x86.avx512.vpdpbusd.512")
         zero = ir.Constant(v16, None)
@@ -200,10 +218,7 @@ def _outer_block(typingctx, a, a_offs, nq, e, e_stride, o_offs, corr, g, g_offs,
         for off in a_offs_v:
             ptr = builder.bitcast(builder.gep(a_base, [builder.add(off, pos)]), i32.as_pointer())
             word = builder.xor(builder.load(ptr, align=1), ir.Constant(i32, 0x80808080))
-            vec = builder.insert_element(ir.Constant(v16, ir.Undefined), word,
-                                         ir.Constant(i32, 0))
-            splats.append(builder.shuffle_vector(vec, ir.Constant(v16, ir.Undefined),
-                                                 ir.Constant(v16, [0] * 16)))
+            splats.append(_splat(builder, word, v16))
         row = builder.mul(k, stride)
         cols = []
         for off in o_offs_v:
@@ -224,12 +239,7 @@ def _outer_block(typingctx, a, a_offs, nq, e, e_stride, o_offs, corr, g, g_offs,
             p.add_incoming(v, end)
         builder.cbranch(builder.icmp_signed("<", k_next, n_groups), loop, done)
         builder.position_at_end(done)
-        outs = []
-        for v in new:
-            ph = builder.phi(v16)
-            ph.add_incoming(zero, pre)
-            ph.add_incoming(v, end)
-            outs.append(ph)
+        outs = _exit_values(builder, new, zero, pre, end)
         for i in range(na):
             for j in range(nb):
                 cptr = builder.gep(c_base, [builder.mul(o_offs_v[j], four)])
@@ -273,8 +283,6 @@ def _interleave4_rows(typingctx, g, g_off, a, pi, pv, q0, q1, row_off, c_offs, b
         v64b = ir.VectorType(ir.IntType(8), VEC)
         v16 = ir.VectorType(i32, 16)
 
-        def as_i64(v):
-            return builder.sext(v, i64) if v.type.width < 64 else v
 
         def data(k, v, ty):
             return builder.bitcast(context.make_array(signature.args[k])(
@@ -282,9 +290,9 @@ def _interleave4_rows(typingctx, g, g_off, a, pi, pv, q0, q1, row_off, c_offs, b
 
         g_base, a_base = data(0, g_, i8p), data(2, a_, i8p)
         pi_base, pv_base = data(3, pi_, i32.as_pointer()), data(4, pv_, i32.as_pointer())
-        c_offs_v = [as_i64(builder.extract_value(co_, i)) for i in range(nc)]
-        row_off = as_i64(ro_)
-        q_end = as_i64(q1_)
+        c_offs_v = [_as_i64(builder, builder.extract_value(co_, i)) for i in range(nc)]
+        row_off = _as_i64(builder, ro_)
+        q_end = _as_i64(builder, q1_)
         dp = cgutils.get_or_insert_function(
             builder.module, ir.FunctionType(v16, [v16, v16, v16]), "llvm.x86.avx512.vpdpbusd.512")
         flip = ir.Constant(v64b, [0x80] * VEC)
@@ -296,7 +304,7 @@ def _interleave4_rows(typingctx, g, g_off, a, pi, pv, q0, q1, row_off, c_offs, b
         pre = builder.block
         loop = builder.append_basic_block("il4r.loop")
         done = builder.append_basic_block("il4r.done")
-        q_start = as_i64(q0_)
+        q_start = _as_i64(builder, q0_)
         builder.cbranch(builder.icmp_signed("<", q_start, q_end), loop, done)
         builder.position_at_end(loop)
         q = builder.phi(i64)
@@ -310,12 +318,10 @@ def _interleave4_rows(typingctx, g, g_off, a, pi, pv, q0, q1, row_off, c_offs, b
         offs = []
         for i in range(4):
             qi = builder.add(q, ir.Constant(i64, i))
-            offs.append(builder.add(as_i64(builder.load(builder.gep(pi_base, [qi]))), row_off))
+            offs.append(builder.add(_as_i64(builder, builder.load(builder.gep(pi_base, [qi]))), row_off))
             e = builder.and_(builder.load(builder.gep(pv_base, [qi])), ir.Constant(i32, 0xFF))
             word = builder.or_(word, builder.shl(e, ir.Constant(i32, 8 * i)))
-        e_vec = builder.shuffle_vector(
-            builder.insert_element(ir.Constant(v16, ir.Undefined), word, ir.Constant(i32, 0)),
-            ir.Constant(v16, ir.Undefined), ir.Constant(v16, [0] * 16))
+        e_vec = _splat(builder, word, v16)
         new = []
         for acc, co in zip(accs, c_offs_v):
             rows = [builder.load(builder.bitcast(builder.gep(a_base, [builder.add(o, co)]),
@@ -333,17 +339,10 @@ def _interleave4_rows(typingctx, g, g_off, a, pi, pv, q0, q1, row_off, c_offs, b
             p.add_incoming(v, end)
         builder.cbranch(builder.icmp_signed("<", q_next, q_end), loop, done)
         builder.position_at_end(done)
-        totals = []
-        for v in new:  # every phi first
-            total = builder.phi(v16)
-            total.add_incoming(zero, pre)
-            total.add_incoming(v, end)
-            totals.append(total)
-        g_off = as_i64(go_)
+        totals = _exit_values(builder, new, zero, pre, end)
+        g_off = _as_i64(builder, go_)
         b32 = builder.trunc(bias_, i32) if bias_.type.width > 32 else bias_
-        b_vec = builder.shuffle_vector(
-            builder.insert_element(ir.Constant(v16, ir.Undefined), b32, ir.Constant(i32, 0)),
-            ir.Constant(v16, ir.Undefined), ir.Constant(v16, [0] * 16))
+        b_vec = _splat(builder, b32, v16)
         for total, co in zip(totals, c_offs_v):
             gptr = builder.bitcast(builder.gep(g_base, [builder.mul(builder.add(g_off, co),
                                                                     ir.Constant(i64, 4))]),
@@ -370,34 +369,25 @@ def _finish16(typingctx, src, s0, dst, d0, shift, lim, amax, lo):  # pragma: no 
     def codegen(context, builder, signature, args):
         src_, s0_, dst_, d0_, shift_, lim_, amax_, lo_ = args
         i32 = ir.IntType(32)
-        i64 = ir.IntType(64)
         v16 = ir.VectorType(i32, 16)
         v16b = ir.VectorType(ir.IntType(8), 16)
 
-        def arg32(k, v):
+        def arg32(v):
             return builder.trunc(v, i32) if v.type.width > 32 else builder.sext(v, i32) \
                 if v.type.width < 32 else v
 
-        def splat(v):
-            vec = builder.insert_element(ir.Constant(v16, ir.Undefined), v, ir.Constant(i32, 0))
-            return builder.shuffle_vector(vec, ir.Constant(v16, ir.Undefined),
-                                          ir.Constant(v16, [0] * 16))
-
-        def as_i64(v):
-            return builder.sext(v, i64) if v.type.width < 64 else v
-
-        sh = arg32(4, shift_)
-        lim = splat(arg32(5, lim_))
+        sh = arg32(shift_)
+        lim = _splat(builder, arg32(lim_), v16)
         nlim = builder.neg(lim)
-        hi = splat(arg32(6, amax_))
-        low = splat(arg32(7, lo_))
-        half = splat(builder.shl(ir.Constant(i32, 1), builder.sub(sh, ir.Constant(i32, 1))))
-        shv = splat(sh)
+        hi = _splat(builder, arg32(amax_), v16)
+        low = _splat(builder, arg32(lo_), v16)
+        half = _splat(builder, builder.shl(ir.Constant(i32, 1), builder.sub(sh, ir.Constant(i32, 1))), v16)
+        shv = _splat(builder, sh, v16)
         zero = ir.Constant(v16, None)
         sp = builder.gep(context.make_array(signature.args[0])(context, builder, src_).data,
-                         [as_i64(s0_)])
+                         [_as_i64(builder, s0_)])
         dp = builder.gep(context.make_array(signature.args[2])(context, builder, dst_).data,
-                         [as_i64(d0_)])
+                         [_as_i64(builder, d0_)])
         v = builder.load(builder.bitcast(sp, v16.as_pointer()), align=4)
         v = builder.select(builder.icmp_signed(">", v, lim), lim, v)
         v = builder.select(builder.icmp_signed("<", v, nlim), nlim, v)
@@ -429,15 +419,11 @@ def _nonzero_mask(typingctx, a, off, width):  # pragma: no cover (compiled)
         v64m = ir.VectorType(i1, VEC)
         v64i = ir.VectorType(i32, VEC)
 
-        def as_i64(v):
-            return builder.sext(v, i64) if v.type.width < 64 else v
 
         ptr = builder.gep(context.make_array(signature.args[0])(context, builder, a_).data,
-                          [as_i64(off_)])
-        w = builder.trunc(as_i64(w_), i32)
-        wv = builder.shuffle_vector(
-            builder.insert_element(ir.Constant(v64i, ir.Undefined), w, ir.Constant(i32, 0)),
-            ir.Constant(v64i, ir.Undefined), ir.Constant(v64i, [0] * VEC))
+                          [_as_i64(builder, off_)])
+        w = builder.trunc(_as_i64(builder, w_), i32)
+        wv = _splat(builder, w, v64i)
         lanes = builder.icmp_unsigned("<", ir.Constant(v64i, list(range(VEC))), wv)
         vptr = builder.bitcast(ptr, v64b.as_pointer())
         load = cgutils.get_or_insert_function(
