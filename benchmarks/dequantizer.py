@@ -181,16 +181,19 @@ def report_l1(run: Run, split: int, params: dict, label: str, extra: dict | None
     return deq, version
 
 
-def time_epoch(run: Run, split: int, params: dict, reps: int) -> None:
-    from coordinator.strategies.dequantizer.slicetrain import train_slices
+def time_epoch(run: Run, split: int, deq, version, reps: int) -> None:
+    """One more training epoch of ``version``'s network (a copy: ``version`` is left as
+    it is), timed ``reps`` times; the epoch's cost does not depend on the weights."""
+    import copy
 
-    deq, version, _ = train_and_judge(run, split, params | {"epochs": 0})
+    from coordinator.strategies.dequantizer.slicetrain import train_slices
     from coordinator.strategies.dequantizer.stage import RoundData, _slice_split
 
     train, _ = _slice_split([RoundData(r, run.globals_[r], list(run.floats[r])) for r in range(split + 1)])
     best = float("inf")
     for rep in range(reps):
-        st = train_slices(version.net, deq.cfg, deq._layout, train, deq._distillation(), seed=rep, epochs=1)
+        st = train_slices(copy.deepcopy(version.net), deq.cfg, deq._layout, train, deq._distillation(),
+                          seed=rep, epochs=1)
         best = min(best, st.seconds)
     emit(f"{MODEL} {len(train)} pairs, the preset's config", "epoch_s", best, "s",
          "one federated round of the run", float(np.median(run.round_s)), steps=st.steps, planes=st.blocks)
@@ -290,7 +293,7 @@ def main() -> None:
     deq, version = report_l1(run, split, base, "preset (context=global)", ints=True)
     if not args.quick:
         report_l1(run, split, base | {"context": "update"}, "paper's form (context=update)", ints=True)
-    time_epoch(run, split, base, 1 if args.quick else 2)
+    time_epoch(run, split, deq, version, 1 if args.quick else 2)
     time_apply(deq, version, run, 5 if args.quick else 15)
     if args.sweep:
         sweep(run, split, base)

@@ -35,8 +35,8 @@ are ratios against an anchor measured in the same run.
    every core busy on both sides (fedbit: one worker per core; Flower: one client per
    CPU): ``rounds_per_s`` anchored on Flower's (target >= 2x).
 
-``--quick`` (the test suite): 4 devices x 20 steps for the workers; N = 1,000 and
-1,000,000, 3 rounds; no Flower.
+``--quick`` (the test suite): 4 devices x 20 steps for the workers (workers=2 only); N =
+1,000 and 1,000,000, 3 rounds; no Flower.
 
 Run: ``.venv/bin/python benchmarks/emulator_scale.py [--quick] [--flower PYTHON]``;
 prints JSON lines.
@@ -222,7 +222,7 @@ def capacity(w: int, steps: int) -> float:
 
 def bench_workers(quick: bool) -> None:
     n, steps, rounds = (4, 20, 2) if quick else (16, 200, 8)
-    counts = [1, 2] + ([cores()] if cores() > 2 and not quick else [])
+    counts = [2] if quick else [1, 2] + ([cores()] if cores() > 2 else [])
     one_core = fedbit("workers-serial", n, rounds, 1, steps)
     res = {w: fedbit("workers", n, rounds, w, steps) for w in counts}
     anchor = "workers=1, one device at a time (one core), same run"

@@ -237,7 +237,7 @@ def mutated_bodies(draw):
     return body
 
 
-@settings(max_examples=3000, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+@settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 @given(mutated_bodies())
 def test_structurally_wrong_maps_raise_only_protocol_error(body) -> None:
     try:
