@@ -297,10 +297,18 @@ def _interleave4_rows(typingctx, g, g_off, a, pi, pv, q0, q1, row_off, c_offs, b
             builder.module, ir.FunctionType(v16, [v16, v16, v16]), "llvm.x86.avx512.vpdpbusd.512")
         flip = ir.Constant(v64b, [0x80] * VEC)
         pair_mask = ir.Constant(ir.VectorType(i32, 32), list(range(32)))
-        join_mask = ir.Constant(ir.VectorType(i32, VEC), list(range(VEC)))
+        # byte l of row i to 4l + i in one two-table permute of the row pairs, each pair
+        # widened with an undefined upper half (joining the pairs first made LLVM 14
+        # fill both halves of each pair: two more instructions per vpdpbusd)
+        widen_mask = ir.Constant(ir.VectorType(i32, VEC), list(range(VEC)))
         inter_mask = ir.Constant(ir.VectorType(i32, VEC),
-                                 [16 * i + lane for lane in range(16) for i in range(4)])
+                                 [16 * i + lane + (32 if i >= 2 else 0)
+                                  for lane in range(16) for i in range(4)])
+        half_undef = ir.Constant(ir.VectorType(ir.IntType(8), 32), ir.Undefined)
         zero = ir.Constant(v16, None)
+        # each chunk's base address outside the loop (LLVM 14 recomputed base + chunk
+        # for every row of every step)
+        chunk_bases = [builder.gep(a_base, [co]) for co in c_offs_v]
         pre = builder.block
         loop = builder.append_basic_block("il4r.loop")
         done = builder.append_basic_block("il4r.done")
@@ -323,14 +331,13 @@ def _interleave4_rows(typingctx, g, g_off, a, pi, pv, q0, q1, row_off, c_offs, b
             word = builder.or_(word, builder.shl(e, ir.Constant(i32, 8 * i)))
         e_vec = _splat(builder, word, v16)
         new = []
-        for acc, co in zip(accs, c_offs_v):
-            rows = [builder.load(builder.bitcast(builder.gep(a_base, [builder.add(o, co)]),
-                                                 v16b.as_pointer()), align=1) for o in offs]
-            both = builder.shuffle_vector(builder.shuffle_vector(rows[0], rows[1], pair_mask),
-                                          builder.shuffle_vector(rows[2], rows[3], pair_mask),
-                                          join_mask)
-            mixed = builder.xor(builder.shuffle_vector(both, ir.Constant(v64b, ir.Undefined),
-                                                       inter_mask), flip)
+        for acc, base in zip(accs, chunk_bases):
+            rows = [builder.load(builder.bitcast(builder.gep(base, [o]), v16b.as_pointer()),
+                                 align=1) for o in offs]
+            low, high = (builder.shuffle_vector(builder.shuffle_vector(r0, r1, pair_mask),
+                                                half_undef, widen_mask)
+                         for r0, r1 in ((rows[0], rows[1]), (rows[2], rows[3])))
+            mixed = builder.xor(builder.shuffle_vector(low, high, inter_mask), flip)
             new.append(builder.call(dp, [acc, builder.bitcast(mixed, v16), e_vec]))
         q_next = builder.add(q, ir.Constant(i64, 4))
         end = builder.block
