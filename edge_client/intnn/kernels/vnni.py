@@ -402,10 +402,16 @@ def linear_update_vnni(eq, a, a_t, ep, w, t, sh, wmax, thr, key, rows, f0, f1):
 @njit(cache=True, nogil=True, inline="always")
 def _rows_dot(gf, d, a, pi, pv, q0, q1, row_off, n, bias):
     """gf[d + j] += sum_q (a[pi[q] + row_off + j] ^ 0x80) * pv[q] - bias for j < n (a
-    multiple of 16), q0 <= q < q1: :func:`_interleave4_rows` on four chunks of 16 a call,
-    then one (eight a call, or a two-chunk call between, measured 1.1-1.3x slower in the
-    conv backward-data by LLVM 14 and 22)."""
+    multiple of 16), q0 <= q < q1: :func:`_interleave4_rows` on five chunks of 16 a call,
+    then four, then one. Measured on fedshift_cnn's conv2 (rows of 160), one process per
+    LLVM: five a call against four the error-driven gradient 1.32 -> 1.03 ms (LLVM 22) and
+    1.33 -> 1.09 (LLVM 14), the backward-data 1.29 -> 1.25 and 1.50 -> 1.37; eight or ten
+    a call were slower by LLVM 14 in the backward-data, two a call slower by both."""
     c = 0
+    while c + 80 <= n:
+        _interleave4_rows(gf, d, a, pi, pv, q0, q1, row_off,
+                          (c, c + 16, c + 32, c + 48, c + 64), bias)
+        c += 80
     while c + 64 <= n:
         _interleave4_rows(gf, d, a, pi, pv, q0, q1, row_off, (c, c + 16, c + 32, c + 48),
                           bias)
