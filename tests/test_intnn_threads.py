@@ -61,7 +61,7 @@ def test_any_number_of_threads_gives_the_same_weights_bit_for_bit(monkeypatch, b
 
 
 def test_the_default_split_follows_the_work():
-    """With 2 threads only the large ops are split (the hand-off costs ~10-30 us)."""
+    """With 2 threads only the large ops are split (a hand-off costs a few us)."""
     model = IntModel(get_spec("fedshift_cnn"), 8, threads=2)
     model.workspace(32)
     split = {op.layer.name: op.split for op in model.ops if op.param >= 0}
@@ -104,6 +104,77 @@ def test_a_part_that_fails_does_not_leave_the_others_running():
         sp.run(kernel, lambda t, lo, hi: (t,), 30)
     assert sorted(seen) == [1, 2]  # both other parts finished before the error surfaced
     sp.close()
+
+
+def test_a_pool_threads_failure_is_raised_in_the_caller_and_the_splitter_goes_on():
+    def kernel(i):
+        if i == 2:
+            raise ValueError("part 2 failed")
+        return i * 10
+
+    sp = Splitter(3)
+    with pytest.raises(ValueError, match="part 2"):
+        sp.run(kernel, lambda t, lo, hi: (t,), 30)
+    assert sp.run(kernel, lambda t, lo, hi: (t if t != 2 else 5,), 30) == [0, 10, 50]
+    sp.close()
+
+
+def test_parts_are_handed_over_after_the_pool_threads_went_to_sleep(monkeypatch):
+    """Past their spin, the pool threads sleep on a condition and the caller too when a
+    part takes long: a part posted then still runs, and its result still arrives."""
+    import time
+
+    import edge_client.intnn.parallel as P
+
+    monkeypatch.setattr(P, "IDLE_SPIN_S", 0.0)  # the fewest spins: sleep almost at once
+    monkeypatch.setattr(P, "RESULT_SPIN_S", 0.0)
+
+    def kernel(part, delay):
+        time.sleep(delay)  # the pool thread's part outlasts the caller's spin
+        return part
+
+    sp = Splitter(2)
+    for _ in range(3):
+        assert sp.run(kernel, lambda t, lo, hi: (t, 0.02 * t), 2) == [0, 1]
+        time.sleep(0.02)  # the pool thread stops spinning and sleeps
+    sp.close()
+
+
+def test_close_ends_the_pool_threads_and_a_later_run_starts_them_again():
+    import gc
+    import threading
+
+    def names():
+        return {t.name for t in threading.enumerate() if t.name.startswith("fedbit-intnn")}
+
+    before = names()
+    sp = Splitter(3)
+    assert sp.run(lambda t: t, lambda t, lo, hi: (t,), 3) == [0, 1, 2]
+    assert len(names() - before) == 2
+    sp.close()
+    assert names() == before
+    assert sp.run(lambda t: t, lambda t, lo, hi: (t,), 3) == [0, 1, 2]
+    assert len(names() - before) == 2
+    del sp  # never closed: its threads end when it is collected
+    gc.collect()
+    for _ in range(100):
+        if names() == before:
+            break
+        threading.Event().wait(0.01)
+    assert names() == before
+
+
+def test_the_spin_wait_reads_a_flag_another_thread_writes():
+    import threading
+
+    from edge_client.intnn.spin import wait_for
+
+    flags = np.zeros(3, np.int64)
+    assert wait_for(flags, 2, 0, 1) and not wait_for(flags, 2, 1, 1000)
+    setter = threading.Timer(0.01, lambda: flags.__setitem__(1, 7))
+    setter.start()
+    assert wait_for(flags, 1, 7, 1 << 40)  # would spin for hours if the read were hoisted
+    setter.join()
 
 
 def test_a_chain_runs_each_part_through_every_kernel_in_order():

@@ -29,7 +29,8 @@ VNNI_BLOCK = 64      # output pixels the VNNI conv forward sums at a time (int32
 SPARSE_GRAD_MIN_ROW = 32
 MAX_POOL_KERNEL = 11  # pool winners are int8 cell numbers kh * k + kw
 # an op's kernels are split over the threads when its forward does at least this many
-# multiply-accumulates per batch (a split costs ~10-30 us of thread hand-off)
+# multiply-accumulates per batch (a split costs a few microseconds of hand-off, more of
+# the parts' fixed work)
 SPLIT_MIN_MACS = 1 << 20
 
 
