@@ -8,8 +8,8 @@ exact, so the result is the same bit for bit whatever the number of threads.
 A part is handed over through a pair of sequence numbers per pool thread (posted, done),
 which the other side waits for by spinning without the GIL (:func:`.spin.wait_for`): a
 training step hands parts over about nine times, and a thread woken from a sleeping wait
-took ~50 us each time on the 2-vCPU machine this was measured on (a third of the gain of
-the second core at fedshift_cnn's 6-7 ms step), a spinning one a few microseconds. A
+(a futex) took ~50 us each time on the 2-vCPU VM this was measured on, ~0.45 ms of
+fedshift_cnn's ~6 ms two-thread step, where a spinning one takes a few microseconds. A
 pool thread spins :data:`IDLE_SPIN_S` after its last part, then sleeps on a condition
 until the next one; the caller spins up to :data:`RESULT_SPIN_S` for a part, then
 sleeps too. Between training steps the pool threads therefore keep their cores busy for
