@@ -112,7 +112,10 @@ class _Part:
         error, result = self.error, self.result
         self.error = self.result = None
         if error is not None:
-            raise error
+            try:
+                raise error
+            finally:  # no cycle through this frame: the error's traceback holds it
+                error = None
         return result
 
     def close(self) -> None:
@@ -189,7 +192,10 @@ class Splitter:
             except BaseException as exc:  # noqa: BLE001 - the first error wins
                 error = error or exc
         if error is not None:
-            raise error
+            try:
+                raise error
+            finally:  # no cycle error -> traceback -> this frame -> self to keep us alive
+                error = None
         return [first] + rest
 
     def run_chain(self, tasks: Sequence[tuple[Callable[..., Any], Callable[[int, int, int],
