@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from edge_client.errors import ConfigError
+from edge_client.intnn.spin import wait_for
 
 MAX_THREADS = 256
 #: seconds a pool thread spins for its next part before it sleeps
@@ -60,8 +61,6 @@ def split_range(total: int, parts: int, align: int = 1) -> list[tuple[int, int]]
 
 def _spin_tries(seconds: float) -> int:
     """Reads of :func:`.spin.wait_for` that take about ``seconds`` on this machine."""
-    from edge_client.intnn.spin import wait_for
-
     flags = np.zeros(1, np.int64)
     wait_for(flags, 0, 1, 16)  # compiled (or loaded from the cache) before timing
     tries = 1 << 12
@@ -76,9 +75,6 @@ class _Part:
     ``flags`` = [posted, done] both sides wait on (spinning, then sleeping on ``cond``)."""
 
     def __init__(self, name: str, idle_tries: int, result_tries: int) -> None:
-        from edge_client.intnn.spin import wait_for
-
-        self._wait_for = wait_for
         self.flags = np.zeros(2, np.int64)
         self.cond = threading.Condition()
         self.idle_tries, self.result_tries = idle_tries, result_tries
@@ -103,7 +99,7 @@ class _Part:
 
     def take(self) -> Any:
         """The posted part's result (its exception raised here)."""
-        if not self._wait_for(self.flags, 1, self.posted, self.result_tries):
+        if not wait_for(self.flags, 1, self.posted, self.result_tries):
             with self.cond:
                 self.waiting = True
                 while self.flags[1] != self.posted:
@@ -128,7 +124,7 @@ class _Part:
     def _loop(self) -> None:
         seen = 0
         while True:
-            if not self._wait_for(self.flags, 0, seen + 1, self.idle_tries):
+            if not wait_for(self.flags, 0, seen + 1, self.idle_tries):
                 with self.cond:
                     self.sleeping = True
                     while self.flags[0] != seen + 1 and not self.closed:
