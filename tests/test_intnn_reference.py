@@ -713,7 +713,7 @@ def test_training_step_matches_reference(bits, lr_log2, loss):
     assert changed > 0
     # the first conv's gradient is the last one the step computed
     first = model.param_ops[0]
-    g = (ws.grad64 if first.grad_int64 else ws.grad32)[:model.w[0].size]
+    g = ws.grads[first.param]
     assert np.array_equal(g.reshape(model.w[0].shape).transpose(3, 2, 0, 1), ref["grads"][0])
 
 

@@ -344,8 +344,9 @@ def test_training_with_and_without_vnni_gives_the_same_weights(monkeypatch, name
     # split over two threads, every op (the linear update then makes its gradient again)
     monkeypatch.setattr(W, "SPLIT_MIN_MACS", 0)
     fused = []
-    real = step._fused_update
-    monkeypatch.setattr(step, "_fused_update", lambda *a: fused.append(real(*a)) or fused[-1])
+    real = step._ParamBackward._fused_update
+    monkeypatch.setattr(step._ParamBackward, "_fused_update",
+                        lambda *a: fused.append(real(*a)) or fused[-1])
     two = _train(spec, bits, 2, d)
     assert any(fused)
     assert two[1:] == without[1:]

@@ -6,7 +6,7 @@ and the FedProx / FedFOR terms in integers (:class:`Regularizer`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -94,9 +94,11 @@ class Workspace:
     (strided convs), ``plane`` a stride-1 conv's input in the padded planar layout
     ([C, plane_len]), ``a_pad`` (the input with zero borders, NHWC) and ``gt`` ([O, K*K*C],
     gradient dtype) of the error-driven conv weight gradient (``grad_mode == "sparse"``).
-    ``scratch``: per thread (:class:`Scratch`). ``grad32``/``grad64``: one weight
-    gradient buffer shared by all layers; ``extra``: FedProx/FedFOR numerators (int64,
-    only touched when those terms are on).
+    ``scratch``: per thread (:class:`Scratch`). ``grad32``/``grad64``: the weight
+    gradients, one region per layer (a step's stages overlap: one layer's update runs
+    with another's gradient), ``grads[param]`` its view (int32, or int64 where
+    ``grad_int64``; the stored weights' shape); ``extra``: FedProx/FedFOR numerators
+    (int64, ``extras[param]`` flat; only touched when those terms are on).
     """
 
     capacity: int
@@ -119,6 +121,8 @@ class Workspace:
     grad32: np.ndarray
     grad64: np.ndarray
     extra: np.ndarray
+    grads: list[np.ndarray] = field(default_factory=list)
+    extras: list[np.ndarray] = field(default_factory=list)
     train: bool = True
 
 

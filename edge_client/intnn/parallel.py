@@ -22,6 +22,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -57,6 +58,21 @@ def split_range(total: int, parts: int, align: int = 1) -> list[tuple[int, int]]
         if hi > lo:
             out.append((lo, hi))
     return out
+
+
+@dataclass(eq=False)
+class Task:
+    """One kernel to run over disjoint parts of ``range(total)`` in a
+    :meth:`Splitter.run_group`: ``kernel(*args(part, lo, hi))`` per part, boundaries
+    multiples of ``align``; ``split`` off: one part, on the calling thread. ``results``:
+    the kernel's return values, one per part, once the group ran."""
+
+    kernel: Callable[..., Any]
+    args: Callable[[int, int, int], Sequence[Any]]
+    total: int
+    align: int = 1
+    split: bool = True
+    results: list[Any] = field(default_factory=list)
 
 
 def _spin_tries(seconds: float) -> int:
@@ -201,11 +217,26 @@ class Splitter:
         hand-off for the whole chain (each part's kernels read only what the same part's
         earlier kernels wrote, e.g. the layers of a forward pass over a range of
         samples)."""
-        def chain(part: int, lo: int, hi: int) -> None:
-            for kernel, args in tasks:
-                kernel(*args(part, lo, hi))
+        self.run_group([Task(kernel, args, total, align) for kernel, args in tasks])
 
-        self.run(chain, lambda part, lo, hi: (part, lo, hi), total, align)
+    def run_group(self, tasks: Sequence[Task]) -> None:
+        """Several kernels in one hand-off: part p of every task, in the tasks' order, on
+        thread p; each task's results (one per part, in part order) are left in its
+        ``results``. A task may read what an earlier task of the group wrote only when
+        both are split alike (the same ``total`` and ``align``, both split or neither: the
+        same thread then wrote it), and must not write what another task reads, unless
+        split alike too. A task with fewer parts than the others (``split`` off, a small
+        ``total``) leaves the threads past its last part free for the other tasks."""
+        plans = [split_range(t.total, self.threads if t.split else 1, t.align) for t in tasks]
+        parts = max((len(plan) for plan in plans), default=0)
+
+        def part(p: int) -> list[Any]:
+            return [t.kernel(*t.args(p, *plan[p])) if p < len(plan) else None
+                    for t, plan in zip(tasks, plans)]
+
+        done = self.run(part, lambda p, lo, hi: (lo,), parts) if parts else []
+        for k, (t, plan) in enumerate(zip(tasks, plans)):
+            t.results = [done[p][k] for p in range(len(plan))]
 
     def close(self) -> None:
         """Stop the pool threads (a later :meth:`run` starts them again)."""

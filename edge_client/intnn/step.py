@@ -12,12 +12,15 @@ integer one, so the results do not depend on the number of threads.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from edge_client.intnn import kernels as K
 from edge_client.intnn.ops import Op, Regularizer, Workspace
+from edge_client.intnn.parallel import Task
 
 if TYPE_CHECKING:  # pragma: no cover
     from edge_client.intnn.model import IntModel
@@ -127,236 +130,329 @@ def train_step(model: IntModel, ws: Workspace, y: np.ndarray, n: int, lr_log2: i
         sse = K.sse_error(z, y, model.target, e)
     else:
         sse = K.softmax_error(z, y, model.bits, model.ce_temp_shift, e)
-    cur = e
-    eq_ready = False  # the op's quantized error was written by the max-pool after it
-    for i in range(len(model.ops) - 1, -1, -1):
-        op = model.ops[i]
-        if op.kind == "flatten":
-            cur = cur.reshape(n, *op.in_shape)
-            continue
-        if op.kind == "relu":
-            K.relu_mask(cur.reshape(-1), ws.acts[i][:n].reshape(-1))
-            continue
-        if op.kind == "pool":
-            lay = op.layer
-            sc0 = ws.scratch[0]
-            if op.fused_error:
-                _pool_error(model, ws, i, cur, n)
-                eq_ready = True
-                continue
-            if not op.needs_input_error:
-                break
-            dst = ws.err_in[i][:n]
-            K.maxpool_backward(cur, ws.win[i][:n], lay.kernel, lay.step, lay.padding, dst,
-                               sc0.nz_idx, sc0.nz_val)
-            cur = dst
-            continue
-        cur = _param_backward(model, ws, i, cur, eq_ready, n, lr_log2, seed, step, reg)
-        eq_ready = False
-        if not op.needs_input_error:
-            break
+    _backward(model, ws, e, n, _Step(lr_log2, seed, step, reg))
     return int(sse)
 
 
-def _pool_error(model: IntModel, ws: Workspace, i: int, e: np.ndarray, n: int) -> None:
-    """Max-pool op i's error ``e`` routed to its winners and quantized: the quantized error
-    of the conv before it, NHWC (``ws.eq``) or at the plane positions (``ws.eqp``)."""
-    op, conv = model.ops[i], model.ops[i - 1]
-    lay = op.layer
-    if ws.eq[i - 1] is not None:
-        dst = ws.eq[i - 1][:n]
-        h, w, c = conv.out_shape
-        strides = (h * w * c, w * c, c, 1)
-    else:  # the plane-position layout of the conv's input: [O, N * hs]
-        dst = ws.eqp[i - 1]
-        h_in, w_in, _ = conv.in_shape
-        wp = w_in + conv.layer.padding
-        hs = (h_in + conv.layer.padding) * wp
-        strides = (hs, wp, 1, dst.shape[1])
-    win = ws.win[i][:n]
-    kq = K.pool_error_scale(e, win)  # the batch's scale first: then samples split
-    sc = ws.scratch
-    model.splitter.run(K.pool_error_route, lambda t, lo, hi: (
-        e, win, lay.kernel, lay.step, lay.padding, model.bits, kq, dst, *strides,
-        sc[t].nz_idx, sc[t].nz_val, lo, hi), n, split=op.split)
+@dataclass(frozen=True)
+class _Step:
+    """What a training step's updates need besides the buffers."""
+
+    lr_log2: int
+    seed: int
+    step: int
+    reg: Regularizer | None
 
 
-def _param_backward(model: IntModel, ws: Workspace, i: int, cur: np.ndarray | None,
-                    eq_ready: bool, n: int, lr_log2: int, seed: int, step: int,
-                    reg: Regularizer | None) -> np.ndarray | None:
-    """Backward of conv/linear op i: its quantized error (unless ``eq_ready``), weight
-    gradient, the error at its input (returned) and the update of its weights."""
-    op = model.ops[i]
-    p = op.param
-    eq = ws.eq[i][:n] if ws.eq[i] is not None else None
-    if not eq_ready:
-        if op.relu:
-            K.mask_quantize_error(cur.reshape(-1), ws.acts[i][:n].reshape(-1), model.bits,
-                                  eq.reshape(-1))
+def _backward(model: IntModel, ws: Workspace, e: np.ndarray, n: int, st: _Step) -> None:
+    """The backward pass from the loss's error ``e`` [n, classes], in groups of tasks
+    (``Splitter.run_group``: one hand-off each on several threads).
+
+    Each conv/linear op's backward is a few stages (:class:`_ParamBackward`): its error
+    (the max-pool's routing after it, or its error quantized before the stage; its input's
+    error; the partial scales of the max-pool before it: all over samples), its weight
+    gradient (in the first stage when the quantized error was ready before it), its
+    update. The ops' stages overlap: the group that makes op i's error also runs the
+    stages of the ops after it that wait on nothing else, e.g. on fedshift_cnn fc1's
+    update with conv2's error, conv2's gradient with conv1's, conv2's update with conv1's
+    gradient: four hand-offs where one stage a group took eight. ReLUs, flattens and the
+    max-pools whose error is not fused run between groups, on the calling thread."""
+    ops = model.ops
+    running: list[tuple[Iterator[list[Task]], list[Task]]] = []
+    cur: np.ndarray | None = e
+    i = len(ops) - 1
+    front: _ParamBackward | None = None  # the op whose error the last group made
+    while True:
+        start: _ParamBackward | None = None
+        pool: tuple[int, int] | None = None  # (op index, scale) of a fused max-pool
+        while i >= 0 and start is None:
+            op = ops[i]
+            if op.kind in ("conv", "linear"):
+                start = _ParamBackward(model, ws, i, cur, pool, n, st)
+                i = i - 1 if op.needs_input_error else -1
+                break
+            if op.kind == "flatten":
+                cur = cur.reshape(n, *op.in_shape)
+            elif op.kind == "relu":
+                K.relu_mask(cur.reshape(-1), ws.acts[i][:n].reshape(-1))
+            elif op.kind == "pool":
+                win = ws.win[i][:n]
+                if op.fused_error:  # routed and quantized by the conv before it
+                    kq = front.pool_scale(i) if front is not None else None
+                    pool = (i, K.pool_error_scale(cur, win) if kq is None else kq)
+                elif not op.needs_input_error:
+                    i = -1
+                    break
+                else:
+                    lay = op.layer
+                    dst = ws.err_in[i][:n]
+                    sc0 = ws.scratch[0]
+                    K.maxpool_backward(cur, win, lay.kernel, lay.step, lay.padding, dst,
+                                       sc0.nz_idx, sc0.nz_val)
+                    cur = dst
+            i -= 1
+        if start is not None:
+            stages = start.stages()
+            running.append((stages, next(stages)))
+        if not running:
+            return
+        model.splitter.run_group([t for _, tasks in running for t in tasks])
+        running = [(stages, tasks) for stages, _ in running
+                   if (tasks := next(stages, None)) is not None]
+        if start is not None:
+            front, cur = start, start.dst
+
+
+class _ParamBackward:
+    """The backward of conv/linear op i as stages of tasks (:meth:`stages`), given the
+    error at its output ``cur`` (int32 [n, *out_shape]; unused when ``pool``, the fused
+    max-pool after it as (op index, the batch's error scale), routes and quantizes it)."""
+
+    def __init__(self, model: IntModel, ws: Workspace, i: int, cur: np.ndarray | None,
+                 pool: tuple[int, int] | None, n: int, st: _Step) -> None:
+        self.model, self.ws, self.i, self.cur, self.pool, self.n, self.st = (
+            model, ws, i, cur, pool, n, st)
+        op = model.ops[i]
+        self.op = op
+        self.dst = ws.err_in[i][:n] if op.needs_input_error else None
+        # the fused max-pool reading dst (through flattens only): its scale in parts
+        j = i - 1
+        while j >= 0 and model.ops[j].kind == "flatten":
+            j -= 1
+        fused = self.dst is not None and j >= 0 and model.ops[j].fused_error
+        self.scale_pool = j if fused else -1
+        self.scale: Task | None = None
+
+    def pool_scale(self, j: int) -> int | None:
+        """The error scale of max-pool op j when this op's first stage made it in parts."""
+        if j != self.scale_pool or self.scale is None:
+            return None
+        return max(self.scale.results, default=-1)  # round_log2 is monotone
+
+    def _task(self, kernel: Any, args: Any, total: int, align: int = 1) -> Task:
+        return Task(kernel, args, total, align, self.op.split)
+
+    def stages(self) -> Iterator[list[Task]]:
+        """The op's stages, one list of tasks per group (the code between two yields runs
+        on the calling thread after the group)."""
+        model, ws, i, n, op = self.model, self.ws, self.i, self.n, self.op
+        p = op.param
+        eq = ws.eq[i][:n] if ws.eq[i] is not None else None
+        first: list[Task] = []
+        if self.pool is not None:
+            first.append(self._route(*self.pool))
+        elif op.relu:
+            K.mask_quantize_error(self.cur.reshape(-1), ws.acts[i][:n].reshape(-1),
+                                  model.bits, eq.reshape(-1))
         else:
-            K.quantize_error(cur.reshape(-1), model.bits, eq.reshape(-1))
-    a_in = ws.acts[i - 1][:n] if i > 0 else ws.x[:n]
-    size = model.w[p].size
-    dst = ws.err_in[i][:n] if op.needs_input_error else None
-    g = (ws.grad64 if op.grad_int64 else ws.grad32)[:size].reshape(model.w[p].shape)
-    if op.kind == "linear":
-        a2 = a_in.reshape(n, -1)
-        # VNNI on several threads: the gradient's max first, the gradient made again inside
-        # the update (its memory traffic, not its arithmetic, limits a split; on one thread
-        # storing it is faster: fedshift_cnn 13.2 vs 13.8 ms a step, 2 threads 9.0 vs 8.3)
-        fused = (op.split and ws.scratch[0].lep[i] is not None
-                 and not (reg is not None and reg.active))
-        gmax = _linear_backward(model, ws, i, eq, a2, g, dst, n, fused)
-        if fused and _fused_update(model, ws, i, eq, a2, gmax, lr_log2, seed, step):
-            return dst
-        if fused:  # not the update's usual case: the gradient is stored after all
-            gmax = _linear_grad(model, ws, i, eq, a2, g)
-    else:
-        gmax = _conv_backward(model, ws, i, eq, a_in, g, dst, n)
-    _update(model, ws, op, g, gmax, lr_log2, seed, step, reg)
-    return dst
-
-
-def _linear_grad(model: IntModel, ws: Workspace, i: int, eq: np.ndarray, a2: np.ndarray,
-                 g: np.ndarray) -> int:
-    """Linear op i's weight gradient into g; returns max |G|."""
-    op = model.ops[i]
-    run = model.splitter.run
-    sc = ws.scratch
-    if sc[0].lep[i] is not None:
-        return max(run(K.linear_weight_grad_vnni, lambda t, lo, hi: (
-            eq, a2, g, ws.a_t[i], sc[t].lep[i], lo, hi), g.shape[0], split=op.split))
-    return max(run(K.linear_weight_grad, lambda t, lo, hi: (
-        eq, a2, g, sc[t].nz_idx, sc[t].nz_val, ws.a_t[i], lo, hi), g.shape[0], split=op.split))
-
-
-def _fused_update(model: IntModel, ws: Workspace, i: int, eq: np.ndarray, a2: np.ndarray,
-                  gmax: int, lr_log2: int, seed: int, step: int) -> bool:
-    """The update of linear op i with its gradient made again row by row
-    (``kernels.linear_update_vnni``) when it is the update's usual case (a non-zero
-    gradient, 0 < shift <= 62); False (nothing done) otherwise."""
-    if gmax <= 0:
-        return False
-    sh = int(K.round_log2(gmax)) - lr_log2
-    if not 0 < sh <= 62:
-        return False
-    op = model.ops[i]
-    p = op.param
-    sc = ws.scratch
-    rows, _ = model.counter_layout(op)
-    key = K.stream_key(seed, step, p, 0)
-    wf = model.w[p].reshape(-1)
-    tf = model.t[p].reshape(-1)
-    model.splitter.run(K.linear_update_vnni, lambda t, lo, hi: (
-        eq, a2, ws.a_t[i], sc[t].lep[i], wf, tf, sh, model.wmax, model.thr, key, rows, lo, hi),
-        model.w[p].shape[0], split=op.split)
-    model.ternary_copies(p)
-    return True
-
-
-def _linear_backward(model: IntModel, ws: Workspace, i: int, eq: np.ndarray, a2: np.ndarray,
-                     g: np.ndarray, dst: np.ndarray | None, n: int, fused: bool) -> int:
-    """Weight gradient (returns max |G|; when ``fused`` only its max, the gradient is made
-    in the update) and, when ``dst``, the error at the input."""
-    op = model.ops[i]
-    run = model.splitter.run
-    sc = ws.scratch
-    if fused:
-        gmax = max(run(K.linear_grad_max_vnni, lambda t, lo, hi: (
-            eq, a2, ws.a_t[i], sc[t].lep[i], lo, hi), g.shape[0], split=op.split))
-    else:
-        gmax = _linear_grad(model, ws, i, eq, a2, g)
-    if dst is not None:
-        d2 = dst.reshape(n, -1)
-        if _vnni_grad(model) and op.out_shape[0] >= K.vnni.VEC:
-            run(K.linear_backward_data_vnni, lambda t, lo, hi: (
-                eq, model.t[op.param], a2, op.relu_in, d2, sc[t].nz_idx, lo, hi), n,
-                split=op.split)
+            K.quantize_error(self.cur.reshape(-1), model.bits, eq.reshape(-1))
+        a_in = ws.acts[i - 1][:n] if i > 0 else ws.x[:n]
+        prep = self._grad_inputs(eq, a_in)
+        first += prep
+        later: list[Task] = []  # tasks that must wait for all of the first stage's
+        if self.dst is not None:
+            bd = self._input_error(eq, a_in)
+            if bd.split == op.split:
+                first.append(bd)
+            else:  # the whole-batch kernel (int32 scratch): after the samples' stage
+                later.append(bd)
+            if self.scale_pool >= 0 and not later:
+                win = ws.win[self.scale_pool][:n]
+                e = self.dst.reshape(win.shape)
+                self.scale = self._task(K.pool_error_scale, lambda t, lo, hi: (
+                    e[lo:hi], win[lo:hi]), n)
+                first.append(self.scale)
+        g = ws.grads[op.param]
+        fused = (op.kind == "linear" and op.split and ws.scratch[0].lep[i] is not None
+                 and not (self.st.reg is not None and self.st.reg.active))
+        grad = self._grad(eq, a_in, g, fused)
+        if self.pool is None and not prep:  # the gradient reads what is ready already
+            yield first + [grad] + later
         else:
-            run(K.linear_backward_data, lambda t, lo, hi: (
-                eq, model.t[op.param], a2, op.relu_in, d2, sc[t].nz_idx, lo, hi), n,
-                split=op.split)
-    return gmax
+            yield first
+            yield [grad] + later
+        gmax = max(grad.results, default=-1)
+        if fused:
+            update = self._fused_update(eq, a_in, gmax)
+            if update is not None:
+                yield [update]
+                model.ternary_copies(p)
+                return
+            grad = self._grad(eq, a_in, g, False)  # not the usual case: stored after all
+            yield [grad]
+            gmax = max(grad.results, default=-1)
+        yield [self._update(g, gmax)]
+        model.ternary_copies(p)
 
+    def _route(self, j: int, kq: int) -> Task:
+        """Max-pool op j's error routed to its winners and quantized at scale kq: this
+        op's quantized error, NHWC (``ws.eq``) or at the plane positions (``ws.eqp``)."""
+        model, ws, i, n = self.model, self.ws, self.i, self.n
+        lay = model.ops[j].layer
+        conv = self.op
+        if ws.eq[i] is not None:
+            dst = ws.eq[i][:n]
+            h, w, c = conv.out_shape
+            strides = (h * w * c, w * c, c, 1)
+        else:  # the plane-position layout of the conv's input: [O, N * hs]
+            dst = ws.eqp[i]
+            h_in, w_in, _ = conv.in_shape
+            wp = w_in + conv.layer.padding
+            hs = (h_in + conv.layer.padding) * wp
+            strides = (hs, wp, 1, dst.shape[1])
+        e = self.cur
+        win = ws.win[j][:n]
+        sc = ws.scratch
+        return self._task(K.pool_error_route, lambda t, lo, hi: (
+            e, win, lay.kernel, lay.step, lay.padding, model.bits, kq, dst, *strides,
+            sc[t].nz_idx, sc[t].nz_val, lo, hi), n)
 
-def _conv_backward(model: IntModel, ws: Workspace, i: int, eq: np.ndarray | None,
-                   a_in: np.ndarray, g: np.ndarray, dst: np.ndarray | None, n: int) -> int:
-    """Weight gradient (returns max |G|, -1 when the kernel does not report it) and, when
-    ``dst``, the error at the input."""
-    op = model.ops[i]
-    lay = op.layer
-    run = model.splitter.run
-    sc = ws.scratch
-    gmax = -1
-    if op.grad_mode == "int64":
-        K.conv_weight_grad(eq, a_in, lay.stride, lay.padding, g, ws.gacc[i])
-    elif op.grad_mode == "sparse":
-        if not op.vnni:  # else the forward padded the input already
-            run(K.pad_nhwc, lambda t, lo, hi: (a_in, lay.padding, ws.a_pad[i][:n], lo, hi), n,
-                split=op.split)
-        sparse = (K.conv_weight_grad_sparse_vnni if _vnni_grad(model) and g.dtype == np.int32
-                  else K.conv_weight_grad_sparse)
-        gmax = max(run(sparse, lambda t, lo, hi: (
-            eq, ws.a_pad[i][:n], lay.stride, g, ws.gt[i], sc[t].nz_idx, sc[t].nz_val, lo, hi),
-            lay.out_channels, split=op.split))
-    elif op.grad_mode == "plane":
+    def _grad_inputs(self, eq: np.ndarray | None, a_in: np.ndarray) -> list[Task]:
+        """Tasks over samples laying out what the conv weight gradient reads: the padded
+        input (sparse), the input's plane and the errors at the plane positions (plane)."""
+        ws, i, n, op = self.ws, self.i, self.n, self.op
+        lay = op.layer
+        sc = ws.scratch
+        if op.grad_mode == "sparse" and not op.vnni:  # else the forward padded it already
+            return [self._task(K.pad_nhwc, lambda t, lo, hi: (
+                a_in, lay.padding, ws.a_pad[i][:n], lo, hi), n)]
+        if op.grad_mode != "plane":
+            return []
         h_in, w_in, _ = op.in_shape
         wp = w_in + lay.padding
         hs = (h_in + lay.padding) * wp
+        tasks = []
         if op.vnni:  # the VNNI forward read the padded input: the plane is made here
-            # one thread: a copy (~40 us a step) costs less than handing half of it over
-            K.plane_for_grad(a_in, lay.kernel, lay.padding, ws.plane[i], sc[0].offs[i], 0, n)
+            tasks.append(self._task(K.plane_for_grad, lambda t, lo, hi: (
+                a_in, lay.kernel, lay.padding, ws.plane[i], sc[t].offs[i], lo, hi), n))
         if eq is not None:  # NHWC errors to the plane positions (else the pool wrote them)
-            run(K.eq_to_planar, lambda t, lo, hi: (eq, wp, hs, ws.eqp[i], lo, hi), n,
-                split=op.split)
-        n_pos = (n - 1) * hs + (op.out_shape[0] - 1) * wp + op.out_shape[1]
-        kernel = K.conv_weight_grad_plane_vnni if _vnni_grad(model) else K.conv_weight_grad_plane
-        gmax = max(run(kernel, lambda t, lo, hi: (
-            ws.eqp[i], ws.plane[i], sc[0].offs[i], n_pos, g, lo, hi), g.shape[0] * g.shape[1]
-            * g.shape[2], align=2, split=op.split))
-    else:
-        K.conv_weight_grad_dot(eq, a_in, lay.stride, lay.padding, g, ws.col_t[i], ws.e_t[i],
-                               model.conv_impl == "col")
-    if dst is not None:
+            tasks.append(self._task(K.eq_to_planar, lambda t, lo, hi: (
+                eq, wp, hs, ws.eqp[i], lo, hi), n))
+        return tasks
+
+    def _input_error(self, eq: np.ndarray, a_in: np.ndarray) -> Task:
+        """The error at the op's input (``dst``) over samples."""
+        model, ws, op, dst = self.model, self.ws, self.op, self.dst
+        sc = ws.scratch
+        t_ = model.t[op.param]
+        if op.kind == "linear":
+            a2 = a_in.reshape(self.n, -1)
+            d2 = dst.reshape(self.n, -1)
+            kernel = (K.linear_backward_data_vnni
+                      if _vnni_grad(model) and op.out_shape[0] >= K.vnni.VEC
+                      else K.linear_backward_data)
+            return self._task(kernel, lambda t, lo, hi: (
+                eq, t_, a2, op.relu_in, d2, sc[t].nz_idx, lo, hi), self.n)
+        lay = op.layer
+        tb = model.tb[op.param]
         if _vnni_grad(model) and eq.dtype == np.int8:
-            run(K.conv_backward_data_vnni, lambda t, lo, hi: (
-                eq, model.tb[op.param], lay.stride, lay.padding, dst, sc[t].nz_idx,
-                sc[t].nz_val, lo, hi), n, split=op.split)
-        elif sc[0].pbuf[i].dtype == np.int16:
-            run(K.conv_backward_data_narrow, lambda t, lo, hi: (
-                eq, model.tb[op.param], lay.stride, lay.padding, dst, sc[t].pbuf[i],
-                sc[t].nz_idx, sc[t].nz_val, lo, hi), n, split=op.split)
-        else:
-            K.conv_backward_data(eq, model.tb[op.param], lay.stride, lay.padding, dst,
-                                 sc[0].pbuf[i])
-    return gmax
+            return self._task(K.conv_backward_data_vnni, lambda t, lo, hi: (
+                eq, tb, lay.stride, lay.padding, dst, sc[t].nz_idx, sc[t].nz_val, lo, hi),
+                self.n)
+        if sc[0].pbuf[self.i].dtype == np.int16:
+            return self._task(K.conv_backward_data_narrow, lambda t, lo, hi: (
+                eq, tb, lay.stride, lay.padding, dst, sc[t].pbuf[self.i], sc[t].nz_idx,
+                sc[t].nz_val, lo, hi), self.n)
+        return Task(K.conv_backward_data, lambda t, lo, hi: (
+            eq, tb, lay.stride, lay.padding, dst, sc[0].pbuf[self.i]), 1, split=False)
+
+    def _grad(self, eq: np.ndarray | None, a_in: np.ndarray, g: np.ndarray, only_max: bool
+              ) -> Task:
+        """The weight gradient into g (or, ``only_max``, its max only: a linear op whose
+        update makes it again); its results: max |G| per part, or -1 where the kernel does
+        not report it."""
+        model, ws, i, op = self.model, self.ws, self.i, self.op
+        sc = ws.scratch
+        if op.kind == "linear":
+            a2 = a_in.reshape(self.n, -1)
+            if only_max:
+                return self._task(K.linear_grad_max_vnni, lambda t, lo, hi: (
+                    eq, a2, ws.a_t[i], sc[t].lep[i], lo, hi), g.shape[0])
+            if sc[0].lep[i] is not None:
+                return self._task(K.linear_weight_grad_vnni, lambda t, lo, hi: (
+                    eq, a2, g, ws.a_t[i], sc[t].lep[i], lo, hi), g.shape[0])
+            return self._task(K.linear_weight_grad, lambda t, lo, hi: (
+                eq, a2, g, sc[t].nz_idx, sc[t].nz_val, ws.a_t[i], lo, hi), g.shape[0])
+        lay = op.layer
+        if op.grad_mode == "sparse":
+            sparse = (K.conv_weight_grad_sparse_vnni if _vnni_grad(model)
+                      and g.dtype == np.int32 else K.conv_weight_grad_sparse)
+            a_pad = ws.a_pad[i][:self.n]
+            return self._task(sparse, lambda t, lo, hi: (
+                eq, a_pad, lay.stride, g, ws.gt[i], sc[t].nz_idx, sc[t].nz_val, lo, hi),
+                lay.out_channels)
+        if op.grad_mode == "plane":
+            h_in, w_in, _ = op.in_shape
+            wp = w_in + lay.padding
+            hs = (h_in + lay.padding) * wp
+            n_pos = (self.n - 1) * hs + (op.out_shape[0] - 1) * wp + op.out_shape[1]
+            kernel = (K.conv_weight_grad_plane_vnni if _vnni_grad(model)
+                      else K.conv_weight_grad_plane)
+            return self._task(kernel, lambda t, lo, hi: (
+                ws.eqp[i], ws.plane[i], sc[0].offs[i], n_pos, g, lo, hi),
+                g.shape[0] * g.shape[1] * g.shape[2], align=2)
+        if op.grad_mode == "int64":
+            return Task(_reporting_none(K.conv_weight_grad), lambda t, lo, hi: (
+                eq, a_in, lay.stride, lay.padding, g, ws.gacc[i]), 1, split=False)
+        return Task(_reporting_none(K.conv_weight_grad_dot), lambda t, lo, hi: (
+            eq, a_in, lay.stride, lay.padding, g, ws.col_t[i], ws.e_t[i],
+            model.conv_impl == "col"), 1, split=False)
+
+    def _fused_update(self, eq: np.ndarray, a_in: np.ndarray, gmax: int) -> Task | None:
+        """The update of a linear op with its gradient made again row by row
+        (``kernels.linear_update_vnni``) when it is the update's usual case (a non-zero
+        gradient, 0 < shift <= 62); None otherwise."""
+        if gmax <= 0:
+            return None
+        sh = int(K.round_log2(gmax)) - self.st.lr_log2
+        if not 0 < sh <= 62:
+            return None
+        model, ws, i, op = self.model, self.ws, self.i, self.op
+        p = op.param
+        sc = ws.scratch
+        a2 = a_in.reshape(self.n, -1)
+        rows, _ = model.counter_layout(op)
+        key = K.stream_key(self.st.seed, self.st.step, p, 0)
+        wf = model.w[p].reshape(-1)
+        tf = model.t[p].reshape(-1)
+        return self._task(K.linear_update_vnni, lambda t, lo, hi: (
+            eq, a2, ws.a_t[i], sc[t].lep[i], wf, tf, sh, model.wmax, model.thr, key, rows, lo,
+            hi), model.w[p].shape[0])
+
+    def _update(self, g: np.ndarray, gmax: int) -> Task:
+        """Eq. 15-16 on the op's weights (with the regularizer's term when active; its
+        numerators are made here, on the calling thread)."""
+        model, ws, op, st = self.model, self.ws, self.op, self.st
+        p = op.param
+        wf = model.w[p].reshape(-1)
+        tf = model.t[p].reshape(-1)
+        gf = g.reshape(-1)
+        size = wf.shape[0]
+        key = K.stream_key(st.seed, st.step, p, 0)
+        extra, extra_shift, key2 = ws.extra[:0], -1, key
+        if st.reg is not None and st.reg.active:
+            extra, extra_shift, key2 = ws.extras[p], st.reg.shift, K.stream_key(
+                st.seed, st.step, p, 1)
+            K.regularizer_terms(wf, st.reg.anchor[p].reshape(-1), st.reg.mu_q, st.reg.d_shift,
+                                st.reg.step_g[p].reshape(-1), st.reg.alpha_q, extra)
+        if gmax < 0:
+            gmax = K.grad_max(gf)
+        rows, cols = model.counter_layout(op)
+        lr_log2, wmax, thr = st.lr_log2, model.wmax, model.thr
+        return Task(K.sgd_update, lambda t, lo, hi: (
+            wf, gf, gmax, lr_log2, wmax, thr, key, tf, extra, extra_shift, key2, rows, cols,
+            lo, hi), size, cols if cols else UPDATE_ALIGN, size >= 1 << 16)
+
+
+def _reporting_none(kernel: Any) -> Any:
+    """A gradient kernel that does not report max |G|, reporting -1."""
+    def run(*args: Any) -> int:
+        kernel(*args)
+        return -1
+    return run
 
 
 def _vnni_grad(model: IntModel) -> bool:
     """The conv weight gradients' and a linear layer's backward-data dot products run on
     AVX-512 VNNI (int8 operands)."""
     return K.VNNI and model.amax <= 127
-
-
-def _update(model: IntModel, ws: Workspace, op: Op, g: np.ndarray, gmax: int, lr_log2: int,
-            seed: int, step: int, reg: Regularizer | None) -> None:
-    """Eq. 15-16 on op's weights (the regularizer's term when active), then the derived
-    ternary copies."""
-    p = op.param
-    wf = model.w[p].reshape(-1)
-    tf = model.t[p].reshape(-1)
-    gf = g.reshape(-1)
-    size = wf.shape[0]
-    key = K.stream_key(seed, step, p, 0)
-    extra, extra_shift, key2 = ws.extra[:0], -1, key
-    if reg is not None and reg.active:
-        extra, extra_shift, key2 = ws.extra[:size], reg.shift, K.stream_key(seed, step, p, 1)
-        K.regularizer_terms(wf, reg.anchor[p].reshape(-1), reg.mu_q, reg.d_shift,
-                            reg.step_g[p].reshape(-1), reg.alpha_q, extra)
-    if gmax < 0:
-        gmax = K.grad_max(gf)
-    rows, cols = model.counter_layout(op)
-    model.splitter.run(K.sgd_update, lambda t, lo, hi: (
-        wf, gf, gmax, lr_log2, model.wmax, model.thr, key, tf, extra, extra_shift, key2, rows,
-        cols, lo, hi), size, align=cols if cols else UPDATE_ALIGN, split=size >= 1 << 16)
-    model.ternary_copies(p)

@@ -143,6 +143,7 @@ def build_workspace(model: IntModel, capacity: int, train: bool) -> Workspace:
     per_thread = [_PerOp(PER_THREAD) for _ in range(threads)]
     prev = x
     g32 = g64 = 0
+    grad_at: dict[int, tuple[bool, int]] = {}  # param -> (int64, offset in its buffer)
     nz = n + 4
     for i, op in enumerate(model.ops):
         out = prev.reshape(n, *op.out_shape) if op.kind == "flatten" else \
@@ -182,10 +183,11 @@ def build_workspace(model: IntModel, capacity: int, train: bool) -> Workspace:
                 arrays["eq"] = np.zeros((n, *op.out_shape), ad)
             size = int(np.prod(model.internal_shapes[op.param]))
             op.grad_int64 = grad_needs_int64(model, op, n)
+            grad_at[op.param] = (op.grad_int64, g64 if op.grad_int64 else g32)
             if op.grad_int64:
-                g64 = max(g64, size)
+                g64 += size
             else:
-                g32 = max(g32, size)
+                g32 += size
         shared.add(arrays)
         for t, lists in enumerate(per_thread):
             # thread 0's scratch always; the others' (copies) only where the op is split
@@ -195,14 +197,23 @@ def build_workspace(model: IntModel, capacity: int, train: bool) -> Workspace:
                 lists.add({k: (None if v is None else v.copy()) for k, v in scratch.items()}
                           if op.split else {})
         prev = out
-    max_param = max((int(np.prod(s)) for s in model.internal_shapes), default=0)
+    # untouched pages cost no memory: a layer whose update makes its gradient again
+    # (kernels.linear_update_vnni) leaves its region unmapped
+    grad32, grad64 = np.zeros(g32, np.int32), np.zeros(g64, np.int64)
+    shapes = model.internal_shapes
+    grads = [(grad64 if wide else grad32)[at:at + int(np.prod(shapes[p]))].reshape(shapes[p])
+             for p, (wide, at) in sorted(grad_at.items())]
+    sizes = [int(np.prod(s)) for s in shapes]
+    extra = np.zeros(sum(sizes) if train else 0, np.int64)
+    starts = np.cumsum([0, *sizes])
+    extras = [extra[starts[p]:starts[p + 1]] for p in range(len(sizes))] if train else []
     return Workspace(
         capacity=n, x=x, err_out=np.zeros((n, model.spec.num_classes), np.int32) if train else
         np.zeros((0, 0), np.int32),
         scratch=[Scratch(nz_idx=np.zeros(nz, np.int32), nz_val=np.zeros(nz, np.int32),
                          **lists.lists) for lists in per_thread],
-        grad32=np.zeros(g32, np.int32), grad64=np.zeros(g64, np.int64),
-        extra=np.zeros(max_param if train else 0, np.int64), train=train, **shared.lists,
+        grad32=grad32, grad64=grad64, extra=extra, grads=grads, extras=extras, train=train,
+        **shared.lists,
     )
 
 
