@@ -11,9 +11,9 @@ import edge_client.intnn.workspace as W
 from edge_client.compat import zip_strict
 from edge_client.data import Dataset
 from edge_client.errors import ConfigError
-from edge_client.intnn import IntModel
+from edge_client.intnn import IntModel, init_int
 from edge_client.intnn import kernels as K
-from edge_client.intnn.parallel import Splitter, split_range
+from edge_client.intnn.parallel import Splitter, Task, split_range
 from edge_client.trainers import IntTrainer
 from firmware_models import Conv2d, Flatten, Linear, MaxPool2d, ModelSpec, ReLU, get_spec
 
@@ -199,6 +199,68 @@ def test_a_chain_runs_each_part_through_every_kernel_in_order():
         ranges = sorted((lo, hi) for tag, _, lo, hi, _ in log if tag == "a")
         assert ranges == sorted((lo, hi) for tag, _, lo, hi, _ in log if tag == "b")
         assert ranges == split_range(32, threads, 4) and len(ranges) == threads
+
+
+def test_a_group_runs_part_p_of_every_task_on_one_thread_and_keeps_each_task_s_results():
+    """run_group: tasks split differently share one hand-off; part p of each task runs on
+    thread p in the tasks' order, an unsplit task on the calling thread, a task with fewer
+    parts (or none: total 0) leaves the other threads to the rest; results per part."""
+    import threading
+
+    def args(tag):
+        return lambda part, lo, hi: (tag, part, lo, hi)
+
+    for threads in (1, 2, 3):
+        log: list = []
+
+        def kernel(tag, part, lo, hi, log=log):
+            log.append((tag, part, lo, hi, threading.get_ident()))
+            return (tag, lo, hi)
+
+        tasks = [Task(kernel, args("rows"), 10), Task(kernel, args("samples"), 32, align=4),
+                 Task(kernel, args("one"), 7, split=False), Task(kernel, args("small"), 2),
+                 Task(kernel, args("none"), 0)]
+        sp = Splitter(threads)
+        sp.run_group(tasks)
+        sp.close()
+        plans = [split_range(10, threads), split_range(32, threads, 4), [(0, 7)],
+                 split_range(2, threads), []]
+        for task, plan in zip_strict(tasks, plans):
+            tag = task.args(0, 0, 0)[0]
+            assert task.results == [(tag, lo, hi) for lo, hi in plan]
+            assert sorted((a, b) for name, _, a, b, _ in log if name == tag) == plan
+        by_part: dict = {}
+        for _, part, _, _, ident in log:
+            by_part.setdefault(part, set()).add(ident)
+        assert all(len(idents) == 1 for idents in by_part.values())  # part p: one thread
+        assert by_part[0] == {threading.get_ident()}  # part 0 (and "one"): the caller
+        order = ["rows", "samples", "one", "small"]
+        for part in by_part:  # each thread runs its parts in the tasks' order
+            tags = [tag for tag, p, *_ in log if p == part]
+            assert tags == sorted(tags, key=order.index)
+
+
+def test_a_two_thread_step_hands_work_over_once_per_group(monkeypatch):
+    """fedshift_cnn on two threads: the forward is one hand-off, the backward's stages
+    overlap in four (fc1's gradient with its error, its update with conv2's error,
+    conv2's gradient with conv1's error, conv2's update with conv1's gradient)."""
+    from edge_client.intnn import parallel
+
+    spec = get_spec("fedshift_cnn")
+    model = IntModel(spec, 8, threads=2)
+    model.load_int(init_int(spec, 0, 8))
+    ws = model.workspace(8)
+    rng = np.random.default_rng(0)
+    ws.x[:8] = model.prepare_inputs(rng.random((8, *spec.input_shape), dtype=np.float32))
+    y = rng.integers(0, 10, 8).astype(np.int64)
+    posts: list = []
+    real = parallel._Part.post
+    monkeypatch.setattr(parallel._Part, "post", lambda self, k, a: posts.append(k) or real(
+        self, k, a))
+    model.train_step(ws, y, 8, 3, 0, 0)
+    model.close()
+    # fc2 and conv1's update are not split (no hand-off); one stage a group took nine
+    assert 1 < len(posts) <= 5, len(posts)
 
 
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True, "2", 257])

@@ -7,7 +7,9 @@ Large kernels are split into disjoint parts that run at once on the model's thre
 backward-data and pooling over samples, the error-driven conv gradient over output
 channels, the dot-product conv gradient and the linear gradient over weight rows, the
 update over stored weights. Every part writes its own outputs and every sum is an exact
-integer one, so the results do not depend on the number of threads.
+integer one, so the results do not depend on the number of threads. Kernels that do not
+wait on each other share a hand-off: the forward ops over the same samples
+(:func:`forward`), the backward's stages of consecutive layers (:func:`_backward`).
 """
 
 from __future__ import annotations
@@ -153,10 +155,15 @@ def _backward(model: IntModel, ws: Workspace, e: np.ndarray, n: int, st: _Step) 
     error; the partial scales of the max-pool before it: all over samples), its weight
     gradient (in the first stage when the quantized error was ready before it), its
     update. The ops' stages overlap: the group that makes op i's error also runs the
-    stages of the ops after it that wait on nothing else, e.g. on fedshift_cnn fc1's
-    update with conv2's error, conv2's gradient with conv1's, conv2's update with conv1's
-    gradient: four hand-offs where one stage a group took eight. ReLUs, flattens and the
-    max-pools whose error is not fused run between groups, on the calling thread."""
+    next stage of each op after it still running, which waits on nothing that group
+    makes: on fedshift_cnn fc1's gradient with its error, fc1's update with conv2's
+    error, conv2's gradient with conv1's, conv2's update with conv1's gradient: four
+    hand-offs where one kernel a hand-off took eight. Within a group, tasks split alike
+    (over the same samples) follow each other on the same thread: the max-pool's routed
+    error, then the input's error from it, then the partial scales from that. ReLUs,
+    flattens and the max-pools whose error is not fused run between groups, on the
+    calling thread. Each layer's gradient has its own buffer (``ws.grads``): a group may
+    update one layer while it makes another's gradient."""
     ops = model.ops
     running: list[tuple[Iterator[list[Task]], list[Task]]] = []
     cur: np.ndarray | None = e
@@ -222,6 +229,12 @@ class _ParamBackward:
         fused = self.dst is not None and j >= 0 and model.ops[j].fused_error
         self.scale_pool = j if fused else -1
         self.scale: Task | None = None
+        # the first stage's tasks follow each other over the same samples: all split, or
+        # none where the input's error is one whole-batch kernel (int32 sums, no VNNI)
+        whole = (self.dst is not None and op.kind == "conv"
+                 and not (_vnni_grad(model) and ws.eq[i].dtype == np.int8)
+                 and ws.scratch[0].pbuf[i].dtype != np.int16)
+        self.error_split = op.split and not whole
 
     def pool_scale(self, j: int) -> int | None:
         """The error scale of max-pool op j when this op's first stage made it in parts."""
@@ -229,8 +242,10 @@ class _ParamBackward:
             return None
         return max(self.scale.results, default=-1)  # round_log2 is monotone
 
-    def _task(self, kernel: Any, args: Any, total: int, align: int = 1) -> Task:
-        return Task(kernel, args, total, align, self.op.split)
+    def _task(self, kernel: Any, args: Any, total: int, align: int = 1,
+              first: bool = False) -> Task:
+        """A task of this op, split as the op is (``first``: as its first stage is)."""
+        return Task(kernel, args, total, align, self.error_split if first else self.op.split)
 
     def stages(self) -> Iterator[list[Task]]:
         """The op's stages, one list of tasks per group (the code between two yields runs
@@ -249,28 +264,23 @@ class _ParamBackward:
         a_in = ws.acts[i - 1][:n] if i > 0 else ws.x[:n]
         prep = self._grad_inputs(eq, a_in)
         first += prep
-        later: list[Task] = []  # tasks that must wait for all of the first stage's
         if self.dst is not None:
-            bd = self._input_error(eq, a_in)
-            if bd.split == op.split:
-                first.append(bd)
-            else:  # the whole-batch kernel (int32 scratch): after the samples' stage
-                later.append(bd)
-            if self.scale_pool >= 0 and not later:
+            first.append(self._input_error(eq, a_in))
+            if self.scale_pool >= 0:
                 win = ws.win[self.scale_pool][:n]
                 e = self.dst.reshape(win.shape)
                 self.scale = self._task(K.pool_error_scale, lambda t, lo, hi: (
-                    e[lo:hi], win[lo:hi]), n)
+                    e[lo:hi], win[lo:hi]), n, first=True)
                 first.append(self.scale)
         g = ws.grads[op.param]
         fused = (op.kind == "linear" and op.split and ws.scratch[0].lep[i] is not None
                  and not (self.st.reg is not None and self.st.reg.active))
         grad = self._grad(eq, a_in, g, fused)
         if self.pool is None and not prep:  # the gradient reads what is ready already
-            yield first + [grad] + later
+            yield first + [grad]
         else:
             yield first
-            yield [grad] + later
+            yield [grad]
         gmax = max(grad.results, default=-1)
         if fused:
             update = self._fused_update(eq, a_in, gmax)
@@ -305,7 +315,7 @@ class _ParamBackward:
         sc = ws.scratch
         return self._task(K.pool_error_route, lambda t, lo, hi: (
             e, win, lay.kernel, lay.step, lay.padding, model.bits, kq, dst, *strides,
-            sc[t].nz_idx, sc[t].nz_val, lo, hi), n)
+            sc[t].nz_idx, sc[t].nz_val, lo, hi), n, first=True)
 
     def _grad_inputs(self, eq: np.ndarray | None, a_in: np.ndarray) -> list[Task]:
         """Tasks over samples laying out what the conv weight gradient reads: the padded
@@ -315,7 +325,7 @@ class _ParamBackward:
         sc = ws.scratch
         if op.grad_mode == "sparse" and not op.vnni:  # else the forward padded it already
             return [self._task(K.pad_nhwc, lambda t, lo, hi: (
-                a_in, lay.padding, ws.a_pad[i][:n], lo, hi), n)]
+                a_in, lay.padding, ws.a_pad[i][:n], lo, hi), n, first=True)]
         if op.grad_mode != "plane":
             return []
         h_in, w_in, _ = op.in_shape
@@ -324,10 +334,11 @@ class _ParamBackward:
         tasks = []
         if op.vnni:  # the VNNI forward read the padded input: the plane is made here
             tasks.append(self._task(K.plane_for_grad, lambda t, lo, hi: (
-                a_in, lay.kernel, lay.padding, ws.plane[i], sc[t].offs[i], lo, hi), n))
+                a_in, lay.kernel, lay.padding, ws.plane[i], sc[t].offs[i], lo, hi), n,
+                first=True))
         if eq is not None:  # NHWC errors to the plane positions (else the pool wrote them)
             tasks.append(self._task(K.eq_to_planar, lambda t, lo, hi: (
-                eq, wp, hs, ws.eqp[i], lo, hi), n))
+                eq, wp, hs, ws.eqp[i], lo, hi), n, first=True))
         return tasks
 
     def _input_error(self, eq: np.ndarray, a_in: np.ndarray) -> Task:
@@ -342,17 +353,17 @@ class _ParamBackward:
                       if _vnni_grad(model) and op.out_shape[0] >= K.vnni.VEC
                       else K.linear_backward_data)
             return self._task(kernel, lambda t, lo, hi: (
-                eq, t_, a2, op.relu_in, d2, sc[t].nz_idx, lo, hi), self.n)
+                eq, t_, a2, op.relu_in, d2, sc[t].nz_idx, lo, hi), self.n, first=True)
         lay = op.layer
         tb = model.tb[op.param]
         if _vnni_grad(model) and eq.dtype == np.int8:
             return self._task(K.conv_backward_data_vnni, lambda t, lo, hi: (
                 eq, tb, lay.stride, lay.padding, dst, sc[t].nz_idx, sc[t].nz_val, lo, hi),
-                self.n)
+                self.n, first=True)
         if sc[0].pbuf[self.i].dtype == np.int16:
             return self._task(K.conv_backward_data_narrow, lambda t, lo, hi: (
                 eq, tb, lay.stride, lay.padding, dst, sc[t].pbuf[self.i], sc[t].nz_idx,
-                sc[t].nz_val, lo, hi), self.n)
+                sc[t].nz_val, lo, hi), self.n, first=True)
         return Task(K.conv_backward_data, lambda t, lo, hi: (
             eq, tb, lay.stride, lay.padding, dst, sc[0].pbuf[self.i]), 1, split=False)
 
