@@ -7,6 +7,7 @@ and the FedProx / FedFOR terms in integers (:class:`Regularizer`).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -124,6 +125,8 @@ class Workspace:
     grads: list[np.ndarray] = field(default_factory=list)
     extras: list[np.ndarray] = field(default_factory=list)
     train: bool = True
+    #: the training step's backward tasks per batch size (``step._backward``)
+    plans: dict[int, list[Any]] = field(default_factory=dict)
 
 
 @dataclass

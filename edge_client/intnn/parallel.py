@@ -227,6 +227,10 @@ class Splitter:
         same thread then wrote it), and must not write what another task reads, unless
         split alike too. A task with fewer parts than the others (``split`` off, a small
         ``total``) leaves the threads past its last part free for the other tasks."""
+        if self.threads == 1:  # each task whole, in order (the path of every emulated device)
+            for t in tasks:
+                t.results = [t.kernel(*t.args(0, 0, t.total))] if t.total > 0 else []
+            return
         plans = [split_range(t.total, self.threads if t.split else 1, t.align) for t in tasks]
         parts = max((len(plan) for plan in plans), default=0)
 

@@ -163,19 +163,25 @@ def _backward(model: IntModel, ws: Workspace, e: np.ndarray, n: int, st: _Step) 
     error, then the input's error from it, then the partial scales from that. ReLUs,
     flattens and the max-pools whose error is not fused run between groups, on the
     calling thread. Each layer's gradient has its own buffer (``ws.grads``): a group may
-    update one layer while it makes another's gradient."""
+    update one layer while it makes another's gradient. The ops' tasks are built once per
+    workspace and batch size (``ws.plans``) and read the step's values when they run."""
+    plan = ws.plans.get(n)
+    if plan is None:
+        plan = ws.plans[n] = [_ParamBackward(model, ws, i, n) if op.param >= 0 else None
+                              for i, op in enumerate(model.ops)]
     ops = model.ops
     running: list[tuple[Iterator[list[Task]], list[Task]]] = []
-    cur: np.ndarray | None = e
+    cur: np.ndarray = e
     i = len(ops) - 1
     front: _ParamBackward | None = None  # the op whose error the last group made
     while True:
         start: _ParamBackward | None = None
-        pool: tuple[int, int] | None = None  # (op index, scale) of a fused max-pool
-        while i >= 0 and start is None:
+        kq = -1  # the error scale of the fused max-pool after the next conv
+        while i >= 0:
             op = ops[i]
-            if op.kind in ("conv", "linear"):
-                start = _ParamBackward(model, ws, i, cur, pool, n, st)
+            if op.param >= 0:
+                start = plan[i]
+                start.begin(cur, kq, st)
                 i = i - 1 if op.needs_input_error else -1
                 break
             if op.kind == "flatten":
@@ -185,8 +191,8 @@ def _backward(model: IntModel, ws: Workspace, e: np.ndarray, n: int, st: _Step) 
             elif op.kind == "pool":
                 win = ws.win[i][:n]
                 if op.fused_error:  # routed and quantized by the conv before it
-                    kq = front.pool_scale(i) if front is not None else None
-                    pool = (i, K.pool_error_scale(cur, win) if kq is None else kq)
+                    part = front.pool_scale(i) if front is not None else None
+                    kq = K.pool_error_scale(cur, win) if part is None else part
                 elif not op.needs_input_error:
                     i = -1
                     break
@@ -207,34 +213,72 @@ def _backward(model: IntModel, ws: Workspace, e: np.ndarray, n: int, st: _Step) 
         running = [(stages, tasks) for stages, _ in running
                    if (tasks := next(stages, None)) is not None]
         if start is not None:
-            front, cur = start, start.dst
+            front = start
+            if start.dst is not None:
+                cur = start.dst
 
 
 class _ParamBackward:
-    """The backward of conv/linear op i as stages of tasks (:meth:`stages`), given the
-    error at its output ``cur`` (int32 [n, *out_shape]; unused when ``pool``, the fused
-    max-pool after it as (op index, the batch's error scale), routes and quantizes it)."""
+    """The backward of conv/linear op i for batches of n samples as stages of tasks
+    (:meth:`stages`). Built once per workspace and n: the tasks hold the buffers' views;
+    the weights (which loading replaces), the error at the op's output, the max-pool's
+    scale and the step's values are read when they run (:meth:`begin` sets them). It
+    holds no reference to the workspace (which holds it)."""
 
-    def __init__(self, model: IntModel, ws: Workspace, i: int, cur: np.ndarray | None,
-                 pool: tuple[int, int] | None, n: int, st: _Step) -> None:
-        self.model, self.ws, self.i, self.cur, self.pool, self.n, self.st = (
-            model, ws, i, cur, pool, n, st)
+    def __init__(self, model: IntModel, ws: Workspace, i: int, n: int) -> None:
         op = model.ops[i]
-        self.op = op
+        self.model, self.op, self.i, self.n, self.p = model, op, i, n, op.param
+        self.sc = ws.scratch
+        self.eq = ws.eq[i][:n] if ws.eq[i] is not None else None
+        self.act = ws.acts[i][:n]
+        self.a_in = ws.acts[i - 1][:n] if i > 0 else ws.x[:n]
         self.dst = ws.err_in[i][:n] if op.needs_input_error else None
+        self.g = ws.grads[op.param]
+        self.extra = ws.extras[op.param]
+        self.none = ws.extra[:0]
+        # the step's values, set by begin() and the stages
+        self.cur: np.ndarray = self.dst if self.dst is not None else ws.err_out[:n]
+        self.kq = -1
+        self.st = _Step(0, 0, 0, None)
+        self.sh = self.gmax = self.key = self.key2 = 0
+        self.extra_now, self.extra_shift = self.none, -1
         # the fused max-pool reading dst (through flattens only): its scale in parts
         j = i - 1
         while j >= 0 and model.ops[j].kind == "flatten":
             j -= 1
         fused = self.dst is not None and j >= 0 and model.ops[j].fused_error
         self.scale_pool = j if fused else -1
-        self.scale: Task | None = None
         # the first stage's tasks follow each other over the same samples: all split, or
         # none where the input's error is one whole-batch kernel (int32 sums, no VNNI)
         whole = (self.dst is not None and op.kind == "conv"
-                 and not (_vnni_grad(model) and ws.eq[i].dtype == np.int8)
-                 and ws.scratch[0].pbuf[i].dtype != np.int16)
+                 and not (_vnni_grad(model) and self.eq.dtype == np.int8)
+                 and self.sc[0].pbuf[i].dtype != np.int16)
         self.error_split = op.split and not whole
+        routed = i + 1 < len(model.ops) and model.ops[i + 1].fused_error
+        self.route = self._route(ws, i + 1) if routed else None
+        self.prep = self._grad_inputs(ws)
+        self.first = ([self.route] if self.route is not None else []) + self.prep
+        self.scale: Task | None = None
+        if self.dst is not None:
+            self.first.append(self._input_error())
+            if self.scale_pool >= 0:
+                win = ws.win[self.scale_pool][:n]
+                e = self.dst.reshape(win.shape)
+                self.scale = self._task(K.pool_error_scale, lambda t, lo, hi: (
+                    e[lo:hi], win[lo:hi]), n, first=True)
+                self.first.append(self.scale)
+        self.grad = self._grad(ws, only_max=False)
+        # a VNNI linear op split over threads: the gradient's max, then the update makes
+        # the gradient again (kernels.linear_update_vnni) in its usual case
+        can_fuse = op.kind == "linear" and op.split and self.sc[0].lep[i] is not None
+        self.grad_max = self._grad(ws, only_max=True) if can_fuse else None
+        self.fused_update = self._fused_update(ws) if can_fuse else None
+        self.update = self._update()
+
+    def begin(self, cur: np.ndarray, kq: int, st: _Step) -> None:
+        """This step's error at the op's output (unused when the max-pool after the op
+        routes it, at scale ``kq``) and values."""
+        self.cur, self.kq, self.st = cur, kq, st
 
     def pool_scale(self, j: int) -> int | None:
         """The error scale of max-pool op j when this op's first stage made it in parts."""
@@ -250,102 +294,84 @@ class _ParamBackward:
     def stages(self) -> Iterator[list[Task]]:
         """The op's stages, one list of tasks per group (the code between two yields runs
         on the calling thread after the group)."""
-        model, ws, i, n, op = self.model, self.ws, self.i, self.n, self.op
-        p = op.param
-        eq = ws.eq[i][:n] if ws.eq[i] is not None else None
-        first: list[Task] = []
-        if self.pool is not None:
-            first.append(self._route(*self.pool))
-        elif op.relu:
-            K.mask_quantize_error(self.cur.reshape(-1), ws.acts[i][:n].reshape(-1),
-                                  model.bits, eq.reshape(-1))
+        model, op, st = self.model, self.op, self.st
+        if self.route is None:
+            if op.relu:
+                K.mask_quantize_error(self.cur.reshape(-1), self.act.reshape(-1), model.bits,
+                                      self.eq.reshape(-1))
+            else:
+                K.quantize_error(self.cur.reshape(-1), model.bits, self.eq.reshape(-1))
+        fused = self.grad_max is not None and not (st.reg is not None and st.reg.active)
+        grad = self.grad_max if fused else self.grad
+        if self.route is None and not self.prep:  # the gradient reads what is ready already
+            yield self.first + [grad]
         else:
-            K.quantize_error(self.cur.reshape(-1), model.bits, eq.reshape(-1))
-        a_in = ws.acts[i - 1][:n] if i > 0 else ws.x[:n]
-        prep = self._grad_inputs(eq, a_in)
-        first += prep
-        if self.dst is not None:
-            first.append(self._input_error(eq, a_in))
-            if self.scale_pool >= 0:
-                win = ws.win[self.scale_pool][:n]
-                e = self.dst.reshape(win.shape)
-                self.scale = self._task(K.pool_error_scale, lambda t, lo, hi: (
-                    e[lo:hi], win[lo:hi]), n, first=True)
-                first.append(self.scale)
-        g = ws.grads[op.param]
-        fused = (op.kind == "linear" and op.split and ws.scratch[0].lep[i] is not None
-                 and not (self.st.reg is not None and self.st.reg.active))
-        grad = self._grad(eq, a_in, g, fused)
-        if self.pool is None and not prep:  # the gradient reads what is ready already
-            yield first + [grad]
-        else:
-            yield first
+            yield self.first
             yield [grad]
         gmax = max(grad.results, default=-1)
         if fused:
-            update = self._fused_update(eq, a_in, gmax)
-            if update is not None:
-                yield [update]
-                model.ternary_copies(p)
+            if self._fused_case(gmax):
+                yield [self.fused_update]
+                model.ternary_copies(self.p)
                 return
-            grad = self._grad(eq, a_in, g, False)  # not the usual case: stored after all
+            grad = self.grad  # not the update's usual case: the gradient stored after all
             yield [grad]
             gmax = max(grad.results, default=-1)
-        yield [self._update(g, gmax)]
-        model.ternary_copies(p)
+        self._update_values(gmax)
+        yield [self.update]
+        model.ternary_copies(self.p)
 
-    def _route(self, j: int, kq: int) -> Task:
-        """Max-pool op j's error routed to its winners and quantized at scale kq: this
-        op's quantized error, NHWC (``ws.eq``) or at the plane positions (``ws.eqp``)."""
-        model, ws, i, n = self.model, self.ws, self.i, self.n
+    def _route(self, ws: Workspace, j: int) -> Task:
+        """Max-pool op j's error (``cur``) routed to its winners and quantized at scale
+        ``kq``: this op's quantized error, NHWC (``eq``) or at the plane positions
+        (``ws.eqp``)."""
+        model, op, n = self.model, self.op, self.n
         lay = model.ops[j].layer
-        conv = self.op
-        if ws.eq[i] is not None:
-            dst = ws.eq[i][:n]
-            h, w, c = conv.out_shape
+        if self.eq is not None:
+            dst = self.eq
+            h, w, c = op.out_shape
             strides = (h * w * c, w * c, c, 1)
         else:  # the plane-position layout of the conv's input: [O, N * hs]
-            dst = ws.eqp[i]
-            h_in, w_in, _ = conv.in_shape
-            wp = w_in + conv.layer.padding
-            hs = (h_in + conv.layer.padding) * wp
+            dst = ws.eqp[self.i]
+            h_in, w_in, _ = op.in_shape
+            wp = w_in + op.layer.padding
+            hs = (h_in + op.layer.padding) * wp
             strides = (hs, wp, 1, dst.shape[1])
-        e = self.cur
         win = ws.win[j][:n]
-        sc = ws.scratch
+        sc = self.sc
         return self._task(K.pool_error_route, lambda t, lo, hi: (
-            e, win, lay.kernel, lay.step, lay.padding, model.bits, kq, dst, *strides,
-            sc[t].nz_idx, sc[t].nz_val, lo, hi), n, first=True)
+            self.cur, win, lay.kernel, lay.step, lay.padding, model.bits, self.kq, dst,
+            *strides, sc[t].nz_idx, sc[t].nz_val, lo, hi), n, first=True)
 
-    def _grad_inputs(self, eq: np.ndarray | None, a_in: np.ndarray) -> list[Task]:
+    def _grad_inputs(self, ws: Workspace) -> list[Task]:
         """Tasks over samples laying out what the conv weight gradient reads: the padded
         input (sparse), the input's plane and the errors at the plane positions (plane)."""
-        ws, i, n, op = self.ws, self.i, self.n, self.op
+        i, n, op, a_in, eq, sc = self.i, self.n, self.op, self.a_in, self.eq, self.sc
         lay = op.layer
-        sc = ws.scratch
         if op.grad_mode == "sparse" and not op.vnni:  # else the forward padded it already
+            a_pad = ws.a_pad[i][:n]
             return [self._task(K.pad_nhwc, lambda t, lo, hi: (
-                a_in, lay.padding, ws.a_pad[i][:n], lo, hi), n, first=True)]
+                a_in, lay.padding, a_pad, lo, hi), n, first=True)]
         if op.grad_mode != "plane":
             return []
         h_in, w_in, _ = op.in_shape
         wp = w_in + lay.padding
         hs = (h_in + lay.padding) * wp
+        plane, eqp = ws.plane[i], ws.eqp[i]
         tasks = []
         if op.vnni:  # the VNNI forward read the padded input: the plane is made here
             tasks.append(self._task(K.plane_for_grad, lambda t, lo, hi: (
-                a_in, lay.kernel, lay.padding, ws.plane[i], sc[t].offs[i], lo, hi), n,
+                a_in, lay.kernel, lay.padding, plane, sc[t].offs[i], lo, hi), n,
                 first=True))
         if eq is not None:  # NHWC errors to the plane positions (else the pool wrote them)
             tasks.append(self._task(K.eq_to_planar, lambda t, lo, hi: (
-                eq, wp, hs, ws.eqp[i], lo, hi), n, first=True))
+                eq, wp, hs, eqp, lo, hi), n, first=True))
         return tasks
 
-    def _input_error(self, eq: np.ndarray, a_in: np.ndarray) -> Task:
+    def _input_error(self) -> Task:
         """The error at the op's input (``dst``) over samples."""
-        model, ws, op, dst = self.model, self.ws, self.op, self.dst
-        sc = ws.scratch
-        t_ = model.t[op.param]
+        model, op, dst, eq, a_in, sc, i, p = (self.model, self.op, self.dst, self.eq,
+                                              self.a_in, self.sc, self.i, self.p)
         if op.kind == "linear":
             a2 = a_in.reshape(self.n, -1)
             d2 = dst.reshape(self.n, -1)
@@ -353,44 +379,44 @@ class _ParamBackward:
                       if _vnni_grad(model) and op.out_shape[0] >= K.vnni.VEC
                       else K.linear_backward_data)
             return self._task(kernel, lambda t, lo, hi: (
-                eq, t_, a2, op.relu_in, d2, sc[t].nz_idx, lo, hi), self.n, first=True)
+                eq, model.t[p], a2, op.relu_in, d2, sc[t].nz_idx, lo, hi), self.n,
+                first=True)
         lay = op.layer
-        tb = model.tb[op.param]
         if _vnni_grad(model) and eq.dtype == np.int8:
             return self._task(K.conv_backward_data_vnni, lambda t, lo, hi: (
-                eq, tb, lay.stride, lay.padding, dst, sc[t].nz_idx, sc[t].nz_val, lo, hi),
-                self.n, first=True)
-        if sc[0].pbuf[self.i].dtype == np.int16:
+                eq, model.tb[p], lay.stride, lay.padding, dst, sc[t].nz_idx, sc[t].nz_val,
+                lo, hi), self.n, first=True)
+        if sc[0].pbuf[i].dtype == np.int16:
             return self._task(K.conv_backward_data_narrow, lambda t, lo, hi: (
-                eq, tb, lay.stride, lay.padding, dst, sc[t].pbuf[self.i], sc[t].nz_idx,
+                eq, model.tb[p], lay.stride, lay.padding, dst, sc[t].pbuf[i], sc[t].nz_idx,
                 sc[t].nz_val, lo, hi), self.n, first=True)
         return Task(K.conv_backward_data, lambda t, lo, hi: (
-            eq, tb, lay.stride, lay.padding, dst, sc[0].pbuf[self.i]), 1, split=False)
+            eq, model.tb[p], lay.stride, lay.padding, dst, sc[0].pbuf[i]), 1, split=False)
 
-    def _grad(self, eq: np.ndarray | None, a_in: np.ndarray, g: np.ndarray, only_max: bool
-              ) -> Task:
-        """The weight gradient into g (or, ``only_max``, its max only: a linear op whose
+    def _grad(self, ws: Workspace, only_max: bool) -> Task:
+        """The weight gradient into ``g`` (or, ``only_max``, its max only: a linear op whose
         update makes it again); its results: max |G| per part, or -1 where the kernel does
         not report it."""
-        model, ws, i, op = self.model, self.ws, self.i, self.op
-        sc = ws.scratch
+        model, i, op, eq, a_in, g, sc = (self.model, self.i, self.op, self.eq, self.a_in,
+                                         self.g, self.sc)
         if op.kind == "linear":
             a2 = a_in.reshape(self.n, -1)
+            a_t = ws.a_t[i]
             if only_max:
                 return self._task(K.linear_grad_max_vnni, lambda t, lo, hi: (
-                    eq, a2, ws.a_t[i], sc[t].lep[i], lo, hi), g.shape[0])
+                    eq, a2, a_t, sc[t].lep[i], lo, hi), g.shape[0])
             if sc[0].lep[i] is not None:
                 return self._task(K.linear_weight_grad_vnni, lambda t, lo, hi: (
-                    eq, a2, g, ws.a_t[i], sc[t].lep[i], lo, hi), g.shape[0])
+                    eq, a2, g, a_t, sc[t].lep[i], lo, hi), g.shape[0])
             return self._task(K.linear_weight_grad, lambda t, lo, hi: (
-                eq, a2, g, sc[t].nz_idx, sc[t].nz_val, ws.a_t[i], lo, hi), g.shape[0])
+                eq, a2, g, sc[t].nz_idx, sc[t].nz_val, a_t, lo, hi), g.shape[0])
         lay = op.layer
         if op.grad_mode == "sparse":
             sparse = (K.conv_weight_grad_sparse_vnni if _vnni_grad(model)
                       and g.dtype == np.int32 else K.conv_weight_grad_sparse)
-            a_pad = ws.a_pad[i][:self.n]
+            a_pad, gt = ws.a_pad[i][:self.n], ws.gt[i]
             return self._task(sparse, lambda t, lo, hi: (
-                eq, a_pad, lay.stride, g, ws.gt[i], sc[t].nz_idx, sc[t].nz_val, lo, hi),
+                eq, a_pad, lay.stride, g, gt, sc[t].nz_idx, sc[t].nz_val, lo, hi),
                 lay.out_channels)
         if op.grad_mode == "plane":
             h_in, w_in, _ = op.in_shape
@@ -399,60 +425,66 @@ class _ParamBackward:
             n_pos = (self.n - 1) * hs + (op.out_shape[0] - 1) * wp + op.out_shape[1]
             kernel = (K.conv_weight_grad_plane_vnni if _vnni_grad(model)
                       else K.conv_weight_grad_plane)
+            eqp, plane = ws.eqp[i], ws.plane[i]
             return self._task(kernel, lambda t, lo, hi: (
-                ws.eqp[i], ws.plane[i], sc[0].offs[i], n_pos, g, lo, hi),
+                eqp, plane, sc[0].offs[i], n_pos, g, lo, hi),
                 g.shape[0] * g.shape[1] * g.shape[2], align=2)
         if op.grad_mode == "int64":
+            gacc = ws.gacc[i]
             return Task(_reporting_none(K.conv_weight_grad), lambda t, lo, hi: (
-                eq, a_in, lay.stride, lay.padding, g, ws.gacc[i]), 1, split=False)
+                eq, a_in, lay.stride, lay.padding, g, gacc), 1, split=False)
+        col_t, e_t = ws.col_t[i], ws.e_t[i]
         return Task(_reporting_none(K.conv_weight_grad_dot), lambda t, lo, hi: (
-            eq, a_in, lay.stride, lay.padding, g, ws.col_t[i], ws.e_t[i],
-            model.conv_impl == "col"), 1, split=False)
+            eq, a_in, lay.stride, lay.padding, g, col_t, e_t, model.conv_impl == "col"), 1,
+            split=False)
 
-    def _fused_update(self, eq: np.ndarray, a_in: np.ndarray, gmax: int) -> Task | None:
+    def _fused_update(self, ws: Workspace) -> Task:
         """The update of a linear op with its gradient made again row by row
-        (``kernels.linear_update_vnni``) when it is the update's usual case (a non-zero
-        gradient, 0 < shift <= 62); None otherwise."""
-        if gmax <= 0:
-            return None
-        sh = int(K.round_log2(gmax)) - self.st.lr_log2
-        if not 0 < sh <= 62:
-            return None
-        model, ws, i, op = self.model, self.ws, self.i, self.op
-        p = op.param
-        sc = ws.scratch
-        a2 = a_in.reshape(self.n, -1)
-        rows, _ = model.counter_layout(op)
-        key = K.stream_key(self.st.seed, self.st.step, p, 0)
-        wf = model.w[p].reshape(-1)
-        tf = model.t[p].reshape(-1)
+        (``kernels.linear_update_vnni``), at the shift and key :meth:`_fused_case` set."""
+        model, i, p, sc = self.model, self.i, self.p, self.sc
+        eq, a2, a_t = self.eq, self.a_in.reshape(self.n, -1), ws.a_t[i]
+        rows, _ = model.counter_layout(self.op)
         return self._task(K.linear_update_vnni, lambda t, lo, hi: (
-            eq, a2, ws.a_t[i], sc[t].lep[i], wf, tf, sh, model.wmax, model.thr, key, rows, lo,
-            hi), model.w[p].shape[0])
+            eq, a2, a_t, sc[t].lep[i], model.w[p].reshape(-1), model.t[p].reshape(-1),
+            self.sh, model.wmax, model.thr, self.key, rows, lo, hi), model.w[p].shape[0])
 
-    def _update(self, g: np.ndarray, gmax: int) -> Task:
-        """Eq. 15-16 on the op's weights (with the regularizer's term when active; its
-        numerators are made here, on the calling thread)."""
-        model, ws, op, st = self.model, self.ws, self.op, self.st
-        p = op.param
-        wf = model.w[p].reshape(-1)
-        tf = model.t[p].reshape(-1)
-        gf = g.reshape(-1)
-        size = wf.shape[0]
-        key = K.stream_key(st.seed, st.step, p, 0)
-        extra, extra_shift, key2 = ws.extra[:0], -1, key
-        if st.reg is not None and st.reg.active:
-            extra, extra_shift, key2 = ws.extras[p], st.reg.shift, K.stream_key(
-                st.seed, st.step, p, 1)
-            K.regularizer_terms(wf, st.reg.anchor[p].reshape(-1), st.reg.mu_q, st.reg.d_shift,
-                                st.reg.step_g[p].reshape(-1), st.reg.alpha_q, extra)
-        if gmax < 0:
-            gmax = K.grad_max(gf)
+    def _fused_case(self, gmax: int) -> bool:
+        """Whether this step's update is the fused one's usual case (a non-zero gradient,
+        0 < shift <= 62); if so its shift and key are set."""
+        if gmax <= 0:
+            return False
+        st = self.st
+        sh = int(K.round_log2(gmax)) - st.lr_log2
+        if not 0 < sh <= 62:
+            return False
+        self.sh, self.key = sh, K.stream_key(st.seed, st.step, self.p, 0)
+        return True
+
+    def _update(self) -> Task:
+        """Eq. 15-16 on the op's weights (with the regularizer's term when active), at the
+        values :meth:`_update_values` set."""
+        model, op, p = self.model, self.op, self.p
+        gf = self.g.reshape(-1)
+        size = gf.shape[0]
         rows, cols = model.counter_layout(op)
-        lr_log2, wmax, thr = st.lr_log2, model.wmax, model.thr
         return Task(K.sgd_update, lambda t, lo, hi: (
-            wf, gf, gmax, lr_log2, wmax, thr, key, tf, extra, extra_shift, key2, rows, cols,
-            lo, hi), size, cols if cols else UPDATE_ALIGN, size >= 1 << 16)
+            model.w[p].reshape(-1), gf, self.gmax, self.st.lr_log2, model.wmax, model.thr,
+            self.key, model.t[p].reshape(-1), self.extra_now, self.extra_shift, self.key2,
+            rows, cols, lo, hi), size, cols if cols else UPDATE_ALIGN, size >= 1 << 16)
+
+    def _update_values(self, gmax: int) -> None:
+        """The update's max |G| (computed here when the gradient kernel did not report it),
+        keys and the regularizer's numerators (made here, on the calling thread)."""
+        model, st, p = self.model, self.st, self.p
+        self.key = self.key2 = K.stream_key(st.seed, st.step, p, 0)
+        self.extra_now, self.extra_shift = self.none, -1
+        if st.reg is not None and st.reg.active:
+            self.extra_now, self.extra_shift = self.extra, st.reg.shift
+            self.key2 = K.stream_key(st.seed, st.step, p, 1)
+            K.regularizer_terms(model.w[p].reshape(-1), st.reg.anchor[p].reshape(-1),
+                                st.reg.mu_q, st.reg.d_shift, st.reg.step_g[p].reshape(-1),
+                                st.reg.alpha_q, self.extra)
+        self.gmax = gmax if gmax >= 0 else K.grad_max(self.g.reshape(-1))
 
 
 def _reporting_none(kernel: Any) -> Any:
