@@ -27,6 +27,7 @@ writes the table.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -116,7 +117,7 @@ def _macs(op) -> int:
 
 def profile_model(name: str, steps: int) -> tuple[list, dict]:
     """(ops, {(op index, phase): [seconds per step]})."""
-    from edge_client.intnn import IntModel, init_int, step
+    from edge_client.intnn import IntModel, init_int, parallel, step
     from edge_client.intnn import kernels as K
     from firmware_models import get_spec
 
@@ -138,19 +139,47 @@ def profile_model(name: str, steps: int) -> tuple[list, dict]:
             return out
         return wrapper
 
-    def context(fn, shift):
+    def at_layer(fn, i):
+        def wrapper(*args):
+            current[0] = i
+            return fn(*args)
+        return wrapper
+
+    def forward_op(fn):  # the forward on one thread: an op at a time
         def wrapper(m, w, i, *args):
-            current[0] = i + shift
+            current[0] = i
             return fn(m, w, i, *args)
         return wrapper
 
+    def stages(fn):  # a backward op's code between its groups (quantizing, copies)
+        def wrapper(self):
+            gen = fn(self)
+            while True:
+                current[0] = self.i
+                try:
+                    tasks = next(gen)
+                except StopIteration:
+                    return
+                yield tasks
+        return wrapper
+
+    def run_group(fn):  # each task's kernels attributed to the op it is tagged with
+        def wrapper(self, tasks):
+            copies = [dataclasses.replace(t, kernel=at_layer(t.kernel, t.tag)) for t in tasks]
+            fn(self, copies)
+            for t, c in zip(tasks, copies, strict=True):
+                t.results = c.results
+        return wrapper
+
     originals = {nm: getattr(K, nm) for nm in KERNEL_PHASE if hasattr(K, nm)}
-    hooks = {"_forward_op": 0, "_pool_error": -1, "_param_backward": 0}
-    saved = {h: getattr(step, h) for h in hooks}
+    hooks = [(step, "forward_op", "_forward_op", forward_op),
+             (step._ParamBackward, "stages", "stages", stages),
+             (parallel.Splitter, "run_group", "run_group", run_group)]
+    saved = {key: getattr(owner, name) for owner, key, name, _ in hooks}
     for nm, fn in originals.items():
         setattr(K, nm, timed(nm, fn))
-    for h, shift in hooks.items():
-        setattr(step, h, context(saved[h], shift))
+    for owner, key, name, hook in hooks:
+        setattr(owner, name, hook(saved[key]))
     per_step: dict = defaultdict(list)
     try:
         for s in range(steps + 2):
@@ -164,8 +193,8 @@ def profile_model(name: str, steps: int) -> tuple[list, dict]:
     finally:
         for nm, fn in originals.items():
             setattr(K, nm, fn)
-        for h in hooks:
-            setattr(step, h, saved[h])
+        for owner, key, name, _ in hooks:
+            setattr(owner, name, saved[key])
     return model.ops, per_step
 
 

@@ -65,13 +65,15 @@ class Task:
     """One kernel to run over disjoint parts of ``range(total)`` in a
     :meth:`Splitter.run_group`: ``kernel(*args(part, lo, hi))`` per part, boundaries
     multiples of ``align``; ``split`` off: one part, on the calling thread. ``results``:
-    the kernel's return values, one per part, once the group ran."""
+    the kernel's return values, one per part, once the group ran. ``tag``: what the task
+    belongs to (e.g. an op's index, for a profile)."""
 
     kernel: Callable[..., Any]
     args: Callable[[int, int, int], Sequence[Any]]
     total: int
     align: int = 1
     split: bool = True
+    tag: Any = None
     results: list[Any] = field(default_factory=list)
 
 

@@ -265,7 +265,7 @@ class _ParamBackward:
                 win = ws.win[self.scale_pool][:n]
                 e = self.dst.reshape(win.shape)
                 self.scale = self._task(K.pool_error_scale, lambda t, lo, hi: (
-                    e[lo:hi], win[lo:hi]), n, first=True)
+                    e[lo:hi], win[lo:hi]), n, first=True, tag=self.scale_pool - 1)
                 self.first.append(self.scale)
         self.grad = self._grad(ws, only_max=False)
         # a VNNI linear op split over threads: the gradient's max, then the update makes
@@ -287,9 +287,13 @@ class _ParamBackward:
         return max(self.scale.results, default=-1)  # round_log2 is monotone
 
     def _task(self, kernel: Any, args: Any, total: int, align: int = 1,
-              first: bool = False) -> Task:
-        """A task of this op, split as the op is (``first``: as its first stage is)."""
-        return Task(kernel, args, total, align, self.error_split if first else self.op.split)
+              first: bool = False, split: bool | None = None, tag: int | None = None
+              ) -> Task:
+        """A task of this op (tagged with its index), split as the op is (``first``: as
+        its first stage is; ``split``: as given)."""
+        if split is None:
+            split = self.error_split if first else self.op.split
+        return Task(kernel, args, total, align, split, self.i if tag is None else tag)
 
     def stages(self) -> Iterator[list[Task]]:
         """The op's stages, one list of tasks per group (the code between two yields runs
@@ -390,7 +394,7 @@ class _ParamBackward:
             return self._task(K.conv_backward_data_narrow, lambda t, lo, hi: (
                 eq, model.tb[p], lay.stride, lay.padding, dst, sc[t].pbuf[i], sc[t].nz_idx,
                 sc[t].nz_val, lo, hi), self.n, first=True)
-        return Task(K.conv_backward_data, lambda t, lo, hi: (
+        return self._task(K.conv_backward_data, lambda t, lo, hi: (
             eq, model.tb[p], lay.stride, lay.padding, dst, sc[0].pbuf[i]), 1, split=False)
 
     def _grad(self, ws: Workspace, only_max: bool) -> Task:
@@ -431,10 +435,10 @@ class _ParamBackward:
                 g.shape[0] * g.shape[1] * g.shape[2], align=2)
         if op.grad_mode == "int64":
             gacc = ws.gacc[i]
-            return Task(_reporting_none(K.conv_weight_grad), lambda t, lo, hi: (
+            return self._task(_reporting_none(K.conv_weight_grad), lambda t, lo, hi: (
                 eq, a_in, lay.stride, lay.padding, g, gacc), 1, split=False)
         col_t, e_t = ws.col_t[i], ws.e_t[i]
-        return Task(_reporting_none(K.conv_weight_grad_dot), lambda t, lo, hi: (
+        return self._task(_reporting_none(K.conv_weight_grad_dot), lambda t, lo, hi: (
             eq, a_in, lay.stride, lay.padding, g, col_t, e_t, model.conv_impl == "col"), 1,
             split=False)
 
@@ -467,10 +471,11 @@ class _ParamBackward:
         gf = self.g.reshape(-1)
         size = gf.shape[0]
         rows, cols = model.counter_layout(op)
-        return Task(K.sgd_update, lambda t, lo, hi: (
+        return self._task(K.sgd_update, lambda t, lo, hi: (
             model.w[p].reshape(-1), gf, self.gmax, self.st.lr_log2, model.wmax, model.thr,
             self.key, model.t[p].reshape(-1), self.extra_now, self.extra_shift, self.key2,
-            rows, cols, lo, hi), size, cols if cols else UPDATE_ALIGN, size >= 1 << 16)
+            rows, cols, lo, hi), size, cols if cols else UPDATE_ALIGN,
+            split=size >= 1 << 16)
 
     def _update_values(self, gmax: int) -> None:
         """The update's max |G| (computed here when the gradient kernel did not report it),

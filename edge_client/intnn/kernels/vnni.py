@@ -37,7 +37,7 @@ from numba import njit
 
 from edge_client.intnn.kernels.conv_backward import _add_four_patches, _gt_out
 from edge_client.intnn.kernels.conv_forward import _finish_run
-from edge_client.intnn.kernels.layout import _pad_nhwc, _to_plane
+from edge_client.intnn.kernels.layout import _pad_nhwc, _to_plane, _transpose_fours
 from edge_client.intnn.kernels.rng import _GOLDEN
 from edge_client.intnn.kernels.update import _update_rows
 from edge_client.intnn.kernels.vnni_intrinsics import (  # noqa: F401 (re-exported)
@@ -295,32 +295,6 @@ def linear_backward_data_vnni(eq, t, a_in, masked, out, corr, n0, n1):
                     if masked and a_in[nn, fi[i]] <= 0:
                         v = np.int32(0)
                     out[nn, fi[i]] = v
-
-
-@njit(cache=True, nogil=True, inline="always")
-def _transpose_fours(a, a_t, f0, f1):
-    """a_t[f, :N4] = a[:, f] (zero past N) for f0 <= f < f1, four samples a 32-bit word:
-    each word from four rows of a read along f (a [N, F] int8, a_t [F, L] int8 with L a
-    multiple of 4). A byte at a time down a's columns took 0.21 ms for fedshift_cnn's fc1
-    (F 4096, N 32); this 0.036."""
-    n_s = a.shape[0]
-    n_f = a.shape[1]
-    af = a.reshape(-1).view(np.uint8)
-    atw = a_t.reshape(-1).view(np.uint32)
-    lw = a_t.shape[1] // 4
-    for k in range((n_s + 3) // 4):
-        n = 4 * k
-        last = n_s - 1
-        r0, r1, r2, r3 = (n * n_f, min(n + 1, last) * n_f, min(n + 2, last) * n_f,
-                          min(n + 3, last) * n_f)
-        m1 = np.uint32(0xFF) if n + 1 < n_s else np.uint32(0)
-        m2 = np.uint32(0xFF) if n + 2 < n_s else np.uint32(0)
-        m3 = np.uint32(0xFF) if n + 3 < n_s else np.uint32(0)
-        for f in range(f0, f1):
-            atw[U(f * lw + k)] = (np.uint32(af[U(r0 + f)])
-                                  | ((np.uint32(af[U(r1 + f)]) & m1) << np.uint32(8))
-                                  | ((np.uint32(af[U(r2 + f)]) & m2) << np.uint32(16))
-                                  | ((np.uint32(af[U(r3 + f)]) & m3) << np.uint32(24)))
 
 
 @njit(cache=True, nogil=True, inline="always")
