@@ -18,6 +18,7 @@ import numpy as np
 from numba import njit
 
 from edge_client.intnn.kernels.arith import _finish
+from edge_client.intnn.kernels.layout import _transpose_fours
 
 U = np.uint64
 
@@ -152,9 +153,12 @@ def linear_weight_grad(eq, a, g_out, idx, val, a_t, f0, f1):
     n_out = g_out.shape[1]
     ef = eq.reshape(-1)
     gf = g_out.reshape(-1)
-    for n in range(n_s):
-        for f in range(f0, f1):
-            a_t[f, n] = a[n, f]
+    if a.itemsize == 1 and a_t.shape[1] % 4 == 0:
+        _transpose_fours(a, a_t, f0, f1)  # fedshift_cnn fc2 (F 512): the kernel 43 -> 36 us
+    else:
+        for n in range(n_s):
+            for f in range(f0, f1):
+                a_t[f, n] = a[n, f]
     narrow = g_out.itemsize <= 4
     gmax = np.int64(0)
     for f in range(f0, f1):
