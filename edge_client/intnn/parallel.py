@@ -1,15 +1,17 @@
-"""Running one kernel over disjoint parts of its work on several threads.
+"""Running kernels over disjoint parts of their work on several threads.
 
 The training kernels release the GIL (``nogil``), so a kernel split into parts (samples,
 output channels, weight rows) runs on ``threads`` cores at once: ``threads - 1`` pool
 threads plus the calling one. Every part writes its own outputs and integer sums are
-exact, so the result is the same bit for bit whatever the number of threads.
+exact, so the result is the same bit for bit whatever the number of threads. Kernels that
+do not wait on each other share one hand-off (:meth:`Splitter.run_group`: part p of each
+:class:`Task` on thread p).
 
 A part is handed over through a pair of sequence numbers per pool thread (posted, done),
 which the other side waits for by spinning without the GIL (:func:`.spin.wait_for`): a
-training step hands parts over about nine times, and a thread woken from a sleeping wait
-(a futex) took ~50 us each time on the 2-vCPU VM this was measured on, ~0.45 ms of
-fedshift_cnn's ~6 ms two-thread step, where a spinning one takes a few microseconds. A
+fedshift_cnn training step hands parts over five times (nine before its kernels were
+grouped), and a thread woken from a sleeping wait (a futex) took ~50 us each time on the
+2-vCPU VM this was measured on, where a spinning one takes a few microseconds. A
 pool thread spins :data:`IDLE_SPIN_S` after its last part, then sleeps on a condition
 until the next one; the caller spins up to :data:`RESULT_SPIN_S` for a part, then
 sleeps too. Between training steps the pool threads therefore keep their cores busy for
