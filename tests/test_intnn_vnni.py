@@ -17,6 +17,7 @@ from edge_client.data import Dataset
 from edge_client.intnn import IntModel, step
 from edge_client.intnn import kernels as K
 from edge_client.intnn.kernels import vnni as V
+from edge_client.intnn.kernels import vnni_linear as VL
 from edge_client.intnn.ops import plane_len
 from edge_client.trainers import IntTrainer
 from firmware_models import Conv2d, Flatten, Linear, MaxPool2d, ModelSpec, ReLU, get_spec
@@ -253,8 +254,43 @@ def test_the_vnni_linear_backward_data_equals_the_generic_one(case):
         got = np.full_like(ref, 3)
         corr = np.zeros(n + 4, np.int32)
         for lo, hi in ((0, n // 2), (n // 2, n)):
-            V.linear_backward_data_vnni(eq, t, a_in, masked, got, corr, lo, hi)
+            VL.linear_backward_data_vnni(eq, t, a_in, masked, got, corr, lo, hi)
         assert np.array_equal(got, ref), (case, masked)
+
+
+@needs_vnni
+@pytest.mark.parametrize("case", range(8))
+def test_the_vnni_linear_forward_equals_the_generic_one(case):
+    """Blocks of rows x up to 32 samples, non-zero inputs in fours (some blocks empty),
+    outputs in 16-lane chunks and a tail (O 16 / 70 / 512), any int8 input, both parts of
+    a two-thread split; bits 8 and 4 (shift, clip)."""
+    rng = np.random.default_rng(300 + case)
+    n = int(rng.choice([1, 5, 33, 40]))
+    f = int(rng.choice([1, 37, 128, 129, 300, 4096]))
+    o = int(rng.choice([16, 70, 512]))
+    amax = 127 if case % 2 == 0 else 7
+    t = ternary(rng, (f, o))
+    a = rng.integers(-amax, amax + 1, (n, f)).astype(np.int8)
+    a[rng.random(a.shape) < 0.6] = 0
+    a[:, : min(f, 128) // 2] = 0  # a block's first half empty: rows skipped
+    shift = int(rng.integers(0, 8))
+    for relu in (False, True):
+        ref = np.zeros((n, o), np.int8)
+        K.linear_forward(a, t, shift, amax, relu, ref, np.zeros(o, np.int32),
+                         np.zeros(o, np.int16), np.zeros(f + 4, np.int32),
+                         np.zeros(f + 4, np.int32), 0, n)
+        dense = a.astype(np.int64) @ t.astype(np.int64)
+        half = np.int64(1) << max(shift - 1, 0)
+        want = np.sign(dense) * ((np.abs(dense) + half) >> shift) if shift else dense
+        want = np.clip(np.maximum(want, 0) if relu else want, -amax, amax)
+        assert np.array_equal(ref, want)
+        got = np.full_like(ref, 3)
+        for lo, hi in ((0, n // 2), (n // 2, n)):
+            VL.linear_forward_vnni(a, t, shift, amax, relu, got,
+                                   np.full(VL.FORWARD_SAMPLES * o, 9, np.int32),
+                                   np.full(min(f, VL.FORWARD_ROWS) + 4, 5, np.int32),
+                                   np.full(min(f, VL.FORWARD_ROWS) + 4, 5, np.int32), lo, hi)
+        assert np.array_equal(got, ref), (case, relu)
 
 
 @needs_vnni
@@ -272,7 +308,7 @@ def test_the_vnni_linear_weight_gradient_equals_the_generic_one(n, f, o):
     got = np.full_like(ref, 9)
     a_t = np.full((f, n4), 5, np.int8)  # stale bytes past n must not matter
     split = (0, f // 2 | 1, f) if f > 2 else (0, f)
-    gmax = max(V.linear_weight_grad_vnni(eq, a, got, a_t, np.full(n4 * o, 3, np.int8), lo, hi)
+    gmax = max(VL.linear_weight_grad_vnni(eq, a, got, a_t, np.full(n4 * o, 3, np.int8), lo, hi)
                for lo, hi in zip_strict(split[:-1], split[1:]))
     assert np.array_equal(got, ref) and gmax == gmax_ref
 
@@ -287,7 +323,7 @@ def test_the_fused_linear_update_equals_gradient_then_update(n, f, o, sh):
     g = a.T.astype(np.int64) @ eq.astype(np.int64)
     n4 = V.padded(n, 4)
     a_t, ep = np.zeros((f, n4), np.int8), np.zeros(n4 * o, np.int8)
-    gmax = V.linear_grad_max_vnni(eq, a, a_t, ep, 0, f)
+    gmax = VL.linear_grad_max_vnni(eq, a, a_t, ep, 0, f)
     assert gmax == np.abs(g).max()
     w_ref, t_ref = w0.copy(), np.zeros((f, o), np.int8)
     key = int(K.stream_key(3, 7, 1, 0))
@@ -297,7 +333,7 @@ def test_the_fused_linear_update_equals_gradient_then_update(n, f, o, sh):
                  key, t_ref.reshape(-1), np.zeros(0, np.int64), -1, key, f, o, 0, f * o)
     w, t = w0.copy(), np.zeros((f, o), np.int8)
     for lo, hi in ((0, f // 2 | 1), (f // 2 | 1, f)):
-        V.linear_update_vnni(eq, a, a_t, ep, w.reshape(-1), t.reshape(-1), sh, 100, 20, key, f,
+        VL.linear_update_vnni(eq, a, a_t, ep, w.reshape(-1), t.reshape(-1), sh, 100, 20, key, f,
                              lo, hi)
     assert np.array_equal(w, w_ref) and np.array_equal(t, t_ref)
 

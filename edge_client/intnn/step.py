@@ -23,6 +23,7 @@ import numpy as np
 from edge_client.intnn import kernels as K
 from edge_client.intnn.ops import Op, Regularizer, Workspace
 from edge_client.intnn.parallel import Task
+from edge_client.intnn.workspace import vnni_linear_forward
 
 if TYPE_CHECKING:  # pragma: no cover
     from edge_client.intnn.model import IntModel
@@ -84,6 +85,10 @@ def _forward_task(model: IntModel, ws: Workspace, i: int, op: Op, prev: np.ndarr
                 sc[t].pacc16[i], sc[t].ptile[i], lo, hi)
         return None
     if op.kind == "linear":
+        if vnni_linear_forward(model, op):
+            return K.linear_forward_vnni, lambda t, lo, hi: (
+                prev, model.t[p], op.shift, model.amax, op.relu, out, sc[t].lacc[i],
+                sc[t].nz_idx, sc[t].nz_val, lo, hi)
         return K.linear_forward, lambda t, lo, hi: (
             prev, model.t[p], op.shift, model.amax, op.relu, out, sc[t].lacc[i],
             sc[t].lacc16[i], sc[t].nz_idx, sc[t].nz_val, lo, hi)

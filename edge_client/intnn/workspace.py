@@ -67,6 +67,14 @@ def vnni_linear_grad(model: IntModel, op: Op, batch: int) -> bool:
             and op.out_shape[0] % 64 == 0 and not grad_needs_int64(model, op, batch))
 
 
+def vnni_linear_forward(model: IntModel, op: Op) -> bool:
+    """This linear layer's forward runs on AVX-512 VNNI (``kernels.vnni_linear``): int8
+    activations, at least one 16-output block, and sums of the sign-flipped bytes that
+    fit int32 (F * 255 * 128 < 2^31)."""
+    return (K.VNNI and model.amax <= 127 and op.kind == "linear" and op.out_shape[0] >= 16
+            and op.in_shape[0] * 255 * 128 < 1 << 31)
+
+
 def op_macs(op: Op) -> int:
     """Multiply-accumulates of one sample's forward through op (0 for ops without
     weights)."""
@@ -170,14 +178,16 @@ def build_workspace(model: IntModel, capacity: int, train: bool) -> Workspace:
                 nz = max(nz, min(64, op.out_shape[2]) * (K.vnni.SPARSE_CHUNK + 4))
         elif op.kind == "linear":
             n_out = op.out_shape[0]
-            scratch = {"lacc": np.zeros(n_out, np.int32),
+            # the VNNI forward keeps up to FORWARD_SAMPLES samples' sums at a time
+            rows = min(n, K.vnni_linear.FORWARD_SAMPLES) if vnni_linear_forward(model, op) else 1
+            scratch = {"lacc": np.zeros(rows * n_out, np.int32),
                        "lacc16": np.zeros(n_out if model.amax <= 127 else 0, np.int16)}
             if train and is_param:
                 n4 = K.vnni.padded(n, 4)  # the VNNI gradient takes samples in fours
                 arrays["a_t"] = np.zeros((op.in_shape[0], n4), ad)
                 if vnni_linear_grad(model, op, n):
                     scratch["lep"] = np.zeros(n4 * n_out, ad)
-            nz = max(nz, op.in_shape[0])
+            nz = max(nz, op.in_shape[0] + 4)  # a row's non-zero inputs, padded to fours
         if train and is_param:
             if not eq_planar_from_pool(model, i):
                 arrays["eq"] = np.zeros((n, *op.out_shape), ad)

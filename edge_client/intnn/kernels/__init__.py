@@ -10,9 +10,10 @@ what they compute:
   (max-pool with int8 winners, the pool's error routed and quantized in one pass, ReLU),
   :mod:`.loss` (SSE, integer softmax);
 - :mod:`.update` error quantization (eq. 12) and the stochastic weight update (eq. 15-16);
-- :mod:`.vnni` the conv forward, backward-data and both weight gradients and the
-  linear backward-data, weight gradient and fused update as int8 dot products on AVX-512
-  VNNI, where the CPU has it (:data:`VNNI`; bit-identical to the others).
+- :mod:`.vnni` the conv forward, backward-data and both weight gradients, and
+  :mod:`.vnni_linear` the linear forward, backward-data, weight gradient and fused update,
+  as int8 dot products on AVX-512 VNNI, where the CPU has it (:data:`VNNI`;
+  bit-identical to the others).
 
 Every kernel takes and returns integers (or booleans) only; no float value exists in any
 of them (``tests/test_intnn_integer_only.py`` inspects the compiled type maps of
@@ -25,7 +26,7 @@ This package re-exports every kernel, so ``from edge_client.intnn import kernels
 K.conv_forward(...)`` works as before the split.
 """
 
-from edge_client.intnn.kernels import vnni
+from edge_client.intnn.kernels import vnni, vnni_linear
 from edge_client.intnn.kernels.arith import LOG2_HALF_THRESH, max_abs, round_log2, round_shift
 from edge_client.intnn.kernels.conv_backward import (
     conv_backward_data,
@@ -78,12 +79,15 @@ from edge_client.intnn.kernels.vnni import (
     conv_forward_vnni,
     conv_weight_grad_plane_vnni,
     conv_weight_grad_sparse_vnni,
+    pad_rows,
+    plane_for_grad,
+)
+from edge_client.intnn.kernels.vnni_linear import (
     linear_backward_data_vnni,
+    linear_forward_vnni,
     linear_grad_max_vnni,
     linear_update_vnni,
     linear_weight_grad_vnni,
-    pad_rows,
-    plane_for_grad,
 )
 
 # The kernels a training step runs from Python (their compiled signatures must be
@@ -99,7 +103,7 @@ TRAINING_KERNELS = (
     conv_weight_grad_plane, conv_weight_grad_sparse, conv_backward_data_narrow, eq_to_planar,
     pad_nhwc, grad_max,
 ) + ((conv_backward_data_vnni, conv_forward_vnni, conv_weight_grad_plane_vnni,
-      conv_weight_grad_sparse_vnni, linear_backward_data_vnni,
+      conv_weight_grad_sparse_vnni, linear_backward_data_vnni, linear_forward_vnni,
       linear_grad_max_vnni, linear_update_vnni, linear_weight_grad_vnni, pad_rows,
       plane_for_grad) if VNNI else ())
 
@@ -110,11 +114,12 @@ __all__ = [
     "conv_weight_grad", "conv_weight_grad_dot", "conv_weight_grad_plane",
     "conv_weight_grad_plane_vnni", "conv_weight_grad_sparse", "conv_weight_grad_sparse_vnni",
     "eq_to_planar", "grad_max", "linear_backward_data", "linear_backward_data_vnni",
-    "linear_forward", "linear_grad_max_vnni", "linear_update_vnni", "linear_weight_grad",
+    "linear_forward", "linear_forward_vnni", "linear_grad_max_vnni", "linear_update_vnni", "linear_weight_grad",
     "linear_weight_grad_vnni", "mask_quantize_error", "max_abs", "maxpool_backward",
     "maxpool_forward", "mix64", "pad_nhwc", "pad_rows", "plane_for_grad",
     "pool_error_quantize", "pool_error_route", "pool_error_scale", "quantize_error",
     "quantize_inputs_nhwc", "rand62", "regularizer_terms", "relu_forward", "relu_mask",
     "round_log2", "round_shift", "sgd_update", "softmax_error", "sse_error", "stream_key",
     "ternarize", "ternary_copies", "ternary_lists", "transpose_kkco_okkc", "vnni",
+    "vnni_linear",
 ]

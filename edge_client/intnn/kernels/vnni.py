@@ -21,13 +21,8 @@ Results are bit-identical to the generic kernels (tests/test_intnn_vnni.py).
   (:func:`_interleave4_rows`); the errors listed for 64 channels in one pass (bit masks);
 - :func:`conv_backward_data_vnni`: the conv backward-data the same way, per output pixel
   its non-zero errors against their weight rows, added into the patch it covers;
-- :func:`linear_backward_data_vnni`: :func:`~.linear.linear_backward_data` for O >= 64;
-- :func:`linear_weight_grad_vnni`: :func:`~.linear.linear_weight_grad` for O a multiple of
-  64 (:func:`_outer_block`: four samples' products per instruction into 16 outputs' lanes);
-  :func:`linear_grad_max_vnni` + :func:`linear_update_vnni`: the same gradient's max, then
-  the stochastic update with the gradient made again two rows at a time: a 512 x 4096
-  layer's 8 MB int32 gradient is never written and read back (the step is memory-bound
-  there, most of all on several cores).
+
+The linear layers' VNNI kernels are in :mod:`.vnni_linear`.
 """
 
 from __future__ import annotations
@@ -37,9 +32,7 @@ from numba import njit
 
 from edge_client.intnn.kernels.conv_backward import _add_four_patches, _gt_out
 from edge_client.intnn.kernels.conv_forward import _finish_run
-from edge_client.intnn.kernels.layout import _pad_nhwc, _to_plane, _transpose_fours
-from edge_client.intnn.kernels.rng import _GOLDEN
-from edge_client.intnn.kernels.update import _update_rows
+from edge_client.intnn.kernels.layout import _pad_nhwc, _to_plane
 from edge_client.intnn.kernels.vnni_intrinsics import (  # noqa: F401 (re-exported)
     AVAILABLE,
     DISABLE_ENV,
@@ -258,141 +251,6 @@ def plane_for_grad(a, k, pad, plane, offs, n0, n1):
         for kw in range(k):
             for c in range(c_in):
                 offs[(kh * k + kw) * c_in + c] = c * lp + kh * wp + kw
-
-
-@njit(cache=True, nogil=True)
-def linear_backward_data_vnni(eq, t, a_in, masked, out, corr, n0, n1):
-    """:func:`~.linear.linear_backward_data` (out [N, F] int32 = eq @ t.T, 0 where
-    ``masked`` and a_in <= 0) with vpdpbusd, for O >= 64: four rows of t (the unsigned
-    side, flipped) x two samples' errors per block, every row of t read once per call;
-    the last O % 64 outputs in plain integers. corr: int32 [>= n1 - n0] scratch (128 x
-    each sample's error sum: the flip's correction). Samples n0 <= n < n1."""
-    n_in = t.shape[0]
-    n_out = t.shape[1]
-    tf = t.reshape(-1)
-    ef = eq.reshape(-1)
-    n64 = n_out // VEC
-    tail = n64 * VEC
-    for n in range(n0, n1):
-        s = np.int32(0)
-        for o in range(tail):
-            s = np.int32(s + np.int32(ef[U(n * n_out + o)]))
-        corr[n - n0] = np.int32(s * 128)
-    last = n_in - 1
-    for f in range(0, n_in, 4):
-        fi = (f, min(f + 1, last), min(f + 2, last), min(f + 3, last))
-        rows = (fi[0] * n_out, fi[1] * n_out, fi[2] * n_out, fi[3] * n_out)
-        for n in range(n0, n1, 2):
-            nb = min(n + 1, n1 - 1)
-            s = _dot_block(tf, rows, ef, (n * n_out, nb * n_out), n64)
-            for i in range(4):
-                for j in range(2):
-                    nn = n if j == 0 else nb
-                    v = np.int32(s[2 * i + j] - corr[nn - n0])
-                    for o in range(tail, n_out):
-                        v = np.int32(v + np.int32(ef[U(nn * n_out + o)])
-                                     * np.int32(tf[U(rows[i] + o)]))
-                    if masked and a_in[nn, fi[i]] <= 0:
-                        v = np.int32(0)
-                    out[nn, fi[i]] = v
-
-
-@njit(cache=True, nogil=True, inline="always")
-def _pack_linear(eq, a, a_t, ep, f0, f1):
-    """a_t[f, :N4] = a[:, f] (zero past N) for f0 <= f < f1, ep = eq packed [N4/4, O, 4]
-    (zero past N); returns 128 x each output's error sum (int32 [O], the flip's
-    correction)."""
-    n_s = a.shape[0]
-    n_out = eq.shape[1]
-    n4 = (n_s + 3) // 4 * 4
-    ef = eq.reshape(-1)
-    _transpose_fours(a, a_t, f0, f1)
-    for k in range(n4 // 4):
-        for o in range(n_out):
-            for j in range(4):
-                n = 4 * k + j
-                ep[U((k * n_out + o) * 4 + j)] = ef[U(n * n_out + o)] if n < n_s else 0
-    corr = np.zeros(n_out, np.int32)
-    for n in range(n_s):
-        for o in range(n_out):
-            corr[o] = np.int32(corr[o] + np.int32(ef[U(n * n_out + o)]))
-    for o in range(n_out):
-        corr[o] = np.int32(corr[o] * 128)
-    return corr
-
-
-@njit(cache=True, nogil=True, inline="always")
-def _grad_rows(af, la, nq, ep, corr, f, fb, gf, g0, g1):
-    """Rows f and fb of the gradient into gf at offsets g0 and g1 (O a multiple of 64)."""
-    n_out = corr.shape[0]
-    for o in range(0, n_out, 64):
-        _outer_block(af, (f * la, fb * la), nq, ep, n_out * 4, (o, o + 16, o + 32, o + 48),
-                     corr, gf, (g0, g1), nq, 0)
-
-
-@njit(cache=True, nogil=True, inline="always")
-def _max_abs_run(gf, i0, i1, m):
-    for i in range(i0, i1):
-        v = np.int64(gf[U(i)])
-        v = -v if v < 0 else v
-        m = v if v > m else m
-    return m
-
-
-@njit(cache=True, nogil=True)
-def linear_weight_grad_vnni(eq, a, g_out, a_t, ep, f0, f1):
-    """:func:`~.linear.linear_weight_grad` (int32 g_out [F, O] = a.T @ eq, rows
-    f0 <= f < f1; returns their max |g|) with vpdpbusd, for O a multiple of 64: each
-    instruction adds four samples' products to 16 outputs of a row, two rows x 64 outputs
-    per block, so no sum is reduced across lanes. a_t: [F, >= N4] scratch (N4: N rounded
-    up to 4) receives a transposed, zero past N; ep: [>= N4 * O] int8 scratch receives
-    eq packed in groups of four samples ([N4/4, O, 4])."""
-    n_out = g_out.shape[1]
-    corr = _pack_linear(eq, a, a_t, ep, f0, f1)
-    gf = g_out.reshape(-1)
-    nq = (a.shape[0] + 3) // 4
-    for f in range(f0, f1, 2):
-        fb = min(f + 1, f1 - 1)
-        _grad_rows(a_t.reshape(-1), a_t.shape[1], nq, ep, corr, f, fb, gf, f * n_out,
-                   fb * n_out)
-    return _max_abs_run(gf, f0 * n_out, f1 * n_out, np.int64(0))
-
-
-@njit(cache=True, nogil=True)
-def linear_grad_max_vnni(eq, a, a_t, ep, f0, f1):
-    """The max |g| :func:`linear_weight_grad_vnni` returns, with the gradient's rows made
-    two at a time in a small buffer and not stored (the update makes them again:
-    :func:`linear_update_vnni`)."""
-    n_out = eq.shape[1]
-    corr = _pack_linear(eq, a, a_t, ep, f0, f1)
-    buf = np.empty(2 * n_out, np.int32)
-    nq = (a.shape[0] + 3) // 4
-    m = np.int64(0)
-    for f in range(f0, f1, 2):
-        _grad_rows(a_t.reshape(-1), a_t.shape[1], nq, ep, corr, f, min(f + 1, f1 - 1), buf, 0,
-                   n_out)
-        m = _max_abs_run(buf, 0, 2 * n_out, m)
-    return m
-
-
-@njit(cache=True, nogil=True)
-def linear_update_vnni(eq, a, a_t, ep, w, t, sh, wmax, thr, key, rows, f0, f1):
-    """:func:`~.update.sgd_update` on rows f0 <= f < f1 of a linear layer ([F, O] storage,
-    counters over [O, F]: ``rows`` = F) in its usual case (0 < sh <= 62, no extra term),
-    each pair of gradient rows made again (:func:`linear_grad_max_vnni`) in a small
-    buffer just before its weights are updated: the gradient never goes to memory."""
-    n_out = eq.shape[1]
-    corr = _pack_linear(eq, a, a_t, ep, f0, f1)
-    buf = np.empty(2 * n_out, np.int32)
-    nq = (a.shape[0] + 3) // 4
-    for f in range(f0, f1, 2):
-        fb = min(f + 1, f1 - 1)
-        _grad_rows(a_t.reshape(-1), a_t.shape[1], nq, ep, corr, f, fb, buf, 0, n_out)
-        _update_rows(w, buf, t, f * n_out, 0, n_out, sh, wmax, thr, key + (f + 1) * _GOLDEN,
-                     rows * _GOLDEN)
-        if fb != f:
-            _update_rows(w, buf, t, fb * n_out, n_out, n_out, sh, wmax, thr,
-                         key + (fb + 1) * _GOLDEN, rows * _GOLDEN)
 
 
 @njit(cache=True, nogil=True, inline="always")
