@@ -46,7 +46,8 @@ PHASES = ("forward", "backward-data", "weight gradient", "update", "error routin
 KERNEL_PHASE = {
     "conv_forward_plane": "forward", "conv_forward_vnni": "forward",
     "conv_forward_col": "forward", "conv_forward": "forward",
-    "linear_forward": "forward", "maxpool_forward": "forward", "relu_forward": "forward",
+    "linear_forward": "forward", "linear_forward_vnni": "forward", "maxpool_forward": "forward",
+    "relu_forward": "forward",
     "conv_backward_data_narrow": "backward-data", "conv_backward_data": "backward-data",
     "conv_backward_data_vnni": "backward-data",
     "linear_backward_data": "backward-data", "linear_backward_data_vnni": "backward-data",
@@ -88,8 +89,11 @@ NOTES = {
                                  "K*C < 32 (first conv): dot products over the plane "
                                  "positions, 2 rows x 4 channels of vpdpbusd, in chunks of "
                                  "positions that stay in L1.",
-    ("linear", "forward"): "driven by the non-zero inputs (25-50% after ReLU + pool): rows of "
-                           "the [F, O] ternary weights added in int16.",
+    ("linear", "forward"): "driven by the non-zero inputs (25-50% after ReLU + pool): VNNI "
+                           "(O >= 16): 128 weight rows at a time for up to 32 samples, each "
+                           "sample's non-zero inputs in fours against their rows interleaved "
+                           "(the rows stay in L1 across the samples); else rows of the "
+                           "[F, O] ternary weights added in int16, a sample at a time.",
     ("linear", "backward-data"): "VNNI (O >= 64): 4 weight rows x 2 samples of vpdpbusd "
                                  "dot products, dense, masked after; else dot products only "
                                  "where the input is positive, four weight rows per pass.",
