@@ -85,7 +85,7 @@ def trained_all_widths():
         ws = sparse.workspace(4)
         sparse.train_step(ws, data.y[:4], 4, 3, 0, 0)
         # one and two threads, every op split: the VNNI linear update that makes its
-        # gradient again runs only on several threads
+        # gradient again runs on several threads (on one only for 2^18 weights and more)
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(W, "SPLIT_MIN_MACS", 0)
             for threads in (1, 2):
