@@ -99,9 +99,10 @@ NOTES = {
                                  "where the input is positive, four weight rows per pass.",
     ("linear", "weight gradient"): "VNNI (O a multiple of 64): four samples' products per "
                                    "vpdpbusd into 16 outputs' lanes (no reduction), two rows "
-                                   "x 64 outputs a block; on several threads only its max, "
-                                   "the update makes it again (8 MB of int32 for fc1 never "
-                                   "stored). Else driven by the non-zero inputs.",
+                                   "x 64 outputs a block; on several threads, and for 2^18 "
+                                   "weights or more on one, only its max: the update makes it "
+                                   "again (8 MB of int32 for fc1 never stored). Else driven by "
+                                   "the non-zero inputs.",
     ("linear", "update"): "one SplitMix64 draw per weight (bit-exact stream), fused clip + "
                           "ternarize; memory-bound on G (int32) + w + t.",
     ("conv", "update"): "as linear; plus the backward copy and the +-1 run lists.",
