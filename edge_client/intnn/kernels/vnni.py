@@ -254,6 +254,17 @@ def plane_for_grad(a, k, pad, plane, offs, n0, n1):
 
 
 @njit(cache=True, nogil=True, inline="always")
+def _pad_to_fours(pi, pv, cnt):
+    """Zero terms after the cnt listed in pi/pv up to a multiple of four (what
+    :func:`_rows_dot` takes); returns the new count."""
+    while cnt & 3:
+        pi[cnt] = 0
+        pv[cnt] = 0
+        cnt += 1
+    return cnt
+
+
+@njit(cache=True, nogil=True, inline="always")
 def _rows_dot(gf, d, a, pi, pv, q0, q1, row_off, n, bias):
     """gf[d + j] += sum_q (a[pi[q] + row_off + j] ^ 0x80) * pv[q] - bias for j < n (a
     multiple of 16), q0 <= q < q1: :func:`_interleave4_rows` on five chunks of 16 a call,
@@ -317,10 +328,7 @@ def conv_backward_data_vnni(eq, t, stride, pad, out, oi, ov, n0, n1):
                 p += 1
                 if cnt == 0:
                     continue
-                while cnt & 3:  # zero terms up to a multiple of four
-                    oi[cnt] = 0
-                    ov[cnt] = 0
-                    cnt += 1
+                cnt = _pad_to_fours(oi, ov, cnt)
                 ix0 = x * stride - pad
                 kw_lo = 0 if ix0 >= 0 else -ix0
                 kw_hi = k if ix0 + k <= w_in else w_in - ix0

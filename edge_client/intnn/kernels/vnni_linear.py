@@ -25,7 +25,7 @@ from edge_client.intnn.kernels.arith import _finish
 from edge_client.intnn.kernels.layout import _transpose_fours
 from edge_client.intnn.kernels.rng import _GOLDEN
 from edge_client.intnn.kernels.update import _update_rows
-from edge_client.intnn.kernels.vnni import _rows_dot
+from edge_client.intnn.kernels.vnni import _pad_to_fours, _rows_dot
 from edge_client.intnn.kernels.vnni_intrinsics import VEC, _dot_block, _outer_block
 
 U = np.uint64
@@ -67,10 +67,7 @@ def linear_forward_vnni(a, t, shift, amax, relu, out, acc, idx, val, n0, n1):
                     cnt += np.int64(v != 0)
                 if cnt == 0:
                     continue
-                while cnt & 3:  # zero terms up to a multiple of four
-                    idx[cnt] = 0
-                    val[cnt] = 0
-                    cnt += 1
+                cnt = _pad_to_fours(idx, val, cnt)
                 d = (n - s0) * n_out
                 _rows_dot(acc, d, tf, idx, val, 0, cnt, 0, m16, 128 * s)
                 for o in range(m16, n_out):
