@@ -31,8 +31,8 @@ if TYPE_CHECKING:  # pragma: no cover
 UPDATE_ALIGN = 256  # canonical-order weights are updated in runs of 256 (kernels.sgd_update)
 # a VNNI linear layer with at least this many weights makes its gradient twice (its max,
 # then again in the update) instead of storing it, on one thread too: fedshift_cnn's fc1
-# (2M weights, an 8 MB int32 gradient) one-thread step 1.06x faster in a paired A/B;
-# digits_cnn's fc1 (8k, 32 KB that stay in L2) 0.97x, so it stores its gradient
+# (2M weights, an 8 MB int32 gradient) one-thread step 1.01-1.06x faster in four paired
+# A/Bs; digits_cnn's fc1 (8k, 32 KB that stay in L2) 0.97x, so it stores its gradient
 FUSED_UPDATE_MIN_WEIGHTS = 1 << 18
 
 
