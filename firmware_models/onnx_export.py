@@ -27,7 +27,11 @@ Runtime picks its int8 GEMM kernels (VNNI where the CPU has it) and an NHWC layo
 image input whose channel count is not a multiple of 4 is padded with zero channels
 (``Pad``) that the first conv's zero weights ignore (its weights are then
 ``[O, 4 * ceil(C / 4), K, K]``; :func:`exported_ternary` drops the zero channels): ONNX
-Runtime's int8 conv runs the padded input faster.
+Runtime's int8 conv runs the padded input faster. A stride-1 conv on 4 such channels with
+at least 256 output pixels reads its input folded along the width
+(``onnx_graph.WidthFold``): pairs of columns as pixels of 8 channels, a reshape in NHWC,
+with weights ``[2 O, 8, K, ceil((K + 1) / 2)]`` whose output channels are the two output
+columns of a pair (:func:`exported_ternary` unfolds them); same products, same sums.
 
 Otherwise (s > 8, or larger accumulators; ``onnx_graph.IntegerGraph``), int32 throughout
 (opset 17):
@@ -86,6 +90,7 @@ from firmware_models.onnx_graph import (
     IntegerGraph,
     QLinearGraph,
     onnx_type,
+    unfold_conv_weights,
 )
 from firmware_models.spec import Conv2d, Flatten, Linear, MaxPool2d, ModelSpec, ReLU
 
@@ -321,14 +326,16 @@ def _qlinear_layers(g: QLinearGraph, spec: ModelSpec, ts: Sequence[np.ndarray],
     """The layers at s <= 8 (``QLinearGraph``); returns the int8 logits' name
     (:data:`LOGITS`)."""
     layers = spec.layers
-    act = g.input(INPUT, spec.input_shape[0] if isinstance(layers[0], Conv2d) else None)
+    shapes = spec.activation_shapes
+    act = g.input(INPUT, layers[0] if isinstance(layers[0], Conv2d) else None, shapes[0])
     p = 0
     i = 0
     while i < len(layers):
         layer = layers[i]
         if isinstance(layer, (Conv2d, Linear)):
             relu = i + 1 < len(layers) and isinstance(layers[i + 1], ReLU)
-            act = g.layer(act, layer, ts[p], int(shifts[p]), relu)
+            act = g.layer(act, layer, ts[p], int(shifts[p]), relu,
+                          shapes[i] if isinstance(layer, Conv2d) else ())
             p += 1
             i += 2 if relu else 1
             if i < len(layers) and isinstance(layers[i], MaxPool2d):
@@ -448,6 +455,8 @@ def exported_ternary(model: onnx.ModelProto, info: ExportInfo) -> list[np.ndarra
         a = numpy_helper.to_array(t)
         if isinstance(layer, Conv2d):  # uint8 t + 1 (ConvInteger) or int8 t (QLinearConv)
             a = a.astype(np.int16) - (1 if a.dtype == np.uint8 else 0)
+            unfolded = unfold_conv_weights(a, layer.out_channels, layer.kernel)
+            a = a if unfolded is None else unfolded  # a width-folded conv's weights
             c = layer.weight_shape[1]  # a padded image input's channels have zero weights
             if a.ndim == 4 and a.shape[1] > c and not np.any(a[:, c:]):
                 a = a[:, :c]

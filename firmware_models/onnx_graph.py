@@ -91,6 +91,8 @@ class Act:
     nonneg: bool = False
     #: zero channels appended to the tensor (the next conv's weights get zero rows for them)
     extra_channels: int = 0
+    #: cells of value 0 already around it (top, left, bottom, right) for the conv reading it
+    pads: tuple[int, int, int, int] = (0, 0, 0, 0)
 
 
 class IntegerGraph:
@@ -272,6 +274,92 @@ QLINEAR_TIE_BREAK = 2.0 ** -22
 QLINEAR_MAX_ACC = 600_000
 #: an image input's channels are padded to a multiple of this for its first conv
 QLINEAR_CHANNEL_BLOCK = 4
+#: a stride-1 conv on one channel block reads this many neighbouring columns as one pixel
+QLINEAR_WIDTH_FOLD = 2
+#: ... when it has this many output pixels: the fold adds two reshapes (~0.3 us each a
+#: call), which a small conv does not win back (digits_cnn's 8x8: batch 1 0.97x, batch 32
+#: 1.02x; mnist_cnn's 28x28 1.07x / 1.14x; fedshift_cnn's 30x30 1.07x / 1.10x)
+QLINEAR_FOLD_MIN_PIXELS = 256
+
+
+@dataclass(frozen=True)
+class WidthFold:
+    """A stride-1 conv on ``[N, C, H, W]`` computed on its input folded along the width:
+    ``f`` neighbouring columns as one pixel of ``f * C`` channels, which in NHWC is a
+    reshape (``[N, Hp, Wp, C]`` -> ``[N, Hp, Wp / f, f * C]``, no copy). The folded conv has
+    ``f * O`` output channels, phase-major (output column ``f * X + phase``), so its NHWC
+    output reshapes back to ``[N, Ho, f * blocks, O]`` alike; ``kernel`` rows and ``taps``
+    folded columns. Same products, same exact int32 sums, ~``f * taps / kernel`` of the
+    multiply-accumulates (the zero weights of the fold), but ``f`` times the channels a
+    kernel tap reads: ONNX Runtime's VNNI conv pays per output pixel and tap, and a
+    4-channel tap fills a quarter of its work (fedshift_cnn's first conv 34 -> 26 us a
+    sample, docs/performance.md). The input is padded once for the folded conv: the
+    conv's own padding, and on the right up to ``width``."""
+
+    f: int
+    kernel: int
+    taps: int
+    out_h: int
+    out_w: int
+    blocks: int
+    height: int
+    width: int
+    pads: tuple[int, int, int, int]  # (top, left, bottom, right)
+
+
+def width_fold(layer: Conv2d, in_shape: Sequence[int], channels: int) -> WidthFold | None:
+    """The fold of a conv reading ``channels`` (padded) channels of ``in_shape`` (C, H, W),
+    or None where the conv is read as it is (stride > 1; more than one channel block: a
+    tap then holds enough channels: fedshift_cnn's graph with its second conv folded too ran
+    0.92x; fewer
+    than :data:`QLINEAR_FOLD_MIN_PIXELS` output pixels)."""
+    f = QLINEAR_WIDTH_FOLD
+    if layer.stride != 1 or channels != QLINEAR_CHANNEL_BLOCK or f < 2:
+        return None
+    _, h, w = in_shape
+    k, p = layer.kernel, layer.padding
+    out_h, out_w = h + 2 * p - k + 1, w + 2 * p - k + 1
+    if out_h * out_w < QLINEAR_FOLD_MIN_PIXELS:
+        return None
+    taps = (k - 1 + f - 1) // f + 1
+    blocks = -(-out_w // f)
+    width = (blocks + taps - 1) * f
+    return WidthFold(f, k, taps, out_h, out_w, blocks, h + 2 * p, width,
+                     (p, p, p, width - w - p))
+
+
+def fold_conv_weights(t: np.ndarray, f: int) -> np.ndarray:
+    """Conv weights ``[O, C, K, K]`` for the width-folded input (:class:`WidthFold`):
+    ``[f * O, f * C, K, taps]`` with ``out[phase, o, j, c, ky, X] = t[o, c, ky, f X + j -
+    phase]`` (0 outside the kernel)."""
+    o, c, k, _ = t.shape
+    taps = (k - 1 + f - 1) // f + 1
+    out = np.zeros((f, o, f, c, k, taps), t.dtype)
+    for phase in range(f):
+        for j in range(f):
+            for x in range(taps):
+                kx = f * x + j - phase
+                if 0 <= kx < k:
+                    out[phase, :, j, :, :, x] = t[:, :, :, kx]
+    return out.reshape(f * o, f * c, k, taps)
+
+
+def unfold_conv_weights(a: np.ndarray, out_channels: int, kernel: int) -> np.ndarray | None:
+    """The ``[O, C, K, K]`` weights whose :func:`fold_conv_weights` is ``a``, or None when
+    ``a`` is not such a fold."""
+    if a.ndim != 4 or a.shape[0] <= out_channels or a.shape[0] % out_channels:
+        return None
+    f = a.shape[0] // out_channels
+    if a.shape[1] % f or a.shape[2] != kernel:
+        return None
+    c = a.shape[1] // f
+    first = a[:out_channels].reshape(out_channels, f, c, kernel, a.shape[3])  # phase 0
+    t = np.zeros((out_channels, c, kernel, kernel), a.dtype)
+    for kx in range(kernel):
+        if kx // f >= a.shape[3]:
+            return None
+        t[:, :, :, kx] = first[:, kx % f, :, :, kx // f]
+    return t if np.array_equal(fold_conv_weights(t, f), a) else None
 
 
 class QLinearGraph:
@@ -288,28 +376,36 @@ class QLinearGraph:
         self.one = b.const(1.0, np.float32, "scale")
         self.wzp = b.const(0, np.int8, "w_zp")
 
-    def input(self, x: str, channels: int | None = None) -> Act:
+    def input(self, x: str, first: Conv2d | None = None,
+              shape: Sequence[int] | None = None) -> Act:
         """int8 images -> uint8 with zero point 128 (any int8 value, exactly).
 
-        ``channels``: the image channels when a conv reads them first; a count that is not
-        a multiple of :data:`QLINEAR_CHANNEL_BLOCK` is padded up to one with zeros, which
-        the conv's zero weights for them ignore (ONNX Runtime's int8 conv runs such an
-        input faster: fedshift_cnn's 3 channels as 4 took its first conv from ~50 to ~39
-        us a sample, digits_cnn's 1 as 4 +25% at batch 32).
+        ``first``: the conv that reads them, and ``shape`` their (C, H, W). A channel count
+        that is not a multiple of :data:`QLINEAR_CHANNEL_BLOCK` is padded up to one with
+        zeros, which the conv's zero weights for them ignore (ONNX Runtime's int8 conv runs
+        such an input faster: fedshift_cnn's 3 channels as 4 took its first conv from ~50
+        to ~39 us a sample, digits_cnn's 1 as 4 +25% at batch 32); when the conv reads
+        them width-folded (:func:`width_fold`) the same ``Pad`` adds its spatial padding.
         """
         b = self.b
-        extra = 0 if channels is None else -channels % QLINEAR_CHANNEL_BLOCK
-        if extra:
-            x = b.op("Pad", [x, b.const([0, 0, 0, 0, 0, extra, 0, 0], np.int64),
+        extra = 0 if first is None else -first.in_channels % QLINEAR_CHANNEL_BLOCK
+        pads = (0, 0, 0, 0)
+        if first is not None and shape is not None:
+            fold = width_fold(first, shape, first.in_channels + extra)
+            pads = fold.pads if fold is not None else pads
+        if extra or any(pads):
+            top, left, bottom, right = pads
+            x = b.op("Pad", [x, b.const([0, 0, top, left, 0, extra, bottom, right], np.int64),
                              b.const(0, np.int8)], "x_pad", mode="constant")
         v = b.op("Add", [b.op("Cast", [x], "x32", to=onnx_type(np.int32)),
                          b.const(128, np.int32)], "x_off")
-        return Act(b.op("Cast", [v], "x_u8", to=onnx_type(np.uint8)), "u8", 128, False, extra)
+        return Act(b.op("Cast", [v], "x_u8", to=onnx_type(np.uint8)), "u8", 128, False, extra,
+                   pads)
 
-    def layer(self, a: Act, layer: Conv2d | Linear, t: np.ndarray, shift: int, relu: bool
-              ) -> Act:
+    def layer(self, a: Act, layer: Conv2d | Linear, t: np.ndarray, shift: int, relu: bool,
+              in_shape: Sequence[int] = ()) -> Act:
         """``clip(round_shift(relu?(sum t * a), shift), +-amax)`` but the upper clip (see
-        :meth:`clip`)."""
+        :meth:`clip`); ``in_shape``: a conv's input (C, H, W)."""
         b = self.b
         zp = 0 if relu else 128
         y_scale = b.const(np.float32(2.0 ** shift / (1.0 + QLINEAR_TIE_BREAK)), np.float32,
@@ -318,6 +414,9 @@ class QLinearGraph:
         y_zp = b.const(zp, np.uint8, "y_zp")
         if isinstance(layer, Conv2d):
             t = np.pad(t.astype(np.int8), ((0, 0), (0, a.extra_channels), (0, 0), (0, 0)))
+            fold = width_fold(layer, in_shape, t.shape[1]) if in_shape else None
+            if fold is not None:
+                return self._folded_conv(a, layer, t, fold, x_zp, y_scale, y_zp, zp, relu)
             w = b.tensor(f"{layer.name}.w", t)
             p, s = layer.padding, layer.stride
             y = b.op("QLinearConv", [a.name, self.one, x_zp, w, self.one, self.wzp, y_scale,
@@ -327,6 +426,40 @@ class QLinearGraph:
             w = b.tensor(f"{layer.name}.w", np.ascontiguousarray(t.T.astype(np.int8)))
             y = b.op("QLinearMatMul", [a.name, self.one, x_zp, w, self.one, self.wzp, y_scale,
                                        y_zp], layer.name)
+        return Act(y, "u8", zp, relu)
+
+    def _folded_conv(self, a: Act, layer: Conv2d, t: np.ndarray, fold: WidthFold, x_zp: str,
+                     y_scale: str, y_zp: str, zp: int, relu: bool) -> Act:
+        """The conv on its width-folded input (:class:`WidthFold`): pad (unless the input
+        is padded already), NHWC, fold, ``QLinearConv``, unfold, crop the extra output
+        column of an odd width, NCHW. ONNX Runtime runs its int8 convs in NHWC and removes
+        the transposes that meet its own, so in its graph only the pad, the transpose of
+        the input (which it makes anyway) and two reshapes remain."""
+        b = self.b
+        c, f = t.shape[1], fold.f
+        x = a.name
+        if a.pads != fold.pads:
+            if any(a.pads):  # pragma: no cover - input() pads only for this fold
+                raise ValueError(f"{layer.name}: input padded {a.pads}, the fold needs "
+                                 f"{fold.pads}")
+            top, left, bottom, right = fold.pads
+            x = b.op("Pad", [x, b.const([0, 0, top, left, 0, 0, bottom, right], np.int64),
+                             x_zp], f"{layer.name}_pad", mode="constant")
+        x = b.op("Transpose", [x], f"{layer.name}_nhwc", perm=[0, 2, 3, 1])
+        x = b.op("Reshape", [x, b.const([-1, fold.height, fold.width // f, f * c], np.int64)],
+                 f"{layer.name}_fold")
+        x = b.op("Transpose", [x], f"{layer.name}_in", perm=[0, 3, 1, 2])
+        w = b.tensor(f"{layer.name}.w", fold_conv_weights(t, f))
+        y = b.op("QLinearConv", [x, self.one, x_zp, w, self.one, self.wzp, y_scale, y_zp],
+                 layer.name, kernel_shape=[fold.kernel, fold.taps], strides=[1, 1],
+                 pads=[0, 0, 0, 0])
+        y = b.op("Transpose", [y], f"{layer.name}_nhwc", perm=[0, 2, 3, 1])
+        y = b.op("Reshape", [y, b.const([-1, fold.out_h, fold.blocks * f, layer.out_channels],
+                                        np.int64)], f"{layer.name}_unfold")
+        if fold.blocks * f != fold.out_w:
+            y = b.op("Slice", [y, b.const([0], np.int64), b.const([fold.out_w], np.int64),
+                               b.const([2], np.int64)], f"{layer.name}_crop")
+        y = b.op("Transpose", [y], f"{layer.name}_out", perm=[0, 3, 1, 2])
         return Act(y, "u8", zp, relu)
 
     def clip(self, a: Act) -> Act:

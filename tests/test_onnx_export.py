@@ -20,6 +20,12 @@ from firmware_models import (
     SpecError,
     get_spec,
 )
+from firmware_models.onnx_graph import (
+    QLINEAR_WIDTH_FOLD,
+    fold_conv_weights,
+    unfold_conv_weights,
+    width_fold,
+)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -162,13 +168,19 @@ def test_the_first_convs_image_channels_are_padded_to_four_and_read_back(name: s
     graph = int_model_onnx(m)
     assert "Pad" in {n.op_type for n in graph.graph.node}
     inits = {t.name: t for t in graph.graph.initializer}
-    w = numpy_helper.to_array(inits["conv1.w"]).copy()
+    w = numpy_helper.to_array(inits["conv1.w"])
+    conv1 = spec.layers[0]
+    unfolded = unfold_conv_weights(w, conv1.out_channels, conv1.kernel)
+    assert (unfolded is not None) == (name == "fedshift_cnn")  # its 30x30 conv is folded
+    w = (w if unfolded is None else unfolded).copy()
     assert w.shape[1] == 4 and not w[:, channels:].any()
     np.testing.assert_array_equal(w[:, :channels], ternary_weights(m)[0])
     info = describe(graph)
     for got, want in zip(exported_ternary(graph, info), ternary_weights(m), strict=True):
         np.testing.assert_array_equal(got, want)
     w[:, channels:] = 1  # a weight on a padded channel: not the spec's layer any more
+    if unfolded is not None:
+        w = fold_conv_weights(w, QLINEAR_WIDTH_FOLD)
     inits["conv1.w"].CopyFrom(numpy_helper.from_array(w, "conv1.w"))
     with pytest.raises(SpecError, match="conv1.w are not ternary"):
         exported_ternary(graph, info)
@@ -177,6 +189,77 @@ def test_the_first_convs_image_channels_are_padded_to_four_and_read_back(name: s
     m16.load_int(init_int(spec, 5, 16))
     g16 = int_model_onnx(m16)
     assert {t.name: t for t in g16.graph.initializer}["conv1.w"].dims[1] == channels
+
+
+FOLD_SPEC = ModelSpec("folded", (3, 17, 17), (
+    Conv2d("conv1", 3, 4, 3, padding=1),       # 17x17 out: odd width, a column cropped
+    Conv2d("conv2", 4, 6, 5, padding=2),       # signed 4-channel input: padded on the bytes
+    ReLU("relu1"),
+    MaxPool2d("pool1", 2, padding=1),
+    Conv2d("conv3", 6, 4, 3, padding=1),       # 6 channels: read as it is
+    ReLU("relu2"),
+    Flatten("flatten"),
+    Linear("fc1", 324, 7),
+), 7)
+
+
+@pytest.mark.parametrize("bits", [6, 8])
+def test_convs_on_one_channel_block_read_their_input_width_folded(bits: int) -> None:
+    """A stride-1 conv on 4 (padded) channels with >= 256 output pixels runs on its input
+    folded along the width (pairs of columns as 8-channel pixels): same logits as the
+    engine for signed inputs, the folded weights in the graph, and read back."""
+    from onnx import numpy_helper
+
+    from firmware_models.onnx_export import describe, exported_ternary
+
+    model = IntModel(FOLD_SPEC, bits)
+    model.load_int(init_int(FOLD_SPEC, 11, bits))
+    graph = int_model_onnx(model)
+    x = random_inputs(model, 300, seed=bits)
+    logits = session(graph).run(["logits"], {"x": x})[0]
+    ref = engine_logits(model, x)
+    np.testing.assert_array_equal(logits, ref)
+    assert (ref < 0).any() and np.unique(ref).size > 10
+    inits = {t.name: numpy_helper.to_array(t) for t in graph.graph.initializer}
+    convs = {n.output[0].rsplit("_", 1)[0]: n for n in graph.graph.node
+             if n.op_type == "QLinearConv"}
+    kernels = {k: next(list(a.ints) for a in n.attribute if a.name == "kernel_shape")
+               for k, n in convs.items()}
+    assert kernels == {"conv1": [3, 2], "conv2": [5, 3], "conv3": [3, 3]}
+    assert inits["conv1.w"].shape == (8, 8, 3, 2) and inits["conv2.w"].shape == (12, 8, 5, 3)
+    ops = [n.op_type for n in graph.graph.node]
+    assert ops.count("Slice") == 2 and ops.count("Pad") == 2  # odd widths; conv2's pad
+    for got, want in zip(exported_ternary(graph, describe(graph)), ternary_weights(model),
+                         strict=True):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_the_width_fold_of_conv_weights_round_trips_and_rejects_other_arrays() -> None:
+    """fold_conv_weights puts t[o, c, ky, kx] at [phase * O + o, j * C + c, ky, X] with
+    kx = 2X + j - phase; unfold inverts it and refuses what no fold makes."""
+    rng = np.random.default_rng(0)
+    for k in (1, 2, 3, 4, 5, 7):
+        t = rng.integers(-1, 2, (5, 4, k, k)).astype(np.int8)
+        a = fold_conv_weights(t, 2)
+        taps = (k - 1 + 1) // 2 + 1
+        assert a.shape == (10, 8, k, taps)
+        for phase, o, j, c, ky, xb in np.ndindex(2, 5, 2, 4, k, taps):
+            kx = 2 * xb + j - phase
+            want = t[o, c, ky, kx] if 0 <= kx < k else 0
+            assert a[phase * 5 + o, j * 4 + c, ky, xb] == want
+        np.testing.assert_array_equal(unfold_conv_weights(a, 5, k), t)
+        assert unfold_conv_weights(t, 5, k) is None  # not folded
+        b = a.copy()
+        b[5, 0, 0, 0] ^= 1  # the second phase disagrees with the first
+        assert unfold_conv_weights(b, 5, k) is None
+    conv = Conv2d("c", 4, 8, 3, padding=1)
+    assert width_fold(conv, (4, 16, 16), 4) is not None
+    assert width_fold(conv, (4, 15, 15), 4) is None                         # < 256 pixels
+    assert width_fold(conv, (4, 16, 16), 8) is None                         # two blocks
+    assert width_fold(Conv2d("s", 4, 8, 3, stride=2, padding=1), (4, 40, 40), 4) is None
+    fold = width_fold(conv, (4, 17, 17), 4)
+    assert fold is not None and (fold.out_w, fold.blocks, fold.width) == (17, 9, 20)
+    assert fold.pads == (1, 1, 1, 2)
 
 
 @pytest.mark.parametrize("name", ["digits_cnn", "fedshift_cnn", "mlp"])
