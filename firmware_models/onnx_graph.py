@@ -309,17 +309,16 @@ class WidthFold:
 
 def width_fold(layer: Conv2d, in_shape: Sequence[int], channels: int) -> WidthFold | None:
     """The fold of a conv reading ``channels`` (padded) channels of ``in_shape`` (C, H, W),
-    or None where the conv is read as it is (stride > 1; more than one channel block: a
-    tap then holds enough channels: fedshift_cnn's graph with its second conv folded too ran
-    0.92x; fewer
-    than :data:`QLINEAR_FOLD_MIN_PIXELS` output pixels)."""
+    or None where the conv is read as it is: stride > 1; more than one channel block (a
+    tap then holds enough channels: fedshift_cnn's graph with its second conv folded too
+    ran 0.92x); fewer than :data:`QLINEAR_FOLD_MIN_PIXELS` output pixels."""
     f = QLINEAR_WIDTH_FOLD
     if layer.stride != 1 or channels != QLINEAR_CHANNEL_BLOCK or f < 2:
         return None
     _, h, w = in_shape
     k, p = layer.kernel, layer.padding
     out_h, out_w = h + 2 * p - k + 1, w + 2 * p - k + 1
-    if out_h * out_w < QLINEAR_FOLD_MIN_PIXELS:
+    if min(out_h, out_w) <= 0 or out_h * out_w < QLINEAR_FOLD_MIN_PIXELS:
         return None
     taps = (k - 1 + f - 1) // f + 1
     blocks = -(-out_w // f)
