@@ -13,8 +13,9 @@ calling thread's CPU time):
 - the Numba engine, anchored on torch float32;
 - ONNX Runtime, float32 graph, anchored on torch float32.
 
-Prints JSON lines (docs/architecture.md#benchmarks). ``--profile`` also prints, on stderr, the
-share of ONNX Runtime's integer-graph time per operator type (batch 32).
+Prints JSON lines (docs/architecture.md#benchmarks). ``--profile`` also prints, on stderr,
+ONNX Runtime's integer-graph time per operator type from its own profiler: microseconds a
+call at batch 1 and the share of the time at batch 32 (profiling adds ~1 us to each node).
 """
 
 from __future__ import annotations
@@ -93,8 +94,23 @@ def worker_ort(iters: dict[int, int], profile: bool) -> dict:
     return out
 
 
-def _ort_profile(graph, bits: int) -> dict[str, float]:
-    """Share of kernel time per operator type, integer graph, batch 32."""
+def _ort_profile(graph, bits: int) -> dict[str, dict[str, float]]:
+    """Integer graph, per operator type (ONNX Runtime's profiler): ``"1"``, microseconds a
+    call at batch 1; ``"32"``, the share of the kernel time at batch 32."""
+    out = {}
+    for batch, calls in ((1, 200), (32, 5)):
+        per_op = _ort_op_times(graph, bits, batch, calls)
+        if batch == 1:
+            out["1"] = {op: round(v / calls, 1) for op, v in per_op.most_common()}
+        else:
+            total = sum(per_op.values()) or 1
+            out["32"] = {op: round(v / total, 4) for op, v in per_op.most_common()}
+    return out
+
+
+def _ort_op_times(graph, bits: int, batch: int, calls: int):
+    """Microseconds per operator type over ``calls`` profiled runs after a first one (whose
+    nodes, which allocate, are left out)."""
     import collections
 
     import onnxruntime as ort
@@ -106,9 +122,9 @@ def _ort_profile(graph, bits: int) -> dict[str, float]:
     so.enable_profiling = True
     so.profile_file_prefix = os.path.join(os.environ.get("TMPDIR", "/tmp"), "fedbit-ort")
     sess = ort.InferenceSession(graph.SerializeToString(), so, providers=["CPUExecutionProvider"])
-    _, x = _images(32)
+    _, x = _images(batch)
     feed = {"x": quantize_images(x, bits)}
-    for _ in range(5):
+    for _ in range(calls + 1):
         sess.run(None, feed)
     path = sess.end_profiling()
     try:
@@ -116,12 +132,13 @@ def _ort_profile(graph, bits: int) -> dict[str, float]:
             events = json.load(f)
     finally:
         os.remove(path)
+    nodes = [e for e in events
+             if e.get("cat") == "Node" and str(e.get("name", "")).endswith("_kernel_time")]
+    per_call = len(nodes) // (calls + 1)
     per_op: collections.Counter = collections.Counter()
-    for e in events:
-        if e.get("cat") == "Node" and str(e.get("name", "")).endswith("_kernel_time"):
-            per_op[e["args"]["op_name"]] += e["dur"]
-    total = sum(per_op.values()) or 1
-    return {op: round(v / total, 4) for op, v in per_op.most_common()}
+    for e in nodes[per_call:]:  # the first call's nodes: allocation, caches
+        per_op[e["args"]["op_name"]] += e["dur"]
+    return per_op
 
 
 def worker_numba(iters: dict[int, int]) -> dict:
@@ -222,7 +239,11 @@ def main(argv: list[str] | None = None) -> int:
         emit(f"{name} float32 onnxruntime batch {b}", "throughput", ort_float, "samples/s",
              f"{name} torch float32 batch {b}", tf, threads=1)
     if args.profile:
-        shares = ", ".join(f"{op} {v:.0%}" for op, v in ort["profile"].items())
+        prof = ort["profile"]
+        times = ", ".join(f"{op} {v:g}" for op, v in prof["1"].items())
+        shares = ", ".join(f"{op} {v:.0%}" for op, v in prof["32"].items())
+        print(f"onnxruntime {q} graph, batch 1, us a call per operator type (profiled: each "
+              f"node ~1 us more): {times}", file=sys.stderr)
         print(f"onnxruntime {q} graph, batch 32, time per operator type: {shares}",
               file=sys.stderr)
     return 0
