@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from edge_client.data import load_digits, quantize_images
 from edge_client.intnn import IntModel, init_int, init_shared
@@ -260,6 +262,32 @@ def test_the_width_fold_of_conv_weights_round_trips_and_rejects_other_arrays() -
     fold = width_fold(conv, (4, 17, 17), 4)
     assert fold is not None and (fold.out_w, fold.blocks, fold.width) == (17, 9, 20)
     assert fold.pads == (1, 1, 1, 2)
+
+
+@settings(max_examples=300, deadline=None)
+@given(shape=st.tuples(st.integers(1, 12), st.integers(1, 12), st.integers(1, 6),
+                       st.integers(1, 6)),
+       out_channels=st.integers(1, 6), kernel=st.integers(1, 6), seed=st.integers(0, 2**16),
+       fold=st.booleans())
+def test_unfolding_any_weight_array_gives_its_fold_or_none(shape, out_channels: int,
+                                                            kernel: int, seed: int,
+                                                            fold: bool) -> None:
+    """Whatever array a model file holds (any shape, any values), unfold_conv_weights
+    returns weights whose fold is exactly that array, or None; never raises."""
+    rng = np.random.default_rng(seed)
+    if fold:  # a real fold, sometimes tampered with
+        t = rng.integers(-1, 2, (out_channels, shape[1], kernel, kernel)).astype(np.int16)
+        a = fold_conv_weights(t, 2)
+        if seed % 3 == 0:
+            a.flat[seed % a.size] += 1
+    else:
+        a = rng.integers(-2, 3, shape).astype(np.int16)
+    got = unfold_conv_weights(a, out_channels, kernel)
+    if got is not None:
+        assert got.shape[0] == out_channels and got.shape[2:] == (kernel, kernel)
+        np.testing.assert_array_equal(fold_conv_weights(got, a.shape[0] // out_channels), a)
+    elif fold and seed % 3:
+        raise AssertionError("an untampered fold was not read back")
 
 
 @pytest.mark.parametrize("name", ["digits_cnn", "fedshift_cnn", "mlp"])
