@@ -97,15 +97,12 @@ def worker_ort(iters: dict[int, int], profile: bool) -> dict:
 def _ort_profile(graph, bits: int) -> dict[str, dict[str, float]]:
     """Integer graph, per operator type (ONNX Runtime's profiler): ``"1"``, microseconds a
     call at batch 1; ``"32"``, the share of the kernel time at batch 32."""
-    out = {}
-    for batch, calls in ((1, 200), (32, 5)):
-        per_op = _ort_op_times(graph, bits, batch, calls)
-        if batch == 1:
-            out["1"] = {op: round(v / calls, 1) for op, v in per_op.most_common()}
-        else:
-            total = sum(per_op.values()) or 1
-            out["32"] = {op: round(v / total, 4) for op, v in per_op.most_common()}
-    return out
+    calls = 200
+    one = _ort_op_times(graph, bits, 1, calls)
+    many = _ort_op_times(graph, bits, 32, 5)
+    total = sum(many.values()) or 1
+    return {"1": {op: round(v / calls, 1) for op, v in one.most_common()},
+            "32": {op: round(v / total, 4) for op, v in many.most_common()}}
 
 
 def _ort_op_times(graph, bits: int, batch: int, calls: int):
