@@ -30,6 +30,9 @@ A config (``fedbit emulate FILE``; the bundled default is ``coordinator/emulatio
     [cluster]                  # backend = "local" (processes here) | "ray"; address = "auto"
                                # | "host:port" | "ray://host:port" | "local" (a new Ray here)
     [clock]                    # seconds_per_sample = {variant = s}: pin the compute model
+    [stop]                     # plateau = true: stop at a plateau of the validation accuracy
+                               # (window, min_delta, min_rounds; rounds is the maximum;
+                               # coordinator.emulation.stopping)
 
 ``paper = "<name>"`` (``coordinator.emulation.papers``: fedshift, prowd, prowd-fedprox, prowd-grouped,
 prowd-grouped-asym, fedfor, fedwsq) starts from that paper's strategy, its parameters and
@@ -94,6 +97,7 @@ SCHEMA = TomlSchema({
               "wall_timeout_s": (_NUM, 600.0), "workers": (int, 0), "parallel": (int, 2)},
     "cluster": {"backend": (str, "local"), "address": (str, "auto")},
     "clock": {"seconds_per_sample": (dict, {})},
+    "stop": {"plateau": (bool, False), "window": (int, 5), "min_delta": (_NUM, 0.005), "min_rounds": (int, 10)},
 }, free=("strategy_params", "devices", "codecs", "train", "sweep"))
 
 
@@ -119,6 +123,7 @@ class ExperimentConfig:
     round: dict[str, Any] = field(default_factory=dict)
     cluster: dict[str, Any] = field(default_factory=dict)
     clock: dict[str, Any] = field(default_factory=dict)
+    stop: dict[str, Any] = field(default_factory=dict)
     sweep: dict[str, list[Any]] = field(default_factory=dict)
     source: str = "<config>"
     #: the paper's settings of the strategy's own stages (``swa.<key>``, ``dequantize.<key>``;
@@ -135,7 +140,8 @@ class ExperimentConfig:
         keys = ("name", "model", "rounds", "seeds", "strategy", "transport", "broker", "target_accuracy", "paper",
                 "on_collapse")
         out: dict[str, Any] = {k: copy.deepcopy(getattr(self, k)) for k in keys}
-        for sec in ("strategy_params", "devices", "codecs", "data", "train", "round", "cluster", "clock", "sweep"):
+        for sec in ("strategy_params", "devices", "codecs", "data", "train", "round", "cluster", "clock", "stop",
+                    "sweep"):
             out[sec] = copy.deepcopy(getattr(self, sec))
         return out
 
@@ -336,6 +342,16 @@ def _check_values(cfg: ExperimentConfig, bad) -> None:
     for v, s in cfg.clock["seconds_per_sample"].items():
         if isinstance(s, bool) or not isinstance(s, int | float) or not (s > 0 and math.isfinite(s)):
             raise bad(f"clock.seconds_per_sample.{v}", f"must be a number > 0, got {s!r}")
+    st = cfg.stop
+    if st["window"] < 1:
+        raise bad("stop.window", f"must be >= 1, got {st['window']}")
+    if not (st["min_delta"] >= 0 and math.isfinite(st["min_delta"])):
+        raise bad("stop.min_delta", f"must be >= 0, got {st['min_delta']}")
+    if st["min_rounds"] < 1:
+        raise bad("stop.min_rounds", f"must be >= 1, got {st['min_rounds']}")
+    if st["plateau"] and not d["validation"] > 0 and "data.validation" not in cfg.sweep:
+        raise bad("stop.plateau", "the plateau is read on the validation split: set data.validation "
+                                  "(e.g. 0.1); the test split never stops a run")
     for key, t in cfg.train.items():
         if isinstance(t, dict | list):
             raise bad(f"train.{key}", "must be a number, boolean or string")

@@ -51,7 +51,7 @@ def _pyplot():
 
 
 def plot_run_accuracy(path: Path, records: Sequence[Mapping[str, Any]], curves: Mapping[str, list[float]],
-                      title: str, last: int, averaged: str) -> bool:
+                      title: str, last: int, averaged: str, ylabel: str = "test accuracy") -> bool:
     """Accuracy of each group's model against the round and the simulated time, in its
     group's colour; the legend to the right, with each group's mean over its ``last``
     rounds (described by ``averaged``)."""
@@ -67,7 +67,7 @@ def plot_run_accuracy(path: Path, records: Sequence[Mapping[str, Any]], curves: 
     ax_r.set_xlabel("round")
     ax_t.set_xlabel("simulated time (s)")
     for ax in (ax_r, ax_t):
-        ax.set_ylabel("test accuracy")
+        ax.set_ylabel(ylabel)
         ax.set_ylim(0, 1)
         ax.grid(alpha=0.3)
     if curves:
@@ -96,7 +96,7 @@ def plot_bytes(path: Path, records: Sequence[Mapping[str, Any]]) -> bool:
 
 
 def plot_sweep(path: Path, curves: Mapping[str, list[Mapping[str, list[float]]]], groups: Sequence[str],
-               figures: Mapping[str, str], averaged: str) -> bool:
+               figures: Mapping[str, str], averaged: str, ylabel: str = "test accuracy") -> bool:
     """One panel per group: per combination, the mean accuracy over seeds per round with a
     band of ± one sample SD (two seeds or more); legend to the right, each entry with its
     figures (``figures[label]``: each group's mean ± SD of ``averaged``)."""
@@ -108,8 +108,8 @@ def plot_sweep(path: Path, curves: Mapping[str, list[Mapping[str, list[float]]]]
             accs = [c[g] for c in runs if c.get(g)]
             if not accs:
                 continue
-            m = min(len(a) for a in accs)
-            arr = np.array([a[:m] for a in accs], dtype=float)
+            m = max(len(a) for a in accs)  # runs that stopped earlier end earlier
+            arr = np.array([list(a) + [math.nan] * (m - len(a)) for a in accs], dtype=float)
             x = np.arange(1, m + 1)
             with np.errstate(all="ignore"):
                 mean = np.nanmean(arr, axis=0)
@@ -126,7 +126,7 @@ def plot_sweep(path: Path, curves: Mapping[str, list[Mapping[str, list[float]]]]
         ax.set_xlabel("round")
         ax.set_ylim(0, 1)
         ax.grid(alpha=0.3)
-    axes[0][0].set_ylabel("test accuracy (mean over seeds ± SD)")
+    axes[0][0].set_ylabel(f"{ylabel} (mean over seeds ± SD)")
     if curves:
         fig.legend(loc="outside right upper", fontsize=7,
                    title=f"accuracy (%), mean ± SD over seeds of {averaged}", title_fontsize=7)

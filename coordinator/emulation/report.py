@@ -41,6 +41,7 @@ from coordinator.emulation.analysis import (
 )
 from coordinator.emulation.plots import plot_bytes, plot_run_accuracy, plot_sweep
 from coordinator.emulation.stats import estimate
+from coordinator.emulation.stopping import stop_summary
 from coordinator.ops.dashboard.runview import served_info
 from coordinator.ops.export import onnx_summary_lines
 from coordinator.ops.rundir import coordinator_dir
@@ -58,6 +59,16 @@ def load_run(run_dir: str | Path) -> tuple[dict[str, Any], list[dict[str, Any]]]
     info = json.loads(info_path.read_text()) if info_path.is_file() else served_info(metrics_path.parent)
     records = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
     return info, records
+
+
+def curve_key(records: Sequence[dict[str, Any]]) -> str:
+    """The figure a run's per-round curves show: ``accuracy`` (the test split) when it was
+    scored every round, else ``val_accuracy`` (the validation subsample of every round;
+    the test split only in the reported rounds: coordinator.evaluate)."""
+    def count(key: str) -> int:
+        return sum(any(isinstance(g.get(key), int | float) for g in r.get("groups", {}).values()) for r in records)
+
+    return "val_accuracy" if count("val_accuracy") > count("accuracy") else "accuracy"
 
 
 def group_curves(records: Sequence[dict[str, Any]], key: str = "accuracy") -> dict[str, list[float]]:
@@ -82,7 +93,8 @@ def summarize_run(info: dict[str, Any], records: Sequence[dict[str, Any]], last:
     the last ``rounds_averaged`` = min(``last``, rounds) rounds; ``val_mean_last`` on the
     validation split when the run held one out) and (with the config's
     ``target_accuracy``) the rounds and simulated seconds to reach it; uplink bytes by
-    codec, wall and simulated seconds."""
+    codec, wall and simulated seconds; ``stop``: the rounds run, the plateau round and
+    whether it was still climbing at its end (coordinator.emulation.stopping)."""
     curves = group_curves(records)
     val = group_curves(records, "val_accuracy")
     k = rounds_averaged(len(records), last)
@@ -109,6 +121,8 @@ def summarize_run(info: dict[str, Any], records: Sequence[dict[str, Any]], last:
         "sim_seconds": records[-1].get("sim_time", math.nan) if records else math.nan,
         "stragglers": sum(int(r.get("stragglers", 0)) for r in records),
         "health": health_summary(records),
+        "stop": stop_summary(records, info.get("config", {}).get("stop") or {},
+                             (info.get("stop") or {}).get("plateau_round")),
     }
 
 
@@ -160,8 +174,10 @@ def write_report(run_dir: str | Path) -> Path:
     info, records = load_run(run)
     s = summarize_run(info, records)
     averaged = averaging_text({(s["rounds_averaged"], s["rounds"])})
-    plot_run_accuracy(run / "accuracy.png", records, group_curves(records),
-                      info.get("config", {}).get("name", run.name), s["rounds_averaged"], averaged)
+    key = curve_key(records)
+    plot_run_accuracy(run / "accuracy.png", records, group_curves(records, key),
+                      info.get("config", {}).get("name", run.name), s["rounds_averaged"], averaged,
+                      ylabel=CURVE_LABEL[key])
     plot_bytes(run / "bytes.png", records)
     cfg = info.get("config", {})
     lines = [f"# {cfg.get('name', run.name)}: seed {info.get('seed', '?')}", ""]
@@ -181,6 +197,7 @@ def write_report(run_dir: str | Path) -> Path:
             reach = f" {r} / {sim:.1f} |" if r is not None else " not reached |"
         vcell = f" {_pct(v.get('val_mean_last', math.nan))} |" if has_val else ""
         lines.append(f"| {g} | {_pct(v['final'])} | {_pct(v['mean_last'])} |{vcell}{reach}")
+    lines += ["", stop_text(s["stop"]) + f" Curves (`accuracy.png`): {CURVE_LABEL[key]}."]
     lines += ["", f"{s['rounds']} rounds in {s['wall_seconds']:.1f} s of wall time and "
               f"{s['sim_seconds']:.1f} s of simulated time; {s['stragglers']} straggler(s) in all.", "",
               *([_workers_line(info), ""] if "workers" in info else []),
@@ -205,6 +222,7 @@ def write_sweep_report(root: str | Path, runs: Sequence[tuple[dict[str, Any], in
     averaging: set[tuple[int, int]] = set()
     target = 0.0
     reach: dict[str, dict[str, list[tuple[int | None, float | None]]]] = {}
+    keys: set[str] = set()
     for combo, seed, run in runs:
         info, records = load_run(run)
         if sweep is None:
@@ -213,7 +231,8 @@ def write_sweep_report(root: str | Path, runs: Sequence[tuple[dict[str, Any], in
         results.append({"combination": combo, "seed": seed, "run": str(Path(run).relative_to(root)), **s})
         averaging.add((s["rounds_averaged"], s["rounds"]))
         label = combo_label(combo)
-        curves.setdefault(label, []).append(group_curves(records))
+        keys.add(curve_key(records))
+        curves.setdefault(label, []).append(group_curves(records, curve_key(records)))
         target = s["target_accuracy"] or target
         for g, v in s["groups"].items():
             if target:
@@ -240,7 +259,8 @@ def write_sweep_report(root: str | Path, runs: Sequence[tuple[dict[str, Any], in
     path = root / "summary.md"
     path.write_text("\n".join(lines) + "\n")
     figures = {label: ", ".join(f"{g} {_pct_est(r.estimate(g))}" for g in a.groups) for label, r in a.rows.items()}
-    plot_sweep(root / "accuracy.png", curves, a.groups, figures, averaged)
+    plot_sweep(root / "accuracy.png", curves, a.groups, figures, averaged,
+               ylabel=" / ".join(CURVE_LABEL[k] for k in sorted(keys)))
     return path
 
 
@@ -256,6 +276,14 @@ def sweep_lines(a: Analysis, averaged: str, n_runs: int) -> list[str]:
              "| combination | seeds | " + " | ".join(groups) + " |", "|---|---|" + "---|" * len(groups)]
     for label, row in a.rows.items():
         lines.append(f"| {label} | {len(row.seeds)} | " + " | ".join(row.estimate(g).text() for g in groups) + " |")
+    if any(r.stops for r in a.rows.values()):
+        lines += ["", "Stopping (coordinator.emulation.stopping: still climbing = the mean validation accuracy "
+                  "of the last rounds of the window above the window before by more than the margin):", "",
+                  "| combination | rounds run | plateau at round | still climbing at the end |", "|---|---|---|---|"]
+        for label, row in a.rows.items():
+            lines.append(f"| {label} | {_span([st['rounds'] for st in row.stops.values()])} | "
+                         f"{_span([st['plateau_round'] for st in row.stops.values()])} | "
+                         f"{row.climbing_text()} |")
     if any(r.val for r in a.rows.values()):
         lines += ["", f"Validation split (held out of the training data), mean of {averaged}:", "",
                   "| combination | " + " | ".join(groups) + " |", "|---|" + "---|" * len(groups)]
@@ -280,6 +308,27 @@ def sweep_lines(a: Analysis, averaged: str, n_runs: int) -> list[str]:
         for label, d in c.diffs.items():
             lines.append(f"| {label} | {c.partner[label]} | " + " | ".join(d[g].text() for g in groups) + " |")
     return lines
+
+
+CURVE_LABEL = {"accuracy": "test accuracy", "val_accuracy": "validation accuracy"}
+
+
+def stop_text(stop: dict[str, Any]) -> str:
+    """One sentence on how a run stopped."""
+    how = (f"Plateau at round {stop['plateau_round']} (validation accuracy), then the reported rounds"
+           if stop.get("plateau_round") else f"Ran its {stop['rounds']} rounds")
+    flag = {True: "still climbing at the end", False: "not climbing at the end",
+            None: "too short to say whether it was still climbing"}[stop.get("climbing")]
+    return f"{how}; {flag} (read on the {stop.get('split', 'validation')} curve)."
+
+
+def _span(values: Sequence[Any]) -> str:
+    got = sorted(v for v in values if v is not None)
+    if not got:
+        return "none"
+    lo, hi = got[0], got[-1]
+    text = str(lo) if lo == hi else f"{lo}-{hi}"
+    return text if len(got) == len(values) else f"{text} ({len(got)} of {len(values)})"
 
 
 def combo_label(combo: dict[str, Any]) -> str:

@@ -74,6 +74,7 @@ from coordinator.emulation.pool import (
     machine_cores,
     wait_ready,
 )
+from coordinator.emulation.stopping import Stopper, stop_summary
 from coordinator.emulation.worker import WorkerSpec
 from coordinator.fleet import Fleet, InProcessFleet, MqttFleet
 from edge_client.protocol import FLOAT_VARIANT
@@ -88,6 +89,9 @@ DESCRIBED_DEVICES = 10_000
 #: per device) for the rounds after it. Smaller rounds stay in the emulator's process: a
 #: worker process costs ~360 MB (its kernels, torch) and a pipe each way per round.
 AUTO_CPU_S = 0.25
+#: validation samples scored in the rounds before the reported ones (the per-round curve
+#: the stopping rule and the health watch read; the whole split in the reported rounds)
+VAL_SAMPLE = 1000
 
 @dataclass
 class RunResult:
@@ -124,6 +128,7 @@ class Emulator:
         from coordinator.config import ServerConfig
         from coordinator.evaluate import evaluator_for
         from coordinator.ops.admission import AdmissionConfig
+        from coordinator.ops.dashboard.monitor import fan_out
         from coordinator.server import Coordinator
         from coordinator.state import RunState
         from coordinator.strategies import build_strategy
@@ -173,16 +178,20 @@ class Emulator:
             fleet = EmulatedFleet(inner, pool, links, quorum=float(rnd["quorum"]),
                                   deadline_s=float(rnd["deadline_s"]), wall_timeout_s=float(rnd["wall_timeout_s"]),
                                   on_progress=(lambda f: self.on_event("devices", f)) if self.on_event else None)
-            # the validation split is read only over the rounds the reports average
-            # (analysis.LAST_ROUNDS); every core scores, the device workers idle meanwhile
-            # (decisions read the validation split, else the training split: never the test split)
+            # the test split only in the reported rounds (the last LAST_ROUNDS, or those after a
+            # plateau; every round for a target accuracy), a validation subsample before them;
+            # decisions read the validation split, else the training split: never the test split.
+            # Every core scores, the device workers idle meanwhile.
             evaluator = evaluator_for(cfg.model, data.test, strategy.device_hparams(cfg.train), seed=seed,
-                                      validation=data.validation, validate_from=cfg.rounds - LAST_ROUNDS + 1,
+                                      validation=data.validation, val_sample=VAL_SAMPLE,
+                                      report_from=0 if cfg.target_accuracy else cfg.rounds - LAST_ROUNDS + 1,
                                       threads=machine_cores(), probe_data=data.train)
+            stopper = Stopper(cfg.stop, server_cfg, evaluator)
             coord = Coordinator(server_cfg, fleet, strategy, RunState(self.run_dir / "out"), evaluator=evaluator,
-                                init_weights=init_shared(resolve_model(cfg.model), seed), on_event=self.on_event,
-                                logger=log.getChild("server"))
+                                init_weights=init_shared(resolve_model(cfg.model), seed),
+                                on_event=fan_out(stopper, self.on_event), logger=log.getChild("server"))
             history = coord.run()
+            info["stop"] = stop_summary(history, cfg.stop, stopper.plateau_round)
             info |= pool.describe() | {"workers_lost": pool.lost}
         finally:
             if evaluator is not None:
