@@ -82,8 +82,13 @@ def quick_config(cfg: Any, every_method: bool = True, keep_data: bool = False) -
         first = first or dim
         every = every or (dim if every_method else "")
         keep.setdefault(dim, []).append(value)
-    tune = str(sweep.get("tune", "")).lstrip("@")
+    tune = sweep.get("tune", "")
     out = {k: v for k, v in sweep.items() if k in ANALYSIS_KEYS}
+    if isinstance(tune, dict):  # a bracket per method: one tuning seed, each bracket's first point
+        out["tune"] = {k: (v[:1] if k == "seeds" else {kk: vv[:1] for kk, vv in v.items()} if isinstance(v, dict)
+                           else v) for k, v in tune.items()}
+        tune = ""
+    tune = str(tune).lstrip("@")
     for key, values in sweep.items():
         if key in ANALYSIS_KEYS:
             continue
@@ -258,7 +263,7 @@ def main() -> int:
             continue
         shutil.copyfile(summary, RESULTS / f"{path.stem}.md")
         for name, suffix in (("results.json", ".json"), ("analysis.json", ".analysis.json"),
-                             ("accuracy.png", ".png")):
+                             ("tuning.json", ".tuning.json"), ("accuracy.png", ".png")):
             if (out / name).is_file():
                 shutil.copyfile(out / name, RESULTS / f"{path.stem}{suffix}")
     if estimates:

@@ -39,7 +39,9 @@ prowd-grouped-asym, fedfor, fedwsq) starts from that paper's strategy, its param
 the settings it trains devices with; the config's own keys override them.
     [sweep]                    # dotted key = [values]: every combination is run
     baseline = "fedavg"        # paired differences of every method to this value (analysis)
-    tune = "train.lr"          # chosen per combination of the others on the validation split
+    tune = "train.lr"          # chosen per combination of the others on the validation split;
+                               # or a table: a bracket per method, tuning seeds apart
+                               # (coordinator.emulation.tuning)
     strategy = ["fedavg", "fedshift"]
     "data.partition" = ["shards", "parity"]
     "@mix" = [                 # "@name": values set together, each a table with a label
@@ -377,6 +379,14 @@ def _check_values(cfg: ExperimentConfig, bad) -> None:
         check_analysis(cfg.sweep)
     except ConfigError as exc:
         raise ConfigError(f"{cfg.source}: {exc}") from None
+    from coordinator.emulation.analysis import dimensions
+    from coordinator.emulation.tuning import check_tune, is_table
+
+    if is_table(cfg.sweep.get("tune")) and dimensions(cfg.sweep):
+        try:
+            check_tune(cfg.sweep["tune"], dimensions(cfg.sweep), cfg.seeds)
+        except ConfigError as exc:
+            raise ConfigError(f"{cfg.source}: {exc}") from None
     if cfg.sweep.get("tune") and not d["validation"] > 0 and "data.validation" not in cfg.sweep:
         raise bad("sweep.tune", "tuning chooses on the validation split: set data.validation "
                                 "(e.g. 0.1); the test split is only reported")

@@ -243,6 +243,8 @@ def write_sweep_report(root: str | Path, runs: Sequence[tuple[dict[str, Any], in
     (root / "analysis.json").write_text(json.dumps(_clean(analysis_json(a)), indent=1))
     averaged = averaging_text(averaging)
     lines = sweep_lines(a, averaged, len(runs))
+    if (root / "tuning.json").is_file():
+        lines += tuning_lines(json.loads((root / "tuning.json").read_text()))
     if target:
         lines += ["", f"Rounds / simulated seconds to reach {100 * target:.0f}% accuracy (mean ± SD over the "
                   "seeds that reached it; `k/n`: k of n seeds reached it):", "",
@@ -311,6 +313,20 @@ def sweep_lines(a: Analysis, averaged: str, n_runs: int) -> list[str]:
 
 
 CURVE_LABEL = {"accuracy": "test accuracy", "val_accuracy": "validation accuracy"}
+
+
+def tuning_lines(t: dict[str, Any]) -> list[str]:
+    """What a ``[sweep.tune]`` table tuned (``tuning.json``): per combination the keys, the
+    budget, every point's validation score and the point chosen."""
+    lines = ["", f"Tuned on seeds {t['seeds']} (never reported; the figures above are of fresh seeds), "
+             "each combination with the same budget of settings, each chosen on the validation split "
+             "(mean over the tuning seeds of the mean over groups):", "",
+             "| combination | tuned | budget | chosen | validation scores |", "|---|---|---|---|---|"]
+    for label, c in t["combinations"].items():
+        chosen = ", ".join(f"{k}={v}" for k, v in c["chosen"].items())
+        scores = "; ".join(f"{k}: {_pct(v)}" for k, v in c["scores"].items())
+        lines.append(f"| {label} | {', '.join(c['keys'])} | {c['budget']} | **{chosen}** | {scores} |")
+    return lines
 
 
 def stop_text(stop: dict[str, Any]) -> str:
