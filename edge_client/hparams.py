@@ -100,6 +100,9 @@ _TABLE = (
            "devices' forward (0.5 ternary(W) straight-through to W, s-bit activations), so that "
            "one global model is one function for every group",
            choices=(FLOAT_VARIANT, *(model_variant(b, "int") for b in range(2, 17)))),
+    HParam("float_step", str, "float devices' data step on the float forward: 'sgd' (lr, momentum, "
+           "grad_clip) or 'integer' (the integer devices' normalized step, lr_shift: a control that "
+           "changes the optimizer and not the forward)", choices=("sgd", "integer")),
 )
 #: every hyper-parameter an announcement may carry, by name
 HPARAMS: dict[str, HParam] = {h.name: h for h in _TABLE}
@@ -207,6 +210,7 @@ class RoundSettings:
     ws: bool | None = None
     wn: bool | None = None
     float_forward: str | None = None
+    float_step: str | None = None
     not_applied: dict[str, str] = field(default_factory=dict)
 
 
@@ -243,7 +247,8 @@ def round_settings(hparams: Mapping[str, Any], *, variant: str, codec: str, code
     an integer one or on a float device that trains an integer forward, whose step is the
     integer devices') and
     ``kmeans_method`` on a device whose uplink is not K-means are not theirs to apply and
-    are not reported."""
+    are not reported; nor is ``float_step`` on a device that does not train the float
+    forward (its step is the integer one anyway)."""
     values, not_applied = read_hparams(hparams, variant)
     integer = variant != "float32"
     if values.get("ws") and integer:
@@ -255,6 +260,8 @@ def round_settings(hparams: Mapping[str, Any], *, variant: str, codec: str, code
         not_applied["wn"] = "weight standardization (ws) is on; the two exclude each other"
         values.pop("wn")
     forward = values.pop("float_forward", None)
+    step = values.pop("float_step", None) if not integer and forward in (None, FLOAT_VARIANT) else None
+    int_step = integer or forward not in (None, FLOAT_VARIANT) or step == "integer"
     if integer:
         if forward not in (None, FLOAT_VARIANT, variant):
             not_applied["float_forward"] = f"an {variant} device trains its own forward ({variant}), not {forward}"
@@ -287,7 +294,7 @@ def round_settings(hparams: Mapping[str, Any], *, variant: str, codec: str, code
         content=content, codec=new_codec, codec_bits=bits,
         kmeans_method=values.get("kmeans_method", kmeans_method),
         lr=values.get("lr"), momentum=values.get("momentum"),
-        grad_clip=None if integer or forward not in (None, FLOAT_VARIANT) else values.get("grad_clip"),
-        lr_shift=values.get("lr_shift") if integer or forward not in (None, FLOAT_VARIANT) else None,
-        ws=values.get("ws"), wn=values.get("wn"), float_forward=forward, not_applied=not_applied,
+        grad_clip=None if int_step else values.get("grad_clip"),
+        lr_shift=values.get("lr_shift") if int_step else None,
+        ws=values.get("ws"), wn=values.get("wn"), float_forward=forward, float_step=step, not_applied=not_applied,
     )

@@ -499,10 +499,11 @@ class DeviceRuntime:
             lr = (lr if lr is not None else getattr(trainer, "lr", DEFAULT_TORCH_LR)) * st.lr_scale
         for key, value in (("lr", lr), ("momentum", st.momentum), ("grad_clip", st.grad_clip),
                            ("weight_standardization", st.ws), ("weight_norm", st.wn),
-                           ("forward", st.float_forward)):
+                           ("forward", st.float_forward), ("step", st.float_step)):
             if value is not None:
                 kw[key] = value
-        integer_step = self.variant != FLOAT_VARIANT or st.float_forward not in (None, FLOAT_VARIANT)
+        integer_step = (self.variant != FLOAT_VARIANT or st.float_forward not in (None, FLOAT_VARIANT)
+                        or st.float_step == "integer")
         if integer_step:  # an integer device, or a float device training an integer forward
             from edge_client.trainers import DEFAULT_LR_SHIFT
 
@@ -517,6 +518,7 @@ class DeviceRuntime:
             kw.pop("weight_standardization", None)
             kw.pop("weight_norm", None)
             kw.pop("forward", None)
+            kw.pop("step", None)
         return kw
 
     def train_round(self, a: RoundAnnouncement, m: ModelMessage) -> bytes:

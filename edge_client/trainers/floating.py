@@ -74,7 +74,7 @@ class TorchTrainer:
                  weight_standardization: bool = False, momentum: float = DEFAULT_MOMENTUM,
                  grad_clip: float = 2.0, clip: float = DEFAULT_CLIP, ws_rho: float = 1e-3,
                  loss: str | None = None, forward: str = FLOAT_VARIANT,
-                 lr_shift: int = DEFAULT_LR_SHIFT, weight_norm: bool = False) -> None:
+                 lr_shift: int = DEFAULT_LR_SHIFT, weight_norm: bool = False, step: str = "sgd") -> None:
         import torch
 
         self._torch = torch
@@ -88,6 +88,7 @@ class TorchTrainer:
         self.lr = float(lr)
         self.momentum = float(momentum)
         self.lr_shift = check_lr_shift(lr_shift)
+        self.step = _check_step(step)
         self.grad_clip = float(grad_clip)
         self.clip = float(clip)
         self.seed = int(seed)
@@ -232,12 +233,13 @@ class TorchTrainer:
               momentum: float | None = None, grad_clip: float | None = None,
               weight_standardization: bool | None = None,
               forward: str | None = None, lr_shift: int | None = None,
-              weight_norm: bool | None = None) -> TrainReport:
+              weight_norm: bool | None = None, step: str | None = None) -> TrainReport:
         """Local SGD; loss reported is the mean training loss (CE or SSE) over the steps.
         ``lr``, ``momentum``, ``grad_clip``, ``weight_standardization``, ``weight_norm``,
         ``forward`` (the network trained: ``float32`` or ``int<s>``, class docstring),
-        ``lr_shift`` (the data step of an integer forward): this call's values (None: the
-        trainer's)."""
+        ``lr_shift`` (the data step of an integer forward), ``step`` (the float forward's:
+        ``sgd``, or ``integer``: the integer devices' step, as on an integer forward): this
+        call's values (None: the trainer's)."""
         torch = self._torch
         n_steps = check_train_args(data, self.spec, epochs, steps, batch, prox_mu,
                                     fedfor_alpha, last_global_step)
@@ -252,6 +254,7 @@ class TorchTrainer:
         bits = self.forward_bits if forward is None else forward_bits(forward)
         _check_norms(ws, wn, bits, forward)
         lr_shift = self.lr_shift if lr_shift is None else check_lr_shift(lr_shift)
+        int_step = bits != 32 or (self.step if step is None else _check_step(step)) == "integer"
         t0 = time.perf_counter()
         rng = np.random.default_rng([self.seed, self._calls])
         self._calls += 1
@@ -273,7 +276,7 @@ class TorchTrainer:
             loss = self._loss(self.forward(xb, ws, bits, wn=wn), yb, bits)
             loss.backward()
             with torch.no_grad():
-                if bits != 32:  # the integer devices' step, the terms beside it (class docstring)
+                if int_step:  # the integer devices' step, the terms beside it (class docstring)
                     reg = [self._reg_term(p, anchor[i], prox_mu, gsteps, i, fedfor_alpha)
                            for i, p in enumerate(self.params)]
                     integer_step(self.params, lr_shift)
@@ -411,3 +414,10 @@ def sgd_step(params: list, buffers: list, lr: float, momentum: float) -> None:
                 buffers[i].mul_(momentum).add_(g)
             g = buffers[i]
         p.add_(g, alpha=-lr)
+
+
+def _check_step(step: str) -> str:
+    """``sgd`` or ``integer`` (ConfigError naming the value otherwise)."""
+    if step not in ("sgd", "integer"):
+        raise ConfigError(f"step must be 'sgd' or 'integer', got {step!r}")
+    return step
