@@ -25,9 +25,11 @@ end to end.
 value of each dimension) for ``R`` rounds (R >= 2), timed: the per-round wall time (the
 rounds after the first) and the fixed cost of a run give a run's full time (fixed +
 rounds x per-round), and a cost factor per dimension value gives every combination's
-(:func:`estimate`); times seeds: each experiment's full time on this machine as loaded
-now, one run at a time, and in CPU seconds (the process's, scaled the same way: about
-what an idle core would take); printed and written to ``estimates.json``.
+(:func:`estimate`); times seeds (and a ``[sweep.tune]`` table's tuning runs): each
+experiment's full time on this machine as loaded now, one run at a time, and in CPU
+seconds (the process's, scaled the same way: about what an idle core would take); for a
+config that stops at a plateau, with every run at its maximum rounds (an upper bound);
+printed and written to ``estimates.json``.
 """
 
 from __future__ import annotations
@@ -182,13 +184,20 @@ def estimate(cfg: Any, rounds: int, out: Path) -> dict[str, Any]:
         print(f"  {n + 1}/{len(plan)} {combo}: {t['per_round_s']:.1f} s/round, {t['fixed_s']:.1f} s fixed -> "
               f"{t['run_s'] / 60:.1f} min per seed ({t['run_cpu_s'] / 60:.1f} CPU min)", flush=True)
     out_est = {}
+    tune = cfg.sweep.get("tune")
+    tuning_runs = 0
+    if isinstance(tune, dict):  # every setting of a combination's bracket on every tuning seed
+        from coordinator.emulation.tuning import bracket
+
+        tuning_runs = len(bracket(tune, combos[0][0])) * len(tune["seeds"])
     for key in ("run_s", "run_cpu_s"):
         base = timed[(None, 0)][key]
         per_seed = base
         for k in dims:
             per_seed *= 1.0 + sum(timed[(k, i)][key] / base for i in range(1, len(cfg.sweep[k])))
-        out_est[key] = per_seed * len(cfg.seeds)
-    return {"combinations": len(combos), "seeds": len(cfg.seeds), "rounds": cfg.rounds,
+        out_est[key] = per_seed * (len(cfg.seeds) + tuning_runs)
+    return {"combinations": len(combos), "seeds": len(cfg.seeds), "tuning_runs_per_combination": tuning_runs,
+            "rounds": cfg.rounds, "plateau_stop": bool(cfg.stop.get("plateau")),
             "timed_runs": len(plan), "estimated_h": round(out_est["run_s"] / 3600, 2),
             "estimated_cpu_h": round(out_est["run_cpu_s"] / 3600, 2),
             "timed": [{"dimension": d, "value": (cfg.sweep[d][i].get("label") if isinstance(cfg.sweep[d][i], dict)
@@ -252,8 +261,11 @@ def main() -> int:
                   flush=True)
             estimates[path.stem] = estimate(cfg, max(2, args.estimate), out)
             e = estimates[path.stem]
-            print(f"   {e['combinations']} combinations x {e['seeds']} seeds: about {e['estimated_h']:.1f} h "
-                  f"one run at a time as loaded now, {e['estimated_cpu_h']:.1f} h of CPU "
+            tuning = f" + {e['tuning_runs_per_combination']} tuning runs" if e["tuning_runs_per_combination"] else ""
+            bound = (f"at most (every run to its maximum of {e['rounds']} rounds; the plateau stops most "
+                     "earlier), " if e["plateau_stop"] else "")
+            print(f"   {e['combinations']} combinations x ({e['seeds']} seeds{tuning}): about {e['estimated_h']:.1f} h "
+                  f"{bound}one run at a time as loaded now, {e['estimated_cpu_h']:.1f} h of CPU "
                   f"({time.monotonic() - t0:.0f} s to estimate)", flush=True)
             continue
         print(f"== {path.name} -> {out}", flush=True)
