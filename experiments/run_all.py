@@ -107,6 +107,10 @@ def quick_config(cfg: Any, every_method: bool = True, keep_data: bool = False) -
         else:
             picked = values[:1]
         out[key] = [_cap_devices(v) for v in picked]
+    if isinstance(out.get("tune"), dict) and out["tune"].get("by"):  # brackets of the values kept
+        by = "@" + str(out["tune"]["by"]).lstrip("@")
+        kept = {str(v["label"]) if isinstance(v, dict) else str(v) for v in out.get(by, out.get(by[1:], []))}
+        out["tune"] = {k: v for k, v in out["tune"].items() if k in ("seeds", "by", "default") or k in kept}
     raw["sweep"] = out
     return from_dict(raw, f"{cfg.source} (quick)")
 
