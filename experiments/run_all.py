@@ -282,11 +282,18 @@ def main() -> int:
                              ("tuning.json", ".tuning.json"), ("accuracy.png", ".png")):
             if (out / name).is_file():
                 shutil.copyfile(out / name, RESULTS / f"{path.stem}{suffix}")
-    if estimates:
-        (RESULTS / "estimates.json").write_text(json.dumps(
+    if estimates:  # merged into the file: the experiments not estimated now keep theirs
+        path = RESULTS / "estimates.json"
+        old = json.loads(path.read_text()) if path.is_file() else {}
+        for e in old.get("experiments", {}).values():  # (the older layout: one load for the file)
+            e.setdefault("machine_load", old.get("machine_load"))
+        for e in estimates.values():
+            e["machine_load"] = _load()
+        path.write_text(json.dumps(
             {"note": "one seed of a covering set of combinations, the first rounds timed on this machine "
-                     "as loaded then, one run at a time; estimated_cpu_h: the same in CPU time",
-             "machine_load": _load(), "experiments": estimates}, indent=1))
+                     "as loaded then (machine_load: its load average), one run at a time; estimated_cpu_h: "
+                     "the same in CPU time; plateau_stop: an upper bound, every run at its maximum rounds",
+             "experiments": old.get("experiments", {}) | estimates}, indent=1))
     return 0
 
 
