@@ -1,34 +1,17 @@
-"""Evaluating the global model as each bitwidth group runs it, on a held-out set.
+"""Evaluating the global model as each bitwidth group runs it, on held-out sets.
 
-A float32 device runs the shared weights through the float forward (or, when the fleet
-announces ``float_forward = "int<s>"``, through the s-bit integer forward computed in
-float, the network it then trains); an s-bit integer device runs ``from_shared(W, s)``
-through the integer forward (ternary weights, shifts, s-bit activations).
-:class:`ModelEvaluator` scores every variant it is given with the same trainer code the
-devices use (``edge_client.trainers.make_trainer``), kept between rounds.
-
-**Threads.** The held-out sets are cut into fixed chunks of :data:`EVAL_CHUNK` samples
-and the (variant, chunk) tasks are dealt to ``threads`` lanes, each a thread with its own
-trainer per variant (the integer kernels and torch release the GIL). The chunks and the
-order in which their results are summed do not depend on ``threads``: the scores are the
-same for any thread count (the accuracy exactly, the loss up to the float summation of a
-chunk's mean; ``tests/test_evaluate.py``).
-
-**Which rounds read what.** Rounds ``>= report_from`` (the ones the reports average: the
-last ``coordinator.emulation.analysis.LAST_ROUNDS``, or those after a plateau, and every
-call without a round) score the test split and the whole validation split. Earlier
-rounds score only a fixed random subsample of ``val_sample`` validation samples, the
-per-round curve the stopping rule and the health watch read; their test figures are NaN.
-Without a validation split every round scores the test split. Variants that run the same
-weights in the same forward (FedAvg's float32 group in the Int8 forward and the Int8
-group) are scored once.
-
-**Decisions never read the test split.** What a run decides from (the health watch's
-probe batch and accuracy rule) comes from :meth:`ModelEvaluator.probe` and
-:attr:`ModelEvaluator.decision_key`: the validation split; without one, the devices'
-training data (``probe_data``, given by the emulator) for the probe and no accuracy
-figure. ``fedbit serve`` has one held-out set, the operator's monitoring set and no test
-split (``watch_held_out``): there the watch reads it.
+:class:`ModelEvaluator` scores every variant (float32: the float forward, or the
+announced ``float_forward = "int<s>"``; ``int<s>``: the s-bit integer forward) with the
+devices' trainer code. **Threads**: the sets are cut into fixed chunks of
+:data:`EVAL_CHUNK` dealt to ``threads`` lanes; the scores do not depend on the count.
+**Rounds**: rounds ``>= report_from`` (the reported ones) score the test split and the
+whole validation split; earlier rounds a fixed ``val_sample`` subsample of the
+validation split only (their test figures NaN); without a validation split every round
+scores the test split. Variants running the same weights in the same forward are scored
+once. **Decisions** (the health watch: :meth:`ModelEvaluator.probe`,
+:attr:`ModelEvaluator.decision_key`) read the validation split, else the devices'
+training data (``probe_data``), never the test split; ``fedbit serve``'s one held-out
+set is a monitoring set (``watch_held_out``), which it reads.
 """
 
 from __future__ import annotations
