@@ -4,8 +4,9 @@ One seed of an experiment's combination, run for its full length on the emulator
 config, the clock pinned from ``benchmarks/results/experiments/clock.json``):
 ``eval_share`` = the evaluation's seconds over the rounds' seconds, summed over the run
 (``eval_seconds`` and ``round_seconds`` of ``metrics.jsonl``). The evaluator reads the
-test split only in the reported rounds and a validation subsample before them
-(``coordinator/evaluate.py``). Anchor: the same run with the test split scored every
+test split only in the reported rounds and a validation subsample every round
+(``coordinator/evaluate.py``); ``first_rounds_share`` is the share in the rounds before
+the reported ones, ``reported_rounds_share`` in those. Anchor: the same run with the test split scored every
 round (the run without a validation split, as every run was evaluated before), measured
 in the same process, one after the other.
 
@@ -55,14 +56,20 @@ def one_combination(name: str, pick: dict[str, str], quick: bool):
     return c
 
 
-def share(cfg, run_dir: Path) -> tuple[float, float, int]:
-    """(evaluation seconds / round seconds, seconds per round, rounds) of one run."""
+def share(cfg, run_dir: Path) -> tuple[float, float, int, float, float]:
+    """(evaluation seconds / round seconds, seconds per round, rounds, the share before the
+    reported rounds, the share in them) of one run."""
+    from coordinator.emulation.analysis import LAST_ROUNDS
     from coordinator.emulation.run import Emulator
 
     hist = Emulator(cfg, 0, run_dir).run().history
-    ev = sum(float(h["eval_seconds"]) for h in hist)
+
+    def part(hs) -> float:
+        total = sum(float(h["round_seconds"]) for h in hs)
+        return sum(float(h["eval_seconds"]) for h in hs) / total if total else 0.0
+
     total = sum(float(h["round_seconds"]) for h in hist)
-    return ev / total, total / len(hist), len(hist)
+    return (part(hist), total / len(hist), len(hist), part(hist[:-LAST_ROUNDS]), part(hist[-LAST_ROUNDS:]))
 
 
 def main() -> int:
@@ -76,13 +83,14 @@ def main() -> int:
         for name, pick, label in cases:
             cfg = one_combination(name, pick, args.quick)
             old = replace(cfg, data=cfg.data | {"validation": 0.0})
-            a_share, a_round, _ = share(old, Path(tmp) / f"{name}-old")
-            n_share, n_round, rounds = share(cfg, Path(tmp) / f"{name}-new")
+            a_share, a_round, *_ = share(old, Path(tmp) / f"{name}-old")
+            n_share, n_round, rounds, first, last = share(cfg, Path(tmp) / f"{name}-new")
             case = f"{name} {label}, {rounds} rounds, seed 0" + (" (quick: digits)" if args.quick else "")
             print(json.dumps({"bench": "eval_share", "case": case, "metric": "eval_share", "value": round(n_share, 4),
                               "unit": "fraction of round time", "anchor": "the test split every round",
                               "anchor_value": round(a_share, 4), "ratio": round(n_share / a_share, 4),
-                              "round_seconds": round(n_round, 3), "anchor_round_seconds": round(a_round, 3)}))
+                              "round_seconds": round(n_round, 3), "anchor_round_seconds": round(a_round, 3),
+                              "first_rounds_share": round(first, 4), "reported_rounds_share": round(last, 4)}))
             print(json.dumps({"bench": "eval_share", "case": case, "metric": "eval_share", "value": round(n_share, 4),
                               "unit": "fraction of round time", "anchor": "target", "anchor_value": TARGET,
                               "ratio": round(n_share / TARGET, 4)}), flush=True)

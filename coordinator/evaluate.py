@@ -4,10 +4,10 @@
 announced ``float_forward = "int<s>"``; ``int<s>``: the s-bit integer forward) with the
 devices' trainer code. **Threads**: the sets are cut into fixed chunks of
 :data:`EVAL_CHUNK` dealt to ``threads`` lanes; the scores do not depend on the count.
-**Rounds**: rounds ``>= report_from`` (the reported ones) score the test split and the
-whole validation split; earlier rounds a fixed ``val_sample`` subsample of the
-validation split only (their test figures NaN); without a validation split every round
-scores the test split. Variants running the same weights in the same forward are scored
+**Rounds**: every round scores a fixed random subsample of ``val_sample`` validation
+samples (the whole split when 0 or smaller), and rounds ``>= report_from`` (the reported
+ones) the test split as well (earlier rounds' test figures are NaN); without a
+validation split every round scores the test split. Variants running the same weights in the same forward are scored
 once. **Decisions** (the health watch: :meth:`ModelEvaluator.probe`,
 :attr:`ModelEvaluator.decision_key`) read the validation split, else the devices'
 training data (``probe_data``), never the test split; ``fedbit serve``'s one held-out
@@ -64,8 +64,7 @@ class ModelEvaluator:
             data): each variant's result gains ``{"val_loss", "val_accuracy",
             "val_samples"}`` on it (or on its subsample).
         report_from: the first round whose call scores the test split (module docstring).
-        val_sample: validation samples scored in the rounds before ``report_from`` (0:
-            the whole split).
+        val_sample: the validation samples scored each round (0: the whole split).
         threads: how many threads score the chunks (module docstring; >= 1).
         probe_data: the inputs the health watch probes when there is no validation split
             (the devices' training data; module docstring).
@@ -168,9 +167,8 @@ class ModelEvaluator:
         """The sets a call for ``at_round`` scores (module docstring)."""
         if self.validation is None:
             return ("test",)
-        if at_round is None or at_round >= self.report_from:
-            return ("test", "val")
-        return ("vsub",) if 0 < self.val_sample < len(self.validation) else ("val",)
+        val = "vsub" if 0 < self.val_sample < len(self.validation) else "val"
+        return ("test", val) if at_round is None or at_round >= self.report_from else (val,)
 
     def __call__(self, variants: Mapping[str, list[np.ndarray]], *,
                  at_round: int | None = None) -> dict[str, tuple[Any, ...]]:

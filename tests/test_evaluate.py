@@ -62,12 +62,14 @@ def test_the_test_split_only_in_the_reported_rounds_a_validation_subsample_befor
     w = {"int8": _trained(8)}
     early, late, outside = ev(w, at_round=3), ev(w, at_round=4), ev(w)
     assert np.isnan(early["int8"][1]) and early["int8"][2]["val_samples"] == 40  # no test split read
-    assert late["int8"] == outside["int8"] and late["int8"][2]["val_samples"] == 100
+    assert late["int8"] == outside["int8"] and late["int8"][2] == early["int8"][2]  # the same subsample
     tr = make_trainer(get_spec("digits_cnn"), 8, seed=0)
     tr.load_shared(w["int8"])
-    assert late["int8"][1] == tr.evaluate(test)[1] and late["int8"][2]["val_accuracy"] == tr.evaluate(val)[1]
     sub = ev._split("vsub")[0]
-    assert early["int8"][2]["val_accuracy"] == tr.evaluate(sub)[1] and len(np.unique(sub.y)) > 3  # drawn, not the first 40
+    assert late["int8"][1] == tr.evaluate(test)[1] and late["int8"][2]["val_accuracy"] == tr.evaluate(sub)[1]
+    assert len(np.unique(sub.y)) > 3  # drawn at random, not the first 40
+    whole = evaluator_for("digits_cnn", test, {}, validation=val, report_from=4)(w, at_round=1)["int8"]
+    assert np.isnan(whole[1]) and whole[2]["val_samples"] == 100 and whole[2]["val_accuracy"] == tr.evaluate(val)[1]
     ev.report_from = 2  # (the emulator moves it at a plateau)
     assert ev(w, at_round=3) == late
     ev.close()

@@ -89,8 +89,8 @@ DESCRIBED_DEVICES = 10_000
 #: per device) for the rounds after it. Smaller rounds stay in the emulator's process: a
 #: worker process costs ~360 MB (its kernels, torch) and a pipe each way per round.
 AUTO_CPU_S = 0.25
-#: validation samples scored in the rounds before the reported ones (the per-round curve
-#: the stopping rule and the health watch read; the whole split in the reported rounds)
+#: validation samples scored each round (a fixed random subsample: the per-round curve the
+#: stopping rule, the health watch and tuning read)
 VAL_SAMPLE = 1000
 
 @dataclass
@@ -179,7 +179,7 @@ class Emulator:
                                   deadline_s=float(rnd["deadline_s"]), wall_timeout_s=float(rnd["wall_timeout_s"]),
                                   on_progress=(lambda f: self.on_event("devices", f)) if self.on_event else None)
             # the test split only in the reported rounds (the last LAST_ROUNDS, or those after a
-            # plateau; every round for a target accuracy), a validation subsample before them;
+            # plateau; every round for a target accuracy), a validation subsample every round;
             # decisions read the validation split, else the training split: never the test split.
             # Every core scores, the device workers idle meanwhile.
             evaluator = evaluator_for(cfg.model, data.test, strategy.device_hparams(cfg.train), seed=seed,
