@@ -72,3 +72,13 @@ def test_stopping_needs_a_validation_split_and_sane_settings() -> None:
         from_dict(raw(stop={"min_delta": -1}), "t")
     with pytest.raises(ConfigError, match="stop.bogus"):
         from_dict(raw(stop={"bogus": 1}), "t")
+
+
+def test_a_round_without_the_test_split_shows_its_validation_accuracy() -> None:
+    from coordinator.ops.logs import round_line
+
+    rec = {"round": 3, "accepted": 2, "selected": 2, "round_seconds": 1.0, "accuracy": None,
+           "groups": {"float32": {"accuracy": None, "val_accuracy": 0.5}, "int8": {"accuracy": None, "val_accuracy": 0.625}}}
+    assert round_line(rec, 9).startswith("round 3/9: validation accuracy float32 0.5000 int8 0.6250,")
+    rec["groups"]["int8"]["accuracy"] = 0.75
+    assert round_line(rec, 9).startswith("round 3/9: accuracy float32 n/a int8 0.7500,")

@@ -103,14 +103,17 @@ def round_line(f: dict[str, Any], rounds: int) -> str:
     """One line for a finished round: accuracy (per bitwidth group when there are several),
     updates, stragglers, wall (and simulated) seconds."""
     groups = f.get("groups") or {}
+    # a round before the reported ones scores no test split: its validation subsample then
+    key, what = ("val_accuracy", "validation accuracy") if groups and not any(
+        isinstance(v.get("accuracy"), float) for v in groups.values()) else ("accuracy", "accuracy")
     if len(groups) > 1:
-        acc_s = " ".join(f"{g} {_fmt(v.get('accuracy'))}" for g, v in sorted(groups.items()))
+        acc_s = " ".join(f"{g} {_fmt(v.get(key))}" for g, v in sorted(groups.items()))
     else:
-        acc_s = _fmt(f.get("accuracy"))
+        acc_s = _fmt(f.get("accuracy") if key == "accuracy" else next(iter(groups.values())).get(key))
     strag = f", {f['stragglers']} straggler(s)" if f.get("stragglers") else ""
     sim = f" (simulated {f['sim_round_seconds']:.2f} s)" if isinstance(f.get("sim_round_seconds"), float) else ""
     wait = f" (+ {f['wait_seconds']:.2f} s waiting for devices)" if f.get("wait_seconds", 0) >= 0.1 else ""
-    return (f"round {f['round']}/{rounds}: accuracy {acc_s}, {f['accepted']}/{f['selected']} updates{strag}, "
+    return (f"round {f['round']}/{rounds}: {what} {acc_s}, {f['accepted']}/{f['selected']} updates{strag}, "
             f"{f['round_seconds']:.2f} s{sim}{wait}")
 
 
