@@ -134,6 +134,13 @@
     if (c.phase === "collecting" && c.deadline) {
       pairs.push(["deadline", `in ${Math.max(0, c.deadline - Date.now() / 1000).toFixed(0)} s`]);
     }
+    if (c.phase === "collecting" && c.outstanding) {
+      const ids = c.outstanding_ids || [];
+      const more = c.outstanding > ids.length ? ` and ${c.outstanding - ids.length} more` : "";
+      pairs.push(["waiting for", ids.join(", ") + more]);
+    }
+    const gone = Object.entries(c.gone || {});
+    if (gone.length) pairs.push(["gone (stragglers)", gone.map(([d, why]) => `${d} (${why})`).join(", ")]);
     if (c.phase === "closed") pairs.push(["stragglers", c.stragglers ?? 0]);
     if (c.wait_seconds >= 0.1) pairs.push(["waited for devices", secs(c.wait_seconds)]);
     const last = rounds[rounds.length - 1];
