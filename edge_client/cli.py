@@ -86,6 +86,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
     print(f"fedbit-edge: device {args.id} ({profile.name}, {profile.compute_bits}-bit "
           f"{profile.trainer}{threads}, uplink {cfg.codec}-{cfg.codec_bits}, {len(data.y)} "
           f"samples) -> {args.broker}", flush=True)
+    if profile.is_integer:
+        from edge_client.intnn.compile_note import say_when_compiling
+
+        say_when_compiling(lambda m: print(f"fedbit-edge: {m}", flush=True))
     try:
         n = rt.run(max_seconds=args.max_seconds or None)
     except KeyboardInterrupt:

@@ -115,6 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # (for the --resume line of a stopped run)
     if not getattr(args, "func", None):
         parser.print_help()
         return 2

@@ -23,6 +23,7 @@ import logging
 import os
 import queue
 import shutil
+import signal
 import sys
 import tempfile
 import threading
@@ -337,6 +338,8 @@ def main() -> None:
     ``FD`` its end of a socket pair to the emulator."""
     from multiprocessing.connection import Connection
 
+    # a terminal's Ctrl-C reaches the whole process group: the emulator stops its workers
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     conn = Connection(int(sys.argv[1]))
     try:
         serve(conn)
