@@ -23,6 +23,7 @@ from coordinator.commit import AckCommitter
 from coordinator.devices import DeviceRegistry
 from coordinator.fleet import Fleet, Inbound
 from coordinator.ingest import Ingest, OpenRound, Rejected
+from coordinator.ops.knocks import JobsOnBroker
 from coordinator.state import RunState
 from coordinator.strategies.round import RoundStrategy
 from edge_client.errors import ProtocolError
@@ -109,6 +110,8 @@ class Collector:
         #: (device, what it reported) already logged at WARNING: a device that reports the
         #: same setting not applied every round is logged once, then at DEBUG (still counted)
         self._reported: set[tuple[str, str]] = set()
+        #: which jobs of the broker have a coordinator, and devices knocking on the others
+        self.jobs = JobsOnBroker(getattr(fleet, "job", "default"))
         self._gone_until: dict[str, float] = {}  # gone device -> when the round stops waiting for it
 
     def new_round(self) -> None:
@@ -150,6 +153,10 @@ class Collector:
                             self._device_changed(msg.device_id, change)
                     except Rejected as exc:
                         self._refused(exc, msg.kind, msg.device_id)
+                elif msg.kind == "status":
+                    self.jobs.status(msg.topic, msg.payload)
+                elif msg.kind == "knock":
+                    self.jobs.knock(msg.topic, msg.payload, msg.received_at)
                 else:
                     self._refused(Rejected("bad_topic", msg.topic), msg.kind, msg.device_id)
             records, self._to_persist = self._to_persist, []
@@ -236,6 +243,16 @@ class Collector:
                                               "why": why})
         self.on_event("gone", {"round": rnd.round_id, "device": device_id, "why": why,
                                "outstanding": len(left)})
+
+    def _report_knocks(self) -> None:
+        """Log (and report as ``knock`` events) the devices saying hello on a job that has
+        no coordinator on this broker, each once."""
+        for k in self.jobs.due(time.monotonic()):
+            self.log.warning("device %r says hello on job %r, which has no coordinator on this broker; this "
+                             "coordinator serves job %r (start the device with --job %s)", k.device_id, k.job,
+                             self.jobs.job, self.jobs.job, extra={"event": "knock", "device": k.device_id,
+                                                                   "job": k.job})
+            self.on_event("knock", {"device": k.device_id, "job": k.job, "serving": self.jobs.job})
 
     #: refusals of one reason logged per round at their level; more go to debug (a flood
     #: must not flood the log; every one is counted)
@@ -326,6 +343,7 @@ class Collector:
                 if left <= 0:
                     return
                 msg = self.fleet.recv(timeout=min(left, 0.25))
+                self._report_knocks()
                 if msg is None:
                     continue
                 batch = [msg]

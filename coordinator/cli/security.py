@@ -124,11 +124,12 @@ def serve_broker(job: Any, max_packet: int) -> tuple[Any, dict[str, Any]]:
         jb = start_job_broker(host, port, security=mode, prefer=b.embedded, max_packet_size=max_packet)
         print(f"broker: {jb.device_url} (embedded {jb.kind}; anonymous and unencrypted: loopback "
               f"only, for demos, as no device is enrolled in {sec.dir}; devices connect with --broker "
-              f"{jb.device_url}; devices on other machines: --listen HOST:PORT, TLS and per-device "
-              f"credentials)", flush=True)
-        # amqtt keeps offline sessions only for clients with a username
+              f"{jb.device_url} --job {name}; devices on other machines: --listen HOST:PORT, TLS and "
+              f"per-device credentials)", flush=True)
+        # amqtt keeps offline sessions only for clients with a username; the anonymous
+        # broker lets the coordinator hear every job (devices knocking on the wrong one)
         return jb, {"url": jb.coordinator_url, "username": COORDINATOR_USER, "password": None,
-                    "tls": None, "enrolment": ""}
+                    "tls": None, "enrolment": "", "watch_jobs": True}
     check_caps(sec, job.server.admission)
     jb = start_job_broker(host, port, security=mode, job_security=sec, hosts=b.hostnames or None,
                           workdir=out / "broker", prefer=b.embedded, max_packet_size=max_packet)
