@@ -172,22 +172,23 @@ def header(cfg: Any, out: Any) -> str:
 
 def _cmd_report(args: argparse.Namespace) -> int:
     import json
-    from pathlib import Path
 
     from coordinator.emulation.report import write_report, write_sweep_report
-    from coordinator.ops.rundir import is_coordinator_dir
+    from coordinator.ops.rundir import find_run, sweep_runs
     from edge_client.errors import ConfigError
 
-    root = Path(args.run_dir)
     try:
-        if (root / "results.json").is_file() and not is_coordinator_dir(root / "out"):
-            results = json.loads((root / "results.json").read_text())
-            summary = write_sweep_report(root, [(r["combination"], r["seed"], root / r["run"]) for r in results])
-        elif is_coordinator_dir(root) or is_coordinator_dir(root / "out"):
-            summary = write_report(root)
+        run = find_run(args.run_dir)
+        if run.kind != "sweep":
+            summary = write_report(run.path)
+        elif (run.path / "results.json").is_file():
+            results = json.loads((run.path / "results.json").read_text())
+            summary = write_sweep_report(run.path, [(r["combination"], r["seed"], run.path / r["run"])
+                                                    for r in results])
         else:
-            raise ConfigError(f"{root}: not a run folder (no metrics.jsonl here or in out/: a `fedbit serve --out` "
-                              "or `fedbit emulate` folder) nor a sweep folder (no results.json)")
+            raise ConfigError(f"{run.path}: a sweep that did not finish (no results.json): go on with it "
+                              f"(`fedbit emulate CONFIG --out {run.path} --resume`) or report one of its "
+                              f"{len(sweep_runs(run.path))} run folders")
     except ConfigError as exc:
         print(f"fedbit report: error: {exc}", file=sys.stderr)
         return 1
