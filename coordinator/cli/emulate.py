@@ -45,7 +45,8 @@ def add_emulate_commands(sub: Any) -> None:
                        description="Writes accuracy.png, bytes.png and summary.md into a run folder (a `fedbit "
                                    "emulate` run or a `fedbit serve --out` folder), or the sweep summary into a "
                                    "sweep folder.")
-    p.add_argument("run_dir", metavar="RUN_DIR")
+    p.add_argument("run_dir", metavar="RUN_DIR", help="a run folder (fedbit emulate, fedbit serve --out), "
+                   "a sweep folder, or any folder inside one (out/, onnx/)")
     p.set_defaults(func=_cmd_report)
 
 

@@ -16,7 +16,8 @@ def add_status_command(sub: Any) -> None:
                                    "`fedbit emulate` run folder): running or not, the round in progress, the "
                                    "devices (online, last seen, last update, refusals), the last rounds and the "
                                    "totals. Reads files only; works while the job runs.")
-    p.add_argument("run_dir", metavar="RUN_DIR")
+    p.add_argument("run_dir", metavar="RUN_DIR", help="the run folder (fedbit serve --out, a fedbit emulate run "
+                   "folder, or any folder inside one)")
     p.add_argument("--rounds", type=int, default=10, metavar="N", help="last N rounds in the table (default 10)")
     p.add_argument("--json", action="store_true", help="the same picture as one JSON object")
     p.set_defaults(func=_cmd_status)
