@@ -91,7 +91,7 @@ def _serve(args: argparse.Namespace, point: Any) -> int:
         fleet = MqttFleet(conn.pop("url"), cfg.job, protocol=job.broker.mqtt_version,
                           max_payload=cfg.limits.max_payload_bytes + 65536, **conn)
         evaluator = evaluator_for(cfg.model, _eval_data(job.eval_data), strategy.device_hparams(cfg.hparams),
-                                  seed=cfg.seed)
+                                  seed=cfg.seed, watch_held_out=True)  # a deployment: no test split
         state = RunState(job.out)
         watch = Watch(listen=job.dashboard.listen, security_dir=_security_dir(job), job_id=cfg.job,
                       hostnames=job.broker.hostnames or None, password_file=job.dashboard.password_file)
