@@ -85,7 +85,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     threads = f", {cfg.threads} threads" if profile.is_integer else ""
     print(f"fedbit-edge: device {args.id} ({profile.name}, {profile.compute_bits}-bit "
           f"{profile.trainer}{threads}, uplink {cfg.codec}-{cfg.codec_bits}, {len(data.y)} "
-          f"samples) -> {args.broker}", flush=True)
+          f"samples) -> {args.broker}, job {args.job}", flush=True)
     if profile.is_integer:
         from edge_client.intnn.compile_note import say_when_compiling
 
