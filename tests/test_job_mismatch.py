@@ -59,7 +59,7 @@ def test_a_device_on_a_job_without_coordinator_is_told_and_the_coordinator_logs_
     watch.close()
     rt = device(mosquitto.url, "default", tmp_path)  # started without --job
     t0 = time.monotonic()
-    rt.run(max_seconds=2)
+    rt.run(max_seconds=1.6)
     th.join(20)
     fleet.close()
     assert failed and "only 0 device(s) present" in str(failed[0])  # it never joined job example
@@ -81,7 +81,7 @@ def test_a_device_whose_job_has_a_coordinator_says_nothing_of_the_kind(mosquitto
     assert status.publish(topic("default", "status"), encode_message(Status("waiting", 0, "x")), retain=True)
     status.close()
     rt = device(mosquitto.url, "default", tmp_path)
-    rt.run(max_seconds=1.5)
+    rt.run(max_seconds=1.2)
     assert not [r for r in caplog.records if "no coordinator for job" in r.getMessage()]
     assert rt.coordinator_check.seen
     connected = [r.getMessage() for r in caplog.records if "connected (" in r.getMessage()]

@@ -115,9 +115,9 @@ def test_a_selected_device_whose_last_will_arrives_is_a_straggler_at_once(tmp_pa
 def test_outstanding_devices_are_named_in_the_log_while_the_round_waits(tmp_path: Path, caplog) -> None:
     fleet = InProcessFleet(JOB)
     start_device(fleet, tmp_path, "a")
-    start_device(fleet, tmp_path, "slow", delay=1.5)
+    start_device(fleet, tmp_path, "slow", delay=0.8)
     co = coordinator(fleet, tmp_path / "out", round_timeout_s=30.0)
-    co.collector.outstanding_every_s = 0.3
+    co.collector.outstanding_every_s = 0.25
     caplog.set_level(logging.INFO, logger="fedbit.server")
     (rec,) = co.run()
     assert rec["accepted"] == 2 and rec["stragglers"] == 0
