@@ -338,7 +338,7 @@ def main() -> None:
     ``FD`` its end of a socket pair to the emulator."""
     from multiprocessing.connection import Connection
 
-    # a terminal's Ctrl-C reaches the whole process group: the emulator stops its workers
+    # the emulator stops its workers (a SIGINT sent to this process alone is ignored)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     conn = Connection(int(sys.argv[1]))
     try:
