@@ -196,6 +196,11 @@ class Ingest:
             raise Rejected("registry_full", f"{len(registry.hellos)} devices registered (max_registered {cap})")
         return m
 
+    def parse(self, payload: bytes, device_id: str):  # -> protocol.Message
+        """Steps 1, 1a, 1b and 2 (size, enrolment, MAC, parse) of any message from
+        ``device_id``'s topics (secure aggregation's too); raises :class:`Rejected`."""
+        return self._parse(payload, device_id)
+
     def _parse(self, payload: bytes, device_id: str):  # -> protocol.Message
         """Steps 1, 1a, 1b and 2."""
         if len(payload) > self.limits.max_payload_bytes:

@@ -33,7 +33,7 @@ from edge_client.protocol.secure import (
     SecAggUnmask,
 )
 from edge_client.secagg import crypto, shamir
-from edge_client.secagg.graph import neighbours
+from edge_client.secagg.graph import default_degree, neighbours
 from edge_client.secagg.shamir import SHARE_BYTES
 
 ENC_LABEL = b"fedbit-secagg-enc"
@@ -92,7 +92,8 @@ class SecAggClient:
                  selected: Sequence[str], degree: int) -> None:
         self.identity = identity
         self.job, self.device_id, self.round_id, self.session = job, device_id, int(round_id), session
-        self.graph_neighbours = set(neighbours(selected, degree, session).get(device_id, ()))
+        k = min(degree or default_degree(len(selected)), max(len(selected) - 1, 0))  # as the coordinator
+        self.graph_neighbours = set(neighbours(selected, k, session).get(device_id, ()))
         self._c_sk, self.c_pk = crypto.x25519_keypair()
         self._s_sk, self.s_pk = crypto.x25519_keypair()
         self._b = os.urandom(32)
