@@ -91,7 +91,7 @@ def test_a_device_dropping_after_its_keys_leaves_the_round_complete(tmp_path: Pa
     shifts = {"a": 0.01, "b": 0.02, "c": 0.03, "d": 0.04, "e": 0.05}
     devs = {d: start(fleet, tmp_path, d, s, 10) for d, s in shifts.items()}
     devs["e"][0].secure.handle = lambda m: None  # "e" goes silent after advertising its keys
-    co = coordinator(fleet, tmp_path / "out", PrivacyConfig(secure_aggregation=True, phase_timeout_s=2,
+    co = coordinator(fleet, tmp_path / "out", PrivacyConfig(secure_aggregation=True, phase_timeout_s=1,
                                                             neighbours=4), rounds=1, min_devices=5)
     w0 = [w.copy() for w in co.weights]
     (rec,) = co.run()
@@ -165,6 +165,26 @@ def test_the_privacy_section_and_flags(tmp_path: Path) -> None:
     add_job_options(p)
     args = p.parse_args(["--config", str(job), "--dp", "distributed", "--noise-multiplier", "1.5", "--delta", "1e-6"])
     assert job_from_args(args).server.privacy.noise_multiplier == 1.5
+
+
+def test_the_emulator_runs_secure_rounds_with_its_devices_dropping_in_every_phase(tmp_path: Path) -> None:
+    """Int8 and Int16 devices (float ones: the tests above), and a profile that loses every
+    round: its devices drop at a phase drawn per device and round (before their keys,
+    after them, after their shares, after their masked input); the round completes."""
     from coordinator.emulation.config import from_dict
+    from coordinator.emulation.run import Emulator
+    from tests.test_emulator import config
+
     with pytest.raises(ConfigError, match=r"\[privacy\].*selective weight"):
         from_dict({"strategy": "prowd", "devices": {"raspberry-pi-4": 2}, "privacy": {"secure_aggregation": True}})
+    lossy = tmp_path / "lossy.toml"
+    lossy.write_text((Path(__file__).parents[1] / "hw_profiles" / "profiles" / "jetson-nano.toml").read_text()
+                     .replace('name = "jetson-nano"', 'name = "lossy"').replace("loss_rate = 0.001", "loss_rate = 0.99"))
+    cfg = config(rounds=1, devices={"raspberry-pi-4": 3, "jetson-nano": 1, str(lossy): 4},
+                 round={"deadline_s": 0.0}, train={"epochs": 1}, privacy={"secure_aggregation": True,
+                                                                          "phase_timeout_s": 5})
+    (h,) = Emulator(cfg, 1, tmp_path / "run").run().history
+    assert h["aggregated"] and h["accepted"] == h["secagg_survivors"] >= 4 and h["weight_change_l2"] > 0
+    # seed 1: lossy-1 drops before its keys, lossy-2 after them, lossy-3 after its shares,
+    # lossy-0 after its masked input (it still counts)
+    assert (h["secagg_keys"], h["secagg_shared"], h["secagg_masked"], h["secagg_survivors"]) == (7, 6, 5, 5)

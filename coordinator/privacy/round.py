@@ -31,7 +31,7 @@ from coordinator.privacy.accountant import Accountant, noise_for_epsilon
 from coordinator.privacy.central import CentralDP
 from coordinator.privacy.config import PrivacyConfig
 from coordinator.privacy.secagg import SecAggParams, SecAggServer, UnmaskError
-from edge_client.errors import ConfigError, ProtocolError
+from edge_client.errors import ProtocolError
 from edge_client.protocol import encode_message, model_variant, variant_bits
 from edge_client.protocol.secure import FROM_DEVICES
 from edge_client.secagg.encode import Grid, split_slots
@@ -115,7 +115,7 @@ class Privacy:
             fleet.flush()
             want = set(out)
             end = min(time.monotonic() + self.cfg.phase_timeout_s, max(until, time.monotonic() + 1.0))
-            col.pump(end, stop=lambda want=want, done=done: want <= done())
+            col.pump(end, stop=lambda want=want, done=done: want <= done() or not fleet.more_expected(r))
         try:
             total = srv.unmask()
         except UnmaskError as exc:
@@ -207,8 +207,3 @@ class Privacy:
             self.accountant = Accountant.from_state(state["accountant"], self.cfg.delta)
         self.pinned.update({d: bytes.fromhex(k) for d, k in (state.get("pinned") or {}).items()})
 
-
-def check_fleet(fleet: Fleet, cfg: PrivacyConfig) -> None:
-    """ConfigError when ``fleet`` cannot carry a secure round."""
-    if cfg.secure_aggregation and not hasattr(fleet, "send"):
-        raise ConfigError(f"secure_aggregation: {type(fleet).__name__} cannot send to one device")

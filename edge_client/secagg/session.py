@@ -47,21 +47,27 @@ class SecureSession:
         """Keep the update of round ``a`` (announcement) trained from model ``m``; return the
         device's keys message. ``shared``: the trained shared-domain weights, ``start``: the
         model's; an integer trainer's own integers are used when it has them."""
-        from edge_client.codecs import decode
-
         if self._identity is None:
             self._identity = load_identity(self._identity_path)
-        ints = trainer.int_weights() if self.cfg.trainer == "int" and hasattr(trainer, "int_weights") else None
-        if ints is not None:  # the device's grid differences, exact
-            layers = [q.astype(np.int64) - decode(t).astype(np.int64) for q, t in zip(ints, m.tensors)]
-            update = (layers, int(self.cfg.compute_bits), int(weight))
-        else:
-            update = ([w.astype(np.float64) - g for w, g in zip(shared, start)], None, int(weight))
-        self._update = update
+        self.keep(m, trainer, shared, start, weight)
         self.client = SecAggClient(self._identity, self.cfg.job, self.cfg.device_id, a.round_id,
                                    bytes.fromhex(str(a.hparams["secagg"])), a.selected,
                                    int(a.hparams.get("secagg_degree", 0) or 0))
         return encode_message(self.client.keys(), self.cfg.limits)
+
+    def keep(self, m: Any, trainer: Any, shared: list[np.ndarray], start: list[np.ndarray], weight: int) -> None:
+        """Keep ``(layers, grid bits or None, weight)``: an integer trainer's own grid
+        differences (exact; units of 2^-(bits-1), its storage grid), else the shared-domain
+        ``shared - start``."""
+        from edge_client.codecs import decode
+        from edge_client.intnn import storage_grid_bits
+
+        ints = trainer.int_weights() if self.cfg.trainer == "int" and hasattr(trainer, "int_weights") else None
+        if ints is not None:
+            layers = [q.astype(np.int64) - decode(t).astype(np.int64) for q, t in zip(ints, m.tensors)]
+            self._update = (layers, int(storage_grid_bits(self.cfg.compute_bits)), int(weight))
+        else:
+            self._update = ([w.astype(np.float64) - g for w, g in zip(shared, start)], None, int(weight))
 
     def handle(self, m: Any) -> bytes | None:
         """The answer to a coordinator message (None: nothing to send; a message the
