@@ -188,3 +188,28 @@ def test_the_emulator_runs_secure_rounds_with_its_devices_dropping_in_every_phas
     # seed 1: lossy-1 drops before its keys, lossy-2 after them, lossy-3 after its shares,
     # lossy-0 after its masked input (it still counts)
     assert (h["secagg_keys"], h["secagg_shared"], h["secagg_masked"], h["secagg_survivors"]) == (7, 6, 5, 5)
+
+
+def test_epsilon_reaches_the_dashboard_metrics_and_the_summary() -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from coordinator.emulation.report import _privacy_lines, privacy_summary
+    from coordinator.ops.dashboard.metrics import MonitorCollector
+    from coordinator.ops.dashboard.monitor import FleetMonitor
+    from tests.test_dashboard import feed_round, round_end
+
+    m = FleetMonitor({"job": "farm"}, rounds=3, title="farm")
+    feed_round(m, 1, 0.5)
+    m("round_end", {**round_end(2, 0.6), "epsilon": 1.25, "delta": 1e-5})
+    assert m.snapshot()["rounds"][-1]["epsilon"] == 1.25
+    reg = CollectorRegistry()
+    reg.register(MonitorCollector(m))
+    fams = {f.name: f for f in text_string_to_metric_families(generate_latest(reg).decode())}
+    (s,) = fams["fedbit_privacy_epsilon"].samples
+    assert s.value == 1.25 and s.labels["delta"] == "1e-05"
+    recs = [{"epsilon": 0.5, "delta": 1e-5, "secagg_survivors": 3, "secagg_excluded": {}},
+            {"epsilon": 0.9, "delta": 1e-5, "secagg_survivors": 3, "secagg_excluded": {"d7": "bad signature"}}]
+    s = privacy_summary(recs)
+    assert s == {"epsilon": 0.9, "delta": 1e-5, "secagg_excluded": ["d7"]}
+    assert "ε = 0.900 at δ = 1e-05" in "\n".join(_privacy_lines(s))
