@@ -100,19 +100,6 @@ def test_a_device_dropping_after_its_keys_leaves_the_round_complete(tmp_path: Pa
         np.testing.assert_allclose(a, b + 0.025, atol=2e-4)
 
 
-def test_distributed_dp_round_records_epsilon(tmp_path: Path) -> None:
-    fleet = InProcessFleet(JOB)
-    for d in "abcd":
-        start(fleet, tmp_path, d, 0.01, 10)
-    priv = PrivacyConfig(secure_aggregation=True, mechanism="distributed", clip=0.5, noise_multiplier=1.0,
-                         phase_timeout_s=10)
-    co = coordinator(fleet, tmp_path / "out", priv)
-    hist = co.run()
-    eps = [h["epsilon"] for h in hist]
-    assert 0 < eps[0] < eps[1] and hist[0]["noise_multiplier"] == pytest.approx(1.0, rel=1e-6)
-    assert [m["epsilon"] for m in RunState(tmp_path / "out").read_metrics()] == eps
-
-
 def test_central_dp_and_the_budget_end_the_job_cleanly(tmp_path: Path) -> None:
     fleet = InProcessFleet(JOB)
     devs = [start(fleet, tmp_path, d, 0.01, 10) for d in "abcd"]

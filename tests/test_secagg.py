@@ -65,8 +65,7 @@ def test_secure_sum_is_bit_exact_with_dropouts_in_every_phase() -> None:
     assert (n0, n1) == (3, 3) and w0 + w1 == sum(1 + IDS.index(u) for u in counted)
 
 
-@pytest.mark.parametrize("seed", [1, 2])
-def test_sparse_graph_sum_with_ten_percent_dropouts(seed: int) -> None:
+def test_sparse_graph_sum_with_ten_percent_dropouts(seed: int = 1) -> None:
     ids = [f"big-{i:02d}" for i in range(30)]
     grid = Grid(params=16, frac_bits=10)
     srv = _server(ids, grid, params=SecAggParams(degree=8))
