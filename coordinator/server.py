@@ -109,8 +109,7 @@ class Coordinator:
         #: the inbound side: devices, ingest, folding, the inbox and acks
         self.collector = Collector(fleet, Ingest(cfg.model, shapes, cfg.limits, cfg.admission, cfg.job), strategy, state,
                                    on_event=self.on_event, logger=self.log)
-        self.privacy = Privacy(cfg.privacy, job=cfg.job, rounds=cfg.rounds, fraction=cfg.fraction, fleet=fleet,
-                               collector=self.collector, shapes=shapes, log=self.log, on_event=self.on_event)
+        self.privacy = Privacy(cfg, fleet, self.collector, shapes, self.log, self.on_event)
         self.strategy = self.collector.strategy = self.privacy.wrap(strategy)
 
     # ------------------------------------------------------------------ rounds

@@ -29,7 +29,6 @@ from coordinator.ingest import OpenRound, Rejected
 from coordinator.privacy import dp
 from coordinator.privacy.accountant import Accountant, noise_for_epsilon
 from coordinator.privacy.central import CentralDP
-from coordinator.privacy.config import PrivacyConfig
 from coordinator.privacy.secagg import SecAggParams, SecAggServer, UnmaskError
 from edge_client.errors import ProtocolError
 from edge_client.protocol import encode_message, model_variant, variant_bits
@@ -40,10 +39,11 @@ from edge_client.secagg.encode import Grid, split_slots
 class Privacy:
     """See the module docstring. ``shapes``: the model's layer shapes."""
 
-    def __init__(self, cfg: PrivacyConfig, *, job: str, rounds: int, fraction: float, fleet: Fleet,
-                 collector: Collector, shapes: list[tuple[int, ...]], log: logging.Logger,
-                 on_event: Callable[[str, dict[str, Any]], None]) -> None:
-        self.cfg, self.job, self.fleet, self.col, self.log, self.on_event = cfg, job, fleet, collector, log, on_event
+    def __init__(self, server: Any, fleet: Fleet, collector: Collector, shapes: list[tuple[int, ...]],
+                 log: logging.Logger, on_event: Callable[[str, dict[str, Any]], None]) -> None:
+        cfg, rounds, fraction = server.privacy, server.rounds, server.fraction
+        self.cfg, self.job, self.fleet, self.col, self.log, self.on_event = cfg, server.job, fleet, collector, log, on_event
+        self.selection = (server.fraction, server.min_devices, server.max_devices)
         self.shapes = shapes
         self.params = sum(int(np.prod(s)) for s in shapes)
         self.accountant = Accountant(cfg.delta) if cfg.dp else None
@@ -80,13 +80,23 @@ class Privacy:
         ``target_epsilon``."""
         if self.accountant is None or not self.cfg.target_epsilon:
             return True
-        eps = self.accountant.after(self.z, self.q)
+        eps = self.accountant.after(self.z, self._next_q())
         if eps <= self.cfg.target_epsilon * (1 + 1e-9):
             return True
-        self.stopped = (f"round {round_id} would take epsilon to {eps:.4g} > target_epsilon "
-                        f"{self.cfg.target_epsilon:g} (delta {self.cfg.delta:g}): the job ends here")
-        self.log.warning("%s", self.stopped, extra={"event": "privacy_budget", "round": round_id})
+        if not self.stopped:
+            self.stopped = (f"round {round_id} would take epsilon to {eps:.4g} > target_epsilon "
+                            f"{self.cfg.target_epsilon:g} (delta {self.cfg.delta:g}): the job ends here")
+            self.log.warning("%s", self.stopped, extra={"event": "privacy_budget", "round": round_id})
         return False
+
+    def _next_q(self) -> float:
+        """The sampling rate the next selection would have among the devices present now
+        (the configured fraction while none is)."""
+        present = len(self.col.devices.present())
+        fraction, lo, hi = self.selection
+        if not present:
+            return min(1.0, fraction)
+        return min(present, max(lo, min(hi, math.ceil(fraction * present)))) / present
 
     # ------------------------------------------------------------------ the secure round
     def collect(self, rnd: OpenRound, hparams: dict[str, Any], need: int, until: float) -> None:
