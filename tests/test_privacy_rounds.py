@@ -5,6 +5,7 @@ budget ending a job, and the [privacy] settings refusing strategies that need si
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +21,8 @@ from coordinator.strategies import build_strategy
 from coordinator.strategies.accumulate import GroupSums
 from edge_client.errors import ConfigError
 from edge_client.intnn import init_shared
+from edge_client.protocol import encode_message, topic
+from edge_client.protocol.secure import SecAggKeys, SecAggUnmask
 from edge_client.runtime import DeviceConfig, DeviceRuntime
 from firmware_models import get_spec
 from tests.test_server import ShiftTrainer, data
@@ -73,9 +76,23 @@ def test_secure_round_sums_exactly_and_no_code_path_holds_one_update(tmp_path: P
     sizes = {"a": 30, "b": 10, "c": 20, "d": 40}
     devs = [start(fleet, tmp_path, d, shifts[d], sizes[d]) for d in shifts]
     co = coordinator(fleet, tmp_path / "out", PrivacyConfig(secure_aggregation=True, phase_timeout_s=10))
+    evil = fleet.hub.client("evil")
+    evil.connect()
+
+    def attack() -> None:  # once round 1 is open: hostile secure-aggregation messages
+        while co.collector.round is None:
+            time.sleep(0.01)
+        keys = SecAggKeys("a", 1, bytes(32), bytes(32), bytes(32), bytes(32), bytes(64))
+        for dev, payload in [("a", b"\xc1 garbage"), ("b", encode_message(keys)),  # malformed, spoofed
+                             ("a", encode_message(SecAggUnmask("a", 1, (), ())))]:  # the coordinator's kind
+            evil.publish(topic(JOB, "secagg", dev), payload)
+
+    threading.Thread(target=attack, daemon=True).start()
     w0 = [w.copy() for w in co.weights]
     hist = co.run()
     assert [h["accepted"] for h in hist] == [4, 4] and all(h["aggregated"] for h in hist)
+    assert {k: hist[0]["counts"].get(k) for k in ("rejected_malformed", "rejected_spoofed", "rejected_wrong_kind")} \
+        == {"rejected_malformed": 1, "rejected_spoofed": 1, "rejected_wrong_kind": 1}
     assert hist[0]["secagg_survivors"] == 4 and hist[0]["secagg_excluded"] == {}
     assert hist[0]["uplink_bytes"]["secagg-masked"] > 0 and not no_single_updates
     step = sum(shifts[d] * sizes[d] for d in shifts) / sum(sizes.values())

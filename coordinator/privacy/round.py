@@ -29,7 +29,7 @@ from coordinator.ingest import OpenRound, Rejected
 from coordinator.privacy import dp
 from coordinator.privacy.accountant import Accountant, noise_for_epsilon
 from coordinator.privacy.central import CentralDP
-from coordinator.privacy.secagg import SecAggParams, SecAggServer, UnmaskError
+from coordinator.privacy.secagg import PhaseClosed, SecAggParams, SecAggServer, UnmaskError
 from edge_client.errors import ProtocolError
 from edge_client.protocol import encode_message, model_variant, variant_bits
 from edge_client.protocol.secure import FROM_DEVICES
@@ -41,17 +41,15 @@ class Privacy:
 
     def __init__(self, server: Any, fleet: Fleet, collector: Collector, shapes: list[tuple[int, ...]],
                  log: logging.Logger, on_event: Callable[[str, dict[str, Any]], None]) -> None:
-        cfg, rounds, fraction = server.privacy, server.rounds, server.fraction
+        cfg, fraction = server.privacy, server.fraction
+        self.rounds = server.rounds
         self.cfg, self.job, self.fleet, self.col, self.log, self.on_event = cfg, server.job, fleet, collector, log, on_event
         self.selection = (server.fraction, server.min_devices, server.max_devices)
         self.shapes = shapes
         self.params = sum(int(np.prod(s)) for s in shapes)
         self.accountant = Accountant(cfg.delta) if cfg.dp else None
+        #: the noise multiplier (from target_epsilon: derived before the first round)
         self.z = cfg.noise_multiplier
-        if cfg.dp and not self.z:
-            self.z = noise_for_epsilon(cfg.target_epsilon, cfg.delta, rounds, fraction)
-            log.info("noise multiplier %.4f keeps %d rounds at sampling rate %.3g within epsilon %g (delta %g)",
-                     self.z, rounds, fraction, cfg.target_epsilon, cfg.delta)
         self.pinned: dict[str, bytes] = {}
         self.strategy: Any = None
         self.server: SecAggServer | None = None
@@ -80,7 +78,15 @@ class Privacy:
         ``target_epsilon``."""
         if self.accountant is None or not self.cfg.target_epsilon:
             return True
-        eps = self.accountant.after(self.z, self._next_q())
+        q = self._next_q()
+        if not self.z:  # the smallest that keeps every round within the budget at this rate
+            self.z = noise_for_epsilon(self.cfg.target_epsilon, self.cfg.delta, self.rounds - round_id + 1, q)
+            if isinstance(self.strategy, CentralDP):
+                self.strategy.z = self.z
+            self.log.info("noise multiplier %.4f keeps %d round(s) at sampling rate %.3g within epsilon %g "
+                          "(delta %g)", self.z, self.rounds - round_id + 1, q, self.cfg.target_epsilon,
+                          self.cfg.delta)
+        eps = self.accountant.after(self.z, q)
         if eps <= self.cfg.target_epsilon * (1 + 1e-9):
             return True
         if not self.stopped:
@@ -148,15 +154,13 @@ class Privacy:
         """A device's secure-aggregation message (the collector's ``on_secure``); Rejected
         when it does not belong to the open secure round."""
         srv = self.server
-        m = self.col.ingest.parse(msg.payload, msg.device_id)
-        if m.KIND not in FROM_DEVICES:
-            raise Rejected("wrong_kind", f"{m.KIND} on a secagg topic")
-        if m.device_id != msg.device_id:
-            raise Rejected("spoofed", f"topic id {msg.device_id!r} != payload id {m.device_id!r}")
+        m = self.col.ingest.secure(msg.device_id, msg.payload, FROM_DEVICES)
         if srv is None or self.col.round is None or m.round_id != srv.round_id:
             raise Rejected("wrong_round", f"round {m.round_id}: no secure round is open", dropped=True)
         try:
             {"sa_keys": srv.keys, "sa_shares": srv.shares, "sa_masked": srv.masked, "sa_reveal": srv.reveal}[m.KIND](m)
+        except PhaseClosed as exc:
+            raise Rejected("late", f"secagg: {exc}", dropped=True) from None
         except ProtocolError as exc:
             raise Rejected.from_protocol(exc, "secagg: ") from None
         self.col.uplink_bytes["secagg-masked" if m.KIND == "sa_masked" else "secagg-protocol"] += len(msg.payload)

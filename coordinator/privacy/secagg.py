@@ -60,6 +60,10 @@ class UnmaskError(ProtocolError):
     """The sum cannot be unmasked (a secret has fewer good shares than the threshold)."""
 
 
+class PhaseClosed(ProtocolError):
+    """A message of a phase that is over (a late device): dropped, not held against it."""
+
+
 @dataclass
 class SecAggParams:
     """``degree`` k (0: ``default_degree(n)``), ``threshold`` t as a fraction of k."""
@@ -108,6 +112,8 @@ class SecAggServer:
         self.u2: list[str] = []  # dealt shares
         self.total = np.zeros(grid.length, dtype=np.uint32)
         self.u3: list[str] = []  # masked input counted
+        self.survivors: list[str] = []  # masked input summed (set when phase 3 closes)
+        self.dropped: list[str] = []  # dealt shares, then dropped or were excluded
         #: masked inputs (uniformly random without the masks) until phase 3 closes: an input
         #: whose device is excluded then is left out of the sum
         self._masked: dict[str, np.ndarray] = {}
@@ -261,7 +267,7 @@ class SecAggServer:
         if device_id not in self.xs:
             raise ProtocolError(f"{device_id!r} is not selected in round {self.round_id}")
         if phase != self.phase:
-            raise ProtocolError(f"{phase} message in phase {self.phase}", reason="malformed")
+            raise PhaseClosed(f"{phase} message in phase {self.phase}")
         if device_id in self.excluded:
             raise ProtocolError(f"{device_id!r} is excluded from round {self.round_id}")
         return self.devices.setdefault(device_id, _Device())
@@ -277,5 +283,5 @@ class SecAggServer:
         """Figures for the round's metrics record."""
         return {"secagg_degree": self.degree, "secagg_threshold": self.threshold, "secagg_keys": len(self.u1),
                 "secagg_shared": len(self.u2), "secagg_masked": len(self.u3),
-                "secagg_survivors": len(getattr(self, "survivors", [])),
+                "secagg_survivors": len(self.survivors),
                 "secagg_excluded": dict(sorted(self.excluded.items()))}

@@ -123,7 +123,7 @@ def grid_values(update: Sequence[np.ndarray], grid: Grid, rng: np.random.Generat
     if grid.l2_clip > 0:  # distributed DP: clip, scale, conditional random rounding
         x = np.concatenate([p.astype(np.float64) for p in parts])
         if int_bits is not None:
-            x *= 2.0 ** -(int_bits - 1)
+            x /= float(1 << (int_bits - 1))  # grid units -> shared domain
         norm = float(np.sqrt(np.dot(x, x)))
         if norm > grid.l2_clip:
             x *= grid.l2_clip / norm
@@ -140,7 +140,7 @@ def grid_values(update: Sequence[np.ndarray], grid: Grid, rng: np.random.Generat
         return np.clip(v, -lim, lim)
     x = np.concatenate([p.astype(np.float64) for p in parts])
     if int_bits is not None:
-        x *= 2.0 ** -(int_bits - 1)
+        x /= float(1 << (int_bits - 1))
     np.clip(x, -grid.bound, grid.bound, out=x)
     return stochastic_round(x * 2.0 ** F, rng)
 
@@ -175,6 +175,6 @@ def split_slots(total: np.ndarray, grid: Grid) -> list[tuple]:
     out = []
     for s in range(grid.slots):
         part = centered(total[s * (grid.params + 2):(s + 1) * (grid.params + 2)])
-        out.append((part[:grid.params].astype(np.float64) * 2.0 ** -grid.frac_bits,
+        out.append((np.ldexp(part[:grid.params].astype(np.float64), -grid.frac_bits),
                     int(part[grid.params]), int(part[grid.params + 1])))
     return out
