@@ -128,8 +128,9 @@ class SecAggClient:
                 self.rejected[p.device_id] = why
             else:
                 self.peers[p.device_id] = p
-        if not 1 <= roster.threshold or len(self.peers) < roster.threshold:
-            raise ProtocolError(f"roster: {len(self.peers)} valid neighbour(s) < threshold {roster.threshold}")
+        if not 1 <= roster.threshold or len(self.peers) + 1 < roster.threshold:  # holders: they and we
+            raise ProtocolError(f"roster: {len(self.peers)} valid neighbour(s) and this device < threshold "
+                                f"{roster.threshold}")
         self.threshold, self.x, self.grid = roster.threshold, roster.x, dict(roster.grid)
         xs = {v: p.x for v, p in self.peers.items()}  # type: ignore[attr-defined]
         xs[self.device_id] = self.x
@@ -170,8 +171,9 @@ class SecAggClient:
                 self._held[s.peer] = (plain[:SHARE_BYTES], plain[SHARE_BYTES:])
             except ProtocolError:
                 complaints.append(s.peer)
-        if len(masked_with) < self.threshold:
-            raise ProtocolError(f"inbox: {len(masked_with)} neighbour(s) shared < threshold {self.threshold}")
+        if len(masked_with) + 1 < self.threshold:
+            raise ProtocolError(f"inbox: {len(masked_with)} neighbour(s) shared, with this device < threshold "
+                                f"{self.threshold}")
         seeds = [(pair_sign(self.device_id, v),
                   crypto.agree(self._s_sk, self.peers[v].s_pk, MASK_LABEL, self.session))  # type: ignore[attr-defined]
                  for v in sorted(masked_with)]
