@@ -25,6 +25,8 @@ naming the file and the key; ``examples/job.toml`` shows every section)::
     [limits]                    # max_payload_bytes, max_abs_value
     [log]                       # json, level, quiet
     [dashboard]                 # listen ([HOST:]PORT; empty: none), password_file
+    [privacy]                   # secure_aggregation, mechanism, clip, noise_multiplier,
+                                # target_epsilon, delta, ... (coordinator.privacy.config)
 
 Every flag of ``fedbit serve`` sets one of these keys (:data:`FLAGS`; ``--set KEY=VALUE``
 sets any), so a flag and the file never disagree about a default: defaults come from
@@ -51,6 +53,9 @@ from coordinator.config import (
 )
 from coordinator.ops.admission import AdmissionConfig
 from coordinator.ops.dashboard.access import parse_address
+from coordinator.privacy.config import FLAGS as PRIVACY_FLAGS
+from coordinator.privacy.config import from_table as privacy_config
+from coordinator.privacy.config import schema as privacy_schema
 from edge_client.errors import ConfigError
 from edge_client.protocol import DEFAULT_LIMITS
 from firmware_models import MODELS
@@ -138,6 +143,7 @@ SCHEMA = TomlSchema({
     "limits": {"max_payload_bytes": (int, _L.max_payload_bytes), "max_abs_value": (NUMBER, _L.max_abs_value)},
     "log": {"json": (bool, False), "level": (str, "info"), "quiet": (bool, False)},
     "dashboard": {"listen": ((str, int), ""), "password_file": (str, "")},
+    "privacy": privacy_schema(),
 }, free=("strategy_params", "train"))
 
 
@@ -179,7 +185,8 @@ def job_from_dict(raw: dict[str, Any], source: str) -> ServeJob:
         presence_timeout_s=float(rnd["presence_timeout_s"]), hparams=hparams, seed=top["seed"],
         limits=replace(DEFAULT_LIMITS, max_payload_bytes=lim["max_payload_bytes"],
                        max_abs_value=lim["max_abs_value"]),
-        admission=AdmissionConfig(**adm), on_collapse=top["on_collapse"])
+        admission=AdmissionConfig(**adm), on_collapse=top["on_collapse"],
+        privacy=privacy_config(v["privacy"]))
     try:
         cfg.validate()
     except ConfigError as exc:
@@ -287,6 +294,7 @@ FLAGS: list[tuple[str, str, dict[str, Any]]] = [
     ("--dashboard-password-file", "dashboard.password_file", {"metavar": "FILE", "help": "the dashboard's "
                                                               "password (default beyond loopback: "
                                                               "SECURITY/dashboard.password, made once)"}),
+    *PRIVACY_FLAGS,
 ]
 #: the shared connection and logging options' keys in the job file
 CONNECTION_KEYS = {name: f"broker.{'url' if name == 'broker' else name}" for name in
