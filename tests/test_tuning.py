@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.emulation.config import from_dict
-from coordinator.emulation.sweep import run_experiment
+from coordinator.emulation.config import expand_sweep, from_dict
+from coordinator.emulation.report import tuning_lines
+from coordinator.emulation.sweep import _tune
 from coordinator.emulation.tuning import bracket
 from edge_client.errors import ConfigError
 
@@ -43,21 +44,20 @@ def test_a_bad_tune_table_is_named(tune: dict, culprit: str) -> None:
 
 
 def test_each_method_is_tuned_on_its_own_seeds_and_reported_on_fresh_ones(tmp_path: Path) -> None:
+    """The tuning phase of a sweep (its reported runs and report: the quick forms of
+    fmnist-fedfor-local and fmnist-fedwsq, tests/test_experiments_quick.py)."""
     cfg = from_dict(raw(), "t")
     assert [len(bracket(TUNE, {"method": m})) for m in ("FedAvg", "FedAvg SGD")] == [2, 2]
-    summary = run_experiment(cfg, tmp_path, echo=lambda _m: None).read_text()
+    combos = _tune(cfg, expand_sweep(cfg), tmp_path, on_event=None, echo=lambda _m: None, on_run=None, resume=False)
     t = json.loads((tmp_path / "tuning.json").read_text())
     assert t["seeds"] == [7] and set(t["combinations"]) == {"method=FedAvg", "method=FedAvg SGD"}
-    for label, c in t["combinations"].items():
-        assert c["budget"] == 2 and len(c["scores"]) == 2
-        best = max(c["scores"], key=c["scores"].get)
-        assert best == ", ".join(f"{k}={v}" for k, v in c["chosen"].items()), label
-        assert all((tmp_path / "tuning" / f"method-{label.split('=')[1].replace(' ', '-')}").iterdir())
-    # the reported runs: the chosen settings, the reported seed only
-    results = json.loads((tmp_path / "results.json").read_text())
-    assert sorted((r["combination"]["method"], r["seed"]) for r in results) == [("FedAvg", 0), ("FedAvg SGD", 0)]
-    for r in results:
-        info = json.loads((tmp_path / r["run"] / "emulation.json").read_text())
-        chosen = t["combinations"][f"method={r['combination']['method']}"]["chosen"]
-        assert {k: info["config"]["train"][k.split(".")[1]] for k in chosen} == chosen
-    assert "Tuned on seeds [7]" in summary and "train.lr, train.momentum" in summary
+    for (combo, c), (label, choice) in zip(combos, t["combinations"].items(), strict=True):
+        assert choice["budget"] == 2 and len(choice["scores"]) == 2
+        best = max(choice["scores"], key=choice["scores"].get)
+        assert best == ", ".join(f"{k}={v}" for k, v in choice["chosen"].items()), label
+        # the reported runs: the chosen settings, the reported seeds only
+        assert c.seeds == [0] and {k: c.train[k.split(".")[1]] for k in choice["chosen"]} == choice["chosen"]
+        runs = list((tmp_path / "tuning").glob(f"method-{combo['method'].replace(' ', '-')}/*/seed-7"))
+        assert len(runs) == 2 and all((r / "out" / "metrics.jsonl").is_file() for r in runs)
+    text = "\n".join(tuning_lines(t))
+    assert "Tuned on seeds [7]" in text and "train.lr, train.momentum" in text
