@@ -23,7 +23,6 @@ from coordinator.emulation.config import (
     run_slug,
     set_dotted,
 )
-from coordinator.emulation.report import combo_label
 from coordinator.emulation.tuning import bracket, is_table, point_label, score
 
 #: config keys that do not change what one run computes: the name (it labels folders and
@@ -91,7 +90,7 @@ def run_experiment(cfg: ExperimentConfig, out: str | Path, *, on_event: Any = No
     callback; ``on_run(config, combination, seed, run_dir)`` another callback of the run
     (a watcher: the dashboard); ``echo`` prints what runs. ``resume``: keep the finished
     runs already in ``out`` (see the module docstring)."""
-    from coordinator.emulation.report import write_report, write_sweep_report
+    from coordinator.emulation.report import combo_label, write_report, write_sweep_report
 
     out = Path(out)
     combos = expand_sweep(cfg)
@@ -138,7 +137,7 @@ def _tune(cfg: ExperimentConfig, combos: list[tuple[dict[str, Any], ExperimentCo
     """The tuning runs of a ``[sweep.tune]`` table (coordinator.emulation.tuning) into
     ``out/tuning/``, their choices in ``out/tuning.json``; returns every combination's
     config with its chosen point, for the reported seeds."""
-    from coordinator.emulation.report import load_run, summarize_run
+    from coordinator.emulation.report import combo_label, load_run, summarize_run
 
     tune = cfg.sweep["tune"]
     seeds = [int(x) for x in tune["seeds"]]
