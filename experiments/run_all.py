@@ -27,7 +27,8 @@ rounds after the first) and the fixed cost of a run give a run's full time (fixe
 rounds x per-round), and a cost factor per dimension value gives every combination's
 (:func:`estimate`); times seeds (and a ``[sweep.tune]`` table's tuning runs): each
 experiment's full time on this machine as loaded now, one run at a time, and in CPU
-seconds (the process's, scaled the same way: about what an idle core would take); for a
+seconds (the process's and its workers', scaled the same way: what idle cores would
+take, to divide by the cores a run uses); for a
 config that stops at a plateau, with every run at its maximum rounds (an upper bound);
 printed and written to ``estimates.json``.
 """
@@ -147,18 +148,28 @@ def _clock(models: list[str], calibrate_anew: bool, named: bool) -> dict[str, di
     return clocks
 
 
+def _cpu() -> float:
+    """CPU seconds of this process and of its finished children (the worker processes a
+    run starts and ends)."""
+    import os
+
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
 def _time_run(c: Any, rounds: int, run_dir: Path) -> dict[str, float]:
     """One seed of config ``c`` for ``rounds`` rounds: its per-round wall time (the rounds
-    after the first), fixed wall time and the CPU/wall ratio of the process."""
+    after the first), fixed wall time and the CPU/wall ratio of the process and its worker
+    processes."""
     from coordinator.emulation.run import Emulator
 
     short = copy.deepcopy(c)
     short.rounds = rounds
     if run_dir.exists():
         shutil.rmtree(run_dir)
-    t0, c0 = time.monotonic(), time.process_time()
+    t0, c0 = time.monotonic(), _cpu()
     Emulator(short, c.seeds[0], run_dir).run()
-    wall, cpu = time.monotonic() - t0, time.process_time() - c0
+    wall, cpu = time.monotonic() - t0, _cpu() - c0
     recs = [json.loads(x) for x in (run_dir / "out" / "metrics.jsonl").read_text().splitlines() if x.strip()]
     per_round = statistics.median(r["round_seconds"] for r in recs[1:]) if len(recs) > 1 else recs[0]["round_seconds"]
     fixed = max(0.0, wall - sum(r["round_seconds"] for r in recs))
