@@ -64,3 +64,14 @@ def test_run_all_quick_writes_every_benchmarks_lines(tmp_path: Path) -> None:
         for case, metric in wanted:
             assert any(case in r["case"] and r["metric"] == metric and r["anchor_value"] for r in mine), \
                 (bench, case, metric, [(r["case"], r["metric"]) for r in mine])
+
+
+def test_a_named_run_replaces_its_own_lines_and_keeps_the_others() -> None:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_run_all", ROOT / "benchmarks" / "run_all.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    old = [{"bench": "a", "v": 1}, {"bench": "b", "v": 1}, {"bench": "a", "v": 2}, {"bench": "c", "v": 1}]
+    assert mod._merged(old, [{"bench": "a", "v": 9}, {"bench": "d", "v": 9}]) == [
+        {"bench": "a", "v": 9}, {"bench": "b", "v": 1}, {"bench": "c", "v": 1}, {"bench": "d", "v": 9}]
