@@ -10,7 +10,7 @@ TOML (``my_cnn.toml``)::
     init = "wage"                   # initial weights: wage (default) | he
 
     [[layers]]
-    type = "conv2d"                 # conv2d | linear | relu | maxpool2d | flatten
+    type = "conv2d"                 # a kind of firmware_models.layers: conv2d | linear | ...
     out = 16                        # conv2d: out, kernel, stride = 1, padding = 0
     kernel = 3
     padding = 1
@@ -46,7 +46,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from firmware_models.errors import SpecError
-from firmware_models.spec import Conv2d, Flatten, Linear, MaxPool2d, ModelSpec, ReLU
+from firmware_models.layers import LAYER_TYPES, REQUIRED, SpecLayer
+from firmware_models.spec import ModelSpec
 
 try:
     import tomllib as _toml
@@ -60,16 +61,9 @@ except ImportError:  # Python < 3.11 (a device): the tomli backport, when instal
 MODEL_FILE_SUFFIXES = (".toml", ".py")
 
 _TOP_KEYS = {"name", "input", "classes", "description", "layers", "init"}
-#: per layer type: (class, required keys, optional keys with defaults, name prefix)
-_LAYER_TYPES: dict[str, tuple[type, tuple[str, ...], dict[str, Any], str]] = {
-    "conv2d": (Conv2d, ("out", "kernel"), {"stride": 1, "padding": 0, "in": None}, "conv"),
-    "linear": (Linear, ("out",), {"in": None}, "fc"),
-    "relu": (ReLU, (), {}, "relu"),
-    "maxpool2d": (MaxPool2d, ("kernel",), {"stride": None, "padding": 0}, "pool"),
-    "flatten": (Flatten, (), {}, "flatten"),
-}
-_ALIASES = {"conv": "conv2d", "maxpool": "maxpool2d", "dense": "linear", "fc": "linear"}
-
+#: a model file's layer ``type`` -> its kind, aliases included (firmware_models.layers)
+_LAYER_TYPES: dict[str, type[SpecLayer]] = {cls.file_type: cls for cls in LAYER_TYPES.values()}
+_ALIASES = {alias: cls.file_type for cls in LAYER_TYPES.values() for alias in cls.file_aliases}
 
 def is_model_file(ref: str) -> bool:
     """Whether a model reference names a file (``*.toml`` / ``*.py``) rather than a zoo model."""
@@ -169,10 +163,12 @@ def _layer(raw: Any, i: int, current: tuple[int, ...], counters: dict[str, int],
     kind = _ALIASES.get(kind.lower(), kind.lower())
     if kind not in _LAYER_TYPES:
         raise SpecError(f"{where}: type {raw.get('type')!r} is not one of {sorted(_LAYER_TYPES)}")
-    cls, required, optional, prefix = _LAYER_TYPES[kind]
+    cls = _LAYER_TYPES[kind]
+    required = tuple(k for k, v in cls.file_keys.items() if v is REQUIRED)
+    optional = {k: v for k, v in cls.file_keys.items() if v is not REQUIRED}
+    prefix = cls.name_prefix
     counters[prefix] = counters.get(prefix, 0) + 1
-    default_name = prefix if kind == "flatten" and counters[prefix] == 1 else f"{prefix}{counters[prefix]}"
-    name = raw.get("name", default_name)
+    name = raw.get("name", cls.default_name(counters[prefix]))
     if not isinstance(name, str) or not name:
         raise SpecError(f"{where}: name must be a non-empty string")
     where = f"{where} ({kind} {name})"
@@ -185,32 +181,12 @@ def _layer(raw: Any, i: int, current: tuple[int, ...], counters: dict[str, int],
             raise SpecError(f"{where}: needs {key!r}")
     values.update({k: v for k, v in raw.items() if k not in ("type", "name")})
     for key, v in values.items():
-        if v is None and key in ("in", "stride"):
+        if v is None and optional.get(key, REQUIRED) is None:  # "in", a pool's "stride"
             continue
         low = 0 if key == "padding" else 1
         if not _is_int(v) or v < low:
             raise SpecError(f"{where}: {key} must be an integer >= {low}, got {v!r}")
-    if cls is Conv2d:
-        c_in = current[0] if len(current) == 3 else None
-        if c_in is None:
-            raise SpecError(f"{where}: needs a [C, H, W] input, the previous layer gives {list(current)}")
-        _check_in(values["in"], c_in, where, "input channels")
-        return Conv2d(name, c_in, values["out"], values["kernel"], values["stride"], values["padding"])
-    if cls is Linear:
-        if len(current) != 1:
-            raise SpecError(f"{where}: needs a flat input, the previous layer gives {list(current)} "
-                            f"(add a flatten layer)")
-        _check_in(values["in"], current[0], where, "input features")
-        return Linear(name, current[0], values["out"])
-    if cls is MaxPool2d:
-        return MaxPool2d(name, values["kernel"], values["stride"], values["padding"])
-    return cls(name)
-
-
-def _check_in(given: Any, actual: int, where: str, what: str) -> None:
-    if given is not None and given != actual:
-        raise SpecError(f"{where}: in = {given} but the previous layer gives {actual} {what}")
-
+    return cls.from_file(name, values, current, where)
 
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)

@@ -79,6 +79,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from firmware_models.errors import SpecError
+from firmware_models.layers import LAYER_TYPES
 from firmware_models.onnx_graph import (
     INPUT,
     INT32_MAX,
@@ -90,9 +91,8 @@ from firmware_models.onnx_graph import (
     IntegerGraph,
     QLinearGraph,
     onnx_type,
-    unfold_conv_weights,
 )
-from firmware_models.spec import Conv2d, Flatten, Linear, MaxPool2d, ModelSpec, ReLU
+from firmware_models.spec import ModelSpec
 
 if TYPE_CHECKING:  # pragma: no cover
     import onnx
@@ -105,8 +105,6 @@ IR_VERSION = 8
 #: version of the ``fedbit.*`` metadata layout
 FORMAT_VERSION = 1
 KIND_INTEGER, KIND_FLOAT = "integer", "float32"
-
-_LAYER_TYPES = {cls.__name__: cls for cls in (Conv2d, Linear, ReLU, MaxPool2d, Flatten)}
 
 
 # ============================================================================ spec <-> JSON
@@ -128,7 +126,7 @@ def spec_from_json(text: str) -> ModelSpec:
         layers = []
         for item in d["layers"]:
             fields = dict(item)
-            cls = _LAYER_TYPES.get(fields.pop("type", None))
+            cls = LAYER_TYPES.get(fields.pop("type", None))
             if cls is None:
                 raise SpecError(f"unknown layer type {item.get('type')!r}")
             layers.append(cls(**fields))
@@ -327,30 +325,22 @@ def _qlinear_layers(g: QLinearGraph, spec: ModelSpec, ts: Sequence[np.ndarray],
     (:data:`LOGITS`)."""
     layers = spec.layers
     shapes = spec.activation_shapes
-    act = g.input(INPUT, layers[0] if isinstance(layers[0], Conv2d) else None, shapes[0])
+    act = g.input(INPUT, *layers[0].qlinear_input(shapes[0]))
     p = 0
     i = 0
     while i < len(layers):
         layer = layers[i]
-        if isinstance(layer, (Conv2d, Linear)):
-            relu = i + 1 < len(layers) and isinstance(layers[i + 1], ReLU)
-            act = g.layer(act, layer, ts[p], int(shifts[p]), relu,
-                          shapes[i] if isinstance(layer, Conv2d) else ())
+        if layer.has_weights:
+            relu = _relu_after(layers, i)
+            act = layer.onnx_qlinear(g, act, shapes[i], ts[p], int(shifts[p]), relu)
             p += 1
             i += 2 if relu else 1
-            if i < len(layers) and isinstance(layers[i], MaxPool2d):
-                act = g.pool(act, layers[i])  # clip after the pool: a quarter of the bytes
+            if i < len(layers) and layers[i].commutes_with_clip:
+                act = layers[i].onnx_qlinear(g, act, shapes[i])  # clip a quarter of the bytes
                 i += 1
             act = g.clip(act)
             continue
-        if isinstance(layer, ReLU):
-            act = g.relu(act)
-        elif isinstance(layer, MaxPool2d):
-            act = g.pool(act, layer)
-        elif isinstance(layer, Flatten):
-            act = g.flatten(act)
-        else:  # pragma: no cover - the spec module has no other layer kinds
-            raise SpecError(f"{spec.name}: cannot export layer {layer!r}")
+        act = layer.onnx_qlinear(g, act, shapes[i])
         i += 1
     return g.int8_values(act, LOGITS)
 
@@ -366,23 +356,20 @@ def _widened_layers(g: IntegerGraph, spec: ModelSpec, ts: Sequence[np.ndarray],
     i = 0
     while i < len(layers):
         layer = layers[i]
-        if isinstance(layer, (Conv2d, Linear)):
-            relu = i + 1 < len(layers) and isinstance(layers[i + 1], ReLU)
-            acc = g.integer_op(act, layer, ts[p])
-            act = g.finish(acc, int(shifts[p]), relu, layer.name)
+        if layer.has_weights:
+            relu = _relu_after(layers, i)
+            act = layer.onnx_widened(g, act, shapes[i], ts[p], int(shifts[p]), relu)
             p += 1
             i += 2 if relu else 1
             continue
-        if isinstance(layer, ReLU):
-            act = g.relu(act)
-        elif isinstance(layer, MaxPool2d):
-            act = g.pool(act, layer, shapes[i])
-        elif isinstance(layer, Flatten):
-            act = g.flatten(act)
-        else:  # pragma: no cover - the spec module has no other layer kinds
-            raise SpecError(f"{spec.name}: cannot export layer {layer!r}")
+        act = layer.onnx_widened(g, act, shapes[i])
         i += 1
     return g.i32(act).name
+
+
+def _relu_after(layers: Sequence[Any], i: int) -> bool:
+    """Whether a ReLU comes right after layer i (the weight layer computes it)."""
+    return i + 1 < len(layers) and layers[i + 1].is_relu
 
 
 def export_float(spec: ModelSpec, weights: Sequence[np.ndarray],
@@ -409,26 +396,13 @@ def export_float(spec: ModelSpec, weights: Sequence[np.ndarray],
     v = INPUT
     p = 0
     for layer in spec.layers:
-        if isinstance(layer, (Conv2d, Linear)):
-            if isinstance(layer, Conv2d):
-                w = b.tensor(f"{layer.name}.w", ws[p])
-                s, pad = layer.stride, layer.padding
-                v = b.op("Conv", [v, w], layer.name, kernel_shape=[layer.kernel] * 2,
-                         strides=[s, s], pads=[pad] * 4)
-            else:
-                w = b.tensor(f"{layer.name}.w", np.ascontiguousarray(ws[p].T))
-                v = b.op("MatMul", [v, w], layer.name)
+        if layer.has_weights:
+            v = layer.onnx_float(b, v, ws[p])
             scale = np.float32(2.0 ** -int(alpha_log2[p]))
             v = b.op("Mul", [v, b.const(scale, np.float32, "scale")], layer.name)
             p += 1
-        elif isinstance(layer, ReLU):
-            v = b.op("Relu", [v], layer.name)
-        elif isinstance(layer, MaxPool2d):
-            k, s, pad = layer.kernel, layer.step, layer.padding
-            v = b.op("MaxPool", [v], layer.name, kernel_shape=[k, k], strides=[s, s],
-                     pads=[pad] * 4)
-        elif isinstance(layer, Flatten):
-            v = b.op("Flatten", [v], layer.name, axis=1)
+        else:
+            v = layer.onnx_float(b, v)
     b.op("Identity", [v], LOGITS, output=LOGITS)
     b.op("ArgMax", [v], LABEL, output=LABEL, axis=1, keepdims=0)
     doc = (f"fedbit {spec.name}, float32 shared-domain forward. Input x: float32 "
@@ -452,16 +426,7 @@ def exported_ternary(model: onnx.ModelProto, info: ExportInfo) -> list[np.ndarra
         t = inits.get(f"{layer.name}.w")
         if t is None:
             raise SpecError(f"{info.spec.name}: no weights {layer.name}.w in the graph")
-        a = numpy_helper.to_array(t)
-        if isinstance(layer, Conv2d):  # uint8 t + 1 (ConvInteger) or int8 t (QLinearConv)
-            a = a.astype(np.int16) - (1 if a.dtype == np.uint8 else 0)
-            unfolded = unfold_conv_weights(a, layer.out_channels, layer.kernel)
-            a = a if unfolded is None else unfolded  # a width-folded conv's weights
-            c = layer.weight_shape[1]  # a padded image input's channels have zero weights
-            if a.ndim == 4 and a.shape[1] > c and not np.any(a[:, c:]):
-                a = a[:, :c]
-        else:
-            a = a.T.astype(np.int16)
+        a = layer.exported_weights(numpy_helper.to_array(t))
         if tuple(a.shape) != tuple(layer.weight_shape) or (a.size and np.abs(a).max() > 1):
             raise SpecError(f"{info.spec.name}: weights {layer.name}.w are not ternary "
                             f"{list(layer.weight_shape)}")

@@ -16,7 +16,8 @@ input feature; ``can be < 0``: none, the inputs are non-negative): a layer outpu
 positive when it has ``P`` taps that can make it so (``t > 0`` on an input that can be
 positive, ``t < 0`` on one that can be negative) with ``P (S(s) - 1)`` at least half of
 the shift's unit (``round_shift(P (S(s) - 1), shift) >= 1``; the float forward: ``P >= 1``),
-likewise for negative; a ReLU clears ``can be < 0``; max-pool and flatten carry the flags.
+likewise for negative; a ReLU clears ``can be < 0``; max-pool and flatten carry the flags
+(each kind's ``carry_live`` and ``live_reach``, firmware_models.layers).
 A unit is **live** when its output, after the ReLU that follows it (if any), can be
 non-zero: a positive value for a hidden unit, any value for an output unit. It is an
 upper bound (it assumes every counted input at its largest value at once): a unit that
@@ -35,7 +36,7 @@ from edge_client.intnn.quant import (
     grid_scale,
     ternary_threshold,
 )
-from firmware_models import Conv2d, Linear, ModelSpec, ReLU
+from firmware_models import ModelSpec
 
 #: ``bits`` of the float forward (``W / alpha_l``, no ternarization)
 FLOAT_FORWARD = 32
@@ -94,37 +95,29 @@ def liveness(spec: ModelSpec, weights: list[np.ndarray], bits: int,
     layers = spec.layers
     p = 0
     for i, layer in enumerate(layers):
-        if isinstance(layer, (Conv2d, Linear)):
-            t = codes[p]
-            w = np.asarray(weights[p])
-            if isinstance(layer, Conv2d):
-                tp = (t > 0).reshape(t.shape[0], t.shape[1], -1).sum(axis=2)  # [O, C]
-                tn = (t < 0).reshape(t.shape[0], t.shape[1], -1).sum(axis=2)
-                feat_pos, feat_neg = pos, neg
-            else:
-                tp, tn = (t > 0).astype(np.int64), (t < 0).astype(np.int64)  # [O, F]
-                reps = t.shape[1] // len(pos)  # a flattened [C, H, W]: C-major features
-                feat_pos, feat_neg = (np.repeat(pos, reps), np.repeat(neg, reps)) if reps > 1 else (pos, neg)
-            can_pos = tp @ feat_pos + tn @ feat_neg >= need[p]
-            can_neg = tn @ feat_pos + tp @ feat_neg >= need[p]
-            relu = _relu_follows(layers, i)
-            live = can_pos if relu else (can_pos | can_neg)
-            out.append(LayerLiveness(layer.name, int(t.shape[0]), int(live.sum()),
-                                     float(np.mean(t == 0)) if t.size else 0.0,
-                                     int(w.size - np.count_nonzero(np.isfinite(w)))))
-            pos, neg = can_pos, can_neg
-            p += 1
-        elif isinstance(layer, ReLU):
-            neg = np.zeros_like(neg)
-        # MaxPool2d and Flatten carry the per-channel flags (a Linear expands them)
+        if not layer.has_weights:
+            pos, neg = layer.carry_live(pos, neg)  # a ReLU clears "can be < 0"
+            continue
+        t = codes[p]
+        w = np.asarray(weights[p])
+        reach_pos, reach_neg = layer.live_reach(t, pos, neg)
+        can_pos = reach_pos >= need[p]
+        can_neg = reach_neg >= need[p]
+        relu = _relu_follows(layers, i)
+        live = can_pos if relu else (can_pos | can_neg)
+        out.append(LayerLiveness(layer.name, int(t.shape[0]), int(live.sum()),
+                                 float(np.mean(t == 0)) if t.size else 0.0,
+                                 int(w.size - np.count_nonzero(np.isfinite(w)))))
+        pos, neg = can_pos, can_neg
+        p += 1
     return out
 
 
 def _relu_follows(layers, i: int) -> bool:
     """Whether a ReLU acts on layer ``i``'s output before the next parameter layer."""
     for layer in layers[i + 1:]:
-        if isinstance(layer, ReLU):
+        if layer.is_relu:
             return True
-        if isinstance(layer, (Conv2d, Linear)):
+        if layer.has_weights:
             return False
     return False
