@@ -140,7 +140,7 @@ class IntTrainer:
         for i, op in enumerate(model.param_ops):
             if alpha_q:
                 g = np.rint(np.asarray(last_global_step[i], np.float64) * (1 << STEP_G_BITS))
-                g = model._to_internal(op, np.clip(g, -INT32_MAX, INT32_MAX).astype(np.int32))
+                g = op.to_internal(np.clip(g, -INT32_MAX, INT32_MAX).astype(np.int32))
             else:
                 g = np.zeros(model.internal_shapes[i], np.int32)
             step_g.append(g)
