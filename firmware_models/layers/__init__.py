@@ -5,6 +5,7 @@ model files, the ONNX metadata's spec and ``edge_client.intnn.layers`` read it. 
 kind is a module here plus its line below (docs/architecture.md#add-a-layer-kind).
 """
 
+from firmware_models.layers.avgpool2d import AvgPool2d
 from firmware_models.layers.base import REQUIRED, Shape, SpecLayer, WeightLayer
 from firmware_models.layers.conv2d import Conv2d
 from firmware_models.layers.flatten import Flatten
@@ -14,8 +15,8 @@ from firmware_models.layers.relu import ReLU
 
 #: every layer kind, by the name a spec's JSON gives its ``type`` (the class name)
 LAYER_TYPES: dict[str, type[SpecLayer]] = {
-    cls.__name__: cls for cls in (Conv2d, Linear, ReLU, MaxPool2d, Flatten)
+    cls.__name__: cls for cls in (Conv2d, Linear, ReLU, MaxPool2d, Flatten, AvgPool2d)
 }
 
-__all__ = ["LAYER_TYPES", "REQUIRED", "Conv2d", "Flatten", "Linear", "MaxPool2d", "ReLU",
+__all__ = ["LAYER_TYPES", "REQUIRED", "AvgPool2d", "Conv2d", "Flatten", "Linear", "MaxPool2d", "ReLU",
            "Shape", "SpecLayer", "WeightLayer"]
