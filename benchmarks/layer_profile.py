@@ -116,8 +116,8 @@ def _macs(op) -> int:
 
 
 def _is_conv(op) -> bool:
-    """The conv layers (the headline fraction is theirs)."""
-    return type(op.layer).__name__ == "Conv2d"
+    """The convolutions (the headline fraction is theirs): weight layers on feature maps."""
+    return op.param >= 0 and len(op.out_shape) == 3
 
 
 def profile_model(name: str, steps: int) -> tuple[list, dict]:
