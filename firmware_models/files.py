@@ -1,38 +1,14 @@
 """A user's own model from a file: a TOML list of layers, or a Python file defining a
-:class:`ModelSpec`.
+:class:`ModelSpec` (docs/experiments.md#models-bundled-and-your-own shows both).
 
-TOML (``my_cnn.toml``)::
-
-    name = "my_cnn"                 # default: the file's stem
-    input = [1, 28, 28]             # [C, H, W] (or [F])
-    classes = 10                    # default: what the last layer outputs
-    description = "..."             # optional
-    init = "wage"                   # initial weights: wage (default) | he
-
-    [[layers]]
-    type = "conv2d"                 # a kind of firmware_models.layers: conv2d | linear | ...
-    out = 16                        # conv2d: out, kernel, stride = 1, padding = 0
-    kernel = 3
-    padding = 1
-    [[layers]]
-    type = "relu"
-    [[layers]]
-    type = "maxpool2d"              # maxpool2d: kernel, stride = kernel, padding = 0
-    kernel = 2
-    ...
-    [[layers]]
-    type = "linear"                 # linear: out (its input is the previous layer's)
-    out = 10
-
-Every layer may give a ``name`` (default: ``conv1``, ``relu1``, ``pool1``, ``fc1``,
-``flatten``, numbered per kind) and ``in`` (default: the previous layer's output,
-checked when given). No layer has a bias (the shared parameter domain of
-``firmware_models.spec``).
-
-Python (``my_cnn.py``): a module that defines ``MODEL``, a :class:`ModelSpec` (or
-exactly one module-level ``ModelSpec``), built from ``firmware_models``' layer types.
-Loading a Python file runs it: only files the user names are loaded (a device loads
-only the files on its own command line, never a path a coordinator announces).
+TOML: top-level ``name`` (default: the file's stem), ``input`` ([C, H, W] or [F]),
+``classes`` (default: what the last layer outputs), ``description``, ``init`` (wage | he),
+and ``[[layers]]`` tables with a ``type`` (a kind's ``file_type`` or alias,
+``firmware_models.layers``) and that kind's keys (``file_keys``); every layer may give a
+``name`` (default ``conv1``, ``fc1``, ..., numbered per kind) and ``in`` where the kind
+reads an input size (checked when given). Python: a module that defines ``MODEL`` (or
+exactly one module-level ``ModelSpec``); loading it runs it, so only files the user
+names are loaded (a device never loads a path a coordinator announces).
 
 Errors are :class:`SpecError` naming the file and, for a layer, its index and name.
 """

@@ -1,72 +1,17 @@
 """ONNX export of a fedbit model: an integer graph that runs the integer engine's forward
-pass bit for bit, and a float32 graph of the shared-domain model.
+pass bit for bit, and a float32 graph of the shared-domain model. It takes plain arrays
+and integers (the engine computes them: ``edge_client.intnn.export``); ``onnx`` is imported
+inside the functions that need it. Each layer kind adds its own nodes
+(``firmware_models.layers``); this module walks the spec, checks the arguments, and writes
+and reads the ``fedbit.*`` metadata (spec JSON, bitwidth, kind, opset, shifts).
 
-This module takes plain arrays and integers (it imports neither the integer engine nor
-torch; ``onnx`` is imported inside the functions that need it). The caller computes them
-from the engine: ``edge_client.intnn.export`` does, for an ``IntModel`` or shared weights.
-
-**Integer graph** (``export_integer``). Input ``x``: the s-bit activation integers of the
-images, ``int8`` (s <= 8) or ``int16`` ``[N, C, H, W]`` (``round(pixel * (2^(s-1) - 1))``,
-as ``edge_client.data.quantize_images`` makes them). Outputs ``logits`` (same dtype,
-``[N, classes]``) and ``label`` (``int64 [N]``, the first maximum). Per conv/linear layer:
-
-    a' = clip(round_shift(relu?(sum t * a), k), +-amax)
-
-with ternary weights ``t`` in {-1, 0, 1}, ``k`` the layer's shift (``1 + log2 alpha``),
-``round_shift`` dividing by ``2^k`` rounding half away from zero, ``amax = 2^(s-1) - 1``.
-
-At s <= 8 (``onnx_graph.QLinearGraph``) every activation is one byte from input to
-logits: ``uint8`` with a zero point (0 after a ReLU, else 128), weights ``int8``. A conv
-is one ``QLinearConv``, a linear one ``QLinearMatMul``, with scales 1 and an output scale
-``2^k / (1 + 2^-22)``: ONNX Runtime's requantization ``nearbyint(acc * scale)`` then
-rounds exactly as ``round_shift`` (ties away from zero, nothing else moved; checked for
-every accumulator up to 600,000 in magnitude, the limit this path is used within), its
-uint8 saturation is the ReLU (zero point 0) or the lower clip, and a byte ``Clip`` after
-the max-pool (max and clip commute) is the upper one; pools are byte ``MaxPool``. ONNX
-Runtime picks its int8 GEMM kernels (VNNI where the CPU has it) and an NHWC layout. An
-image input whose channel count is not a multiple of 4 is padded with zero channels
-(``Pad``) that the first conv's zero weights ignore (its weights are then
-``[O, 4 * ceil(C / 4), K, K]``; :func:`exported_ternary` drops the zero channels): ONNX
-Runtime's int8 conv runs the padded input faster. A stride-1 conv on 4 such channels with
-at least 256 output pixels reads its input folded along the width
-(``onnx_graph.WidthFold``): pairs of columns as pixels of 8 channels, a reshape in NHWC,
-with weights ``[2 O, 8, K, ceil((K + 1) / 2)]`` whose output channels are the two output
-columns of a pair (:func:`exported_ternary` unfolds them); same products, same sums.
-
-Otherwise (s > 8, or larger accumulators; ``onnx_graph.IntegerGraph``), int32 throughout
-(opset 17):
-
-- ``sum t * a``: ``ConvInteger`` / ``MatMulInteger`` with int32 accumulators. Activations
-  travel as ``uint8`` with a zero point (0 after a ReLU, else 128: ``a + 128``); conv
-  weights as ``uint8`` ``t + 1`` with zero point 1 (``ConvInteger`` takes uint8 weights in
-  every ONNX Runtime release), linear weights as ``int8`` ``t``. A padded conv input
-  cell holds the zero point, i.e. the value 0. Int16 activations do not fit a byte: they
-  are split into a high and a low byte, ``a = 256 * hi + lo``, and the layer is
-  ``256 * op(hi) + op(lo)`` (two integer ops, exact in int32);
-- ``round_shift`` + clip + ReLU in int32: the clip comes first, on the accumulator
-  (``round_shift`` is monotone: ``|round_shift(v, k)| <= amax`` iff
-  ``|v| <= (amax + 1) * 2^k - 2^(k-1) - 1``), then ``(v + 2^(k-1)) / 2^k`` on non-negative
-  values only (integer ``Div`` of non-negative numbers is the floor everywhere, so no
-  runtime's rounding convention for negative quotients matters). A layer without ReLU
-  computes ``shift(clip(v, 0, T)) - shift(clip(-v, 0, T))``: only one is non-zero;
-- max-pool: int32 elementwise ``Max`` of the window's slabs (``Pad``, ``Reshape``,
-  ``Split``) when windows do not overlap (the zoo's pools); else ``MaxPool`` on the bytes
-  (byte order is value order: one zero point per tensor), or at Int16 int32 ``Pad`` +
-  strided ``Slice`` + ``Max`` (``MaxPool`` has no integer kernel wider than 8 bits). A
-  padded cell holds the int32 minimum, or the byte 0 (below every value + zero point but
-  a 0 itself), so it never wins, as in the engine; a ReLU on its own is an int32 ``Max``;
-
-In both, flatten is ``Flatten`` of NCHW, i.e. (c, h, w) order, the spec's weight column
-order (the engine permutes its columns to its internal (h, w, c) order: the same sums).
-
-**Float graph** (``export_float``): ``Conv`` / ``MatMul`` with the shared weights, each
-layer's output times ``2^-log2(alpha)``, ``Relu``, ``MaxPool``, ``Flatten``: the float
-forward of ``edge_client.trainers.TorchTrainer``. Input ``x`` float32 images in [0, 1].
-
-Every export is validated with ``onnx.checker`` (full check, with shape inference) and
-carries its spec (JSON), bitwidth, kind, opset and shifts in ``metadata_props``
-(``fedbit.*`` keys); :func:`describe` reads and cross-checks them. The layers are built
-by :mod:`firmware_models.onnx_graph`.
+**Integer graph** (:func:`export_integer`): input ``x``, the s-bit activation integers of
+the images, ``int8`` (s <= 8) or ``int16`` ``[N, C, H, W]``; outputs ``logits`` (same
+dtype) and ``label`` (``int64``, the first maximum). At s <= 8 one byte per activation
+(``onnx_graph.QLinearGraph``: ``QLinearConv`` / ``QLinearMatMul`` whose requantization
+rounds as ``round_shift``), otherwise int32 accumulators (``onnx_graph.IntegerGraph``);
+how each maps and why: docs/performance.md#onnx-export. **Float graph**
+(:func:`export_float`): the float forward of ``edge_client.trainers.TorchTrainer``.
 """
 
 from __future__ import annotations

@@ -200,9 +200,8 @@ QLINEAR_MAX_ACC = 600_000
 QLINEAR_CHANNEL_BLOCK = 4
 #: a stride-1 conv on one channel block reads this many neighbouring columns as one pixel
 QLINEAR_WIDTH_FOLD = 2
-#: ... when it has this many output pixels: the fold adds two reshapes (~0.3 us each a
-#: call), which a small conv does not win back (digits_cnn's 8x8: batch 1 0.97x, batch 32
-#: 1.02x; mnist_cnn's 28x28 1.07x / 1.14x; fedshift_cnn's 30x30 1.07x / 1.10x)
+#: ... when it has this many output pixels: the fold adds two reshapes, which a small conv
+#: does not win back (docs/performance.md#onnx-export)
 QLINEAR_FOLD_MIN_PIXELS = 256
 
 
@@ -216,9 +215,9 @@ class WidthFold:
     folded columns. Same products, same exact int32 sums, ~``f * taps / kernel`` of the
     multiply-accumulates (the zero weights of the fold), but ``f`` times the channels a
     kernel tap reads: ONNX Runtime's VNNI conv pays per output pixel and tap, and a
-    4-channel tap fills a quarter of its work (fedshift_cnn's first conv 34 -> 26 us a
-    sample, docs/performance.md). The input is padded once for the folded conv: the
-    conv's own padding, and on the right up to ``width``."""
+    4-channel tap fills a quarter of its work (docs/performance.md#onnx-export). The input
+    is padded once for the folded conv: the conv's own padding, and on the right up to
+    ``width``."""
 
     f: int
     kernel: int
@@ -234,8 +233,8 @@ class WidthFold:
 def width_fold(layer: Any, in_shape: Sequence[int], channels: int) -> WidthFold | None:
     """The fold of a conv reading ``channels`` (padded) channels of ``in_shape`` (C, H, W),
     or None where the conv is read as it is: stride > 1; more than one channel block (a
-    tap then holds enough channels: fedshift_cnn's graph with its second conv folded too
-    ran 0.92x); fewer than :data:`QLINEAR_FOLD_MIN_PIXELS` output pixels."""
+    tap then holds enough channels); fewer than :data:`QLINEAR_FOLD_MIN_PIXELS` output
+    pixels."""
     f = QLINEAR_WIDTH_FOLD
     if layer.stride != 1 or channels != QLINEAR_CHANNEL_BLOCK or f < 2:
         return None

@@ -1,30 +1,17 @@
-"""IntModel: an integer-only network built from a ``firmware_models`` spec.
+"""IntModel: an integer-only network built from a ``firmware_models`` spec: its weights
+(storage grid and ternary copies, the engine's layouts), the list of its layers
+(``edge_client.intnn.layers``: a ReLU right after a conv or linear layer fused into it)
+and the backend that runs them (``backend.py``; the Numba CPU engine by default).
 
-One training step (:meth:`IntModel.train_step`) runs only the integer kernels of
-:mod:`edge_client.intnn.kernels` on preallocated integer buffers (a :class:`Workspace`).
-
-Formulas (docs/algorithms.md §1, s = compute bits, S(k) = 2^(k-1), s_g = max(s, 8)):
-
-- forward: ``a' = clip(round_shift(sum t*a, 1 + log2 alpha), +-(S(s)-1))``, ReLU fused
-  when the spec has a ReLU right after the layer; ``t = ternary(W)`` (|W| > S(s_g)/4);
-- loss (output error): WAGE's SSE against ``target * onehot`` with ``target = S(s) - 1``
-  (real ~1.0; 96-97% on digits against 91-94% with S(s)/4 or S(s)/2), the default; or an
-  integer softmax cross-entropy, NITI style (:func:`kernels.softmax_error`: base-2
-  softmax at temperature 2^-5, Q15 error). Measured on digits_cnn (7 seeds, 20 epochs,
-  the last 6 at eta/8; float32 98.2%): SSE 97.1/96.3/96.3% (Int8/16/6), softmax
-  96.9/97.3/96.8%. The softmax ends ~0.4 points higher on average, but one round of 12
-  steps on a 360-sample shard often leaves it where it started (10-29% vs SSE's 10-39%),
-  and a device gets short rounds: SSE stays the default. Either way the
-  error is an integer array and goes through eq. 12 like every layer's error;
-- error at every conv/linear output: ReLU mask (output activation <= 0), then
-  eq. 12 quantization to s bits; errors flow back through the ternary weights;
-- update: eq. 15-16 with ``eta = 2^(lr_shift + s_g - 8)`` LSBs, stochastic rounding from
-  a counter-based SplitMix64 stream keyed by (seed, step, layer).
-
-Internal layouts differ from the spec (NHWC activations, ``[K, K, C, O]`` conv weights,
-the Linear after a Flatten with its columns in (h, w, c) order); the conversions are
-exact permutations done at the boundary (:meth:`load_int`, :meth:`int_weights`).
-The stochastic-rounding counter ``j`` enumerates a layer's weights in that internal layout.
+Formulas: docs/algorithms.md §1 (s = compute bits, S(k) = 2^(k-1), s_g = max(s, 8)):
+forward ``a' = clip(round_shift(sum t*a, 1 + log2 alpha), +-(S(s)-1))`` with
+``t = ternary(W)``; the loss's error (SSE against ``(S(s) - 1) * onehot``, the default,
+or an integer softmax, :func:`kernels.softmax_error`), ReLU-masked and quantized to s bits
+(eq. 12) at every weight layer's output; the update (eq. 15-16) stochastically rounded
+from a SplitMix64 stream keyed by (seed, step, layer), its counter enumerating a layer's
+weights in the engine's layout. Activations are NHWC, conv weights ``[K, K, C, O]``, the
+linear layer after a flatten has its columns in (h, w, c) order: exact permutations done
+at the boundary (:meth:`IntModel.load_int`, :meth:`IntModel.int_weights`).
 """
 
 from __future__ import annotations
@@ -53,7 +40,7 @@ from edge_client.intnn.quant import (
 )
 from firmware_models import ModelSpec
 
-DEFAULT_CE_TEMP_SHIFT = 5  # softmax temperature 2^-5 on the real logits (measured, see docs)
+DEFAULT_CE_TEMP_SHIFT = 5  # softmax temperature 2^-5 on the real logits (docs/algorithms.md §1)
 
 
 class IntModel:

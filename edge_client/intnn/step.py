@@ -1,15 +1,14 @@
-"""The integer forward pass and training step of an :class:`~edge_client.intnn.model.Network`
-(``Network.forward`` / ``Network.train_step`` call these): which kernel runs for each op,
-on which buffers, split over how many threads.
+"""The CPU backend's passes: the integer forward and training step of an
+:class:`~edge_client.intnn.model.IntModel` (``CpuBackend.forward`` / ``train_step``): in
+which order its layers' kernels run, split over how many threads. Each layer makes its own
+kernels' tasks (``edge_client.intnn.layers``); this module schedules them, quantizes each
+weight layer's error (eq. 12) and updates its weights (eq. 15-16).
 
 Large kernels are split into disjoint parts that run at once on the model's threads
-(``Network(threads=)``, :class:`~edge_client.intnn.parallel.Splitter`): the forward,
-backward-data and pooling over samples, the error-driven conv gradient over output
-channels, the dot-product conv gradient and the linear gradient over weight rows, the
-update over stored weights. Every part writes its own outputs and every sum is an exact
-integer one, so the results do not depend on the number of threads. Kernels that do not
-wait on each other share a hand-off: the forward ops over the same samples
-(:func:`forward`), the backward's stages of consecutive layers (:func:`_backward`).
+(:class:`~edge_client.intnn.parallel.Splitter`). Every part writes its own outputs and
+every sum is an exact integer one, so the results do not depend on the number of threads.
+Kernels that do not wait on each other share a hand-off: the forward layers over the same
+samples (:func:`forward`), the backward's stages of consecutive layers (:func:`_backward`).
 """
 
 from __future__ import annotations
@@ -29,7 +28,7 @@ UPDATE_ALIGN = 256  # canonical-order weights are updated in runs of 256 (kernel
 
 
 class Network(Numerics, Protocol):
-    """What the CPU backend's passes read from a model (``Network``)."""
+    """What the CPU backend's passes read from a model (``IntModel``)."""
 
     ops: Sequence[IntLayer]
     splitter: Splitter
@@ -83,7 +82,7 @@ def _forward_op(model: Network, ws: Workspace, i: int, op: IntLayer, prev: np.nd
 
 def train_step(model: Network, ws: Workspace, y: np.ndarray, n: int, lr_log2: int, seed: int,
                step: int, reg: Regularizer | None = None) -> int:
-    """One SGD step (see ``Network.train_step``); returns the integer loss sum."""
+    """One SGD step (see ``IntModel.train_step``); returns the integer loss sum."""
     z = forward(model, ws, n)
     e = ws.err_out[:n]
     if model.loss == "sse":
@@ -108,19 +107,17 @@ def _backward(model: Network, ws: Workspace, e: np.ndarray, n: int, st: _Step) -
     """The backward pass from the loss's error ``e`` [n, classes], in groups of tasks
     (``Splitter.run_group``: one hand-off each on several threads).
 
-    Each conv/linear op's backward is a few stages (:class:`_ParamBackward`): its error
+    Each weight layer's backward is a few stages (:class:`_ParamBackward`): its error
     (the max-pool's routing after it, or its error quantized before the stage; its input's
     error; the partial scales of the max-pool before it: all over samples), its weight
     gradient (in the first stage when the quantized error was ready before it), its
     update. The ops' stages overlap: the group that makes op i's error also runs the
     next stage of each op after it still running, which waits on nothing that group
-    makes: on fedshift_cnn fc1's gradient with its error, fc1's update with conv2's
-    error, conv2's gradient with conv1's, conv2's update with conv1's gradient: four
-    hand-offs where one kernel a hand-off took eight. Within a group, tasks split alike
+    makes (docs/performance.md#several-cores). Within a group, tasks split alike
     (over the same samples) follow each other on the same thread: the max-pool's routed
-    error, then the input's error from it, then the partial scales from that. ReLUs,
-    flattens and the max-pools whose error is not fused run between groups, on the
-    calling thread. Each layer's gradient has its own buffer (``ws.grads``): a group may
+    error, then the input's error from it, then the partial scales from that. The layers
+    without weights (``IntLayer.backward``: ReLUs, flattens, pools whose error is not
+    fused) run between groups, on the calling thread. Each layer's gradient has its own buffer (``ws.grads``): a group may
     update one layer while it makes another's gradient. The ops' tasks are built once per
     workspace and batch size (``ws.plans``) and read the step's values when they run."""
     plan = ws.plans.get(n)

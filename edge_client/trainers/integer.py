@@ -41,7 +41,7 @@ class IntTrainer:
     ``lr_shift``: log2 of eta in LSBs of the 8-bit grid (3 -> eta = 8, the paper's value);
     on a finer grid the step is ``2^(lr_shift + s_g - 8)`` LSBs (same real step).
     ``loss``: "sse" (WAGE, the default) or "ce" (integer base-2 softmax cross-entropy,
-    NITI style); the measurements behind the default are in :mod:`edge_client.intnn.model`.
+    NITI style); the measurements behind the default: docs/algorithms.md §1.
     ``seed`` keys the shuffling and the stochastic rounding; the step counter runs on
     across calls of :meth:`train`, so two trainers with the same seed and the same calls
     end bit for bit equal. ``lr``/``momentum``: the float devices' SGD settings whose
