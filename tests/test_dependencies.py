@@ -255,9 +255,10 @@ KIND_ATTRIBUTES = {"kind", "__name__", "file_type", "layer_type"}
 
 def _layer_kind_names() -> tuple[set[str], set[str]]:
     """(the layer kinds' class names, spec and engine; the strings that name a kind)."""
-    from edge_client.intnn.layers import REGISTRY, IntLayer, IntWeightLayer
+    from edge_client.intnn.layers import REGISTRY, IntLayer, IntWeightLayer, load_all
     from firmware_models.layers import LAYER_TYPES, SpecLayer, WeightLayer
 
+    load_all()
     generic = {IntLayer, IntWeightLayer, SpecLayer, WeightLayer, object}
     classes = set(LAYER_TYPES)
     for engine in REGISTRY.values():

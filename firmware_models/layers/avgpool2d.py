@@ -14,10 +14,9 @@ import numpy as np
 
 from firmware_models.errors import SpecError
 from firmware_models.layers.base import REQUIRED, Shape, SpecLayer
-from firmware_models.onnx_graph import Act, IntegerGraph
 
 if TYPE_CHECKING:  # pragma: no cover
-    from firmware_models.onnx_graph import Builder, QLinearGraph
+    from firmware_models.onnx_graph import Act, Builder, IntegerGraph, QLinearGraph
 
 
 @dataclass(frozen=True)
@@ -71,6 +70,8 @@ class AvgPool2d(SpecLayer):
         """int32: crop to whole windows, ``ReduceSum`` of ``[N, C, Ho, k, Wo, k]`` over the
         two window axes, then the rounded division on non-negative values (integer ``Div``
         of non-negative numbers is the floor in every runtime)."""
+        from firmware_models.onnx_graph import Act
+
         b = g.b
         k, d = self.kernel, self.kernel * self.kernel
         c, ho, wo = self.output_shape(in_shape)
@@ -94,5 +95,7 @@ class AvgPool2d(SpecLayer):
 
     def onnx_qlinear(self, g: QLinearGraph, a: Act, in_shape: Shape) -> Act:
         """The int32 form on the bytes' values, back to one byte a value."""
+        from firmware_models.onnx_graph import IntegerGraph
+
         ints = IntegerGraph(g.b, g.bits, g.amax)
         return ints.u8(self.onnx_widened(ints, a, in_shape))

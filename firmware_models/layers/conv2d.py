@@ -10,19 +10,11 @@ import numpy as np
 
 from firmware_models.errors import SpecError
 from firmware_models.layers.base import NO_PADS, REQUIRED, Shape, WeightLayer
-from firmware_models.onnx_graph import (
-    QLINEAR_CHANNEL_BLOCK,
-    Act,
-    WidthFold,
-    fold_conv_weights,
-    unfold_conv_weights,
-    width_fold,
-)
 
 if TYPE_CHECKING:  # pragma: no cover
     from collections.abc import Callable
 
-    from firmware_models.onnx_graph import Builder, IntegerGraph, QLinearGraph
+    from firmware_models.onnx_graph import Act, Builder, IntegerGraph, QLinearGraph, WidthFold
 
 
 @dataclass(frozen=True)
@@ -91,6 +83,8 @@ class Conv2d(WeightLayer):
         """An image channel count that is not a multiple of QLINEAR_CHANNEL_BLOCK padded
         with zero channels (which this conv's zero weights for them ignore), and the
         spatial padding of a width-folded read (onnx_graph.QLinearGraph.input)."""
+        from firmware_models.onnx_graph import QLINEAR_CHANNEL_BLOCK, width_fold
+
         extra = -self.in_channels % QLINEAR_CHANNEL_BLOCK
         fold = width_fold(self, in_shape, self.in_channels + extra)
         return extra, (fold.pads if fold is not None else NO_PADS)
@@ -103,7 +97,9 @@ class Conv2d(WeightLayer):
 
     def onnx_qlinear(self, g: QLinearGraph, a: Act, in_shape: Shape, t: np.ndarray,
                      shift: int, relu: bool) -> Act:
-        """One ``QLinearConv`` (on the width-folded input where :func:`width_fold` says)."""
+        """One ``QLinearConv`` (on the width-folded input where ``width_fold`` says)."""
+        from firmware_models.onnx_graph import Act, width_fold
+
         b = g.b
         zp, x_zp, y_scale, y_zp = g.requant(a, shift, relu)
         t = np.pad(t.astype(np.int8), ((0, 0), (0, a.extra_channels), (0, 0), (0, 0)))
@@ -118,11 +114,13 @@ class Conv2d(WeightLayer):
 
     def _folded(self, g: QLinearGraph, a: Act, t: np.ndarray, fold: WidthFold, x_zp: str,
                 y_scale: str, y_zp: str, zp: int, relu: bool) -> Act:
-        """The conv on its width-folded input (:class:`WidthFold`): pad (unless the input
+        """The conv on its width-folded input (``onnx_graph.WidthFold``): pad (unless the input
         is padded already), NHWC, fold, ``QLinearConv``, unfold, crop the extra output
         column of an odd width, NCHW. ONNX Runtime runs its int8 convs in NHWC and removes
         the transposes that meet its own, so in its graph only the pad, the transpose of
         the input (which it makes anyway) and two reshapes remain."""
+        from firmware_models.onnx_graph import Act, fold_conv_weights
+
         b = g.b
         c, f = t.shape[1], fold.f
         x = a.name
@@ -167,6 +165,8 @@ class Conv2d(WeightLayer):
     def exported_weights(self, a: np.ndarray) -> np.ndarray:
         """uint8 ``t + 1`` (ConvInteger) or int8 ``t`` (QLinearConv), maybe width-folded,
         maybe with the zero weights of a padded image input's channels."""
+        from firmware_models.onnx_graph import unfold_conv_weights
+
         a = a.astype(np.int16) - (1 if a.dtype == np.uint8 else 0)
         unfolded = unfold_conv_weights(a, self.out_channels, self.kernel)
         a = a if unfolded is None else unfolded  # a width-folded conv's weights

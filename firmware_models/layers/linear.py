@@ -10,12 +10,11 @@ import numpy as np
 
 from firmware_models.errors import SpecError
 from firmware_models.layers.base import REQUIRED, Shape, WeightLayer
-from firmware_models.onnx_graph import Act
 
 if TYPE_CHECKING:  # pragma: no cover
     from collections.abc import Callable
 
-    from firmware_models.onnx_graph import Builder, IntegerGraph, QLinearGraph
+    from firmware_models.onnx_graph import Act, Builder, IntegerGraph, QLinearGraph
 
 
 @dataclass(frozen=True)
@@ -80,6 +79,8 @@ class Linear(WeightLayer):
     def onnx_qlinear(self, g: QLinearGraph, a: Act, in_shape: Shape, t: np.ndarray,
                      shift: int, relu: bool) -> Act:
         """One ``QLinearMatMul``."""
+        from firmware_models.onnx_graph import Act
+
         b = g.b
         zp, x_zp, y_scale, y_zp = g.requant(a, shift, relu)
         w = b.tensor(f"{self.name}.w", np.ascontiguousarray(t.T.astype(np.int8)))

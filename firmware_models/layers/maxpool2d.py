@@ -11,10 +11,9 @@ import numpy as np
 
 from firmware_models.errors import SpecError
 from firmware_models.layers.base import REQUIRED, Shape, SpecLayer
-from firmware_models.onnx_graph import INT32_MIN, Act
 
 if TYPE_CHECKING:  # pragma: no cover
-    from firmware_models.onnx_graph import Builder, IntegerGraph, QLinearGraph
+    from firmware_models.onnx_graph import Act, Builder, IntegerGraph, QLinearGraph
 
 
 @dataclass(frozen=True)
@@ -75,6 +74,8 @@ class MaxPool2d(SpecLayer):
     def onnx_qlinear(self, g: QLinearGraph, a: Act, in_shape: Shape) -> Act:
         """``MaxPool`` on the bytes (byte order is value order; a padded cell reads 0, the
         lowest byte, so it never exceeds the window's maximum)."""
+        from firmware_models.onnx_graph import Act
+
         k, s, p = self.kernel, self.step, self.padding
         y = g.b.op("MaxPool", [a.name], self.name, kernel_shape=[k, k], strides=[s, s],
                    pads=[p] * 4)
@@ -89,6 +90,8 @@ class MaxPool2d(SpecLayer):
         times slower, and its ``Max`` has no byte kernel before recent releases.
         Overlapping windows: ``MaxPool`` on bytes, or int32 ``Pad`` + strided ``Slice`` +
         ``Max`` (no integer MaxPool kernel is wider than 8 bits)."""
+        from firmware_models.onnx_graph import INT32_MIN, Act
+
         b = g.b
         k, s, p = self.kernel, self.step, self.padding
         c, ho, wo = self.output_shape(in_shape)

@@ -1,30 +1,47 @@
 """The integer engine's layers: one module per layer kind of ``firmware_models.layers``
-(the same module name), whose classes :func:`~.base.implements` it on a backend;
-importing this package imports them all. :func:`build_layers` makes a model's list.
+(the same module name), whose classes :func:`~.base.implements` it on a backend, imported
+when a model first needs that kind (:func:`layer_class`; a device loads only its model's).
+:func:`build_layers` makes a model's list.
 """
 
 from __future__ import annotations
 
 import importlib
-import pkgutil
 from collections.abc import Sequence
 
 from edge_client.errors import ConfigError
-from edge_client.intnn.layers.base import REGISTRY, IntLayer, IntWeightLayer, implements
+from edge_client.intnn.layers.base import PACKAGES, REGISTRY, IntLayer, IntWeightLayer, implements
 from edge_client.intnn.ops import internal_shape
 from firmware_models import ModelSpec
 
-for _info in pkgutil.iter_modules(__path__):
-    if _info.name != "base":
-        importlib.import_module(f"{__name__}.{_info.name}")
+PACKAGES["cpu"] = __name__
 
 
 def layer_class(spec_type: type, backend: str = "cpu") -> type[IntLayer]:
-    """The engine class that runs ``spec_type`` layers on ``backend``."""
-    try:
-        return REGISTRY[(backend, spec_type)]
-    except KeyError:
-        raise ConfigError(f"the {backend} engine has no {spec_type.__name__} layer") from None
+    """The engine class that runs ``spec_type`` layers on ``backend``: registered by the
+    module of the backend's package named as the kind's ``firmware_models.layers`` module."""
+    cls = REGISTRY.get((backend, spec_type))
+    if cls is None and backend in PACKAGES:
+        module = f"{PACKAGES[backend]}.{spec_type.__module__.rsplit('.', 1)[-1]}"
+        try:
+            importlib.import_module(module)
+        except ModuleNotFoundError as exc:
+            if exc.name != module:
+                raise
+        cls = REGISTRY.get((backend, spec_type))
+    if cls is None:
+        raise ConfigError(f"the {backend} engine has no {spec_type.__name__} layer")
+    return cls
+
+
+def load_all(backend: str = "cpu") -> None:
+    """Import every layer module of ``backend`` (its whole registry: tests, listings)."""
+    import pkgutil
+
+    package = importlib.import_module(PACKAGES[backend])
+    for info in pkgutil.iter_modules(package.__path__):
+        if info.name != "base":
+            importlib.import_module(f"{package.__name__}.{info.name}")
 
 
 def build_layers(spec: ModelSpec, alpha: Sequence[int], backend: str = "cpu"
@@ -57,4 +74,5 @@ def build_layers(spec: ModelSpec, alpha: Sequence[int], backend: str = "cpu"
     return ops
 
 
-__all__ = ["REGISTRY", "IntLayer", "IntWeightLayer", "build_layers", "implements", "layer_class"]
+__all__ = ["PACKAGES", "REGISTRY", "IntLayer", "IntWeightLayer", "build_layers", "implements",
+           "layer_class", "load_all"]

@@ -23,6 +23,8 @@ INT16_LIMIT = (1 << 15) - 1
 
 #: (backend name, spec layer type) -> the engine class that runs that kind there
 REGISTRY: dict[tuple[str, type], type[IntLayer]] = {}
+#: backend name -> the package of its layer modules (``layers.layer_class`` imports them)
+PACKAGES: dict[str, str] = {}
 
 
 def implements(spec_type: type, backend: str = "cpu") -> Callable[[type[IntLayer]], type[IntLayer]]:
