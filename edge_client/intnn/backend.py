@@ -62,11 +62,11 @@ class CpuBackend:
         return build_workspace(model, model.spec, model.ops, self.threads, capacity, train)
 
     def forward(self, model: Any, ws: Workspace, n: int) -> np.ndarray:
-        return step.forward(model, ws, n)
+        return step.forward(model, ws, n, self.splitter)
 
     def train_step(self, model: Any, ws: Workspace, y: np.ndarray, n: int, lr_log2: int,
                    seed: int, step_count: int, reg: Regularizer | None) -> int:
-        return step.train_step(model, ws, y, n, lr_log2, seed, step_count, reg)
+        return step.train_step(model, ws, y, n, lr_log2, seed, step_count, reg, self.splitter)
 
     def close(self) -> None:
         self.splitter.close()

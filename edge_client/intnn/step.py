@@ -31,14 +31,14 @@ class Network(Numerics, Protocol):
     """What the CPU backend's passes read from a model (``IntModel``)."""
 
     ops: Sequence[IntLayer]
-    splitter: Splitter
     loss: str              # "sse" | "ce"
     target: int            # the one-hot target of the SSE loss
     ce_temp_shift: int     # the softmax loss's temperature 2^-shift
 
 
-def forward(model: Network, ws: Workspace, n: int) -> np.ndarray:
-    """Run the forward pass on ``ws.x[:n]``; returns the logits view [n, classes].
+def forward(model: Network, ws: Workspace, n: int, splitter: Splitter) -> np.ndarray:
+    """Run the forward pass on ``ws.x[:n]`` on ``splitter``'s threads; returns the logits
+    view [n, classes].
 
     On several threads, each run of consecutive split ops (split over samples alike; a
     flatten, a view, joins it) is one task per sample range: a thread takes its samples
@@ -51,7 +51,7 @@ def forward(model: Network, ws: Workspace, n: int) -> np.ndarray:
         tasks = []
         j = i
         p = prev
-        while model.splitter.threads > 1 and j < len(ops) and (ops[j].split or ops[j].view):
+        while splitter.threads > 1 and j < len(ops) and (ops[j].split or ops[j].view):
             task = ops[j].forward_task(model, ws, p, ws.acts[j][:n], n)
             if task is None:
                 break
@@ -59,37 +59,37 @@ def forward(model: Network, ws: Workspace, n: int) -> np.ndarray:
             p = ws.acts[j][:n]
             j += 1
         if len(tasks) > 1:
-            model.splitter.run_chain(tasks, n)
+            splitter.run_chain(tasks, n)
             prev = p
             i = j
             continue
         out = ws.acts[i][:n]
-        _forward_op(model, ws, i, ops[i], prev, out, n)
+        _forward_op(model, ws, i, ops[i], prev, out, n, splitter)
         prev = out
         i += 1
     return prev
 
 
 def _forward_op(model: Network, ws: Workspace, i: int, op: IntLayer, prev: np.ndarray,
-                out: np.ndarray, n: int) -> None:
+                out: np.ndarray, n: int, splitter: Splitter) -> None:
     """Layer i of the forward pass: ``out`` from ``prev`` (samples [:n])."""
     task = op.forward_task(model, ws, prev, out, n)
     if task is not None:
-        model.splitter.run(task[0], task[1], n, split=op.split)
+        splitter.run(task[0], task[1], n, split=op.split)
         return
     op.forward(model, ws, prev, out, n)
 
 
 def train_step(model: Network, ws: Workspace, y: np.ndarray, n: int, lr_log2: int, seed: int,
-               step: int, reg: Regularizer | None = None) -> int:
+               step: int, reg: Regularizer | None, splitter: Splitter) -> int:
     """One SGD step (see ``IntModel.train_step``); returns the integer loss sum."""
-    z = forward(model, ws, n)
+    z = forward(model, ws, n, splitter)
     e = ws.err_out[:n]
     if model.loss == "sse":
         sse = K.sse_error(z, y, model.target, e)
     else:
         sse = K.softmax_error(z, y, model.bits, model.ce_temp_shift, e)
-    _backward(model, ws, e, n, _Step(lr_log2, seed, step, reg))
+    _backward(model, ws, e, n, _Step(lr_log2, seed, step, reg), splitter)
     return int(sse)
 
 
@@ -103,7 +103,8 @@ class _Step:
     reg: Regularizer | None
 
 
-def _backward(model: Network, ws: Workspace, e: np.ndarray, n: int, st: _Step) -> None:
+def _backward(model: Network, ws: Workspace, e: np.ndarray, n: int, st: _Step,
+              splitter: Splitter) -> None:
     """The backward pass from the loss's error ``e`` [n, classes], in groups of tasks
     (``Splitter.run_group``: one hand-off each on several threads).
 
@@ -149,7 +150,7 @@ def _backward(model: Network, ws: Workspace, e: np.ndarray, n: int, st: _Step) -
             running.append((stages, next(stages)))
         if not running:
             return
-        model.splitter.run_group([t for _, tasks in running for t in tasks])
+        splitter.run_group([t for _, tasks in running for t in tasks])
         running = [(stages, tasks) for stages, _ in running
                    if (tasks := next(stages, None)) is not None]
         if start is not None:

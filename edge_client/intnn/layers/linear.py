@@ -68,7 +68,13 @@ class IntLinear(IntWeightLayer):
 
 @implements(Linear)
 class CpuLinear(IntLinear):
-    """The linear layer on the CPU backend."""
+    """The linear layer on the CPU backend; ``vnni_fwd``: its forward runs on VNNI."""
+
+    vnni_fwd = False
+
+    def bind(self, model: Numerics) -> None:
+        super().bind(model)
+        self.vnni_fwd = self.vnni_forward(model)
 
     def vnni_forward(self, model: Numerics) -> bool:
         """The forward runs on AVX-512 VNNI (``kernels.vnni_linear``): int8 activations, at
@@ -87,7 +93,7 @@ class CpuLinear(IntLinear):
                 ) -> tuple[dict[str, np.ndarray | None], dict[str, np.ndarray | None], int]:
         n_out = self.out_shape[0]
         # the VNNI forward keeps up to FORWARD_SAMPLES samples' sums at a time
-        rows = min(n, K.vnni_linear.FORWARD_SAMPLES) if self.vnni_forward(model) else 1
+        rows = min(n, K.vnni_linear.FORWARD_SAMPLES) if self.vnni_fwd else 1
         shared: dict[str, np.ndarray | None] = {}
         scratch: dict[str, np.ndarray | None] = {
             "lacc": np.zeros(rows * n_out, np.int32),
@@ -102,7 +108,7 @@ class CpuLinear(IntLinear):
     def forward_task(self, model: Numerics, ws: Workspace, prev: np.ndarray, out: np.ndarray,
                      n: int):
         i, sc = self.index, ws.scratch
-        if self.vnni_forward(model):
+        if self.vnni_fwd:
             return K.linear_forward_vnni, lambda t, lo, hi: (
                 prev, self.t, self.shift, model.amax, self.relu, out, sc[t].lacc[i],
                 sc[t].nz_idx, sc[t].nz_val, lo, hi)
