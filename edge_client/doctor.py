@@ -92,8 +92,10 @@ def check_torch(profile: Any) -> Check:
 
 
 def check_jit() -> Check:
-    """numba compiles, and its cache can be written where numba will write it."""
+    """numba compiles, and its cache can be written where numba will write it; the line
+    names numba's, llvmlite's and numpy's versions (what a device's figures depend on)."""
     try:
+        import llvmlite
         import numba
         import numpy as np
 
@@ -112,7 +114,8 @@ def check_jit() -> Check:
     if not ok and not os.environ.get("NUMBA_CACHE_DIR"):
         where = str(Path.home() / ".cache")  # numba's user-wide cache when beside the package is read-only
         ok = _writable(Path(where))
-    return Check("numba", ok, f"{numba.__version__}, compiles; kernel cache {where} "
+    versions = f"{numba.__version__} (llvmlite {llvmlite.__version__}, numpy {np.__version__})"
+    return Check("numba", ok, f"{versions}, compiles; kernel cache {where} "
                               f"{'writable' if ok else 'NOT writable: every start recompiles (minutes on a Pi)'}")
 
 
