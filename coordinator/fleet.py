@@ -35,8 +35,9 @@ from edge_client.transport import LocalHub, MqttTransport, TlsOptions, Transport
 class Inbound:
     """One received message.
 
-    - ``kind``: ``hello``, ``presence``, ``update``, or ``invalid`` (a topic outside the
-      protocol: ``device_id`` is then empty);
+    - ``kind``: ``hello``, ``presence``, ``update``, ``knock`` (a hello on another job),
+      ``status`` (a coordinator's status, this job's or another's: ``device_id`` empty),
+      or ``invalid`` (a topic outside the protocol: ``device_id`` is then empty);
     - ``device_id``: the id in the topic (the payload's own id is checked against it);
     - ``payload``: the exact bytes; ``received_at``: a ``time.monotonic()`` stamp (s);
     - ``topic``: the topic as received (for logs);
@@ -140,8 +141,14 @@ class TransportFleet(Fleet):
         self.republished = 0
 
     @staticmethod
-    def subscriptions(job: str) -> list[str]:
+    def subscriptions(job: str, other_jobs: bool = False) -> list[str]:
+        """The coordinator's topic filters; ``other_jobs``: every job's hellos and
+        coordinator statuses (on a broker whose ACL allows it: the embedded anonymous one),
+        so that a device knocking on a job nobody serves is logged (``knock`` messages)."""
         root = topic(job, "round").rsplit("/", 1)[0]
+        if other_jobs:
+            every = root.rsplit("/", 1)[0] + "/+"
+            return [f"{root}/presence/+", f"{every}/hello/+", f"{root}/update/+", f"{every}/status"]
         return [f"{root}/presence/+", f"{root}/hello/+", f"{root}/update/+"]
 
     def start(self, timeout: float = 30.0) -> None:
@@ -226,6 +233,9 @@ class TransportFleet(Fleet):
             return None
         try:
             job, kind, ident = parse_topic(msg.topic)
+            if kind == "status" or (kind == "hello" and job != self.job):  # (other_jobs subscriptions)
+                return Inbound("status" if kind == "status" else "knock", ident or "", msg.payload,
+                               time.monotonic(), msg.topic, msg)
             if job != self.job or kind not in ("hello", "presence", "update") or ident is None:
                 raise ProtocolError(f"topic: {msg.topic!r} is not an inbound topic of job {self.job!r}")
         except ProtocolError:
@@ -251,18 +261,19 @@ class MqttFleet(TransportFleet):
     """A fleet behind an MQTT broker (see the module docstring).
 
     ``url`` may carry ``user:password@``; ``tls`` gives CA / client certificate files;
-    ``client_id`` must stay the same across restarts for the persistent session.
+    ``client_id`` must stay the same across restarts for the persistent session;
+    ``watch_jobs``: also hear every job's hellos and statuses (see :meth:`subscriptions`).
     """
 
     def __init__(self, url: str, job: str = "default", *, client_id: str | None = None,
                  username: str | None = None, password: str | None = None,
                  tls: TlsOptions | None = None, protocol: str = "auto",
-                 max_payload: int = 64 * 1024 * 1024 + 64 * 1024) -> None:
+                 max_payload: int = 64 * 1024 * 1024 + 64 * 1024, watch_jobs: bool = False) -> None:
         will = (topic(job, "status"),
                 encode_message(Status(state="error", round_id=0, message="coordinator offline")))
         t = MqttTransport(url, client_id or f"fedbit-coordinator-{job}", username=username,
                           password=password, tls=tls, will=will,
-                          subscriptions=self.subscriptions(job), manual_ack=True,
+                          subscriptions=self.subscriptions(job, watch_jobs), manual_ack=True,
                           persistent_session=True, protocol=protocol, max_payload=max_payload)
         super().__init__(job, t)
         self.url = url

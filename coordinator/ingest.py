@@ -86,6 +86,25 @@ class OpenRound:
     round_id: int
     selected: frozenset[str]
     accepted: dict[str, float] = field(default_factory=dict)
+    #: selected devices known to be gone before they answered (device id -> why: ``left``,
+    #: their last will arrived): stragglers at once, the round does not wait for them
+    gone: dict[str, str] = field(default_factory=dict)
+
+    def mark_gone(self, device_id: str, why: str) -> bool:
+        """Stop waiting for selected device ``device_id`` (``why``: ``left``, ...); True
+        when it was still outstanding."""
+        if device_id not in self.selected or device_id in self.accepted or device_id in self.gone:
+            return False
+        self.gone[device_id] = why
+        return True
+
+    def outstanding(self) -> list[str]:
+        """Selected devices that neither answered nor are gone, by id."""
+        return sorted(self.selected - self.accepted.keys() - self.gone.keys())
+
+    def settled(self) -> bool:
+        """Every selected device answered or is gone: nothing more to wait for."""
+        return len(self.accepted) + len(self.gone.keys() - self.accepted.keys()) >= len(self.selected)
 
 
 class Ingest:

@@ -7,8 +7,8 @@
    the seeded selection RNG;
 2. build one model variant per bitwidth group among the selected (``coordinator.variants``),
    save the round plan, announce (models, then the round, then the status; retained);
-3. collect (``coordinator.collect.Collector``) until ``quorum`` of the selected answered
-   or the deadline passed. Each update goes ``coordinator.ingest`` (every per-update
+3. collect (``coordinator.collect.Collector.collect``) until ``quorum`` of the selected
+   answered, every selected device answered or is gone (its last will), or the deadline passed. Each update goes ``coordinator.ingest`` (every per-update
    rule, once) -> ``Strategy.fold`` (into the running sums) -> the inbox, synced, then
    acked in the background. Refused messages are acked too (never redelivered), logged
    with their reason and counted. Stragglers past the deadline are excluded and counted;
@@ -45,6 +45,7 @@ from coordinator.evaluate import Evaluator
 from coordinator.fleet import Fleet
 from coordinator.health import HealthWatch
 from coordinator.ingest import Ingest, OpenRound
+from coordinator.ops.logs import group_accuracy_text
 from coordinator.state import Checkpoint, CorruptFile, RoundPlan, RunState
 from coordinator.strategies.round import RoundStrategy
 from coordinator.variants import model_messages
@@ -80,7 +81,7 @@ class Coordinator:
             figures the evaluator adds, such as ``val_accuracy``).
         init_weights: the initial shared weights (``intnn.init_shared(spec, seed)``).
         on_event: progress callback ``(event, fields)``; events ``round_start``,
-            ``update``, ``reject``, ``device``, ``round_end``, ``waiting``, ``health``, ``collapse``.
+            ``update``, ``reject``, ``device``, ``gone``, ``round_end``, ``waiting``, ``health``, ``collapse``.
     """
 
     def __init__(self, cfg: ServerConfig, fleet: Fleet, strategy: RoundStrategy, state: RunState, *,
@@ -187,18 +188,11 @@ class Coordinator:
         self.log.info("round %d: selected %d device(s)%s%s", r, len(selected), f" after waiting {wait:.1f} s for "
                       "devices" if wait >= 0.1 else "", f", resumed with {replayed} update(s) from the inbox"
                       if resumed else "", extra={"event": "round_start", "round": r, "selected": selected})
-        need = max(1, math.ceil(cfg.quorum * len(selected)))
-        col.pump(time.monotonic() + cfg.round_timeout_s,
-                 stop=lambda: len(rnd.accepted) >= need or not self.fleet.more_expected(r))
+        stragglers = col.collect(max(1, math.ceil(cfg.quorum * len(selected))), time.monotonic() + cfg.round_timeout_s,
+                                 more=lambda: self.fleet.more_expected(r))
         t_collect = time.monotonic()
         with clock.timed("announce"):
             self.fleet.flush()  # the announcement's PUBACKs (long arrived, as a rule)
-        late = len(rnd.accepted) < need
-        stragglers = sorted(rnd.selected - set(rnd.accepted)) if late else []
-        if late:
-            col.counts["stragglers"] = len(stragglers)
-            self.log.warning("round %d: deadline passed; %d straggler(s) excluded: %s", r,
-                             len(stragglers), stragglers, extra={"event": "stragglers", "round": r})
         stats: dict[str, Any] = {}
         aggregated = len(rnd.accepted) >= cfg.min_updates
         old, old_groups = [w.copy() for w in self.weights], self.group_weights
@@ -262,7 +256,7 @@ class Coordinator:
         self.history.append(record)
         self.on_event("round_end", record)
         self.log.info("round %d: %d/%d updates, accuracy %s", r, len(rnd.accepted), len(selected),
-                      f"{acc:.4f}" if math.isfinite(acc) else "n/a",
+                      group_accuracy_text(record),
                       extra={"event": "round_end", "round": r, "accuracy": record["accuracy"]})
         return record
 

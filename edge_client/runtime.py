@@ -40,6 +40,7 @@ from edge_client import __version__
 from edge_client.compat import zip_strict
 from edge_client.errors import CodecError, ConfigError, ProtocolError, TrainingError
 from edge_client.hparams import RoundSettings, not_applied_level, round_settings
+from edge_client.jobcheck import CoordinatorCheck
 from edge_client.outbox import Outbox
 from edge_client.protocol import (
     DEFAULT_LIMITS,
@@ -288,6 +289,7 @@ class DeviceRuntime:
         #: the open round was announced again (a resumed coordinator, a broker that lost its
         #: retained messages, a reconnect): its sent update goes out once more
         self._announced_again = False
+        self.coordinator_check = CoordinatorCheck(cfg.job, self.log)  # (no coordinator on the job: says so)
         j, d = cfg.job, cfg.device_id
         self.t_presence = topic(j, "presence", d)
         self.t_hello = topic(j, "hello", d)
@@ -344,8 +346,8 @@ class DeviceRuntime:
         if not ok:
             t.close()
             return 0
-        self.log.info("device %s connected (%s, variant %s)", self.cfg.device_id,
-                      getattr(t, "version", "?"), self.variant)
+        v = str(getattr(t, "version", "") or "?")
+        self.log.info("device %s connected (%s%s, job %s, variant %s)", self.cfg.device_id, "MQTT " * v[0].isdigit(), v, self.cfg.job, self.variant)
         seen_connects = t.connects
         next_resend = 0.0
         idle = False  # True once a work pass found nothing queued: then block in recv
@@ -372,6 +374,7 @@ class DeviceRuntime:
                     self._flush_outbox(self._announced_again)
                     self._announced_again = False
                 self._maybe_train()
+                self.coordinator_check.tick(t, now)
         finally:
             t.close(clear_will=(self.t_presence, encode_message(Presence(self.cfg.device_id, False))))
         return len(self.rounds_done)
@@ -379,7 +382,9 @@ class DeviceRuntime:
     def _handle(self, msg: Received) -> bool:
         """Process one received message; True when the loop should end."""
         try:
-            _, kind, ident = parse_topic(msg.topic)
+            job, kind, ident = parse_topic(msg.topic)
+            if self.coordinator_check.other_job(job, kind, msg.payload):  # (seen while it checks the broker's jobs)
+                return False
             if not msg.payload:  # a cleared retained message
                 if kind == "round":
                     self.announcement = None
@@ -396,7 +401,7 @@ class DeviceRuntime:
             self.coordinator_active = True
             n = self.outbox.discard_closed(m.round_id, keep_newer=same_run)
             if n:
-                self.log.info("discarded %d outbox item(s) of closed rounds", n)
+                self.log.debug("discarded %d outbox item(s) of closed rounds", n)
         elif isinstance(m, ModelMessage) and kind == "model" and ident == m.variant:
             if tensors_digest(m.tensors) != m.digest:  # (what the announcement's digest names)
                 self.log.warning("ignored model on %s: its digest does not match its tensors", msg.topic)

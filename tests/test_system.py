@@ -258,4 +258,9 @@ def test_serve_stops_on_sigterm_and_takes_its_broker_down(procs: Procs, tmp_path
         assert wait_for(status, 10, "the error status") == "error"   # said so before leaving
     finally:
         watch.close()
+    err = procs.text("coord", "err")
+    assert "Traceback" not in err   # one line: where it stopped, how to go on
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("fedbit serve: stopped by SIGTERM ") and "before round 1; `fedbit serve --model mlp " in last
+    assert err.strip().endswith("--resume` goes on")
     assert not wait_for_port("127.0.0.1", port, timeout=1.0)         # the broker is gone too
