@@ -15,7 +15,9 @@ from packaging.version import Version
 
 ROOT = Path(__file__).resolve().parent.parent
 CONSTRAINTS = ROOT / "constraints.txt"
-EXTRAS = {"coordinator", "data", "dev", "onnx", "cluster"}  # the Makefile's EXTRAS
+#: the extras `make install` installs (the Makefile's EXTRAS)
+EXTRAS = set(next(line.split("?=")[1].strip() for line in (ROOT / "Makefile").read_text().splitlines()
+                  if line.startswith("EXTRAS ")).split(","))
 
 
 def _lock():
