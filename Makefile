@@ -5,7 +5,7 @@
 # wheel a machine already has; an unpinned torch would pull a multi-GB CUDA build.
 # Every other dependency installs at the version constraints.txt pins for this Python (the
 # versions the tests and benchmarks were made with); `make lock` rewrites this Python's
-# block from .venv (README "Reproducible installs").
+# block from .venv (README, "Two commands").
 
 PYTHON ?= python3
 VENV   ?= .venv
@@ -40,7 +40,8 @@ test: install
 bench: install
 	$(PY) benchmarks/run_all.py --out benchmarks/results/latest.jsonl
 
-# The emulator against Flower 1.40's simulation engine, side by side in one run: Flower in
+# The emulator against Flower 1.40's simulation engine, and SecAgg+ against Flower's
+# SecAggPlusWorkflow, side by side in one run each: Flower in
 # its own venv (.venv-flower, never a fedbit dependency), torch pinned as for fedbit.
 FLOWER_VENV ?= .venv-flower
 $(FLOWER_VENV)/bin/python:
@@ -50,6 +51,7 @@ $(FLOWER_VENV)/bin/python:
 
 bench-flower: install $(FLOWER_VENV)/bin/python
 	$(PY) benchmarks/emulator_scale.py --flower $(FLOWER_VENV)/bin/python
+	$(PY) benchmarks/secagg.py --flower $(FLOWER_VENV)/bin/python
 
 # The papers' experiments on the emulator (every config in experiments/: fmnist-* on
 # Fashion-MNIST, >= 5 seeds, hours; the others their digits versions); ONLY=name runs

@@ -13,11 +13,14 @@ with their reason and counted (``rejected_<reason>`` / ``dropped_<reason>``).
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
+
+import numpy as np
 
 from coordinator.commit import AckCommitter
 from coordinator.devices import DeviceRegistry
@@ -26,7 +29,7 @@ from coordinator.ingest import Ingest, OpenRound, Rejected
 from coordinator.ops.knocks import JobsOnBroker
 from coordinator.state import RunState
 from coordinator.strategies.round import RoundStrategy
-from edge_client.errors import ProtocolError
+from edge_client.errors import FedbitError, ProtocolError
 from edge_client.hparams import not_applied_level
 
 
@@ -36,6 +39,10 @@ def _names(ids: list[str], most: int = 20) -> str:
         return ""
     more = f" and {len(ids) - most} more" if len(ids) > most else ""
     return ": " + ", ".join(ids[:most]) + more
+
+
+class NotEnoughDevices(FedbitError, RuntimeError):
+    """A round cannot start (not enough devices within the presence timeout)."""
 
 
 def codec_label(tensors: Any) -> str:
@@ -107,12 +114,43 @@ class Collector:
             lambda: self.state.inbox_sync(), lambda m: self.fleet.ack(m),
             persist=lambda rec: self.state.inbox_append(*rec))
         self._to_persist: list[tuple[int, str, bytes]] = []
+        #: handles secure-aggregation messages (``coordinator.privacy.round.Privacy.handle``;
+        #: None: they are refused); raises Rejected
+        self.on_secure: Callable[[Inbound], None] | None = None
+        #: devices present when the last round's devices were selected
+        self.present = 0
         #: (device, what it reported) already logged at WARNING: a device that reports the
         #: same setting not applied every round is logged once, then at DEBUG (still counted)
         self._reported: set[tuple[str, str]] = set()
         #: which jobs of the broker have a coordinator, and devices knocking on the others
         self.jobs = JobsOnBroker(getattr(fleet, "job", "default"))
         self._gone_until: dict[str, float] = {}  # gone device -> when the round stops waiting for it
+
+    def select(self, cfg: Any, rng: np.random.Generator) -> list[str]:
+        """Wait (bounded by ``cfg.presence_timeout_s``: :class:`NotEnoughDevices`) until
+        ``max(min_devices, min_present)`` devices are present, then select ``clamp(ceil(fraction * present), min, max)`` of
+        them with ``rng``; sorted ids."""
+        devices = self.devices
+        end = time.monotonic() + cfg.presence_timeout_s
+        last_note = 0.0
+        need = max(cfg.min_devices, cfg.min_present)
+        waited = False
+        while len(devices.present()) < need:
+            waited = True
+            if time.monotonic() >= end:
+                raise NotEnoughDevices(f"only {len(devices.present())} device(s) present after "
+                                       f"{cfg.presence_timeout_s:.0f} s; need {need}")
+            if time.monotonic() - last_note > 5:
+                last_note = time.monotonic()
+                self.on_event("waiting", {"present": len(devices.present()), "need": need})
+            self.pump(min(end, time.monotonic() + 0.5))
+        if waited:  # let hellos that arrive together settle
+            self.pump(time.monotonic() + 0.05)
+        present = devices.present()
+        self.present = len(present)
+        k = max(cfg.min_devices, min(cfg.max_devices, math.ceil(cfg.fraction * len(present))))
+        idx = rng.choice(len(present), size=min(k, len(present)), replace=False)
+        return sorted(present[i] for i in idx)
 
     def new_round(self) -> None:
         """Reset the per-round counters and the stopwatch (before selection)."""
@@ -157,6 +195,11 @@ class Collector:
                     self.jobs.status(msg.topic, msg.payload)
                 elif msg.kind == "knock":
                     self.jobs.knock(msg.topic, msg.payload, msg.received_at)
+                elif msg.kind == "secagg" and self.on_secure is not None:
+                    try:
+                        self.on_secure(msg)
+                    except Rejected as exc:
+                        self._refused(exc, msg.kind, msg.device_id)
                 else:
                     self._refused(Rejected("bad_topic", msg.topic), msg.kind, msg.device_id)
             records, self._to_persist = self._to_persist, []

@@ -27,6 +27,7 @@ from types import UnionType
 from typing import Any
 
 from coordinator.ops.admission import AdmissionConfig
+from coordinator.privacy.config import PrivacyConfig
 from coordinator.strategies.round import RoundStrategy
 from edge_client.errors import ConfigError
 from edge_client.hparams import validate_hparams
@@ -141,10 +142,19 @@ class TomlSchema:
         return self.build(self.validate(raw, source))
 
     def build(self, values: dict[str, dict[str, Any]]) -> dict[str, Any]:
-        """:meth:`validate`'s sections, each that has a class as an instance of it (not yet
+        """:meth:`validate`'s sections, each that has a class as an instance of it (a
+        ``float`` field holds a float, also where the file wrote an integer; not yet
         checked: :func:`checked`); the others and the free sections as they are."""
-        return {name: self.classes[name](**copy.deepcopy(table)) if name in self.classes else table
-                for name, table in values.items()}
+        out: dict[str, Any] = {}
+        for name, table in values.items():
+            cls = self.classes.get(name)
+            if cls is None:
+                out[name] = table
+                continue
+            hints = typing.get_type_hints(cls)
+            out[name] = cls(**{k: float(v) if hints[k] is float and type(v) is int else copy.deepcopy(v)
+                               for k, v in table.items()})
+        return out
 
     def known(self) -> list[str]:
         """Every top-level key and section name."""
@@ -229,7 +239,9 @@ class ServerConfig:
     - ``admission``: enrolment, the ``num_samples`` bound, hello rates, registry size
       (:class:`~coordinator.ops.admission.AdmissionConfig`);
     - ``on_collapse``: what a collapsed aggregate does (:mod:`coordinator.health`):
-      ``rollback`` to the last healthy model, or ``log`` it and keep it.
+      ``rollback`` to the last healthy model, or ``log`` it and keep it;
+    - ``privacy``: secure aggregation and differential privacy
+      (:class:`~coordinator.privacy.config.PrivacyConfig`).
     """
 
     job: str = "default"
@@ -250,6 +262,7 @@ class ServerConfig:
     limits: Limits = DEFAULT_LIMITS
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     on_collapse: str = "rollback"
+    privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
 
     def validate(self, strategy: RoundStrategy | None = None) -> None:
         """ConfigError naming the first bad setting; with ``strategy``, also a configured
@@ -273,6 +286,7 @@ class ServerConfig:
         if self.on_collapse not in ON_COLLAPSE:
             raise ConfigError(f"on_collapse: {self.on_collapse!r} is not one of {list(ON_COLLAPSE)}")
         self.admission.validate()
+        self.privacy.validate(self.strategy, self.strategy_params)
         validate_hparams(self.hparams)
         if strategy is not None:
             strategy.device_hparams(self.hparams)

@@ -25,6 +25,8 @@ naming the file and the key; ``examples/job.toml`` shows every section)::
     [limits]                    # max_payload_bytes, max_abs_value
     [log]                       # json, level, quiet
     [dashboard]                 # listen ([HOST:]PORT; empty: none), password_file
+    [privacy]                   # secure_aggregation, mechanism, clip, noise_multiplier,
+                                # target_epsilon, delta, ... (coordinator.privacy.config)
 
 Every flag of ``fedbit serve`` sets one of these keys (:data:`FLAGS`; ``--set KEY=VALUE``
 sets any), so a flag and the file never disagree about a default: defaults come from
@@ -51,6 +53,8 @@ from coordinator.config import (
 )
 from coordinator.ops.admission import AdmissionConfig
 from coordinator.ops.dashboard.access import parse_address
+from coordinator.privacy.config import FLAGS as PRIVACY_FLAGS
+from coordinator.privacy.config import PrivacyConfig
 from edge_client.errors import ConfigError
 from edge_client.protocol import DEFAULT_LIMITS, Limits
 from firmware_models import MODELS
@@ -213,7 +217,7 @@ class ServeJob:
 
 SCHEMA = TomlSchema.of({
     "": JobSettings, "round": JobRound, "broker": BrokerSettings, "admission": AdmissionConfig,
-    "limits": LimitSettings, "log": LogSettings, "dashboard": DashboardSettings,
+    "limits": LimitSettings, "log": LogSettings, "dashboard": DashboardSettings, "privacy": PrivacyConfig,
 }, free=("strategy_params", "train"))
 
 
@@ -230,7 +234,7 @@ def job_from_dict(raw: dict[str, Any], source: str) -> ServeJob:
         max_devices=rnd.max_devices, min_present=rnd.min_present, quorum=float(rnd.quorum),
         min_updates=rnd.min_updates, round_timeout_s=float(rnd.timeout_s),
         presence_timeout_s=float(rnd.presence_timeout_s), hparams=hparams, seed=top.seed,
-        limits=lim.limits(), admission=s["admission"], on_collapse=top.on_collapse)
+        limits=lim.limits(), admission=s["admission"], on_collapse=top.on_collapse, privacy=s["privacy"])
     try:
         cfg.validate()
     except ConfigError as exc:
@@ -338,6 +342,7 @@ FLAGS: list[tuple[str, str, dict[str, Any]]] = [
     ("--dashboard-password-file", "dashboard.password_file", {"metavar": "FILE", "help": "the dashboard's "
                                                               "password (default beyond loopback: "
                                                               "SECURITY/dashboard.password, made once)"}),
+    *PRIVACY_FLAGS,
 ]
 #: the shared connection and logging options' keys in the job file
 CONNECTION_KEYS = {name: f"broker.{'url' if name == 'broker' else name}" for name in

@@ -40,7 +40,8 @@ def test_a_dataclass_s_fields_are_its_section_s_keys() -> None:
 def test_a_new_section_is_one_dataclass_and_one_entry() -> None:
     schema = TomlSchema.of({"": {"name": (str, "run")}, "privacy": Privacy})
     got = schema.load({"name": "x", "privacy": {"epsilon": 2, "groups": ["a"]}}, "f.toml")
-    assert got["privacy"] == Privacy(epsilon=2, groups=["a"]) and got[""] == {"name": "x"}
+    assert got["privacy"] == Privacy(epsilon=2.0, groups=["a"]) and got[""] == {"name": "x"}
+    assert type(got["privacy"].epsilon) is float  # a float field holds a float, also from `epsilon = 2`
     assert schema.load({}, "f.toml")["privacy"] == Privacy()
     for raw, message in (({"privacy": {"epsilon": "big"}}, "f.toml: privacy.epsilon: expected int or float"),
                          ({"privacy": {"delta": 1}}, "f.toml: privacy.delta: unknown key"),
@@ -50,7 +51,7 @@ def test_a_new_section_is_one_dataclass_and_one_entry() -> None:
             schema.load(raw, "f.toml")
         assert message in str(err.value)
     bad = schema.load({"privacy": {"epsilon": 0}}, "f.toml")["privacy"]
-    with pytest.raises(ConfigError, match=r"^f\.toml: privacy\.epsilon: must be > 0, got 0$"):
+    with pytest.raises(ConfigError, match=r"^f\.toml: privacy\.epsilon: must be > 0, got 0\.0$"):
         checked(bad, "privacy", "f.toml")
 
 

@@ -49,7 +49,7 @@ def test_this_environment_is_the_locked_one() -> None:
     python = "{}.{}".format(*sys.version_info[:2])
     if python not in _blocks(text):
         pytest.fail(f"constraints.txt has no block for Python {python}")
-    pins = lock.closure(lock.PROJECT, EXTRAS)
+    pins = lock.closure(lock.project_requirements(ROOT / "pyproject.toml"), EXTRAS)
     assert lock.merge(text, pins, python) == text, (
         "this environment differs from constraints.txt's block for Python " + python + ": "
         + str(sorted(set(pins.items()) ^ set(_blocks(text)[python].items())))

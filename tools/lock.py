@@ -2,12 +2,12 @@
 
     python tools/lock.py [--extras coordinator,data,dev,onnx,cluster] [--out constraints.txt]
 
-Pins every distribution that fedbit with those extras needs (its requirements, theirs, and
-so on, markers evaluated for this interpreter) at the version installed here, as one
-block marked ``python_version == "X.Y"`` for this Python; the blocks of other Pythons in
-the file are kept. ``make install`` installs with ``-c constraints.txt``; README
-"Reproducible installs" says when and how to refresh it. Runs on the device side's oldest
-Python too (tools/py39_check.sh writes the 3.9 block with it).
+Pins every distribution that fedbit with those extras needs (its requirements in
+pyproject.toml, theirs, and so on, markers evaluated for this interpreter) at the version
+installed here, as one block marked ``python_version == "X.Y"`` for this Python; the
+blocks of other Pythons in the file are kept. ``make install`` installs with
+``-c constraints.txt``; the README ("Two commands") says when and how to refresh it. Runs
+on the device side's oldest Python too (tools/py39_check.sh writes the 3.9 block with it).
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ HEADER = """\
 # The versions fedbit's tests and benchmarks were made with, one block per Python (the
 # host's 3.11; 3.9, the device side's oldest, from tools/py39_check.sh). Used by
 # `make install` (pip install -c constraints.txt) and tools/py39_check.sh; other Pythons
-# resolve freely within pyproject.toml's ranges. Written by tools/lock.py: README
-# "Reproducible installs" says how to refresh it.
+# resolve freely within pyproject.toml's ranges. Written by tools/lock.py: the README
+# ("Two commands") says how to refresh it.
 """
 MARKER = re.compile(r';\s*python_version\s*==\s*"(\d+\.\d+)"\s*$')
 
@@ -40,26 +40,49 @@ def canonical(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
-def closure(project: str, extras: set[str]) -> dict[str, str]:
-    """``{canonical name: installed version}`` of what ``project[extras]`` needs here."""
+def project_requirements(pyproject: Path | None = None) -> list[str]:
+    """fedbit's requirements as ``Requires-Dist`` lines (extras as ``extra == "x"``
+    markers): from ``pyproject.toml`` when there is one (the source of truth, also before
+    the project is reinstalled), else from the installed distribution (a wheel's venv)."""
+    if pyproject is None or not pyproject.is_file():
+        return list(metadata.distribution(PROJECT).requires or [])
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:
+        import tomli as tomllib
+    project = tomllib.loads(pyproject.read_text(encoding="utf-8"))["project"]
+    out = list(project["dependencies"])
+    for extra, reqs in project.get("optional-dependencies", {}).items():
+        for text in reqs:
+            req = Requirement(text)
+            marker = f'extra == "{extra}"' + (f" and ({req.marker})" if req.marker else "")
+            req.marker = None
+            out.append(f"{req}; {marker}")
+    return out
+
+
+def closure(requirements: list[str], extras: set[str]) -> dict[str, str]:
+    """``{canonical name: installed version}`` of what ``requirements`` (with ``extras``)
+    need here, their requirements and so on."""
     pins: dict[str, str] = {}
-    todo = [(project, frozenset(extras))]
+    todo: list[tuple[list[str], frozenset[str]]] = [(requirements, frozenset(extras))]
     seen: set[tuple[str, frozenset[str]]] = set()
     while todo:
-        name, wanted = todo.pop()
-        if (canonical(name), wanted) in seen:
-            continue
-        seen.add((canonical(name), wanted))
-        try:
-            dist = metadata.distribution(name)
-        except metadata.PackageNotFoundError:
-            raise SystemExit(f"lock: {name} is needed but not installed in {sys.prefix}") from None
-        if canonical(name) != canonical(project):
-            pins[canonical(name)] = dist.version.split("+")[0]  # 2.13.0+cpu matches ==2.13.0
-        for text in dist.requires or []:
+        texts, wanted = todo.pop()
+        for text in texts:
             req = Requirement(text)
-            if req.marker is None or any(req.marker.evaluate({"extra": e}) for e in wanted | {""}):
-                todo.append((req.name, frozenset(req.extras)))
+            if req.marker is not None and not any(req.marker.evaluate({"extra": e}) for e in wanted | {""}):
+                continue
+            key = (canonical(req.name), frozenset(req.extras))
+            if key in seen or canonical(req.name) == canonical(PROJECT):
+                continue
+            seen.add(key)
+            try:
+                dist = metadata.distribution(req.name)
+            except metadata.PackageNotFoundError:
+                raise SystemExit(f"lock: {req.name} is needed but not installed in {sys.prefix}") from None
+            pins[canonical(req.name)] = dist.version.split("+")[0]  # 2.13.0+cpu matches ==2.13.0
+            todo.append((list(dist.requires or []), frozenset(req.extras)))
     return pins
 
 
@@ -83,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=ROOT / "constraints.txt")
     args = ap.parse_args(argv)
     python = "{}.{}".format(*sys.version_info[:2])
-    pins = closure(PROJECT, {e for e in args.extras.split(",") if e})
+    pins = closure(project_requirements(ROOT / "pyproject.toml"), {e for e in args.extras.split(",") if e})
     old = args.out.read_text(encoding="utf-8") if args.out.exists() else ""
     args.out.write_text(merge(old, pins, python), encoding="utf-8")
     print(f"lock: {len(pins)} pins for Python {python} ({platform.machine()}) in {args.out}")

@@ -19,7 +19,7 @@
 # FEDBIT_ROOTFS_FRESH=1 rebuilds it, FEDBIT_ROOTFS_FRESH_VENV=1 only the venv.
 # The venv installs the versions constraints.txt pins for Python 3.9; FEDBIT_LOCK_REFRESH=1
 # resolves afresh instead and, when every check passed, writes what it installed as the
-# file's 3.9 block (tools/lock.py; README "Reproducible installs").
+# file's 3.9 block (tools/lock.py; README, "Two commands").
 # FEDBIT_PY39_MIN_RATIO (0.9, issue 24's target): the throughput floor. numba 0.60, the
 # last for Python 3.9, runs the kernels at 0.98-1.03 of numba 0.68 under 3.11 (docs/device.md).
 set -euo pipefail

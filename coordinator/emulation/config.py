@@ -30,6 +30,8 @@ A config (``fedbit emulate FILE``; the bundled default is ``coordinator/emulatio
     [cluster]                  # backend = "local" (processes here) | "ray"; address = "auto"
                                # | "host:port" | "ray://host:port" | "local" (a new Ray here)
     [clock]                    # seconds_per_sample = {variant = s}: pin the compute model
+    [privacy]                  # secure aggregation and DP, as fedbit serve's job
+                               # (coordinator.privacy.config)
 
 ``paper = "<name>"`` (``coordinator.emulation.papers``: fedshift, prowd, prowd-fedprox, prowd-grouped,
 prowd-grouped-asym, fedfor, fedwsq) starts from that paper's strategy, its parameters and
@@ -80,6 +82,7 @@ from coordinator.emulation.sections import (
     DataSettings,
     RoundSettings,
 )
+from coordinator.privacy.config import PrivacyConfig
 from edge_client.errors import ConfigError
 
 DEFAULT_CONFIG = Path(__file__).with_name("default.toml")
@@ -92,9 +95,10 @@ class ExperimentConfig:
     """One emulator experiment (see the module docstring); ``source`` names the file.
 
     The top-level keys are the fields up to ``on_collapse``; ``data``, ``round``,
-    ``cluster`` and ``clock`` are the sections with fixed keys
-    (:mod:`coordinator.emulation.sections`); ``strategy_params``, ``devices``, ``codecs``,
-    ``train`` and ``sweep`` are free tables whose keys their consumer checks."""
+    ``cluster`` and ``clock`` (:mod:`coordinator.emulation.sections`) and ``privacy``
+    (:class:`~coordinator.privacy.config.PrivacyConfig`) are the sections with fixed keys;
+    ``strategy_params``, ``devices``, ``codecs``, ``train`` and ``sweep`` are free tables
+    whose keys their consumer checks."""
 
     name: str = "run"
     model: str = _SERVER.model
@@ -114,6 +118,7 @@ class ExperimentConfig:
     round: RoundSettings = field(default_factory=RoundSettings)
     cluster: ClusterSettings = field(default_factory=ClusterSettings)
     clock: ClockSettings = field(default_factory=ClockSettings)
+    privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
     sweep: dict[str, list[Any]] = field(default_factory=dict)
     source: str = field(default="<config>", metadata={"file": False})
     #: the paper's settings of the strategy's own stages (``swa.<key>``, ``dequantize.<key>``;
@@ -136,7 +141,8 @@ class ExperimentConfig:
 
 
 #: the file's sections with fixed keys, and the free tables
-SECTIONS = {"data": DataSettings, "round": RoundSettings, "cluster": ClusterSettings, "clock": ClockSettings}
+SECTIONS = {"data": DataSettings, "round": RoundSettings, "cluster": ClusterSettings, "clock": ClockSettings,
+            "privacy": PrivacyConfig}
 FREE = ("strategy_params", "devices", "codecs", "train", "sweep")
 SCHEMA = TomlSchema.of(
     {"": section_keys(ExperimentConfig, exclude=(*SECTIONS, *FREE)), **SECTIONS},
@@ -304,6 +310,10 @@ def _check_values(cfg: ExperimentConfig, bad) -> None:
         build_strategy(cfg.strategy, **cfg.build_params()).device_hparams(cfg.train)
     except ConfigError as exc:
         raise bad("[strategy_params] / [train]", str(exc)) from None
+    try:
+        cfg.privacy.validate(cfg.strategy, cfg.build_params())
+    except ConfigError as exc:
+        raise bad("[privacy]", str(exc)) from None
     if not 0 <= cfg.target_accuracy <= 1:
         raise bad("target_accuracy", f"must be in (0, 1] (0: none), got {cfg.target_accuracy}")
     from coordinator.emulation.analysis import ANALYSIS_KEYS, check_analysis

@@ -115,7 +115,30 @@ def summarize_run(info: dict[str, Any], records: Sequence[dict[str, Any]], last:
         "sim_seconds": _num(records[-1].get("sim_time")) if records else math.nan,
         "stragglers": sum(int(r.get("stragglers", 0)) for r in records),
         "health": health_summary(records),
+        **privacy_summary(records),
     }
+
+
+def privacy_summary(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The run's privacy: the last round's ``epsilon`` at ``delta`` (DP runs) and the
+    devices secure aggregation excluded (``{}`` when neither applies)."""
+    dp = [r for r in records if r.get("epsilon") is not None]
+    excluded = sorted({d for r in records for d in (r.get("secagg_excluded") or {})})
+    out: dict[str, Any] = {"epsilon": dp[-1]["epsilon"], "delta": dp[-1].get("delta")} if dp else {}
+    if any("secagg_survivors" in r for r in records):
+        out["secagg_excluded"] = excluded
+    return out
+
+
+def _privacy_lines(s: dict[str, Any]) -> list[str]:
+    lines = []
+    if "epsilon" in s:
+        lines.append(f"Differential privacy: ε = {s['epsilon']:.3f} at δ = {s['delta']:g} after the last round "
+                     "(every round's ε: `metrics.jsonl`).")
+    if "secagg_excluded" in s:
+        lines.append("Secure aggregation: the coordinator saw only sums; devices excluded: "
+                     + (", ".join(s["secagg_excluded"]) or "none") + ".")
+    return [*lines, ""] if lines else []
 
 
 def health_summary(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -197,6 +220,7 @@ def write_report(run_dir: str | Path) -> Path:
               "straggler(s) in all.", "",
               *([_workers_line(info), ""] if "workers" in info else []),
               "Uplink bytes by codec: " + ", ".join(f"{k} {v:,}" for k, v in sorted(s["uplink_bytes"].items())), ""]
+    lines += _privacy_lines(s)
     lines += _health_lines(s["health"])
     lines += onnx_summary_lines(run, info.get("onnx"))
     lines += _split_lines(info)

@@ -91,6 +91,7 @@ def round_summary(rec: dict[str, Any]) -> dict[str, Any]:
         "round_seconds": rec.get("round_seconds"), "wait_seconds": rec.get("wait_seconds", 0.0),
         "sim_time": rec.get("sim_time"), "uplink_bytes": dict(rec.get("uplink_bytes") or {}),
         "counts": dict(rec.get("counts") or {}),
+        "epsilon": rec.get("epsilon"), "delta": rec.get("delta"),
     })
 
 

@@ -161,6 +161,8 @@
     for (const [k, v] of Object.entries(t.refused || {})) pairs.push([k.replace(/_/g, " "), v]);
     for (const [k, v] of Object.entries(t.uplink_bytes || {})) pairs.push([`uplink ${k}`, bytes(v)]);
     if (t.wait_seconds) pairs.push(["waited for devices", secs(t.wait_seconds)]);
+    const dp = rounds.filter((r) => r.epsilon != null).pop();
+    if (dp) pairs.push(["privacy spent", `ε = ${dp.epsilon.toFixed(3)} at δ = ${dp.delta}`]);
     facts($("totals"), pairs);
   }
 
