@@ -275,6 +275,11 @@ def test_bad_requests_are_4xx_and_the_server_goes_on(served) -> None:
     assert get(url + "api/state?rounds=-1")[0] == 400
     assert get(url + "api/state?rounds=" + "9" * 40)[0] == 400
     assert get(url, headers={"Host": "evil.example:80"})[0] == 421  # DNS rebinding
+    port = url.rstrip("/").rsplit(":", 1)[1]
+    for host in ("127.attacker.example", "127.0.0.1.attacker.example", "localhost.attacker.example", "[::1"):
+        assert get(url, headers={"Host": f"{host}:{port}"})[0] == 421, host
+    for host in ("127.0.0.1", "127.0.0.2", "localhost", "LOCALHOST", "[::1]"):
+        assert get(url, headers={"Host": f"{host}:{port}"})[0] == 200, host
     assert get(url + "static/%2e%2e/web.py")[0] in (403, 404)
     assert get(url + "static/../../job.py")[0] in (403, 404)
     status = lambda data: re.match(rb"HTTP/1\.[01] (\d+)", raw(url, data))  # noqa: E731

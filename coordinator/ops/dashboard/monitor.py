@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from coordinator.state import private_opener
 from edge_client.protocol import model_variant
 
 #: the file :class:`LiveFile` keeps in a run directory
@@ -361,7 +362,8 @@ class LiveFile:
         tmp = self.path.with_name(f".{LIVE_FILE}.{os.getpid()}.tmp")
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp.write_text(json.dumps(snap, default=str))
+            with open(tmp, "w", encoding="utf-8", opener=private_opener) as f:
+                f.write(json.dumps(snap, default=str))
             os.replace(tmp, self.path)
         except OSError:
             self.errors += 1
