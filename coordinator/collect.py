@@ -20,13 +20,17 @@ from contextlib import contextmanager
 from typing import Any
 
 from coordinator.commit import AckCommitter
+from coordinator.defense.reputation import STRIKE_REASONS
 from coordinator.devices import DeviceRegistry
 from coordinator.fleet import Fleet, Inbound
 from coordinator.ingest import Ingest, OpenRound, Rejected
+from coordinator.ops.untrusted import safe_text
+from coordinator.presence.roundwatch import RoundWatch
 from coordinator.state import RunState
 from coordinator.strategies.round import RoundStrategy
 from edge_client.errors import ProtocolError
 from edge_client.hparams import not_applied_level
+from edge_client.protocol import Presence
 
 
 def codec_label(tensors: Any) -> str:
@@ -74,7 +78,8 @@ class Collector:
     """
 
     def __init__(self, fleet: Fleet, ingest: Ingest, strategy: RoundStrategy, state: RunState, *,
-                 on_event: Callable[[str, dict[str, Any]], None], logger: logging.Logger) -> None:
+                 on_event: Callable[[str, dict[str, Any]], None], logger: logging.Logger,
+                 ack_timeout_s: float = 10.0) -> None:
         self.fleet = fleet
         self.ingest = ingest
         self.strategy = strategy
@@ -87,6 +92,12 @@ class Collector:
         self.counts: Counter[str] = Counter()  # this round's refusals (and stragglers)
         self.totals: Counter[str] = Counter()
         self.uplink_bytes: Counter[str] = Counter()  # this round's accepted payload bytes by codec
+        #: this round's devices whose update was refused for its content (reason), and
+        #: those whose sample claim was cut to its bound (the reputation's strikes)
+        self.refused_devices: dict[str, str] = {}
+        self.over_claimed: set[str] = set()
+        #: which selected devices can still answer the open round
+        self.watch = RoundWatch(ack_timeout_s)
         self.clock = Stopwatch()
         #: most messages handled before they go to the committer, which syncs every batch
         #: queued since its last sync at once (group commit). Small batches let the sync
@@ -106,16 +117,28 @@ class Collector:
         """Reset the per-round counters and the stopwatch (before selection)."""
         self.counts = Counter()
         self.uplink_bytes = Counter()
+        self.refused_devices, self.over_claimed = {}, set()
         self.clock = Stopwatch()
 
     def open(self, rnd: OpenRound) -> None:
         """Collect updates for ``rnd`` (the strategy's round must be begun)."""
         self.round = rnd
+        self.watch.open(rnd.round_id, rnd.selected)
 
     def close(self, completed: int) -> None:
         """No round is open; updates of rounds up to ``completed`` are late from now on."""
         self.round = None
         self.completed = completed
+
+    def drop_revoked(self) -> None:
+        """Take the present devices that are no longer enrolled offline (a revoked device is
+        offline, whatever its last presence message said)."""
+        enrolled = self.ingest.enrolled
+        if enrolled is None:
+            return
+        for d in [d for d in self.devices.present() if enrolled.key(d) is None]:
+            self.devices.apply(Presence(d, False))
+            self._device_changed(d, "left")
 
     # ------------------------------------------------------------------ messages
 
@@ -135,10 +158,12 @@ class Collector:
                     self.update(msg.device_id, msg.payload)
                 elif msg.kind in ("hello", "presence"):
                     try:
-                        change = self.devices.apply(self.ingest.device(msg.kind, msg.device_id, msg.payload,
-                                                                       self.devices, msg.received_at))
+                        m = self.ingest.device(msg.kind, msg.device_id, msg.payload, self.devices, msg.received_at)
+                        change = self.devices.apply(m)
                         if change:
                             self._device_changed(msg.device_id, change)
+                        if isinstance(m, Presence) and m.round_id:
+                            self.watch.ack(m.device_id, m.round_id)
                     except Rejected as exc:
                         self._refused(exc, msg.kind, msg.device_id)
                 else:
@@ -172,6 +197,7 @@ class Collector:
         if self.ingest.notes:  # changed rather than refused (clipped_num_samples)
             self.counts.update(self.ingest.notes)
             self.totals.update(self.ingest.notes)
+            self.over_claimed.add(device_id)
         if eu.not_applied:
             self._not_applied(device_id, rnd.round_id, eu.not_applied)
         if not replay:
@@ -222,8 +248,19 @@ class Collector:
                             "keys": sorted(items)})
 
     def _refused(self, exc: Rejected, kind: str, device_id: str) -> None:
+        exc.detail = safe_text(exc.detail, 400, backslash=False)  # (it may quote what the device sent)
         self.counts[exc.metric] += 1
         self.totals[exc.metric] += 1
+        if kind == "update" and not exc.dropped and self.ingest.enrolled is not None:
+            # an enrolled job's update was refused after its MAC verified (or its device was
+            # revoked): the device's own, it sends no other (the round need not wait for it),
+            # and what it held counts against it. (Without enrolment anyone may have sent it.)
+            self.watch.refused(device_id, exc.reason)
+            if exc.reason in STRIKE_REASONS:
+                self.refused_devices[device_id] = exc.reason
+        if exc.reason == "unenrolled" and self.devices.is_online(device_id) and device_id in self.devices.hellos:
+            self.devices.apply(Presence(device_id, False))  # revoked: offline, whatever it last said
+            self._device_changed(device_id, "left")
         fields = {"reason": exc.reason, "device": device_id,
                   "round": self.round.round_id if self.round else None}
         if exc.quiet or self.counts[exc.metric] > self.log_per_reason:

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from coordinator.defense.config import DefenseConfig
 from coordinator.ops.admission import AdmissionConfig
 from coordinator.strategies.round import RoundStrategy
 from edge_client.errors import ConfigError
@@ -165,7 +166,10 @@ class ServerConfig:
     - ``admission``: enrolment, the ``num_samples`` bound, hello rates, registry size
       (:class:`~coordinator.ops.admission.AdmissionConfig`);
     - ``on_collapse``: what a collapsed aggregate does (:mod:`coordinator.health`):
-      ``rollback`` to the last healthy model, or ``log`` it and keep it.
+      ``rollback`` to the last healthy model, or ``log`` it and keep it;
+    - ``ack_timeout_s``: a selected device that acknowledged earlier rounds but not this
+      one within this time is a straggler at once (:mod:`coordinator.presence.roundwatch`; 0: off);
+    - ``defense``: poisoning resistance (:class:`~coordinator.defense.config.DefenseConfig`).
     """
 
     job: str = "default"
@@ -186,6 +190,8 @@ class ServerConfig:
     limits: Limits = DEFAULT_LIMITS
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     on_collapse: str = "rollback"
+    ack_timeout_s: float = 10.0
+    defense: DefenseConfig = field(default_factory=DefenseConfig)
 
     def validate(self, strategy: RoundStrategy | None = None) -> None:
         """ConfigError naming the first bad setting; with ``strategy``, also a configured
@@ -202,6 +208,8 @@ class ServerConfig:
             raise ConfigError(f"min/max devices: need 1 <= {self.min_devices} <= {self.max_devices}")
         if self.round_timeout_s <= 0 or self.presence_timeout_s <= 0:
             raise ConfigError("round_timeout_s and presence_timeout_s must be > 0")
+        if not finite_number(self.ack_timeout_s) or self.ack_timeout_s < 0:
+            raise ConfigError(f"ack_timeout_s: must be >= 0 (0: off), got {self.ack_timeout_s!r}")
         v = self.limits.max_abs_value
         if not (isinstance(v, int | float) and 0.0 < v <= MAX_ABS_VALUE_CAP):
             raise ConfigError(f"limits.max_abs_value: must be in (0, {MAX_ABS_VALUE_CAP:g}], got {v!r} "

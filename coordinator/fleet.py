@@ -141,8 +141,12 @@ class TransportFleet(Fleet):
 
     @staticmethod
     def subscriptions(job: str) -> list[str]:
+        """Hello before presence: the broker hands out the retained messages of a new
+        subscription in filter order, so a device's retained presence (its last word:
+        ``offline`` from a clean exit or its will) comes after its retained hello, which
+        registers it online, and has the last say (no ghost after a restart)."""
         root = topic(job, "round").rsplit("/", 1)[0]
-        return [f"{root}/presence/+", f"{root}/hello/+", f"{root}/update/+"]
+        return [f"{root}/hello/+", f"{root}/presence/+", f"{root}/update/+"]
 
     def start(self, timeout: float = 30.0) -> None:
         self.transport.connect(timeout=timeout)

@@ -15,7 +15,7 @@ naming the file and the key; ``examples/job.toml`` shows every section)::
     [strategy_params]           # build_strategy(strategy, **strategy_params)
     [train]                     # announced to devices (edge_client.hparams), over epochs = 1, batch = 32
     [round]                     # fraction, min_devices, max_devices, min_present, quorum,
-                                # min_updates, timeout_s, presence_timeout_s
+                                # min_updates, timeout_s, presence_timeout_s, ack_timeout_s
     [broker]                    # url (an external broker) or the embedded one: embedded,
                                 # port, listen, security, security_dir, hostnames; the
                                 # connection: credentials, mqtt_version, username,
@@ -25,6 +25,8 @@ naming the file and the key; ``examples/job.toml`` shows every section)::
     [limits]                    # max_payload_bytes, max_abs_value
     [log]                       # json, level, quiet
     [dashboard]                 # listen ([HOST:]PORT; empty: none), password_file
+    [defense]                   # norm_bound, sample_bound, hold, strikes, window
+                                # (coordinator.defense.config)
 
 Every flag of ``fedbit serve`` sets one of these keys (:data:`FLAGS`; ``--set KEY=VALUE``
 sets any), so a flag and the file never disagree about a default: defaults come from
@@ -49,6 +51,7 @@ from coordinator.config import (
     parse_assignments,
     read_toml,
 )
+from coordinator.defense.config import DefenseConfig
 from coordinator.ops.admission import AdmissionConfig
 from coordinator.ops.dashboard.access import parse_address
 from edge_client.errors import ConfigError
@@ -128,7 +131,7 @@ SCHEMA = TomlSchema({
               "max_devices": (int, _S.max_devices), "min_present": (int, _S.min_present),
               "quorum": (NUMBER, _S.quorum), "min_updates": (int, _S.min_updates),
               "timeout_s": (NUMBER, _S.round_timeout_s),
-              "presence_timeout_s": (NUMBER, _S.presence_timeout_s)},
+              "presence_timeout_s": (NUMBER, _S.presence_timeout_s), "ack_timeout_s": (NUMBER, _S.ack_timeout_s)},
     "broker": {k: ((bool if isinstance(v, bool) else list if isinstance(v, list) else int if isinstance(v, int)
                     else str), v) for k, v in vars(_B).items()},
     "admission": {"max_samples": (int, _A.max_samples), "samples_policy": (str, _A.samples_policy),
@@ -138,6 +141,7 @@ SCHEMA = TomlSchema({
     "limits": {"max_payload_bytes": (int, _L.max_payload_bytes), "max_abs_value": (NUMBER, _L.max_abs_value)},
     "log": {"json": (bool, False), "level": (str, "info"), "quiet": (bool, False)},
     "dashboard": {"listen": ((str, int), ""), "password_file": (str, "")},
+    "defense": DefenseConfig.schema(),
 }, free=("strategy_params", "train"))
 
 
@@ -179,7 +183,8 @@ def job_from_dict(raw: dict[str, Any], source: str) -> ServeJob:
         presence_timeout_s=float(rnd["presence_timeout_s"]), hparams=hparams, seed=top["seed"],
         limits=replace(DEFAULT_LIMITS, max_payload_bytes=lim["max_payload_bytes"],
                        max_abs_value=lim["max_abs_value"]),
-        admission=AdmissionConfig(**adm), on_collapse=top["on_collapse"])
+        admission=AdmissionConfig(**adm), on_collapse=top["on_collapse"],
+        ack_timeout_s=float(rnd["ack_timeout_s"]), defense=DefenseConfig.from_table(v["defense"], source))
     try:
         cfg.validate()
     except ConfigError as exc:

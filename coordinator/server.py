@@ -2,28 +2,20 @@
 
 :class:`Coordinator` speaks only to a :class:`~coordinator.fleet.Fleet`. One round:
 
-1. wait (bounded by ``presence_timeout_s``) until ``min_devices`` devices are present
-   (retained hello + presence); select ``clamp(ceil(C * present), min, max)`` of them with
-   the seeded selection RNG;
+1. select (:mod:`coordinator.presence.selection`): wait for devices, draw among the
+   present ones that are not quarantined (:mod:`coordinator.defense`), seeded;
 2. build one model variant per bitwidth group among the selected (``coordinator.variants``),
    save the round plan, announce (models, then the round, then the status; retained);
-3. collect (``coordinator.collect.Collector``) until ``quorum`` of the selected answered
-   or the deadline passed. Each update goes ``coordinator.ingest`` (every per-update
-   rule, once) -> ``Strategy.fold`` (into the running sums) -> the inbox, synced, then
-   acked in the background. Refused messages are acked too (never redelivered), logged
-   with their reason and counted. Stragglers past the deadline are excluded and counted;
-4. ``strategy.finish()`` -> new global weights (and per-group weights), evaluation of
-   every bitwidth variant the devices run on the held-out set, atomic checkpoint, one
-   metrics line (with the uplink bytes by codec and the fleet's own figures), retained
-   status.
+3. collect (``coordinator.collect.Collector``) until ``quorum`` of the selected answered,
+   every one answered or is gone (:mod:`coordinator.presence.roundwatch`), or the deadline
+   passed: ``coordinator.ingest`` -> the guarded ``Strategy.fold`` -> the inbox, synced,
+   then acked; refused messages acked too, logged and counted;
+4. ``strategy.finish()`` -> the new models, evaluated per bitwidth variant on the held-out
+   set, the health check, the strikes, an atomic checkpoint, one metrics line, the status.
 
-``run(resume=True)`` continues from the checkpoint of the last completed round. When the
-coordinator died inside a round, that round's plan (same selection, same model digests)
-is re-announced with a fresh deadline and the updates already in its inbox are replayed,
-so every acked update is counted exactly once and no round is repeated or skipped.
-A checkpoint that fails its checksum is reported by name and the previous one is loaded
-instead; the round after it is then replayed from its kept plan and inbox (the same
-updates in the same order: the same model), so even then no acked update is lost.
+``run(resume=True)`` continues from the last completed round's checkpoint, re-announcing
+an interrupted round's plan and replaying its inbox (every acked update counted exactly
+once; docs/architecture.md, "Crash and resume").
 """
 
 from __future__ import annotations
@@ -40,15 +32,17 @@ import numpy as np
 
 from coordinator.collect import Collector
 from coordinator.config import ServerConfig
+from coordinator.defense.loop import RoundDefense
 from coordinator.devices import DeviceRegistry
 from coordinator.evaluate import Evaluator
 from coordinator.fleet import Fleet
 from coordinator.health import HealthWatch
 from coordinator.ingest import Ingest, OpenRound
+from coordinator.presence.selection import RoundError, draw, wait_for_devices
 from coordinator.state import Checkpoint, CorruptFile, RoundPlan, RunState
 from coordinator.strategies.round import RoundStrategy
 from coordinator.variants import model_messages
-from edge_client.errors import ConfigError, FedbitError
+from edge_client.errors import ConfigError
 from edge_client.protocol import (
     FLOAT_VARIANT,
     RoundAnnouncement,
@@ -58,11 +52,8 @@ from edge_client.protocol import (
     variant_bits,
 )
 
+__all__ = ["Coordinator", "RoundError"]
 log = logging.getLogger("fedbit.server")
-
-
-class RoundError(FedbitError, RuntimeError):
-    """A round cannot start (not enough devices within the presence timeout)."""
 
 
 class Coordinator:
@@ -109,33 +100,21 @@ class Coordinator:
         self.run_id = f"{int(time.time())}-{os.getpid()}"
         self.history: list[dict[str, Any]] = []
         self.health = HealthWatch.for_run(self.spec, cfg, evaluator, log=self.log, on_event=self.on_event)
+        #: poisoning resistance: the strategy folds guarded updates, quarantined devices sit out
+        self.defense = RoundDefense(cfg.defense, state.dir, on_event=self.on_event, logger=self.log)
+        self.strategy = strategy = self.defense.wrap(strategy)
         #: the inbound side: devices, ingest, folding, the inbox and acks
         self.collector = Collector(fleet, Ingest(cfg.model, shapes, cfg.limits, cfg.admission, cfg.job), strategy, state,
-                                   on_event=self.on_event, logger=self.log)
+                                   on_event=self.on_event, logger=self.log, ack_timeout_s=cfg.ack_timeout_s)
 
     # ------------------------------------------------------------------ rounds
 
-    def _select(self) -> list[str]:
-        cfg, devices = self.cfg, self.collector.devices
-        end = time.monotonic() + cfg.presence_timeout_s
-        last_note = 0.0
-        need = max(cfg.min_devices, cfg.min_present)
-        waited = False
-        while len(devices.present()) < need:
-            waited = True
-            if time.monotonic() >= end:
-                raise RoundError(f"only {len(devices.present())} device(s) present after "
-                                 f"{cfg.presence_timeout_s:.0f} s; need {need}")
-            if time.monotonic() - last_note > 5:
-                last_note = time.monotonic()
-                self.on_event("waiting", {"present": len(devices.present()), "need": need})
-            self.collector.pump(min(end, time.monotonic() + 0.5))
-        if waited:  # let hellos that arrive together settle
-            self.collector.pump(time.monotonic() + 0.05)
-        present = devices.present()
-        k = max(cfg.min_devices, min(cfg.max_devices, math.ceil(cfg.fraction * len(present))))
-        idx = self.rng.choice(len(present), size=min(k, len(present)), replace=False)
-        return sorted(present[i] for i in idx)
+    def _select(self, r: int) -> list[str]:
+        """Round ``r``'s devices (:mod:`coordinator.presence.selection`)."""
+        col = self.collector
+        col.drop_revoked()
+        wait_for_devices(self.cfg, lambda: col.devices, col.pump, self.on_event)
+        return draw(self.cfg, col.devices.present(), self.rng, self.defense.quarantined(r))
 
     def open_round(self, r: int, selected: list[str]) -> OpenRound:
         """Start collecting round ``r`` from ``selected``, from the current global model."""
@@ -152,7 +131,7 @@ class Coordinator:
         clock = col.clock
         resumed = plan is not None
         if plan is None:
-            selected = self._select()
+            selected = self._select(r)
             hellos = [col.devices.hellos[d] for d in selected]
             variants = {FLOAT_VARIANT} | {model_variant(h.compute_bits, h.trainer) for h in hellos}
         else:
@@ -188,8 +167,8 @@ class Coordinator:
                       "devices" if wait >= 0.1 else "", f", resumed with {replayed} update(s) from the inbox"
                       if resumed else "", extra={"event": "round_start", "round": r, "selected": selected})
         need = max(1, math.ceil(cfg.quorum * len(selected)))
-        col.pump(time.monotonic() + cfg.round_timeout_s,
-                 stop=lambda: len(rnd.accepted) >= need or not self.fleet.more_expected(r))
+        col.pump(time.monotonic() + cfg.round_timeout_s, stop=lambda: len(rnd.accepted) >= need
+                 or not self.fleet.more_expected(r) or col.watch.settled(rnd.accepted))
         t_collect = time.monotonic()
         with clock.timed("announce"):
             self.fleet.flush()  # the announcement's PUBACKs (long arrived, as a rule)
@@ -197,8 +176,9 @@ class Coordinator:
         stragglers = sorted(rnd.selected - set(rnd.accepted)) if late else []
         if late:
             col.counts["stragglers"] = len(stragglers)
-            self.log.warning("round %d: deadline passed; %d straggler(s) excluded: %s", r,
-                             len(stragglers), stragglers, extra={"event": "stragglers", "round": r})
+            self.log.warning("round %d: %d straggler(s) excluded: %s%s", r, len(stragglers), stragglers,
+                             "".join(f"; {why}: {ds}" for why, ds in col.watch.report(rnd.accepted).items()),
+                             extra={"event": "stragglers", "round": r})
         stats: dict[str, Any] = {}
         aggregated = len(rnd.accepted) >= cfg.min_updates
         old, old_groups = [w.copy() for w in self.weights], self.group_weights
@@ -229,7 +209,7 @@ class Coordinator:
             "round": r, "time": time.time(), "run": self.run_id, "strategy": cfg.strategy,
             "model": cfg.model, "accuracy": finite(acc), "loss": finite(loss), "selected": len(selected),
             "selected_ids": selected, "accepted": len(rnd.accepted), "accepted_ids": sorted(rnd.accepted),
-            "stragglers": len(stragglers), "straggler_ids": stragglers,
+            "stragglers": len(stragglers), "straggler_ids": stragglers, "gone": col.watch.report(rnd.accepted),
             "aggregated": aggregated, "resumed": resumed, "replayed": replayed,
             "weight_change_l2": change, "round_seconds": time.monotonic() - t_start, "wait_seconds": wait,
             "collect_seconds": t_collect - t_start, "aggregate_seconds": parts["aggregate"],
@@ -241,6 +221,7 @@ class Coordinator:
                            **{k: finite(float(x)) for k, x in (s[2] if len(s) > 2 else {}).items()}}
                        for v, s in scores.items()},
             "uplink_bytes": dict(col.uplink_bytes), "health": health.record, "health_seconds": health.seconds,
+            "defense": self.defense.after_round(r, rnd.accepted, col.refused_devices, col.over_claimed),
             **self.fleet.round_report(r),
         }
         with clock.timed("checkpoint"):
@@ -317,6 +298,7 @@ class Coordinator:
             self.collector.devices = DeviceRegistry.from_state(devices or ckpt.devices)
             self.run_id = str(ckpt.config.get("run_id", self.run_id))
             self.collector.totals.update(ckpt.config.get("totals", {}))
+            self.defense.restore()
         elif plan is not None:
             self.run_id = str(plan.hparams.get("run", self.run_id))
         self.state.repair_metrics(ckpt)

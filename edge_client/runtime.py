@@ -6,8 +6,8 @@ presence + hello as birth messages, subscriptions to ``round``, its model varian
 ``status``), and an on-disk :class:`~edge_client.outbox.Outbox`.
 
 Per round: when a retained round announcement selects this device and its deadline is in
-the future, the device waits for the model variant of its bitwidth group (``float32`` for
-float devices, ``int<s>`` for s-bit integer devices) whose digest matches the announcement,
+the future, the device acknowledges it (a presence message with the round id, not retained),
+waits for the model variant of its group (``float32`` or ``int<s>``) whose digest matches,
 loads it, trains locally with the announced hyper-parameters (:mod:`edge_client.hparams`),
 encodes the result per its hardware profile (``codec``/``codec_bits``, unless announced)
 and publishes the :class:`Update` with QoS 1. Announced settings the device cannot honour
@@ -287,6 +287,7 @@ class DeviceRuntime:
         #: the open round was announced again (a resumed coordinator, a broker that lost its
         #: retained messages, a reconnect): its sent update goes out once more
         self._announced_again = False
+        self._acked: RoundAnnouncement | None = None  # the announcement last acknowledged
         j, d = cfg.job, cfg.device_id
         self.t_presence = topic(j, "presence", d)
         self.t_hello = topic(j, "hello", d)
@@ -440,6 +441,11 @@ class DeviceRuntime:
             self.run_token, self.last_done = run, -1
         if a.round_id <= self.last_done or time.time() >= a.deadline:
             return
+        t = self.transport
+        if self._acked is not a and t is not None:  # the coordinator hears at once that this device is at work
+            self._acked = a
+            t.publish(self.t_presence, encode_message(Presence(self.cfg.device_id, True, round_id=a.round_id)),
+                      qos=1, timeout=self.cfg.publish_timeout_s)
         m = self.models.get(self.variant)
         want = a.variants.get(self.variant)
         if m is None or m.round_id != a.round_id or want is None or m.digest != want:

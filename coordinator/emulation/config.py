@@ -30,6 +30,8 @@ A config (``fedbit emulate FILE``; the bundled default is ``coordinator/emulatio
     [cluster]                  # backend = "local" (processes here) | "ray"; address = "auto"
                                # | "host:port" | "ray://host:port" | "local" (a new Ray here)
     [clock]                    # seconds_per_sample = {variant = s}: pin the compute model
+    [defense]                  # the round loop's poisoning defense (coordinator.defense.config):
+                               # norm_bound, sample_bound, hold, strikes, window
 
 ``paper = "<name>"`` (``coordinator.emulation.papers``: fedshift, prowd, prowd-fedprox, prowd-grouped,
 prowd-grouped-asym, fedfor, fedwsq) starts from that paper's strategy, its parameters and
@@ -61,7 +63,7 @@ from __future__ import annotations
 import copy
 import itertools
 import math
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -73,6 +75,7 @@ from coordinator.config import (
     TomlSchema,
     read_toml,
 )
+from coordinator.defense.config import DefenseConfig
 from coordinator.emulation.datasets import DATASETS, NEEDS_PATH, PARTITIONS
 from edge_client.errors import ConfigError
 
@@ -94,6 +97,7 @@ SCHEMA = TomlSchema({
               "wall_timeout_s": (_NUM, 600.0), "workers": (int, 0), "parallel": (int, 2)},
     "cluster": {"backend": (str, "local"), "address": (str, "auto")},
     "clock": {"seconds_per_sample": (dict, {})},
+    "defense": DefenseConfig.schema(),
 }, free=("strategy_params", "devices", "codecs", "train", "sweep"))
 
 
@@ -120,6 +124,8 @@ class ExperimentConfig:
     cluster: dict[str, Any] = field(default_factory=dict)
     clock: dict[str, Any] = field(default_factory=dict)
     sweep: dict[str, list[Any]] = field(default_factory=dict)
+    #: the round loop's poisoning defense (``[defense]``)
+    defense: DefenseConfig = field(default_factory=DefenseConfig)
     source: str = "<config>"
     #: the paper's settings of the strategy's own stages (``swa.<key>``, ``dequantize.<key>``;
     #: ``papers.PaperSettings.stage_params``), under the config's own ``strategy_params``
@@ -137,6 +143,7 @@ class ExperimentConfig:
         out: dict[str, Any] = {k: copy.deepcopy(getattr(self, k)) for k in keys}
         for sec in ("strategy_params", "devices", "codecs", "data", "train", "round", "cluster", "clock", "sweep"):
             out[sec] = copy.deepcopy(getattr(self, sec))
+        out["defense"] = asdict(self.defense)
         return out
 
 
@@ -209,6 +216,7 @@ def from_dict(raw: dict[str, Any], source: str = "<config>") -> ExperimentConfig
     values = SCHEMA.validate(raw, source)
     for key, v in values.pop("").items():
         setattr(cfg, key, v)
+    cfg.defense = DefenseConfig.from_table(values.pop("defense"), source)
     for sec, table in values.items():
         if sec in SCHEMA.free and sec not in raw:
             continue  # the dataclass default (e.g. [train]: DEFAULT_HPARAMS)

@@ -157,7 +157,7 @@ class Emulator:
             min_updates=int(rnd["min_updates"]), round_timeout_s=float(rnd["wall_timeout_s"]),
             presence_timeout_s=max(120.0, float(rnd["wall_timeout_s"])), hparams=dict(cfg.train), seed=seed,
             admission=replace(AdmissionConfig(), max_registered=max(n, AdmissionConfig().max_registered)),
-            on_collapse=cfg.on_collapse)
+            on_collapse=cfg.on_collapse, defense=cfg.defense)
         broker, inner, relay = self._transport(job)
         info["broker"] = (f"embedded {broker.kind} at {broker.url}" if broker is not None
                           else self.cfg.broker or "in-process hub")
@@ -238,6 +238,8 @@ class Emulator:
         url = self.cfg.broker
         if not url:
             broker = start_embedded_broker()
+            if hasattr(broker, "keep_alive"):  # (mosquitto: started again should it die)
+                broker.keep_alive()
             url = broker.url
         inner = MqttFleet(url, job, client_id=f"fedbit-coordinator-{job}-{self.seed}", username="fedbit-coordinator")
         return broker, inner, MqttTransport(url, f"fedbit-emulator-{job}-{self.seed}")

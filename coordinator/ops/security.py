@@ -415,17 +415,11 @@ class JobSecurity:
         does, all or nothing: every id and cap is checked and every credential made before
         anything is written, then the credentials files, then the registry and the
         broker's files once (a bad row enrols no device; ConfigError naming it)."""
-        default = None
-        checked = []
-        for device_id, max_samples, out in rows:
-            check_device_id(device_id)
-            if max_samples is None:
-                default = self.default_max_samples() if default is None else default
-                max_samples = default
-            checked.append((device_id, check_max_samples(max_samples, f"{device_id}: max_samples"), out))
-        ids = [d for d, _, _ in checked]
-        if len(set(ids)) != len(ids):
-            raise ConfigError(f"{sorted(d for d in set(ids) if ids.count(d) > 1)[0]!r}: appears twice")
+        default = self.default_max_samples()
+        checked = [(check_device_id(d), check_max_samples(default if ms is None else ms, f"{d}: max_samples"), out)
+                   for d, ms, out in rows]
+        if len({d for d, _, _ in checked}) != len(checked):
+            raise ConfigError("a device id appears twice")
         url, tls = self.broker_url(broker)
         if not self.coordinator_path.exists():  # the coordinator's entry comes first
             self.coordinator(url, tls=tls)
@@ -437,10 +431,8 @@ class JobSecurity:
             creds = Credentials(job=self.job, device_id=device_id, broker=url, username=device_id,
                                 password=password, mac_key=new_mac_key(), max_samples=max_samples,
                                 ca=pem[0], cert=pem[1], key=pem[2])
-            devices[device_id] = Enrolled(mosquitto_password_hash(password), creds.mac_key, max_samples,
-                                          time.time())
-            path = Path(out) if out else self.dir / "devices" / f"{device_id}.toml"
-            made.append((creds, path))
+            devices[device_id] = Enrolled(mosquitto_password_hash(password), creds.mac_key, max_samples, time.time())
+            made.append((creds, Path(out) if out else self.dir / "devices" / f"{device_id}.toml"))
         for creds, path in made:  # (a file without its registry entry opens nothing)
             if path.parent == self.dir / "devices":
                 path.parent.mkdir(mode=0o700, exist_ok=True)

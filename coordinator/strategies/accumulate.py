@@ -76,6 +76,14 @@ class GroupSums:
         if len(held) >= self.batch:
             self._fold(bits)
 
+    def add_base(self, bits: int, omega: float) -> None:
+        """Add the round's model (the base of delta updates) to group ``bits`` with weight
+        ``omega`` (> 0; an update's bounded part: ``coordinator.defense.guard``); the group
+        must have an update already."""
+        if omega > 0:
+            self.total[bits] += omega
+            self.delta_weight[bits] += omega
+
     def flush(self) -> None:
         """Fold every group's held updates into its sums."""
         for bits in sorted(self._pending):

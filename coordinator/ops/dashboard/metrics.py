@@ -20,6 +20,7 @@ registry of the dashboard's own (no global state). Names follow Prometheus' conv
 ``fedbit_loss``                            gauge      last round's test loss, label ``group``
 ``fedbit_devices_online``                  gauge      devices online with a hello
 ``fedbit_devices_known``                   gauge      devices that said hello
+``fedbit_devices_quarantined``             gauge      devices quarantined (coordinator.defense)
 ``fedbit_device_wait_seconds_total``       counter    time rounds waited for devices
 ``fedbit_round_duration_seconds``          histogram  round time (the wait for devices apart)
 =========================================  =========================================
@@ -111,6 +112,8 @@ class MonitorCollector(Collector):
             yield g
         yield gauge("fedbit_devices_online", "Devices online (with a hello).", snap["online"])
         yield gauge("fedbit_devices_known", "Devices that said hello.", snap["registered"])
+        yield gauge("fedbit_devices_quarantined", "Devices quarantined until the operator releases them.",
+                    len(snap.get("quarantined", ())))
         yield counter("fedbit_device_wait", "Time rounds waited for devices before selecting.",
                       tot["wait_seconds"], unit="seconds")
         yield _histogram([r.get("round_seconds") for r in rounds], job)

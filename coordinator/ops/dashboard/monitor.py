@@ -6,7 +6,8 @@
 
 - ``devices``: every device the coordinator accepted a hello from: profile, model
   variant, declared uplink codec, online or not, last seen (Unix s), its last accepted
-  update (round, bytes, codec), refusals by reason and notes (``clipped_num_samples``);
+  update (round, bytes, codec), refusals by reason and notes (``clipped_num_samples``),
+  why it is quarantined (``quarantine`` events; ``quarantined`` lists them all);
 - ``current``: the round in progress: number, phase (``waiting`` for devices,
   ``collecting``, ``closed``), selected, received, deadline (Unix s);
 - ``rounds``: one compact record per completed round (accuracy per bitwidth group,
@@ -71,10 +72,12 @@ class DeviceView:
     refusals: dict[str, int] = field(default_factory=dict)
     notes: dict[str, int] = field(default_factory=dict)
     registered: bool = True  # False: only refused so far (no accepted hello)
+    quarantined: list[str] = field(default_factory=list)  # why, while it is quarantined (coordinator.defense)
 
     def as_dict(self) -> dict[str, Any]:
         """A plain copy (``dataclasses.asdict`` without its deep copy: 10x faster)."""
-        return {**vars(self), "refusals": dict(self.refusals), "notes": dict(self.notes)}
+        return {**vars(self), "refusals": dict(self.refusals), "notes": dict(self.notes),
+                "quarantined": list(self.quarantined)}
 
 
 def round_summary(rec: dict[str, Any]) -> dict[str, Any]:
@@ -131,6 +134,7 @@ class FleetMonitor:
             self.done: Counter[str] = Counter()  # completed rounds' totals
             self.live: Counter[str] = Counter()  # the open round's, as logged so far
             self.recent: deque[dict[str, Any]] = deque(maxlen=RECENT)
+            self.quarantined: set[str] = set()  # devices in quarantine (named on the page)
             self.version += 1
         self._notify()
 
@@ -232,6 +236,17 @@ class FleetMonitor:
                             "reason": f.get("reason", ""), "dropped": bool(f.get("dropped")),
                             "detail": str(f.get("detail", ""))[:200]})
 
+    def _on_quarantine(self, f: dict[str, Any]) -> None:
+        dev = str(f.get("device", ""))
+        d = self.devices.get(dev) or self.devices.setdefault(dev, DeviceView(dev))
+        d.quarantined = [str(r) for r in f.get("reasons") or ["quarantined"]] if f.get("change") == "quarantined" \
+            else []
+        if d.quarantined:
+            self.quarantined.add(dev)
+        else:
+            self.quarantined.discard(dev)
+        self._order = None
+
     def _on_round_end(self, f: dict[str, Any]) -> None:
         self._round_end(f)
         now = self.clock()
@@ -254,7 +269,7 @@ class FleetMonitor:
 
     _handlers: dict[str, Callable[[FleetMonitor, dict[str, Any]], None]] = {
         "device": _on_device, "waiting": _on_waiting, "round_start": _on_round_start, "update": _on_update,
-        "reject": _on_reject, "round_end": _on_round_end}
+        "reject": _on_reject, "round_end": _on_round_end, "quarantine": _on_quarantine}
 
     # ------------------------------------------------------------------ readers
 
@@ -297,7 +312,7 @@ class FleetMonitor:
                 "dashboard": self.dashboard_url, "current": cur,
                 "devices": [self.devices[i].as_dict() for i in self._sorted()[:DEVICE_ROWS]],
                 "devices_total": len(self.devices), "registered": len(self.devices) - self.n_strangers,
-                "online": self.n_online,
+                "online": self.n_online, "quarantined": sorted(self.quarantined)[:DEVICE_ROWS],
                 "totals": self._totals(), "recent_refusals": list(self.recent),
                 "rounds_done": len(self.rounds),
             }

@@ -1,0 +1,200 @@
+"""The poisoning defense's parts: norm bounds (median and adaptive quantile), the guard
+around a strategy, reputation and quarantine, quarantine-aware selection, the round watch
+(refused and silent devices), and device text made safe to print."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import numpy as np
+import pytest
+
+from coordinator.config import ServerConfig
+from coordinator.defense.config import DefenseConfig
+from coordinator.defense.guard import GuardedStrategy
+from coordinator.defense.normbound import MedianBound, QuantileBound, RunningMedian, clip_factor
+from coordinator.defense.reputation import Reputation, request_release
+from coordinator.ops.untrusted import safe_text
+from coordinator.presence.roundwatch import RoundWatch
+from coordinator.presence.selection import RoundError, draw
+from coordinator.strategies import build_strategy
+from coordinator.strategies.types import EncodedUpdate
+from edge_client.errors import ConfigError, ProtocolError
+from edge_client.protocol import float32_tensor
+
+SHAPES = [(6, 5), (5,)]
+
+
+def model(seed: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.normal(0, 1, s).astype(np.float32) for s in SHAPES]
+
+
+def update(dev: str, weights: list[np.ndarray], n: int = 10) -> EncodedUpdate:
+    return EncodedUpdate(dev, n, tuple(float32_tensor(w) for w in weights))
+
+
+def fold_all(strategy, g, updates) -> list[np.ndarray]:
+    strategy.begin_round(1, g)
+    for u in updates:
+        strategy.fold(u)
+    return strategy.finish().weights
+
+
+def test_running_median_and_the_bounds() -> None:
+    rng = np.random.default_rng(0)
+    rm = RunningMedian()
+    xs = rng.exponential(1.0, 101)
+    for i, x in enumerate(xs):
+        rm.add(float(x))
+        assert rm.median() == pytest.approx(float(np.median(xs[:i + 1])))
+    b = MedianBound(3.0)
+    assert b.bound() == math.inf
+    for x in (1.0, 2.0, 100.0):
+        b.observe(x)
+    assert b.bound() == 6.0 and clip_factor(100.0, b.bound()) == 0.06 and clip_factor(1.0, 6.0) == 1.0
+    # adaptive clipping follows the target quantile of the norms across rounds
+    q = QuantileBound(target=0.5, initial=0.01, lr=0.2)
+    for _ in range(200):
+        for x in rng.lognormal(0.0, 0.5, 50):
+            q.observe(float(x))
+        q.end_round()
+    assert q.bound() == pytest.approx(1.0, rel=0.15)  # the lognormal's median is e^0 = 1
+
+
+def test_the_guard_bounds_one_outlier_and_leaves_a_clean_round_exact() -> None:
+    g = model(0)
+    honest = [[w + np.float32(0.01 * (i + 1)) * model(10 + i)[j] for j, w in enumerate(g)] for i in range(4)]
+    cfg = DefenseConfig()
+    # a clean round: bit for bit what the strategy alone makes
+    plain = fold_all(build_strategy("fedavg"), g, [update(f"d{i}", w) for i, w in enumerate(honest)])
+    guarded = GuardedStrategy(build_strategy("fedavg"), cfg)
+    assert all(np.array_equal(a, b) for a, b in zip(plain, fold_all(
+        guarded, g, [update(f"d{i}", w) for i, w in enumerate(honest)]), strict=True))
+    assert guarded.bounded == {}
+    # x100 weights, claiming 100,000 samples: its movement cut to 3 x the median's, its weight to 4 x
+    evil = [100.0 * w for w in g]
+    ups = [update(f"d{i}", w) for i, w in enumerate(honest)] + [update("evil", evil, 100_000)]
+    out = fold_all(guarded, g, ups[::-1])  # (arrival order does not matter)
+    norms = [math.sqrt(sum(float(np.sum((x - y) ** 2)) for x, y in zip(w, g, strict=True))) for w in honest + [evil]]
+    med = float(np.median(norms))
+    s = 3.0 * med / norms[-1]
+    want = [(10 * sum(h[j] for h in honest) + 40 * (g[j] + s * (evil[j] - g[j]))) / 80 for j in range(len(g))]
+    for a, b in zip(out, want, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert list(guarded.bounded) == ["evil"] and guarded.bounded["evil"] == pytest.approx(norms[-1] / med)
+    # a NaN update is refused at fold (nothing held of it)
+    guarded.begin_round(2, g)
+    with pytest.raises(ProtocolError, match="NaN"):
+        guarded.fold(update("nan", [np.full(s, np.nan, np.float32) for s in SHAPES]))
+    # both bounds off: the strategy's own fold, nothing measured
+    off = GuardedStrategy(build_strategy("fedavg"), DefenseConfig(norm_bound=0, sample_bound=0))
+    plain = fold_all(build_strategy("fedavg"), g, [update("a", honest[0]), update("evil", evil, 100_000)])
+    assert all(np.array_equal(a, b) for a, b in zip(plain, fold_all(
+        off, g, [update("a", honest[0]), update("evil", evil, 100_000)]), strict=True))
+
+
+def test_the_guard_says_when_a_round_is_too_small_to_protect(caplog) -> None:
+    g = model(4)
+    guarded = GuardedStrategy(build_strategy("fedavg"), DefenseConfig())
+    for _ in range(2):
+        out = fold_all(guarded, g, [update("a", [w + 1 for w in g]), update("evil", [w + 100 for w in g], 10**6)])
+    assert guarded.bounded == {} and out[0][0, 0] > g[0][0, 0] + 90          # two updates: nothing can be bounded
+    assert [r.getMessage() for r in caplog.records] == [
+        "defense: norm_bound 3 x the median and sample_bound 4 x the median cannot bound any of a round's 2 "
+        "update(s) (it needs 3, or 2 with a bound below 2): a round this small is not protected"]
+
+
+def test_a_round_larger_than_the_hold_is_bounded_by_the_medians_so_far() -> None:
+    g = model(1)
+    guarded = GuardedStrategy(build_strategy("fedavg"), DefenseConfig(hold=4))
+    rng = np.random.default_rng(2)
+    ups = [update(f"d{i:02d}", [w + rng.normal(0, 0.01, w.shape).astype(np.float32) for w in g]) for i in range(12)]
+    ups.insert(7, update("evil", [w + 50.0 for w in g]))  # after the hold was released
+    fold_all(guarded, g, ups)
+    assert list(guarded.bounded) == ["evil"] and guarded._buffers.allocated <= 2  # decode buffers reused
+
+
+def test_defense_settings_are_checked() -> None:
+    for bad in ({"norm_bound": 1.0}, {"norm_bound": -1}, {"sample_bound": 0.5}, {"hold": 0},
+                {"strikes": 6, "window": 5}, {"norm_bound": float("nan")}):
+        with pytest.raises(ConfigError, match="defense"):
+            DefenseConfig(**bad)
+    with pytest.raises(ConfigError, match="defense.nope: unknown key"):
+        DefenseConfig.from_table({"nope": 1}, "job.toml")
+    assert DefenseConfig.from_table({"norm_bound": 0}, "x").norm_bound == 0
+
+
+def test_reputation_quarantines_after_strikes_and_the_operator_releases(tmp_path, capsys) -> None:
+    from coordinator.cli import main
+
+    (tmp_path / "metrics.jsonl").write_text("")  # (a run folder)
+    rep = Reputation(strikes=3, window=5, run_dir=tmp_path)
+    assert rep.record(1, ["a", "b"], {}) == [] and rep.recent == {}           # clean records are not stored
+    assert rep.record(2, ["a", "b"], {"b": "update norm 40x"}) == []
+    for r in (3, 4, 5):
+        rep.record(r, ["a", "b"], {})
+    assert rep.record(6, ["a", "b"], {"b": "x"}) == [] and rep.record(7, ["b"], {"b": "x"}) == []  # 2 in 5
+    assert rep.record(8, ["b"], {"b": "x"}) == ["b"]                          # 3 in its last 5
+    assert rep.quarantined["b"]["reasons"] == ["round 6: x", "round 7: x", "round 8: x"]
+    rep.save()
+    assert oct((tmp_path / "reputation.json").stat().st_mode & 0o777) == "0o600"
+    again = Reputation(3, 5, tmp_path)
+    again.load()
+    assert list(again.quarantined) == ["b"]
+    assert main(["release", "--run", str(tmp_path)]) == 0
+    assert "b: quarantined after round 8 (round 6: x; round 7: x; round 8: x)" in capsys.readouterr().out
+    assert main(["release", "b", "--run", str(tmp_path)]) == 0 and "release of b requested" in capsys.readouterr().out
+    assert main(["release", "../x", "--run", str(tmp_path)]) == 1
+    assert again.take_releases() == ["b"] and again.quarantined == {} and not os.listdir(tmp_path / "release")
+    assert request_release(tmp_path, "nobody")[1] is None and again.take_releases() == []
+    assert again.take_releases() == []
+    (tmp_path / "reputation.json").write_text("{not json")
+    broken = Reputation(3, 5, tmp_path)
+    broken.load()                                                             # logged, a clean start
+    assert broken.quarantined == {}
+
+
+def test_selection_never_picks_a_quarantined_device() -> None:
+    cfg = ServerConfig(fraction=0.5, min_devices=1)
+    present = [f"d{i}" for i in range(10)]
+    a, b = np.random.default_rng(3), np.random.default_rng(3)
+    assert draw(cfg, present, a) == draw(cfg, present, b, frozenset())         # none quarantined: the same draw
+    seen = set()
+    for _ in range(50):
+        picked = draw(cfg, present, a, frozenset({"d1", "d4"}))
+        assert len(picked) == 4 and not {"d1", "d4"} & set(picked)            # ceil(0.5 * 8 eligible)
+        seen |= set(picked)
+    assert seen == set(present) - {"d1", "d4"}
+    with pytest.raises(RoundError, match="quarantined"):
+        draw(cfg, ["d1"], a, frozenset({"d1"}))
+
+
+def test_the_round_watch_frees_refused_and_silent_devices() -> None:
+    w = RoundWatch(ack_timeout_s=2.0)
+    w.open(1, frozenset({"a", "b", "c"}), now=0.0)
+    for d in ("a", "b", "c"):
+        w.ack(d, 1)
+    assert not w.settled({"a": 0}, now=0.5)
+    w.refused("b", "nonfinite")
+    w.refused("c", "wrong_round")                                  # not final: it may still answer
+    assert not w.settled({"a": 0}, now=0.5)
+    assert w.settled({"a": 0, "c": 0}, now=0.6) and w.report({"a": 0, "c": 0}) == {"refused": ["b"]}
+    w.open(2, frozenset({"a", "b", "c", "new"}), now=10.0)
+    w.ack("a", 2)
+    assert not w.settled({}, now=11.9)
+    assert not w.settled({"a": 0}, now=12.0)                       # "new" never acked a round: waited for
+    assert w.report({"a": 0}) == {"silent": ["b", "c"]}
+    assert w.settled({"a": 0, "new": 0}, now=12.1)
+
+
+def test_device_text_is_printable_and_bounded() -> None:
+    hostile = "pi\nround 999/300: accuracy 1.0000\x1b[31m\r\u202e\\x"
+    out = safe_text(hostile)
+    assert out.isprintable() and "\n" not in out and "\x1b" not in out
+    assert out == "pi\\nround 999/300: accuracy 1.0000\\x1b[31m\\r\\u202e\\\\x"
+    assert safe_text("raspberry-pi-4") == "raspberry-pi-4"
+    assert len(safe_text("x" * 1000)) == 64 + 3 and safe_text("x" * 1000).endswith("...")
+    assert json.dumps(safe_text("\x00"))  # (JSON-safe too)
