@@ -32,6 +32,8 @@ A config (``fedbit emulate FILE``; the bundled default is ``coordinator/emulatio
     [clock]                    # seconds_per_sample = {variant = s}: pin the compute model
     [defense]                  # the round loop's poisoning defense (coordinator.defense.config):
                                # norm_bound, sample_bound, hold, strikes, window
+    [attack]                   # emulated attackers (coordinator.emulation.attack): devices
+                               # or fraction, kind, factor, from_round
 
 ``paper = "<name>"`` (``coordinator.emulation.papers``: fedshift, prowd, prowd-fedprox, prowd-grouped,
 prowd-grouped-asym, fedfor, fedwsq) starts from that paper's strategy, its parameters and
@@ -76,6 +78,7 @@ from coordinator.config import (
     read_toml,
 )
 from coordinator.defense.config import DefenseConfig
+from coordinator.emulation.attack import AttackConfig
 from coordinator.emulation.datasets import DATASETS, NEEDS_PATH, PARTITIONS
 from edge_client.errors import ConfigError
 
@@ -98,7 +101,7 @@ SCHEMA = TomlSchema({
     "cluster": {"backend": (str, "local"), "address": (str, "auto")},
     "clock": {"seconds_per_sample": (dict, {})},
     "defense": DefenseConfig.schema(),
-}, free=("strategy_params", "devices", "codecs", "train", "sweep"))
+}, free=("strategy_params", "devices", "codecs", "train", "sweep", "attack"))
 
 
 @dataclass
@@ -124,8 +127,9 @@ class ExperimentConfig:
     cluster: dict[str, Any] = field(default_factory=dict)
     clock: dict[str, Any] = field(default_factory=dict)
     sweep: dict[str, list[Any]] = field(default_factory=dict)
-    #: the round loop's poisoning defense (``[defense]``)
+    #: the round loop's poisoning defense (``[defense]``), and emulated attackers (``[attack]``)
     defense: DefenseConfig = field(default_factory=DefenseConfig)
+    attack: AttackConfig = field(default_factory=AttackConfig)
     source: str = "<config>"
     #: the paper's settings of the strategy's own stages (``swa.<key>``, ``dequantize.<key>``;
     #: ``papers.PaperSettings.stage_params``), under the config's own ``strategy_params``
@@ -144,6 +148,7 @@ class ExperimentConfig:
         for sec in ("strategy_params", "devices", "codecs", "data", "train", "round", "cluster", "clock", "sweep"):
             out[sec] = copy.deepcopy(getattr(self, sec))
         out["defense"] = asdict(self.defense)
+        out["attack"] = {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self.attack).items()}
         return out
 
 
@@ -217,6 +222,7 @@ def from_dict(raw: dict[str, Any], source: str = "<config>") -> ExperimentConfig
     for key, v in values.pop("").items():
         setattr(cfg, key, v)
     cfg.defense = DefenseConfig.from_table(values.pop("defense"), source)
+    cfg.attack = AttackConfig.from_table(values.pop("attack"), source)
     for sec, table in values.items():
         if sec in SCHEMA.free and sec not in raw:
             continue  # the dataclass default (e.g. [train]: DEFAULT_HPARAMS)

@@ -258,10 +258,11 @@ class Emulator:
             "seconds_per_sample": sps, "calibrated": sorted(measured),
             "profiles": {g.profile.name: {"count": g.count, **{k: v for k, v in asdict(g.profile).items()
                                                                if k != "notes"}} for g in plan.groups},
-            "fleet_size": n,
+            "fleet_size": n, "attackers": sorted(plan.attackers)[:1000],
             "devices": [{"id": d.device_id, "profile": d.profile.name, "variant": d.variant,
                          "codec": f"{d.config.codec}-{d.config.codec_bits}", "inferior": d.inferior,
-                         "samples": len(d.shard), "class_counts": counts[i].tolist()}
+                         "samples": len(d.shard), "class_counts": counts[i].tolist(),
+                         **({"attacker": True} if d.attack is not None else {})}
                         for i, d in enumerate(devices)],
         }
 
