@@ -33,6 +33,7 @@ import numpy as np
 from coordinator.collect import Collector
 from coordinator.config import ServerConfig
 from coordinator.defense.loop import RoundDefense
+from coordinator.defense.recover import recover
 from coordinator.devices import DeviceRegistry
 from coordinator.evaluate import Evaluator
 from coordinator.fleet import Fleet
@@ -198,9 +199,8 @@ class Coordinator:
         scores = self._evaluate(r)
         eval_s = time.perf_counter() - te
         health = self.health.check(r, (self.weights, self.group_weights), (old, old_groups), scores, self.history)
-        if health.rolled_back:  # the last healthy model (and strategy state), this round's updates excluded
-            self.weights, self.group_weights = old, old_groups
-            scores = health.scores or self._evaluate(r)
+        if health.rolled_back:  # the round without the update(s) that collapsed it, else the last healthy model
+            scores = recover(self, r, rnd, (old, old_groups), health)
         loss, acc = scores.get(FLOAT_VARIANT, (math.nan, math.nan))[:2]
         change = float(math.sqrt(sum(float(np.sum((a - b) ** 2)) for a, b in zip(self.weights, old, strict=True))))
         finite = lambda v: v if math.isfinite(v) else None  # noqa: E731

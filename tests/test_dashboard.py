@@ -99,6 +99,8 @@ def test_the_monitor_follows_devices_rounds_and_refusals() -> None:
     assert snap["quarantined"] == ["a"] and snap["devices"][0]["quarantined"] == ["round 3: update norm 40x"]
     m("quarantine", {"device": "a", "change": "released", "round": 4, "reasons": []})
     assert m.snapshot()["quarantined"] == [] and not m.snapshot()["devices"][0]["quarantined"]
+    m("alert", {"round": 5, "text": "rounds 4-5 all collapsed"})
+    assert m.snapshot()["alerts"][0]["text"] == "rounds 4-5 all collapsed" and m.snapshot()["alerts_total"] == 1
 
 
 def test_a_large_fleet_is_counted_whole_and_listed_in_part(monkeypatch) -> None:
@@ -271,7 +273,7 @@ def test_pages_state_and_metrics(served) -> None:
     assert fams["fedbit_round_duration_seconds"].type == "histogram"
     assert [s.value for s in fams["fedbit_round_duration_seconds"].samples if s.name.endswith("_count")] == [1]
     assert sample("fedbit_device_wait_seconds") == 0.25
-    assert sample("fedbit_devices_quarantined") == 0
+    assert sample("fedbit_devices_quarantined") == 0 and sample("fedbit_alerts") == 0
 
 
 def test_bad_requests_are_4xx_and_the_server_goes_on(served) -> None:

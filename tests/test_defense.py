@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import threading
 
 import numpy as np
 import pytest
@@ -16,15 +17,31 @@ from coordinator.defense.config import DefenseConfig
 from coordinator.defense.guard import GuardedStrategy
 from coordinator.defense.normbound import MedianBound, QuantileBound, RunningMedian, clip_factor
 from coordinator.defense.reputation import Reputation, request_release
+from coordinator.fleet import InProcessFleet
 from coordinator.ops.untrusted import safe_text
 from coordinator.presence.roundwatch import RoundWatch
 from coordinator.presence.selection import RoundError, draw
+from coordinator.server import Coordinator
+from coordinator.state import RunState
 from coordinator.strategies import build_strategy
 from coordinator.strategies.types import EncodedUpdate
 from edge_client.errors import ConfigError, ProtocolError
-from edge_client.protocol import float32_tensor
+from edge_client.intnn import init_shared
+from edge_client.protocol import (
+    Hello,
+    Presence,
+    RoundAnnouncement,
+    Update,
+    decode_message,
+    encode_message,
+    float32_tensor,
+    topic,
+)
+from edge_client.runtime import model_to_shared
+from firmware_models import get_spec
 
 SHAPES = [(6, 5), (5,)]
+JOB = "def"
 
 
 def model(seed: int) -> list[np.ndarray]:
@@ -198,3 +215,72 @@ def test_device_text_is_printable_and_bounded() -> None:
     assert safe_text("raspberry-pi-4") == "raspberry-pi-4"
     assert len(safe_text("x" * 1000)) == 64 + 3 and safe_text("x" * 1000).endswith("...")
     assert json.dumps(safe_text("\x00"))  # (JSON-safe too)
+
+
+# --------------------------------------------------------------------------- rollback: blame, alert
+
+def _device(fleet, dev: str, make, stop: threading.Event) -> None:
+    """A device on the in-process hub that answers each round that selects it with
+    ``make(model)`` (float32 weights, 10 samples)."""
+    c = fleet.hub.client(dev, subscriptions=[topic(JOB, "round"), topic(JOB, "model", "float32")], birth=[
+        (topic(JOB, "presence", dev), encode_message(Presence(dev, True)), True),
+        (topic(JOB, "hello", dev), encode_message(Hello(dev, "p", 32, "torch", "float32", 32, 10, "0")), True)])
+    c.connect()
+
+    def run() -> None:
+        ann = model = None
+        done = set()
+        while not stop.is_set():
+            m = c.recv(0.05)
+            if m is None or not m.payload:
+                continue
+            msg = decode_message(m.payload)
+            ann = msg if isinstance(msg, RoundAnnouncement) else ann
+            model = msg if not isinstance(msg, RoundAnnouncement) else model
+            if ann is not None and model is not None and model.round_id == ann.round_id \
+                    and dev in ann.selected and ann.round_id not in done:
+                done.add(ann.round_id)
+                ws = make(model_to_shared(model))
+                c.publish(topic(JOB, "update", dev), encode_message(
+                    Update(dev, ann.round_id, 10, 32, "weights", tuple(float32_tensor(w) for w in ws))))
+
+    threading.Thread(target=run, daemon=True).start()
+
+
+def _run(tmp_path, makers: dict, rounds: int) -> tuple[Coordinator, list[dict]]:
+    fleet, stop = InProcessFleet(JOB), threading.Event()
+    for dev, make in makers.items():
+        _device(fleet, dev, make, stop)
+    cfg = ServerConfig(job=JOB, model="mlp", rounds=rounds, min_devices=len(makers), round_timeout_s=20,
+                       presence_timeout_s=20, defense=DefenseConfig(norm_bound=0, sample_bound=0))
+    co = Coordinator(cfg, fleet, build_strategy("fedavg"), RunState(tmp_path), evaluator=None,
+                     init_weights=init_shared(get_spec("mlp"), 0))
+    try:
+        return co, co.run()
+    finally:
+        stop.set()
+        fleet.close()
+
+
+def test_a_collapse_excludes_the_update_that_caused_it_instead_of_freezing(tmp_path) -> None:
+    """Two honest devices move the model by +0.01; a third sends -2x their update, so that
+    the round's average is all zeros (a collapse: every forward weight zero). Each round is
+    kept without the attacker's update, which gets a strike; after three it is quarantined:
+    the model moves every round as if the attacker had never been there."""
+    honest = lambda m: [w + np.float32(0.01) for w in m]  # noqa: E731
+    co, hist = _run(tmp_path, {"a": honest, "b": honest, "evil": lambda m: [-2 * w for w in honest(m)]}, 4)
+    assert [h["health"]["excluded"] for h in hist[:3]] == [["evil"]] * 3 and hist[0]["health"]["collapse"]
+    assert [h["defense"]["struck"] for h in hist[:3]] == [{"evil": "its update collapsed the model"}] * 3
+    assert hist[2]["defense"]["newly_quarantined"] == ["evil"] and hist[3]["selected_ids"] == ["a", "b"]
+    for w, w0 in zip(co.weights, init_shared(get_spec("mlp"), 0), strict=True):
+        np.testing.assert_allclose(w, w0 + 0.04, atol=1e-5)
+    assert all(h["defense"]["rolled_back_in_a_row"] == 0 for h in hist)
+
+
+def test_rounds_rolled_back_whole_in_a_row_raise_an_alert(tmp_path, caplog) -> None:
+    zeros = lambda m: [np.zeros_like(w) for w in m]  # noqa: E731  (any aggregate of them is dead)
+    co, hist = _run(tmp_path, {"a": zeros, "b": zeros}, 3)
+    assert [h["health"]["excluded"] for h in hist] == [[]] * 3              # nobody to blame: rolled back whole
+    assert [h["defense"]["rolled_back_in_a_row"] for h in hist] == [1, 2, 3]
+    alerts = [r.getMessage() for r in caplog.records if r.getMessage().startswith("ALERT")]
+    assert len(alerts) == 2 and "rounds 1-3 all collapsed" in alerts[1]

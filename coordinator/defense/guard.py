@@ -71,6 +71,8 @@ class GuardedStrategy:
         #: device -> ``‖Δ‖ / median`` of this round's norm-bounded (or, when the strategy
         #: bounds norms itself, over-the-bound) updates
         self.bounded: dict[str, float] = {}
+        #: device -> ``‖Δ‖`` of this round's updates (measured when the norm bound is on)
+        self.norms: dict[str, float] = {}
         self._norms = MedianBound(cfg.norm_bound or 1.0)
         self._samples = RunningMedian()
         self._held: list[tuple[EncodedUpdate, float]] = []
@@ -94,7 +96,7 @@ class GuardedStrategy:
         self._refs, self._held, self._holding = {}, [], True
         self._norms.end_round()
         self._samples = RunningMedian()
-        self.bounded = {}
+        self.bounded, self.norms = {}, {}
         self._stats = {"guard_norm_bounded": 0, "guard_weight_bounded": 0}
 
     def _reference(self, bits: int) -> list[np.ndarray]:
@@ -153,6 +155,7 @@ class GuardedStrategy:
                 total += sq_distance(buf.reshape(-1), g, delta)
             norm = math.sqrt(total)
         self._norms.observe(norm)
+        self.norms[update.device_id] = norm
         return norm
 
     def _release(self) -> None:

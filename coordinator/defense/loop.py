@@ -36,6 +36,9 @@ class RoundDefense:
         self.reputation = Reputation(cfg.strikes, cfg.window, run_dir, logger=logger)
         self.guard: GuardedStrategy | None = None
         self.on_event = on_event or (lambda _e, _f: None)
+        self.log = logger or logging.getLogger("fedbit.defense")
+        self._collapsed: frozenset[str] = frozenset()  # this round's updates that collapsed the model
+        self._rollbacks: list[int] = []  # the current run of consecutive rounds rolled back whole
 
     def wrap(self, strategy: RoundStrategy) -> RoundStrategy:
         """``strategy`` with the guard around it."""
@@ -60,9 +63,12 @@ class RoundDefense:
         the reason its update was refused for its content), ``over_claimed`` (devices whose
         sample claim was cut to their bound). Records the strikes, quarantines who has too
         many; returns the record's ``defense`` entry."""
-        struck: dict[str, str] = {}
+        struck: dict[str, str] = {dev: "its update collapsed the model" for dev in sorted(self._collapsed)}
+        self._collapsed = frozenset()
+        if self._rollbacks and self._rollbacks[-1] != round_id:
+            self._rollbacks = []
         for dev, ratio in sorted((self.guard.bounded if self.guard else {}).items()):
-            struck[dev] = f"update norm {ratio:.3g}x the round's median"
+            struck.setdefault(dev, f"update norm {ratio:.3g}x the round's median")
         for dev, why in refused.items():
             struck[dev] = f"update refused ({why})"
         for dev in over_claimed:
@@ -74,4 +80,27 @@ class RoundDefense:
                                          "reasons": q[dev]["reasons"]})
         self.reputation.save()
         return {"struck": dict(list(struck.items())[:LISTED]), "quarantined": len(q),
-                "quarantined_ids": sorted(q)[:LISTED], "newly_quarantined": new}
+                "quarantined_ids": sorted(q)[:LISTED], "newly_quarantined": new,
+                "rolled_back_in_a_row": len(self._rollbacks)}
+
+    def collapsed_by(self, devices: frozenset[str]) -> None:
+        """The round's aggregate without ``devices``' updates was healthy, with them it
+        collapsed (:mod:`coordinator.defense.recover`): a strike each."""
+        self._collapsed = devices
+
+    def rolled_back(self, round_id: int) -> None:
+        """Round ``round_id`` was rolled back whole (no update could be blamed). Rollbacks in
+        ``ALERT_AFTER`` consecutive rounds or more raise an operator alert (the log at
+        ERROR, an ``alert`` event: the terminal, the dashboard), each round it lasts: the
+        model is not moving."""
+        from coordinator.defense.recover import ALERT_AFTER
+
+        if self._rollbacks and self._rollbacks[-1] != round_id - 1:
+            self._rollbacks = []
+        self._rollbacks.append(round_id)
+        if len(self._rollbacks) >= ALERT_AFTER:
+            text = (f"rounds {self._rollbacks[0]}-{round_id} all collapsed and were rolled back whole: the model "
+                    f"has not moved since round {self._rollbacks[0] - 1}; look at the devices' updates (the "
+                    f"round records' health and defense entries), quarantine or revoke, or stop the job")
+            self.log.error("ALERT: %s", text, extra={"event": "alert", "round": round_id})
+            self.on_event("alert", {"round": round_id, "text": text})

@@ -15,7 +15,7 @@ coordinator see it (:func:`attack_update`), or, for ``label_flip``, which trains
 shard with every label ``y`` replaced by ``C - 1 - y``. With ``x`` the weights it trained
 (the shared float domain) and ``g`` the model it received:
 
-- ``scale``: ``factor · x`` (the model's weights blown up);
+- ``scale``: ``factor · x`` (the model's weights blown up; a negative factor reverses them);
 - ``boost``: ``g + factor · (x - g)`` (model replacement: its own step made ``factor`` times
   longer);
 - ``noise``: ``x + N(0, σ²)``, σ = ``factor ×`` the RMS of its honest step ``x - g``;
@@ -71,8 +71,9 @@ class AttackConfig:
         if self.kind not in KINDS:
             raise ConfigError(f"attack.kind: {self.kind!r} is not one of {list(KINDS)}")
         x = self.factor
-        if isinstance(x, bool) or not isinstance(x, int | float) or not math.isfinite(x) or x < 0:
-            raise ConfigError(f"attack.factor: must be a finite number >= 0, got {x!r}")
+        if isinstance(x, bool) or not isinstance(x, int | float) or not math.isfinite(x) or (
+                x < 0 and self.kind not in ("scale", "boost")):
+            raise ConfigError(f"attack.factor: must be a finite number (>= 0 for {self.kind}), got {x!r}")
         if isinstance(self.from_round, bool) or not isinstance(self.from_round, int) or self.from_round < 1:
             raise ConfigError(f"attack.from_round: must be an integer >= 1, got {self.from_round!r}")
 

@@ -54,7 +54,7 @@ class ProgressDisplay:
     """
 
     #: log ``event`` fields whose message this display already prints
-    SHOWN = ("round_start", "round_end", "reject", "device_joined", "device_left", "quarantine", "release")
+    SHOWN = ("round_start", "round_end", "reject", "device_joined", "device_left", "quarantine", "release", "alert")
 
     def __init__(self, rounds: int, stream: TextIO | None = None) -> None:
         self.rounds = rounds
@@ -88,6 +88,8 @@ class ProgressDisplay:
             self._print(device_line(f))
         elif event == "quarantine":
             self._print(quarantine_line(f))
+        elif event == "alert":
+            self._print(f"ALERT (round {f['round']}): {f['text']}")
         elif event == "devices":
             self._print(f"  round {f['round']}: {devices_text(f)}", live=True)
         elif event == "round_end":

@@ -8,6 +8,7 @@
   variant, declared uplink codec, online or not, last seen (Unix s), its last accepted
   update (round, bytes, codec), refusals by reason and notes (``clipped_num_samples``),
   why it is quarantined (``quarantine`` events; ``quarantined`` lists them all);
+- ``alerts``: the operator alerts (``alert`` events: rounds rolled back whole in a row);
 - ``current``: the round in progress: number, phase (``waiting`` for devices,
   ``collecting``, ``closed``), selected, received, deadline (Unix s);
 - ``rounds``: one compact record per completed round (accuracy per bitwidth group,
@@ -135,6 +136,8 @@ class FleetMonitor:
             self.live: Counter[str] = Counter()  # the open round's, as logged so far
             self.recent: deque[dict[str, Any]] = deque(maxlen=RECENT)
             self.quarantined: set[str] = set()  # devices in quarantine (named on the page)
+            self.alerts: deque[dict[str, Any]] = deque(maxlen=RECENT)  # operator alerts (coordinator.defense)
+            self.n_alerts = 0
             self.version += 1
         self._notify()
 
@@ -247,6 +250,10 @@ class FleetMonitor:
             self.quarantined.discard(dev)
         self._order = None
 
+    def _on_alert(self, f: dict[str, Any]) -> None:
+        self.alerts.append({"time": self.clock(), "round": f.get("round"), "text": str(f.get("text", ""))})
+        self.n_alerts += 1
+
     def _on_round_end(self, f: dict[str, Any]) -> None:
         self._round_end(f)
         now = self.clock()
@@ -269,7 +276,7 @@ class FleetMonitor:
 
     _handlers: dict[str, Callable[[FleetMonitor, dict[str, Any]], None]] = {
         "device": _on_device, "waiting": _on_waiting, "round_start": _on_round_start, "update": _on_update,
-        "reject": _on_reject, "round_end": _on_round_end, "quarantine": _on_quarantine}
+        "reject": _on_reject, "round_end": _on_round_end, "quarantine": _on_quarantine, "alert": _on_alert}
 
     # ------------------------------------------------------------------ readers
 
@@ -313,6 +320,7 @@ class FleetMonitor:
                 "devices": [self.devices[i].as_dict() for i in self._sorted()[:DEVICE_ROWS]],
                 "devices_total": len(self.devices), "registered": len(self.devices) - self.n_strangers,
                 "online": self.n_online, "quarantined": sorted(self.quarantined)[:DEVICE_ROWS],
+                "alerts": list(self.alerts), "alerts_total": self.n_alerts,
                 "totals": self._totals(), "recent_refusals": list(self.recent),
                 "rounds_done": len(self.rounds),
             }

@@ -120,6 +120,10 @@
     badge.className = "badge " + state.state;
     const c = state.current || {};
     $("round-label").textContent = `round ${c.round || 0} of ${state.rounds_planned || "?"}`;
+    const alerts = state.alerts || [];
+    $("alert").hidden = !alerts.length;
+    $("alert").textContent = alerts.length ? `ALERT (round ${alerts[alerts.length - 1].round}): ` +
+      alerts[alerts.length - 1].text : "";
   }
 
   function drawProgress() {
