@@ -25,6 +25,7 @@ from typing import Any
 
 from coordinator.defense.config import DefenseConfig
 from coordinator.ops.admission import AdmissionConfig
+from coordinator.privacy.config import PrivacyConfig
 from coordinator.strategies.round import RoundStrategy
 from edge_client.errors import ConfigError
 from edge_client.hparams import validate_hparams
@@ -170,6 +171,8 @@ class ServerConfig:
     - ``ack_timeout_s``: a selected device that acknowledged earlier rounds but not this
       one within this time is a straggler at once (:mod:`coordinator.presence.roundwatch`; 0: off);
     - ``defense``: poisoning resistance (:class:`~coordinator.defense.config.DefenseConfig`).
+    - ``privacy``: secure aggregation and differential privacy
+      (:class:`~coordinator.privacy.config.PrivacyConfig`).
     """
 
     job: str = "default"
@@ -192,6 +195,7 @@ class ServerConfig:
     on_collapse: str = "rollback"
     ack_timeout_s: float = 10.0
     defense: DefenseConfig = field(default_factory=DefenseConfig)
+    privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
 
     def validate(self, strategy: RoundStrategy | None = None) -> None:
         """ConfigError naming the first bad setting; with ``strategy``, also a configured
@@ -217,6 +221,7 @@ class ServerConfig:
         if self.on_collapse not in ON_COLLAPSE:
             raise ConfigError(f"on_collapse: {self.on_collapse!r} is not one of {list(ON_COLLAPSE)}")
         self.admission.validate()
+        self.privacy.validate(self.strategy, self.strategy_params)
         validate_hparams(self.hparams)
         if strategy is not None:
             strategy.device_hparams(self.hparams)

@@ -2,20 +2,27 @@
 
 :class:`Coordinator` speaks only to a :class:`~coordinator.fleet.Fleet`. One round:
 
-1. select (:mod:`coordinator.presence.selection`): wait for devices, draw among the
-   present ones that are not quarantined (:mod:`coordinator.defense`), seeded;
+1. select (``Collector.select``: ``clamp(ceil(C * eligible), min, max)`` of the present
+   devices not quarantined (:mod:`coordinator.defense`), seeded, once ``min_devices`` are
+   present within ``presence_timeout_s``);
 2. build one model variant per bitwidth group among the selected (``coordinator.variants``),
    save the round plan, announce (models, then the round, then the status; retained);
-3. collect (``coordinator.collect.Collector``) until ``quorum`` of the selected answered,
-   every one answered or is gone (:mod:`coordinator.presence.roundwatch`), or the deadline
-   passed: ``coordinator.ingest`` -> the guarded ``Strategy.fold`` -> the inbox, synced,
-   then acked; refused messages acked too, logged and counted;
-4. ``strategy.finish()`` -> the new models, evaluated per bitwidth variant on the held-out
-   set, the health check, the strikes, an atomic checkpoint, one metrics line, the status.
+3. collect (``coordinator.collect.Collector.collect``) until ``quorum`` of the selected
+   answered, every selected device answered or is gone (its last will; refused, revoked or
+   silent: :mod:`coordinator.presence.roundwatch`), or the deadline passed. Each update goes
+   ``coordinator.ingest`` -> the guarded ``Strategy.fold`` -> the inbox, synced, then
+   acked in the background; refused messages are acked, logged and counted. A secure
+   round runs its protocol instead (``coordinator.privacy.round``). Stragglers are counted;
+4. ``strategy.finish()`` -> new global weights (and per-group weights), evaluation of
+   every bitwidth variant the devices run on the held-out set, the health check (a collapse:
+   :mod:`coordinator.defense.recover`), the strikes, atomic checkpoint, one metrics line,
+   retained status.
 
-``run(resume=True)`` continues from the last completed round's checkpoint, re-announcing
-an interrupted round's plan and replaying its inbox (every acked update counted exactly
-once; docs/architecture.md, "Crash and resume").
+``run(resume=True)`` continues from the last completed round's checkpoint; a round the
+coordinator died in is re-announced from its plan (same selection and digests, a fresh
+deadline) and its inbox replayed: every acked update counts once, no round is repeated or
+skipped. A damaged checkpoint is named and the previous one loaded; the round after it is
+replayed from its kept plan and inbox (the same model). A secure round is run again.
 """
 
 from __future__ import annotations
@@ -30,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from coordinator.collect import Collector
+from coordinator.collect import Collector, NotEnoughDevices
 from coordinator.config import ServerConfig
 from coordinator.defense.loop import RoundDefense
 from coordinator.defense.recover import recover
@@ -39,7 +46,8 @@ from coordinator.evaluate import Evaluator
 from coordinator.fleet import Fleet
 from coordinator.health import HealthWatch
 from coordinator.ingest import Ingest, OpenRound
-from coordinator.presence.selection import RoundError, draw, wait_for_devices
+from coordinator.ops.logs import group_accuracy_text
+from coordinator.privacy.round import Privacy
 from coordinator.state import Checkpoint, CorruptFile, RoundPlan, RunState
 from coordinator.strategies.round import RoundStrategy
 from coordinator.variants import model_messages
@@ -53,8 +61,10 @@ from edge_client.protocol import (
     variant_bits,
 )
 
-__all__ = ["Coordinator", "RoundError"]
 log = logging.getLogger("fedbit.server")
+
+
+RoundError = NotEnoughDevices  # a round cannot start (too few devices present in time)
 
 
 class Coordinator:
@@ -72,7 +82,7 @@ class Coordinator:
             figures the evaluator adds, such as ``val_accuracy``).
         init_weights: the initial shared weights (``intnn.init_shared(spec, seed)``).
         on_event: progress callback ``(event, fields)``; events ``round_start``,
-            ``update``, ``reject``, ``device``, ``round_end``, ``waiting``, ``health``, ``collapse``.
+            ``update``, ``reject``, ``device``, ``gone``, ``round_end``, ``waiting``, ``health``, ``collapse``.
     """
 
     def __init__(self, cfg: ServerConfig, fleet: Fleet, strategy: RoundStrategy, state: RunState, *,
@@ -101,21 +111,15 @@ class Coordinator:
         self.run_id = f"{int(time.time())}-{os.getpid()}"
         self.history: list[dict[str, Any]] = []
         self.health = HealthWatch.for_run(self.spec, cfg, evaluator, log=self.log, on_event=self.on_event)
-        #: poisoning resistance: the strategy folds guarded updates, quarantined devices sit out
-        self.defense = RoundDefense(cfg.defense, state.dir, on_event=self.on_event, logger=self.log)
-        self.strategy = strategy = self.defense.wrap(strategy)
         #: the inbound side: devices, ingest, folding, the inbox and acks
         self.collector = Collector(fleet, Ingest(cfg.model, shapes, cfg.limits, cfg.admission, cfg.job), strategy, state,
                                    on_event=self.on_event, logger=self.log, ack_timeout_s=cfg.ack_timeout_s)
+        self.privacy = Privacy(cfg, fleet, self.collector, shapes, self.log, self.on_event)
+        #: poisoning resistance: the strategy folds guarded updates, quarantined devices sit out
+        self.defense = RoundDefense(cfg.defense, state.dir, on_event=self.on_event, logger=self.log)
+        self.strategy = self.collector.strategy = self.defense.wrap(self.privacy.wrap(strategy))
 
     # ------------------------------------------------------------------ rounds
-
-    def _select(self, r: int) -> list[str]:
-        """Round ``r``'s devices (:mod:`coordinator.presence.selection`)."""
-        col = self.collector
-        col.drop_revoked()
-        wait_for_devices(self.cfg, lambda: col.devices, col.pump, self.on_event)
-        return draw(self.cfg, col.devices.present(), self.rng, self.defense.quarantined(r))
 
     def open_round(self, r: int, selected: list[str]) -> OpenRound:
         """Start collecting round ``r`` from ``selected``, from the current global model."""
@@ -132,7 +136,7 @@ class Coordinator:
         clock = col.clock
         resumed = plan is not None
         if plan is None:
-            selected = self._select(r)
+            selected = col.select(cfg, self.rng, self.defense.quarantined(r))
             hellos = [col.devices.hellos[d] for d in selected]
             variants = {FLOAT_VARIANT} | {model_variant(h.compute_bits, h.trainer) for h in hellos}
         else:
@@ -149,8 +153,8 @@ class Coordinator:
             if plan is not None and digests != plan.variants:
                 raise ConfigError(f"round {r}: the resumed model differs from the announced one")
             plan = RoundPlan(round_id=r, selected=selected, deadline=time.time() + cfg.round_timeout_s,
-                             variants=digests, hparams=dict(plan.hparams) if resumed else
-                             self.strategy.device_hparams(cfg.hparams, hellos) | {"run": self.run_id},
+                             variants=digests, hparams=(dict(plan.hparams) if resumed else self.strategy.device_hparams(
+                                 cfg.hparams, hellos) | {"run": self.run_id}) | self.privacy.hparams(r),
                              started_at=time.time(), rng_state=json.dumps(self.rng.bit_generator.state))
             self.state.save_plan(plan)
             rnd = self.open_round(r, selected)
@@ -167,19 +171,14 @@ class Coordinator:
         self.log.info("round %d: selected %d device(s)%s%s", r, len(selected), f" after waiting {wait:.1f} s for "
                       "devices" if wait >= 0.1 else "", f", resumed with {replayed} update(s) from the inbox"
                       if resumed else "", extra={"event": "round_start", "round": r, "selected": selected})
-        need = max(1, math.ceil(cfg.quorum * len(selected)))
-        col.pump(time.monotonic() + cfg.round_timeout_s, stop=lambda: len(rnd.accepted) >= need
-                 or not self.fleet.more_expected(r) or col.watch.settled(rnd.accepted))
+        need, until = max(1, math.ceil(cfg.quorum * len(selected))), time.monotonic() + cfg.round_timeout_s
+        if cfg.privacy.secure_aggregation:  # the secure round's phases instead of updates
+            stragglers = self.privacy.collect(rnd, plan.hparams, need, until)
+        else:
+            stragglers = col.collect(need, until, more=lambda: self.fleet.more_expected(r))
         t_collect = time.monotonic()
         with clock.timed("announce"):
             self.fleet.flush()  # the announcement's PUBACKs (long arrived, as a rule)
-        late = len(rnd.accepted) < need
-        stragglers = sorted(rnd.selected - set(rnd.accepted)) if late else []
-        if late:
-            col.counts["stragglers"] = len(stragglers)
-            self.log.warning("round %d: %d straggler(s) excluded: %s%s", r, len(stragglers), stragglers,
-                             "".join(f"; {why}: {ds}" for why, ds in col.watch.report(rnd.accepted).items()),
-                             extra={"event": "stragglers", "round": r})
         stats: dict[str, Any] = {}
         aggregated = len(rnd.accepted) >= cfg.min_updates
         old, old_groups = [w.copy() for w in self.weights], self.group_weights
@@ -209,7 +208,7 @@ class Coordinator:
             "round": r, "time": time.time(), "run": self.run_id, "strategy": cfg.strategy,
             "model": cfg.model, "accuracy": finite(acc), "loss": finite(loss), "selected": len(selected),
             "selected_ids": selected, "accepted": len(rnd.accepted), "accepted_ids": sorted(rnd.accepted),
-            "stragglers": len(stragglers), "straggler_ids": stragglers, "gone": col.watch.report(rnd.accepted),
+            "stragglers": len(stragglers), "straggler_ids": stragglers, "gone": dict(sorted(rnd.gone.items())),
             "aggregated": aggregated, "resumed": resumed, "replayed": replayed,
             "weight_change_l2": change, "round_seconds": time.monotonic() - t_start, "wait_seconds": wait,
             "collect_seconds": t_collect - t_start, "aggregate_seconds": parts["aggregate"],
@@ -222,7 +221,7 @@ class Coordinator:
                        for v, s in scores.items()},
             "uplink_bytes": dict(col.uplink_bytes), "health": health.record, "health_seconds": health.seconds,
             "defense": self.defense.after_round(r, rnd.accepted, col.refused_devices, col.over_claimed),
-            **self.fleet.round_report(r),
+            **self.fleet.round_report(r), **self.privacy.end_round(r, len(selected), col.present, aggregated),
         }
         with clock.timed("checkpoint"):
             self.completed = r
@@ -235,7 +234,7 @@ class Coordinator:
             self.state.inbox_prune(r)  # round r's is kept until the next checkpoint (fallback)
             # PUBACK waited for by the next round's flush (or run()'s, after the last round)
             self.fleet.publish_status(encode_message(Status(
-                "waiting" if r < cfg.rounds else "done", r, f"round {r} complete",
+                "waiting" if r < cfg.rounds and self.privacy.allows(r + 1) else "done", r, f"round {r} complete",
                 {k: float(v) for k, v in (("accuracy", acc), ("loss", loss)) if math.isfinite(v)})))
         # (in memory only: the line on disk was written before these were known)
         record |= {"checkpoint_seconds": parts["checkpoint"], "coordinator_seconds": clock.wall,
@@ -243,7 +242,7 @@ class Coordinator:
         self.history.append(record)
         self.on_event("round_end", record)
         self.log.info("round %d: %d/%d updates, accuracy %s", r, len(rnd.accepted), len(selected),
-                      f"{acc:.4f}" if math.isfinite(acc) else "n/a",
+                      group_accuracy_text(record),
                       extra={"event": "round_end", "round": r, "accuracy": record["accuracy"]})
         return record
 
@@ -265,7 +264,7 @@ class Coordinator:
             rng_state={"json": json.dumps(self.rng.bit_generator.state)},
             metrics=record,
             config={"run_id": self.run_id, "rounds": self.cfg.rounds, "strategy": self.cfg.strategy,
-                    "totals": dict(self.collector.totals)},
+                    "totals": dict(self.collector.totals), "privacy": self.privacy.state()},
         )
 
     def _restore(self) -> dict[int, RoundPlan]:
@@ -297,8 +296,9 @@ class Coordinator:
             devices = self._load(self.state.load_devices, "device registry") or {}
             self.collector.devices = DeviceRegistry.from_state(devices or ckpt.devices)
             self.run_id = str(ckpt.config.get("run_id", self.run_id))
-            self.collector.totals.update(ckpt.config.get("totals", {}))
             self.defense.restore()
+            self.collector.totals.update(ckpt.config.get("totals", {}))
+            self.privacy.load_state(ckpt.config.get("privacy") or {})
         elif plan is not None:
             self.run_id = str(plan.hparams.get("run", self.run_id))
         self.state.repair_metrics(ckpt)
@@ -336,7 +336,7 @@ class Coordinator:
             # a fresh run: clear a previous run's retained announcement, say we are here
             self.fleet.reset(encode_message(Status("waiting", 0, "coordinator started")))
         try:
-            while self.completed < self.cfg.rounds:
+            while self.completed < self.cfg.rounds and self.privacy.allows(self.completed + 1):
                 r = self.completed + 1
                 self.run_round(r, plans.pop(r, None))
             self.fleet.flush()  # the last status reached the broker

@@ -1,23 +1,14 @@
 """The device loop: hello -> wait for selection -> download -> train -> encode -> publish.
 
-One :class:`DeviceRuntime` per device. It owns a :class:`~edge_client.transport.Transport`
-(MQTT or in-memory) built from the session spec it asks for (last-will presence, retained
-presence + hello as birth messages, subscriptions to ``round``, its model variant and
-``status``), and an on-disk :class:`~edge_client.outbox.Outbox`.
-
-Per round: when a retained round announcement selects this device and its deadline is in
-the future, the device acknowledges it (a presence message with the round id, not retained),
-waits for the model variant of its group (``float32`` or ``int<s>``) whose digest matches,
-loads it, trains locally with the announced hyper-parameters (:mod:`edge_client.hparams`),
-encodes the result per its hardware profile (``codec``/``codec_bits``, unless announced)
-and publishes the :class:`Update` with QoS 1. Announced settings the device cannot honour
-are listed, with the reason, in the update's ``not_applied`` (and logged here).
-The update is written to the outbox first and marked sent once the broker acknowledged it;
-what is still pending is re-sent after a reconnect while the round is open, a sent update
-once more when its round is announced again (a resumed coordinator, a broker back without
-its retained messages), and both are discarded when the round closes.
-
-Nothing here imports torch (a float device's trainer imports it lazily) or ``coordinator``.
+One :class:`DeviceRuntime` per device owns a :class:`~edge_client.transport.Transport`
+(MQTT or in-memory; last-will presence, retained presence + hello, subscriptions to ``round``,
+its model variant and ``status``) and an on-disk :class:`~edge_client.outbox.Outbox`. When a
+retained announcement selects it before its deadline, the device acknowledges it (a presence
+with the round id), waits for its group's model variant (digest checked), trains with the
+announced settings (:mod:`edge_client.hparams`; those it cannot honour go in ``not_applied``),
+encodes per its profile and publishes the :class:`Update` with QoS 1, outbox first: re-sent
+after a reconnect while the round is open, again when it is announced again, dropped when it
+closes; a secure round goes to ``edge_client.secagg.session``. No torch, no ``coordinator``.
 """
 
 from __future__ import annotations
@@ -40,6 +31,7 @@ from edge_client import __version__
 from edge_client.compat import zip_strict
 from edge_client.errors import CodecError, ConfigError, ProtocolError, TrainingError
 from edge_client.hparams import RoundSettings, not_applied_level, round_settings
+from edge_client.jobcheck import CoordinatorCheck
 from edge_client.outbox import Outbox
 from edge_client.protocol import (
     DEFAULT_LIMITS,
@@ -61,7 +53,8 @@ from edge_client.protocol import (
     topic,
     variant_bits,
 )
-from edge_client.session import SessionWatch
+from edge_client.secagg.session import SecureSession
+from edge_client.session import RoundAck, SessionWatch
 from edge_client.transport import Received, Transport
 
 log = logging.getLogger("fedbit.device")
@@ -287,7 +280,8 @@ class DeviceRuntime:
         #: the open round was announced again (a resumed coordinator, a broker that lost its
         #: retained messages, a reconnect): its sent update goes out once more
         self._announced_again = False
-        self._acked: RoundAnnouncement | None = None  # the announcement last acknowledged
+        self.acks = RoundAck(cfg.job, cfg.device_id)  # (what the coordinator hears at once: at work)
+        self.coordinator_check = CoordinatorCheck(cfg.job, self.log)  # (no coordinator on the job: says so)
         j, d = cfg.job, cfg.device_id
         self.t_presence = topic(j, "presence", d)
         self.t_hello = topic(j, "hello", d)
@@ -295,6 +289,7 @@ class DeviceRuntime:
         self.t_round = topic(j, "round")
         self.t_status = topic(j, "status")
         self.t_model = topic(j, "model", self.variant)
+        self.secure = SecureSession(cfg, self.log)  # the rounds whose announcement says secagg
 
     # ------------------------------------------------------------------ state
 
@@ -322,7 +317,7 @@ class DeviceRuntime:
         return {
             "will": (self.t_presence, offline),
             "birth": birth_messages(self.cfg, int(len(self.data.y))),
-            "subscriptions": [self.t_round, self.t_model, self.t_status],
+            "subscriptions": [self.t_round, self.t_model, self.t_status, self.secure.inbox_topic],
         }
 
     # ------------------------------------------------------------------ loop
@@ -344,8 +339,8 @@ class DeviceRuntime:
         if not ok:
             t.close()
             return 0
-        self.log.info("device %s connected (%s, variant %s)", self.cfg.device_id,
-                      getattr(t, "version", "?"), self.variant)
+        v = str(getattr(t, "version", "") or "?")
+        self.log.info("device %s connected (%s%s, job %s, variant %s)", self.cfg.device_id, "MQTT " * v[0].isdigit(), v, self.cfg.job, self.variant)
         seen_connects = t.connects
         next_resend = 0.0
         idle = False  # True once a work pass found nothing queued: then block in recv
@@ -354,7 +349,8 @@ class DeviceRuntime:
                 if not session.watch(t):
                     self.failure = session.failure
                     break
-                if self.cfg.max_rounds and len(self.rounds_done) >= self.cfg.max_rounds and not self.outbox.pending():
+                if self.cfg.max_rounds and len(self.rounds_done) >= self.cfg.max_rounds and not (
+                        self.outbox.pending() or self.secure.busy):
                     self.log.info("device %s: %d round(s) done, stopping", self.cfg.device_id,
                                   len(self.rounds_done))
                     break
@@ -372,6 +368,7 @@ class DeviceRuntime:
                     self._flush_outbox(self._announced_again)
                     self._announced_again = False
                 self._maybe_train()
+                self.coordinator_check.tick(t, now)
         finally:
             t.close(clear_will=(self.t_presence, encode_message(Presence(self.cfg.device_id, False))))
         return len(self.rounds_done)
@@ -379,7 +376,9 @@ class DeviceRuntime:
     def _handle(self, msg: Received) -> bool:
         """Process one received message; True when the loop should end."""
         try:
-            _, kind, ident = parse_topic(msg.topic)
+            job, kind, ident = parse_topic(msg.topic)
+            if self.coordinator_check.other_job(job, kind, msg.payload):  # (seen while it checks the broker's jobs)
+                return False
             if not msg.payload:  # a cleared retained message
                 if kind == "round":
                     self.announcement = None
@@ -396,12 +395,14 @@ class DeviceRuntime:
             self.coordinator_active = True
             n = self.outbox.discard_closed(m.round_id, keep_newer=same_run)
             if n:
-                self.log.info("discarded %d outbox item(s) of closed rounds", n)
+                self.log.debug("discarded %d outbox item(s) of closed rounds", n)
         elif isinstance(m, ModelMessage) and kind == "model" and ident == m.variant:
             if tensors_digest(m.tensors) != m.digest:  # (what the announcement's digest names)
                 self.log.warning("ignored model on %s: its digest does not match its tensors", msg.topic)
                 return False
             self.models[m.variant] = m
+        elif kind == "secagg-in" and (reply := self.secure.handle(m)) is not None and self.transport is not None:
+            self.transport.publish(self.secure.topic, reply, qos=1, timeout=self.cfg.publish_timeout_s)
         elif isinstance(m, Status) and kind == "status":
             if m.state in ("waiting", "round"):
                 self.coordinator_active = True
@@ -441,11 +442,7 @@ class DeviceRuntime:
             self.run_token, self.last_done = run, -1
         if a.round_id <= self.last_done or time.time() >= a.deadline:
             return
-        t = self.transport
-        if self._acked is not a and t is not None:  # the coordinator hears at once that this device is at work
-            self._acked = a
-            t.publish(self.t_presence, encode_message(Presence(self.cfg.device_id, True, round_id=a.round_id)),
-                      qos=1, timeout=self.cfg.publish_timeout_s)
+        self.acks.send(self.transport, a, self.cfg.publish_timeout_s)
         m = self.models.get(self.variant)
         want = a.variants.get(self.variant)
         if m is None or m.round_id != a.round_id or want is None or m.digest != want:
@@ -465,10 +462,11 @@ class DeviceRuntime:
         self.last_done = a.round_id
         self.rounds_done.append(a.round_id)
         self._save_last_done(a.round_id)
-        item = self.outbox.put(a.round_id, self.t_update, payload)
+        to = self.secure.topic if "secagg" in a.hparams else self.t_update  # a secure round: its keys
+        item = self.outbox.put(a.round_id, to, payload)
         t = self.transport
         assert t is not None
-        if t.publish(self.t_update, payload, qos=1, timeout=self.cfg.publish_timeout_s):
+        if t.publish(to, payload, qos=1, timeout=self.cfg.publish_timeout_s):
             self.outbox.mark_sent(item)
             self.sent += 1
             self.log.info("round %d: update sent (%d bytes)", a.round_id, len(payload))
@@ -551,6 +549,8 @@ class DeviceRuntime:
         secs = time.perf_counter() - t0
         names = spec.param_names()
         shared = [np.asarray(w, dtype=np.float32) for w in trainer.to_shared()]
+        if "secagg" in a.hparams:  # a secure round: the update goes into the protocol, not on the wire
+            return self.secure.start(a, m, trainer, shared, weights, int(len(self.data.y)))
         ints = tern = None
         if st.codec == "int" and hasattr(trainer, "int_weights"):
             ints = trainer.int_weights()

@@ -19,8 +19,8 @@ from coordinator.defense.normbound import MedianBound, QuantileBound, RunningMed
 from coordinator.defense.reputation import Reputation, request_release
 from coordinator.fleet import InProcessFleet
 from coordinator.ops.untrusted import safe_text
-from coordinator.presence.roundwatch import RoundWatch
-from coordinator.presence.selection import RoundError, draw
+from coordinator.presence.roundwatch import AckWatch
+from coordinator.presence.selection import NotEnoughDevices, draw
 from coordinator.server import Coordinator
 from coordinator.state import RunState
 from coordinator.strategies import build_strategy
@@ -185,26 +185,22 @@ def test_selection_never_picks_a_quarantined_device() -> None:
         assert len(picked) == 4 and not {"d1", "d4"} & set(picked)            # ceil(0.5 * 8 eligible)
         seen |= set(picked)
     assert seen == set(present) - {"d1", "d4"}
-    with pytest.raises(RoundError, match="quarantined"):
+    with pytest.raises(NotEnoughDevices, match="quarantined"):
         draw(cfg, ["d1"], a, frozenset({"d1"}))
 
 
-def test_the_round_watch_frees_refused_and_silent_devices() -> None:
-    w = RoundWatch(ack_timeout_s=2.0)
+def test_the_ack_watch_names_the_silent_devices_once() -> None:
+    w = AckWatch(ack_timeout_s=2.0)
     w.open(1, frozenset({"a", "b", "c"}), now=0.0)
-    for d in ("a", "b", "c"):
+    for d in ("a", "b"):
         w.ack(d, 1)
-    assert not w.settled({"a": 0}, now=0.5)
-    w.refused("b", "nonfinite")
-    w.refused("c", "wrong_round")                                  # not final: it may still answer
-    assert not w.settled({"a": 0}, now=0.5)
-    assert w.settled({"a": 0, "c": 0}, now=0.6) and w.report({"a": 0, "c": 0}) == {"refused": ["b"]}
+    w.ack("c", 7)                                                     # another round's: not this one
+    assert w.silent({}, now=1.9) == []
+    assert w.silent({"b": 0}, now=2.0) == ["c"] and w.silent({}, now=3.0) == []   # once a round
     w.open(2, frozenset({"a", "b", "c", "new"}), now=10.0)
     w.ack("a", 2)
-    assert not w.settled({}, now=11.9)
-    assert not w.settled({"a": 0}, now=12.0)                       # "new" never acked a round: waited for
-    assert w.report({"a": 0}) == {"silent": ["b", "c"]}
-    assert w.settled({"a": 0, "new": 0}, now=12.1)
+    assert w.silent({"c": 0}, now=12.0) == ["b"]                      # "new" never acked a round: waited for
+    assert AckWatch(ack_timeout_s=0).silent({}, now=99) == []
 
 
 def test_device_text_is_printable_and_bounded() -> None:

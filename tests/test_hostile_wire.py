@@ -200,7 +200,7 @@ def test_an_enrolled_job_against_hostile_insiders(secure, tmp_path: Path) -> Non
     assert "raspberry-pi-4\\nround 999/300: accuracy 1.0000\\x1b[2K\\x1b[31m" in out
     r1, r2, r3 = hist
     assert r1["accepted_ids"] == ["d1", "d2", "d3"]
-    assert r2["accepted_ids"] == ["d3"] and r2["gone"] == {"refused": ["d1"], "silent": ["d2"]}
+    assert r2["accepted_ids"] == ["d3"] and r2["gone"] == {"d1": "refused", "d2": "silent"}
     assert r2["round_seconds"] < 10 and r2["counts"]["rejected_out_of_range"] == 1   # (deadline 30 s)
     assert r2["defense"]["struck"] == {"d1": "update refused (out_of_range)"}
     assert r3["selected_ids"] == ["d1", "d3"] and "d2" not in co.collector.devices.present()

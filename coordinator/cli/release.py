@@ -15,7 +15,8 @@ def add_release_command(sub: Any) -> None:
                                    "DEVICE_ID: the quarantined devices and why. With it: a release request in "
                                    "RUN_DIR/release/, which the coordinator takes before it selects the next "
                                    "round (a stopped job: when it resumes).")
-    p.add_argument("device_id", nargs="?", metavar="DEVICE_ID")
+    p.add_argument("device_id", nargs="?", metavar="DEVICE_ID",
+                   help="the device to release (none: list the quarantined devices and why)")
     p.add_argument("--run", required=True, metavar="RUN_DIR", help="the job's run folder (fedbit serve --out, "
                    "or a fedbit emulate run folder)")
     p.set_defaults(func=_cmd_release)

@@ -34,6 +34,8 @@ A config (``fedbit emulate FILE``; the bundled default is ``coordinator/emulatio
                                # norm_bound, sample_bound, hold, strikes, window
     [attack]                   # emulated attackers (coordinator.emulation.attack): devices
                                # or fraction, kind, factor, from_round
+    [privacy]                  # secure aggregation and DP, as fedbit serve's job
+                               # (coordinator.privacy.config)
 
 ``paper = "<name>"`` (``coordinator.emulation.papers``: fedshift, prowd, prowd-fedprox, prowd-grouped,
 prowd-grouped-asym, fedfor, fedwsq) starts from that paper's strategy, its parameters and
@@ -80,6 +82,8 @@ from coordinator.config import (
 from coordinator.defense.config import DefenseConfig
 from coordinator.emulation.attack import AttackConfig
 from coordinator.emulation.datasets import DATASETS, NEEDS_PATH, PARTITIONS
+from coordinator.privacy.config import from_table as privacy_config
+from coordinator.privacy.config import schema as privacy_schema
 from edge_client.errors import ConfigError
 
 DEFAULT_CONFIG = Path(__file__).with_name("default.toml")
@@ -101,6 +105,7 @@ SCHEMA = TomlSchema({
     "cluster": {"backend": (str, "local"), "address": (str, "auto")},
     "clock": {"seconds_per_sample": (dict, {})},
     "defense": DefenseConfig.schema(),
+    "privacy": privacy_schema(),
 }, free=("strategy_params", "devices", "codecs", "train", "sweep", "attack"))
 
 
@@ -126,6 +131,7 @@ class ExperimentConfig:
     round: dict[str, Any] = field(default_factory=dict)
     cluster: dict[str, Any] = field(default_factory=dict)
     clock: dict[str, Any] = field(default_factory=dict)
+    privacy: dict[str, Any] = field(default_factory=dict)
     sweep: dict[str, list[Any]] = field(default_factory=dict)
     #: the round loop's poisoning defense (``[defense]``), and emulated attackers (``[attack]``)
     defense: DefenseConfig = field(default_factory=DefenseConfig)
@@ -145,7 +151,8 @@ class ExperimentConfig:
         keys = ("name", "model", "rounds", "seeds", "strategy", "transport", "broker", "target_accuracy", "paper",
                 "on_collapse")
         out: dict[str, Any] = {k: copy.deepcopy(getattr(self, k)) for k in keys}
-        for sec in ("strategy_params", "devices", "codecs", "data", "train", "round", "cluster", "clock", "sweep"):
+        for sec in ("strategy_params", "devices", "codecs", "data", "train", "round", "cluster", "clock", "privacy",
+                    "sweep"):
             out[sec] = copy.deepcopy(getattr(self, sec))
         out["defense"] = asdict(self.defense)
         out["attack"] = {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self.attack).items()}
@@ -357,6 +364,10 @@ def _check_values(cfg: ExperimentConfig, bad) -> None:
         build_strategy(cfg.strategy, **cfg.build_params()).device_hparams(cfg.train)
     except ConfigError as exc:
         raise bad("[strategy_params] / [train]", str(exc)) from None
+    try:
+        privacy_config(cfg.privacy).validate(cfg.strategy, cfg.build_params())
+    except ConfigError as exc:
+        raise bad("[privacy]", str(exc)) from None
     if not 0 <= cfg.target_accuracy <= 1:
         raise bad("target_accuracy", f"must be in (0, 1] (0: none), got {cfg.target_accuracy}")
     from coordinator.emulation.analysis import ANALYSIS_KEYS, check_analysis

@@ -215,9 +215,11 @@ class MosquittoBroker:
         return self
 
     def _spawn(self, timeout: float) -> None:
+        # (a process group of its own: a terminal's Ctrl-C reaches the coordinator only,
+        # which says goodbye through the broker, then stops it by PID)
         self.proc = subprocess.Popen(
             [self.binary, "-c", str(self.config_path)],
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, process_group=0,
         )
         ports = [(self.host, self.port)] + ([(self.tls["host"], self.tls["port"])] if self.tls else []) \
             + ([(self.devices["host"], self.devices["port"])] if self.devices else [])
