@@ -75,7 +75,7 @@ CLOCK = {"seconds_per_sample": {"float32": 2e-3, "int8": 1e-2}}
 @pytest.mark.mosquitto
 def test_a_x100_device_beside_an_honest_fleet_is_quarantined_and_the_int8_group_holds(tmp_path: Path) -> None:
     def run(attack: dict | None) -> list[dict]:
-        raw = {"name": "atk", "model": "mlp", "rounds": 8, "strategy": "fedavg", "transport": "mqtt",
+        raw = {"name": "atk", "model": "mlp", "rounds": 6, "strategy": "fedavg", "transport": "mqtt",
                "devices": {"raspberry-pi-4": 2, "desktop": 1}, "data": {"partition": "iid"},
                "train": {"epochs": 2, "batch": 32}, "round": {"workers": 1}, "clock": CLOCK}
         if attack:

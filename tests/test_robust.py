@@ -171,12 +171,12 @@ def test_robust_wire_updates_with_int_tensors_and_deltas() -> None:
 NO_DEFENSE = DefenseConfig(norm_bound=0, sample_bound=0, strikes=0)
 
 
-def _federated_accuracy(tmp: Path, params: dict, attack: bool, rounds: int = 5, n: int = 5,
-                        defense: DefenseConfig = NO_DEFENSE) -> float:
+def _federated_accuracy(tmp: Path, params: dict, attack: bool, rounds: int = 5, n: int = 5) -> float:
     """Accuracy (Int8 model, digits test split) after ``rounds`` of ``n`` Int8 devices on
-    digits shards, FedAvg with ``params``; ``attack``: one more, authenticated device
-    answers every round with ``-4 × the global model`` claiming 100,000 samples (counted
-    every round without the defense; quarantined within 3 rounds with it)."""
+    digits shards, FedAvg with ``params`` and without the round loop's defense (the
+    strategies alone: tests/test_attack.py has the defense); ``attack``: one more,
+    authenticated device answers every round with ``-4 × the global model`` claiming
+    100,000 samples."""
     from coordinator.config import ServerConfig
     from coordinator.evaluate import make_evaluator
     from coordinator.fleet import InProcessFleet
@@ -229,7 +229,7 @@ def _federated_accuracy(tmp: Path, params: dict, attack: bool, rounds: int = 5, 
         threading.Thread(target=attacker, daemon=True).start()
     cfg = ServerConfig(job=job, model="mlp", rounds=rounds, min_devices=n + int(attack),
                        round_timeout_s=60, presence_timeout_s=60, hparams={"epochs": 2, "batch": 32},
-                       defense=defense)
+                       defense=NO_DEFENSE)
     co = Coordinator(cfg, fleet, build_strategy("fedavg", **params), RunState(tmp / "run"), evaluator=None,
                      init_weights=init_shared(get_spec("mlp"), 0))
     try:
@@ -237,11 +237,7 @@ def _federated_accuracy(tmp: Path, params: dict, attack: bool, rounds: int = 5, 
     finally:
         stop.set()
         fleet.close()
-    if defense.strikes and attack:
-        assert [h["accepted"] for h in hist] == [n + 1] * 3 + [n] * (rounds - 3)
-        assert [h["defense"]["newly_quarantined"] for h in hist][2] == ["evil"]
-    else:
-        assert all(h["accepted"] == n + int(attack) for h in hist)           # the attacker was counted
+    assert all(h["accepted"] == n + int(attack) for h in hist)               # the attacker was counted
     return make_evaluator("mlp", load_digits("test"))({"int8": co.weights})["int8"][1]
 
 
@@ -258,6 +254,3 @@ def test_one_poisoned_device_cannot_drag_the_model(tmp_path: Path) -> None:
                          ("clip", {"clip": 1.0, "weighted": False})):
         acc = _federated_accuracy(tmp_path / name, params, attack=True)
         assert acc >= clean - MARGIN, (name, acc, clean)
-    # plain FedAvg under the round loop's default defense: bounded, then quarantined
-    acc = _federated_accuracy(tmp_path / "defended", {}, attack=True, defense=DefenseConfig())
-    assert acc >= clean - MARGIN, ("defended fedavg", acc, clean)
