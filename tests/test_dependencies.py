@@ -60,10 +60,15 @@ def test_device_side_never_imports_coordinator(package: str) -> None:
     assert not bad
 
 
+#: package -> what it may import of the device SDK: a profile names an uplink codec, so the
+#: profiles read the codec table (the codec classes' names, widths and rules)
+SDK_FOR = {"firmware_models": set(), "hw_profiles": {"edge_client.codecs"}}
+
+
 @pytest.mark.parametrize("package", ["firmware_models", "hw_profiles"])
 def test_specs_and_profiles_import_neither_sdk_nor_server(package: str) -> None:
     bad = [(str(f.relative_to(ROOT)), m) for f in _files(package) for m, _ in _imports(f)
-           if _root(m) in {"edge_client", "coordinator"}]
+           if _root(m) in {"edge_client", "coordinator"} and m not in SDK_FOR[package]]
     assert not bad
 
 

@@ -23,8 +23,8 @@ from edge_client.codecs.base import scan_float
 from edge_client.codecs.bitpack import packed_nbytes
 from edge_client.codecs.lloydmax import normal_levels
 from edge_client.codecs.lut import TableCodec
+from edge_client.codecs.tensor import EncodedTensor
 from edge_client.errors import CodecError, ProtocolError
-from edge_client.protocol import EncodedTensor
 
 
 @numba.njit(cache=True)

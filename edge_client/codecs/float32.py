@@ -16,8 +16,8 @@ from edge_client.codecs.fused import (
     half_bad,
     half_decode,
 )
+from edge_client.codecs.tensor import EncodedTensor
 from edge_client.errors import ProtocolError
-from edge_client.protocol import EncodedTensor
 
 
 def _count_bad(vals: np.ndarray) -> int:

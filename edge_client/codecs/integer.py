@@ -16,8 +16,8 @@ import numpy as np
 from edge_client.codecs.affine import AffineAccumulator
 from edge_client.codecs.base import CHUNK, Codec
 from edge_client.codecs.bitpack import _pack_into, _unpack_into, packed_nbytes
+from edge_client.codecs.tensor import EncodedTensor
 from edge_client.errors import CodecError, ProtocolError
-from edge_client.protocol import EncodedTensor
 
 _WIDTH = {"int8": 8, "int16": 16}
 
@@ -57,6 +57,16 @@ class IntCodec(Codec):
     lossy = False
     finite_output = True
     accumulates = True  # the integers, as the accumulator's float dtype
+    device_input = "integers"
+
+    def bits_problem(self, bits: int, compute_bits: int) -> str | None:
+        """An s-bit device sends its storage grid's width (docs/algorithms.md §1)."""
+        if compute_bits >= 32:
+            return "needs an integer device"
+        from edge_client.intnn.quant import storage_grid_bits
+
+        grid = storage_grid_bits(compute_bits)
+        return None if bits == grid else f"must be the storage grid max(s, 8) = {grid} of a {compute_bits}-bit device"
 
     def encode(self, x: np.ndarray, bits: int | None = None, *, name: str = "", **options: Any) -> EncodedTensor:
         """``x``: int8/int16 array; ``bits=None`` means the dtype's width. No aux."""

@@ -25,8 +25,8 @@ from edge_client.codecs import kmeans1d as k1
 from edge_client.codecs.base import scan_float
 from edge_client.codecs.bitpack import packed_nbytes
 from edge_client.codecs.lut import TableCodec
+from edge_client.codecs.tensor import EncodedTensor
 from edge_client.errors import CodecError, ProtocolError
-from edge_client.protocol import EncodedTensor
 
 #: Lloyd iterations per pass of the fast method (it stops at a fixed point long before).
 FAST_MAX_ITER = 100_000

@@ -23,8 +23,8 @@ import numpy as np
 from edge_client.codecs.base import CHUNK, Codec, count_nonfinite
 from edge_client.codecs.bitpack import _pack_into, _unpack_into, packed_nbytes
 from edge_client.codecs.integer import offset_pack_kernel
+from edge_client.codecs.tensor import EncodedTensor
 from edge_client.errors import CodecError, ProtocolError
-from edge_client.protocol import EncodedTensor
 
 
 @numba.njit(cache=True)
