@@ -295,7 +295,7 @@ def test_decode_stage_maps_every_codec_to_the_shared_domain():
     q = np.array([64, -127, 1], np.int8)
     t = (encode(q, "int", 8),)
     u = decode_update(EncodedUpdate("b", 5, t, "weights", 8, is_lossy(t), [0.5]))
-    assert u.lossy and u.inferior and u.sigma_loc == [0.5]
+    assert not u.lossy and u.inferior and u.sigma_loc == [0.5]  # exact integers, an integer device
     np.testing.assert_allclose(u.weights[0], [0.5, -127 / 128, 1 / 128])  # q / 2^(8-1)
     u16 = decode_update(EncodedUpdate("c", 5, (encode(q.astype(np.int16), "int", 16),), "weights", 16, True))
     np.testing.assert_allclose(u16.weights[0], q / 2.0 ** 15)  # q / 2^(16-1)

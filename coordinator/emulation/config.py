@@ -365,7 +365,8 @@ def _check_values(cfg: ExperimentConfig, bad) -> None:
 
 def _check_profiles(cfg: ExperimentConfig, bad) -> None:
     """Every ``[devices]`` profile loads (a bundled name or a TOML file) and takes its
-    ``[codecs]`` override (codec ``int`` only on an integer device)."""
+    ``[codecs]`` override (an integer-only codec, ``int``, only on an integer device)."""
+    from edge_client.codecs import get_codec
     from hw_profiles import load_profile
 
     for name in cfg.devices:
@@ -373,9 +374,9 @@ def _check_profiles(cfg: ExperimentConfig, bad) -> None:
             prof = load_profile(name)
         except ValueError as exc:
             raise bad(f"devices.{name}", str(exc)) from None
-        if name in cfg.codecs and parse_codec(cfg.codecs[name], f"codecs.{name}", bad)[0] == "int" \
-                and prof.trainer != "int":
-            raise bad(f"codecs.{name}", "codec 'int' needs an integer device")
+        codec = parse_codec(cfg.codecs[name], f"codecs.{name}", bad)[0] if name in cfg.codecs else None
+        if codec is not None and get_codec(codec).integer_only and prof.trainer != "int":
+            raise bad(f"codecs.{name}", f"codec {codec!r} needs an integer device")
 
 
 def parse_codec(spec: Any, key: str = "codec", bad=None) -> tuple[str, int]:

@@ -26,6 +26,7 @@ import numpy as np
 from coordinator.devices import Cohort
 from coordinator.emulation.config import ExperimentConfig, parse_codec
 from coordinator.emulation.datasets import DataSplit, partition
+from edge_client.codecs import get_codec
 from edge_client.errors import ConfigError
 from edge_client.protocol import model_variant
 from edge_client.runtime import DeviceConfig, DeviceRuntime, device_hello
@@ -232,11 +233,11 @@ def build_fleet(cfg: ExperimentConfig, seed: int, data: DataSplit, workdir: Path
             raise ConfigError(f"{cfg.source}: devices.{name}: {exc}") from None
         codec, bits = (parse_codec(cfg.codecs[name], f"codecs.{name}") if name in cfg.codecs
                        else (prof.codec, prof.codec_bits))
-        if codec == "int" and prof.trainer != "int":
-            raise ConfigError(f"{cfg.source}: codecs.{name}: codec 'int' needs an integer device")
+        if get_codec(codec).integer_only and prof.trainer != "int":
+            raise ConfigError(f"{cfg.source}: codecs.{name}: codec {codec!r} needs an integer device")
         if count:
             inferior = (name in d["inferior"] if d["inferior"]  # the parity split's groups, named
-                        else prof.trainer == "int" or prof.compute_bits < 32 or codec != "float32")
+                        else prof.trainer == "int" or prof.compute_bits < 32 or get_codec(codec).lossy)
             groups.append(DeviceGroup(prof, codec, bits, count, offset, inferior))
             offset += count
     if d["partition"] == "sample":

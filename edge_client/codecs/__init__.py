@@ -27,10 +27,12 @@ from edge_client.codecs.registry import (
     get_codec,
     max_abs,
 )
+from edge_client.codecs.uplink import DeviceUpdate
 
 __all__ = [
     "CODECS",
     "Codec",
+    "DeviceUpdate",
     "available_codecs",
     "accumulate_many",
     "accumulator",

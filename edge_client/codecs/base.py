@@ -20,6 +20,8 @@ import numpy as np
 
 from edge_client.codecs.bitpack import as_byte_array, check_bits
 from edge_client.codecs.tensor import EncodedTensor
+from edge_client.codecs.uplink import DeviceUpdate
+from edge_client.compat import zip_strict
 from edge_client.errors import CodecError, ProtocolError
 
 #: Elements per chunk in the fused kernels (a multiple of 8, so chunk boundaries are byte
@@ -51,8 +53,8 @@ class Codec(ABC):
     wire_dtype: ClassVar[str] = ""
     #: what :meth:`encode_update` encodes of a device's round: ``"shared"`` (its float32
     #: shared-domain weights), ``"integers"`` (an integer device's own grid integers: the
-    #: codec is :attr:`integer_only`) or ``"ternary"`` (an integer device's ternary forward
-    #: weights, where it has them; else the shared ones)
+    #: codec is :attr:`integer_only`) or ``"ternary_forward"`` (an integer device's ternary
+    #: forward weights, where it has them; else the shared ones)
     device_input: ClassVar[str] = "shared"
     #: what an update holds when the announcement does not say: ``"weights"`` or ``"delta"``
     default_content: ClassVar[str] = "weights"
@@ -116,6 +118,19 @@ class Codec(ABC):
         it from the header alone; this default decodes."""
         a = self.decode(t)
         return float(np.max(np.abs(a.astype(np.float64, copy=False)))) if a.size else 0.0
+
+    def encode_update(self, u: DeviceUpdate, bits: int) -> tuple[EncodedTensor, ...]:
+        """A device's round on the uplink, one tensor per layer named as ``u.names``: by
+        default its float32 ``shared`` layers through :meth:`encode` with ``bits`` and
+        :meth:`update_options`. A codec that sends something else of a device (its
+        integers, its ternary weights: :attr:`device_input`) overrides it."""
+        return tuple(self.encode(np.ascontiguousarray(w, dtype=np.float32), bits, name=n,
+                                 **self.update_options(u, i))
+                     for i, (w, n) in enumerate(zip_strict(u.shared, u.names)))
+
+    def update_options(self, u: DeviceUpdate, layer: int) -> dict[str, Any]:
+        """The :meth:`encode` options for layer ``layer`` of a device's round (none)."""
+        return {}
 
     def __repr__(self) -> str:
         return f"<codec {self.name} bits {self.bits_range[0]}..{self.bits_range[1]}>"

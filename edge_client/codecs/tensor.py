@@ -1,11 +1,14 @@
-""":class:`EncodedTensor`, what every codec produces and the wire carries (re-exported by
-:mod:`edge_client.protocol`), and :func:`packed_length`, its exact payload size."""
+""":class:`EncodedTensor`, what every codec produces and the wire carries, with
+:func:`packed_length`, its exact payload size, and :func:`float32_tensor`, the lossless
+one (all three re-exported by :mod:`edge_client.protocol`)."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 
 @dataclass(frozen=True)
@@ -39,6 +42,12 @@ class EncodedTensor:
     def nbytes(self) -> int:
         """Exact payload length in bytes: ``ceil(size * bits / 8)``."""
         return packed_length(self.size, self.bits)
+
+
+def float32_tensor(array: np.ndarray, name: str = "") -> EncodedTensor:
+    """Lossless float32 tensor (the passthrough codec, used for models and tests)."""
+    a = np.ascontiguousarray(array, dtype="<f4")
+    return EncodedTensor(tuple(int(d) for d in a.shape), "float32", "float32", 32, a.tobytes(), {}, name)
 
 
 def packed_length(n: int, bits: int) -> int:

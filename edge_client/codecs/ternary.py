@@ -24,6 +24,8 @@ from edge_client.codecs.base import CHUNK, Codec, count_nonfinite
 from edge_client.codecs.bitpack import _pack_into, _unpack_into, packed_nbytes
 from edge_client.codecs.integer import offset_pack_kernel
 from edge_client.codecs.tensor import EncodedTensor
+from edge_client.codecs.uplink import DeviceUpdate
+from edge_client.compat import zip_strict
 from edge_client.errors import CodecError, ProtocolError
 
 
@@ -82,6 +84,17 @@ class TernaryCodec(Codec):
     lossy = True  # float input is thresholded; int8 input is exact (see is_lossy)
     finite_output = True  # {-1, 0, 1} or scale * {-1, 0, 1} with a finite float32 scale
     options = frozenset({"threshold", "scale"})
+    device_input = "ternary_forward"
+    integer_unit = "ternary_weight"  # an int8 code t stands for the ternary weight t = +1
+
+    def encode_update(self, u: DeviceUpdate, bits: int) -> tuple[EncodedTensor, ...]:
+        """An integer device's own ternary forward weights (``u.ternary``), sent exactly
+        with ``aux.scale = u.ternary_weight``, so that the coordinator decodes them to the
+        weights the device computes with; else the shared values by the TWN rule."""
+        if u.ternary is None:
+            return super().encode_update(u, bits)
+        return tuple(self.encode(np.ascontiguousarray(t, dtype=np.int8), bits, name=n, scale=u.ternary_weight)
+                     for t, n in zip_strict(u.ternary, u.names))
 
     def is_lossy(self, t: EncodedTensor) -> bool:
         return t.dtype != "int8"

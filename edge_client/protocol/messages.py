@@ -12,7 +12,6 @@ from types import MappingProxyType
 from typing import Any, ClassVar, Union
 
 import msgpack
-import numpy as np
 
 from edge_client.codecs.registry import CODECS
 from edge_client.codecs.tensor import EncodedTensor
@@ -57,12 +56,6 @@ DEFAULT_LIMITS = Limits()
 
 
 # --------------------------------------------------------------------------- tensors
-
-
-def float32_tensor(array: np.ndarray, name: str = "") -> EncodedTensor:
-    """Lossless float32 tensor (the passthrough codec, used for models and tests)."""
-    a = np.ascontiguousarray(array, dtype="<f4")
-    return EncodedTensor(tuple(int(d) for d in a.shape), "float32", "float32", 32, a.tobytes(), {}, name)
 
 
 def tensor_to_wire(t: EncodedTensor) -> dict[str, Any]:
