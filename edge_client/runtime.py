@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -62,6 +62,10 @@ from edge_client.protocol import (
 )
 from edge_client.session import SessionWatch
 from edge_client.transport import Received, Transport
+
+if TYPE_CHECKING:
+    from edge_client.trainers import Trainer
+    from firmware_models import ModelSpec
 
 log = logging.getLogger("fedbit.device")
 
@@ -190,7 +194,7 @@ def birth_messages(cfg: DeviceConfig, num_samples: int) -> list[tuple[str, bytes
             (topic(cfg.job, "hello", cfg.device_id), encode_message(device_hello(cfg, num_samples)), True)]
 
 
-TrainerFactory = Callable[[Any, int, int], Any]  # (spec, bits, seed) -> Trainer
+TrainerFactory = Callable[["ModelSpec", int, int], "Trainer"]  # (spec, bits, seed) -> Trainer
 
 
 def load_model_files(paths: Any) -> dict[str, Any]:
@@ -206,7 +210,7 @@ def load_model_files(paths: Any) -> dict[str, Any]:
     return out
 
 
-def default_trainer_factory(spec: Any, bits: int, seed: int, threads: int = 1) -> Any:
+def default_trainer_factory(spec: ModelSpec, bits: int, seed: int, threads: int = 1) -> Trainer:
     """A device's trainer: ``threads`` cores; an integer one drops LLVM's machine code from
     the process's resident memory once its kernels are loaded
     (``edge_client.intnn.memory``)."""
@@ -248,7 +252,7 @@ class DeviceRuntime:
         #: a host that re-creates runtimes (the emulator) carries it from one to the next
         self.not_applied_logged = ""
         self.transport: Transport | None = None
-        self._trainers: dict[str, Any] = {}
+        self._trainers: dict[str, tuple[ModelSpec, Trainer]] = {}
         self._model_files = load_model_files(cfg.model_files)
         self.stop_event = threading.Event()
         #: why the loop gave up ("" unless it did: no session for ``give_up_after_s``)
@@ -442,13 +446,20 @@ class DeviceRuntime:
 
     # ------------------------------------------------------------------ training
 
-    def _trainer(self, model: str) -> Any:
+    def _trainer(self, model: str) -> tuple[ModelSpec, Trainer]:
+        """The spec and the trainer of ``model`` (made once); TypeError when the factory's
+        trainer lacks a member of the :class:`~edge_client.trainers.Trainer` protocol."""
         if model not in self._trainers:
+            from edge_client.trainers import missing_members
             from firmware_models import resolve_model
 
             spec = resolve_model(model, self._model_files, allow_paths=False)
-            self._trainers[model] = (spec, self._trainer_factory(spec, self.cfg.compute_bits,
-                                                                 self.cfg.seed))
+            trainer = self._trainer_factory(spec, self.cfg.compute_bits, self.cfg.seed)
+            missing = missing_members(trainer)
+            if missing:
+                raise TypeError(f"trainer_factory made a {type(trainer).__name__}, which lacks "
+                                f"{missing} of the Trainer protocol")
+            self._trainers[model] = (spec, trainer)
         return self._trainers[model]
 
     def round_settings(self, a: RoundAnnouncement) -> RoundSettings:
@@ -456,7 +467,7 @@ class DeviceRuntime:
         return round_settings(a.hparams, variant=self.variant, codec=self.cfg.codec,
                               codec_bits=self.cfg.codec_bits, kmeans_method=self.cfg.kmeans_method)
 
-    def train_kwargs(self, st: RoundSettings, trainer: Any) -> dict[str, Any]:
+    def train_kwargs(self, st: RoundSettings, trainer: Trainer) -> dict[str, Any]:
         """The ``trainer.train`` arguments of ``st`` beyond epochs/steps/batch (the ones left
         out keep the trainer's own values). ``lr_scale`` multiplies a float device's learning
         rate; on an integer device, and on a float device training an integer forward, it
@@ -465,9 +476,7 @@ class DeviceRuntime:
         kw: dict[str, Any] = {"prox_mu": st.prox_mu, "fedfor_alpha": st.fedfor_alpha}
         lr = st.lr
         if st.lr_scale != 1.0:
-            from edge_client.trainers import DEFAULT_TORCH_LR
-
-            lr = (lr if lr is not None else getattr(trainer, "lr", DEFAULT_TORCH_LR)) * st.lr_scale
+            lr = (lr if lr is not None else trainer.lr) * st.lr_scale
         for key, value in (("lr", lr), ("momentum", st.momentum), ("grad_clip", st.grad_clip),
                            ("weight_standardization", st.ws), ("weight_norm", st.wn),
                            ("forward", st.float_forward)):
@@ -475,9 +484,7 @@ class DeviceRuntime:
                 kw[key] = value
         integer_step = self.variant != FLOAT_VARIANT or st.float_forward not in (None, FLOAT_VARIANT)
         if integer_step:  # an integer device, or a float device training an integer forward
-            from edge_client.trainers import DEFAULT_LR_SHIFT
-
-            shift = st.lr_shift if st.lr_shift is not None else getattr(trainer, "lr_shift", DEFAULT_LR_SHIFT)
+            shift = st.lr_shift if st.lr_shift is not None else trainer.lr_shift
             shift += round(math.log2(st.lr_scale))
             if not -8 <= shift <= 8:
                 st.not_applied["lr_scale"] = f"lr_shift {shift} outside -8..8; clamped"
@@ -518,9 +525,8 @@ class DeviceRuntime:
         shared = [np.asarray(w, dtype=np.float32) for w in trainer.to_shared()]
         delta = st.content == "delta"
         wants = get_codec(st.codec).device_input  # what the uplink codec sends of a device
-        ints = trainer.int_weights() if wants == "integers" and hasattr(trainer, "int_weights") else None
-        tern = (trainer.ternary_weights() if wants == "ternary_forward" and not delta
-                and hasattr(trainer, "ternary_weights") else None)
+        ints = trainer.int_weights() if wants == "integers" else None
+        tern = trainer.ternary_weights() if wants == "ternary_forward" and not delta else None
         if delta:
             shared = [w - g for w, g in zip_strict(shared, weights)]
             if ints is not None:
@@ -529,7 +535,7 @@ class DeviceRuntime:
                                         compute_bits=self.cfg.compute_bits, delta=delta,
                                         ternary_weights=tern, sigma_g=m.sigma_g,
                                         kmeans_method=st.kmeans_method, seed=(self.cfg.seed, a.round_id))
-        loss = float(getattr(report, "loss", 0.0))
+        loss = float(report.loss)
         not_applied = {k: v[:self.cfg.limits.max_str] for k, v in st.not_applied.items()}
         if not_applied:  # logged once while the job announces the same; reported every round
             what = "; ".join(f"{k}: {v}" for k, v in not_applied.items())
