@@ -132,6 +132,14 @@ class Codec(ABC):
         """The :meth:`encode` options for layer ``layer`` of a device's round (none)."""
         return {}
 
+    def examples(self, shape: tuple[int, ...], bits: int, rng: np.random.Generator) -> list[np.ndarray]:
+        """Valid :meth:`encode` inputs of ``shape`` at ``bits``, one per kind of input the
+        codec takes (what conformance tests and benchmarks feed it): by default float32
+        weights, N(0.01, 0.05) with every 97th value 40 times larger (heavy tails)."""
+        x = rng.normal(0.01, 0.05, shape).astype(np.float32)
+        x.reshape(-1)[::97] *= 40
+        return [x]
+
     def __repr__(self) -> str:
         return f"<codec {self.name} bits {self.bits_range[0]}..{self.bits_range[1]}>"
 

@@ -85,6 +85,12 @@ class IntCodec(Codec):
                 out.append(self.encode(q, grid, name=n))
         return tuple(out)
 
+    def examples(self, shape: tuple[int, ...], bits: int, rng: np.random.Generator) -> list[np.ndarray]:
+        """Integers over the whole ``bits``-bit range: int8 (``bits`` <= 8) and int16."""
+        half = 1 << (bits - 1)
+        q = rng.integers(-half, half, shape).astype(np.int16)
+        return [q.astype(np.int8), q] if bits <= 8 else [q]
+
     def bits_problem(self, bits: int, compute_bits: int) -> str | None:
         """An s-bit device sends its storage grid's width (docs/algorithms.md §1)."""
         if compute_bits >= 32:

@@ -87,6 +87,10 @@ class TernaryCodec(Codec):
     device_input = "ternary_forward"
     integer_unit = "ternary_weight"  # an int8 code t stands for the ternary weight t = +1
 
+    def examples(self, shape: tuple[int, ...], bits: int, rng: np.random.Generator) -> list[np.ndarray]:
+        """Float32 weights (the TWN rule) and int8 ternary codes (sent exactly)."""
+        return [*super().examples(shape, bits, rng), rng.integers(-1, 2, shape).astype(np.int8)]
+
     def encode_update(self, u: DeviceUpdate, bits: int) -> tuple[EncodedTensor, ...]:
         """An integer device's own ternary forward weights (``u.ternary``), sent exactly
         with ``aux.scale = u.ternary_weight``, so that the coordinator decodes them to the
