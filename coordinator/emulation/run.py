@@ -175,9 +175,10 @@ class Emulator:
                                   on_progress=(lambda f: self.on_event("devices", f)) if self.on_event else None)
             # the validation split is read only over the rounds the reports average
             # (analysis.LAST_ROUNDS); every core scores, the device workers idle meanwhile
+            # (decisions read the validation split, else the training split: never the test split)
             evaluator = evaluator_for(cfg.model, data.test, strategy.device_hparams(cfg.train), seed=seed,
                                       validation=data.validation, validate_from=cfg.rounds - LAST_ROUNDS + 1,
-                                      threads=machine_cores())
+                                      threads=machine_cores(), probe_data=data.train)
             coord = Coordinator(server_cfg, fleet, strategy, RunState(self.run_dir / "out"), evaluator=evaluator,
                                 init_weights=init_shared(resolve_model(cfg.model), seed), on_event=self.on_event,
                                 logger=log.getChild("server"))
