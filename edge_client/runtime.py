@@ -483,14 +483,14 @@ class DeviceRuntime:
             if value is not None:
                 kw[key] = value
         integer_step = self.variant != FLOAT_VARIANT or st.float_forward not in (None, FLOAT_VARIANT)
-        if integer_step:  # an integer device, or a float device training an integer forward
+        # an integer device, or a float device training an integer forward, whose step moves
+        if integer_step and (st.lr_shift is not None or st.lr_scale != 1.0):
             shift = st.lr_shift if st.lr_shift is not None else trainer.lr_shift
             shift += round(math.log2(st.lr_scale))
             if not -8 <= shift <= 8:
                 st.not_applied["lr_scale"] = f"lr_shift {shift} outside -8..8; clamped"
                 shift = min(8, max(-8, shift))
-            if st.lr_shift is not None or st.lr_scale != 1.0:
-                kw["lr_shift"] = shift
+            kw["lr_shift"] = shift
         if self.variant != FLOAT_VARIANT:
             kw.pop("weight_standardization", None)
             kw.pop("weight_norm", None)
