@@ -31,7 +31,8 @@ test: install
 bench: install
 	$(PY) benchmarks/run_all.py --out benchmarks/results/latest.jsonl
 
-# The emulator against Flower 1.40's simulation engine, side by side in one run: Flower in
+# The emulator against Flower 1.40's simulation engine, and SecAgg+ against Flower's
+# SecAggPlusWorkflow, side by side in one run each: Flower in
 # its own venv (.venv-flower, never a fedbit dependency), torch pinned as for fedbit.
 FLOWER_VENV ?= .venv-flower
 $(FLOWER_VENV)/bin/python:
@@ -41,6 +42,7 @@ $(FLOWER_VENV)/bin/python:
 
 bench-flower: install $(FLOWER_VENV)/bin/python
 	$(PY) benchmarks/emulator_scale.py --flower $(FLOWER_VENV)/bin/python
+	$(PY) benchmarks/secagg.py --flower $(FLOWER_VENV)/bin/python
 
 # The papers' experiments on the emulator (every config in experiments/: fmnist-* on
 # Fashion-MNIST, >= 5 seeds, hours; the others their digits versions); ONLY=name runs

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from coordinator.ops.admission import AdmissionConfig
+from coordinator.privacy.config import PrivacyConfig
 from coordinator.strategies.round import RoundStrategy
 from edge_client.errors import ConfigError
 from edge_client.hparams import validate_hparams
@@ -165,7 +166,9 @@ class ServerConfig:
     - ``admission``: enrolment, the ``num_samples`` bound, hello rates, registry size
       (:class:`~coordinator.ops.admission.AdmissionConfig`);
     - ``on_collapse``: what a collapsed aggregate does (:mod:`coordinator.health`):
-      ``rollback`` to the last healthy model, or ``log`` it and keep it.
+      ``rollback`` to the last healthy model, or ``log`` it and keep it;
+    - ``privacy``: secure aggregation and differential privacy
+      (:class:`~coordinator.privacy.config.PrivacyConfig`).
     """
 
     job: str = "default"
@@ -186,6 +189,7 @@ class ServerConfig:
     limits: Limits = DEFAULT_LIMITS
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     on_collapse: str = "rollback"
+    privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
 
     def validate(self, strategy: RoundStrategy | None = None) -> None:
         """ConfigError naming the first bad setting; with ``strategy``, also a configured
@@ -209,6 +213,7 @@ class ServerConfig:
         if self.on_collapse not in ON_COLLAPSE:
             raise ConfigError(f"on_collapse: {self.on_collapse!r} is not one of {list(ON_COLLAPSE)}")
         self.admission.validate()
+        self.privacy.validate(self.strategy, self.strategy_params)
         validate_hparams(self.hparams)
         if strategy is not None:
             strategy.device_hparams(self.hparams)

@@ -25,6 +25,8 @@ naming the file and the key; ``examples/job.toml`` shows every section)::
     [limits]                    # max_payload_bytes, max_abs_value
     [log]                       # json, level, quiet
     [dashboard]                 # listen ([HOST:]PORT; empty: none), password_file
+    [privacy]                   # secure_aggregation, mechanism, clip, noise_multiplier,
+                                # target_epsilon, delta, ... (coordinator.privacy.config)
 
 Every flag of ``fedbit serve`` sets one of these keys (:data:`FLAGS`; ``--set KEY=VALUE``
 sets any), so a flag and the file never disagree about a default: defaults come from
@@ -51,6 +53,9 @@ from coordinator.config import (
 )
 from coordinator.ops.admission import AdmissionConfig
 from coordinator.ops.dashboard.access import parse_address
+from coordinator.privacy.config import FLAGS as PRIVACY_FLAGS
+from coordinator.privacy.config import from_table as privacy_config
+from coordinator.privacy.config import schema as privacy_schema
 from edge_client.errors import ConfigError
 from edge_client.protocol import DEFAULT_LIMITS
 from firmware_models import MODELS
@@ -138,6 +143,7 @@ SCHEMA = TomlSchema({
     "limits": {"max_payload_bytes": (int, _L.max_payload_bytes), "max_abs_value": (NUMBER, _L.max_abs_value)},
     "log": {"json": (bool, False), "level": (str, "info"), "quiet": (bool, False)},
     "dashboard": {"listen": ((str, int), ""), "password_file": (str, "")},
+    "privacy": privacy_schema(),
 }, free=("strategy_params", "train"))
 
 
@@ -179,7 +185,8 @@ def job_from_dict(raw: dict[str, Any], source: str) -> ServeJob:
         presence_timeout_s=float(rnd["presence_timeout_s"]), hparams=hparams, seed=top["seed"],
         limits=replace(DEFAULT_LIMITS, max_payload_bytes=lim["max_payload_bytes"],
                        max_abs_value=lim["max_abs_value"]),
-        admission=AdmissionConfig(**adm), on_collapse=top["on_collapse"])
+        admission=AdmissionConfig(**adm), on_collapse=top["on_collapse"],
+        privacy=privacy_config(v["privacy"]))
     try:
         cfg.validate()
     except ConfigError as exc:
@@ -227,24 +234,26 @@ FLAGS: list[tuple[str, str, dict[str, Any]]] = [
     ("--job", "job", {"help": "job id (topic prefix fedbit/<job>/)"}),
     ("--model", "model", {"metavar": "SPEC", "help": "a bundled model's name, or a model file (TOML layers, "
                                                      "or a Python file defining a ModelSpec)"}),
-    ("--rounds", "rounds", {"type": int, "metavar": "N"}),
+    ("--rounds", "rounds", {"type": int, "metavar": "N", "help": "rounds the job runs"}),
     ("--strategy", "strategy", {"metavar": "NAME", "help": "aggregation strategy; prowd = ProWD's "
                                 "dequantizer + selective aggregation"}),
-    ("--seed", "seed", {"type": int}),
+    ("--seed", "seed", {"type": int, "help": "seed of the initial model and of the device selection"}),
     ("--on-collapse", "on_collapse", {"choices": list(ON_COLLAPSE), "help": "a collapsed aggregate (every "
                                       "group at chance, a constant output, a dead layer): go back to the last "
                                       "healthy model without that round's updates, or log it and keep it"}),
     ("--eval-data", "eval_data", {"metavar": "SRC", "help": "held-out set: a data source (digits:test, fashion-mnist:test, an IDX/CIFAR-10 folder or .npz: its test split)"}),
     ("--fraction", "round.fraction", {"type": float, "metavar": "C", "help": "fraction of present devices per round"}),
-    ("--min-devices", "round.min_devices", {"type": int, "help": "fewest devices selected per round"}),
+    ("--min-devices", "round.min_devices", {"type": int, "help": "fewest devices a round selects; a round "
+                                            "starts once this many are present (or --min-present, if more)"}),
     ("--max-devices", "round.max_devices", {"type": int, "help": "most devices selected per round"}),
     ("--min-present", "round.min_present", {"type": int, "help": "devices that must be present before a "
-                                            "round starts (0: --min-devices)"}),
+                                            "round starts, when more than --min-devices (0: --min-devices)"}),
     ("--quorum", "round.quorum", {"type": float, "help": "fraction of the selected that closes a round early"}),
     ("--min-updates", "round.min_updates", {"type": int, "help": "fewer updates at the deadline keep the old model"}),
     ("--round-timeout", "round.timeout_s", {"type": float, "metavar": "S", "help": "round deadline in seconds"}),
     ("--presence-timeout", "round.presence_timeout_s", {"type": float, "metavar": "S",
-                                                        "help": "how long to wait for --min-devices devices"}),
+                                                        "help": "how long a round waits for --min-devices "
+                                                                "(or --min-present) devices to be present"}),
     ("--epochs", "train.epochs", {"type": int, "help": "local epochs per round"}),
     ("--batch", "train.batch", {"type": int, "help": "local batch size"}),
     ("--steps", "train.steps", {"type": int, "help": "local steps per round (0: whole epochs)"}),
@@ -276,7 +285,8 @@ FLAGS: list[tuple[str, str, dict[str, Any]]] = [
     ("--max-registered", "admission.max_registered", {"type": int, "metavar": "N", "help": "most devices the job registers"}),
     ("--hello-rate", "admission.hello_rate", {"type": float, "metavar": "PER_S", "help": "hello/presence "
                                               "messages per device per second (after --hello-burst)"}),
-    ("--hello-burst", "admission.hello_burst", {"type": int, "metavar": "N"}),
+    ("--hello-burst", "admission.hello_burst", {"type": int, "metavar": "N", "help": "hello/presence "
+                                                "messages a device may send at once before --hello-rate applies"}),
     ("--quiet", "log.quiet", {"action": "store_true", "help": "no progress display"}),
     ("--dashboard", "dashboard.listen", {"metavar": "[HOST:]PORT", "help": "serve the live dashboard and "
                                          "Prometheus /metrics (8080: on 127.0.0.1; 0: a free port; beyond "
@@ -284,6 +294,7 @@ FLAGS: list[tuple[str, str, dict[str, Any]]] = [
     ("--dashboard-password-file", "dashboard.password_file", {"metavar": "FILE", "help": "the dashboard's "
                                                               "password (default beyond loopback: "
                                                               "SECURITY/dashboard.password, made once)"}),
+    *PRIVACY_FLAGS,
 ]
 #: the shared connection and logging options' keys in the job file
 CONNECTION_KEYS = {name: f"broker.{'url' if name == 'broker' else name}" for name in

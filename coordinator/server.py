@@ -2,28 +2,26 @@
 
 :class:`Coordinator` speaks only to a :class:`~coordinator.fleet.Fleet`. One round:
 
-1. wait (bounded by ``presence_timeout_s``) until ``min_devices`` devices are present
-   (retained hello + presence); select ``clamp(ceil(C * present), min, max)`` of them with
-   the seeded selection RNG;
+1. select (``Collector.select``: ``clamp(ceil(C * present), min, max)`` of the present
+   devices, seeded, once ``min_devices`` are present within ``presence_timeout_s``);
 2. build one model variant per bitwidth group among the selected (``coordinator.variants``),
    save the round plan, announce (models, then the round, then the status; retained);
-3. collect (``coordinator.collect.Collector``) until ``quorum`` of the selected answered
-   or the deadline passed. Each update goes ``coordinator.ingest`` (every per-update
-   rule, once) -> ``Strategy.fold`` (into the running sums) -> the inbox, synced, then
-   acked in the background. Refused messages are acked too (never redelivered), logged
-   with their reason and counted. Stragglers past the deadline are excluded and counted;
+3. collect (``coordinator.collect.Collector.collect``) until ``quorum`` of the selected
+   answered, every selected device answered or is gone (its last will), or the deadline
+   passed. Each update goes ``coordinator.ingest`` (every per-update rule, once) ->
+   ``Strategy.fold`` (into the running sums) -> the inbox, synced, then
+   acked in the background; refused messages are acked, logged and counted. A secure
+   round runs its protocol instead (``coordinator.privacy.round``). Stragglers are counted;
 4. ``strategy.finish()`` -> new global weights (and per-group weights), evaluation of
    every bitwidth variant the devices run on the held-out set, atomic checkpoint, one
    metrics line (with the uplink bytes by codec and the fleet's own figures), retained
    status.
 
-``run(resume=True)`` continues from the checkpoint of the last completed round. When the
-coordinator died inside a round, that round's plan (same selection, same model digests)
-is re-announced with a fresh deadline and the updates already in its inbox are replayed,
-so every acked update is counted exactly once and no round is repeated or skipped.
-A checkpoint that fails its checksum is reported by name and the previous one is loaded
-instead; the round after it is then replayed from its kept plan and inbox (the same
-updates in the same order: the same model), so even then no acked update is lost.
+``run(resume=True)`` continues from the last completed round's checkpoint; a round the
+coordinator died in is re-announced from its plan (same selection and digests, a fresh
+deadline) and its inbox replayed: every acked update counts once, no round is repeated or
+skipped. A damaged checkpoint is named and the previous one loaded; the round after it is
+replayed from its kept plan and inbox (the same model). A secure round is run again.
 """
 
 from __future__ import annotations
@@ -38,17 +36,19 @@ from typing import Any
 
 import numpy as np
 
-from coordinator.collect import Collector
+from coordinator.collect import Collector, NotEnoughDevices
 from coordinator.config import ServerConfig
 from coordinator.devices import DeviceRegistry
 from coordinator.evaluate import Evaluator
 from coordinator.fleet import Fleet
 from coordinator.health import HealthWatch
 from coordinator.ingest import Ingest, OpenRound
+from coordinator.ops.logs import group_accuracy_text
+from coordinator.privacy.round import Privacy
 from coordinator.state import Checkpoint, CorruptFile, RoundPlan, RunState
 from coordinator.strategies.round import RoundStrategy
 from coordinator.variants import model_messages
-from edge_client.errors import ConfigError, FedbitError
+from edge_client.errors import ConfigError
 from edge_client.protocol import (
     FLOAT_VARIANT,
     RoundAnnouncement,
@@ -61,8 +61,7 @@ from edge_client.protocol import (
 log = logging.getLogger("fedbit.server")
 
 
-class RoundError(FedbitError, RuntimeError):
-    """A round cannot start (not enough devices within the presence timeout)."""
+RoundError = NotEnoughDevices  # a round cannot start (too few devices present in time)
 
 
 class Coordinator:
@@ -80,7 +79,7 @@ class Coordinator:
             figures the evaluator adds, such as ``val_accuracy``).
         init_weights: the initial shared weights (``intnn.init_shared(spec, seed)``).
         on_event: progress callback ``(event, fields)``; events ``round_start``,
-            ``update``, ``reject``, ``device``, ``round_end``, ``waiting``, ``health``, ``collapse``.
+            ``update``, ``reject``, ``device``, ``gone``, ``round_end``, ``waiting``, ``health``, ``collapse``.
     """
 
     def __init__(self, cfg: ServerConfig, fleet: Fleet, strategy: RoundStrategy, state: RunState, *,
@@ -112,30 +111,10 @@ class Coordinator:
         #: the inbound side: devices, ingest, folding, the inbox and acks
         self.collector = Collector(fleet, Ingest(cfg.model, shapes, cfg.limits, cfg.admission, cfg.job), strategy, state,
                                    on_event=self.on_event, logger=self.log)
+        self.privacy = Privacy(cfg, fleet, self.collector, shapes, self.log, self.on_event)
+        self.strategy = self.collector.strategy = self.privacy.wrap(strategy)
 
     # ------------------------------------------------------------------ rounds
-
-    def _select(self) -> list[str]:
-        cfg, devices = self.cfg, self.collector.devices
-        end = time.monotonic() + cfg.presence_timeout_s
-        last_note = 0.0
-        need = max(cfg.min_devices, cfg.min_present)
-        waited = False
-        while len(devices.present()) < need:
-            waited = True
-            if time.monotonic() >= end:
-                raise RoundError(f"only {len(devices.present())} device(s) present after "
-                                 f"{cfg.presence_timeout_s:.0f} s; need {need}")
-            if time.monotonic() - last_note > 5:
-                last_note = time.monotonic()
-                self.on_event("waiting", {"present": len(devices.present()), "need": need})
-            self.collector.pump(min(end, time.monotonic() + 0.5))
-        if waited:  # let hellos that arrive together settle
-            self.collector.pump(time.monotonic() + 0.05)
-        present = devices.present()
-        k = max(cfg.min_devices, min(cfg.max_devices, math.ceil(cfg.fraction * len(present))))
-        idx = self.rng.choice(len(present), size=min(k, len(present)), replace=False)
-        return sorted(present[i] for i in idx)
 
     def open_round(self, r: int, selected: list[str]) -> OpenRound:
         """Start collecting round ``r`` from ``selected``, from the current global model."""
@@ -152,7 +131,7 @@ class Coordinator:
         clock = col.clock
         resumed = plan is not None
         if plan is None:
-            selected = self._select()
+            selected = col.select(cfg, self.rng)
             hellos = [col.devices.hellos[d] for d in selected]
             variants = {FLOAT_VARIANT} | {model_variant(h.compute_bits, h.trainer) for h in hellos}
         else:
@@ -169,8 +148,8 @@ class Coordinator:
             if plan is not None and digests != plan.variants:
                 raise ConfigError(f"round {r}: the resumed model differs from the announced one")
             plan = RoundPlan(round_id=r, selected=selected, deadline=time.time() + cfg.round_timeout_s,
-                             variants=digests, hparams=dict(plan.hparams) if resumed else
-                             self.strategy.device_hparams(cfg.hparams, hellos) | {"run": self.run_id},
+                             variants=digests, hparams=(dict(plan.hparams) if resumed else self.strategy.device_hparams(
+                                 cfg.hparams, hellos) | {"run": self.run_id}) | self.privacy.hparams(r),
                              started_at=time.time(), rng_state=json.dumps(self.rng.bit_generator.state))
             self.state.save_plan(plan)
             rnd = self.open_round(r, selected)
@@ -187,18 +166,14 @@ class Coordinator:
         self.log.info("round %d: selected %d device(s)%s%s", r, len(selected), f" after waiting {wait:.1f} s for "
                       "devices" if wait >= 0.1 else "", f", resumed with {replayed} update(s) from the inbox"
                       if resumed else "", extra={"event": "round_start", "round": r, "selected": selected})
-        need = max(1, math.ceil(cfg.quorum * len(selected)))
-        col.pump(time.monotonic() + cfg.round_timeout_s,
-                 stop=lambda: len(rnd.accepted) >= need or not self.fleet.more_expected(r))
+        need, until = max(1, math.ceil(cfg.quorum * len(selected))), time.monotonic() + cfg.round_timeout_s
+        if cfg.privacy.secure_aggregation:  # the secure round's phases instead of updates
+            stragglers = self.privacy.collect(rnd, plan.hparams, need, until)
+        else:
+            stragglers = col.collect(need, until, more=lambda: self.fleet.more_expected(r))
         t_collect = time.monotonic()
         with clock.timed("announce"):
             self.fleet.flush()  # the announcement's PUBACKs (long arrived, as a rule)
-        late = len(rnd.accepted) < need
-        stragglers = sorted(rnd.selected - set(rnd.accepted)) if late else []
-        if late:
-            col.counts["stragglers"] = len(stragglers)
-            self.log.warning("round %d: deadline passed; %d straggler(s) excluded: %s", r,
-                             len(stragglers), stragglers, extra={"event": "stragglers", "round": r})
         stats: dict[str, Any] = {}
         aggregated = len(rnd.accepted) >= cfg.min_updates
         old, old_groups = [w.copy() for w in self.weights], self.group_weights
@@ -241,7 +216,7 @@ class Coordinator:
                            **{k: finite(float(x)) for k, x in (s[2] if len(s) > 2 else {}).items()}}
                        for v, s in scores.items()},
             "uplink_bytes": dict(col.uplink_bytes), "health": health.record, "health_seconds": health.seconds,
-            **self.fleet.round_report(r),
+            **self.fleet.round_report(r), **self.privacy.end_round(r, len(selected), col.present, aggregated),
         }
         with clock.timed("checkpoint"):
             self.completed = r
@@ -254,7 +229,7 @@ class Coordinator:
             self.state.inbox_prune(r)  # round r's is kept until the next checkpoint (fallback)
             # PUBACK waited for by the next round's flush (or run()'s, after the last round)
             self.fleet.publish_status(encode_message(Status(
-                "waiting" if r < cfg.rounds else "done", r, f"round {r} complete",
+                "waiting" if r < cfg.rounds and self.privacy.allows(r + 1) else "done", r, f"round {r} complete",
                 {k: float(v) for k, v in (("accuracy", acc), ("loss", loss)) if math.isfinite(v)})))
         # (in memory only: the line on disk was written before these were known)
         record |= {"checkpoint_seconds": parts["checkpoint"], "coordinator_seconds": clock.wall,
@@ -262,7 +237,7 @@ class Coordinator:
         self.history.append(record)
         self.on_event("round_end", record)
         self.log.info("round %d: %d/%d updates, accuracy %s", r, len(rnd.accepted), len(selected),
-                      f"{acc:.4f}" if math.isfinite(acc) else "n/a",
+                      group_accuracy_text(record),
                       extra={"event": "round_end", "round": r, "accuracy": record["accuracy"]})
         return record
 
@@ -284,7 +259,7 @@ class Coordinator:
             rng_state={"json": json.dumps(self.rng.bit_generator.state)},
             metrics=record,
             config={"run_id": self.run_id, "rounds": self.cfg.rounds, "strategy": self.cfg.strategy,
-                    "totals": dict(self.collector.totals)},
+                    "totals": dict(self.collector.totals), "privacy": self.privacy.state()},
         )
 
     def _restore(self) -> dict[int, RoundPlan]:
@@ -317,6 +292,7 @@ class Coordinator:
             self.collector.devices = DeviceRegistry.from_state(devices or ckpt.devices)
             self.run_id = str(ckpt.config.get("run_id", self.run_id))
             self.collector.totals.update(ckpt.config.get("totals", {}))
+            self.privacy.load_state(ckpt.config.get("privacy") or {})
         elif plan is not None:
             self.run_id = str(plan.hparams.get("run", self.run_id))
         self.state.repair_metrics(ckpt)
@@ -354,7 +330,7 @@ class Coordinator:
             # a fresh run: clear a previous run's retained announcement, say we are here
             self.fleet.reset(encode_message(Status("waiting", 0, "coordinator started")))
         try:
-            while self.completed < self.cfg.rounds:
+            while self.completed < self.cfg.rounds and self.privacy.allows(self.completed + 1):
                 r = self.completed + 1
                 self.run_round(r, plans.pop(r, None))
             self.fleet.flush()  # the last status reached the broker

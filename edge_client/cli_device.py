@@ -28,7 +28,12 @@ def add_device_commands(sub: Any) -> None:
     p.set_defaults(func=cmd_doctor)
 
     p = sub.add_parser("measure-link", help="measure uplink throughput and latency to the broker; "
-                       "recommend an uplink codec", allow_abbrev=False)
+                       "recommend an uplink codec",
+                       description="Publish probe messages of an update's sizes to the broker (topic "
+                                   "linktest/<id>, which nobody subscribes to), measure the uplink's "
+                                   "throughput and latency, and recommend the most precise uplink codec "
+                                   "whose update fits --budget seconds (fedbit-edge run --auto-codec "
+                                   "does the same before it starts).", allow_abbrev=False)
     add_device_connection_options(p)
     p.add_argument("--profile", required=True, metavar="NAME", help="hardware profile name or TOML path")
     p.add_argument("--model", default=LINK_MODEL, metavar="SPEC", help="model whose update is sized")
@@ -37,8 +42,12 @@ def add_device_commands(sub: Any) -> None:
     p.set_defaults(func=cmd_measure_link)
 
     p = sub.add_parser("install-service", help="write a systemd unit that runs this device",
+                       description="Write a systemd unit (and its environment file, mode 0600) that warms "
+                                   "the kernels up, then runs `fedbit-edge run --stay` as a service: "
+                                   "restarted on failure, reconnecting forever with capped, jittered "
+                                   "backoff. Run as root, or give --dir; --dry-run prints the files.",
                        allow_abbrev=False)
-    p.add_argument("--profile", required=True, metavar="NAME")
+    p.add_argument("--profile", required=True, metavar="NAME", help="hardware profile name or TOML path")
     p.add_argument("--data", required=True, metavar="SRC", help="the device's local data (as for run)")
     p.add_argument("--broker", metavar="URL", help="the broker (or in the credentials file)")
     p.add_argument("--id", help="device id (or in the credentials file)")

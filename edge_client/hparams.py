@@ -106,8 +106,9 @@ _TABLE = (
 HPARAMS: dict[str, HParam] = {h.name: h for h in _TABLE}
 #: keys that may also be given per model variant, ``<key>.<variant>``
 PER_VARIANT = frozenset({"lr_scale"})
-#: keys the coordinator adds itself (``run``: the coordinator run's token)
-RESERVED = frozenset({"run"})
+#: keys the coordinator adds itself (``run``: the coordinator run's token; ``secagg``: a secure
+#: round's session, hex, and ``secagg_degree`` its graph's k: edge_client.secagg)
+RESERVED = frozenset({"run", "secagg", "secagg_degree"})
 
 
 def _spec_of(key: str) -> tuple[HParam | None, str | None]:

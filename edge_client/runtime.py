@@ -1,23 +1,15 @@
 """The device loop: hello -> wait for selection -> download -> train -> encode -> publish.
 
-One :class:`DeviceRuntime` per device. It owns a :class:`~edge_client.transport.Transport`
-(MQTT or in-memory) built from the session spec it asks for (last-will presence, retained
-presence + hello as birth messages, subscriptions to ``round``, its model variant and
-``status``), and an on-disk :class:`~edge_client.outbox.Outbox`.
-
-Per round: when a retained round announcement selects this device and its deadline is in
-the future, the device waits for the model variant of its bitwidth group (``float32`` for
-float devices, ``int<s>`` for s-bit integer devices) whose digest matches the announcement,
-loads it, trains locally with the announced hyper-parameters (:mod:`edge_client.hparams`),
-encodes the result per its hardware profile (``codec``/``codec_bits``, unless announced)
-and publishes the :class:`Update` with QoS 1. Announced settings the device cannot honour
-are listed, with the reason, in the update's ``not_applied`` (and logged here).
-The update is written to the outbox first and marked sent once the broker acknowledged it;
-what is still pending is re-sent after a reconnect while the round is open, a sent update
-once more when its round is announced again (a resumed coordinator, a broker back without
-its retained messages), and both are discarded when the round closes.
-
-Nothing here imports torch (a float device's trainer imports it lazily) or ``coordinator``.
+One :class:`DeviceRuntime` per device owns a :class:`~edge_client.transport.Transport`
+(MQTT or in-memory; last-will presence, retained presence + hello, subscriptions to
+``round``, its model variant and ``status``) and an on-disk :class:`~edge_client.outbox.Outbox`.
+When a retained announcement selects it before its deadline, the device waits for its
+bitwidth group's model variant (digest checked), trains with the announced settings
+(:mod:`edge_client.hparams`; those it cannot honour go in the update's ``not_applied``),
+encodes per its profile and publishes the :class:`Update` with QoS 1, outbox first: re-sent
+after a reconnect while the round is open, once more when the round is announced again,
+discarded when it closes. A secure round (``secagg`` announced) hands the update to
+``edge_client.secagg.session``. Nothing here imports torch or ``coordinator``.
 """
 
 from __future__ import annotations
@@ -40,6 +32,7 @@ from edge_client import __version__
 from edge_client.compat import zip_strict
 from edge_client.errors import CodecError, ConfigError, ProtocolError, TrainingError
 from edge_client.hparams import RoundSettings, not_applied_level, round_settings
+from edge_client.jobcheck import CoordinatorCheck
 from edge_client.outbox import Outbox
 from edge_client.protocol import (
     DEFAULT_LIMITS,
@@ -60,6 +53,7 @@ from edge_client.protocol import (
     topic,
     variant_bits,
 )
+from edge_client.secagg.session import SecureSession
 from edge_client.session import SessionWatch
 from edge_client.transport import Received, Transport
 
@@ -262,6 +256,7 @@ class DeviceRuntime:
         #: the open round was announced again (a resumed coordinator, a broker that lost its
         #: retained messages, a reconnect): its sent update goes out once more
         self._announced_again = False
+        self.coordinator_check = CoordinatorCheck(cfg.job, self.log)  # (no coordinator on the job: says so)
         j, d = cfg.job, cfg.device_id
         self.t_presence = topic(j, "presence", d)
         self.t_hello = topic(j, "hello", d)
@@ -269,6 +264,7 @@ class DeviceRuntime:
         self.t_round = topic(j, "round")
         self.t_status = topic(j, "status")
         self.t_model = topic(j, "model", self.variant)
+        self.secure = SecureSession(cfg, self.log)  # the rounds whose announcement says secagg
 
     # ------------------------------------------------------------------ state
 
@@ -296,7 +292,7 @@ class DeviceRuntime:
         return {
             "will": (self.t_presence, offline),
             "birth": birth_messages(self.cfg, int(len(self.data.y))),
-            "subscriptions": [self.t_round, self.t_model, self.t_status],
+            "subscriptions": [self.t_round, self.t_model, self.t_status, self.secure.inbox_topic],
         }
 
     # ------------------------------------------------------------------ loop
@@ -318,8 +314,8 @@ class DeviceRuntime:
         if not ok:
             t.close()
             return 0
-        self.log.info("device %s connected (%s, variant %s)", self.cfg.device_id,
-                      getattr(t, "version", "?"), self.variant)
+        v = str(getattr(t, "version", "") or "?")
+        self.log.info("device %s connected (%s%s, job %s, variant %s)", self.cfg.device_id, "MQTT " * v[0].isdigit(), v, self.cfg.job, self.variant)
         seen_connects = t.connects
         next_resend = 0.0
         idle = False  # True once a work pass found nothing queued: then block in recv
@@ -328,7 +324,8 @@ class DeviceRuntime:
                 if not session.watch(t):
                     self.failure = session.failure
                     break
-                if self.cfg.max_rounds and len(self.rounds_done) >= self.cfg.max_rounds and not self.outbox.pending():
+                if self.cfg.max_rounds and len(self.rounds_done) >= self.cfg.max_rounds and not (
+                        self.outbox.pending() or self.secure.busy):
                     self.log.info("device %s: %d round(s) done, stopping", self.cfg.device_id,
                                   len(self.rounds_done))
                     break
@@ -346,6 +343,7 @@ class DeviceRuntime:
                     self._flush_outbox(self._announced_again)
                     self._announced_again = False
                 self._maybe_train()
+                self.coordinator_check.tick(t, now)
         finally:
             t.close(clear_will=(self.t_presence, encode_message(Presence(self.cfg.device_id, False))))
         return len(self.rounds_done)
@@ -353,7 +351,9 @@ class DeviceRuntime:
     def _handle(self, msg: Received) -> bool:
         """Process one received message; True when the loop should end."""
         try:
-            _, kind, ident = parse_topic(msg.topic)
+            job, kind, ident = parse_topic(msg.topic)
+            if self.coordinator_check.other_job(job, kind, msg.payload):  # (seen while it checks the broker's jobs)
+                return False
             if not msg.payload:  # a cleared retained message
                 if kind == "round":
                     self.announcement = None
@@ -370,12 +370,14 @@ class DeviceRuntime:
             self.coordinator_active = True
             n = self.outbox.discard_closed(m.round_id, keep_newer=same_run)
             if n:
-                self.log.info("discarded %d outbox item(s) of closed rounds", n)
+                self.log.debug("discarded %d outbox item(s) of closed rounds", n)
         elif isinstance(m, ModelMessage) and kind == "model" and ident == m.variant:
             if tensors_digest(m.tensors) != m.digest:  # (what the announcement's digest names)
                 self.log.warning("ignored model on %s: its digest does not match its tensors", msg.topic)
                 return False
             self.models[m.variant] = m
+        elif kind == "secagg-in" and (reply := self.secure.handle(m)) is not None and self.transport is not None:
+            self.transport.publish(self.secure.topic, reply, qos=1, timeout=self.cfg.publish_timeout_s)
         elif isinstance(m, Status) and kind == "status":
             if m.state in ("waiting", "round"):
                 self.coordinator_active = True
@@ -434,10 +436,11 @@ class DeviceRuntime:
         self.last_done = a.round_id
         self.rounds_done.append(a.round_id)
         self._save_last_done(a.round_id)
-        item = self.outbox.put(a.round_id, self.t_update, payload)
+        to = self.secure.topic if "secagg" in a.hparams else self.t_update  # a secure round: its keys
+        item = self.outbox.put(a.round_id, to, payload)
         t = self.transport
         assert t is not None
-        if t.publish(self.t_update, payload, qos=1, timeout=self.cfg.publish_timeout_s):
+        if t.publish(to, payload, qos=1, timeout=self.cfg.publish_timeout_s):
             self.outbox.mark_sent(item)
             self.sent += 1
             self.log.info("round %d: update sent (%d bytes)", a.round_id, len(payload))
@@ -523,6 +526,8 @@ class DeviceRuntime:
         secs = time.perf_counter() - t0
         names = spec.param_names()
         shared = [np.asarray(w, dtype=np.float32) for w in trainer.to_shared()]
+        if "secagg" in a.hparams:  # a secure round: the update goes into the protocol, not on the wire
+            return self.secure.start(a, m, trainer, shared, weights, int(len(self.data.y)))
         delta = st.content == "delta"
         wants = get_codec(st.codec).device_input  # what the uplink codec sends of a device
         ints = trainer.int_weights() if wants == "integers" else None

@@ -39,6 +39,7 @@ WANTED = {
                          ("fedshift_cnn int8 2 threads", "throughput"),
                          ("fedshift_cnn int8 2 threads", "throughput_vs_float"),
                          ("fedshift_cnn int8", "rss"), ("fedshift_cnn int8", "warm_start_s")],
+    "secagg": [("devices", "device_cpu_seconds"), ("devices", "uplink_bytes")],
     "layer_profile": [("fedshift_cnn int8 conv layers", "arithmetic_bound_fraction"),
                       ("fedshift_cnn conv2 forward", "seconds"),
                       ("int8 SIMD rate: ternary_add", "rate")],

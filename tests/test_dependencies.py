@@ -101,9 +101,9 @@ sys.exit(1 if leaked else 0)
 #: announcement may carry, part of the wire format; ``auth``: the credentials format and
 #: the MAC), not its application
 #: ``connection`` and ``logs``: the broker/TLS/logging options and log format both command
-#: lines share
+#: lines share; ``secagg``: secure aggregation's primitives and encoding, both sides'
 COORDINATOR_MAY_USE = {"errors", "protocol", "hparams", "codecs", "intnn", "trainers", "data",
-                       "transport", "auth", "connection", "logs"}
+                       "transport", "auth", "connection", "logs", "secagg"}
 #: the emulator's devices, by design: emulator.py makes their configs, worker.py runs their
 #: real runtimes
 RUNS_DEVICES = {"coordinator/emulation/emulator.py", "coordinator/emulation/worker.py"}

@@ -17,6 +17,7 @@ import numpy as np
 
 from coordinator.devices import Cohort
 from coordinator.emulation.emulator import FleetPlan, derive_seed
+from coordinator.emulation.secure import SecureDevices, drop_phase
 from coordinator.emulation.worker import RoundMessages, one_thread_torch
 from coordinator.fleet import Fleet, Inbound
 from edge_client.errors import ProtocolError
@@ -107,6 +108,7 @@ class _SimRound:
     out: deque = field(default_factory=deque)
     final: bool = False
     report: dict[str, Any] = field(default_factory=dict)
+    secure: SecureDevices | None = None  # a secure round's devices (coordinator.emulation.secure)
 
 
 class EmulatedFleet(Fleet):
@@ -142,6 +144,7 @@ class EmulatedFleet(Fleet):
         self.on_progress = on_progress
         self._shown: Any = None
         self._round: _SimRound | None = None
+        self._identities: dict[str, bytes] = {}  # the devices' secure-aggregation identities
 
     # pass-throughs
     def start(self, timeout: float = 30.0) -> None:
@@ -157,7 +160,15 @@ class EmulatedFleet(Fleet):
         self.inner.flush()
 
     def ack(self, msg: Inbound) -> None:
-        self.inner.ack(msg)
+        if msg.receipt is not None:  # (a secure round's device messages are made here)
+            self.inner.ack(msg)
+
+    def send(self, device_id: str, payload: bytes) -> None:
+        """A secure round's message to one device: its emulated half answers at once."""
+        rnd = self._round
+        reply = rnd.secure.answer(device_id, payload) if rnd is not None and rnd.secure is not None else None
+        if reply is not None:
+            rnd.out.append(Inbound("secagg", device_id, reply, time.monotonic(), f"secagg/{device_id}"))
 
     def close(self) -> None:
         self.inner.close()
@@ -176,9 +187,14 @@ class EmulatedFleet(Fleet):
         self.inner.flush()  # the round is retained before any device connects
         selected = list(ann.selected)
         lost = [d for d in selected if self.links.dropped(d, ann.round_id)]
+        secure = None
+        if "secagg" in ann.hparams:  # lost devices drop at a phase; those past the first train
+            drops = {d: drop_phase(self.links.seed, d, ann.round_id) for d in lost}
+            secure = SecureDevices(ann, self._identities, drops)
+            lost = [d for d in lost if drops[d] == "keys"]
         started = [d for d in selected if d not in lost]
         self._round = _SimRound(ann.round_id, selected, started, lost, {v: len(p) for v, p in models.items()},
-                                dict(ann.hparams), time.monotonic())
+                                dict(ann.hparams), time.monotonic(), secure=secure)
         costs = {d: self.links.compute_seconds(d, self.links.samples(d, ann.hparams)) for d in started}
         self.host.activate(ann.round_id, started, RoundMessages(ann.round_id, dict(models), announcement, status),
                            costs)
@@ -263,7 +279,14 @@ class EmulatedFleet(Fleet):
         else:
             duration = self.deadline_s
         self.sim_time += duration
-        rnd.out.extend(rnd.pending[d][1] for _, d in sorted(chosen, key=lambda x: x[1]))
+        if rnd.secure is None:
+            rnd.out.extend(rnd.pending[d][1] for _, d in sorted(chosen, key=lambda x: x[1]))
+        for _, d in sorted(chosen, key=lambda x: x[1]) if rnd.secure is not None else ():
+            msg = rnd.pending[d][1]
+            self.inner.ack(msg)  # the update stays here: the device's secure half takes it
+            keys = rnd.secure.keys(msg.payload)
+            if keys is not None:
+                rnd.out.append(Inbound("secagg", d, keys[1], time.monotonic(), f"secagg/{d}"))
         failed = sorted(d for d in rnd.started if d not in rnd.pending)
         compute = [rnd.train_seconds.get(d, 0.0) for _, d in chosen]
         rnd.report = {

@@ -30,6 +30,8 @@ A config (``fedbit emulate FILE``; the bundled default is ``coordinator/emulatio
     [cluster]                  # backend = "local" (processes here) | "ray"; address = "auto"
                                # | "host:port" | "ray://host:port" | "local" (a new Ray here)
     [clock]                    # seconds_per_sample = {variant = s}: pin the compute model
+    [privacy]                  # secure aggregation and DP, as fedbit serve's job
+                               # (coordinator.privacy.config)
 
 ``paper = "<name>"`` (``coordinator.emulation.papers``: fedshift, prowd, prowd-fedprox, prowd-grouped,
 prowd-grouped-asym, fedfor, fedwsq) starts from that paper's strategy, its parameters and
@@ -74,6 +76,8 @@ from coordinator.config import (
     read_toml,
 )
 from coordinator.emulation.datasets import DATASETS, NEEDS_PATH, PARTITIONS
+from coordinator.privacy.config import from_table as privacy_config
+from coordinator.privacy.config import schema as privacy_schema
 from edge_client.errors import ConfigError
 
 DEFAULT_CONFIG = Path(__file__).with_name("default.toml")
@@ -94,6 +98,7 @@ SCHEMA = TomlSchema({
               "wall_timeout_s": (_NUM, 600.0), "workers": (int, 0), "parallel": (int, 2)},
     "cluster": {"backend": (str, "local"), "address": (str, "auto")},
     "clock": {"seconds_per_sample": (dict, {})},
+    "privacy": privacy_schema(),
 }, free=("strategy_params", "devices", "codecs", "train", "sweep"))
 
 
@@ -119,6 +124,7 @@ class ExperimentConfig:
     round: dict[str, Any] = field(default_factory=dict)
     cluster: dict[str, Any] = field(default_factory=dict)
     clock: dict[str, Any] = field(default_factory=dict)
+    privacy: dict[str, Any] = field(default_factory=dict)
     sweep: dict[str, list[Any]] = field(default_factory=dict)
     source: str = "<config>"
     #: the paper's settings of the strategy's own stages (``swa.<key>``, ``dequantize.<key>``;
@@ -135,7 +141,8 @@ class ExperimentConfig:
         keys = ("name", "model", "rounds", "seeds", "strategy", "transport", "broker", "target_accuracy", "paper",
                 "on_collapse")
         out: dict[str, Any] = {k: copy.deepcopy(getattr(self, k)) for k in keys}
-        for sec in ("strategy_params", "devices", "codecs", "data", "train", "round", "cluster", "clock", "sweep"):
+        for sec in ("strategy_params", "devices", "codecs", "data", "train", "round", "cluster", "clock", "privacy",
+                    "sweep"):
             out[sec] = copy.deepcopy(getattr(self, sec))
         return out
 
@@ -343,6 +350,10 @@ def _check_values(cfg: ExperimentConfig, bad) -> None:
         build_strategy(cfg.strategy, **cfg.build_params()).device_hparams(cfg.train)
     except ConfigError as exc:
         raise bad("[strategy_params] / [train]", str(exc)) from None
+    try:
+        privacy_config(cfg.privacy).validate(cfg.strategy, cfg.build_params())
+    except ConfigError as exc:
+        raise bad("[privacy]", str(exc)) from None
     if not 0 <= cfg.target_accuracy <= 1:
         raise bad("target_accuracy", f"must be in (0, 1] (0: none), got {cfg.target_accuracy}")
     from coordinator.emulation.analysis import ANALYSIS_KEYS, check_analysis

@@ -28,8 +28,9 @@ from coordinator.emulation.config import ExperimentConfig, parse_codec
 from coordinator.emulation.datasets import DataSplit, partition
 from edge_client.codecs import get_codec
 from edge_client.errors import ConfigError
-from edge_client.protocol import model_variant
+from edge_client.protocol import Update, encode_message, float32_tensor, model_variant, topic
 from edge_client.runtime import DeviceConfig, DeviceRuntime, device_hello
+from edge_client.secagg.session import SecureSession
 from firmware_models import is_model_file
 
 __all__ = ["DeviceGroup", "EmulatedDevice", "FleetPlan", "ListedShards", "SampledShards", "build_fleet",
@@ -58,8 +59,31 @@ class EmulatedDevice:
 
 def device_runtime(cfg: DeviceConfig, data: Any, connect: Any, **kw: Any) -> DeviceRuntime:
     """The real device runtime of one emulated device (``kw``: ``trainer_factory``,
-    ``logger``): this module is the emulator's one door to the device application."""
-    return DeviceRuntime(cfg, data, connect, **kw)
+    ``logger``): this module is the emulator's one door to the device application. Its
+    secure rounds are relayed (:class:`RelaySecure`)."""
+    rt = DeviceRuntime(cfg, data, connect, **kw)
+    rt.secure = RelaySecure(cfg, rt.log)
+    return rt
+
+
+class RelaySecure(SecureSession):
+    """An emulated device's half of a secure round, as far as its worker goes: the update it
+    would mask (exact: an integer device's grid differences as integer-valued float32) goes
+    out on its update topic, and the emulator (``coordinator.emulation.secure``) plays the
+    protocol with it, with the same device code (``edge_client.secagg``)."""
+
+    def __init__(self, cfg: DeviceConfig, log: Any) -> None:
+        super().__init__(cfg, log)
+        self.topic = topic(cfg.job, "update", cfg.device_id)
+
+    def start(self, a: Any, m: Any, trainer: Any, shared: list, start: list, weight: int) -> bytes:
+        self.keep(m, trainer, shared, start, weight)
+        assert self._update is not None
+        layers, _, w = self._update
+        self._update = None
+        tensors = tuple(float32_tensor(np.asarray(x, dtype=np.float32)) for x in layers)
+        return encode_message(Update(self.cfg.device_id, a.round_id, int(w), int(self.cfg.compute_bits), "delta",
+                                     tensors, m.digest), self.cfg.limits)
 
 
 @dataclass(frozen=True)

@@ -76,6 +76,7 @@ from coordinator.emulation.pool import (
 )
 from coordinator.emulation.worker import WorkerSpec
 from coordinator.fleet import Fleet, InProcessFleet, MqttFleet
+from coordinator.privacy.config import from_table as privacy_config
 from edge_client.protocol import FLOAT_VARIANT
 
 log = logging.getLogger("fedbit.emulator")
@@ -157,7 +158,7 @@ class Emulator:
             min_updates=int(rnd["min_updates"]), round_timeout_s=float(rnd["wall_timeout_s"]),
             presence_timeout_s=max(120.0, float(rnd["wall_timeout_s"])), hparams=dict(cfg.train), seed=seed,
             admission=replace(AdmissionConfig(), max_registered=max(n, AdmissionConfig().max_registered)),
-            on_collapse=cfg.on_collapse)
+            on_collapse=cfg.on_collapse, privacy=privacy_config(cfg.privacy))
         broker, inner, relay = self._transport(job)
         info["broker"] = (f"embedded {broker.kind} at {broker.url}" if broker is not None
                           else self.cfg.broker or "in-process hub")

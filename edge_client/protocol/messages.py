@@ -16,6 +16,7 @@ import msgpack
 from edge_client.codecs.registry import CODECS
 from edge_client.codecs.tensor import EncodedTensor
 from edge_client.errors import ProtocolError
+from edge_client.protocol.secure import SECURE_TYPES
 
 PROTOCOL_VERSION = 1
 
@@ -178,6 +179,7 @@ Message = Union[Hello, Presence, RoundAnnouncement, ModelMessage, Update, Status
 MESSAGE_TYPES: dict[str, type] = {
     cls.KIND: cls for cls in (Hello, Presence, RoundAnnouncement, ModelMessage, Update, Status)
 }
+MESSAGE_TYPES.update(SECURE_TYPES)  # secure aggregation's (protocol.secure)
 UPDATE_CONTENTS = frozenset({"weights", "delta"})
 TRAINERS = frozenset({"int", "torch"})
 STATUS_STATES = frozenset({"waiting", "round", "done", "error"})
@@ -220,7 +222,8 @@ def variant_bits(variant: str) -> int:
 TOPIC_ROOT = "fedbit"
 #: ``linktest``: a device's link measurement (``fedbit-edge measure-link``), which no one
 #: subscribes to: the broker acknowledges and drops it
-_TOPIC_KINDS_WITH_ID = frozenset({"presence", "hello", "model", "update", "linktest"})
+#: ``secagg``: a device's secure-aggregation messages, ``secagg-in``: the coordinator's to it
+_TOPIC_KINDS_WITH_ID = frozenset({"presence", "hello", "model", "update", "linktest", "secagg", "secagg-in"})
 _TOPIC_KINDS_PLAIN = frozenset({"round", "status"})
 
 

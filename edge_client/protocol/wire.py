@@ -4,7 +4,7 @@ door for received bytes (:mod:`edge_client.protocol`)."""
 from __future__ import annotations
 
 import math
-from dataclasses import fields
+from dataclasses import fields, is_dataclass
 from typing import Any
 
 import msgpack
@@ -33,6 +33,7 @@ from edge_client.protocol.messages import (
     tensor_to_wire,
     valid_id,
 )
+from edge_client.protocol.secure import SECURE_TYPES, parse_secure
 
 # --------------------------------------------------------------------------- encoding
 
@@ -44,6 +45,8 @@ def _to_wire(value: Any) -> Any:
         return [_to_wire(v) for v in value]
     if isinstance(value, np.generic):
         return value.item()
+    if is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _to_wire(getattr(value, f.name)) for f in fields(value)}
     return value
 
 
@@ -255,6 +258,8 @@ def _read_digest(r: _Reader, key: str, default: Any = ...) -> str:
 
 def _parse(kind: str, r: _Reader) -> Message:
     lim = r.limits
+    if kind in SECURE_TYPES:
+        return parse_secure(kind, r)
     if kind == "hello":
         return Hello(
             device_id=r.device_id("device_id"), profile=r.str("profile", empty=False),
