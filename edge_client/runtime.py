@@ -56,6 +56,7 @@ from edge_client.protocol import (
 from edge_client.secagg.session import SecureSession
 from edge_client.session import SessionWatch
 from edge_client.transport import Received, Transport
+from hw_profiles import HardwareProfile
 
 if TYPE_CHECKING:
     from edge_client.trainers import Trainer
@@ -166,7 +167,7 @@ class DeviceConfig:
     threads: int = 1
 
     @classmethod
-    def from_profile(cls, device_id: str, profile: Any, **kw: Any) -> DeviceConfig:
+    def from_profile(cls, device_id: str, profile: HardwareProfile, **kw: Any) -> DeviceConfig:
         """From a :class:`hw_profiles.HardwareProfile`."""
         kw.setdefault("kmeans_method", getattr(profile, "kmeans_method", "fast"))
         kw.setdefault("threads", getattr(profile, "threads", 1))
