@@ -31,16 +31,21 @@ def weights(payload: bytes) -> tuple[Update, list[np.ndarray]]:
 
 
 def test_attack_settings_are_checked() -> None:
+    from coordinator.emulation.config import from_dict
+
     assert not AttackConfig().active and AttackConfig(fraction=0.1).active
+    base = {"devices": {"raspberry-pi-4": 2}}
     for bad, why in (({"devices": ["a"], "fraction": 0.5}, "not both"), ({"kind": "krum"}, "kind"),
                      ({"factor": float("inf")}, "factor"), ({"from_round": 0}, "from_round"),
-                     ({"devices": ["bad id"]}, "devices"), ({"fraction": 2}, "fraction"), ({"nope": 1}, "unknown")):
-        with pytest.raises(ConfigError, match=why):
-            AttackConfig.from_table(bad, "x.toml")
+                     ({"devices": ["bad id"]}, "devices"), ({"fraction": 2}, "fraction"), ({"nope": 1}, "unknown"),
+                     ({"kind": "noise", "factor": -1.0}, "factor")):
+        with pytest.raises(ConfigError, match=f"x.toml: attack.*{why}"):
+            from_dict(base | {"attack": bad}, "x.toml")
+    assert from_dict(base | {"attack": {"kind": "scale", "factor": -100.0}}, "x").attack.factor == -100.0
     plan = SimpleNamespace(locate=lambda d: {"pi-0": 0, "pi-1": 1}[d], device_id=lambda i: f"pi-{i}")
     with pytest.raises(ConfigError, match="not a device of the fleet"):
-        AttackConfig(devices=("pi-7",)).attackers(plan, 0)
-    assert AttackConfig(devices=("pi-1",)).attackers(plan, 0) == {"pi-1"}
+        AttackConfig(devices=["pi-7"]).attackers(plan, 0)
+    assert AttackConfig(devices=["pi-1"]).attackers(plan, 0) == {"pi-1"}
 
 
 def test_each_kind_rewrites_the_update_as_documented() -> None:

@@ -134,14 +134,22 @@ def test_a_round_larger_than_the_hold_is_bounded_by_the_medians_so_far() -> None
     assert list(guarded.bounded) == ["evil"] and guarded._buffers.allocated <= 2  # decode buffers reused
 
 
-def test_defense_settings_are_checked() -> None:
-    for bad in ({"norm_bound": 1.0}, {"norm_bound": -1}, {"sample_bound": 0.5}, {"hold": 0},
-                {"strikes": 6, "window": 5}, {"norm_bound": float("nan")}):
-        with pytest.raises(ConfigError, match="defense"):
-            DefenseConfig(**bad)
-    with pytest.raises(ConfigError, match="defense.nope: unknown key"):
-        DefenseConfig.from_table({"nope": 1}, "job.toml")
-    assert DefenseConfig.from_table({"norm_bound": 0}, "x").norm_bound == 0
+def test_defense_settings_are_checked(tmp_path) -> None:
+    from coordinator.job import load_job
+
+    for bad, why in (({"norm_bound": 1.0}, "norm_bound: must be > 1"), ({"norm_bound": -1}, "norm_bound"),
+                     ({"sample_bound": 0.5}, "sample_bound"), ({"hold": 0}, "hold"),
+                     ({"strikes": 6, "window": 5}, "strikes"), ({"norm_bound": float("nan")}, "norm_bound")):
+        with pytest.raises(ConfigError, match=why):
+            DefenseConfig(**bad).check()
+    job = tmp_path / "job.toml"
+    job.write_text('out = "run"\n[defense]\nnorm_bound = 0.5\n')
+    with pytest.raises(ConfigError, match="job.toml: defense.norm_bound: must be > 1"):
+        load_job(job)
+    job.write_text('out = "run"\n[defense]\nnope = 1\n')
+    with pytest.raises(ConfigError, match="job.toml: defense.nope: unknown key"):
+        load_job(job)
+    assert load_job(None, {"out": "r", "defense.norm_bound": 0, "round.ack_timeout_s": 2}).server.defense.norm_bound == 0
 
 
 def test_reputation_quarantines_after_strikes_and_the_operator_releases(tmp_path, capsys) -> None:

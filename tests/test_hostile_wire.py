@@ -217,7 +217,7 @@ def test_a_broker_that_dies_is_started_again_and_the_round_goes_on(mosquitto_bin
             broker.kill()  # mid-round, before any update of it
         return True, good(threading.current_thread().name, r, model)
 
-    devs = []
+    devs, co = [], None
     try:
         for d in ("a", "b"):
             dev = Device(broker.url, d, script)
@@ -231,4 +231,6 @@ def test_a_broker_that_dies_is_started_again_and_the_round_goes_on(mosquitto_bin
     finally:
         for d in devs:
             d.close()
+        if co is not None:
+            co.fleet.close()
         broker.stop()

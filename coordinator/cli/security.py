@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the commands import lazily: a fast --help
+    from coordinator.job import ServeJob
 
 
 def add_security_commands(sub: Any) -> None:
@@ -80,7 +83,7 @@ def add_security_commands(sub: Any) -> None:
 
 
 
-def serve_broker(job: Any, max_packet: int) -> tuple[Any, dict[str, Any]]:
+def serve_broker(job: ServeJob, max_packet: int) -> tuple[Any, dict[str, Any]]:
     """The broker ``fedbit serve`` talks to (``job``: a :class:`~coordinator.job.ServeJob`):
     (the embedded one it started, or None; MqttFleet's ``url``/``username``/``password``/
     ``tls``/``client_id`` plus ``enrolment``, the job's registry path or "" when devices

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
-from typing import Any
+from dataclasses import dataclass
 
 from edge_client.errors import ConfigError
 
@@ -24,6 +23,8 @@ class DefenseConfig:
     - ``strikes`` / ``window``: a device with ``strikes`` rounds of norm-bounded or refused
       updates among its last ``window`` rounds is quarantined until the operator releases
       it (``strikes`` 0: never).
+
+    ``check()`` raises ``ConfigError("key: why")`` (a loader adds the file and section).
     """
 
     norm_bound: float = 3.0
@@ -32,38 +33,19 @@ class DefenseConfig:
     strikes: int = 3
     window: int = 5
 
-    def __post_init__(self) -> None:
+    def check(self) -> None:
         for name in ("norm_bound", "sample_bound"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v < 0:
-                raise ConfigError(f"defense.{name}: must be a number >= 0 (0: off), got {v!r}")
+                raise ConfigError(f"{name}: must be a number >= 0 (0: off), got {v!r}")
         if 0 < self.norm_bound <= 1:
-            raise ConfigError(f"defense.norm_bound: must be > 1 (the median update itself is never bounded) "
+            raise ConfigError(f"norm_bound: must be > 1 (the median update itself is never bounded) "
                               f"or 0 (off), got {self.norm_bound}")
         if 0 < self.sample_bound < 1:
-            raise ConfigError(f"defense.sample_bound: must be >= 1 or 0 (off), got {self.sample_bound}")
+            raise ConfigError(f"sample_bound: must be >= 1 or 0 (off), got {self.sample_bound}")
         for name, lo in (("hold", 1), ("strikes", 0), ("window", 1)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-                raise ConfigError(f"defense.{name}: must be an integer >= {lo}, got {v!r}")
+                raise ConfigError(f"{name}: must be an integer >= {lo}, got {v!r}")
         if self.strikes > self.window:
-            raise ConfigError(f"defense.strikes: {self.strikes} can never happen in a window of {self.window} rounds")
-
-    @classmethod
-    def schema(cls) -> dict[str, tuple[Any, Any]]:
-        """``{key: (types, default)}`` for a config schema's ``[defense]`` section."""
-        d = cls()
-        return {f.name: ((int, float) if isinstance(getattr(d, f.name), float) else int, getattr(d, f.name))
-                for f in fields(cls)}
-
-    @classmethod
-    def from_table(cls, table: dict[str, Any], source: str = "<config>") -> DefenseConfig:
-        """A validated config from a ``[defense]`` table; ConfigError naming ``source``."""
-        known = {f.name for f in fields(cls)}
-        for key in table:
-            if key not in known:
-                raise ConfigError(f"{source}: defense.{key}: unknown key (known: {sorted(known)})")
-        try:
-            return cls(**table)
-        except ConfigError as exc:
-            raise ConfigError(f"{source}: {exc}") from None
+            raise ConfigError(f"strikes: {self.strikes} can never happen in a window of {self.window} rounds")

@@ -15,7 +15,7 @@ device's update under secure aggregation, and DP with per-group models.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 from edge_client.errors import ConfigError
@@ -112,19 +112,6 @@ class PrivacyConfig:
                               f"updates, which the coordinator must not see")
         if combiner in _NEEDS_SINGLE:
             raise ConfigError(f"{why} with strategy {strategy!r}: {_NEEDS_SINGLE[combiner]}")
-
-
-def from_table(table: dict[str, Any]) -> PrivacyConfig:
-    """The section's validated table (``TomlSchema.validate``) as a :class:`PrivacyConfig`."""
-    return PrivacyConfig(**{k: float(x) if isinstance(x, int) and not isinstance(x, bool)
-                            and isinstance(getattr(PrivacyConfig, k), float) else x for k, x in table.items()})
-
-
-def schema() -> dict[str, tuple[Any, Any]]:
-    """The section's keys with their TOML types and defaults (the job's and the experiments' schema)."""
-    d = PrivacyConfig()
-    types = {bool: bool, int: int, float: (int, float), str: str}
-    return {f.name: (types[type(getattr(d, f.name))], getattr(d, f.name)) for f in fields(PrivacyConfig)}
 
 
 #: ``fedbit serve`` flags: (flag, dotted key, argparse keyword arguments)

@@ -10,6 +10,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
+from edge_client.codecs.tensor import EncodedTensor, packed_length
 from edge_client.errors import ProtocolError
 from edge_client.protocol.messages import (
     CODEC_BITS,
@@ -21,7 +22,6 @@ from edge_client.protocol.messages import (
     STATUS_STATES,
     TRAINERS,
     UPDATE_CONTENTS,
-    EncodedTensor,
     Hello,
     Limits,
     Message,
@@ -30,7 +30,6 @@ from edge_client.protocol.messages import (
     RoundAnnouncement,
     Status,
     Update,
-    packed_length,
     tensor_to_wire,
     valid_id,
 )
