@@ -1,8 +1,9 @@
 """How far one update may move the model: norm bounds relative to robust statistics.
 
 An update's movement is ``Δ = x - g`` (``x`` itself for a delta update) over every layer;
-a bound ``B`` scales it by ``s = min(1, B / ‖Δ‖)`` (:func:`clip_factor`): the update then
-moves the model at most ``B``, in its own direction. Two ways to set ``B``, one interface
+a bound ``B`` scales it by ``s = min(1, B / ‖Δ‖)`` (:func:`clip_factor`: differential
+privacy's, ``coordinator.privacy.dp``, as is :class:`QuantileBound`'s step): the update
+then moves the model at most ``B``, in its own direction. Two ways to set ``B``, one interface
 (:class:`NormBound`: ``observe`` each norm of the round, ``bound()`` now, ``end_round``):
 
 - :class:`MedianBound`: ``k`` times the median of the round's norms so far (a running
@@ -26,6 +27,11 @@ from typing import Protocol
 import numba
 import numpy as np
 
+from coordinator.privacy.dp import adapt_clip, clip_factor
+
+__all__ = ["MedianBound", "NormBound", "QuantileBound", "RunningMedian", "bites", "clip_factor", "sq_distance",
+           "update_norm"]
+
 
 class NormBound(Protocol):
     """A norm bound that learns from the norms it is shown (see the module docstring)."""
@@ -38,14 +44,6 @@ class NormBound(Protocol):
 
     def end_round(self) -> None:
         """The round is over."""
-
-
-def clip_factor(norm: float, bound: float) -> float:
-    """``min(1, bound / norm)``: the scale that brings ``norm`` within ``bound`` (1 for a
-    zero norm or an infinite bound)."""
-    if not norm > bound or not math.isfinite(bound):
-        return 1.0
-    return bound / norm
 
 
 @numba.njit(cache=True, nogil=True)
@@ -160,5 +158,5 @@ class QuantileBound:
         caller measured it (a noised one, under differential privacy), else this round's."""
         b = self.fraction_below() if fraction_below is None else float(fraction_below)
         if math.isfinite(b):
-            self._bound *= math.exp(-self.lr * (b - self.target))
+            self._bound = adapt_clip(self._bound, b, 1, quantile=self.target, lr=self.lr)
         self._n = self._below = 0
