@@ -15,7 +15,7 @@ naming the file and the key; ``examples/job.toml`` shows every section)::
     [strategy_params]           # build_strategy(strategy, **strategy_params)
     [train]                     # announced to devices (edge_client.hparams), over epochs = 1, batch = 32
     [round]                     # fraction, min_devices, max_devices, min_present, quorum,
-                                # min_updates, timeout_s, presence_timeout_s
+                                # min_updates, timeout_s, presence_timeout_s, ack_timeout_s
     [broker]                    # url (an external broker) or the embedded one: embedded,
                                 # port, listen, security, security_dir, hostnames; the
                                 # connection: credentials, mqtt_version, username,
@@ -25,6 +25,8 @@ naming the file and the key; ``examples/job.toml`` shows every section)::
     [limits]                    # max_payload_bytes, max_abs_value
     [log]                       # json, level, quiet
     [dashboard]                 # listen ([HOST:]PORT; empty: none), password_file
+    [defense]                   # norm_bound, sample_bound, hold, strikes, window
+                                # (coordinator.defense.config)
     [privacy]                   # secure_aggregation, mechanism, clip, noise_multiplier,
                                 # target_epsilon, delta, ... (coordinator.privacy.config)
 
@@ -51,6 +53,7 @@ from coordinator.config import (
     parse_assignments,
     read_toml,
 )
+from coordinator.defense.config import DefenseConfig
 from coordinator.ops.admission import AdmissionConfig
 from coordinator.ops.dashboard.access import parse_address
 from coordinator.privacy.config import FLAGS as PRIVACY_FLAGS
@@ -108,6 +111,7 @@ class JobRound:
     min_updates: int = _S.min_updates
     timeout_s: float = _S.round_timeout_s
     presence_timeout_s: float = _S.presence_timeout_s
+    ack_timeout_s: float = _S.ack_timeout_s
 
 
 @dataclass
@@ -218,6 +222,7 @@ class ServeJob:
 SCHEMA = TomlSchema.of({
     "": JobSettings, "round": JobRound, "broker": BrokerSettings, "admission": AdmissionConfig,
     "limits": LimitSettings, "log": LogSettings, "dashboard": DashboardSettings, "privacy": PrivacyConfig,
+    "defense": DefenseConfig,
 }, free=("strategy_params", "train"))
 
 
@@ -234,7 +239,8 @@ def job_from_dict(raw: dict[str, Any], source: str) -> ServeJob:
         max_devices=rnd.max_devices, min_present=rnd.min_present, quorum=float(rnd.quorum),
         min_updates=rnd.min_updates, round_timeout_s=float(rnd.timeout_s),
         presence_timeout_s=float(rnd.presence_timeout_s), hparams=hparams, seed=top.seed,
-        limits=lim.limits(), admission=s["admission"], on_collapse=top.on_collapse, privacy=s["privacy"])
+        limits=lim.limits(), admission=s["admission"], on_collapse=top.on_collapse, privacy=s["privacy"],
+        ack_timeout_s=float(rnd.ack_timeout_s), defense=s["defense"])
     try:
         cfg.validate()
     except ConfigError as exc:

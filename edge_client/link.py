@@ -72,11 +72,7 @@ def choose_codec(profile: HardwareProfile, num_params: int, link: LinkMeasuremen
     throughput + latency) fits ``budget_s``; the coarsest when none fits."""
     if budget_s <= 0:
         raise ConfigError(f"budget_s: must be > 0, got {budget_s}")
-    own = (profile.codec, profile.codec_bits)
-    if profile.codec == "int":
-        own = ("int", max(profile.compute_bits, 8))
-    elif profile.codec == "float32":
-        own = ("float32", 32)
+    own = (profile.codec, profile.codec_bits)  # a loaded profile's own uplink (int: its grid)
     candidates = [own if c == "own" else (c, b) for c, b in LADDER]
     est = []
     for codec, bits in candidates:

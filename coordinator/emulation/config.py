@@ -32,6 +32,10 @@ A config (``fedbit emulate FILE``; the bundled default is ``coordinator/emulatio
     [clock]                    # seconds_per_sample = {variant = s}: pin the compute model
     [privacy]                  # secure aggregation and DP, as fedbit serve's job
                                # (coordinator.privacy.config)
+    [defense]                  # the round loop's poisoning defense (coordinator.defense.config):
+                               # norm_bound, sample_bound, hold, strikes, window
+    [attack]                   # emulated attackers (coordinator.emulation.attack): devices
+                               # or fraction, kind, factor, from_round
 
 ``paper = "<name>"`` (``coordinator.emulation.papers``: fedshift, prowd, prowd-fedprox, prowd-grouped,
 prowd-grouped-asym, fedfor, fedwsq) starts from that paper's strategy, its parameters and
@@ -76,6 +80,8 @@ from coordinator.config import (
     read_toml,
     section_keys,
 )
+from coordinator.defense.config import DefenseConfig
+from coordinator.emulation.attack import AttackConfig
 from coordinator.emulation.sections import (
     ClockSettings,
     ClusterSettings,
@@ -119,6 +125,9 @@ class ExperimentConfig:
     cluster: ClusterSettings = field(default_factory=ClusterSettings)
     clock: ClockSettings = field(default_factory=ClockSettings)
     privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
+    #: the round loop's poisoning defense (``[defense]``), and emulated attackers (``[attack]``)
+    defense: DefenseConfig = field(default_factory=DefenseConfig)
+    attack: AttackConfig = field(default_factory=AttackConfig)
     sweep: dict[str, list[Any]] = field(default_factory=dict)
     source: str = field(default="<config>", metadata={"file": False})
     #: the paper's settings of the strategy's own stages (``swa.<key>``, ``dequantize.<key>``;
@@ -142,7 +151,7 @@ class ExperimentConfig:
 
 #: the file's sections with fixed keys, and the free tables
 SECTIONS = {"data": DataSettings, "round": RoundSettings, "cluster": ClusterSettings, "clock": ClockSettings,
-            "privacy": PrivacyConfig}
+            "privacy": PrivacyConfig, "defense": DefenseConfig, "attack": AttackConfig}
 FREE = ("strategy_params", "devices", "codecs", "train", "sweep")
 SCHEMA = TomlSchema.of(
     {"": section_keys(ExperimentConfig, exclude=(*SECTIONS, *FREE)), **SECTIONS},
@@ -303,6 +312,8 @@ def _check_values(cfg: ExperimentConfig, bad) -> None:
     checked(cfg.round, "round", cfg.source)
     checked(cfg.cluster, "cluster", cfg.source)
     checked(cfg.clock, "clock", cfg.source)
+    checked(cfg.defense, "defense", cfg.source)
+    checked(cfg.attack, "attack", cfg.source)
     for key, t in cfg.train.items():
         if isinstance(t, dict | list):
             raise bad(f"train.{key}", "must be a number, boolean or string")
@@ -339,7 +350,8 @@ def _check_values(cfg: ExperimentConfig, bad) -> None:
 
 def _check_profiles(cfg: ExperimentConfig, bad) -> None:
     """Every ``[devices]`` profile loads (a bundled name or a TOML file) and takes its
-    ``[codecs]`` override (codec ``int`` only on an integer device)."""
+    ``[codecs]`` override (an integer-only codec, ``int``, only on an integer device)."""
+    from edge_client.codecs import get_codec
     from hw_profiles import load_profile
 
     for name in cfg.devices:
@@ -347,9 +359,9 @@ def _check_profiles(cfg: ExperimentConfig, bad) -> None:
             prof = load_profile(name)
         except ValueError as exc:
             raise bad(f"devices.{name}", str(exc)) from None
-        if name in cfg.codecs and parse_codec(cfg.codecs[name], f"codecs.{name}", bad)[0] == "int" \
-                and prof.trainer != "int":
-            raise bad(f"codecs.{name}", "codec 'int' needs an integer device")
+        codec = parse_codec(cfg.codecs[name], f"codecs.{name}", bad)[0] if name in cfg.codecs else None
+        if codec is not None and get_codec(codec).integer_only and prof.trainer != "int":
+            raise bad(f"codecs.{name}", f"codec {codec!r} needs an integer device")
 
 
 def parse_codec(spec: Any, key: str = "codec", bad=None) -> tuple[str, int]:

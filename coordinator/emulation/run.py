@@ -157,7 +157,7 @@ class Emulator:
             min_updates=rnd.min_updates, round_timeout_s=float(rnd.wall_timeout_s),
             presence_timeout_s=max(120.0, float(rnd.wall_timeout_s)), hparams=dict(cfg.train), seed=seed,
             admission=replace(AdmissionConfig(), max_registered=max(n, AdmissionConfig().max_registered)),
-            on_collapse=cfg.on_collapse, privacy=cfg.privacy)
+            on_collapse=cfg.on_collapse, privacy=cfg.privacy, defense=cfg.defense)
         broker, inner, relay = self._transport(job)
         info["broker"] = (f"embedded {broker.kind} at {broker.url}" if broker is not None
                           else self.cfg.broker or "in-process hub")
@@ -239,6 +239,8 @@ class Emulator:
         url = self.cfg.broker
         if not url:
             broker = start_embedded_broker()
+            if hasattr(broker, "keep_alive"):  # (mosquitto: started again should it die)
+                broker.keep_alive()
             url = broker.url
         inner = MqttFleet(url, job, client_id=f"fedbit-coordinator-{job}-{self.seed}", username="fedbit-coordinator")
         return broker, inner, MqttTransport(url, f"fedbit-emulator-{job}-{self.seed}")
@@ -257,10 +259,11 @@ class Emulator:
             "seconds_per_sample": sps, "calibrated": sorted(measured),
             "profiles": {g.profile.name: {"count": g.count, **{k: v for k, v in asdict(g.profile).items()
                                                                if k != "notes"}} for g in plan.groups},
-            "fleet_size": n,
+            "fleet_size": n, "attackers": sorted(plan.attackers)[:1000],
             "devices": [{"id": d.device_id, "profile": d.profile.name, "variant": d.variant,
                          "codec": f"{d.config.codec}-{d.config.codec_bits}", "inferior": d.inferior,
-                         "samples": len(d.shard), "class_counts": counts[i].tolist()}
+                         "samples": len(d.shard), "class_counts": counts[i].tolist(),
+                         **({"attacker": True} if d.attack is not None else {})}
                         for i, d in enumerate(devices)],
         }
 

@@ -67,7 +67,7 @@ class SecureSession:
         from edge_client.codecs import decode
         from edge_client.intnn import storage_grid_bits
 
-        ints = trainer.int_weights() if self.cfg.trainer == "int" and hasattr(trainer, "int_weights") else None
+        ints = trainer.int_weights() if self.cfg.trainer == "int" else None  # the Trainer protocol's
         if ints is not None:
             layers = [q.astype(np.int64) - decode(t).astype(np.int64) for q, t in zip(ints, m.tensors)]
             self._update = (layers, int(storage_grid_bits(self.cfg.compute_bits)), int(weight))
