@@ -82,7 +82,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="fedbit-evalshare-") as tmp:
         for name, pick, label in cases:
             cfg = one_combination(name, pick, args.quick)
-            old = replace(cfg, data=cfg.data | {"validation": 0.0})
+            old = replace(cfg, data=replace(cfg.data, validation=0.0))
             a_share, a_round, *_ = share(old, Path(tmp) / f"{name}-old")
             n_share, n_round, rounds, first, last = share(cfg, Path(tmp) / f"{name}-new")
             case = f"{name} {label}, {rounds} rounds, seed 0" + (" (quick: digits)" if args.quick else "")

@@ -42,6 +42,7 @@ import shutil
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -212,7 +213,7 @@ def estimate(cfg: Any, rounds: int, out: Path) -> dict[str, Any]:
             per_seed *= 1.0 + sum(timed[(k, i)][key] / base for i in range(1, len(cfg.sweep[k])))
         out_est[key] = per_seed * (len(cfg.seeds) + tuning_runs)
     return {"combinations": len(combos), "seeds": len(cfg.seeds), "tuning_runs_per_combination": tuning_runs,
-            "rounds": cfg.rounds, "plateau_stop": bool(cfg.stop.get("plateau")),
+            "rounds": cfg.rounds, "plateau_stop": bool(cfg.stop.plateau),
             "timed_runs": len(plan), "estimated_h": round(out_est["run_s"] / 3600, 2),
             "estimated_cpu_h": round(out_est["run_cpu_s"] / 3600, 2),
             "timed": [{"dimension": d, "value": (cfg.sweep[d][i].get("label") if isinstance(cfg.sweep[d][i], dict)
@@ -265,8 +266,7 @@ def main() -> int:
         clocks = _clock(models, args.calibrate, bool(args.names) or args.estimate is not None)
     estimates = {}
     for path, cfg in configs.items():
-        cfg.clock = {"seconds_per_sample": dict(clocks[cfg.model])} | {
-            k: v for k, v in cfg.clock.items() if k != "seconds_per_sample"}
+        cfg.clock = replace(cfg.clock, seconds_per_sample=dict(clocks[cfg.model]))
         t0 = time.monotonic()
         out = args.out / path.stem
         if out.exists() and not (args.resume and args.estimate is None):

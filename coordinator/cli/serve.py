@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the commands import lazily: a fast --help
+    from coordinator.job import ServeJob
 
 
 def add_serve_command(sub: Any) -> None:
@@ -125,7 +128,7 @@ def _serve(args: argparse.Namespace, point: Any) -> int:
             broker.stop()
 
 
-def _security_dir(job: Any) -> str:
+def _security_dir(job: ServeJob) -> str:
     """The job's security folder, as :func:`~coordinator.cli.security.serve_broker` finds it."""
     from pathlib import Path
 

@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import asdict
 from typing import Any
 
 from coordinator.emulation.analysis import LAST_ROUNDS
+from coordinator.emulation.sections import StopSettings
 
-#: ``[stop]``'s keys and defaults (coordinator.emulation.config validates them)
-STOP_DEFAULTS: dict[str, Any] = {"plateau": False, "window": 5, "min_delta": 0.005, "min_rounds": 10}
+#: ``[stop]``'s keys and defaults (coordinator.emulation.sections.StopSettings)
+STOP_DEFAULTS: dict[str, Any] = asdict(StopSettings())
 
 
 def run_curve(records: Sequence[Mapping[str, Any]], key: str = "val_accuracy") -> list[float]:
