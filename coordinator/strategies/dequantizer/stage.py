@@ -11,13 +11,13 @@ Per round (the strategy calls the hooks):
   rung up, when that version's held-out check passed for the layer and rung; every other
   layer (and every update while no version is ready) passes through unchanged: plain
   dequantization;
-- ``end_round``: the round's models join the pool (last ``pool_rounds`` rounds) and a new
-  version is trained in a background thread while the next round runs. The version
-  trained after round r is put in use at the end of round r + 1 (waiting for it there if
-  it has not finished) and applied from round r + 2 on, so which version a round applies
-  never depends on wall-clock time: the same seeds give the same run. With
-  ``background = false`` it is trained in the caller at the end of round r and applied
-  from round r + 1.
+- ``end_round``: the round's models join the pool (last ``pool_rounds`` rounds) and, every
+  ``train_every`` rounds, a new version is trained in a background thread while the next
+  rounds run. The version trained after round r is put in use at the end of round r +
+  ``train_every`` (waiting for it there if it has not finished; the next training starts
+  then) and applied from the round after, so which version a round applies never depends
+  on wall-clock time: the same seeds give the same run. With ``background = false`` it is
+  trained in the caller at the end of round r and applied from round r + 1.
 
 Held out: the most recent round's models (the pool's older rounds are trained on); with
 one round in the pool, its last model.
@@ -162,6 +162,7 @@ class ProwdDequantizer:
         self._next_number = 1
         self._failures = 0
         self._thread: threading.Thread | None = None  # the background training not yet put in use
+        self._started = -(1 << 30)  # the round after which the last training started
         self._trained: list[Version | SliceVersion | None] = []  # what it left (empty: nothing, stopped)
         self._pool: list[RoundData] = []
         self._round: RoundData | None = None
@@ -281,13 +282,15 @@ class ProwdDequantizer:
             self._pool = self._pool[-self.cfg.pool_rounds:]
         stats = self.stats()
         self._round = None
-        self._put_in_use()
-        self._start_training()
+        r = self._pool[-1].round_id if self._pool else 0
+        if r - self._started >= self.cfg.train_every:
+            self._put_in_use()
+            self._start_training()
         return stats
 
     def _put_in_use(self) -> None:
-        """The background training started at the end of the previous round, waited for
-        and put in use (its version; None after a failure): the next round applies it."""
+        """The background training started ``train_every`` rounds ago, waited for and put
+        in use (its version; None after a failure): the next round applies it."""
         t, self._thread = self._thread, None
         if t is None:
             return
@@ -391,6 +394,7 @@ class ProwdDequantizer:
         if split is None:
             return
         number, self._next_number = self._next_number, self._next_number + 1
+        self._started = self._pool[-1].round_id
         job = (split, number, self._pool[-1].round_id, self._layout, self._version)
         if not self.cfg.background:
             self._train(*job)
