@@ -75,6 +75,9 @@ def add_security_commands(sub: Any) -> None:
                         "password: passwords and the ACL without TLS (a trusted network only)")
     p.add_argument("--max-payload", type=int, default=0, metavar="BYTES",
                    help="largest update (the broker's max_packet_size is this plus 64 KiB)")
+    p.add_argument("--ingest-workers", type=int, default=0, metavar="N",
+                   help="users for fedbit serve --ingest-workers N (fedbit-coordinator-ingest-<i>: the "
+                        "coordinator's password, read access to the updates)")
     default_cap(p)
     p.set_defaults(func=_cmd_broker_config)
 
@@ -137,6 +140,7 @@ def serve_broker(job: Any, max_packet: int) -> tuple[Any, dict[str, Any]]:
         return jb, {"url": jb.coordinator_url, "username": COORDINATOR_USER, "password": None,
                     "tls": None, "enrolment": "", "watch_jobs": True}
     check_caps(sec, job.server.admission)
+    sec.set_ingest_workers(getattr(job, "ingest_workers", 0))  # their users in the password files and ACL
     jb = start_job_broker(host, port, security=mode, job_security=sec, hosts=b.hostnames or None,
                           workdir=out / "broker", prefer=b.embedded, max_packet_size=max_packet)
     info = sec.job_info()
@@ -339,6 +343,7 @@ def _cmd_broker_config(args: argparse.Namespace) -> int:
         if tls:
             sec.ensure_server_cert(hosts)
         sec.save_job_info(url, tls, default_max_samples=args.default_max_samples)
+        sec.set_ingest_workers(max(0, args.ingest_workers))
         sec.coordinator(url, tls=tls)
         for dev, ms in rows:
             sec.enroll(dev, broker=url, max_samples=ms)
