@@ -56,21 +56,22 @@ def update_payload(dev: str, key: bytes, round_id: int, tensors: tuple, digest: 
 
 
 class ModelCopy:
-    """One load process's checked copy of each model message (by length): the first
-    device to receive it buffers, decodes and checks its digest; the others compare."""
+    """One load process's checked copy of each model message (by topic, length and first
+    4 KiB, which hold its round): the first device to receive it buffers, decodes and
+    checks its digest; the others compare."""
 
     SAMPLE = 4096
 
     def __init__(self) -> None:
-        self.ref: dict[tuple[str, int], asyncio.Future] = {}
+        self.ref: dict[tuple[str, int, bytes], asyncio.Future] = {}
 
     def samples(self, data: bytes | bytearray) -> tuple[bytes, bytes, bytes]:
         n, s = len(data), self.SAMPLE
         return bytes(data[:s]), bytes(data[n // 2:n // 2 + s]), bytes(data[-s:])
 
-    def reference(self, topic: str, n: int) -> tuple[asyncio.Future, bool]:
+    def reference(self, topic: str, n: int, head: bytes) -> tuple[asyncio.Future, bool]:
         """(the future of the checked copy of this model, whether the caller must make it)."""
-        key = (topic, n)
+        key = (topic, n, head)
         fut = self.ref.get(key)
         if fut is None:
             self.ref = {k: f for k, f in self.ref.items() if k[0] != topic}  # a new model on the topic
@@ -83,15 +84,18 @@ class ModelSink:
     """A device's download of one model message (``AsyncMqtt.on_large``)."""
 
     def __init__(self, device: SimDevice, topic: str, n: int) -> None:
-        self.device, self.n = device, n
-        self.fut, self.owner = device.ctx.copies.reference(topic, n)
-        self.buf = bytearray() if self.owner else None
+        self.device, self.topic, self.n = device, topic, n
+        self.fut: asyncio.Future | None = None
+        self.buf: bytearray | None = None
         self.got = 0
         self.heads: list[bytes] = []
         self.mid = b""
         self.tail = bytearray()
 
     def feed(self, chunk: bytes) -> None:
+        if self.fut is None:  # the first chunk (64 KiB) names the model
+            self.fut, owner = self.device.ctx.copies.reference(self.topic, self.n, bytes(chunk[:ModelCopy.SAMPLE]))
+            self.buf = bytearray() if owner else None
         if self.buf is not None:
             self.buf += chunk
         else:  # keep only the three samples
@@ -114,7 +118,7 @@ class ModelSink:
         if self.buf is not None:
             m = decode_message(bytes(self.buf))
             ok = tensors_digest(m.tensors) == m.digest
-            if not self.fut.done():
+            if not self.fut.done():  # (one owner per copy)
                 self.fut.set_result((m.round_id, m.digest, copies.samples(self.buf)) if ok else None)
             ref = self.fut.result()
         else:
