@@ -19,20 +19,20 @@ import numpy as np
 from _mqtt_async import AsyncMqtt, MqttError
 
 JOB = "load"
-MODEL = "fedshift_cnn"
+MODEL = "fedshift_cnn"  # (--model)
 SAMPLES = 100  # each device's num_samples
 
 # --------------------------------------------------------------------------- payloads
 
 
-def update_tensors(bits: int, seed: int = 0, distinct: int = 4) -> list[tuple]:
+def update_tensors(bits: int, model: str = MODEL, seed: int = 0, distinct: int = 4) -> list[tuple]:
     """``distinct`` sets of ASYM-``bits`` ``fedshift_cnn`` update tensors (initial weights
     plus noise), re-used by every device (payloads differ by device id, round and MAC)."""
     from edge_client.codecs import encode
     from edge_client.intnn import init_shared
     from firmware_models import get_spec
 
-    spec = get_spec(MODEL)
+    spec = get_spec(model)
     base, names = init_shared(spec, seed), spec.param_names()
     rng = np.random.default_rng(seed)
     out = []
@@ -138,7 +138,7 @@ class LoadContext:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.copies = ModelCopy()
-        self.tensors = update_tensors(args.codec_bits)
+        self.tensors = update_tensors(args.codec_bits, args.model)
         self.stats: dict = {"connected": 0, "dropped": 0, "refused": 0, "bad_models": 0, "resent": 0,
                             "acked": {}, "published_at": {}, "errors": []}
         self.decoded: dict[str, tuple[bytes, object]] = {}
@@ -278,7 +278,7 @@ class SimDevice:
                 return
         if a.download == "selected":
             await self.client.unsubscribe([self.t_model])
-        delay = a.compute_s * random.uniform(0.75, 1.25)
+        delay = a.compute_s * random.uniform(1 - a.jitter, 1 + a.jitter)
         await asyncio.sleep(delay)
         payload = update_payload(self.id, self.key, ann.round_id, self.ctx.tensors[self.index % len(self.ctx.tensors)],
                                  want, a.compute_bits, delay)

@@ -10,7 +10,7 @@ presence and hello (retained, a signed last will), the round, its model variant 
 status subscribed; when a retained announcement selects it, it waits for its variant
 (``--download all``: every connected device receives every model, as the runtime does
 today; ``selected``: it subscribes to the model only once selected), sleeps the compute
-delay (``--compute-s``, +-25 %), publishes a real signed update (4-bit ASYM
+delay (``--compute-s``, spread +-``--jitter``), publishes a real signed update (4-bit ASYM
 ``fedshift_cnn`` tensors, QoS 1, awaited until its PUBACK) and sends it again when the
 round is announced again; on ``done`` it says offline and disconnects. A model is checked
 once per load process (decoded, digest): the other devices of the process stream it in
@@ -31,7 +31,7 @@ the run's end): on a shared machine read the figures next to it.
         [--selected 1000] [--rounds 3] [--procs 2] [--compute-s 2] [--download all|selected]
         [--ingest-workers 0]
 
-``--quick``: 30 devices, 10 selected, 2 rounds (under a minute). The process raises its own
+``--quick``: 30 devices of ``mlp``, 10 selected, 2 rounds, one load process (under a minute). The process raises its own
 file-descriptor limit (and its children inherit it) and stops by itself (``--max-seconds``).
 """
 
@@ -110,9 +110,13 @@ def enrol(sec_dir: Path, n: int, url: str) -> list[tuple[str, str, str]]:
     return rows
 
 
-def eval_npz(path: Path, n: int = 64) -> str:
+def eval_npz(path: Path, model: str, n: int = 64) -> str:
+    """A small held-out set of random images of ``model``'s input shape (the evaluation
+    runs, its score is noise)."""
+    from firmware_models import get_spec
+
     rng = np.random.default_rng(0)
-    x = rng.integers(0, 256, (n, 3, 32, 32), dtype=np.uint8)
+    x = rng.integers(0, 256, (n, *get_spec(model).input_shape), dtype=np.uint8)
     y = rng.integers(0, 10, n).astype(np.int64)
     np.savez(path, x_train=x, y_train=y, x_test=x, y_test=y)
     return str(path)
@@ -208,15 +212,15 @@ def socket_free(workdir: Path, rows: list[tuple[str, str, str]], sec_dir: Path, 
     from edge_client.protocol import topic
     from firmware_models import get_spec
 
-    tensors = update_tensors(args.codec_bits)
+    tensors = update_tensors(args.codec_bits, args.model)
     k = min(k, len(rows))
     ids = [d for d, _, _ in rows[:k]]
-    cfg = ServerConfig(job=JOB, model=MODEL, rounds=1, strategy="fedshift",
+    cfg = ServerConfig(job=JOB, model=args.model, rounds=1, strategy="fedshift",
                        admission=AdmissionConfig(enrolment=str(sec_dir / "enrolled.json")))
     fleet = InProcessFleet(JOB)
     fleet.start()
     co = Coordinator(cfg, fleet, build_strategy("fedshift"), RunState(workdir / "socket-free"), evaluator=None,
-                     init_weights=init_shared(get_spec(MODEL), 0))
+                     init_weights=init_shared(get_spec(args.model), 0))
     sender = fleet.hub.client("sender")
     sender.connect()
     best_cpu, best_wall = float("inf"), float("inf")
@@ -252,10 +256,10 @@ def run_fleet(n: int, k: int, args: argparse.Namespace, work: Path) -> dict:
     sec_dir, run_dir = work / "security", work / "run"
     rows = enrol(sec_dir, n, url)
     (work / "devices.json").write_text(json.dumps(rows))
-    evalset = eval_npz(work / "eval.npz")
+    evalset = eval_npz(work / "eval.npz", args.model)
     env = os.environ | {"PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     cmd = [sys.executable, "-c", "import sys; from coordinator.cli import main; sys.exit(main())", "serve", "--out", str(run_dir), "--security-dir", str(sec_dir),
-           "--job", JOB, "--model", MODEL, "--strategy", "fedshift", "--rounds", str(args.rounds),
+           "--job", JOB, "--model", args.model, "--strategy", "fedshift", "--rounds", str(args.rounds),
            "--min-devices", str(k), "--max-devices", str(k), "--min-present", str(n), "--presence-timeout",
            str(args.max_seconds), "--round-timeout", str(args.round_timeout), "--port", str(port), "--quiet",
            "--eval-data", evalset, "--hello-burst", "100", "--max-registered", str(max(n * 2, 1000))]
@@ -275,7 +279,8 @@ def run_fleet(n: int, k: int, args: argparse.Namespace, work: Path) -> dict:
             break
         cmd_l = [sys.executable, __file__, "--load-process", "--devices-file", str(work / "devices.json"),
                  "--first", str(first), "--count", str(min(per, n - first)), "--port", str(port),
-                 "--compute-s", str(args.compute_s), "--download", args.download, "--codec-bits",
+                 "--compute-s", str(args.compute_s), "--jitter", str(args.jitter), "--model", args.model,
+                 "--download", args.download, "--codec-bits",
                  str(args.codec_bits), "--compute-bits", str(args.compute_bits), "--stats",
                  str(work / f"stats{p}.json"), "--max-seconds", str(args.max_seconds)]
         procs.append(subprocess.Popen(cmd_l, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
@@ -292,6 +297,8 @@ def run_fleet(n: int, k: int, args: argparse.Namespace, work: Path) -> dict:
                 pr.wait()
     wall = time.time() - t0
     print(f"fleet_load: {n} devices: fedbit serve ran {wall:.1f} s", file=sys.stderr)
+    if os.environ.get("FLEET_DEBUG"):
+        print("".join(serve_out), file=sys.stderr)
     if serve.returncode != 0:
         raise RuntimeError(f"fedbit serve exited {serve.returncode}: {''.join(serve_out)[-3000:]}")
     stats = [json.loads((work / f"stats{p}.json").read_text()) for p in range(len(procs))]
@@ -327,7 +334,7 @@ def run_fleet(n: int, k: int, args: argparse.Namespace, work: Path) -> dict:
 
 def report(res: dict, free: dict, args: argparse.Namespace) -> None:
     n, k = res["devices"], res["selected"]
-    case = (f"{n:,} devices, {k:,} selected, asym-{args.codec_bits} {MODEL}, "
+    case = (f"{n:,} devices, {k:,} selected, asym-{args.codec_bits} {args.model}, "
             f"{args.ingest_workers or 'no'} ingest worker(s), download {args.download}, compute {args.compute_s:g} s")
     common = {"devices": n, "lost": res["lost"], "loadavg": loadavg(), "selected": k, "procs": args.procs,
               "ingest_workers": args.ingest_workers, "download": args.download, "rounds": res["rounds"],
@@ -353,10 +360,12 @@ def main() -> int:
     ap.add_argument("--selected", type=int, default=1000, help="devices selected per round (at most the fleet)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--procs", type=int, default=2, help="load processes")
-    ap.add_argument("--compute-s", type=float, default=2.0, help="each device's compute delay (s, +-25 %%)")
+    ap.add_argument("--compute-s", type=float, default=2.0, help="each device's compute delay (s)")
     ap.add_argument("--download", choices=["all", "selected"], default="all")
     ap.add_argument("--ingest-workers", type=int, default=0)
     ap.add_argument("--codec-bits", type=int, default=4)
+    ap.add_argument("--model", default=MODEL, help="the job's model (--quick: mlp)")
+    ap.add_argument("--jitter", type=float, default=0.25, help="the compute delay's spread (+- fraction)")
     ap.add_argument("--compute-bits", type=int, default=8, help="the devices' bitwidth (their model variant)")
     ap.add_argument("--round-timeout", type=float, default=600)
     ap.add_argument("--max-seconds", type=float, default=1800, help="every process stops by itself after this")
@@ -375,7 +384,8 @@ def main() -> int:
         return asyncio.run(load_main(args))
     sizes = [30] if args.quick else [int(x) for x in args.devices.split(",")]
     if args.quick:
-        args.selected, args.rounds, args.compute_s = 10, 2, min(args.compute_s, 0.3)
+        args.selected, args.rounds, args.compute_s, args.procs = 10, 2, min(args.compute_s, 0.3), 1
+        args.model = "mlp"
     for n in sizes:
         k = min(args.selected, n)
         work = Path(tempfile.mkdtemp(prefix="fedbit-fleet-"))
