@@ -265,7 +265,10 @@ class SimDevice:
         self.model_event.set()
 
     async def _train(self, ann) -> None:
+        """Wait for the round's model, then publish the update ``--compute-s`` after the
+        announcement arrived (or at once when the model came later than that)."""
         a = self.ctx.args
+        t_announced = time.monotonic()
         want = ann.variants.get(self.variant)
         if a.download == "selected":
             await self.client.subscribe([self.t_model])
@@ -279,7 +282,7 @@ class SimDevice:
         if a.download == "selected":
             await self.client.unsubscribe([self.t_model])
         delay = a.compute_s * random.uniform(1 - a.jitter, 1 + a.jitter)
-        await asyncio.sleep(delay)
+        await asyncio.sleep(max(0.0, t_announced + delay - time.monotonic()))
         payload = update_payload(self.id, self.key, ann.round_id, self.ctx.tensors[self.index % len(self.ctx.tensors)],
                                  want, a.compute_bits, delay)
         self.sent[ann.round_id] = payload

@@ -9,8 +9,9 @@ selected) and ``--procs`` load processes. Every device is one MQTT 3.1.1 connect
 presence and hello (retained, a signed last will), the round, its model variant and the
 status subscribed; when a retained announcement selects it, it waits for its variant
 (``--download all``: every connected device receives every model, as the runtime does
-today; ``selected``: it subscribes to the model only once selected), sleeps the compute
-delay (``--compute-s``, spread +-``--jitter``), publishes a real signed update (4-bit ASYM
+today; ``selected``: it subscribes to the model only once selected), and ``--compute-s``
+(spread +-``--jitter``) after the announcement arrived (or as soon as its model is in,
+if later) publishes a real signed update (4-bit ASYM
 ``fedshift_cnn`` tensors, QoS 1, awaited until its PUBACK) and sends it again when the
 round is announced again; on ``done`` it says offline and disconnects. A model is checked
 once per load process (decoded, digest): the other devices of the process stream it in
@@ -23,16 +24,24 @@ update over sockets (the ``fedbit serve`` process and its children but mosquitto
 each round's collection window) against the same ingest without sockets in the same run
 (an in-process coordinator, the same enrolled and signed payloads as a burst; target
 <= 1.5x), updates/s over sockets (collection window from the first update published),
-mosquitto's CPU per round, and ``lost``: updates the broker acknowledged to a device
-that no round counted (must be 0). Each line carries ``loadavg`` (``/proc/loadavg`` at
-the run's end): on a shared machine read the figures next to it.
+the cores the coordinator (with its ingest workers), mosquitto and the load processes
+used in that window (which one was the limit), mosquitto's CPU per round, and ``lost``:
+updates the broker acknowledged to a device that no round counted (must be 0). Each line
+carries ``loadavg`` (``/proc/loadavg``'s 1-minute figure at the run's start and end): on
+a shared machine read the figures next to it.
+
+Then, with ``--workers 1,2`` (the default), the same fleet of ``--workers-devices`` (1,000),
+every device selected, with 1 and then 2 ingest workers back to back: ``ingest_speedup``,
+the updates/s with 2 against 1 (target 1.6 where the broker is not the limit: the
+lines' ``coord_cores`` / ``broker_cores`` / ``load_cores`` say which was).
 
     .venv/bin/python benchmarks/fleet_load.py [--quick] [--devices 100,1000,5000,10000]
-        [--selected 1000] [--rounds 3] [--procs 2] [--compute-s 2] [--download all|selected]
-        [--ingest-workers 0]
+        [--selected 1000] [--rounds 3] [--procs 2] [--compute-s 5] [--jitter 0.05]
+        [--download selected|all] [--ingest-workers 0] [--workers 1,2] [--workers-devices 1000]
 
-``--quick``: 30 devices of ``mlp``, 10 selected, 2 rounds, one load process (under a minute). The process raises its own
-file-descriptor limit (and its children inherit it) and stops by itself (``--max-seconds``).
+``--quick``: 30 devices of ``mlp``, 10 selected, 2 rounds, one load process (under a
+minute). The process raises its own file-descriptor limit (its children inherit it) and
+stops by itself (``--max-seconds``).
 """
 
 from __future__ import annotations
@@ -146,13 +155,15 @@ def _children(pid: int) -> list[int]:
 
 class CpuSampler(threading.Thread):
     """Every ``every`` s: (wall time, CPU s of the coordinator's process tree without the
-    broker, CPU s of the broker); the tree's exited children keep their last reading."""
+    broker, of the broker, of the load processes ``load``); exited processes keep their
+    last reading."""
 
     def __init__(self, serve_pid: int, every: float = 0.25) -> None:
         super().__init__(daemon=True)
         self.serve_pid, self.every = serve_pid, every
         self.broker_pid: int | None = None
-        self.samples: list[tuple[float, float, float]] = []
+        self.load: list[int] = []
+        self.samples: list[tuple[float, float, float, float]] = []
         self._seen: dict[int, float] = {}
         self.stop = threading.Event()
 
@@ -163,29 +174,30 @@ class CpuSampler(threading.Thread):
                 p = todo.pop()
                 tree.append(p)
                 todo += _children(p)
-            for p in tree:
-                if self.broker_pid is None and p != self.serve_pid and _is_mosquitto(p):
+            for p in tree + self.load:
+                if self.broker_pid is None and p != self.serve_pid and p in tree and _is_mosquitto(p):
                     self.broker_pid = p
                 self._seen[p] = max(self._seen.get(p, 0.0), _cpu(p))
-            coord = sum(v for p, v in self._seen.items() if p != self.broker_pid)
-            self.samples.append((time.time(), coord, self._seen.get(self.broker_pid or -1, 0.0)))
+            load = sum(self._seen.get(p, 0.0) for p in self.load)
+            coord = sum(v for p, v in self._seen.items() if p != self.broker_pid) - load
+            self.samples.append((time.time(), coord, self._seen.get(self.broker_pid or -1, 0.0), load))
 
-    def between(self, t0: float, t1: float) -> tuple[float, float]:
-        """CPU s of (coordinator, broker) between wall times ``t0`` and ``t1``."""
-        def at(t: float) -> tuple[float, float]:  # (linear between the samples around t)
+    def between(self, t0: float, t1: float) -> tuple[float, float, float]:
+        """CPU s of (coordinator, broker, load processes) between wall times ``t0`` and ``t1``
+        (linear between the samples around each)."""
+        def at(t: float) -> np.ndarray:
             s = self.samples
             if not s:
-                return 0.0, 0.0
+                return np.zeros(3)
             after = next((k for k, x in enumerate(s) if x[0] > t), len(s))
             if after in (0, len(s)):
-                x = s[min(after, len(s) - 1)]
-                return x[1], x[2]
-            (ta, ca, ba), (tb, cb, bb) = s[after - 1], s[after]
-            f = (t - ta) / max(1e-9, tb - ta)
-            return ca + f * (cb - ca), ba + f * (bb - ba)
+                return np.array(s[min(after, len(s) - 1)][1:])
+            a, b = np.array(s[after - 1]), np.array(s[after])
+            f = (t - a[0]) / max(1e-9, b[0] - a[0])
+            return (a + f * (b - a))[1:]
 
-        a, b = at(t0), at(t1)
-        return b[0] - a[0], b[1] - a[1]
+        d = at(t1) - at(t0)
+        return float(d[0]), float(d[1]), float(d[2])
 
 
 def _is_mosquitto(pid: int) -> bool:
@@ -247,8 +259,9 @@ def socket_free(workdir: Path, rows: list[tuple[str, str, str]], sec_dir: Path, 
 # --------------------------------------------------------------------------- one run
 
 
-def run_fleet(n: int, k: int, args: argparse.Namespace, work: Path) -> dict:
-    """One fleet of ``n`` devices, ``k`` selected per round (see the module docstring)."""
+def run_fleet(n: int, k: int, workers: int, args: argparse.Namespace, work: Path) -> dict:
+    """One fleet of ``n`` devices, ``k`` selected per round, ``workers`` ingest workers
+    (see the module docstring)."""
     from coordinator.ops.broker import free_port
 
     port = free_port()
@@ -263,9 +276,9 @@ def run_fleet(n: int, k: int, args: argparse.Namespace, work: Path) -> dict:
            "--min-devices", str(k), "--max-devices", str(k), "--min-present", str(n), "--presence-timeout",
            str(args.max_seconds), "--round-timeout", str(args.round_timeout), "--port", str(port), "--quiet",
            "--eval-data", evalset, "--hello-burst", "100", "--max-registered", str(max(n * 2, 1000))]
-    if args.ingest_workers:
-        cmd += ["--ingest-workers", str(args.ingest_workers)]
-    t0 = time.time()
+    if workers:
+        cmd += ["--ingest-workers", str(workers)]
+    t0, load0 = time.time(), loadavg()
     serve = subprocess.Popen(cmd, cwd=work, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                              process_group=0)
     serve_out: list[str] = []
@@ -285,6 +298,7 @@ def run_fleet(n: int, k: int, args: argparse.Namespace, work: Path) -> dict:
                  str(work / f"stats{p}.json"), "--max-seconds", str(args.max_seconds)]
         procs.append(subprocess.Popen(cmd_l, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                                       process_group=0))
+    sampler.load = [pr.pid for pr in procs]
     try:
         serve.wait(timeout=args.max_seconds)
         for pr in procs:
@@ -318,28 +332,37 @@ def run_fleet(n: int, k: int, args: argparse.Namespace, work: Path) -> dict:
         start = h["time"] - h["round_seconds"]
         collect_end = start + h["collect_seconds"]
         t_first = first_pub.get(h["round"], start)
-        coord_cpu, broker_cpu = sampler.between(t_first, collect_end)
+        window = max(1e-6, collect_end - t_first)
+        coord_cpu, broker_cpu, load_cpu = sampler.between(t_first, collect_end)
         rounds.append({"round_seconds": h["round_seconds"], "accepted": h["accepted"],
                        "coord_cpu": coord_cpu, "broker_cpu": broker_cpu,
                        "broker_cpu_round": sampler.between(start, h["time"])[1],
-                       "updates_per_s": h["accepted"] / max(1e-6, collect_end - t_first)})
+                       "coord_cores": coord_cpu / window, "broker_cores": broker_cpu / window,
+                       "load_cores": load_cpu / window, "updates_per_s": h["accepted"] / window})
     mean = {key: float(np.mean([r[key] for r in rounds])) for key in rounds[0]}
     return {"devices": n, "selected": k, "held": sum(s["held"] for s in stats),
             "connected": sum(s["connected"] for s in stats), "refused": sum(s["refused"] for s in stats),
             "dropped": sum(s["dropped"] for s in stats), "bad_models": sum(s["bad_models"] for s in stats),
             "resent": sum(s["resent"] for s in stats), "lost": lost, "rounds": len(history),
             "accepted": [h["accepted"] for h in history], "errors": sum((s["errors"] for s in stats), [])[:5],
-            "wall_s": wall, "rows": rows, "sec_dir": sec_dir, **mean}
+            "wall_s": wall, "rows": rows, "sec_dir": sec_dir, "loadavg_start": load0, "workers": workers, **mean}
+
+
+def _case(res: dict, args: argparse.Namespace) -> str:
+    return (f"{res['devices']:,} devices, {res['selected']:,} selected, asym-{args.codec_bits} {args.model}, "
+            f"{res['workers'] or 'no'} ingest worker(s), download {args.download}, compute {args.compute_s:g} s")
+
+
+def _common(res: dict, args: argparse.Namespace) -> dict:
+    return {"devices": res["devices"], "lost": res["lost"], "loadavg": [res["loadavg_start"], loadavg()],
+            "selected": res["selected"], "procs": args.procs, "ingest_workers": res["workers"],
+            "download": args.download, "rounds": res["rounds"], "accepted": res["accepted"],
+            "dropped": res["dropped"], "refused": res["refused"], "bad_models": res["bad_models"],
+            "resent": res["resent"], **{k: round(res[k], 3) for k in ("coord_cores", "broker_cores", "load_cores")}}
 
 
 def report(res: dict, free: dict, args: argparse.Namespace) -> None:
-    n, k = res["devices"], res["selected"]
-    case = (f"{n:,} devices, {k:,} selected, asym-{args.codec_bits} {args.model}, "
-            f"{args.ingest_workers or 'no'} ingest worker(s), download {args.download}, compute {args.compute_s:g} s")
-    common = {"devices": n, "lost": res["lost"], "loadavg": loadavg(), "selected": k, "procs": args.procs,
-              "ingest_workers": args.ingest_workers, "download": args.download, "rounds": res["rounds"],
-              "accepted": res["accepted"], "dropped": res["dropped"], "refused": res["refused"],
-              "bad_models": res["bad_models"], "resent": res["resent"]}
+    n, case, common = res["devices"], _case(res, args), _common(res, args)
     emit(case, "connections_held", res["held"], "connections", "devices", n, **common)
     emit(case, "round_seconds", res["round_seconds"], "s", "compute delay", args.compute_s, **common,
          broker_cpu_s_per_round=round(res["broker_cpu_round"], 3))
@@ -353,6 +376,18 @@ def report(res: dict, free: dict, args: argparse.Namespace) -> None:
         print(f"fleet_load: first errors: {res['errors']}", file=sys.stderr)
 
 
+def one(n: int, k: int, workers: int, args: argparse.Namespace) -> dict:
+    """Run and report one fleet; its figures."""
+    work = Path(tempfile.mkdtemp(prefix="fedbit-fleet-"))
+    try:
+        res = run_fleet(n, k, workers, args, work)
+        free = socket_free(work, res["rows"], res["sec_dir"], min(k, 200), args)
+        report(res, free, args)
+        return res
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="30 devices, 10 selected, 2 rounds (< 1 min)")
@@ -360,12 +395,16 @@ def main() -> int:
     ap.add_argument("--selected", type=int, default=1000, help="devices selected per round (at most the fleet)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--procs", type=int, default=2, help="load processes")
-    ap.add_argument("--compute-s", type=float, default=2.0, help="each device's compute delay (s)")
-    ap.add_argument("--download", choices=["all", "selected"], default="all")
-    ap.add_argument("--ingest-workers", type=int, default=0)
+    ap.add_argument("--compute-s", type=float, default=5.0,
+                    help="each device's compute delay, from the announcement (s)")
+    ap.add_argument("--download", choices=["all", "selected"], default="selected")
+    ap.add_argument("--ingest-workers", type=int, default=0, help="ingest workers of the fleet sizes' runs")
+    ap.add_argument("--workers", default="1,2", help="then: these ingest worker counts, back to back, at "
+                    "--workers-devices devices, all selected (empty: skip)")
+    ap.add_argument("--workers-devices", type=int, default=1000)
     ap.add_argument("--codec-bits", type=int, default=4)
     ap.add_argument("--model", default=MODEL, help="the job's model (--quick: mlp)")
-    ap.add_argument("--jitter", type=float, default=0.25, help="the compute delay's spread (+- fraction)")
+    ap.add_argument("--jitter", type=float, default=0.05, help="the compute delay's spread (+- fraction)")
     ap.add_argument("--compute-bits", type=int, default=8, help="the devices' bitwidth (their model variant)")
     ap.add_argument("--round-timeout", type=float, default=600)
     ap.add_argument("--max-seconds", type=float, default=1800, help="every process stops by itself after this")
@@ -382,19 +421,22 @@ def main() -> int:
     raise_fd_limit()
     if args.load_process:
         return asyncio.run(load_main(args))
-    sizes = [30] if args.quick else [int(x) for x in args.devices.split(",")]
+    sizes = [30] if args.quick else [int(x) for x in args.devices.split(",") if x.strip()]
     if args.quick:
         args.selected, args.rounds, args.compute_s, args.procs = 10, 2, min(args.compute_s, 0.3), 1
-        args.model = "mlp"
+        args.model, args.workers = "mlp", ""
     for n in sizes:
-        k = min(args.selected, n)
-        work = Path(tempfile.mkdtemp(prefix="fedbit-fleet-"))
-        try:
-            res = run_fleet(n, k, args, work)
-            free = socket_free(work, res["rows"], res["sec_dir"], min(k, 200), args)
-            report(res, free, args)
-        finally:
-            shutil.rmtree(work, ignore_errors=True)
+        one(n, min(args.selected, n), args.ingest_workers, args)
+    ws = [int(w) for w in args.workers.split(",") if w.strip()]
+    if ws:
+        n = args.workers_devices
+        runs = {w: one(n, n, w, args) for w in ws}
+        lo, hi = min(ws), max(ws)
+        if hi > lo:
+            emit(_case(runs[hi], args), "ingest_speedup", runs[hi]["updates_per_s"], "updates/s",
+                 f"{lo or 'no'} ingest worker(s), same fleet, back to back", runs[lo]["updates_per_s"],
+                 **_common(runs[hi], args), target=1.6,
+                 anchor_cores={k: round(runs[lo][k], 3) for k in ("coord_cores", "broker_cores", "load_cores")})
     return 0
 
 
