@@ -146,13 +146,17 @@ class TransportFleet(Fleet):
     def subscriptions(job: str, other_jobs: bool = False) -> list[str]:
         """The coordinator's topic filters; ``other_jobs``: every job's hellos and
         coordinator statuses (on a broker whose ACL allows it: the embedded anonymous one),
-        so that a device knocking on a job nobody serves is logged (``knock`` messages)."""
+        so that a device knocking on a job nobody serves is logged (``knock`` messages).
+        Hello before presence: the broker hands out the retained messages of a new
+        subscription in filter order, so a device's retained presence (its last word:
+        ``offline`` from a clean exit or its will) comes after its retained hello, which
+        registers it online, and has the last say (no ghost after a restart)."""
         root = topic(job, "round").rsplit("/", 1)[0]
         if other_jobs:
             every = root.rsplit("/", 1)[0] + "/+"
-            return [f"{root}/presence/+", f"{every}/hello/+", f"{root}/update/+",
+            return [f"{every}/hello/+", f"{root}/presence/+", f"{root}/update/+",
                     f"{root}/secagg/+", f"{every}/status"]
-        return [f"{root}/presence/+", f"{root}/hello/+", f"{root}/update/+", f"{root}/secagg/+"]
+        return [f"{root}/hello/+", f"{root}/presence/+", f"{root}/update/+", f"{root}/secagg/+"]
 
     def start(self, timeout: float = 30.0) -> None:
         self.transport.connect(timeout=timeout)

@@ -41,10 +41,11 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from coordinator.ops.admission import AdmissionConfig, RateLimiter
+from coordinator.ops.untrusted import safe_map, safe_text
 from coordinator.strategies.checks import check_encoded, is_lossy, sigma_loc_of
 from coordinator.strategies.types import FLOAT_BITS, EncodedUpdate
 from edge_client.auth import verify as verify_mac
@@ -207,7 +208,7 @@ class Ingest:
         bits = m.compute_bits if m.compute_bits <= 16 else FLOAT_BITS
         eu = EncodedUpdate(m.device_id, m.num_samples, m.tensors, m.content, bits,
                            is_lossy(m.tensors), sigma_loc_of(f"update from {m.device_id!r}", m.tensors),
-                           dict(m.not_applied))
+                           safe_map(m.not_applied))
         check_encoded(eu, self.shapes, self.limits.max_abs_value)
         return eu
 
@@ -226,6 +227,8 @@ class Ingest:
         if isinstance(m, Hello) and (m.compute_bits not in DEVICE_BITS or (
                 m.trainer == "int" and m.compute_bits > 16)):
             raise Rejected("malformed", f"unsupported compute_bits {m.compute_bits}")
+        if isinstance(m, Hello):  # its free text, as it is registered, logged and shown
+            m = replace(m, profile=safe_text(m.profile), sdk_version=safe_text(m.sdk_version))
         if not self.rate.allow(device_id, time.monotonic() if now is None else now):
             raise Rejected("rate_limited", f"more than {self.admission.hello_burst} hello/presence "
                            f"messages at {self.admission.hello_rate:g}/s", quiet=True)

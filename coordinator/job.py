@@ -15,7 +15,7 @@ naming the file and the key; ``examples/job.toml`` shows every section)::
     [strategy_params]           # build_strategy(strategy, **strategy_params)
     [train]                     # announced to devices (edge_client.hparams), over epochs = 1, batch = 32
     [round]                     # fraction, min_devices, max_devices, min_present, quorum,
-                                # min_updates, timeout_s, presence_timeout_s
+                                # min_updates, timeout_s, presence_timeout_s, ack_timeout_s
     [broker]                    # url (an external broker) or the embedded one: embedded,
                                 # port, listen, security, security_dir, hostnames; the
                                 # connection: credentials, mqtt_version, username,
@@ -25,6 +25,8 @@ naming the file and the key; ``examples/job.toml`` shows every section)::
     [limits]                    # max_payload_bytes, max_abs_value
     [log]                       # json, level, quiet
     [dashboard]                 # listen ([HOST:]PORT; empty: none), password_file
+    [defense]                   # norm_bound, sample_bound, hold, strikes, window
+                                # (coordinator.defense.config)
     [privacy]                   # secure_aggregation, mechanism, clip, noise_multiplier,
                                 # target_epsilon, delta, ... (coordinator.privacy.config)
     [ingest]                    # workers: processes that take the updates (shared
@@ -46,26 +48,72 @@ from typing import Any
 
 from coordinator.config import (
     DEFAULT_HPARAMS,
-    NUMBER,
     ON_COLLAPSE,
     ServerConfig,
     TomlSchema,
+    checked,
     parse_assignments,
     read_toml,
 )
+from coordinator.defense.config import DefenseConfig
 from coordinator.ops.admission import AdmissionConfig
 from coordinator.ops.dashboard.access import parse_address
 from coordinator.privacy.config import FLAGS as PRIVACY_FLAGS
-from coordinator.privacy.config import from_table as privacy_config
-from coordinator.privacy.config import schema as privacy_schema
+from coordinator.privacy.config import PrivacyConfig
 from edge_client.errors import ConfigError
-from edge_client.protocol import DEFAULT_LIMITS
+from edge_client.protocol import DEFAULT_LIMITS, Limits
 from firmware_models import MODELS
 
 EMBEDDED_KINDS = ("auto", "mosquitto", "amqtt")
 SECURITY_MODES = ("auto", "none", "password", "tls")
 MQTT_VERSIONS = ("auto", "5", "3.1.1")
 LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+_S, _A = ServerConfig(), AdmissionConfig()
+
+
+def _one_of(key: str, value: Any, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{key}: {value!r} is not one of {list(allowed)}")
+
+
+@dataclass
+class JobSettings:
+    """The job file's top-level keys (the module docstring): the job id, the model, the
+    rounds, the strategy, the seed, the run directory ``out``, the held-out ``eval_data``,
+    ``resume`` and what a collapsed aggregate does (``on_collapse``)."""
+
+    job: str = _S.job
+    model: str = _S.model
+    rounds: int = _S.rounds
+    strategy: str = _S.strategy
+    seed: int = _S.seed
+    out: str = ""
+    eval_data: str = "digits:test"
+    resume: bool = False
+    on_collapse: str = _S.on_collapse
+
+    def check(self) -> None:
+        _one_of("on_collapse", self.on_collapse, ON_COLLAPSE)
+        if not self.out:
+            raise ConfigError("out: no run directory (give --out DIR or `out = \"DIR\"` in the job file)")
+
+
+@dataclass
+class JobRound:
+    """``[round]``: :class:`~coordinator.config.ServerConfig`'s round-loop settings under
+    the file's names (``timeout_s`` is ``round_timeout_s``)."""
+
+    fraction: float = _S.fraction
+    min_devices: int = _S.min_devices
+    max_devices: int = _S.max_devices
+    min_present: int = _S.min_present
+    quorum: float = _S.quorum
+    min_updates: int = _S.min_updates
+    timeout_s: float = _S.round_timeout_s
+    presence_timeout_s: float = _S.presence_timeout_s
+    ack_timeout_s: float = _S.ack_timeout_s
 
 
 @dataclass
@@ -96,6 +144,43 @@ class BrokerSettings:
     key: str = ""
     insecure: bool = False
 
+    def check(self) -> None:
+        _one_of("embedded", self.embedded, EMBEDDED_KINDS)
+        _one_of("security", self.security, SECURITY_MODES)
+        _one_of("mqtt_version", self.mqtt_version, MQTT_VERSIONS)
+        if not all(isinstance(h, str) and h for h in self.hostnames):
+            raise ConfigError(f"hostnames: expected a list of names, got {self.hostnames!r}")
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"port: must be in 0..65535 (0: a free port), got {self.port}")
+
+
+@dataclass
+class LimitSettings:
+    """``[limits]``: the two protocol limits a job sets (``edge_client.protocol.Limits``)."""
+
+    max_payload_bytes: int = DEFAULT_LIMITS.max_payload_bytes
+    max_abs_value: float = DEFAULT_LIMITS.max_abs_value
+
+    def check(self) -> None:
+        if self.max_payload_bytes < 1024:
+            raise ConfigError(f"max_payload_bytes: must be >= 1024, got {self.max_payload_bytes}")
+
+    def limits(self) -> Limits:
+        return replace(DEFAULT_LIMITS, max_payload_bytes=self.max_payload_bytes, max_abs_value=self.max_abs_value)
+
+
+@dataclass
+class LogSettings:
+    """``[log]``: JSON lines instead of text (``json``), the ``level``, no progress display
+    (``quiet``)."""
+
+    json: bool = False
+    level: str = "info"
+    quiet: bool = False
+
+    def check(self) -> None:
+        _one_of("level", self.level, LOG_LEVELS)
+
 
 @dataclass
 class DashboardSettings:
@@ -104,8 +189,30 @@ class DashboardSettings:
     bare port is on 127.0.0.1, 0 a free one; beyond loopback HTTPS with the job CA and a
     password), ``password_file`` (default beyond loopback: ``SECURITY/dashboard.password``)."""
 
-    listen: str = ""
+    listen: str = field(default="", metadata={"toml": (str, int)})  # a bare port may be a number
     password_file: str = ""
+
+    def __post_init__(self) -> None:
+        self.listen = str(self.listen).strip()
+
+    def check(self) -> None:
+        if self.listen:
+            try:
+                parse_address(self.listen)
+            except ConfigError as exc:
+                raise ConfigError(f"listen: {exc}") from None
+
+
+@dataclass
+class IngestSettings:
+    """``[ingest]``: ``workers`` processes take the updates through a shared subscription
+    (``coordinator.ingest_workers``; 0: the round loop takes them itself)."""
+
+    workers: int = 0
+
+    def check(self) -> None:
+        if self.workers < 0:
+            raise ConfigError(f"workers: must be >= 0, got {self.workers}")
 
 
 @dataclass
@@ -128,86 +235,42 @@ class ServeJob:
     ingest_workers: int = 0
 
 
-_S, _A, _L, _B = ServerConfig(), AdmissionConfig(), DEFAULT_LIMITS, BrokerSettings()
-SCHEMA = TomlSchema({
-    "": {"job": (str, _S.job), "model": (str, _S.model), "rounds": (int, _S.rounds),
-         "strategy": (str, _S.strategy), "seed": (int, _S.seed), "out": (str, ""),
-         "eval_data": (str, "digits:test"), "resume": (bool, False), "on_collapse": (str, _S.on_collapse)},
-    "round": {"fraction": (NUMBER, _S.fraction), "min_devices": (int, _S.min_devices),
-              "max_devices": (int, _S.max_devices), "min_present": (int, _S.min_present),
-              "quorum": (NUMBER, _S.quorum), "min_updates": (int, _S.min_updates),
-              "timeout_s": (NUMBER, _S.round_timeout_s),
-              "presence_timeout_s": (NUMBER, _S.presence_timeout_s)},
-    "broker": {k: ((bool if isinstance(v, bool) else list if isinstance(v, list) else int if isinstance(v, int)
-                    else str), v) for k, v in vars(_B).items()},
-    "admission": {"max_samples": (int, _A.max_samples), "samples_policy": (str, _A.samples_policy),
-                  "allow_uncapped": (bool, _A.allow_uncapped),
-                  "max_registered": (int, _A.max_registered), "hello_rate": (NUMBER, _A.hello_rate),
-                  "hello_burst": (int, _A.hello_burst)},
-    "limits": {"max_payload_bytes": (int, _L.max_payload_bytes), "max_abs_value": (NUMBER, _L.max_abs_value)},
-    "log": {"json": (bool, False), "level": (str, "info"), "quiet": (bool, False)},
-    "dashboard": {"listen": ((str, int), ""), "password_file": (str, "")},
-    "privacy": privacy_schema(),
-    "ingest": {"workers": (int, 0)},
+SCHEMA = TomlSchema.of({
+    "": JobSettings, "round": JobRound, "broker": BrokerSettings, "admission": AdmissionConfig,
+    "limits": LimitSettings, "log": LogSettings, "dashboard": DashboardSettings, "privacy": PrivacyConfig,
+    "defense": DefenseConfig, "ingest": IngestSettings,
 }, free=("strategy_params", "train"))
-
-
-def _choice(source: str, key: str, value: Any, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        raise ConfigError(f"{source}: {key}: {value!r} is not one of {list(allowed)}")
 
 
 def job_from_dict(raw: dict[str, Any], source: str) -> ServeJob:
     """Validate a job table (file values with the command line's already applied)."""
     v = SCHEMA.validate(raw, source)
-    top, rnd, adm, lim, log = v[""], v["round"], v["admission"], v["limits"], v["log"]
-    broker = BrokerSettings(**v["broker"])
-    _choice(source, "broker.embedded", broker.embedded, EMBEDDED_KINDS)
-    _choice(source, "broker.security", broker.security, SECURITY_MODES)
-    _choice(source, "broker.mqtt_version", broker.mqtt_version, MQTT_VERSIONS)
-    _choice(source, "log.level", log["level"], LOG_LEVELS)
-    _choice(source, "on_collapse", top["on_collapse"], ON_COLLAPSE)
-    if not all(isinstance(h, str) and h for h in broker.hostnames):
-        raise ConfigError(f"{source}: broker.hostnames: expected a list of names, got {broker.hostnames!r}")
-    if not 0 <= broker.port <= 65535:
-        raise ConfigError(f"{source}: broker.port: must be in 0..65535 (0: a free port), got {broker.port}")
-    if not top["out"]:
-        raise ConfigError(f"{source}: out: no run directory (give --out DIR or `out = \"DIR\"` in the job file)")
-    if lim["max_payload_bytes"] < 1024:
-        raise ConfigError(f"{source}: limits.max_payload_bytes: must be >= 1024, got {lim['max_payload_bytes']}")
-    dash = DashboardSettings(str(v["dashboard"]["listen"]).strip(), v["dashboard"]["password_file"])
-    if dash.listen:
-        try:
-            parse_address(dash.listen)
-        except ConfigError as exc:
-            raise ConfigError(f"{source}: dashboard.listen: {exc}") from None
-    hparams = copy.deepcopy(DEFAULT_HPARAMS) | v["train"]
+    s = SCHEMA.build(v)
+    top, rnd, broker, lim, log, dash = (checked(s[name], name, source) for name in
+                                        ("", "round", "broker", "limits", "log", "dashboard"))
+    hparams = copy.deepcopy(DEFAULT_HPARAMS) | s["train"]
     cfg = ServerConfig(
-        job=top["job"], model=_model(top["model"], source), rounds=top["rounds"], strategy=top["strategy"],
-        strategy_params=v["strategy_params"], fraction=float(rnd["fraction"]), min_devices=rnd["min_devices"],
-        max_devices=rnd["max_devices"], min_present=rnd["min_present"], quorum=float(rnd["quorum"]),
-        min_updates=rnd["min_updates"], round_timeout_s=float(rnd["timeout_s"]),
-        presence_timeout_s=float(rnd["presence_timeout_s"]), hparams=hparams, seed=top["seed"],
-        limits=replace(DEFAULT_LIMITS, max_payload_bytes=lim["max_payload_bytes"],
-                       max_abs_value=lim["max_abs_value"]),
-        admission=AdmissionConfig(**adm), on_collapse=top["on_collapse"],
-        privacy=privacy_config(v["privacy"]))
+        job=top.job, model=_model(top.model, source), rounds=top.rounds, strategy=top.strategy,
+        strategy_params=s["strategy_params"], fraction=float(rnd.fraction), min_devices=rnd.min_devices,
+        max_devices=rnd.max_devices, min_present=rnd.min_present, quorum=float(rnd.quorum),
+        min_updates=rnd.min_updates, round_timeout_s=float(rnd.timeout_s),
+        presence_timeout_s=float(rnd.presence_timeout_s), hparams=hparams, seed=top.seed,
+        limits=lim.limits(), admission=s["admission"], on_collapse=top.on_collapse, privacy=s["privacy"],
+        ack_timeout_s=float(rnd.ack_timeout_s), defense=s["defense"])
     try:
         cfg.validate()
     except ConfigError as exc:
         raise ConfigError(f"{source}: {exc}") from None
-    workers = v["ingest"]["workers"]
-    if workers < 0:
-        raise ConfigError(f"{source}: ingest.workers: must be >= 0, got {workers}")
-    if workers:
+    ingest = checked(s["ingest"], "ingest", source)
+    if ingest.workers:
         from coordinator.ingest_workers import refusal
 
         if why := refusal(cfg):
             raise ConfigError(f"{source}: ingest.workers: {why}")
-    return ServeJob(cfg, broker, top["out"], eval_data=top["eval_data"], resume=top["resume"],
-                    log_json=log["json"], log_level=log["level"], quiet=log["quiet"], source=source,
+    return ServeJob(cfg, broker, top.out, eval_data=top.eval_data, resume=top.resume,
+                    log_json=log.json, log_level=log.level, quiet=log.quiet, source=source,
                     dashboard=dash, table={**v[""], **{sec: t for sec, t in v.items() if sec}},
-                    ingest_workers=workers)
+                    ingest_workers=ingest.workers)
 
 
 def _model(ref: str, source: str) -> str:

@@ -2,20 +2,21 @@
 
 :class:`Coordinator` speaks only to a :class:`~coordinator.fleet.Fleet`. One round:
 
-1. select (``Collector.select``: ``clamp(ceil(C * present), min, max)`` of the present
-   devices, seeded, once ``min_devices`` are present within ``presence_timeout_s``);
+1. select (``Collector.select``: ``clamp(ceil(C * eligible), min, max)`` of the present
+   devices not quarantined (:mod:`coordinator.defense`), seeded, once ``min_devices`` are
+   present within ``presence_timeout_s``);
 2. build one model variant per bitwidth group among the selected (``coordinator.variants``),
    save the round plan, announce (models, then the round, then the status; retained);
 3. collect (``coordinator.collect.Collector.collect``) until ``quorum`` of the selected
-   answered, every selected device answered or is gone (its last will), or the deadline
-   passed. Each update goes ``coordinator.ingest`` (every per-update rule, once) ->
-   ``Strategy.fold`` (into the running sums) -> the inbox, synced, then
+   answered, every selected device answered or is gone (its last will; refused, revoked or
+   silent: :mod:`coordinator.presence.roundwatch`), or the deadline passed. Each update goes
+   ``coordinator.ingest`` -> the guarded ``Strategy.fold`` -> the inbox, synced, then
    acked in the background; refused messages are acked, logged and counted. A secure
    round runs its protocol instead (``coordinator.privacy.round``). Stragglers are counted;
 4. ``strategy.finish()`` -> new global weights (and per-group weights), evaluation of
-   every bitwidth variant the devices run on the held-out set, atomic checkpoint, one
-   metrics line (with the uplink bytes by codec and the fleet's own figures), retained
-   status.
+   every bitwidth variant the devices run on the held-out set, the health check (a collapse:
+   :mod:`coordinator.defense.recover`), the strikes, atomic checkpoint, one metrics line,
+   retained status.
 
 ``run(resume=True)`` continues from the last completed round's checkpoint; a round the
 coordinator died in is re-announced from its plan (same selection and digests, a fresh
@@ -38,6 +39,8 @@ import numpy as np
 
 from coordinator.collect import Collector, NotEnoughDevices
 from coordinator.config import ServerConfig
+from coordinator.defense.loop import RoundDefense
+from coordinator.defense.recover import recover
 from coordinator.devices import DeviceRegistry
 from coordinator.evaluate import Evaluator
 from coordinator.fleet import Fleet
@@ -110,9 +113,11 @@ class Coordinator:
         self.health = HealthWatch.for_run(self.spec, cfg, evaluator, log=self.log, on_event=self.on_event)
         #: the inbound side: devices, ingest, folding, the inbox and acks
         self.collector = Collector(fleet, Ingest(cfg.model, shapes, cfg.limits, cfg.admission, cfg.job), strategy, state,
-                                   on_event=self.on_event, logger=self.log)
+                                   on_event=self.on_event, logger=self.log, ack_timeout_s=cfg.ack_timeout_s)
         self.privacy = Privacy(cfg, fleet, self.collector, shapes, self.log, self.on_event)
-        self.strategy = self.collector.strategy = self.privacy.wrap(strategy)
+        #: poisoning resistance: the strategy folds guarded updates, quarantined devices sit out
+        self.defense = RoundDefense(cfg.defense, state.dir, on_event=self.on_event, logger=self.log)
+        self.strategy = self.collector.strategy = self.defense.wrap(self.privacy.wrap(strategy))
 
     # ------------------------------------------------------------------ rounds
 
@@ -131,7 +136,7 @@ class Coordinator:
         clock = col.clock
         resumed = plan is not None
         if plan is None:
-            selected = col.select(cfg, self.rng)
+            selected = col.select(cfg, self.rng, self.defense.quarantined(r))
             hellos = [col.devices.hellos[d] for d in selected]
             variants = {FLOAT_VARIANT} | {model_variant(h.compute_bits, h.trainer) for h in hellos}
         else:
@@ -193,9 +198,8 @@ class Coordinator:
         scores = self._evaluate(r)
         eval_s = time.perf_counter() - te
         health = self.health.check(r, (self.weights, self.group_weights), (old, old_groups), scores, self.history)
-        if health.rolled_back:  # the last healthy model (and strategy state), this round's updates excluded
-            self.weights, self.group_weights = old, old_groups
-            scores = health.scores or self._evaluate(r)
+        if health.rolled_back:  # the round without the update(s) that collapsed it, else the last healthy model
+            scores = recover(self, r, rnd, (old, old_groups), health)
         loss, acc = scores.get(FLOAT_VARIANT, (math.nan, math.nan))[:2]
         change = float(math.sqrt(sum(float(np.sum((a - b) ** 2)) for a, b in zip(self.weights, old, strict=True))))
         finite = lambda v: v if math.isfinite(v) else None  # noqa: E731
@@ -204,7 +208,7 @@ class Coordinator:
             "round": r, "time": time.time(), "run": self.run_id, "strategy": cfg.strategy,
             "model": cfg.model, "accuracy": finite(acc), "loss": finite(loss), "selected": len(selected),
             "selected_ids": selected, "accepted": len(rnd.accepted), "accepted_ids": sorted(rnd.accepted),
-            "stragglers": len(stragglers), "straggler_ids": stragglers,
+            "stragglers": len(stragglers), "straggler_ids": stragglers, "gone": dict(sorted(rnd.gone.items())),
             "aggregated": aggregated, "resumed": resumed, "replayed": replayed,
             "weight_change_l2": change, "round_seconds": time.monotonic() - t_start, "wait_seconds": wait,
             "collect_seconds": t_collect - t_start, "aggregate_seconds": parts["aggregate"],
@@ -216,6 +220,7 @@ class Coordinator:
                            **{k: finite(float(x)) for k, x in (s[2] if len(s) > 2 else {}).items()}}
                        for v, s in scores.items()},
             "uplink_bytes": dict(col.uplink_bytes), "health": health.record, "health_seconds": health.seconds,
+            "defense": self.defense.after_round(r, rnd.accepted, col.refused_devices, col.over_claimed),
             **self.fleet.round_report(r), **self.privacy.end_round(r, len(selected), col.present, aggregated),
         }
         with clock.timed("checkpoint"):
@@ -291,6 +296,7 @@ class Coordinator:
             devices = self._load(self.state.load_devices, "device registry") or {}
             self.collector.devices = DeviceRegistry.from_state(devices or ckpt.devices)
             self.run_id = str(ckpt.config.get("run_id", self.run_id))
+            self.defense.restore()
             self.collector.totals.update(ckpt.config.get("totals", {}))
             self.privacy.load_state(ckpt.config.get("privacy") or {})
         elif plan is not None:

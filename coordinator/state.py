@@ -9,6 +9,9 @@ Layout under the run directory ``DIR`` (``fedbit serve --out DIR``)::
     DIR/inbox/r000007.<tag>.log the same, appended by another process (an ingest worker's)
     DIR/metrics.jsonl           one JSON object per completed round
 
+Every file is created mode 0600 and the inbox folder 0700 (the raw updates, the models and
+the device list are the operator's alone).
+
 Every file but the inbox is written atomically (temporary file in the same directory,
 ``fsync``, ``rename``, ``fsync`` of the directory), so a ``kill -9`` at any instant leaves
 either the old or the new version, and framed with a 64-bit checksum of its body
@@ -106,11 +109,26 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+#: the mode of every file of a run directory: updates, models and device lists are the
+#: operator's alone (other local users read none of them)
+FILE_MODE = 0o600
+
+
+def private_opener(path: str, flags: int) -> int:
+    """``open(..., opener=private_opener)``: a file created :data:`FILE_MODE` from the
+    start (never briefly readable by others, whatever the umask)."""
+    fd = os.open(path, flags, FILE_MODE)
+    if flags & os.O_CREAT:
+        os.fchmod(fd, FILE_MODE)
+    return fd
+
+
 def atomic_write(path: str | Path, data: bytes, *, durable: bool = True) -> None:
-    """Replace ``path`` with ``data`` atomically (tmp + fsync + rename + dir fsync)."""
+    """Replace ``path`` with ``data`` atomically (tmp + fsync + rename + dir fsync), mode
+    :data:`FILE_MODE`."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "wb") as f:
+    with open(tmp, "wb", opener=private_opener) as f:
         f.write(data)
         if durable:
             f.flush()
@@ -224,7 +242,7 @@ class RunState:
         self.devices_path = self.dir / "devices.msgpack"
         self.inbox_dir = self.dir / "inbox"
         self.metrics_path = self.dir / "metrics.jsonl"
-        self.inbox_dir.mkdir(exist_ok=True)
+        self.inbox_dir.mkdir(mode=0o700, exist_ok=True)
         self.inbox_tag = inbox_tag
         self._log: int | None = None  # raw fd of the open round's log (O_APPEND)
         self._log_round: int | None = None
@@ -348,7 +366,7 @@ class RunState:
             self._close_log()
             path = self._round_log(round_id)
             created = not path.exists()
-            self._log = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            self._log = private_opener(str(path), os.O_WRONLY | os.O_APPEND | os.O_CREAT)
             self._log_round = round_id
             # the new log's directory entry is made durable by the next inbox_sync
             self._dir_dirty = created
@@ -485,7 +503,7 @@ class RunState:
     def append_metrics(self, record: dict[str, Any]) -> None:
         """Append one JSON line and fsync (one line per completed round)."""
         line = json.dumps(record, sort_keys=True, allow_nan=False) + "\n"
-        with open(self.metrics_path, "a", encoding="utf-8") as f:
+        with open(self.metrics_path, "a", encoding="utf-8", opener=private_opener) as f:
             f.write(line)
             f.flush()
             if self.durable:

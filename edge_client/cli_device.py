@@ -12,6 +12,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from edge_client.doctor import Check
+from edge_client.transport.base import Transport
+from hw_profiles import HardwareProfile
+
 #: the model the link test sizes an update of (the model of make demo and the quick start)
 LINK_MODEL = "digits_cnn"
 
@@ -108,9 +112,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
-def _link_check(args: argparse.Namespace, profile: Any, transport: Any) -> Any:
-    from edge_client.doctor import Check
-
+def _link_check(args: argparse.Namespace, profile: HardwareProfile, transport: Transport) -> Check:
     try:
         link, choice = _measure(args, profile, transport, LINK_MODEL, 2.0)
     except ConnectionError as exc:
@@ -121,7 +123,8 @@ def _link_check(args: argparse.Namespace, profile: Any, transport: Any) -> Any:
                                  f"recommended uplink {choice.codec}-{choice.bits} ({choice.reason})")
 
 
-def _measure(args: argparse.Namespace, profile: Any, transport: Any, model: str, budget: float):
+def _measure(args: argparse.Namespace, profile: HardwareProfile, transport: Transport, model: str,
+             budget: float):
     import numpy as np
 
     from edge_client.link import choose_codec, measure_link
@@ -133,7 +136,7 @@ def _measure(args: argparse.Namespace, profile: Any, transport: Any, model: str,
     return link, choose_codec(profile, n, link, budget_s=budget)
 
 
-def auto_codec(args: argparse.Namespace, profile: Any, connect: Any) -> tuple[str, int]:
+def auto_codec(args: argparse.Namespace, profile: HardwareProfile, connect: Any) -> tuple[str, int]:
     """``run --auto-codec``: measure the link over one connection of this device and return
     the recommended ``(codec, bits)``; logged with the measurement."""
     import logging

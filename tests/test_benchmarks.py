@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from importlib import metadata
 from pathlib import Path
 
 import pytest
@@ -34,7 +35,8 @@ WANTED = {
                        ("dashboard on vs off", "dashboard_cost_fraction"),
                        ("dashboard on vs off", "page_update_latency_s")],
     "security": [("MAC verified", "updates_per_s"), ("robust clip", "round_seconds"), ("robust median", "round_seconds"),
-                 ("robust trimmed_mean", "peak_memory"), ("robust median", "peak_memory")],
+                 ("robust trimmed_mean", "peak_memory"), ("robust median", "peak_memory"),
+                 ("defense (the round loop's default)", "round_seconds")],
     "train_throughput": [("fedshift_cnn int8", "throughput"), ("digits_cnn int8", "throughput"),
                          ("fedshift_cnn int8 2 threads", "throughput"),
                          ("fedshift_cnn int8 2 threads", "throughput_vs_float"),
@@ -57,6 +59,10 @@ def test_run_all_quick_writes_every_benchmarks_lines(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-4000:]
     recs = [json.loads(line) for line in out.read_text().splitlines()]
     assert recs and all(r["quick"] is True for r in recs)
+    # every line says what it was measured with
+    assert all(r["versions"]["numba"] == metadata.version("numba")
+               and r["versions"]["llvmlite"] == metadata.version("llvmlite")
+               and r["versions"]["numpy"] == metadata.version("numpy") for r in recs)
     for r in recs:
         assert {"bench", "case", "metric", "value", "unit", "anchor", "anchor_value", "ratio"} <= set(r)
         assert r["value"] == r["value"] and r["value"] >= 0  # not NaN

@@ -60,10 +60,15 @@ def test_device_side_never_imports_coordinator(package: str) -> None:
     assert not bad
 
 
+#: package -> what it may import of the device SDK: a profile names an uplink codec, so the
+#: profiles read the codec table (the codec classes' names, widths and rules)
+SDK_FOR = {"firmware_models": set(), "hw_profiles": {"edge_client.codecs"}}
+
+
 @pytest.mark.parametrize("package", ["firmware_models", "hw_profiles"])
 def test_specs_and_profiles_import_neither_sdk_nor_server(package: str) -> None:
     bad = [(str(f.relative_to(ROOT)), m) for f in _files(package) for m, _ in _imports(f)
-           if _root(m) in {"edge_client", "coordinator"}]
+           if _root(m) in {"edge_client", "coordinator"} and m not in SDK_FOR[package]]
     assert not bad
 
 
@@ -237,3 +242,158 @@ def test_module_and_folder_sizes() -> None:
     assert not long
     top = sorted(p.name for p in (ROOT / "coordinator").glob("*.py"))
     assert len(top) <= 14, top
+
+
+# --------------------------------------------------------------------------- layer kinds
+
+#: where a layer kind may be named in a type test or a comparison: its own modules
+LAYER_MODULES = ("firmware_models/layers/", "edge_client/intnn/layers/")
+#: modules still dispatching on layer kinds, each with the reason it is allowed
+LAYER_DISPATCH_ALLOWED = {
+    # the dequantizer's planes of a linear layer read through a flatten; its owners'
+    # module, to move to the layer objects with them
+    "coordinator/strategies/dequantizer/slices.py",
+}
+#: attributes whose value names a layer kind (``op.kind == "conv"``, ``type(x).__name__``)
+KIND_ATTRIBUTES = {"kind", "__name__", "file_type", "layer_type"}
+
+
+def _layer_kind_names() -> tuple[set[str], set[str]]:
+    """(the layer kinds' class names, spec and engine; the strings that name a kind)."""
+    from edge_client.intnn.layers import REGISTRY, IntLayer, IntWeightLayer, load_all
+    from firmware_models.layers import LAYER_TYPES, SpecLayer, WeightLayer
+
+    load_all()
+    generic = {IntLayer, IntWeightLayer, SpecLayer, WeightLayer, object}
+    classes = set(LAYER_TYPES)
+    for engine in REGISTRY.values():
+        classes |= {c.__name__ for c in engine.__mro__ if c not in generic}
+    words = {"conv", "pool", "linear", "relu", "flatten"}  # the engine's old op kinds
+    for cls in LAYER_TYPES.values():
+        words |= {cls.__name__, cls.__name__.lower(), cls.file_type, cls.name_prefix,
+                  *cls.file_aliases}
+    return classes, words
+
+
+def _layer_kind_dispatch(tree: ast.AST, classes: set[str], words: set[str]) -> list[int]:
+    """Lines that test a value against a layer kind: ``isinstance(x, Conv2d)``,
+    ``cls is Linear``, ``op.kind == "conv"``, ``type(x).__name__ in ("ReLU", ...)``."""
+
+    def names_class(node: ast.AST) -> bool:
+        if isinstance(node, ast.Tuple):
+            return any(names_class(e) for e in node.elts)
+        if isinstance(node, ast.Attribute) and ast.unparse(node.value) in ("nn", "torch.nn"):
+            return False  # torch's modules of the same names
+        last = node.id if isinstance(node, ast.Name) else getattr(node, "attr", None)
+        return last in classes
+
+    def names_word(node: ast.AST) -> bool:
+        if isinstance(node, ast.Tuple | ast.List | ast.Set):
+            return any(names_word(e) for e in node.elts)
+        return isinstance(node, ast.Constant) and node.value in words
+
+    def about_kind(node: ast.AST) -> bool:
+        return isinstance(node, ast.Attribute) and node.attr in KIND_ATTRIBUTES
+
+    lines = []
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                and node.func.id in ("isinstance", "issubclass") and len(node.args) == 2
+                and names_class(node.args[1])):
+            lines.append(node.lineno)
+        elif isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+            if (any(names_class(s) for s in sides)
+                    or (any(about_kind(s) for s in sides) and any(names_word(s) for s in sides))):
+                lines.append(node.lineno)
+    return lines
+
+
+def test_no_layer_kind_dispatch_outside_the_layer_modules() -> None:
+    """docs/architecture.md#add-a-layer-kind: a layer kind's knowledge is in its own
+    modules (firmware_models/layers/, edge_client/intnn/layers/); everywhere else a layer
+    is asked (``layer.has_weights``, ``op.forward_task(...)``), never tested for its kind."""
+    classes, words = _layer_kind_names()
+    bad = []
+    for pkg in PACKAGES + ("benchmarks", "experiments"):
+        for f in _files(pkg):
+            rel = str(f.relative_to(ROOT))
+            if rel.startswith(LAYER_MODULES) or rel in LAYER_DISPATCH_ALLOWED:
+                continue
+            tree = ast.parse(f.read_text(encoding="utf-8"))
+            bad += [f"{rel}:{line}" for line in _layer_kind_dispatch(tree, classes, words)]
+    assert not bad, "ask the layer object instead: " + ", ".join(bad)
+    assert {"Conv2d", "CpuConv2d", "IntLinear", "AvgPool2d"} <= classes
+
+
+def test_the_layer_kind_check_finds_dispatch() -> None:
+    classes, words = _layer_kind_names()
+    code = """
+if isinstance(layer, (Conv2d, Linear)): pass
+if cls is MaxPool2d: pass
+if op.kind == "conv": pass
+if type(layer).__name__ in ("ReLU", "Flatten"): pass
+if msg.kind == "update" or a.kind == "i32" or layer.has_weights: pass
+if isinstance(m, nn.Conv2d | nn.Linear): pass
+if isinstance(layer, firmware_models.Linear): pass
+"""
+    assert _layer_kind_dispatch(ast.parse(code), classes, words) == [2, 3, 4, 5, 8]
+
+
+# --------------------------------------------------------------------------- codec knowledge
+
+
+def _strings(node: ast.expr) -> list[str]:
+    """The string literals an operand is or lists (``"kmeans"``, ``("int", "ternary")``)."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return [node.value]
+    if isinstance(node, ast.Tuple | ast.List | ast.Set):
+        return [s for elt in node.elts for s in _strings(elt)]
+    return []
+
+
+def _codec_name_comparisons(source: str, names: set[str], shared: set[str]) -> list[str]:
+    """Every comparison of a codec name with something (``st.codec == "kmeans"``,
+    ``codec in ("int", "ternary")``). Names that are also dtypes, trainers or model variants
+    (``shared``: ``"float32"``, ``"int"``) count only where the other side speaks of a
+    codec."""
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Compare):
+            continue
+        operands = [node.left, *node.comparators]
+        for left, right in zip(operands, operands[1:], strict=False):
+            for lit, other in ((left, right), (right, left)):
+                if any(s in names and (s not in shared or "codec" in ast.unparse(other).lower())
+                       for s in _strings(lit)):
+                    out.append(f"line {node.lineno}: {ast.unparse(node)}")
+    return out
+
+
+def _codec_names() -> tuple[set[str], set[str]]:
+    from edge_client.codecs import CODECS
+    from edge_client.protocol import DTYPES, FLOAT_VARIANT, TRAINERS
+
+    names = set(CODECS)
+    return names, {n for n in names if n in DTYPES or n in TRAINERS or n == FLOAT_VARIANT}
+
+
+def test_only_the_codecs_branch_on_a_codec_s_name() -> None:
+    """A codec's knowledge lives in its class (``edge_client/codecs/``): nowhere else in
+    the packages is a codec's name compared, so a new codec needs no edit elsewhere.
+    (Benchmarks, experiments and tests choose codecs by name; they are not scanned.)"""
+    names, shared = _codec_names()
+    codecs = ROOT / "edge_client" / "codecs"
+    bad = []
+    for f in (f for pkg in PACKAGES for f in _files(pkg) if codecs not in f.parents):
+        text = f.read_text(encoding="utf-8")
+        if any(f"{q}{n}{q}" in text for n in names for q in "'\""):  # parse only what quotes a name
+            bad += [(str(f.relative_to(ROOT)), hit) for hit in _codec_name_comparisons(text, names, shared)]
+    assert not bad
+
+
+def test_the_codec_name_check_finds_a_branch() -> None:
+    names, shared = _codec_names()
+    src = ("if st.codec == 'kmeans': pass\nif codec in ('int', 'x'): pass\nif 'danuq' != name: pass\n"
+           "if dtype == 'float32' or trainer == 'int' or variant != 'float32': pass\n")
+    assert [h.split(":")[0] for h in _codec_name_comparisons(src, names, shared)] == ["line 1", "line 2", "line 3"]

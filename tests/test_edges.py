@@ -1,4 +1,4 @@
-"""Bridged brokers (``fedbit broker-config --edges M``, coordinator/ops/edges.py): the files
+"""Bridged brokers (``fedbit broker-config --edges M``, coordinator/ops/brokerconf.py): the files
 it writes run three mosquitto instances on loopback as written (a core and two edges,
 TLS, per-bridge credentials, ACLs); devices enrolled on two edges and a coordinator on the
 core run a full round, every device counted once with the exact model; a device's
@@ -12,7 +12,6 @@ import signal
 import subprocess
 import tempfile
 import threading
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -39,6 +38,8 @@ DEVICES = [("pi-a", 30, 0.25), ("pi-b", 10, -0.5), ("pi-c", 20, 1.0)]  # (id, sa
 
 
 class ShiftTrainer:
+    spec, bits, lr, lr_shift = None, 32, 1.0, 3  # the Trainer protocol (spec: unused)
+
     def __init__(self, shift: float) -> None:
         self.shift = np.float32(shift)
 
@@ -51,6 +52,15 @@ class ShiftTrainer:
 
     def to_shared(self):
         return [w.copy() for w in self.w]
+
+    def int_weights(self):
+        return None
+
+    def ternary_weights(self):
+        return None
+
+    def evaluate(self, _data, batch: int = 256):
+        return 0.0, 0.0
 
 
 def _device(creds: auth.Credentials, tmp: Path, samples: int, shift: float) -> DeviceRuntime:

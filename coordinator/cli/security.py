@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the commands import lazily: a fast --help
+    from coordinator.job import ServeJob
 
 
 def add_security_commands(sub: Any) -> None:
@@ -89,7 +92,7 @@ def add_security_commands(sub: Any) -> None:
 
 
 
-def serve_broker(job: Any, max_packet: int) -> tuple[Any, dict[str, Any]]:
+def serve_broker(job: ServeJob, max_packet: int) -> tuple[Any, dict[str, Any]]:
     """The broker ``fedbit serve`` talks to (``job``: a :class:`~coordinator.job.ServeJob`):
     (the embedded one it started, or None; MqttFleet's ``url``/``username``/``password``/
     ``tls``/``client_id`` plus ``enrolment``, the job's registry path or "" when devices
@@ -277,14 +280,14 @@ def _cmd_enroll(args: argparse.Namespace) -> int:
         else:
             rows = [(args.device_id, None)]
             out_dir = None
-        for dev, ms in rows:
-            out = (out_dir / f"{dev}.toml") if out_dir else (args.out if not args.devices else None)
-            creds, path = sec.enroll(dev, broker=args.broker_url, max_samples=ms if ms is not None else
-                                     args.max_samples, out=out)
+        made = sec.enroll_many([(dev, ms if ms is not None else args.max_samples,
+                                 (out_dir / f"{dev}.toml") if out_dir else (args.out if not args.devices else None))
+                                for dev, ms in rows], broker=args.broker_url)
+        for creds, path in made:
             tls = "TLS client certificate, " if creds.cert else ""
             cap = f"at most {creds.max_samples:,} samples" if creds.max_samples else \
                 "UNCAPPED (fedbit serve refuses it unless --allow-uncapped)"
-            print(f"enrolled {dev} in job {job}: {tls}password and MAC key in {path} (mode 0600; "
+            print(f"enrolled {creds.device_id} in job {job}: {tls}password and MAC key in {path} (mode 0600; "
                   f"broker {creds.broker}; {cap}); on the device: fedbit-edge run --credentials "
                   f"{path.name} --profile PROFILE --data DATA", flush=True)
     except ConfigError as exc:
@@ -317,9 +320,9 @@ def _cmd_revoke(args: argparse.Namespace) -> int:
 
 def _edges_config(args: argparse.Namespace, sec: Any, rows: list, host: str, port: int, hosts: list[str],
                   tls: bool) -> int:
-    """``broker-config --edges M``: a core broker and M bridged edges (coordinator.ops.edges)."""
+    """``broker-config --edges M``: a core broker and M bridged edges (coordinator.ops.brokerconf)."""
     from coordinator.ops.broker import DEFAULT_MAX_PACKET, parse_listen
-    from coordinator.ops.edges import Address, write_edges
+    from coordinator.ops.brokerconf import Address, write_edges
     from edge_client.errors import ConfigError
 
     wild = ("0.0.0.0", "::", "")
@@ -369,6 +372,7 @@ def _cmd_broker_config(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from coordinator.ops.broker import DEFAULT_MAX_PACKET, parse_listen
+    from coordinator.ops.brokerconf import broker_conf
     from coordinator.ops.security import JobSecurity, default_hosts
     from edge_client.errors import ConfigError
 
@@ -387,11 +391,10 @@ def _cmd_broker_config(args: argparse.Namespace) -> int:
         sec.save_job_info(url, tls, default_max_samples=args.default_max_samples)
         sec.set_ingest_workers(max(0, args.ingest_workers))
         sec.coordinator(url, tls=tls)
-        for dev, ms in rows:
-            sec.enroll(dev, broker=url, max_samples=ms)
+        sec.enroll_many([(dev, ms, None) for dev, ms in rows], broker=url)
         max_packet = args.max_payload + 65536 if args.max_payload else DEFAULT_MAX_PACKET
         conf = out / "mosquitto.conf"
-        conf.write_text(sec.mosquitto_conf(host=host, port=port, tls=tls, workdir=out / "data",
+        conf.write_text(broker_conf(sec, host=host, port=port, tls=tls, workdir=out / "data",
                                            max_packet_size=max_packet))
         _broker_owns(out / "data")
     except ConfigError as exc:

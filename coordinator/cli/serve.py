@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the commands import lazily: a fast --help
+    from coordinator.job import ServeJob
 
 
 def add_serve_command(sub: Any) -> None:
@@ -107,7 +110,7 @@ def _serve(args: argparse.Namespace, point: Any) -> int:
                             init_weights=init_shared(spec, cfg.seed), on_event=fan_out(progress, observe, point),
                             logger=logger.getChild("server"))
         if workers:
-            workers.attach(coord.collector)
+            workers.attach(coord.collector, coord.strategy)
         print(f"fedbit serve: job {cfg.job}, model {cfg.model}, strategy {cfg.strategy}, "
               f"{cfg.rounds} round(s), out {job.out}", flush=True)
         try:
@@ -131,7 +134,7 @@ def _serve(args: argparse.Namespace, point: Any) -> int:
             broker.stop()
 
 
-def _security_dir(job: Any) -> str:
+def _security_dir(job: ServeJob) -> str:
     """The job's security folder, as :func:`~coordinator.cli.security.serve_broker` finds it."""
     from pathlib import Path
 

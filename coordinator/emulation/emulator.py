@@ -26,11 +26,13 @@ import numpy as np
 from coordinator.devices import Cohort
 from coordinator.emulation.config import ExperimentConfig, parse_codec
 from coordinator.emulation.datasets import DataSplit, partition
+from edge_client.codecs import get_codec
 from edge_client.errors import ConfigError
 from edge_client.protocol import Update, encode_message, float32_tensor, model_variant, topic
 from edge_client.runtime import DeviceConfig, DeviceRuntime, device_hello
 from edge_client.secagg.session import SecureSession
 from firmware_models import is_model_file
+from hw_profiles import HardwareProfile
 
 __all__ = ["DeviceGroup", "EmulatedDevice", "FleetPlan", "ListedShards", "SampledShards", "build_fleet",
            "derive_seed", "device_runtime"]
@@ -49,11 +51,12 @@ class EmulatedDevice:
     shard (``int64`` indices into the training split)."""
 
     device_id: str
-    profile: Any  # hw_profiles.HardwareProfile
+    profile: HardwareProfile
     config: DeviceConfig
     shard: np.ndarray
     variant: str
     inferior: bool  # FedShift's inferior group: an integer device or a lossy uplink
+    attack: Any = None  # its AttackConfig when it is an emulated attacker (coordinator.emulation.attack)
 
 
 def device_runtime(cfg: DeviceConfig, data: Any, connect: Any, **kw: Any) -> DeviceRuntime:
@@ -90,7 +93,7 @@ class DeviceGroup:
     """The devices of one ``[devices]`` entry: ids ``<profile>-<i>`` (``i`` zero-padded to
     the width of ``count - 1``), fleet indices ``offset .. offset + count - 1``."""
 
-    profile: Any  # hw_profiles.HardwareProfile
+    profile: HardwareProfile
     codec: str
     bits: int
     count: int
@@ -160,10 +163,11 @@ class FleetPlan:
         job: the job id the devices join.
         workdir: the folder of the devices' work folders (``<workdir>/<device id>``).
         model_files: the user's model file the devices load (``model`` a file), if any.
+        attack: the ``[attack]`` settings (its attackers are drawn here), if any.
     """
 
     def __init__(self, groups: list[DeviceGroup], shards: SampledShards | ListedShards, seed: int, job: str,
-                 workdir: Path, model_files: tuple[str, ...] = ()) -> None:
+                 workdir: Path, model_files: tuple[str, ...] = (), attack: Any = None) -> None:
         prefixes = [g.prefix for g in groups]
         dup = sorted({p for p in prefixes if prefixes.count(p) > 1})
         if dup:
@@ -175,6 +179,9 @@ class FleetPlan:
         self.workdir = Path(workdir)
         self.model_files = tuple(model_files)
         self._starts = [g.offset for g in groups]
+        self.attack = attack if attack is not None and attack.active else None
+        #: the emulated attackers' ids
+        self.attackers: frozenset[str] = self.attack.attackers(self, seed) if self.attack else frozenset()
 
     def __len__(self) -> int:
         return sum(g.count for g in self.groups)
@@ -229,7 +236,7 @@ class FleetPlan:
         """The device, made now (its config and shard)."""
         g, i = self.locate(device_id)
         return EmulatedDevice(device_id, g.profile, self.config(g, i), self.shards[g.offset + i], g.variant,
-                              g.inferior)
+                              g.inferior, self.attack if device_id in self.attackers else None)
 
     def roster(self) -> list[Cohort]:
         """The fleet as cohorts for the coordinator's registry: one per group, with the
@@ -256,22 +263,22 @@ def build_fleet(cfg: ExperimentConfig, seed: int, data: DataSplit, workdir: Path
             raise ConfigError(f"{cfg.source}: devices.{name}: {exc}") from None
         codec, bits = (parse_codec(cfg.codecs[name], f"codecs.{name}") if name in cfg.codecs
                        else (prof.codec, prof.codec_bits))
-        if codec == "int" and prof.trainer != "int":
-            raise ConfigError(f"{cfg.source}: codecs.{name}: codec 'int' needs an integer device")
+        if get_codec(codec).integer_only and prof.trainer != "int":
+            raise ConfigError(f"{cfg.source}: codecs.{name}: codec {codec!r} needs an integer device")
         if count:
-            inferior = (name in d["inferior"] if d["inferior"]  # the parity split's groups, named
-                        else prof.trainer == "int" or prof.compute_bits < 32 or codec != "float32")
+            inferior = (name in d.inferior if d.inferior  # the parity split's groups, named
+                        else prof.trainer == "int" or prof.compute_bits < 32 or get_codec(codec).lossy)
             groups.append(DeviceGroup(prof, codec, bits, count, offset, inferior))
             offset += count
-    if d["partition"] == "sample":
-        if d["per_device"] < 1:
-            raise ConfigError(f"data.per_device: must be >= 1, got {d['per_device']}")
-        shards: SampledShards | ListedShards = SampledShards(len(data.train), d["per_device"], seed)
+    if d.partition == "sample":
+        if d.per_device < 1:
+            raise ConfigError(f"data.per_device: must be >= 1, got {d.per_device}")
+        shards: SampledShards | ListedShards = SampledShards(len(data.train), d.per_device, seed)
     else:
         inferior = [g.inferior for g in groups for _ in range(g.count)]
-        shards = ListedShards(partition(d["partition"], data.train.y, offset,
+        shards = ListedShards(partition(d.partition, data.train.y, offset,
                                         np.random.default_rng(derive_seed("data", seed)),
-                                        k=d["shards_per_device"], alpha=float(d["alpha"]), inferior=inferior,
-                                        per_device=d["per_device"]))
+                                        k=d.shards_per_device, alpha=float(d.alpha), inferior=inferior,
+                                        per_device=d.per_device))
     model_files = (cfg.model,) if is_model_file(cfg.model) else ()  # a user's model: the devices get the file
-    return FleetPlan(groups, shards, seed, job, workdir, model_files)
+    return FleetPlan(groups, shards, seed, job, workdir, model_files, attack=cfg.attack)

@@ -76,7 +76,6 @@ from coordinator.emulation.pool import (
 )
 from coordinator.emulation.worker import WorkerSpec
 from coordinator.fleet import Fleet, InProcessFleet, MqttFleet
-from coordinator.privacy.config import from_table as privacy_config
 from edge_client.protocol import FLOAT_VARIANT
 
 log = logging.getLogger("fedbit.emulator")
@@ -138,11 +137,11 @@ class Emulator:
         keep_freed_memory()  # the evaluator's activations: reused heap, not fresh pages
         t_start = time.monotonic()
         job = "".join(c if c.isalnum() or c in "._-" else "-" for c in f"{cfg.name}-s{seed}")[:64]
-        data = load_dataset(cfg.data["dataset"], cfg.data["path"] or None,
-                            validation=float(cfg.data["validation"]), seed=int(cfg.data["seed"]))
+        data = load_dataset(cfg.data.dataset, cfg.data.path or None, validation=float(cfg.data.validation),
+                            seed=cfg.data.seed)
         plan = build_fleet(cfg, seed, data, self.run_dir / "devices", job)
         variants = sorted(plan.variants() | {FLOAT_VARIANT})
-        pinned = {str(k): float(v) for k, v in cfg.clock["seconds_per_sample"].items()}
+        pinned = {str(k): float(v) for k, v in cfg.clock.seconds_per_sample.items()}
         missing = [v for v in variants if v not in pinned]
         measured = calibrate(cfg.model, missing, data.train.subset(np.arange(min(64, len(data.train))))) \
             if missing else {}
@@ -153,12 +152,12 @@ class Emulator:
         n = len(plan)
         server_cfg = ServerConfig(
             job=job, model=cfg.model, rounds=cfg.rounds, strategy=cfg.strategy,
-            strategy_params=cfg.build_params(), fraction=float(rnd["fraction"]), min_devices=1,
-            max_devices=n, min_present=n, quorum=float(rnd["quorum"]),
-            min_updates=int(rnd["min_updates"]), round_timeout_s=float(rnd["wall_timeout_s"]),
-            presence_timeout_s=max(120.0, float(rnd["wall_timeout_s"])), hparams=dict(cfg.train), seed=seed,
+            strategy_params=cfg.build_params(), fraction=float(rnd.fraction), min_devices=1,
+            max_devices=n, min_present=n, quorum=float(rnd.quorum),
+            min_updates=rnd.min_updates, round_timeout_s=float(rnd.wall_timeout_s),
+            presence_timeout_s=max(120.0, float(rnd.wall_timeout_s)), hparams=dict(cfg.train), seed=seed,
             admission=replace(AdmissionConfig(), max_registered=max(n, AdmissionConfig().max_registered)),
-            on_collapse=cfg.on_collapse, privacy=privacy_config(cfg.privacy))
+            on_collapse=cfg.on_collapse, privacy=cfg.privacy, defense=cfg.defense)
         broker, inner, relay = self._transport(job)
         info["broker"] = (f"embedded {broker.kind} at {broker.url}" if broker is not None
                           else self.cfg.broker or "in-process hub")
@@ -168,11 +167,11 @@ class Emulator:
             pool = self.pool = self._workers(plan, data, relay, job)
             info |= pool.describe() | {"cores": machine_cores()}
             (self.run_dir / "emulation.json").write_text(json.dumps(info, indent=1))
-            if not wait_ready(pool, float(rnd["wall_timeout_s"])):
+            if not wait_ready(pool, float(rnd.wall_timeout_s)):
                 raise ConnectionError("the emulator's worker processes did not start (see the log)")
             links = SimLinks(plan, sps, seed)
-            fleet = EmulatedFleet(inner, pool, links, quorum=float(rnd["quorum"]),
-                                  deadline_s=float(rnd["deadline_s"]), wall_timeout_s=float(rnd["wall_timeout_s"]),
+            fleet = EmulatedFleet(inner, pool, links, quorum=float(rnd.quorum),
+                                  deadline_s=float(rnd.deadline_s), wall_timeout_s=float(rnd.wall_timeout_s),
                                   on_progress=(lambda f: self.on_event("devices", f)) if self.on_event else None)
             # the validation split is read only over the rounds the reports average
             # (analysis.LAST_ROUNDS); every core scores, the device workers idle meanwhile
@@ -207,15 +206,15 @@ class Emulator:
         """The pool of ``round.workers`` workers on the ``[cluster]`` backend."""
         rnd, cluster = self.cfg.round, self.cfg.cluster
         cores = machine_cores()
-        workers = int(rnd["workers"])
+        workers = rnd.workers
         kinds = {(g.profile.trainer, g.profile.compute_bits, g.codec, g.bits):
                  replace(g.profile, codec=g.codec, codec_bits=g.bits) for g in plan.groups}
-        spec = WorkerSpec(job=job, slots=int(rnd["parallel"]), wall_timeout_s=float(rnd["wall_timeout_s"]),
+        spec = WorkerSpec(job=job, slots=rnd.parallel, wall_timeout_s=float(rnd.wall_timeout_s),
                           workdir=str(plan.workdir), model=self.cfg.model, profiles=tuple(kinds.values()))
-        if cluster["backend"] == "ray":
+        if cluster.backend == "ray":
             from coordinator.emulation.ray_backend import RayBackend
 
-            backend: Any = RayBackend(cluster["address"], data.train, spec)
+            backend: Any = RayBackend(cluster.address, data.train, spec)
             return WorkerPool(plan, backend, workers or backend.cpus, relay, job)
         n = min(workers or cores, len(plan))
         if n <= 1:
@@ -240,6 +239,8 @@ class Emulator:
         url = self.cfg.broker
         if not url:
             broker = start_embedded_broker()
+            if hasattr(broker, "keep_alive"):  # (mosquitto: started again should it die)
+                broker.keep_alive()
             url = broker.url
         inner = MqttFleet(url, job, client_id=f"fedbit-coordinator-{job}-{self.seed}", username="fedbit-coordinator")
         return broker, inner, MqttTransport(url, f"fedbit-emulator-{job}-{self.seed}")
@@ -258,10 +259,11 @@ class Emulator:
             "seconds_per_sample": sps, "calibrated": sorted(measured),
             "profiles": {g.profile.name: {"count": g.count, **{k: v for k, v in asdict(g.profile).items()
                                                                if k != "notes"}} for g in plan.groups},
-            "fleet_size": n,
+            "fleet_size": n, "attackers": sorted(plan.attackers)[:1000],
             "devices": [{"id": d.device_id, "profile": d.profile.name, "variant": d.variant,
                          "codec": f"{d.config.codec}-{d.config.codec_bits}", "inferior": d.inferior,
-                         "samples": len(d.shard), "class_counts": counts[i].tolist()}
+                         "samples": len(d.shard), "class_counts": counts[i].tolist(),
+                         **({"attacker": True} if d.attack is not None else {})}
                         for i, d in enumerate(devices)],
         }
 

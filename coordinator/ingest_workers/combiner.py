@@ -101,6 +101,7 @@ class IngestWorkers:
         self.cv = threading.Condition(threading.RLock())
         self.events: queue.Queue[tuple] = queue.Queue()
         self.collector: Any = None
+        self.target: Any = None  # what the partial sums are folded into (attach)
         self.fleet: IngestFleet | None = None
         self.round_id: int | None = None
         self._begin: tuple | None = None  # the open round's begin message
@@ -128,9 +129,12 @@ class IngestWorkers:
     def wrap(self, strategy: Any) -> PartialStrategy:
         return PartialStrategy(strategy, self)
 
-    def attach(self, collector: Any) -> None:
-        """The round loop's collector (its open round, registry, bookkeeping)."""
+    def attach(self, collector: Any, strategy: Any = None) -> None:
+        """The round loop's collector (its open round, registry, bookkeeping) and its
+        outermost strategy (the poisoning guard around :class:`PartialStrategy`), which the
+        workers' partial sums are folded into (its ``fold_partial``)."""
         self.collector = collector
+        self.target = strategy
         collector.on_ingest = self.handle
 
     def _worker_name(self, base: str | None, i: int) -> str | None:
@@ -145,7 +149,8 @@ class IngestWorkers:
             run_dir=str(self.run_dir), url=c["url"], client_id=self._worker_name(client, i) or "",
             username=self._worker_name(c.get("username"), i), password=c.get("password"), tls=c.get("tls"),
             protocol=c.get("protocol", "auto"), max_payload=int(c.get("max_payload", 64 * 1024 * 1024 + 65536)),
-            limits=cfg.limits, admission=cfg.admission, share=f"$share/fedbit-{cfg.job}/{root}/update/+")
+            limits=cfg.limits, admission=cfg.admission, defense=cfg.defense,
+            share=f"$share/fedbit-{cfg.job}/{root}/update/+")
 
     def start(self, timeout: float = 120.0) -> None:
         """End the broker sessions of workers a previous run had beyond ``n``, start the
@@ -334,10 +339,11 @@ class IngestWorkers:
                          "announced again (devices re-send from their outbox)", i, code,
                          extra={"event": "ingest_worker_retired", "worker": i})
 
-    def begin(self, round_id: int, weights: list[np.ndarray]) -> None:
-        """A round opens: every worker folds it from ``weights`` from now on."""
+    def begin(self, round_id: int, weights: list[np.ndarray], groups: dict[int, list[np.ndarray]] | None) -> None:
+        """A round opens: every worker folds it from ``weights`` (and a grouped combiner's
+        per-bitwidth ``groups``) from now on."""
         with self.cv:
-            self.round_id, self._begin = round_id, ("begin", round_id, [np.asarray(w) for w in weights])
+            self.round_id, self._begin = round_id, ("begin", round_id, [np.asarray(w) for w in weights], groups)
             self.claims.clear()
             self.partials.clear()
             self._noted.clear()
@@ -350,7 +356,9 @@ class IngestWorkers:
     def gather(self, inner: Any) -> None:
         """The round's end: refuse further claims, collect every worker's partial sums
         (a worker that ended or does not answer in ``partial_timeout_s``: its inbox log
-        instead) and add them to ``inner``'s round."""
+        instead) and add them to the round (through the outermost strategy when attached
+        with one, else ``inner``)."""
+        target = self.target if self.target is not None else inner
         with self.cv:
             self.gathering = True
             r = self.round_id
@@ -378,7 +386,7 @@ class IngestWorkers:
             for (i, gen), (pr, part, devices) in sorted(self.partials.items()):
                 if pr != r or part is None:
                     continue
-                inner.fold_partial(part)
+                target.fold_partial(part)
                 claimed = {d for d, c in self.claims.items() if c[:2] == (i, gen)}
                 if set(devices) != claimed:
                     self.log.error("ingest worker %d: its partial sums hold %d update(s), %d were claimed", i,
@@ -405,10 +413,14 @@ class PartialStrategy:
 
     def begin_round(self, round_id: int, global_weights: list[np.ndarray]) -> None:
         self.inner.begin_round(round_id, global_weights)
-        self.workers.begin(round_id, global_weights)
+        grouped = getattr(getattr(self.inner, "combiner", None), "grouped", False)
+        self.workers.begin(round_id, global_weights, dict(self.inner.group_models) if grouped else None)
 
     def fold(self, update: EncodedUpdate) -> None:
         self.inner.fold(update)
+
+    def fold_partial(self, part: Mapping[str, Any]) -> None:
+        self.inner.fold_partial(part)
 
     def finish(self) -> AggregateResult:
         self.workers.gather(self.inner)

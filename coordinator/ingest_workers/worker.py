@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
+from coordinator.defense.config import DefenseConfig
 from coordinator.ops.admission import AdmissionConfig
 from edge_client.protocol import DEFAULT_LIMITS, Limits
 
@@ -47,6 +48,8 @@ class WorkerConfig:
     max_payload: int = 64 * 1024 * 1024 + 65536
     limits: Limits = DEFAULT_LIMITS
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    #: the poisoning guard, run on this worker's share of the round (its medians)
+    defense: DefenseConfig = field(default_factory=DefenseConfig)
     #: the shared subscription's topic filter (``$share/<group>/fedbit/<job>/update/+``)
     share: str = ""
 
@@ -68,6 +71,10 @@ class Worker:
         shapes = [tuple(s) for s in resolve_model(cfg.model).param_shapes()]
         self.ingest = Ingest(cfg.model, shapes, cfg.limits, cfg.admission, cfg.job)
         self.strategy = build_strategy(cfg.strategy, model=cfg.model, **cfg.strategy_params)
+        if cfg.defense.norm_bound or cfg.defense.sample_bound:
+            from coordinator.defense.guard import GuardedStrategy
+
+            self.strategy = GuardedStrategy(self.strategy, cfg.defense)
         self.round_id: int | None = None  # the round the strategy folds
         self.folded: list[str] = []  # devices folded into this round's part
         self.transport = MqttTransport(cfg.url, cfg.client_id, username=cfg.username, password=cfg.password,
@@ -100,7 +107,9 @@ class Worker:
         """A message of the combiner; True to stop."""
         kind = msg[0]
         if kind == "begin":
-            _, r, weights = msg
+            _, r, weights, groups = msg
+            if groups is not None:  # (a grouped combiner's per-bitwidth models: the guard's references)
+                getattr(self.strategy, "inner", self.strategy).group_models = groups
             self.strategy.begin_round(r, weights)
             self.round_id, self.folded = r, []
         elif kind == "finish":

@@ -54,7 +54,7 @@ class ProgressDisplay:
     """
 
     #: log ``event`` fields whose message this display already prints
-    SHOWN = ("round_start", "round_end", "reject", "device_joined", "device_left")
+    SHOWN = ("round_start", "round_end", "reject", "device_joined", "device_left", "quarantine", "release", "alert")
 
     def __init__(self, rounds: int, stream: TextIO | None = None) -> None:
         self.rounds = rounds
@@ -86,10 +86,23 @@ class ProgressDisplay:
             self._print(refusal_line(f))
         elif event == "device":
             self._print(device_line(f))
+        elif event == "quarantine":
+            self._print(quarantine_line(f))
+        elif event == "alert":
+            self._print(f"ALERT (round {f['round']}): {f['text']}")
         elif event == "devices":
             self._print(f"  round {f['round']}: {devices_text(f)}", live=True)
         elif event == "round_end":
             self._print(round_line(f, self.rounds))
+
+
+def quarantine_line(f: dict[str, Any]) -> str:
+    """``device 'd3' QUARANTINED after round 7 (...); release it with: fedbit release d3 --run DIR``
+    (a ``quarantine`` event)."""
+    if f["change"] != "quarantined":
+        return f"device {f['device']!r} released from quarantine"
+    return (f"device {f['device']!r} QUARANTINED after round {f['round']} ({'; '.join(f.get('reasons') or [])}): "
+            f"not selected until released (fedbit release {f['device']} --run RUN_DIR)")
 
 
 def devices_text(f: dict[str, Any]) -> str:

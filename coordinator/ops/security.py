@@ -11,6 +11,8 @@ secrets 0600; what the broker reads, 0640 to the ``mosquitto`` group when run as
     passwd                      mosquitto's password file ($7$: PBKDF2-SHA512, 101 rounds)
     coordinator.passwd          the same with the coordinator alone (the embedded broker's
                                 coordinator listener: a device's password is refused there)
+    devices.passwd              the same with the devices alone (the embedded broker's
+                                device listener: the coordinator's password is refused there)
     acl                         mosquitto's ACL: devices publish only under their own id
     coordinator.toml            the coordinator's own credentials (username fedbit-coordinator)
     devices/<id>.toml           each device's credentials file (``fedbit-edge run --credentials``)
@@ -40,6 +42,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import ipaddress
 import json
 import os
 import shutil
@@ -120,8 +123,15 @@ def check_max_samples(value: Any, what: str) -> int:
 
 
 def is_loopback(host: str) -> bool:
-    """Whether ``host`` names only this machine (127.0.0.0/8, ::1, localhost)."""
-    return host in ("localhost", "::1") or host.startswith("127.")
+    """Whether ``host`` names only this machine: ``localhost`` or a loopback address
+    literal (127.0.0.0/8, ::1). A name that merely starts with ``127.``
+    (``127.attacker.example``) is not one: it resolves wherever its owner likes."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def default_hosts(listen_host: str) -> list[str]:
@@ -221,6 +231,7 @@ class JobSecurity:
         self.registry_path = self.dir / "enrolled.json"
         self.passwd_path = self.dir / "passwd"
         self.coordinator_passwd_path = self.dir / "coordinator.passwd"
+        self.devices_passwd_path = self.dir / "devices.passwd"
         self.acl_path = self.dir / "acl"
         self.ca_path = self.dir / "ca.crt"
         self.server_cert = self.dir / "server.crt"
@@ -311,9 +322,14 @@ class JobSecurity:
         lines = own + [f"{d}:{e.password_hash}" for d, e in sorted(devices.items())]
         write_private(self.passwd_path, "\n".join(lines) + "\n")
         write_private(self.coordinator_passwd_path, "\n".join(own) + "\n")
+        write_private(self.devices_passwd_path, "".join(f"{line}\n" for line in lines[len(own):]))
         write_private(self.acl_path, acl_text(self.job, readers))
-        for p in (self.passwd_path, self.coordinator_passwd_path, self.acl_path):
+        for p in (self.passwd_path, self.coordinator_passwd_path, self.devices_passwd_path, self.acl_path):
             self.share_with_broker(p)
+
+    def write_broker_files(self) -> None:
+        """Write the broker's password files and ACL again from the registry."""
+        self._save(self.registry(), self._coordinator_hash())
 
     def ingest_users(self) -> list[str]:
         """The users of the coordinator's ingest workers (``fedbit-coordinator-ingest-<i>``:
@@ -330,7 +346,7 @@ class JobSecurity:
         self._mkdir()
         write_private(self.job_path, json.dumps(info | {"job": self.job, "ingest_workers": int(n)}, indent=1))
         if self.passwd_path.exists():
-            self._save(self.registry(), self._coordinator_hash())
+            self.write_broker_files()
 
     # ------------------------------------------------------------------ material
 
@@ -413,30 +429,40 @@ class JobSecurity:
         TLS, its sample cap (``max_samples``; None: the job's default, 0: uncapped); writes
         its credentials file (``out``, default ``devices/<id>.toml``, 0600).
         Returns (credentials, file). Signal a running broker with :meth:`reload_broker`."""
-        check_device_id(device_id)
-        if max_samples is None:
-            max_samples = self.default_max_samples()
-        check_max_samples(max_samples, f"{device_id}: max_samples")
+        return self.enroll_many([(device_id, max_samples, out)], broker=broker)[0]
+
+    def enroll_many(self, rows: list[tuple[str, int | None, str | Path | None]], *,
+                    broker: str | None = None) -> list[tuple[Credentials, Path]]:
+        """Enroll every ``(device_id, max_samples, out)`` of ``rows`` as :meth:`enroll`
+        does, all or nothing: every id and cap is checked and every credential made before
+        anything is written, then the credentials files, then the registry and the
+        broker's files once (a bad row enrols no device; ConfigError naming it)."""
+        default = self.default_max_samples()
+        checked = [(check_device_id(d), check_max_samples(default if ms is None else ms, f"{d}: max_samples"), out)
+                   for d, ms, out in rows]
+        if len({d for d, _, _ in checked}) != len(checked):
+            raise ConfigError("a device id appears twice")
         url, tls = self.broker_url(broker)
         if not self.coordinator_path.exists():  # the coordinator's entry comes first
             self.coordinator(url, tls=tls)
-        password = new_password()
-        pem = self._client_pem(device_id) if tls else ("", "", "")
-        creds = Credentials(job=self.job, device_id=device_id, broker=url, username=device_id,
-                            password=password, mac_key=new_mac_key(), max_samples=max_samples,
-                            ca=pem[0], cert=pem[1], key=pem[2])
         devices = self.registry()
-        devices[device_id] = Enrolled(mosquitto_password_hash(password), creds.mac_key, max_samples, time.time())
+        made = []
+        for device_id, max_samples, out in checked:
+            password = new_password()
+            pem = self._client_pem(device_id) if tls else ("", "", "")
+            creds = Credentials(job=self.job, device_id=device_id, broker=url, username=device_id,
+                                password=password, mac_key=new_mac_key(), max_samples=max_samples,
+                                ca=pem[0], cert=pem[1], key=pem[2])
+            devices[device_id] = Enrolled(mosquitto_password_hash(password), creds.mac_key, max_samples, time.time())
+            made.append((creds, Path(out) if out else self.dir / "devices" / f"{device_id}.toml"))
+        for creds, path in made:  # (a file without its registry entry opens nothing)
+            if path.parent == self.dir / "devices":
+                path.parent.mkdir(mode=0o700, exist_ok=True)
+            write_private(path, creds.to_toml())
         self._save(devices, self._coordinator_hash())
         if not self.job_info():
             self.save_job_info(url, tls)
-        if out:
-            path = Path(out)
-        else:
-            path = self.dir / "devices" / f"{device_id}.toml"
-            path.parent.mkdir(mode=0o700, exist_ok=True)
-        write_private(path, creds.to_toml())
-        return creds, path
+        return made
 
     def revoke(self, device_id: str) -> bool:
         """Remove ``device_id`` from the registry and the password file (its credentials
@@ -451,33 +477,6 @@ class JobSecurity:
 
     # ------------------------------------------------------------------ the broker
 
-    def mosquitto_conf(self, *, host: str, port: int, tls: bool, workdir: str | Path,
-                       max_packet_size: int) -> str:
-        """A mosquitto.conf for a broker the user runs (``fedbit broker-config``): one
-        listener on ``host:port`` (TLS with client certificates when ``tls``), passwords,
-        the ACL, persistence under ``workdir``, the limits of docs/mqtt.md#mosquitto."""
-        d = self.dir.resolve()
-        lines = [
-            f"# generated by fedbit broker-config for job {self.job}",
-            "per_listener_settings false",
-            "allow_anonymous false",
-            f"password_file {d / 'passwd'}",
-            f"acl_file {d / 'acl'}",
-            f"max_packet_size {int(max_packet_size)}",
-            "max_queued_messages 0",
-            f"max_queued_bytes {max(4 * int(max_packet_size), 256 * 1024 * 1024)}",
-            "max_inflight_messages 0",
-            "persistence true",
-            f"persistence_location {Path(workdir).resolve()}/",
-            "autosave_interval 1",
-            f"listener {int(port)} {host}",
-            "use_username_as_clientid true",
-        ]
-        if tls:
-            lines += [f"cafile {d / 'ca.crt'}", f"certfile {d / 'server.crt'}", f"keyfile {d / 'server.key'}",
-                      "require_certificate true", "tls_version tlsv1.2"]
-        return "\n".join(lines) + "\n"
-
     def record_broker(self, pid: int, config: str | Path) -> None:
         """Remember a running embedded broker, so that ``fedbit enroll``/``revoke`` can
         make it reload its password file (SIGHUP)."""
@@ -485,16 +484,20 @@ class JobSecurity:
 
     def _recorded_broker(self) -> int | None:
         """The PID of the recorded embedded broker if that process still is that mosquitto
-        (its command line names the recorded config), else None."""
+        (its command line names the recorded config, both resolved: a broker started from
+        a relative ``--out`` matches too), else None."""
         try:
             info = json.loads(self.pid_link.read_text())
-            pid, config = int(info["pid"]), str(info["config"])
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            pid, config = int(info["pid"]), Path(str(info["config"])).resolve()
+            proc = Path(f"/proc/{pid}")
+            cmdline = (proc / "cmdline").read_bytes().split(b"\0")
+            cwd = os.readlink(proc / "cwd")
         except (OSError, ValueError, KeyError, TypeError):
             return None
-        if not cmdline[0].endswith(b"mosquitto") or config.encode() not in cmdline:
+        if not cmdline[0].endswith(b"mosquitto"):
             return None
-        return pid
+        args = {(Path(cwd) / os.fsdecode(a)).resolve() for a in cmdline[1:] if a}
+        return pid if config in args else None
 
     def reload_broker(self) -> bool:
         """SIGHUP the job's running embedded broker (see :meth:`record_broker`), so that

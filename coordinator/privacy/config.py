@@ -15,7 +15,7 @@ device's update under secure aggregation, and DP with per-group models.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 from edge_client.errors import ConfigError
@@ -114,19 +114,6 @@ class PrivacyConfig:
             raise ConfigError(f"{why} with strategy {strategy!r}: {_NEEDS_SINGLE[combiner]}")
 
 
-def from_table(table: dict[str, Any]) -> PrivacyConfig:
-    """The section's validated table (``TomlSchema.validate``) as a :class:`PrivacyConfig`."""
-    return PrivacyConfig(**{k: float(x) if isinstance(x, int) and not isinstance(x, bool)
-                            and isinstance(getattr(PrivacyConfig, k), float) else x for k, x in table.items()})
-
-
-def schema() -> dict[str, tuple[Any, Any]]:
-    """The section's keys with their TOML types and defaults (the job's and the experiments' schema)."""
-    d = PrivacyConfig()
-    types = {bool: bool, int: int, float: (int, float), str: str}
-    return {f.name: (types[type(getattr(d, f.name))], getattr(d, f.name)) for f in fields(PrivacyConfig)}
-
-
 #: ``fedbit serve`` flags: (flag, dotted key, argparse keyword arguments)
 FLAGS: list[tuple[str, str, dict[str, Any]]] = [
     ("--secure-aggregation", "privacy.secure_aggregation", {"action": "store_true", "help": "SecAgg+: the "
@@ -135,8 +122,10 @@ FLAGS: list[tuple[str, str, dict[str, Any]]] = [
      "(clip + Gaussian noise at the coordinator) or distributed (devices' discrete Gaussian under "
      "secure aggregation)"}),
     ("--dp-clip", "privacy.clip", {"type": float, "metavar": "C", "help": "L2 clip of an update"}),
-    ("--noise-multiplier", "privacy.noise_multiplier", {"type": float, "metavar": "Z"}),
+    ("--noise-multiplier", "privacy.noise_multiplier", {"type": float, "metavar": "Z", "help": "Gaussian "
+     "noise's standard deviation in units of the clip (0: derived from --target-epsilon)"}),
     ("--target-epsilon", "privacy.target_epsilon", {"type": float, "metavar": "EPS", "help": "privacy "
      "budget: the job ends before a round would pass it (sets the noise when --noise-multiplier is 0)"}),
-    ("--delta", "privacy.delta", {"type": float, "metavar": "D"}),
+    ("--delta", "privacy.delta", {"type": float, "metavar": "D", "help": "the delta at which epsilon is "
+     "reported (the job's (epsilon, delta)-DP)"}),
 ]

@@ -79,6 +79,14 @@ class GroupSums:
         if len(held) >= self.batch:
             self._fold(bits)
 
+    def add_base(self, bits: int, omega: float) -> None:
+        """Add the round's model (the base of delta updates) to group ``bits`` with weight
+        ``omega`` (> 0; an update's bounded part: ``coordinator.defense.guard``); the group
+        must have an update already."""
+        if omega > 0:
+            self.total[bits] += omega
+            self.delta_weight[bits] += omega
+
     def add_sum(self, bits: int, sums: list[np.ndarray], total: float, count: int, is_delta: bool) -> None:
         """Add a group already summed elsewhere (secure aggregation's, a private sum):
         ``sums[l] = Σ ω_k x_k[l]`` (flat), ``total = Σ ω_k`` over ``count`` updates."""

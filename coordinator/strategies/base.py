@@ -116,7 +116,7 @@ class Strategy:
         self._require_round(update.device_id)
         if not self.takes_encoded(update):
             cu = decode_update(update, self._decode_buffers.take())
-            self._add_decoded(cu, self._finite_layers(cu))
+            self._add_decoded(cu, self._finite_layers(cu), update.bound)
             return
         who = f"update from {update.device_id!r}"
         adders = []
@@ -128,8 +128,10 @@ class Strategy:
             # an integer device's own integers q: q / 2^(s_g - 1) in the shared domain
             adders.append(add.scaled(unit_value(t, update.compute_bits))
                           if t.dtype in INTEGER_DTYPES else add)
-        self._sums.add_encoded(int(update.compute_bits), adders, self._omega(update),
+        omega = self._omega(update)
+        self._sums.add_encoded(int(update.compute_bits), adders, omega * update.bound,
                                update.kind == "delta", key=update.device_id)
+        self._sums.add_base(int(update.compute_bits), omega * (1.0 - update.bound))
         self._count(update)
 
     def accept(self, update: ClientUpdate) -> None:
@@ -221,9 +223,10 @@ class Strategy:
             flat.append(f)
         return flat
 
-    def _add_decoded(self, update: ClientUpdate, flat: list[np.ndarray]) -> None:
+    def _add_decoded(self, update: ClientUpdate, flat: list[np.ndarray], bound: float = 1.0) -> None:
         """Dequantize (when a dequantizer is set: it observes every update, then maps it)
-        and add a checked decoded update."""
+        and add a checked decoded update (its movement scaled by ``bound``, as
+        ``EncodedUpdate.bound``)."""
         assert self._sums is not None
         if not isinstance(self.dequantizer, NoDequantizer):
             self.dequantizer.observe(update)
@@ -231,8 +234,10 @@ class Strategy:
             if mapped is not update:
                 update = mapped
                 flat = self._finite_layers(update)
-        self._sums.add(int(update.compute_bits), flat, self._omega(update), update.kind == "delta",
+        omega = self._omega(update)
+        self._sums.add(int(update.compute_bits), flat, omega * bound, update.kind == "delta",
                        key=update.device_id)
+        self._sums.add_base(int(update.compute_bits), omega * (1.0 - bound))
         self._count(update)
 
     def _count(self, update: ClientUpdate | EncodedUpdate) -> None:

@@ -33,6 +33,7 @@ module costs nothing then.
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -50,6 +51,7 @@ from coordinator.strategies.types import AggregateResult, ClientUpdate, EncodedU
 from edge_client.errors import ConfigError, ProtocolError
 
 ROBUST = ("none", "trimmed_mean", "median")
+log = logging.getLogger("fedbit.strategy")
 
 
 @dataclass
@@ -125,6 +127,7 @@ class RobustStrategy(Strategy):
         self.robust = robust
         self.trim = float(trim)
         self._held: list[_Held] = []
+        self._warned: set[str] = set()
 
     # ------------------------------------------------------------------ round
     def begin_round(self, round_id: int, global_weights: list[np.ndarray]) -> None:
@@ -175,10 +178,32 @@ class RobustStrategy(Strategy):
             self._sums, trimmed = self._order_statistic_sums(held, scales)
         self._held = []
         result = super().finish()
+        result.stats["robust_ineffective"] = int(self._warn_ineffective(len(held), trimmed))
         result.stats.update({"robust_clipped": int(np.sum(scales < 1.0 - 1e-6)),
                              "robust_median_norm": float(np.median(norms)),
                              "robust_max_norm": float(norms.max()), "robust_trimmed_per_side": trimmed})
         return result
+
+    def _warn_ineffective(self, n: int, trimmed: int) -> bool:
+        """Log (once per kind of case) a robust parameter that removes nothing from a round
+        of ``n`` updates: a ``trim`` that drops none, a median of two, a ``clip`` that cannot
+        bite. True when one does not."""
+        from coordinator.defense.normbound import bites
+
+        why = []
+        if self.robust == "trimmed_mean" and trimmed == 0:
+            why.append(f"trimmed_mean with trim {self.trim:g} drops nothing from {n} update(s) per pool "
+                       f"(it needs at least {math.ceil(1 / self.trim) if self.trim else 'any'} in one)")
+        if self.robust == "median" and n <= 2:
+            why.append(f"the median of {n} update(s) is their mean")
+        if self.clip > 0 and not bites(n, self.clip):
+            why.append(f"clip {self.clip:g} x the median norm cannot bound any of {n} update(s)")
+        for text in why:
+            if text not in self._warned:
+                self._warned.add(text)
+                log.warning("round %s: %s: it removes nothing at this round's size", self.round_id, text,
+                            extra={"event": "robust_ineffective"})
+        return bool(why)
 
     def _adders(self, u: EncodedUpdate) -> list[Any]:
         from edge_client.codecs import accumulator

@@ -10,6 +10,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
+from edge_client.codecs.tensor import EncodedTensor, packed_length
 from edge_client.errors import ProtocolError
 from edge_client.protocol.messages import (
     CODEC_BITS,
@@ -21,7 +22,6 @@ from edge_client.protocol.messages import (
     STATUS_STATES,
     TRAINERS,
     UPDATE_CONTENTS,
-    EncodedTensor,
     Hello,
     Limits,
     Message,
@@ -30,7 +30,6 @@ from edge_client.protocol.messages import (
     RoundAnnouncement,
     Status,
     Update,
-    packed_length,
     tensor_to_wire,
     valid_id,
 )
@@ -269,7 +268,8 @@ def _parse(kind: str, r: _Reader) -> Message:
             num_samples=r.int("num_samples", 0, 1 << 40), sdk_version=r.str("sdk_version"),
         )
     if kind == "presence":
-        return Presence(device_id=r.device_id("device_id"), online=r.bool("online"))
+        return Presence(device_id=r.device_id("device_id"), online=r.bool("online"),
+                        round_id=r.int("round_id", 0, 1 << 40, default=0))
     if kind == "round":
         selected = r.list("selected", lim.max_devices)
         for i, s in enumerate(selected):

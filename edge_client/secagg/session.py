@@ -14,15 +14,17 @@ from __future__ import annotations
 import logging
 import os
 import secrets
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from edge_client.errors import ProtocolError
 from edge_client.protocol import encode_message, topic
 from edge_client.protocol.secure import SecAggInbox, SecAggRoster, SecAggUnmask
-from edge_client.secagg.client import SecAggClient, load_identity
 from edge_client.secagg.encode import Grid, secure_vector
+
+if TYPE_CHECKING:
+    from edge_client.secagg.client import SecAggClient
 
 
 class SecureSession:
@@ -47,6 +49,9 @@ class SecureSession:
         """Keep the update of round ``a`` (announcement) trained from model ``m``; return the
         device's keys message. ``shared``: the trained shared-domain weights, ``start``: the
         model's; an integer trainer's own integers are used when it has them."""
+        # cryptography on first use
+        from edge_client.secagg.client import SecAggClient, load_identity
+
         if self._identity is None:
             self._identity = load_identity(self._identity_path)
         self.keep(m, trainer, shared, start, weight)
@@ -62,7 +67,7 @@ class SecureSession:
         from edge_client.codecs import decode
         from edge_client.intnn import storage_grid_bits
 
-        ints = trainer.int_weights() if self.cfg.trainer == "int" and hasattr(trainer, "int_weights") else None
+        ints = trainer.int_weights() if self.cfg.trainer == "int" else None  # the Trainer protocol's
         if ints is not None:
             layers = [q.astype(np.int64) - decode(t).astype(np.int64) for q, t in zip(ints, m.tensors)]
             self._update = (layers, int(storage_grid_bits(self.cfg.compute_bits)), int(weight))

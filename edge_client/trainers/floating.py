@@ -30,7 +30,7 @@ from edge_client.trainers.common import (
     check_sgd,
     check_train_args,
 )
-from firmware_models import Conv2d, Flatten, Linear, MaxPool2d, ModelSpec, ReLU
+from firmware_models import MaxPool2d, ModelSpec
 
 
 class TorchTrainer:
@@ -120,6 +120,14 @@ class TorchTrainer:
     def to_shared(self) -> list[np.ndarray]:
         return [p.detach().cpu().numpy().astype(np.float32, copy=True) for p in self.params]
 
+    def int_weights(self) -> None:
+        """A float device holds no grid integers."""
+        return None
+
+    def ternary_weights(self) -> None:
+        """A float device sends shared-domain weights, whatever forward it trains."""
+        return None
+
     # model -----------------------------------------------------------------
 
     def _effective(self, i: int, w, ws: bool, wn: bool = False):
@@ -147,27 +155,18 @@ class TorchTrainer:
         bits = self.forward_bits if bits is None else bits
         if bits != 32:
             return self._int_forward(x, bits, taps)
-        F = self._torch.nn.functional
         ws = self.weight_standardization if ws is None else ws
         wn = self.weight_norm if wn is None else wn
         h = x
         p = 0
         layers = self.spec.layers
         for i, layer in enumerate(layers):
-            if isinstance(layer, Conv2d):
+            if layer.has_weights:
                 w, scale = self._effective(p, self.params[p], ws, wn)
-                h = F.conv2d(h, w, stride=layer.stride, padding=layer.padding) * scale
+                h = layer.torch_forward(self._torch, h, w) * scale
                 p += 1
-            elif isinstance(layer, Linear):
-                w, scale = self._effective(p, self.params[p], ws, wn)
-                h = F.linear(h, w) * scale
-                p += 1
-            elif isinstance(layer, ReLU):
-                h = F.relu(h)
-            elif isinstance(layer, MaxPool2d):
-                h = max_pool(self._torch, h, layer)
-            elif isinstance(layer, Flatten):
-                h = h.flatten(1)
+            else:
+                h = layer.torch_forward(self._torch, h)
             if taps is not None and _tap_after(layers, i):
                 taps.append(h)
         return h
@@ -184,34 +183,27 @@ class TorchTrainer:
         layers = self.spec.layers
         p = 0
         for i, layer in enumerate(layers):
-            if isinstance(layer, (Conv2d, Linear)):
-                w = self.params[p]
-                with torch.no_grad():
-                    q = torch.round(w * g_one)  # the device's grid integers (half to even)
-                    wt = TERNARY_WEIGHT * ((q > thr).to(w.dtype) - (q < -thr).to(w.dtype))
-                w = w + (wt - w).detach()
-                if isinstance(layer, Conv2d):
-                    h = F.conv2d(h, w, stride=layer.stride, padding=layer.padding)
-                else:
-                    h = F.linear(h, w)
-                h = h / self._alpha[p]
-                relu = i + 1 < len(layers) and isinstance(layers[i + 1], ReLU)
-                if relu:
-                    h = F.relu(h)
-                with torch.no_grad():
-                    v = h * s_one  # round half away from zero, as the integer shift does
-                    hq = torch.sign(v) * torch.floor(v.abs() + 0.5)
-                    hq = hq.clamp(0.0 if relu else -amax, amax) / s_one
-                h = h + (hq - h).detach()
-                p += 1
-                if taps is not None:
-                    taps.append(h)
-            elif isinstance(layer, ReLU):
+            if not layer.has_weights:
+                h = layer.torch_int_forward(torch, h, s_one)
+                continue
+            w = self.params[p]
+            with torch.no_grad():
+                q = torch.round(w * g_one)  # the device's grid integers (half to even)
+                wt = TERNARY_WEIGHT * ((q > thr).to(w.dtype) - (q < -thr).to(w.dtype))
+            w = w + (wt - w).detach()
+            h = layer.torch_forward(torch, h, w)
+            h = h / self._alpha[p]
+            relu = i + 1 < len(layers) and layers[i + 1].is_relu
+            if relu:
                 h = F.relu(h)
-            elif isinstance(layer, MaxPool2d):
-                h = max_pool(self._torch, h, layer)
-            elif isinstance(layer, Flatten):
-                h = h.flatten(1)
+            with torch.no_grad():
+                v = h * s_one  # round half away from zero, as the integer shift does
+                hq = torch.sign(v) * torch.floor(v.abs() + 0.5)
+                hq = hq.clamp(0.0 if relu else -amax, amax) / s_one
+            h = h + (hq - h).detach()
+            p += 1
+            if taps is not None:
+                taps.append(h)
         return h
 
     def _loss(self, logits, y, bits: int | None = None):
@@ -326,26 +318,18 @@ class TorchTrainer:
 
 
 def max_pool(torch, h, layer: MaxPool2d):
-    """``layer``'s max-pool of ``h`` [N, C, H, W]. When no gradient is recorded through it
-    (evaluation), it is computed on a channels-last copy of ``h`` and returned in the
-    usual layout: the same values (a maximum is exact, NaN propagates in both), and
-    PyTorch's NCHW kernel is the slow one (``mnist_cnn``'s first pool of 50 images, one
-    thread: 3.2 ms, 0.77 ms with both copies; its second of 256 images: 8.8 vs 3.9 ms).
-    With a gradient the NCHW kernel stays, so that training computes what it always did."""
-    F = torch.nn.functional
-    if torch.is_grad_enabled() and h.requires_grad:
-        return F.max_pool2d(h, layer.kernel, stride=layer.step, padding=layer.padding)
-    h = h.contiguous(memory_format=torch.channels_last)
-    return F.max_pool2d(h, layer.kernel, stride=layer.step, padding=layer.padding).contiguous()
+    """``layer``'s max-pool of ``h`` [N, C, H, W] (``MaxPool2d.torch_forward``: channels-last
+    when no gradient is recorded)."""
+    return layer.torch_forward(torch, h)
 
 
 def _tap_after(layers, i: int) -> bool:
     """Whether layer ``i`` ends a conv/linear layer's output: the layer itself when no ReLU
     follows it, else that ReLU."""
     layer = layers[i]
-    if isinstance(layer, (Conv2d, Linear)):
-        return not (i + 1 < len(layers) and isinstance(layers[i + 1], ReLU))
-    return isinstance(layer, ReLU) and i > 0 and isinstance(layers[i - 1], (Conv2d, Linear))
+    if layer.has_weights:
+        return not (i + 1 < len(layers) and layers[i + 1].is_relu)
+    return layer.is_relu and i > 0 and layers[i - 1].has_weights
 
 
 #: Weight Normalization's fixed gain: every output channel's effective weight has norm sqrt(2)

@@ -41,15 +41,15 @@ class IntTrainer:
     ``lr_shift``: log2 of eta in LSBs of the 8-bit grid (3 -> eta = 8, the paper's value);
     on a finer grid the step is ``2^(lr_shift + s_g - 8)`` LSBs (same real step).
     ``loss``: "sse" (WAGE, the default) or "ce" (integer base-2 softmax cross-entropy,
-    NITI style); the measurements behind the default are in :mod:`edge_client.intnn.model`.
+    NITI style); the measurements behind the default: docs/algorithms.md §1.
     ``seed`` keys the shuffling and the stochastic rounding; the step counter runs on
     across calls of :meth:`train`, so two trainers with the same seed and the same calls
     end bit for bit equal. ``lr``/``momentum``: the float devices' SGD settings whose
     FedProx/FedFOR step ``lr / (1 - momentum)`` this device's terms match (module docstring);
     they do not change the data step. ``threads``: cores a training step uses (results
     are the same bit for bit for any number; ignored when a model is passed in).
-    ``release_pages``: a device process's trainer drops LLVM's machine code from its
-    resident memory once its kernels are loaded (:mod:`edge_client.intnn.memory`; after
+    ``release_pages``: a device process's trainer drops LLVM's code and read-only data from
+    its resident memory once its kernels are loaded (:mod:`edge_client.intnn.memory`; after
     construction and after the first :meth:`train`).
     """
 
@@ -140,7 +140,7 @@ class IntTrainer:
         for i, op in enumerate(model.param_ops):
             if alpha_q:
                 g = np.rint(np.asarray(last_global_step[i], np.float64) * (1 << STEP_G_BITS))
-                g = model._to_internal(op, np.clip(g, -INT32_MAX, INT32_MAX).astype(np.int32))
+                g = op.to_internal(np.clip(g, -INT32_MAX, INT32_MAX).astype(np.int32))
             else:
                 g = np.zeros(model.internal_shapes[i], np.int32)
             step_g.append(g)

@@ -21,6 +21,8 @@ registry of the dashboard's own (no global state). Names follow Prometheus' conv
 ``fedbit_privacy_epsilon``                 gauge      ε spent so far at the job's δ (DP jobs), label ``delta``
 ``fedbit_devices_online``                  gauge      devices online with a hello
 ``fedbit_devices_known``                   gauge      devices that said hello
+``fedbit_devices_quarantined``             gauge      devices quarantined (coordinator.defense)
+``fedbit_alerts_total``                    counter    operator alerts (rounds rolled back whole in a row)
 ``fedbit_device_wait_seconds_total``       counter    time rounds waited for devices
 ``fedbit_round_duration_seconds``          histogram  round time (the wait for devices apart)
 =========================================  =========================================
@@ -118,6 +120,10 @@ class MonitorCollector(Collector):
             yield g
         yield gauge("fedbit_devices_online", "Devices online (with a hello).", snap["online"])
         yield gauge("fedbit_devices_known", "Devices that said hello.", snap["registered"])
+        yield gauge("fedbit_devices_quarantined", "Devices quarantined until the operator releases them.",
+                    len(snap.get("quarantined", ())))
+        yield counter("fedbit_alerts", "Operator alerts (rounds rolled back whole in a row).",
+                      snap.get("alerts_total", 0))
         yield counter("fedbit_device_wait", "Time rounds waited for devices before selecting.",
                       tot["wait_seconds"], unit="seconds")
         yield _histogram([r.get("round_seconds") for r in rounds], job)

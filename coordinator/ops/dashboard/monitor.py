@@ -6,7 +6,9 @@
 
 - ``devices``: every device the coordinator accepted a hello from: profile, model
   variant, declared uplink codec, online or not, last seen (Unix s), its last accepted
-  update (round, bytes, codec), refusals by reason and notes (``clipped_num_samples``);
+  update (round, bytes, codec), refusals by reason and notes (``clipped_num_samples``),
+  why it is quarantined (``quarantine`` events; ``quarantined`` lists them all);
+- ``alerts``: the operator alerts (``alert`` events: rounds rolled back whole in a row);
 - ``current``: the round in progress: number, phase (``waiting`` for devices,
   ``collecting``, ``closed``), selected, received, deadline (Unix s), the selected devices
   gone before answering (``gone``: id -> why) and, in a snapshot, those still outstanding;
@@ -39,6 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from coordinator.state import private_opener
 from edge_client.protocol import model_variant
 
 #: the file :class:`LiveFile` keeps in a run directory
@@ -73,10 +76,12 @@ class DeviceView:
     refusals: dict[str, int] = field(default_factory=dict)
     notes: dict[str, int] = field(default_factory=dict)
     registered: bool = True  # False: only refused so far (no accepted hello)
+    quarantined: list[str] = field(default_factory=list)  # why, while it is quarantined (coordinator.defense)
 
     def as_dict(self) -> dict[str, Any]:
         """A plain copy (``dataclasses.asdict`` without its deep copy: 10x faster)."""
-        return {**vars(self), "refusals": dict(self.refusals), "notes": dict(self.notes)}
+        return {**vars(self), "refusals": dict(self.refusals), "notes": dict(self.notes),
+                "quarantined": list(self.quarantined)}
 
 
 def round_summary(rec: dict[str, Any]) -> dict[str, Any]:
@@ -142,6 +147,9 @@ class FleetMonitor:
             self.done: Counter[str] = Counter()  # completed rounds' totals
             self.live: Counter[str] = Counter()  # the open round's, as logged so far
             self.recent: deque[dict[str, Any]] = deque(maxlen=RECENT)
+            self.quarantined: set[str] = set()  # devices in quarantine (named on the page)
+            self.alerts: deque[dict[str, Any]] = deque(maxlen=RECENT)  # operator alerts (coordinator.defense)
+            self.n_alerts = 0
             self.version += 1
         self._notify()
 
@@ -247,6 +255,21 @@ class FleetMonitor:
                             "reason": f.get("reason", ""), "dropped": bool(f.get("dropped")),
                             "detail": str(f.get("detail", ""))[:200]})
 
+    def _on_quarantine(self, f: dict[str, Any]) -> None:
+        dev = str(f.get("device", ""))
+        d = self.devices.get(dev) or self.devices.setdefault(dev, DeviceView(dev))
+        d.quarantined = [str(r) for r in f.get("reasons") or ["quarantined"]] if f.get("change") == "quarantined" \
+            else []
+        if d.quarantined:
+            self.quarantined.add(dev)
+        else:
+            self.quarantined.discard(dev)
+        self._order = None
+
+    def _on_alert(self, f: dict[str, Any]) -> None:
+        self.alerts.append({"time": self.clock(), "round": f.get("round"), "text": str(f.get("text", ""))})
+        self.n_alerts += 1
+
     def _on_round_end(self, f: dict[str, Any]) -> None:
         self._round_end(f)
         now = self.clock()
@@ -269,7 +292,8 @@ class FleetMonitor:
 
     _handlers: dict[str, Callable[[FleetMonitor, dict[str, Any]], None]] = {
         "device": _on_device, "waiting": _on_waiting, "round_start": _on_round_start, "update": _on_update,
-        "reject": _on_reject, "round_end": _on_round_end, "gone": _on_gone}
+        "reject": _on_reject, "round_end": _on_round_end, "gone": _on_gone, "quarantine": _on_quarantine,
+        "alert": _on_alert}
 
     # ------------------------------------------------------------------ readers
 
@@ -316,7 +340,8 @@ class FleetMonitor:
                 "dashboard": self.dashboard_url, "current": cur,
                 "devices": [self.devices[i].as_dict() for i in self._sorted()[:DEVICE_ROWS]],
                 "devices_total": len(self.devices), "registered": len(self.devices) - self.n_strangers,
-                "online": self.n_online,
+                "online": self.n_online, "quarantined": sorted(self.quarantined)[:DEVICE_ROWS],
+                "alerts": list(self.alerts), "alerts_total": self.n_alerts,
                 "totals": self._totals(), "recent_refusals": list(self.recent),
                 "rounds_done": len(self.rounds),
             }
@@ -381,7 +406,8 @@ class LiveFile:
         tmp = self.path.with_name(f".{LIVE_FILE}.{os.getpid()}.tmp")
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp.write_text(json.dumps(snap, default=str))
+            with open(tmp, "w", encoding="utf-8", opener=private_opener) as f:
+                f.write(json.dumps(snap, default=str))
             os.replace(tmp, self.path)
         except OSError:
             self.errors += 1

@@ -38,6 +38,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from coordinator.ops.dashboard.access import Access
 from coordinator.ops.dashboard.metrics import registry_for
 from coordinator.ops.dashboard.monitor import FleetMonitor
+from coordinator.ops.security import is_loopback
 from edge_client.errors import ConfigError
 
 STATIC = Path(__file__).with_name("static")
@@ -176,8 +177,9 @@ class Dashboard:
     @web.middleware
     async def _guard(self, request: web.Request, handler: Any) -> web.StreamResponse:
         a = self.access
-        if not a.password_sha256 and not _local_host(request.host):
-            raise web.HTTPMisdirectedRequest(text="this dashboard answers to 127.0.0.1, localhost or [::1] only\n")
+        if not a.password_sha256 and not host_allowed(request.host, a.names):
+            raise web.HTTPMisdirectedRequest(text="this dashboard answers to its own names and the loopback "
+                                                  "addresses only\n")
         if a.password_sha256:
             try:
                 auth = BasicAuth.decode(request.headers.get("Authorization", ""))
@@ -246,9 +248,14 @@ class Dashboard:
         return resp
 
 
-def _local_host(host: str) -> bool:
-    """Whether a ``Host`` header names this machine's loopback (``127.0.0.1:PORT``,
-    ``localhost``, ``[::1]``): a page of another site that rebinds its name to 127.0.0.1
-    sends its own name."""
-    name = host.rsplit(":", 1)[0] if host.count(":") == 1 or host.startswith("[") else host
-    return name.strip("[]").lower() in ("127.0.0.1", "localhost", "::1") or name.startswith("127.")
+def host_allowed(host: str, names: tuple[str, ...] = ()) -> bool:
+    """Whether a ``Host`` header names this dashboard: one of ``names`` (the configured host
+    names and the listen address), ``localhost``, or a loopback address literal
+    (``127.0.0.1:PORT``, ``[::1]``), compared exactly. A page of another site that
+    rebinds its name to 127.0.0.1 sends its own name, ``127.attacker.example`` included."""
+    if host.startswith("["):
+        name = host[1:].partition("]")[0]
+    else:
+        name = host.rpartition(":")[0] if host.count(":") == 1 else host
+    name = name.lower().rstrip(".")
+    return bool(name) and (name in {n.lower() for n in names} or is_loopback(name))

@@ -33,7 +33,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from coordinator.strategies.dequantizer.config import DequantizerConfig
-from firmware_models import Conv2d, Flatten, Linear, MaxPool2d, ModelSpec, ReLU
+from firmware_models import ModelSpec
 
 MAX_LOG_SCALE = 4.0  # exp(β) is clamped to e^4: a diverging scale cannot overflow
 LITERAL_LOG_SCALE = -8.0  # β's initial value in the literal form: exp(-8) scales each half away
@@ -193,16 +193,9 @@ def spec_forward(spec: ModelSpec, weights: Sequence[torch.Tensor], x: torch.Tens
     h = x
     p = 0
     for layer in spec.layers:
-        if isinstance(layer, Conv2d):
-            h = F.conv2d(h, weights[p], stride=layer.stride, padding=layer.padding) / alphas[p]
+        if layer.has_weights:
+            h = layer.torch_forward(torch, h, weights[p]) / alphas[p]
             p += 1
-        elif isinstance(layer, Linear):
-            h = F.linear(h, weights[p]) / alphas[p]
-            p += 1
-        elif isinstance(layer, ReLU):
-            h = F.relu(h)
-        elif isinstance(layer, MaxPool2d):
-            h = F.max_pool2d(h, layer.kernel, stride=layer.step, padding=layer.padding)
-        elif isinstance(layer, Flatten):
-            h = h.flatten(1)
+        else:
+            h = layer.torch_forward(torch, h)
     return h

@@ -53,6 +53,8 @@ def round_ints(k: int, r: int) -> list[np.ndarray]:
 
 
 class FixedIntTrainer:
+    spec, bits, lr, lr_shift = None, BITS, 1.0, 3  # the Trainer protocol (spec: unused)
+
     def __init__(self, k: int) -> None:
         self.k, self.r = k, 0
 
@@ -68,6 +70,12 @@ class FixedIntTrainer:
 
     def to_shared(self) -> list[np.ndarray]:
         return to_shared(self.int_weights(), BITS)
+
+    def ternary_weights(self):
+        return None
+
+    def evaluate(self, _data, batch: int = 256):
+        return 0.0, 0.0
 
 
 def reference() -> list[list[np.ndarray]]:
@@ -140,8 +148,8 @@ def one_trial(broker: MosquittoBroker, d: Path) -> list[list[np.ndarray]]:
     state = {"stopped": None}
     real_begin = workers.begin
 
-    def begin(r: int, weights) -> None:
-        real_begin(r, weights)
+    def begin(r: int, weights, groups) -> None:
+        real_begin(r, weights, groups)
         if r in (1, 2):  # stopped before the round's updates reach it: the broker hands it its share
             i = r - 1
             workers.respawn = r == 1
@@ -154,7 +162,7 @@ def one_trial(broker: MosquittoBroker, d: Path) -> list[list[np.ndarray]]:
     co = Coordinator(cfg, fleet, workers.wrap(build_strategy("fedavg")), RunState(run), evaluator=None,
                      init_weights=init_shared(get_spec(MODEL), 0),
                      on_event=lambda e, f: models.append([w.copy() for w in co.weights]) if e == "round_end" else None)
-    workers.attach(co.collector)
+    workers.attach(co.collector, co.strategy)
     result: dict = {}
     th = threading.Thread(target=lambda: result.setdefault("history", co.run()), daemon=True)
     th.start()
@@ -176,5 +184,7 @@ def one_trial(broker: MosquittoBroker, d: Path) -> list[list[np.ndarray]]:
         fleet.close()
     rep = co.history[-1]["ingest_workers"]
     assert rep["restarts"] == 1 and rep["retired"] == 1, rep
+    # the poisoning guard ran in the workers (their shares' norms reached the round's medians)
+    assert all(h["stats"]["guard_median_norm"] > 0 for h in co.history), [h["stats"] for h in co.history]
     assert sum(rt.resent for rt in devices) >= 1  # round 2: re-sent from the outbox
     return models
