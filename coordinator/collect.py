@@ -124,6 +124,9 @@ class Collector:
         #: handles secure-aggregation messages (``coordinator.privacy.round.Privacy.handle``;
         #: None: they are refused); raises Rejected
         self.on_secure: Callable[[Inbound], None] | None = None
+        #: handles what ingest worker processes report (``kind == "ingest"``;
+        #: ``coordinator.ingest_workers``; None: refused as a bad topic)
+        self.on_ingest: Callable[[Inbound], None] | None = None
         #: devices present when the last round's devices were selected
         self.present = 0
         #: (device, what it reported) already logged at WARNING: a device that reports the
@@ -216,6 +219,8 @@ class Collector:
                     self.jobs.status(msg.topic, msg.payload)
                 elif msg.kind == "knock":
                     self.jobs.knock(msg.topic, msg.payload, msg.received_at)
+                elif msg.kind == "ingest" and self.on_ingest is not None:
+                    self.on_ingest(msg)
                 elif msg.kind == "secagg" and self.on_secure is not None:
                     try:
                         self.on_secure(msg)
@@ -249,23 +254,34 @@ class Collector:
             self._refused(exc, "update", device_id)
             return False
         assert rnd is not None
-        if self.ingest.notes:  # changed rather than refused (clipped_num_samples)
-            self.counts.update(self.ingest.notes)
-            self.totals.update(self.ingest.notes)
-            self.over_claimed.add(device_id)
-        if eu.not_applied:
-            self._not_applied(device_id, rnd.round_id, eu.not_applied)
         if not replay:
             # persisted and synced by handle_batch (or its committer), then acked. A crash
             # before the sync leaves the update unacked: the broker redelivers it.
             self._to_persist.append((rnd.round_id, device_id, payload))
         rnd.accepted[device_id] = time.monotonic()
-        codec = codec_label(eu.tensors)
-        self.uplink_bytes[codec] += len(payload)
-        self.on_event("update", {"round": rnd.round_id, "device": device_id, "accepted": len(rnd.accepted),
-                                 "selected": len(rnd.selected), "bytes": len(payload), "codec": codec,
-                                 "notes": sorted(self.ingest.notes)})
+        self.note_accepted(rnd, device_id, len(payload), codec_label(eu.tensors), sorted(self.ingest.notes),
+                           eu.not_applied)
         return True
+
+    def note_accepted(self, rnd: OpenRound, device_id: str, nbytes: int, codec: str, notes: list[str],
+                      not_applied: dict[str, str]) -> None:
+        """Count (and report as an ``update`` event) an update of ``rnd`` accepted from
+        ``device_id`` (``nbytes`` of payload, its ``codec`` label, what was changed rather
+        than refused, the settings it did not apply): here or by an ingest worker."""
+        if notes:  # changed rather than refused (clipped_num_samples)
+            self.counts.update(notes)
+            self.totals.update(notes)
+            self.over_claimed.add(device_id)
+        if not_applied:
+            self._not_applied(device_id, rnd.round_id, not_applied)
+        self.uplink_bytes[codec] += nbytes
+        self.on_event("update", {"round": rnd.round_id, "device": device_id, "accepted": len(rnd.accepted),
+                                 "selected": len(rnd.selected), "bytes": nbytes, "codec": codec,
+                                 "notes": notes})
+
+    def refuse(self, exc: Rejected, kind: str, device_id: str) -> None:
+        """Count, log and report a refused message (an ingest worker's too)."""
+        self._refused(exc, kind, device_id)
 
     def _device_changed(self, device_id: str, change: str) -> None:
         """A device joined (came online with a hello, or changed it) or left: one log line

@@ -144,30 +144,50 @@ class Ingest:
         ``completed`` the last closed round and ``registry`` the
         :class:`~coordinator.devices.DeviceRegistry` (its hellos bound ``num_samples``).
         Returns the checked update; raises :class:`Rejected`."""
-        m = self._parse(payload, device_id)
-        if not isinstance(m, Update):
-            raise Rejected("wrong_kind", f"{m.KIND} on an update topic")
-        _check_identity(m, device_id)
-        current = rnd.round_id if rnd is not None else None
-        if m.round_id <= completed:
-            raise Rejected("late", f"round {m.round_id} is closed (current {current})", dropped=True)
-        if rnd is None or m.round_id != rnd.round_id:
-            raise Rejected("wrong_round", f"round {m.round_id} is not open (current {current})")
-        if m.device_id not in rnd.selected:
-            raise Rejected("not_selected", f"{m.device_id} is not selected in round {rnd.round_id}")
-        if m.device_id in rnd.accepted:
-            raise Rejected("duplicate", f"round {rnd.round_id} already counted", dropped=True)
+        m = self.checked(device_id, payload)
+        self.admit(m.device_id, m.round_id, rnd, completed)
         try:
             eu = self.encoded(m)
         except ProtocolError as exc:
             raise Rejected.from_protocol(exc) from None
-        bound, source = self.sample_bound(m.device_id, registry)
-        if bound and eu.num_samples > bound:
-            if self.admission.samples_policy == "reject":
-                raise Rejected("too_many_samples", f"num_samples {eu.num_samples} > {bound} ({source})")
-            eu.num_samples = bound
+        n = self.sample_limit(m.device_id, eu.num_samples, registry)
+        if n != eu.num_samples:
+            eu.num_samples = n
             self.notes["clipped_num_samples"] += 1
         return eu
+
+    def checked(self, device_id: str, payload: bytes) -> Update:
+        """Steps 1-4: the parsed update a device sent on its own topic (:class:`Rejected`
+        otherwise). What needs no round state, so ingest workers run it."""
+        m = self._parse(payload, device_id)
+        if not isinstance(m, Update):
+            raise Rejected("wrong_kind", f"{m.KIND} on an update topic")
+        _check_identity(m, device_id)
+        return m
+
+    @staticmethod
+    def admit(device_id: str, round_id: int, rnd: OpenRound | None, completed: int) -> None:
+        """Steps 5-7: an update of ``round_id`` from ``device_id`` is for the open round
+        ``rnd``, from a selected device, and its first (:class:`Rejected` otherwise)."""
+        current = rnd.round_id if rnd is not None else None
+        if round_id <= completed:
+            raise Rejected("late", f"round {round_id} is closed (current {current})", dropped=True)
+        if rnd is None or round_id != rnd.round_id:
+            raise Rejected("wrong_round", f"round {round_id} is not open (current {current})")
+        if device_id not in rnd.selected:
+            raise Rejected("not_selected", f"{device_id} is not selected in round {rnd.round_id}")
+        if device_id in rnd.accepted:
+            raise Rejected("duplicate", f"round {rnd.round_id} already counted", dropped=True)
+
+    def sample_limit(self, device_id: str, num_samples: int, registry: Any = None) -> int:
+        """Step 7a: the ``num_samples`` an update claiming ``num_samples`` counts with (its
+        bound when it claims more and the policy clips; :class:`Rejected` when it rejects)."""
+        bound, source = self.sample_bound(device_id, registry)
+        if bound and num_samples > bound:
+            if self.admission.samples_policy == "reject":
+                raise Rejected("too_many_samples", f"num_samples {num_samples} > {bound} ({source})")
+            return bound
+        return num_samples
 
     def sample_bound(self, device_id: str, registry: Any = None) -> tuple[int, str]:
         """Step 7a: the most samples an update of ``device_id`` may claim (0: unbounded)

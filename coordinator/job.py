@@ -29,6 +29,8 @@ naming the file and the key; ``examples/job.toml`` shows every section)::
                                 # (coordinator.defense.config)
     [privacy]                   # secure_aggregation, mechanism, clip, noise_multiplier,
                                 # target_epsilon, delta, ... (coordinator.privacy.config)
+    [ingest]                    # workers: processes that take the updates (shared
+                                # subscription; coordinator.ingest_workers), 0: none
 
 Every flag of ``fedbit serve`` sets one of these keys (:data:`FLAGS`; ``--set KEY=VALUE``
 sets any), so a flag and the file never disagree about a default: defaults come from
@@ -202,6 +204,18 @@ class DashboardSettings:
 
 
 @dataclass
+class IngestSettings:
+    """``[ingest]``: ``workers`` processes take the updates through a shared subscription
+    (``coordinator.ingest_workers``; 0: the round loop takes them itself)."""
+
+    workers: int = 0
+
+    def check(self) -> None:
+        if self.workers < 0:
+            raise ConfigError(f"workers: must be >= 0, got {self.workers}")
+
+
+@dataclass
 class ServeJob:
     """Everything ``fedbit serve`` runs (see the module docstring); ``source`` names the file."""
 
@@ -217,12 +231,14 @@ class ServeJob:
     dashboard: DashboardSettings = field(default_factory=DashboardSettings)
     #: the validated job table (every key, defaults filled in), as the dashboard shows it
     table: dict[str, Any] = field(default_factory=dict)
+    #: ingest worker processes (``[ingest] workers``; 0: the round loop takes the updates)
+    ingest_workers: int = 0
 
 
 SCHEMA = TomlSchema.of({
     "": JobSettings, "round": JobRound, "broker": BrokerSettings, "admission": AdmissionConfig,
     "limits": LimitSettings, "log": LogSettings, "dashboard": DashboardSettings, "privacy": PrivacyConfig,
-    "defense": DefenseConfig,
+    "defense": DefenseConfig, "ingest": IngestSettings,
 }, free=("strategy_params", "train"))
 
 
@@ -245,9 +261,16 @@ def job_from_dict(raw: dict[str, Any], source: str) -> ServeJob:
         cfg.validate()
     except ConfigError as exc:
         raise ConfigError(f"{source}: {exc}") from None
+    ingest = checked(s["ingest"], "ingest", source)
+    if ingest.workers:
+        from coordinator.ingest_workers import refusal
+
+        if why := refusal(cfg):
+            raise ConfigError(f"{source}: ingest.workers: {why}")
     return ServeJob(cfg, broker, top.out, eval_data=top.eval_data, resume=top.resume,
                     log_json=log.json, log_level=log.level, quiet=log.quiet, source=source,
-                    dashboard=dash, table={**v[""], **{sec: t for sec, t in v.items() if sec}})
+                    dashboard=dash, table={**v[""], **{sec: t for sec, t in v.items() if sec}},
+                    ingest_workers=ingest.workers)
 
 
 def _model(ref: str, source: str) -> str:
@@ -349,6 +372,11 @@ FLAGS: list[tuple[str, str, dict[str, Any]]] = [
                                                               "password (default beyond loopback: "
                                                               "SECURITY/dashboard.password, made once)"}),
     *PRIVACY_FLAGS,
+    ("--ingest-workers", "ingest.workers", {"type": int, "metavar": "N", "help": "N processes take the updates "
+                                            "through a shared subscription, fold them into partial sums and hand "
+                                            "those to the round loop (0: it takes them itself; needs mosquitto "
+                                            "or another broker with shared subscriptions, and a strategy that "
+                                            "sums: not robust aggregation, a dequantizer or privacy)"}),
 ]
 #: the shared connection and logging options' keys in the job file
 CONNECTION_KEYS = {name: f"broker.{'url' if name == 'broker' else name}" for name in

@@ -6,6 +6,7 @@ Layout under the run directory ``DIR`` (``fedbit serve --out DIR``)::
     DIR/round.msgpack           the plan of the round in progress (selected, deadline, ...)
     DIR/devices.msgpack         the device registry (every hello), rewritten when it changes
     DIR/inbox/r000007.log       raw update payloads received for round 7 (append-only)
+    DIR/inbox/r000007.<tag>.log the same, appended by another process (an ingest worker's)
     DIR/metrics.jsonl           one JSON object per completed round
 
 Every file is created mode 0600 and the inbox folder 0700 (the raw updates, the models and
@@ -224,10 +225,12 @@ class RunState:
     """The files of one run directory (see the module docstring).
 
     ``damaged`` lists what :meth:`inbox_items` found damaged (messages naming the file,
-    offset and record), for the caller's log and metrics.
+    offset and record), for the caller's log and metrics. ``inbox_tag``: this process
+    appends to ``r<round>.<tag>.log`` (an ingest worker; the round loop's own log has
+    none); :meth:`inbox_items` reads every process's log of a round.
     """
 
-    def __init__(self, out_dir: str | Path, *, durable: bool = True) -> None:
+    def __init__(self, out_dir: str | Path, *, durable: bool = True, inbox_tag: str = "") -> None:
         self.dir = Path(out_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.durable = durable
@@ -240,6 +243,7 @@ class RunState:
         self.inbox_dir = self.dir / "inbox"
         self.metrics_path = self.dir / "metrics.jsonl"
         self.inbox_dir.mkdir(mode=0o700, exist_ok=True)
+        self.inbox_tag = inbox_tag
         self._log: int | None = None  # raw fd of the open round's log (O_APPEND)
         self._log_round: int | None = None
         self._appended = 0  # records appended to the open log ...
@@ -341,8 +345,14 @@ class RunState:
 
     # ------------------------------------------------------------------ inbox
 
-    def _round_log(self, round_id: int) -> Path:
-        return self.inbox_dir / f"r{round_id:06d}.log"
+    def _round_log(self, round_id: int, tag: str | None = None) -> Path:
+        tag = self.inbox_tag if tag is None else tag
+        return self.inbox_dir / (f"r{round_id:06d}.{tag}.log" if tag else f"r{round_id:06d}.log")
+
+    def _round_logs(self, round_id: int) -> list[Path]:
+        """Every log of round ``round_id``: the round loop's first, then the others by name."""
+        main = self._round_log(round_id, "")
+        return ([main] if main.exists() else []) + sorted(self.inbox_dir.glob(f"r{round_id:06d}.*.log"))
 
     def inbox_append(self, round_id: int, device_id: str, payload: bytes) -> None:
         """Append an update's received bytes to the round's log, *not yet durable*: call
@@ -432,19 +442,26 @@ class RunState:
             if self._record(data, i) is not None:
                 return i
 
-    def inbox_items(self, round_id: int) -> list[tuple[str, bytes]]:
-        """``(device_id, payload)`` persisted for ``round_id``, in arrival order; the first
-        record of a device wins. Bytes that are not a whole record are skipped and
+    def inbox_items(self, round_id: int, tag: str | None = None) -> list[tuple[str, bytes]]:
+        """``(device_id, payload)`` persisted for ``round_id`` (by every process, or only
+        by the one appending under ``tag``), in arrival order; the first record of a
+        device wins. Bytes that are not a whole record are skipped and
         reported (``damaged``, the log): at the log's tail, a write torn by a crash (never
         acknowledged: re-sent); inside it, a damaged record (its device re-sends when the
         round is announced again); the records after it still count."""
         if self._log_round == round_id:
             self.inbox_sync()
-        path = self._round_log(round_id)
-        if not path.exists():
-            return []
+        paths = self._round_logs(round_id) if tag is None else [self._round_log(round_id, tag)]
+        out: list[tuple[str, bytes]] = []
+        seen: set[str] = set()
+        for path in paths:
+            if path.exists():
+                self._read_log(path, out, seen)
+        return out
+
+    def _read_log(self, path: Path, out: list[tuple[str, bytes]], seen: set[str]) -> None:
         data = path.read_bytes()
-        out, seen, pos, index = [], set(), 0, 0
+        pos, index = 0, 0
         while pos < len(data):
             rec = self._record(data, pos)
             if rec is None:
@@ -465,7 +482,6 @@ class RunState:
                 seen.add(dev)
                 out.append((dev, payload))
             pos, index = end, index + 1
-        return out
 
     def inbox_has(self, round_id: int, device_id: str) -> bool:
         return any(d == device_id for d, _ in self.inbox_items(round_id))
@@ -476,7 +492,7 @@ class RunState:
             self._close_log()
         for path in self.inbox_dir.glob("r*.log"):
             try:
-                r = int(path.stem[1:])
+                r = int(path.name[1:].split(".", 1)[0])
             except ValueError:
                 continue
             if r < keep_from:

@@ -43,6 +43,8 @@ WANTED = {
                          ("fedshift_cnn int8", "rss"), ("fedshift_cnn int8", "warm_start_s")],
     "eval_share": [("fmnist-mixed-fleet", "eval_share")],
     "secagg": [("devices", "device_cpu_seconds"), ("devices", "uplink_bytes")],
+    "fleet_load": [("devices", "connections_held"), ("devices", "coordinator_cpu_per_update"),
+                   ("devices", "round_seconds"), ("devices", "updates_per_s")],
     "layer_profile": [("fedshift_cnn int8 conv layers", "arithmetic_bound_fraction"),
                       ("fedshift_cnn conv2 forward", "seconds"),
                       ("int8 SIMD rate: ternary_add", "rate")],
@@ -70,6 +72,9 @@ def test_run_all_quick_writes_every_benchmarks_lines(tmp_path: Path) -> None:
         for case, metric in wanted:
             assert any(case in r["case"] and r["metric"] == metric and r["anchor_value"] for r in mine), \
                 (bench, case, metric, [(r["case"], r["metric"]) for r in mine])
+    fleet = [r for r in recs if r["bench"] == "fleet_load"]
+    assert all(r["lost"] == 0 and r["devices"] > 0 for r in fleet), fleet  # nothing acknowledged is lost
+    assert all(r["ratio"] == 1.0 for r in fleet if r["metric"] == "connections_held"), fleet
 
 
 def test_a_named_run_replaces_its_own_lines_and_keeps_the_others() -> None:

@@ -201,6 +201,29 @@ class GuardedStrategy:
         result.stats["guard_ineffective"] = int(bool(idle))
         return result
 
+    # ------------------------------------------------------------------ a round in parts
+    def partial(self) -> dict[str, Any]:
+        """An ingest worker's part of the round: its held updates folded, the inner
+        strategy's partial sums, and what this guard measured (``guard``: the bounded
+        devices, the norms, the sample counts, the counts of bounded updates)."""
+        self._release()
+        return {**self.inner.partial(), "guard": {"bounded": dict(self.bounded), "norms": dict(self.norms),
+                                                  "samples": self._samples.values(), "stats": dict(self._stats)}}
+
+    def fold_partial(self, part: Mapping[str, Any]) -> None:
+        """Add a worker's :meth:`partial`: its sums to the inner strategy's, what its guard
+        measured to this guard's (the strikes, the round's medians and counts)."""
+        g = part.get("guard") or {}
+        self.bounded.update(g.get("bounded", {}))
+        self.norms.update(g.get("norms", {}))
+        for norm in g.get("norms", {}).values():
+            self._norms.observe(norm)
+        for n in g.get("samples", []):
+            self._samples.add(float(n))
+        for k, v in g.get("stats", {}).items():
+            self._stats[k] = self._stats.get(k, 0) + v
+        self.inner.fold_partial(part)
+
     # ------------------------------------------------------------------ the rest is the strategy's
     def device_hparams(self, hparams: Mapping[str, Any], devices: Sequence[Hello] = ()) -> dict[str, Any]:
         return self.inner.device_hparams(hparams, devices)

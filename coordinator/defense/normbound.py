@@ -99,6 +99,10 @@ class RunningMedian:
     def __len__(self) -> int:
         return len(self._low) + len(self._high)
 
+    def values(self) -> list[float]:
+        """The numbers added so far (in no order)."""
+        return [-x for x in self._low] + list(self._high)
+
     def median(self) -> float:
         """The median (the mean of the middle two for an even count; nan when empty)."""
         if not self._low:

@@ -98,6 +98,24 @@ class GroupSums:
         for a, s in zip(self.sums[bits], sums, strict=True):
             a += np.asarray(s, dtype=a.dtype).reshape(-1)
 
+    def add_group(self, bits: int, sums: list[np.ndarray], total: float, count: int, delta_weight: float) -> None:
+        """Add group ``bits`` of another instance (:meth:`groups`: an ingest worker's
+        part of the round): its flattened sums, ``Σ ω``, its count and the delta part of
+        ``Σ ω``. Exact where the sums are (integer devices' grid values: see
+        docs/architecture.md#ingest-workers)."""
+        self._group(bits)
+        self.count[bits] += int(count)
+        self.total[bits] += float(total)
+        self.delta_weight[bits] += float(delta_weight)
+        for a, s in zip(self.sums[bits], sums, strict=True):
+            a += np.asarray(s, dtype=a.dtype).reshape(-1)
+
+    def groups(self) -> dict[int, tuple[list[np.ndarray], float, int, float]]:
+        """Every group, held updates folded in first: ``bits -> (sums, Σ ω, count, delta
+        part of Σ ω)``, for another instance's :meth:`add_group`."""
+        self.flush()
+        return {b: (self.sums[b], self.total[b], self.count[b], self.delta_weight[b]) for b in self.bits}
+
     def flush(self) -> None:
         """Fold every group's held updates into its sums."""
         for bits in sorted(self._pending):

@@ -170,6 +170,32 @@ class Strategy:
         self._sums.add_sum(int(bits), flat, float(total), int(count), is_delta)
         self._n_inferior += int(inferior)
 
+    @property
+    def folds_in_parts(self) -> bool:
+        """Whether a round may be folded in parts by several instances whose
+        :meth:`partial` sums one adds with :meth:`fold_partial` (ingest workers): the
+        running sums are all it keeps of a round, unless a dequantizer reads every update."""
+        return isinstance(self.dequantizer, NoDequantizer)
+
+    def partial(self) -> dict[str, Any]:
+        """This round's part so far (sums flushed), for another instance's
+        :meth:`fold_partial`: ``groups`` (``GroupSums.groups``), ``inferior``, ``sigma_sum``
+        (float64 per layer, or None) and ``sigma_n``."""
+        self._require_round("a partial")
+        return {"groups": self._sums.groups(), "inferior": self._n_inferior, "sigma_sum": self._sigma_sum,
+                "sigma_n": self._sigma_n}
+
+    def fold_partial(self, part: Mapping[str, Any]) -> None:
+        """Add another instance's :meth:`partial` of the same round to this round's sums."""
+        self._require_round("a partial")
+        for bits, (sums, total, count, dw) in part["groups"].items():
+            self._sums.add_group(int(bits), sums, total, count, dw)
+        self._n_inferior += int(part["inferior"])
+        if part["sigma_sum"] is not None:
+            s = np.asarray(part["sigma_sum"], dtype=np.float64)
+            self._sigma_sum = s.copy() if self._sigma_sum is None else self._sigma_sum + s
+            self._sigma_n += int(part["sigma_n"])
+
     def takes_encoded(self, update: EncodedUpdate) -> bool:
         """Whether :meth:`fold` adds ``update`` without decoding it first: there is no
         dequantizer (it needs decoded values) and every layer's codec has a fused

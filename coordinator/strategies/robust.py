@@ -111,6 +111,9 @@ class RobustStrategy(Strategy):
     [0, 0.5)).
     """
 
+    #: the round's updates are held, not summed: no ingest workers
+    folds_in_parts = False
+
     def __init__(self, name: str, combiner: Any, mask: Any = None, dequantizer: Any = None, *,
                  clip: float = 0.0, robust: str = "none", trim: float = 0.1, **kw: Any) -> None:
         super().__init__(name, combiner, mask, dequantizer, **kw)
