@@ -11,16 +11,24 @@ import numpy as np
 from edge_client.intnn.cuda import device as dev
 
 
-def compile_engine(cc: tuple[int, int], model: str = "digits_cnn") -> int:
-    """Compile every kernel a training step of ``model`` runs (Int6, Int8, Int16) to PTX for
-    compute capability ``cc``, without running them; returns how many were compiled."""
+def compile_engine(ccs: tuple[tuple[int, int], ...], model: str = "digits_cnn",
+                   bits: tuple[int, ...] = (6, 8, 16)) -> dict[tuple, int]:
+    """Compile every kernel a round of ``model`` runs at each of ``bits`` to PTX for each
+    compute capability of ``ccs``, without running them; returns ``(kernel, signature,
+    cc) -> PTX length``."""
     previous = dev.mode()
-    record = dev.compile_only((cc,))
+    record = dev.compile_only(ccs)
     try:
-        exercise(model)
+        exercise(model, bits)
     finally:
         dev.set_mode(previous)
-    return len(record)
+    return dict(record)
+
+
+def compile_for(bits: int, model: str = "digits_cnn") -> int:
+    """The kernels of ``bits``-bit rounds compiled for this machine's GPU; how many."""
+    gpu = dev.cuda.get_current_device()
+    return len(compile_engine((tuple(gpu.compute_capability),), model, (bits,)))
 
 
 def exercise(model: str = "digits_cnn", bits: tuple[int, ...] = (6, 8, 16)) -> None:

@@ -32,6 +32,24 @@ def usable() -> tuple[bool, str]:
     return True, f"{_name(gpu)} (compute capability {cc[0]}.{cc[1]})"
 
 
+def choose(engine: str) -> tuple[str, str]:
+    """``(backend, the line to say)`` for an integer device asked to train on ``engine``
+    (``"cpu" | "cuda" | "auto"``): auto takes the GPU when :func:`usable`, else the CPU and
+    says why; ``"cuda"`` where it cannot run raises ConfigError with the reason."""
+    from edge_client.errors import ConfigError
+
+    if engine == "cpu":
+        return "cpu", "integer engine on the CPU"
+    if engine not in ("cuda", "auto"):
+        raise ConfigError(f"engine {engine!r} is not 'cpu', 'cuda' or 'auto'")
+    ok, why = usable()
+    if ok:
+        return "cuda", f"integer engine on the GPU: {why}"
+    if engine == "cuda":
+        raise ConfigError(f"the cuda engine cannot run here: {why}")
+    return "cpu", f"integer engine on the CPU (engine auto: {why})"
+
+
 def _name(gpu: Any) -> str:
     name = gpu.name
     return name.decode() if isinstance(name, bytes) else str(name)
