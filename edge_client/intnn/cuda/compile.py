@@ -36,14 +36,28 @@ def exercise(model: str = "digits_cnn", bits: tuple[int, ...] = (6, 8, 16)) -> N
     each of ``bits`` on the CUDA engine, and two devices' steps trained together (the
     fleet's gather): with :func:`device.compile_only`, every kernel variant a round runs,
     compiled."""
+    from firmware_models import resolve_model
+
+    for spec in (resolve_model(model), _other_kinds()):
+        _exercise(spec, bits)
+
+
+def _other_kinds():
+    """The layer kinds digits_cnn lacks: an average pool, a stand-alone ReLU."""
+    from firmware_models import Conv2d, Flatten, Linear, ModelSpec, ReLU
+    from firmware_models.layers.avgpool2d import AvgPool2d
+
+    return ModelSpec("kinds", (1, 4, 4), (Conv2d("c1", 1, 2, 3, padding=1), AvgPool2d("a1", 2), ReLU("r1"),
+                                          Flatten("flat"), Linear("f1", 8, 4)), 4)
+
+
+def _exercise(spec, bits: tuple[int, ...]) -> None:
     from edge_client.data import Dataset
     from edge_client.intnn import IntModel, init_int
     from edge_client.intnn.cuda.fleet import FleetJob, ResidentData, train_together
     from edge_client.intnn.ops import Regularizer
     from edge_client.trainers import IntTrainer
-    from firmware_models import resolve_model
 
-    spec = resolve_model(model)
     for b in bits:
         for loss in ("sse", "ce"):
             m = IntModel(spec, b, loss=loss, backend="cuda")
