@@ -138,7 +138,9 @@ class DeviceConfig:
     it; 0: it retries forever, as a service does); ``train_delay_s`` sleeps before each local training (emulates a slow device
     in trials and tests); ``kmeans_method`` picks the K-means uplink's method (``fast`` |
     ``authors``) unless a round announces one; ``threads`` the cores the default trainer's
-    integer training step uses (the profile's ``threads``, or ``fedbit-edge run --threads``).
+    integer training step uses (the profile's ``threads``, or ``fedbit-edge run --threads``);
+    ``engine`` where its integer steps run, ``"cpu"`` or ``"cuda"`` (``fedbit-edge run``
+    resolves the profile's or ``--engine``'s ``"auto"``).
     ``model_files``: the user's model files (``*.toml`` / ``*.py``, ``firmware_models.files``)
     this device may train; a round announcing a model file is matched to one of them by
     file name (a device never loads a path the coordinator names).
@@ -164,12 +166,14 @@ class DeviceConfig:
     max_rounds: int = 0
     model_files: tuple[str, ...] = ()
     threads: int = 1
+    engine: str = "cpu"
 
     @classmethod
     def from_profile(cls, device_id: str, profile: HardwareProfile, **kw: Any) -> DeviceConfig:
         """From a :class:`hw_profiles.HardwareProfile`."""
         kw.setdefault("kmeans_method", getattr(profile, "kmeans_method", "fast"))
         kw.setdefault("threads", getattr(profile, "threads", 1))
+        kw.setdefault("engine", "cpu")
         return cls(device_id=device_id, compute_bits=profile.compute_bits, trainer=profile.trainer,
                    codec=profile.codec, codec_bits=profile.codec_bits, profile=profile.name, **kw)
 
@@ -204,15 +208,17 @@ def load_model_files(paths: Any) -> dict[str, Any]:
     return out
 
 
-def default_trainer_factory(spec: ModelSpec, bits: int, seed: int, threads: int = 1) -> Trainer:
-    """A device's trainer: ``threads`` cores; an integer one drops LLVM's machine code from
-    the process's resident memory once its kernels are loaded
-    (``edge_client.intnn.memory``)."""
+def default_trainer_factory(spec: ModelSpec, bits: int, seed: int, threads: int = 1,
+                            engine: str = "cpu") -> Trainer:
+    """A device's trainer: ``threads`` cores, its integer steps on ``engine``; an integer
+    one on the CPU drops LLVM's machine code from the process's resident memory once its
+    kernels are loaded (``edge_client.intnn.memory``)."""
     from edge_client.trainers import make_trainer
 
     if bits == 32:
         return make_trainer(spec, bits, seed=seed)
-    return make_trainer(spec, bits, seed=seed, threads=threads, release_pages=True)
+    return make_trainer(spec, bits, seed=seed, threads=threads, engine=engine,
+                        release_pages=engine == "cpu")
 
 
 class DeviceRuntime:
@@ -230,8 +236,8 @@ class DeviceRuntime:
         self.cfg = cfg
         self.data = data
         self._connect = connect
-        self._trainer_factory = trainer_factory or functools.partial(default_trainer_factory,
-                                                                     threads=cfg.threads)
+        self._trainer_factory = trainer_factory or functools.partial(
+            default_trainer_factory, threads=cfg.threads, engine=cfg.engine)
         self.log = logger or log
         self.variant = model_variant(cfg.compute_bits, cfg.trainer)
         self.outbox = Outbox(Path(cfg.workdir) / "outbox")

@@ -16,6 +16,10 @@ from typing import TYPE_CHECKING
 
 import pytest
 
+# The CUDA engine's kernels run under Numba's CUDA simulator in the tests unless told
+# otherwise (make gpu-check sets NUMBA_ENABLE_CUDASIM=0 on a GPU): numba reads it on import.
+os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
+
 if TYPE_CHECKING:
     from coordinator.ops.broker import AmqttBroker, MosquittoBroker
 

@@ -26,7 +26,9 @@ A config (``fedbit emulate FILE``; the bundled default is ``coordinator/emulatio
     [round]                    # fraction, quorum, min_updates, deadline_s (simulated),
                                # wall_timeout_s, workers (processes or actors that train
                                # the devices; 0: one per core / per Ray CPU; 1: this
-                               # process), parallel (devices training at once per worker)
+                               # process), parallel (devices training at once per worker),
+                               # engine ("cpu" | "cuda": the integer devices of a round
+                               # train together on the GPU, same results)
     [cluster]                  # backend = "local" (processes here) | "ray"; address = "auto"
                                # | "host:port" | "ray://host:port" | "local" (a new Ray here)
     [clock]                    # seconds_per_sample = {variant = s}: pin the compute model

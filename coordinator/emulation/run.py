@@ -219,7 +219,10 @@ class Emulator:
         kinds = {(g.profile.trainer, g.profile.compute_bits, g.codec, g.bits):
                  replace(g.profile, codec=g.codec, codec_bits=g.bits) for g in plan.groups}
         spec = WorkerSpec(job=job, slots=rnd.parallel, wall_timeout_s=float(rnd.wall_timeout_s),
-                          workdir=str(plan.workdir), model=self.cfg.model, profiles=tuple(kinds.values()))
+                          workdir=str(plan.workdir), model=self.cfg.model, profiles=tuple(kinds.values()),
+                          engine=rnd.engine)
+        if rnd.engine == "cuda":  # one GPU, one process: this one trains every round's devices
+            return WorkerPool(plan, InlineBackend(data.train, spec), 1, relay, job)
         if cluster.backend == "ray":
             from coordinator.emulation.ray_backend import RayBackend
 

@@ -69,7 +69,9 @@ class RoundSettings:
     (``min_updates``), the simulated deadline (``deadline_s``, 0: none) and the wall-clock
     one (``wall_timeout_s``), the workers that train the devices (``workers``: processes or
     Ray actors; 0: one per core, 1: this process) and the devices training at once in each
-    (``parallel``)."""
+    (``parallel``); ``engine``: where the integer devices train, ``"cpu"`` or ``"cuda"``
+    (a round's together on the GPU, in this process: ``coordinator.emulation.gpu``; the
+    same results)."""
 
     fraction: float = _SERVER.fraction
     quorum: float = _SERVER.quorum
@@ -78,6 +80,7 @@ class RoundSettings:
     wall_timeout_s: float = 600.0
     workers: int = 0
     parallel: int = 2
+    engine: str = "cpu"
 
     def check(self) -> None:
         if not 0 < self.fraction <= 1:
@@ -94,6 +97,8 @@ class RoundSettings:
             raise ConfigError(f"parallel: must be >= 1, got {self.parallel}")
         if self.workers < 0:
             raise ConfigError(f"workers: must be >= 0 (0: one per core), got {self.workers}")
+        if self.engine not in ("cpu", "cuda"):
+            raise ConfigError(f"engine: {self.engine!r} is not 'cpu' or 'cuda'")
 
 
 @dataclass

@@ -82,6 +82,9 @@ class WorkerSpec:
     #: model, and each group's profile with its uplink codec
     model: str = ""
     profiles: tuple[Any, ...] = ()
+    #: the integer devices' engine: "cpu" (each trains on its own), or "cuda" (a round's
+    #: train together on the GPU: coordinator.emulation.gpu)
+    engine: str = "cpu"
 
 
 class SharedData:
@@ -153,9 +156,17 @@ class DeviceWorker:
         self.spec = spec
         self.hub = LocalHub()
         self.slots = threading.Semaphore(max(1, spec.slots))
+        #: the GPU batches of the integer devices (engine "cuda"): every runtime of a round
+        #: runs at once, waiting in its ``train`` for the batch
+        self.gpu: Any = None
+        if spec.engine == "cuda":
+            from coordinator.emulation.gpu import GpuFleet
+
+            self.gpu = GpuFleet(train)
         #: the devices' runtimes run on these threads (kept from round to round); a runtime
         #: waits on its training slot, its I/O (the outbox) overlaps the others' training
-        self._threads = ThreadPoolExecutor(max(8, 4 * spec.slots), thread_name_prefix="fedbit-device")
+        runtimes = max(8, 4 * spec.slots) if self.gpu is None else 4096
+        self._threads = ThreadPoolExecutor(runtimes, thread_name_prefix="fedbit-device")
         self._running: set[Any] = set()  # the runtimes running now (stopped by close)
         self._lock = threading.Lock()
         self._closed = False
@@ -203,6 +214,8 @@ class DeviceWorker:
         self._feed.publish(topic(job, "status"), msgs.status, retain=True)
         results: dict[str, str] = {}
         finished: queue.Queue[str] = queue.Queue()
+        if self.gpu is not None:
+            self.gpu.begin([dev.device_id for dev in devices])
 
         def run(dev: EmulatedDevice) -> None:
             try:
@@ -249,6 +262,8 @@ class DeviceWorker:
 
         def trainer_factory(spec: Any, bits: int, seed: int) -> Any:
             trainer = make_trainer(spec, bits, seed=derive_seed(seed, round_id))
+            if self.gpu is not None and bits != 32:  # trains in the round's GPU batch
+                return self.gpu.trainer(trainer, dev.device_id, dev.shard)
             if "torch" in sys.modules:  # a float device: one torch thread, as everywhere in the emulator
                 one_thread_torch()
             return _GatedTrainer(trainer, self.slots)
@@ -282,6 +297,8 @@ class DeviceWorker:
         finally:
             with self._lock:
                 self._running.discard(rt)
+            if self.gpu is not None:
+                self.gpu.gone(dev.device_id)
         results[dev.device_id] = state
 
     def close(self) -> None:

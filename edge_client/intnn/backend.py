@@ -3,7 +3,8 @@
 where the CPU has them, its passes split over threads: :mod:`.step`, :mod:`.workspace`,
 :mod:`.parallel`). A backend runs each layer kind through the class registered for it
 (``edge_client.intnn.layers``: ``implements(spec type, backend=name)``), so a backend is
-added a layer kind at a time; :data:`BACKENDS` names them.
+added a layer kind at a time; :data:`BACKENDS` names them (``cuda``: the GPU engine of
+``edge_client.intnn.cuda``, imported when a model asks for it).
 """
 
 from __future__ import annotations
@@ -41,6 +42,11 @@ class Backend(Protocol):
         """One SGD step on ``ws.x[:n]``; the integer loss sum."""
         ...
 
+    def sync(self, model: Any) -> None:
+        """Bring the model's arrays of weights up to date where the backend's copies
+        changed (the model calls it before it reads them)."""
+        ...
+
     def close(self) -> None:
         """Release what the backend holds (threads, device memory)."""
         ...
@@ -68,12 +74,22 @@ class CpuBackend:
                    seed: int, step_count: int, reg: Regularizer | None) -> int:
         return step.train_step(model, ws, y, n, lr_log2, seed, step_count, reg, self.splitter)
 
+    def sync(self, model: Any) -> None:
+        """Nothing to do: the kernels update the model's arrays."""
+
     def close(self) -> None:
         self.splitter.close()
 
 
+def _cuda(threads: int) -> Backend:
+    """The CUDA engine (``edge_client.intnn.cuda``; imported only when asked for)."""
+    from edge_client.intnn.cuda.backend import CudaBackend
+
+    return CudaBackend(threads)
+
+
 #: backend name -> its factory (threads -> Backend)
-BACKENDS: dict[str, Callable[[int], Backend]] = {"cpu": CpuBackend}
+BACKENDS: dict[str, Callable[[int], Backend]] = {"cpu": CpuBackend, "cuda": _cuda}
 
 
 def make_backend(name: str, threads: int = 1) -> Backend:

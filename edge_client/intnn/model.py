@@ -82,10 +82,22 @@ class IntModel:
         for op in self.param_ops:
             op.bind(self)
         self.internal_shapes = [op.weight_shape for op in self.param_ops]
-        #: each weight layer's weights on the storage grid and their ternary copies
-        self.w = [op.w for op in self.param_ops]
-        self.t = [op.t for op in self.param_ops]
+        self._w = [op.w for op in self.param_ops]
+        self._t = [op.t for op in self.param_ops]
         self._workspaces: dict[bool, Workspace] = {}
+
+    @property
+    def w(self) -> list[np.ndarray]:
+        """Each weight layer's weights on the storage grid (the engine's layout; current:
+        the backend syncs them first)."""
+        self.backend.sync(self)
+        return self._w
+
+    @property
+    def t(self) -> list[np.ndarray]:
+        """Each weight layer's ternary copy of its weights (int8, the engine's layout)."""
+        self.backend.sync(self)
+        return self._t
 
     @property
     def splitter(self) -> Splitter:
@@ -122,8 +134,8 @@ class IntModel:
                 raise TrainingError(f"{op.layer.name}: integer weights expected, got {q.dtype}")
             if q.size and (int(q.max()) > self.wmax or int(q.min()) < -self.wmax):
                 raise TrainingError(f"{op.layer.name}: weights exceed the clip bound {self.wmax}")
-            self.w[i][...] = op.to_internal(q.astype(self.wdtype))
-            K.ternarize(self.w[i].reshape(-1), self.thr, self.t[i].reshape(-1))
+            self._w[i][...] = op.to_internal(q.astype(self.wdtype))
+            K.ternarize(self._w[i].reshape(-1), self.thr, self._t[i].reshape(-1))
             self.ternary_copies(i)
 
     def ternary_copies(self, p: int) -> None:

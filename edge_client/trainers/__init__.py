@@ -53,9 +53,10 @@ __all__ = ["DEFAULT_LR_SHIFT", "DEFAULT_MOMENTUM", "DEFAULT_TORCH_LR", "IntTrain
 
 
 def make_trainer(spec: ModelSpec | str, bits: int, seed: int = 0, threads: int = 1,
-                 **hparams) -> Trainer:
+                 engine: str = "cpu", **hparams) -> Trainer:
     """``bits == 32`` -> :class:`TorchTrainer`, else an s-bit :class:`IntTrainer` whose
-    training steps use ``threads`` cores (torch keeps its own thread setting)."""
+    training steps use ``threads`` cores on ``engine`` (``"cpu"`` or ``"cuda"``; torch keeps
+    its own thread setting and trains on the CPU)."""
     if bits == 32:
         return TorchTrainer(spec, seed=seed, **hparams)
-    return IntTrainer(spec, bits, seed=seed, threads=threads, **hparams)
+    return IntTrainer(spec, bits, seed=seed, threads=threads, engine=engine, **hparams)
