@@ -6,12 +6,10 @@ presence / update payloads from it as :class:`Inbound` messages, and acknowledge
 once it is handled (persist, then ack).
 
 - :class:`MqttFleet`: a real broker through :class:`edge_client.transport.MqttTransport`:
-  MQTT v5 where offered (else 3.1.1), QoS 1, retained round/model/status messages, a
-  last-will ``error`` status, manual PUBACK and a persistent session, so an update the
-  coordinator received but did not persist is redelivered after a crash. With amqtt
-  (3.1.1) the offline session exists only when the coordinator connects with a username;
-  without one, updates published while the coordinator is down are lost to it (devices
-  then re-send from their outbox only if their PUBACK never came).
+  QoS 1, retained round/model/status, a last-will ``error`` status, manual PUBACK and a
+  persistent session, so an update received but not persisted is redelivered after a
+  crash (on amqtt only when the coordinator connects with a username:
+  docs/mqtt.md#amqtt-the-zero-install-fallback).
 - :class:`InProcessFleet`: the same messages and bytes through an in-memory
   :class:`~edge_client.transport.LocalHub` (no broker, no sockets); device runtimes in the
   same process connect with :meth:`InProcessFleet.device_connector`.

@@ -1,35 +1,18 @@
 """Training health, watched every round: live units, zero codes, activations, collapse.
 
-After each round's aggregate is evaluated, :class:`HealthWatch` looks at the model of
-every bitwidth group as that group runs it (the forward of each evaluated variant:
-``int<s>`` the s-bit integer engine, ``float32`` the float forward or, with
-``float_forward = "int<s>"``, that integer forward) and writes, per group and parameter
-layer (the metrics record's ``health``):
+After each round's aggregate is evaluated, :class:`HealthWatch` looks at every bitwidth
+group's model as that group runs it (``int<s>``: the s-bit integer engine; ``float32``:
+the float forward or the announced integer forward) and writes, per group and parameter
+layer, the metrics record's ``health``: ``live`` / ``units`` (units that can still fire
+for some input: :mod:`edge_client.intnn.liveness`), ``zero`` (the fraction of ternary
+codes at 0), ``act`` and ``sat`` (mean |activation| on a fixed probe batch, never the
+test split, and the fraction at the clip), ``nonfinite`` and ``update`` (relative change).
 
-- ``live`` / ``units``: filters or units that can still output a positive value (an output
-  unit: any value) for some input (:mod:`edge_client.intnn.liveness`; a unit that is not
-  live is dead for every input, and no gradient brings it back);
-- ``zero``: the fraction of its forward weights that are zero (ternary codes);
-- ``act``: the mean |activation| (real units, after the ReLU) on a fixed probe batch
-  (``PROBE_SAMPLES``: the validation split's, else the devices' training data; never the
-  test split), and ``sat`` the fraction at the clip ``(S(s)-1)/S(s)``;
-- ``nonfinite``: NaN/Inf weights; ``update``: ``||W - W_prev|| / ||W_prev||`` this round.
-
-A live count that drops is a warning naming the round, the group and the layer (filters
-dying one by one cost accuracy long before the last one goes). A **collapse** is an
-error naming the round and the layer: every group's accuracy at chance (within
-``CHANCE_MARGIN``) after the best round was well above it (``WELL_ABOVE``), read from the
-figure the evaluator names for decisions (``val_accuracy``; off without one); a group whose
-output is the same for every probe sample; a layer with no live unit or whose forward
-weights are all zero; non-finite weights. It is logged, written to the metrics, sent as
-an ``on_event("collapse", ...)`` (every round sends ``"health"``), and with
-``on_collapse = "rollback"`` (the default of ``fedbit serve`` and ``fedbit emulate``) the
-coordinator keeps the round without the update(s) that caused it
-(:mod:`coordinator.defense.recover`), else returns to the last healthy global model
-(weights, group models, strategy state) without that round's updates; ``"log"`` keeps the collapsed
-model. Rollback is the default because a collapsed model cannot recover (a dead network
-passes no gradient), and announcing it would hand the whole fleet a constant function;
-excluding one round's updates costs one round.
+A live count that drops is a warning; a **collapse** (every group at chance after the best
+round was well above it, a constant output, a layer with no live unit or all-zero
+weights, non-finite weights) is an error that ``on_collapse = "rollback"`` answers by
+keeping the round without the update(s) that caused it, or the last healthy model.
+Definitions, thresholds and why rollback is the default: docs/training-health.md.
 """
 
 from __future__ import annotations

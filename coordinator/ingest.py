@@ -1,39 +1,15 @@
 """Received bytes -> what the round loop acts on, every per-message rule applied once.
 
-An update, from :meth:`Fleet.recv` to the strategy's sums::
+:meth:`Ingest.update` takes an update's exact payload and the open round, applies the
+numbered rules of docs/architecture.md#the-update-path in order (size; enrolment and the
+device's MAC, before any parsing; parse; kind; topic id = payload id; round; selection;
+duplicate; the ``num_samples`` bound; tensors) and returns an ``EncodedUpdate``:
+nothing is decoded here, the strategy's fold does that. :meth:`Ingest.device` takes hello
+and presence messages: rules 1-4, then a per-device rate limit and the registry's size.
 
-    Inbound(kind="update", device_id, payload)
-      -> Ingest.update(device_id, payload, round, completed)
-           1. size            payload <= Limits.max_payload_bytes     rejected_oversized
-           1a. enrolment      (with a registry) the topic's device is  rejected_unenrolled
-                              enrolled ...
-           1b. MAC            ... and the payload's MAC verifies       rejected_bad_mac
-                              under its key (before any parsing)
-           2. parse           protocol.decode_message (every field)   rejected_<reason>
-           3. kind            an Update on an update topic             rejected_wrong_kind
-           4. identity        topic id == payload id                   rejected_spoofed
-           5. round           closed: dropped_late; not the open one:  rejected_wrong_round
-           6. selection       selected in the open round               rejected_not_selected
-           7. duplicate       not yet accepted this round              dropped_duplicate
-           7a. num_samples    <= the device's bound (job cap, enrolled rejected_too_many_samples
-                              value, its hello's): clipped, or refused  (or clipped_num_samples)
-           8. tensors         layer shapes, integer tensors only from integer devices,
-                              |v| <= Limits.max_abs_value, sigma_loc   (``strategies.checks``)
-         -> EncodedUpdate (nothing decoded)
-      -> Strategy.fold: every codec checks its tensor (header, aux, NaN/Inf of float
-         payloads), then the update is fused into the sums or decoded first.
-
-A refused message raises :class:`Rejected` (its ``reason`` labels the metric,
-``rejected_<reason>`` or, when ``dropped``, ``dropped_<reason>``: a repeat or late message
-from an honest device). Hello and presence messages go through :meth:`Ingest.device`:
-steps 1-4, then a per-device rate limit (``rejected_rate_limited``) and the registry's
-size (``rejected_registry_full``). The admission settings (enrolment, sample bound, rate,
-registry size) are :class:`~coordinator.ops.admission.AdmissionConfig`.
-
-Topic id = payload id = the authenticated client: the broker binds a topic to the user
-that may publish on it (the generated ACL: ``update/%u``), and with a registry the MAC
-(step 1b) binds the payload to the device's own key, so that a broker without that ACL
-still cannot make the coordinator count a message in another device's name.
+A refused message raises :class:`Rejected`; its ``reason`` labels the metric
+(``rejected_<reason>``, or ``dropped_<reason>`` for a repeat or late message from an
+honest device). The admission settings are :class:`~coordinator.ops.admission.AdmissionConfig`.
 """
 
 from __future__ import annotations

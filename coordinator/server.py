@@ -1,28 +1,18 @@
 """The round loop: select, announce, collect, aggregate, evaluate, checkpoint.
 
-:class:`Coordinator` speaks only to a :class:`~coordinator.fleet.Fleet`. One round:
+:class:`Coordinator` speaks only to a :class:`~coordinator.fleet.Fleet`. A round selects
+(``Collector.select``: present, eligible, not quarantined, seeded), builds one model
+variant per bitwidth group among the selected (``coordinator.variants``), saves the round
+plan and announces (models, round, status; retained); collects until quorum, every
+selected device answered or is gone, or the deadline (``Collector.collect``: each update
+``Ingest`` -> the guarded ``Strategy.fold`` -> inbox, synced, then acked; a secure round
+runs ``coordinator.privacy.round`` instead); then ``strategy.finish()``, evaluates every
+variant, checks health (a collapse: :mod:`coordinator.defense.recover`), records strikes,
+writes the checkpoint atomically, one metrics line and the retained status.
 
-1. select (``Collector.select``: ``clamp(ceil(C * eligible), min, max)`` of the present
-   devices not quarantined (:mod:`coordinator.defense`), seeded, once ``min_devices`` are
-   present within ``presence_timeout_s``);
-2. build one model variant per bitwidth group among the selected (``coordinator.variants``),
-   save the round plan, announce (models, then the round, then the status; retained);
-3. collect (``coordinator.collect.Collector.collect``) until ``quorum`` of the selected
-   answered, every selected device answered or is gone (its last will; refused, revoked or
-   silent: :mod:`coordinator.presence.roundwatch`), or the deadline passed. Each update goes
-   ``coordinator.ingest`` -> the guarded ``Strategy.fold`` -> the inbox, synced, then
-   acked in the background; refused messages are acked, logged and counted. A secure
-   round runs its protocol instead (``coordinator.privacy.round``). Stragglers are counted;
-4. ``strategy.finish()`` -> new global weights (and per-group weights), evaluation of
-   every bitwidth variant the devices run on the held-out set, the health check (a collapse:
-   :mod:`coordinator.defense.recover`), the strikes, atomic checkpoint, one metrics line,
-   retained status.
-
-``run(resume=True)`` continues from the last completed round's checkpoint; a round the
-coordinator died in is re-announced from its plan (same selection and digests, a fresh
-deadline) and its inbox replayed: every acked update counts once, no round is repeated or
-skipped. A damaged checkpoint is named and the previous one loaded; the round after it is
-replayed from its kept plan and inbox (the same model). A secure round is run again.
+``run(resume=True)`` continues from the last completed round: a round the coordinator
+died in is re-announced from its plan and its inbox replayed, so every acked update counts
+once (docs/architecture.md#one-round, docs/architecture.md#failure-semantics).
 """
 
 from __future__ import annotations

@@ -1,38 +1,18 @@
 """Durable coordinator state: atomic checkpoints, the round plan, the inbox, metrics.
 
-Layout under the run directory ``DIR`` (``fedbit serve --out DIR``)::
+Under the run directory ``DIR`` (``fedbit serve --out DIR``; files 0600, ``inbox/`` 0700)::
 
     DIR/checkpoint.msgpack      last completed round: weights, strategy + RNG state, metrics
     DIR/round.msgpack           the plan of the round in progress (selected, deadline, ...)
     DIR/devices.msgpack         the device registry (every hello), rewritten when it changes
-    DIR/inbox/r000007.log       raw update payloads received for round 7 (append-only)
-    DIR/inbox/r000007.<tag>.log the same, appended by another process (an ingest worker's)
+    DIR/inbox/r000007.log       round 7's raw updates, append-only (``r000007.<tag>.log``: a worker's)
     DIR/metrics.jsonl           one JSON object per completed round
 
-Every file is created mode 0600 and the inbox folder 0700 (the raw updates, the models and
-the device list are the operator's alone).
-
-Every file but the inbox is written atomically (temporary file in the same directory,
-``fsync``, ``rename``, ``fsync`` of the directory), so a ``kill -9`` at any instant leaves
-either the old or the new version, and framed with a 64-bit checksum of its body
-(``FBS1``, checksum, length, body): a truncated or damaged file is refused by name
-(:class:`CorruptFile`), never loaded. The checkpoint and the round plan keep their
-previous generation (``checkpoint.prev.msgpack``, ``round.prev.msgpack``) and the inbox of
-the last completed round is kept until the next checkpoint, so a damaged checkpoint of
-round r falls back to round r-1's and round r is replayed from its plan and its inbox
-(``server.py``). The inbox is an append-only log per round of framed
-records (magic, length, 64-bit checksum (:mod:`coordinator.checksum`), device id, the
-update's exact received bytes); updates
-are appended, the log is ``fdatasync``-ed once per batch (group commit), and only then are
-they acknowledged to the broker (persist, then ack), so an acked update survives a crash.
-A record torn by a crash fails its length/checksum check at the log's tail; it was never
-acked, so the broker redelivers it. A record damaged inside the log fails its checksum: it
-is reported by name (file, offset, record number) and skipped, and the records after it
-still replay; its device re-sends its update when the round is announced again
-(``runtime.py`` keeps a sent update until its round closes). On resume the open round's
-log is replayed.
-
-Arrays are stored as ``{"shape", "dtype", "data"}`` maps (little-endian), msgpack-framed.
+Every file but the inbox is written atomically and framed with a 64-bit checksum (a damaged
+one raises :class:`CorruptFile`, never loads); the inbox is a log of checksummed records,
+synced before its updates are acknowledged. What survives which crash and how a resumed
+run replays: docs/architecture.md#failure-semantics. Arrays are stored as ``{"shape",
+"dtype", "data"}`` maps (little-endian), msgpack-framed.
 """
 
 from __future__ import annotations

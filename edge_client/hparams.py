@@ -1,28 +1,17 @@
 """The hyper-parameters a round announcement may carry: one table, read by both sides.
 
 The coordinator validates what it will announce (:func:`validate_hparams`: an unknown key
-or a value out of range is a :class:`ConfigError` naming the key); a device reads an
-announcement with :func:`read_hparams`, which never raises: what it cannot use (an unknown
-key, a value out of range) is returned as ``{key: why}`` and the device reports it in its
-:class:`~edge_client.protocol.Update` (``not_applied``) instead of ignoring it silently.
-The wire format itself only requires scalar values (``protocol.wire._read_hparams``), so a
-device of an older SDK still accepts announcements that carry keys it does not know.
+or a value out of range is a :class:`ConfigError` naming the key). A device reads an
+announcement with :func:`read_hparams`, which never raises: what it cannot use is returned
+as ``{key: why}`` and reported in its update's ``not_applied``, never ignored silently.
+The wire itself only requires scalar values, so a device of an older SDK still accepts
+announcements with keys it does not know. ``lr_scale.<variant>`` (``lr_scale.int8``)
+overrides ``lr_scale`` for one model variant (FedGroupedAvg's per-group scaling, ProWD
+appendix A).
 
-``lr_scale`` may also be given per model variant, ``lr_scale.<variant>`` (``lr_scale.int8``,
-``lr_scale.float32``): a device uses its own variant's value, else ``lr_scale``, else 1
-(FedGroupedAvg's per-group learning-rate scaling, ProWD appendix A).
-
-How the learning rates reach each kind of device (docs/algorithms.md §1-2):
-
-- float devices: SGD with ``lr * lr_scale`` and ``momentum`` on the float forward; on an
-  integer forward (``float_forward = "int<s>"``) the integer devices' data step below, and
-  ``lr``/``momentum`` set the step of the FedProx / FedFOR terms, as on an integer device;
-- integer devices: the data step is ``eta = 2^(lr_shift + round(log2 lr_scale))`` LSBs of the
-  8-bit grid (WAGE's normalized step: a float learning rate has no integer counterpart, the
-  gradient's magnitude is discarded; ProWD appendix B); ``lr`` and ``momentum`` set the step
-  of the FedProx / FedFOR terms, ``lr * lr_scale / (1 - momentum)``, so that those terms move
-  an integer device's weights as far in the shared domain as a float device's
-  (:class:`edge_client.trainers.IntTrainer`).
+Float devices take ``lr * lr_scale`` and ``momentum`` for SGD; integer devices (and float
+devices on an integer forward) step ``2^(lr_shift + round(log2 lr_scale))`` LSBs, and ``lr``
+and ``momentum`` set only their FedProx / FedFOR step (docs/operations.md#what-devices-are-told-to-train).
 """
 
 from __future__ import annotations

@@ -1,21 +1,16 @@
 """Model architectures as plain data.
 
-A :class:`ModelSpec` is an input shape plus an ordered list of layers. It is the one
-description shared by the integer engine (``edge_client.intnn``), the torch builder on
-the coordinator and float devices, and the ONNX exporter. Nothing here imports torch.
+A :class:`ModelSpec` is an input shape plus an ordered list of layers (the kinds are in
+:mod:`firmware_models.layers`, re-exported here): the one description shared by the
+integer engine (``edge_client.intnn``), the torch builder of the coordinator and float
+devices, and the ONNX exporter. Nothing here imports torch.
 
-Conventions (all shapes exclude the batch dimension):
-
-- activations are ``[C, H, W]`` for images and ``[F]`` after :class:`Flatten`;
-- a :class:`Conv2d` weight is ``[out_channels, in_channels, k, k]``;
-- a :class:`Linear` weight is ``[out_features, in_features]``;
-- no layer has a bias (docs/algorithms.md §2: one shared parameter domain, no bias, no BN).
-
-The layer kinds are in :mod:`firmware_models.layers` (re-exported here).
-
-The parameter layers, in order, define the model's weight list: ``spec.param_shapes()``
-is the list of weight shapes every other module of fedbit agrees on, and
-``spec.param_names()`` their names (``"conv1"``, ``"fc2"``...).
+Shapes exclude the batch dimension: activations are ``[C, H, W]`` for images and ``[F]``
+after :class:`Flatten`; a :class:`Conv2d` weight is ``[out_channels, in_channels, k, k]``,
+a :class:`Linear` weight ``[out_features, in_features]``; no layer has a bias
+(docs/algorithms.md §2). The parameter layers, in order, define the model's weight list:
+``spec.param_shapes()`` is the list of weight shapes every other module of fedbit agrees
+on, ``spec.param_names()`` their names (``"conv1"``, ``"fc2"``...).
 """
 
 from __future__ import annotations

@@ -1,25 +1,17 @@
 """The poisoning guard around a strategy that folds single updates (:class:`GuardedStrategy`).
 
 Each checked wire update is decoded once into reused buffers to measure its movement
-``‖Δ‖`` against the model its device started from (the round's global model, or its
-bitwidth group's model for a grouped combiner) and is then, before the strategy folds it,
-
-- **norm-bounded**: scaled to ``s = min(1, k · median ‖Δ‖ / ‖Δ_k‖)``
-  (:class:`~coordinator.defense.normbound.MedianBound`; the strategy folds ``g + s·Δ``:
-  ``EncodedUpdate.bound``);
-- **weight-bounded**: ``num_samples`` cut to ``m ×`` the median ``num_samples``.
-
-The medians are the round's: the first ``hold`` updates are held (by reference: their wire
-bytes) and folded once they are all in, or at the end of the round, so that a round of at
-most ``hold`` updates is bounded by its exact medians; a larger round's later updates by
-the medians of the updates so far (fewer than half of the devices cannot move them). The
-devices whose update was norm-bounded this round are in :attr:`GuardedStrategy.bounded`
-(the reputation's strikes), the figures in the round's stats (``guard_*``).
-
-A strategy whose aggregate is an order statistic already (``robust = "median"`` or
-``"trimmed_mean"``) or that clips itself (``clip``) is not norm-bounded twice: the guard
-then only measures (strikes) and bounds the weights. Memory: ``hold`` updates' wire bytes
-and one decoded update's float32 buffers, beyond the strategy's own.
+``‖Δ‖`` from the model its device started from (the round's global model, or its group's
+for a grouped combiner); before the strategy folds it, it is **norm-bounded** (scaled by
+``min(1, k · median ‖Δ‖ / ‖Δ_k‖)``: :class:`~coordinator.defense.normbound.MedianBound`,
+``EncodedUpdate.bound``) and **weight-bounded** (``num_samples`` cut to ``m ×`` the median).
+The medians are the round's: the first ``hold`` updates are held (their wire bytes) and
+folded once all are in, so a round of at most ``hold`` updates is bounded by its exact
+medians, a larger round's later updates by the medians so far. Devices bounded this round
+are in :attr:`GuardedStrategy.bounded` (the reputation's strikes), the figures in the
+round's stats (``guard_*``). A strategy that is robust or clips already is not
+norm-bounded twice: the guard then only measures and bounds weights
+(docs/security.md#poisoning).
 """
 
 from __future__ import annotations

@@ -1,20 +1,18 @@
 """How far one update may move the model: norm bounds relative to robust statistics.
 
 An update's movement is ``Δ = x - g`` (``x`` itself for a delta update) over every layer;
-a bound ``B`` scales it by ``s = min(1, B / ‖Δ‖)`` (:func:`clip_factor`: differential
-privacy's, ``coordinator.privacy.dp``, as is :class:`QuantileBound`'s step): the update
-then moves the model at most ``B``, in its own direction. Two ways to set ``B``, one interface
-(:class:`NormBound`: ``observe`` each norm of the round, ``bound()`` now, ``end_round``):
+a bound ``B`` scales it by ``s = min(1, B / ‖Δ‖)`` (:func:`clip_factor`, shared with
+``coordinator.privacy.dp``): it then moves the model at most ``B``, in its own direction.
+Two ways to set ``B`` behind one interface (:class:`NormBound`: ``observe`` each norm of
+the round, ``bound()`` for the bound so far, ``end_round``):
 
-- :class:`MedianBound`: ``k`` times the median of the round's norms so far (a running
-  median, O(log n) per norm): whatever one device claims, it moves the model at most k
-  times as far as the round's median device, and fewer than half the devices cannot move
-  the median. The poisoning defense's bound (:mod:`coordinator.defense.guard`).
-- :class:`QuantileBound`: the adaptive clipping of Andrew et al. (2021, "Differentially
-  private learning with adaptive clipping"): ``B`` is fixed within a round and tracks the
-  ``target`` quantile of the norms across rounds, ``B <- B · exp(-lr · (b - target))`` with
-  ``b`` the fraction of the round's norms at most ``B`` (differential privacy adds noise
-  to ``b``; its caller does).
+- :class:`MedianBound`: ``k`` times the running median of the round's norms: one device
+  moves the model at most k times as far as the round's median device, and fewer than
+  half the devices cannot move the median (the poisoning guard's, :mod:`coordinator.defense.guard`);
+- :class:`QuantileBound`: adaptive clipping (Andrew et al., 2021): ``B`` is fixed within a
+  round and tracks the ``target`` quantile of the norms across rounds,
+  ``B <- B · exp(-lr · (b - target))`` with ``b`` the fraction of norms at most ``B``
+  (differential privacy's caller adds noise to ``b``).
 """
 
 from __future__ import annotations
@@ -52,7 +50,7 @@ def sq_distance(x: np.ndarray, g: np.ndarray, delta: bool) -> float:
     temporaries, in float64: eight partial sums by index (element ``i`` goes to sum
     ``i mod 8``, the tail to the first), added in a fixed tree. The order depends on the
     indices alone, never on the arrays' alignment, so every process gets the same bits;
-    the eight independent sums vectorize (~4x a single running sum)."""
+    the eight independent sums vectorize, where a single running sum would not."""
     n = x.size
     acc = np.zeros(8, np.float64)
     m = n - n % 8

@@ -4,16 +4,13 @@ sending).
 
 The round's accepted updates are in its inbox, as received. The aggregate is formed again
 without some of them, from the strategy's state before the round's ``finish()``, and
-judged the way the health watch judges a round (:meth:`HealthWatch.assess`: dead layers,
-constant output, non-finite weights, every group at chance on the decision split; never
-the test split's figures, which the evaluator keeps apart); the first healthy one is
-kept. Tried in order, at most :data:`MAX_TRIES` aggregates: each update alone left out,
-the largest movements first (the guard measured them), then the largest two, three, ...
-together, up to half of the round; of the healthy ones without one update, the one
-closest to the previous model. The devices left out get a strike each ("its update
-collapsed the model"); when nothing tried is healthy the round is rolled back whole, as
-before, and rollbacks in :data:`ALERT_AFTER` consecutive rounds raise an operator alert
-(:meth:`~coordinator.defense.loop.RoundDefense.rolled_back`).
+judged as the health watch judges a round (:meth:`HealthWatch.assess`, never on the test
+split). Tried in order, at most :data:`MAX_TRIES` aggregates: each update alone left out,
+the largest movements first, then the largest two, three, ... together, up to half of the
+round; of the healthy ones without one update, the one closest to the previous model is
+kept. The devices left out get a strike each; when nothing tried is healthy the round is
+rolled back whole, and rollbacks in :data:`ALERT_AFTER` consecutive rounds raise an
+operator alert (:meth:`~coordinator.defense.loop.RoundDefense.rolled_back`).
 """
 
 from __future__ import annotations

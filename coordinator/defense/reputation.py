@@ -1,22 +1,16 @@
 """Per-device reputation: strikes, and the quarantine only the operator lifts.
 
-A device *takes part* in a round when an update of its was accepted or refused for what it
-held; it gets a *strike* in that round when its update was norm-bounded by the guard
-(:mod:`coordinator.defense.guard`), claimed more samples than its bound (enrolled,
-declared or the job's cap), or was refused for its content (non-finite, malformed, wrong
-shapes, out of range, oversized). With ``strikes`` struck rounds among its last
-``window`` rounds taken part in, it is **quarantined**: never selected again, named in the
-log, the metrics and on the dashboard, until the operator releases it::
-
-    fedbit release DEVICE --run DIR
-
-which drops a request file in ``DIR/release/`` that the coordinator reads before it
-selects the next round (or when it resumes): a release works on a running job and a
-stopped one alike, without signals. Strikes older than the window are forgotten; a
-released device starts with a clean record.
-
-The state is ``DIR/reputation.json`` (mode 0600), written when it changes; memory holds
-only the devices with a strike in their window, and the quarantined ones.
+A device *takes part* in a round when an update of its was accepted or refused for its
+content; it gets a *strike* in that round when its update was norm-bounded by the guard
+(:mod:`coordinator.defense.guard`), claimed more samples than its bound, or was refused
+for its content (non-finite, malformed, wrong shapes, out of range, oversized). With
+``strikes`` struck rounds among its last ``window`` rounds taken part in it is
+**quarantined**: never selected again, named in the log, the metrics and the dashboard,
+until ``fedbit release DEVICE --run DIR`` drops a request file in ``DIR/release/`` that
+the coordinator reads before its next selection (or when it resumes): no signals, running
+or stopped job alike. Strikes older than the window are forgotten; a released device
+starts clean. The state is ``DIR/reputation.json`` (0600), written when it changes; memory
+holds only the devices with a strike in their window and the quarantined ones.
 """
 
 from __future__ import annotations

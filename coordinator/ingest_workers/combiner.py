@@ -1,20 +1,16 @@
 """The round's combiner: the coordinator's side of its ingest workers.
 
-:class:`IngestWorkers` answers the workers' claims (steps 5-7a of ``coordinator.ingest``,
-the ones that need the round's state, against the collector's open round: an admitted
-device is accepted at once, so a second copy of its update, on any worker, is a
-duplicate), turns what the workers report into the collector's bookkeeping (counts,
-events, refusals: ``Inbound`` messages of kind ``ingest`` that :class:`IngestFleet`
-delivers and ``Collector.on_ingest`` hands back here), and at the round's end
-(:class:`PartialStrategy`'s ``finish``) adds every worker's partial sums to the round
-strategy's own. A worker that dies mid-round loses nothing it acknowledged: the devices
-it had claimed are released, the updates in its inbox log (persisted before any ack) are
-folded here, and a new process under the same MQTT client id takes over its broker
-session, whose unacknowledged messages the broker delivers to it again. Without that
-(``respawn=False``, or a session the broker lost: mosquitto 2.0's shared subscriptions
-drop the in-flight messages of a member whose session ends), the session is ended and the
-round announced again, so that every selected device re-sends its update from its outbox
-(docs/architecture.md#ingest-workers).
+:class:`IngestWorkers` answers the workers' claims (the rules of ``coordinator.ingest``
+that need the round's state, steps 5-7a: an admitted device is accepted at once, so a
+second copy of its update, on any worker, is a duplicate), turns what the workers report
+into the collector's bookkeeping (``Inbound`` messages of kind ``ingest`` that
+:class:`IngestFleet` delivers and ``Collector.on_ingest`` hands back here), and at the
+round's end (:class:`PartialStrategy`'s ``finish``) adds every worker's partial sums to
+the round strategy's own. A worker that dies mid-round loses nothing it acknowledged: its
+claimed devices are released, its inbox log's updates folded here, and a new process
+under the same MQTT client id takes over its broker session; without one, the session is
+ended and the round announced again, so every selected device re-sends its update from
+its outbox (why: docs/architecture.md#ingest-workers).
 """
 
 from __future__ import annotations

@@ -1,28 +1,15 @@
 """The mosquitto configurations ``fedbit broker-config`` writes for brokers the user runs:
-one broker (:func:`broker_conf`), or edge brokers bridged to a core (``--edges M``,
+one broker (:func:`broker_conf`), or M edge brokers bridged to a core (``--edges M``,
 :func:`write_edges`).
 
-With edges, devices connect to one of M edge brokers; each edge forwards its devices' messages to
-the core broker, where the coordinator (and its ingest workers) connect, and brings the
-core's round, models and status back (a mosquitto bridge: one persistent QoS 1 session
-per edge). What each file holds, under the job folder ``DIR``::
-
-    DIR/core/mosquitto.conf     the core: one listener (TLS with client certificates of
-                                the job CA unless --security password), passwords, ACL
-    DIR/core/passwd, acl        the coordinator, its ingest workers and one user per edge
-                                (``fedbit-edge-<k>``: publish device topics, read the
-                                round, models and status)
-    DIR/edge-<k>/mosquitto.conf an edge: the devices' listener (TLS, client certificates,
-                                passwords, the device ACL, client id = username) and the
-                                bridge to the core (its own user, password and client
-                                certificate)
-    DIR/edge-<k>/passwd, acl    its devices only; ``bridge.crt``/``.key``, ``server.crt``/``.key``
-    DIR/edges.csv               device_id,edge: which edge each device's credentials name
-    DIR/devices/<id>.toml       each device's credentials, naming its edge's URL
-
-The core trusts an edge to enforce the device ACL (a device publishes only under its own
-id); a compromised edge still cannot make the coordinator count a message in another
-device's name (the device MAC, checked by the coordinator), only drop or delay them.
+With edges, devices connect to their edge; each edge forwards its devices' messages to the
+core broker, where the coordinator and its ingest workers connect, and brings the core's
+round, models and status back over one persistent QoS 1 bridge session. Under the job
+folder ``DIR``: ``core/`` (mosquitto.conf, passwd and acl: the coordinator, its workers and
+one user per edge, ``fedbit-edge-<k>``), ``edge-<k>/`` (its devices' listener, passwords
+and ACL, and the bridge's own user and certificate), ``edges.csv`` (device_id,edge) and
+``devices/<id>.toml`` (credentials naming the device's edge). The trust between edges,
+core and coordinator: docs/security.md#what-the-broker-enforces.
 """
 
 from __future__ import annotations

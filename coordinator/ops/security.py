@@ -2,40 +2,16 @@
 password file and ACL, and the files devices take with them.
 
 One folder per job (``fedbit serve --out DIR`` uses ``DIR/security``; ``fedbit
-broker-config --out DIR`` writes one for a broker run elsewhere), mode 0711 (not listable;
-secrets 0600; what the broker reads, 0640 to the ``mosquitto`` group when run as root)::
-
-    ca.crt, ca.key              the job CA (EC P-256, 10 years), made once
-    server.crt, server.key      the broker's certificate (SAN: the names devices dial)
-    enrolled.json               device id -> password hash, MAC key, max_samples (0600)
-    passwd                      mosquitto's password file ($7$: PBKDF2-SHA512, 101 rounds)
-    coordinator.passwd          the same with the coordinator alone (the embedded broker's
-                                coordinator listener: a device's password is refused there)
-    devices.passwd              the same with the devices alone (the embedded broker's
-                                device listener: the coordinator's password is refused there)
-    acl                         mosquitto's ACL: devices publish only under their own id
-    coordinator.toml            the coordinator's own credentials (username fedbit-coordinator)
-    devices/<id>.toml           each device's credentials file (``fedbit-edge run --credentials``)
-    job.json                    job id, the broker URL devices dial, whether it speaks TLS,
-                                the sample cap enrolments get by default
-
-**Sample cap.** Every enrolment records the most samples the device may claim per update
-(``max_samples``): ``fedbit enroll --max-samples N``, else the job's default
-(``--default-max-samples N``, kept in job.json; :data:`DEFAULT_MAX_SAMPLES` until one is
-set). ``0`` enrols a device uncapped, which ``fedbit serve`` refuses unless told
-``--allow-uncapped`` (or given a job-wide ``--max-samples``).
-
-Certificates are made with the ``openssl`` command line tool (Debian: ``apt-get install
-openssl``). Passwords are random (24 bytes), hashed in mosquitto's own ``$7$`` format
-here (no ``mosquitto_passwd`` needed); the clear text exists only in the credentials files.
-
-The generated ACL (``acl_text``) is what the wire protocol asks of a broker
-(docs/architecture.md#wire-protocol): a device (username = device id = MQTT client id) may publish only
-``fedbit/<job>/{update,hello,presence,linktest}/<its id>`` and read only ``round``, ``model/+`` and
-``status``; only the coordinator user publishes rounds, models and status. Every broker
-configuration fedbit writes also sets ``use_username_as_clientid``: the client id is the
-username, so nobody can connect under another device's (or the coordinator's) client id
-and push it off the broker.
+broker-config --out DIR`` writes one for a broker run elsewhere), mode 0711, secrets 0600:
+the job CA and the broker's certificate (made with the ``openssl`` command line tool),
+``enrolled.json`` (device id -> password hash, MAC key, ``max_samples``), mosquitto's
+``passwd`` (its own ``$7$`` format, written here: no ``mosquitto_passwd`` needed) and
+``acl``, the coordinator's and each device's credentials files, and ``job.json`` (job id,
+the broker URL devices dial, TLS or not, the default sample cap). The folder's files:
+docs/security.md#enrolment. The generated ACL is what the wire protocol asks of a broker:
+a device publishes only under its own id and reads only ``round``, ``model/+`` and
+``status``; only the coordinator publishes those; the client id is the username
+(docs/security.md#what-the-broker-enforces).
 """
 
 from __future__ import annotations

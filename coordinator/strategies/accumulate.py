@@ -1,23 +1,17 @@
 """Streaming running sums, one set per compute bitwidth.
 
-Memory is O(model size x distinct bitwidths), independent of the number of updates: the
-sums are float32 by default (each flush forms its up-to-four-term sum in float64 and
-rounds once, so a round of N updates rounds N/4 times: relative error ~N/4 * 6e-8) or
-float64 on request; a few updates (``batch``, default 4) may be held by
-reference until they are folded in together, which halves-to-quarters the accumulator
-traffic. Callers must not mutate an update's arrays after handing them over.
-
-Each bitwidth group holds up to ``batch`` updates and folds them in the order of their
-``key`` (the device id), not of arrival, forming the up-to-four-term sum in float64
-before one rounding: a group of at most ``batch`` (<= 4) updates therefore sums to the
-same bits whatever order they arrived in (more updates: the same up to float rounding,
-about N/4 roundings).
+Memory is O(model size x distinct bitwidths), whatever the number of updates. The sums
+are float32 by default (float64 on request). Each bitwidth group holds up to ``batch``
+updates (default 4) by reference and folds them in the order of their ``key`` (the device
+id), not of arrival, forming their sum in float64 before one rounding: a group of at most
+``batch`` updates sums to the same bits whatever order they arrived in, and a round of N
+updates rounds about N/4 times (relative error ~N/4 · 6e-8). Callers must not mutate an
+update's arrays after handing them over.
 
 Encoded updates (:meth:`GroupSums.add_encoded`: per layer an ``add(acc, ω)`` that decodes
-a checked wire tensor into the sum, the codecs' fused ``decode_accumulate``) are held the
-same way (by reference: their payload bytes) and folded in the same key order with
-``edge_client.codecs.accumulate_many``: ``acc += ω·decode(t)`` per element, no decoded
-copy ever made, and ASYM / int 4- or 8-bit tensors four per pass over the accumulator.
+a checked wire tensor into the sum) are held the same way (their payload bytes) and folded
+in the same key order with ``edge_client.codecs.accumulate_many``: ``acc += ω·decode(t)``
+per element, no decoded copy, ASYM / int 4- or 8-bit tensors four per pass.
 """
 
 from __future__ import annotations

@@ -53,8 +53,8 @@ class Strategy:
     Params: ``weighted`` (FedAvg weights by ``num_samples``; False = unweighted, 1/N: the
     FedShift and ProWD papers' averaging, docs/algorithms.md §4),
     ``sigma_momentum`` (σ_g EMA, 0.9), ``acc_dtype`` ("float32" default | "float64"
-    running sums; float32 halves the accumulator traffic, measured 0.85x vs 0.59x of the
-    stacked-mean anchor for float64), ``batch`` (updates folded into the sums together, >= 1).
+    running sums; float32 halves the accumulator traffic:
+    docs/performance.md#codecs-and-the-coordinators-update-path), ``batch`` (updates folded into the sums together, >= 1).
     """
 
     def __init__(self, name: str, combiner: Combiner, mask: MaskStage | None = None,

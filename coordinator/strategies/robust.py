@@ -1,34 +1,18 @@
 """Robust aggregation: one device cannot drag the model where it likes.
 
 A :class:`RobustStrategy` is a :class:`~coordinator.strategies.base.Strategy` with two
-optional pre-aggregation steps, chosen with strategy parameters (``--strategy-param``,
-``[strategy_params]``), that compose with every mask and combiner:
+optional steps before the combiner, set as strategy parameters, composing with every mask
+and combiner:
 
-- ``clip = c`` (> 0): **update-norm clipping against the round's median norm**. Each
-  update's movement ``Δ_k = x_k - g`` (``x_k`` itself for ``delta`` updates), over all
-  layers, is scaled by ``s_k = min(1, c · median_j ‖Δ_j‖ / ‖Δ_k‖)``: an update may move the
-  model at most ``c`` times as far as the round's median update does, whatever it claims.
-- ``robust = "trimmed_mean" | "median"``: **coordinate-wise order statistics** of the
-  (clipped) updates ``g + s_k Δ_k``: per element, the mean of what is left after the
-  ``floor(trim · N)`` largest and smallest values are dropped (``trim`` in [0, 0.5)), or the
-  median. Each update counts once (``num_samples`` is what an attacker inflates; the
-  weights only share the result among bitwidth groups). Grouped combiners and masks get
-  one robust average per bitwidth group; the others one over all updates, which every
-  group then carries (so FedAvg, FedShift and FedPAQ see exactly the robust average).
+- ``clip = c`` (> 0): each update's movement ``Δ_k`` (all layers) is scaled by
+  ``min(1, c · median_j ‖Δ_j‖ / ‖Δ_k‖)``: no update moves the model more than ``c`` times
+  as far as the round's median update, whatever it claims;
+- ``robust = "trimmed_mean" | "median"``: per element, the mean after dropping the
+  ``floor(trim · N)`` largest and smallest values, or the median, each update counted once
+  (``num_samples`` is what an attacker inflates); per bitwidth group for grouped combiners.
 
-Memory. The plain strategy streams: O(model size) whatever the number of updates. Robust
-aggregation must see the whole round first:
-
-- ``clip`` alone holds each update as it arrived (its wire bytes, by reference: a 4-bit
-  update is 1/8 of its float32 size) plus one norm; at the round's end the updates are
-  folded through the usual fused path with their clipped weights: memory Σ (wire bytes)
-  + O(model), two decodes per update;
-- ``robust`` holds each update decoded, float32: ``4 · N · P`` bytes for N updates of P
-  parameters (``fedshift_cnn``, P = 2.1 M: 8.6 MB per update, 860 MB for 100), plus one
-  ``N × (largest layer)`` float32 matrix while it is sorted.
-
-With neither parameter set, ``build_strategy`` returns the plain streaming strategy: this
-module costs nothing then.
+Both need the whole round: ``clip`` alone holds each update's wire bytes, ``robust`` holds
+them decoded (float32, ``4 · P`` bytes each); docs/operations.md#robust-aggregation.
 """
 
 from __future__ import annotations
@@ -108,7 +92,8 @@ class RobustStrategy(Strategy):
 
     Params (beyond :class:`Strategy`'s): ``clip`` (c > 0, or 0: off), ``robust``
     (``none`` | ``trimmed_mean`` | ``median``), ``trim`` (fraction dropped at each end,
-    [0, 0.5)).
+    [0, 0.5)). With neither ``clip`` nor ``robust``, ``build_strategy`` returns the plain
+    streaming strategy instead.
     """
 
     #: the round's updates are held, not summed: no ingest workers

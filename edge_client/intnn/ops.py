@@ -103,7 +103,7 @@ class Workspace:
 @dataclass
 class Regularizer:
     """FedProx / FedFOR terms in integers (built by ``IntTrainer``; the derivation is in
-    :mod:`edge_client.trainers`). Per weight and step the update gets
+    docs/algorithms.md §1). Per weight and step the update gets
     ``stoch_round(((mu_q * (w - anchor)) << d_shift + alpha_q * g [g (w - anchor) > 0]) / 2^shift)``
     LSBs of the storage grid."""
 

@@ -388,7 +388,8 @@ def sgd_step(params: list, buffers: list, lr: float, momentum: float) -> None:
     """One step of SGD with momentum, as ``torch.optim.SGD`` computes it (dampening 0, no
     Nesterov, no weight decay; the same operations, so the same bits): ``b <- grad`` on the
     first step, then ``b <- momentum * b + grad``; ``p <- p - lr * b``. Written out because
-    constructing ``torch.optim.SGD`` imports ``torch._dynamo`` (~70 MB of RSS on a device)."""
+    constructing ``torch.optim.SGD`` imports ``torch._dynamo``, tens of MB of RSS on a device
+    (docs/performance.md#memory)."""
     for i, p in enumerate(params):
         g = p.grad
         if momentum:

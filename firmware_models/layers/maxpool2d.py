@@ -86,8 +86,8 @@ class MaxPool2d(SpecLayer):
         (before they become bytes: a quarter of the bytes to convert): pad (with the int32
         minimum) or crop to ``Ho*k x Wo*k``, then the elementwise ``Max`` of the k row slabs
         (``Split`` of ``[N, C, Ho, k, Wo*k]``), then of the k column slabs
-        (``[N, C, Ho, Wo, k]``); ONNX Runtime's byte ``MaxPool`` is a scalar loop, several
-        times slower, and its ``Max`` has no byte kernel before recent releases.
+        (``[N, C, Ho, Wo, k]``); ONNX Runtime's byte ``MaxPool`` is a scalar loop, and its
+        ``Max`` has no byte kernel before recent releases (docs/performance.md#onnx-export).
         Overlapping windows: ``MaxPool`` on bytes, or int32 ``Pad`` + strided ``Slice`` +
         ``Max`` (no integer MaxPool kernel is wider than 8 bits)."""
         from firmware_models.onnx_graph import INT32_MIN, Act

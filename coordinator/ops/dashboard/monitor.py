@@ -79,7 +79,7 @@ class DeviceView:
     quarantined: list[str] = field(default_factory=list)  # why, while it is quarantined (coordinator.defense)
 
     def as_dict(self) -> dict[str, Any]:
-        """A plain copy (``dataclasses.asdict`` without its deep copy: 10x faster)."""
+        """A plain copy (``dataclasses.asdict`` without its recursive deep copy, which these fields do not need)."""
         return {**vars(self), "refusals": dict(self.refusals), "notes": dict(self.notes),
                 "quarantined": list(self.quarantined)}
 

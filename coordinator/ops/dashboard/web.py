@@ -1,24 +1,18 @@
 """The dashboard: an aiohttp server in a thread of its own, watching a :class:`FleetMonitor`.
 
-Routes (GET only; anything else is a 404 or 405):
+Routes (GET only): ``/`` the page (``static/index.html``, charts drawn with the vendored
+uPlot); ``/static/...`` its script, style sheet and uPlot (MIT licence beside it);
+``/events`` server-sent events (``snapshot`` on connect and when a new run starts, then
+``update``: at once when a round completes, else at the next tick, every ``throttle_s``,
+after any change; a comment every 15 s keeps proxies from closing a quiet stream);
+``/api/state`` the picture as JSON (``?rounds=N``: the last N rounds); ``/metrics``
+Prometheus metrics (:mod:`~coordinator.ops.dashboard.metrics`).
 
-- ``/``: the page (``static/index.html``; charts drawn with the vendored uPlot);
-- ``/static/...``: its script, style sheet and uPlot (MIT licence beside it);
-- ``/events``: server-sent events: ``snapshot`` (everything) on connect and when a new
-  run starts, then ``update`` (the picture without rounds, plus the rounds completed since
-  the last message): at once when a round completes (it reaches the page within
-  milliseconds), else at the next tick (every ``throttle_s``) after any change; a comment
-  every 15 s keeps proxies from closing a quiet stream;
-- ``/api/state``: the picture as JSON (``?rounds=N``: only the last N rounds);
-- ``/metrics``: Prometheus metrics (:mod:`~coordinator.ops.dashboard.metrics`).
-
-The round loop never waits for it: the monitor's listener only schedules a wake-up of this
-thread's event loop. A bad request gets a 4xx (aiohttp's parser answers malformed HTTP
-with 400; an unknown path 404; a bad query 400; a wrong or missing password 401; a
-``Host`` header naming another site on an open loopback dashboard 421, against DNS
-rebinding; more than ``max_clients`` event streams 429); a handler's own failure is a 500
-of that request only. Beyond loopback it serves HTTPS and asks for the password
-(:mod:`~coordinator.ops.dashboard.access`).
+The round loop never waits for it: the monitor's listener only schedules a wake-up of
+this thread's event loop. A bad request gets a 4xx naming why (400, 401, 404, 405, 421 for
+a ``Host`` header naming another site on an open loopback dashboard, against DNS
+rebinding; 429 past ``max_clients`` streams); a handler's own failure is a 500 of that
+request only. Beyond loopback it serves HTTPS behind a password (:mod:`~coordinator.ops.dashboard.access`).
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """The dequantizer's settings, validated as a whole (:class:`DequantizerConfig`).
 
-Defaults are the issue's and the paper's (ProWD §4.2, appendix C): τ = 0.1, λ = 1, SGD with
-lr 0.01, batch 16 blocks, 5 epochs; the ladder of this fleet 6 → 8 → 12 → 16 → 32 (the
-paper's Table 2 ladder 2 → 4 → 8 → 16 → 32 is ``ladder="paper"``).
+Defaults follow the paper (ProWD §4.2, appendix C): τ = 0.1, λ = 1, SGD with lr 0.01,
+batch 16 blocks, 5 epochs; the ladder is this fleet's 6 → 8 → 12 → 16 → 32 (the paper's
+Table 2 ladder 2 → 4 → 8 → 16 → 32 is ``ladder="paper"``).
 """
 
 from __future__ import annotations

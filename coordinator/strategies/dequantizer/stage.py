@@ -1,40 +1,17 @@
 """``dequantize="prowd"``: the ProWD progressive weight dequantizer as a strategy stage.
 
-Per round (the strategy calls the hooks):
-
-- ``begin_round``: the round's global model joins the round's training models;
-- ``observe``: every decoded update; a float32 device's lossless weights join them (at
-  most ``models_per_round``);
-- ``__call__``: a low-bit device's ``weights`` update; each layer whose values sit on a
-  ladder rung's grid (``ladder.grid_precision``: ``int`` uplinks of Int6/Int8 devices at 8,
-  Int16 at 16, ternary at 2) goes through the last finished version's steps from that
-  rung up, when that version's held-out check passed for the layer and rung; every other
-  layer (and every update while no version is ready) passes through unchanged: plain
-  dequantization;
-- ``end_round``: the round's models join the pool (last ``pool_rounds`` rounds) and, every
-  ``train_every`` rounds, a new version is trained in a background thread while the next
-  rounds run. The version trained after round r is put in use at the end of round r +
-  ``train_every`` (waiting for it there if it has not finished; the next training starts
-  then) and applied from the round after, so which version a round applies never depends
-  on wall-clock time: the same seeds give the same run. With ``background = false`` it is
-  trained in the caller at the end of round r and applied from round r + 1.
-
-Held out: the most recent round's models (the pool's older rounds are trained on); with
-one round in the pool, its last model.
-
-``block = "slices"`` (``slices``, ``slicetrain``): the slice dequantizer trains on pairs
-(a float32 device's weights, the global model of its round) and, for ``context =
-"update"``, (an integer device's received weights, the global model it started from);
-with ``context = "global"`` the round's tables are compiled in a background thread when
-the round opens (``begin_round``), from the version then in use, for the entry rungs the
-last round's integer updates came in on, and an update is dequantized by a lookup (it
-waits for that compilation if it has not finished: ``dequantizer_wait_s``). A failure while training is logged, counted
-(``dequantizer_failures``) and leaves no version: the stage falls back to plain
-dequantization until a later training succeeds. The coordinator never sees the exception.
-
-The finished version (network, tables, held-out verdicts) is saved with the strategy's
-checkpoint and restored on ``--resume``; the pool of training weights is not (it refills
-in the rounds after a restart).
+The strategy calls its hooks each round. ``begin_round`` adds the round's global model to
+the training models; ``observe`` adds a float32 device's lossless weights (at most
+``models_per_round``); ``__call__`` takes a low-bit device's ``weights`` update and runs
+each layer whose values sit on a ladder rung's grid through the version in use, from that
+rung up, where its held-out check passed (any other layer, and any update while no
+version is ready, is plain dequantization); ``end_round`` pools the round's models and,
+every ``train_every`` rounds, starts training the next version in a background thread
+(``background = false``: in the caller). Which version a round applies depends on round
+numbers only, never on wall-clock time. A failed training is logged, counted
+(``dequantizer_failures``) and leaves no version; the coordinator never sees the
+exception. The version in use is saved with the strategy's checkpoint. The schedule,
+held-out set and slice tables: docs/algorithms.md §4.
 """
 
 from __future__ import annotations

@@ -172,8 +172,8 @@ def quantize_inputs_nhwc(xq, out):
 def _transpose_fours(a, a_t, f0, f1):
     """a_t[f, :N4] = a[:, f] (zero past N) for f0 <= f < f1, four samples a 32-bit word:
     each word from four rows of a read along f (a [N, F] int8, a_t [F, L] int8 with L a
-    multiple of 4); a byte at a time down a's columns is ~6x slower
-    (docs/performance.md#the-kernels)."""
+    multiple of 4); reading a byte at a time down a's columns is several times slower
+    (docs/performance.md#several-cores)."""
     n_s = a.shape[0]
     n_f = a.shape[1]
     af = a.reshape(-1).view(np.uint8)
