@@ -113,7 +113,7 @@ class Collector:
         self.clock = Stopwatch()
         #: most messages handled before they go to the committer, which syncs every batch
         #: queued since its last sync at once (group commit). Small batches let the sync
-        #: of one overlap the decoding of the next (fedshift_cnn bursts: 8 -> ~1.1x of 64)
+        #: of one overlap the decoding of the next (docs/performance.md#codecs-and-the-coordinators-update-path)
         self.batch_max = 8
         #: appends the accepted updates to the inbox, syncs, then acks, in two background
         #: threads while ``pump`` goes on (the append's checksum and write release the GIL)

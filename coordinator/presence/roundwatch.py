@@ -5,8 +5,8 @@ round's id, sent at once: ``edge_client.session.RoundAck``). A selected device t
 acknowledged an earlier round but not this one within ``ack_timeout_s`` of the
 announcement is *silent*: alive for the broker, perhaps, but not at work; the collector
 takes it for gone (a straggler at once, :meth:`Collector.device_gone`) instead of holding
-the round to its deadline. A device that never acknowledged a round (an older version, an
-emulated fleet) is waited for as before.
+the round to its deadline. A device that never acknowledged a round (an older SDK, an
+emulated fleet) is waited for until the round's deadline.
 """
 
 from __future__ import annotations

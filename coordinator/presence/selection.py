@@ -4,8 +4,8 @@ eligible devices, drawn with the run's seeded selection RNG (:func:`draw`).
 *Present*: said hello (or registered in bulk) and online by the broker's last word;
 *eligible*: present and not quarantined (:mod:`coordinator.defense.reputation`; a revoked
 device is taken offline before, :meth:`Collector.drop_revoked`). Without quarantined
-devices the draw is the one it always was (the same RNG calls, so a resumed run selects
-like an uninterrupted one); with ``q`` of them present, ``k + q`` are drawn in random order
+devices the draw is a plain seeded sample of the present (the same RNG calls whatever the
+defense, so a resumed run selects like an uninterrupted one); with ``q`` of them present, ``k + q`` are drawn in random order
 and the first ``k`` eligible kept: a uniform draw among the eligible, without listing them.
 """
 
