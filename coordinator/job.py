@@ -2,35 +2,13 @@
 that override it, and :class:`ServeJob`, what the command runs.
 
 The file follows the conventions of :mod:`coordinator.config` (unknown keys are errors
-naming the file and the key; ``examples/job.toml`` shows every section)::
-
-    job = "farm"                # topic prefix fedbit/<job>/
-    model = "digits_cnn"        # a bundled model, or a model file (my_cnn.toml / my_cnn.py)
-    rounds = 20
-    strategy = "fedshift"
-    seed = 0
-    out = "runs/farm"           # run directory: checkpoint, inbox, metrics.jsonl
-    eval_data = "digits:test"   # held-out set: a data source (fashion-mnist:test, a folder: its test split)
-    on_collapse = "rollback"    # a collapsed aggregate (coordinator.health): rollback | log
-    [strategy_params]           # build_strategy(strategy, **strategy_params)
-    [train]                     # announced to devices (edge_client.hparams), over epochs = 1, batch = 32
-    [round]                     # fraction, min_devices, max_devices, min_present, quorum,
-                                # min_updates, timeout_s, presence_timeout_s, ack_timeout_s
-    [broker]                    # url (an external broker) or the embedded one: embedded,
-                                # port, listen, security, security_dir, hostnames; the
-                                # connection: credentials, mqtt_version, username,
-                                # password_file, ca, cert, key, insecure
-    [admission]                 # max_samples, samples_policy, allow_uncapped, max_registered,
-                                # hello_rate, hello_burst
-    [limits]                    # max_payload_bytes, max_abs_value
-    [log]                       # json, level, quiet
-    [dashboard]                 # listen ([HOST:]PORT; empty: none), password_file
-    [defense]                   # norm_bound, sample_bound, hold, strikes, window
-                                # (coordinator.defense.config)
-    [privacy]                   # secure_aggregation, mechanism, clip, noise_multiplier,
-                                # target_epsilon, delta, ... (coordinator.privacy.config)
-    [ingest]                    # workers: processes that take the updates (shared
-                                # subscription; coordinator.ingest_workers), 0: none
+naming the file and the key): top-level ``job``, ``model``, ``rounds``, ``strategy``,
+``seed``, ``out``, ``eval_data``, ``resume``, ``on_collapse`` (:class:`JobSettings`) and the
+sections ``[strategy_params]``, ``[train]``, ``[round]``, ``[broker]``, ``[admission]``,
+``[limits]``, ``[log]``, ``[dashboard]``, ``[defense]``, ``[privacy]``, ``[ingest]``, each a
+dataclass of this module or of the package that owns it (:data:`SCHEMA`);
+``examples/job.toml`` shows every key and docs/operations.md#fedbit-serve-with-a-job-file
+says what each section does.
 
 Every flag of ``fedbit serve`` sets one of these keys (:data:`FLAGS`; ``--set KEY=VALUE``
 sets any), so a flag and the file never disagree about a default: defaults come from

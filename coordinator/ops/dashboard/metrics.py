@@ -3,29 +3,8 @@
 A custom collector of ``prometheus_client``: the metrics are made from
 :meth:`FleetMonitor.snapshot` when scraped (nothing on the round loop's path), into a
 registry of the dashboard's own (no global state). Names follow Prometheus' conventions
-(base units, ``_total`` for counters, ``_ratio`` for 0..1):
-
-=========================================  =========  =========================================
-``fedbit_rounds_completed_total``          counter    rounds aggregated and checkpointed
-``fedbit_rounds_planned``                  gauge      rounds the job runs
-``fedbit_round``                           gauge      the round in progress (or last closed)
-``fedbit_round_selected_devices``          gauge      devices selected in it
-``fedbit_round_received_updates``          gauge      updates accepted in it so far
-``fedbit_updates_accepted_total``          counter    accepted updates
-``fedbit_updates_rejected_total``          counter    refused messages, label ``reason``
-``fedbit_messages_dropped_total``          counter    late or repeated messages, label ``reason``
-``fedbit_stragglers_total``                counter    selected devices past a round's deadline
-``fedbit_uplink_bytes_total``              counter    accepted update bytes, label ``codec``
-``fedbit_accuracy_ratio``                  gauge      last round's test accuracy, label ``group``
-``fedbit_loss``                            gauge      last round's test loss, label ``group``
-``fedbit_privacy_epsilon``                 gauge      ε spent so far at the job's δ (DP jobs), label ``delta``
-``fedbit_devices_online``                  gauge      devices online with a hello
-``fedbit_devices_known``                   gauge      devices that said hello
-``fedbit_devices_quarantined``             gauge      devices quarantined (coordinator.defense)
-``fedbit_alerts_total``                    counter    operator alerts (rounds rolled back whole in a row)
-``fedbit_device_wait_seconds_total``       counter    time rounds waited for devices
-``fedbit_round_duration_seconds``          histogram  round time (the wait for devices apart)
-=========================================  =========================================
+(base units, ``_total`` for counters, ``_ratio`` for 0..1), every metric has a ``job``
+label; the list: docs/operations.md#watching-a-job-the-dashboard-metrics-fedbit-status.
 
 Counters count from the start of the run directory (a resumed run continues them) and
 move at least once per round: the completed rounds' exact counts, plus the refusals the

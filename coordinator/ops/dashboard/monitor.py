@@ -2,28 +2,18 @@
 
 :class:`FleetMonitor` is an ``on_event`` callback of the
 :class:`~coordinator.server.Coordinator` (``round_start``, ``update``, ``reject``,
-``device``, ``round_end``, ``waiting``). It keeps
-
-- ``devices``: every device the coordinator accepted a hello from: profile, model
-  variant, declared uplink codec, online or not, last seen (Unix s), its last accepted
-  update (round, bytes, codec), refusals by reason and notes (``clipped_num_samples``),
-  why it is quarantined (``quarantine`` events; ``quarantined`` lists them all);
-- ``alerts``: the operator alerts (``alert`` events: rounds rolled back whole in a row);
-- ``current``: the round in progress: number, phase (``waiting`` for devices,
-  ``collecting``, ``closed``), selected, received, deadline (Unix s), the selected devices
-  gone before answering (``gone``: id -> why) and, in a snapshot, those still outstanding;
-- ``rounds``: one compact record per completed round (accuracy per bitwidth group,
-  updates, stragglers, round and wait seconds, uplink bytes by codec, refusal counts);
-- ``totals``: updates accepted, refusals by counter (``rejected_<reason>``,
-  ``dropped_<reason>``, ``stragglers``, ...), uplink bytes by codec and seconds waited
-  for devices: the completed rounds' exact figures plus what the open round logged so far.
+``device``, ``round_end``, ``waiting``, ...). It keeps ``devices`` (every device with an
+accepted hello: profile, variant, codec, online, last seen, last update, refusals, why it
+is quarantined), ``alerts``, ``current`` (the round in progress: phase, selected,
+received, deadline, the devices gone and, in a snapshot, those outstanding), ``rounds``
+(one compact record per completed round) and ``totals`` (accepted updates, refusals by
+counter, uplink bytes by codec, seconds waited: the completed rounds' exact figures plus
+what the open round logged so far). Times are Unix seconds.
 
 Per event the round loop pays a few dict updates under a lock and one call per listener
-(which must not block: the dashboard schedules a wake-up of its own thread). Copies and
-JSON are made by the readers (:meth:`snapshot`, in their own threads).
-
-:class:`LiveFile` writes the picture (without the rounds, which ``metrics.jsonl`` holds)
-to ``RUN_DIR/live.json`` at most once a second from its own thread, for ``fedbit status``.
+(which must not block); copies and JSON are made by the readers (:meth:`snapshot`, in
+their own threads). :class:`LiveFile` writes the picture without the rounds to
+``RUN_DIR/live.json`` at most once a second from its own thread, for ``fedbit status``.
 """
 
 from __future__ import annotations
