@@ -39,6 +39,8 @@ CASES = [  # (experiment, the sweep's value per dimension, case label)
 def one_combination(name: str, pick: dict[str, str], quick: bool):
     """The experiment's config cut to one combination and seed 0 (quick: its digits form)."""
     sys.path.insert(0, str(ROOT / "experiments"))
+    from dataclasses import replace
+
     from run_all import quick_config
 
     from coordinator.emulation.config import expand_sweep, load_config
@@ -52,7 +54,7 @@ def one_combination(name: str, pick: dict[str, str], quick: bool):
         cfg.rounds = 3
     (_, c), = expand_sweep(cfg)
     clocks = json.loads((ROOT / "benchmarks" / "results" / "experiments" / "clock.json").read_text())["models"]
-    c.clock = {"seconds_per_sample": dict(clocks[c.model])}
+    c.clock = replace(c.clock, seconds_per_sample=dict(clocks[c.model]))
     return c
 
 

@@ -8,6 +8,7 @@ under Python 3.9, where the coordinator does not import.
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 from collections.abc import Iterator
@@ -118,3 +119,16 @@ def fashion_mnist() -> str:
             pytest.fail(f"CI=true: {msg}")
         pytest.skip(msg)
     return FASHION_MNIST_DIR
+
+
+@pytest.fixture(autouse=True)
+def _fedbit_logger_restored() -> Iterator[None]:
+    """A test that runs a command in-process configures the ``fedbit`` logger tree (its
+    level, handler, propagation: ``edge_client.logs.setup_logging``); put it back after
+    the test, so that a later test's ``caplog`` sees every record of every level."""
+    log = logging.getLogger("fedbit")
+    level, handlers, propagate = log.level, list(log.handlers), log.propagate
+    yield
+    log.setLevel(level)
+    log.handlers[:] = handlers
+    log.propagate = propagate
