@@ -262,7 +262,7 @@ def socket_free(workdir: Path, rows: list[tuple[str, str, str]], sec_dir: Path, 
 def run_fleet(n: int, k: int, workers: int, args: argparse.Namespace, work: Path) -> dict:
     """One fleet of ``n`` devices, ``k`` selected per round, ``workers`` ingest workers
     (see the module docstring)."""
-    from coordinator.ops.broker import free_port
+    from coordinator.ops.broker import free_port, wait_for_port
 
     port = free_port()
     url = f"mqtt://127.0.0.1:{port}"
@@ -285,6 +285,13 @@ def run_fleet(n: int, k: int, workers: int, args: argparse.Namespace, work: Path
     threading.Thread(target=lambda: serve_out.extend(serve.stdout), daemon=True).start()
     sampler = CpuSampler(serve.pid)
     sampler.start()
+    # devices that dial before the embedded broker listens are refused and give up: start
+    # them once it does (a loaded machine may take seconds to start ``fedbit serve``)
+    if not wait_for_port("127.0.0.1", port, timeout=120) or serve.poll() is not None:
+        serve.kill()
+        serve.wait()
+        sampler.stop.set()
+        raise RuntimeError(f"fedbit serve never listened on {port}: {''.join(serve_out)[-3000:]}")
     procs, per = [], -(-n // args.procs)
     for p in range(args.procs):
         first = p * per
@@ -300,7 +307,18 @@ def run_fleet(n: int, k: int, workers: int, args: argparse.Namespace, work: Path
                                       process_group=0))
     sampler.load = [pr.pid for pr in procs]
     try:
-        serve.wait(timeout=args.max_seconds)
+        end = time.monotonic() + args.max_seconds
+        while serve.poll() is None:
+            if time.monotonic() > end:
+                raise subprocess.TimeoutExpired(cmd, args.max_seconds)
+            if all(pr.poll() is not None for pr in procs):  # no device left: serve would wait
+                try:  # for its --min-present until --max-seconds
+                    serve.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    errors = [e for p in range(len(procs)) if (work / f"stats{p}.json").is_file()
+                              for e in json.loads((work / f"stats{p}.json").read_text())["errors"]]
+                    raise RuntimeError(f"the load processes ended, fedbit serve did not: {errors[:3]}") from None
+            time.sleep(0.2)
         for pr in procs:
             pr.wait(timeout=120)
     finally:
