@@ -2,8 +2,8 @@
 
 ``mosquitto`` tests skip with a visible reason when the binary is not on PATH, except
 under ``CI=true`` where a missing mosquitto is a failure. The coordinator is imported by
-the fixtures that need it, not here: the device-side subset (tests/device_tests.txt) runs
-under Python 3.9, where the coordinator does not import.
+the fixtures that need it, not here: the device-side subset (``pytest -m device``, marked
+here from tests/device_tests.txt) runs under Python 3.9, where the coordinator does not import.
 """
 
 from __future__ import annotations
@@ -23,6 +23,18 @@ os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
 
 if TYPE_CHECKING:
     from coordinator.ops.broker import AmqttBroker, MosquittoBroker
+
+
+@pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects by marker
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark the device-side subset ``device``: the tests of the modules
+    tests/device_tests.txt lists, except those marked ``host`` (``pytest -m device``)."""
+    from device_subset import is_device_test, read_manifest
+
+    selection = read_manifest()
+    for item in items:
+        if is_device_test(item.nodeid, item.get_closest_marker("host") is not None, selection):
+            item.add_marker(pytest.mark.device)
 
 
 @pytest.fixture(scope="session")
