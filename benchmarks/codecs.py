@@ -11,7 +11,7 @@ reused float32 buffer) and ``decode_accumulate_ms`` (``acc += w * decode(t)``, f
 ``acc``), against the memory floor measured in the same run: ``np.add(acc, x, out=acc)``
 over a ready float32 array of the same size.
 
-Times are the best of 7 rounds (3 with ``--quick``) in which every case of both data
+Times are the best of 7 rounds (1 with ``--quick``) in which every case of both data
 kinds runs once, in turn (see :func:`interleaved_best_ms`). Prints one JSON line per result
 (docs/architecture.md#benchmarks).
 """
@@ -103,7 +103,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="CI mode: sklearn 8-bit on a 100k subsample")
     args = ap.parse_args()
-    rounds = 3 if args.quick else 7
+    rounds = 1 if args.quick else 7
     xs = {kind: data(kind, N) for kind in ("gauss", "heavy")}
     tensors, best = time_cases(xs, rounds)
     floor_name = "np.add(acc, x, out=acc) float32 (memory floor)"

@@ -294,7 +294,7 @@ def main() -> None:
     if not args.quick:
         report_l1(run, split, base | {"context": "update"}, "paper's form (context=update)", ints=True)
     time_epoch(run, split, deq, version, 1 if args.quick else 2)
-    time_apply(deq, version, run, 5 if args.quick else 15)
+    time_apply(deq, version, run, 1 if args.quick else 15)
     if args.sweep:
         sweep(run, split, base)
 

@@ -9,7 +9,7 @@
    appends, one sync per batch and the acks run in the persist and committer threads
    while the loop decodes the next batch), one update at a time (one sync each), and the
    burst without fsync (what durability costs). The floor and the three cases are timed
-   in interleaved passes (5; 3 with ``--quick``), the best pass of each kept. The first
+   in interleaved passes (5; 1 with ``--quick``), the best pass of each kept. The first
    line also carries the milliseconds per update of each stage (validate; decode +
    aggregate, one update per pass; persist = append + one sync per update; finish() per
    update; measured one stage at a time, so without the overlap of the threads).
@@ -179,7 +179,7 @@ def per_update(quick: bool, workdir: Path) -> None:
     # of the floor and of every case, not all passes of one), best pass of each kept
     floor_best = float("inf")
     best = [float("inf")] * len(cases)
-    for _rep in range(3 if quick else 5):
+    for _rep in range(1 if quick else 5):
         floor_best = min(floor_best, floor_pass())
         for k, ((_, _, burst), co) in enumerate(zip(cases, coords, strict=True)):
             co.state.inbox_prune(10)
