@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -58,6 +59,31 @@ def need_tool(name: str, install: str) -> str:
             pytest.fail(f"CI=true: {msg}")
         pytest.skip(msg)
     return path
+
+
+def wait_for(cond, timeout: float, what: str, step: float = 0.05):
+    """Poll ``cond()`` every ``step`` s until it is truthy and return its value;
+    ``AssertionError`` naming ``what`` after ``timeout`` s."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        v = cond()
+        if v:
+            return v
+        time.sleep(step)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread() -> Iterator[None]:
+    """torch on one thread for a module's tests (``pytestmark = pytest.mark.usefixtures(
+    "one_torch_thread")``): bit-reproducible float training, and tiny networks spend
+    no time in a thread pool on a shared 2-core machine. The thread count is restored."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="session")

@@ -33,13 +33,7 @@ torch = pytest.importorskip("torch")
 DIGITS = get_spec("digits_cnn")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """These networks are tiny: torch's thread pool only costs time on a shared machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")

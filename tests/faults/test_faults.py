@@ -17,7 +17,8 @@ import random
 from pathlib import Path
 
 import pytest
-from scenario import DEVICES, Run, report, trials, wait_for
+from conftest import wait_for
+from scenario import DEVICES, Run, report, trials
 
 from coordinator.ops.broker import MosquittoBroker
 from coordinator.state import RunState
