@@ -15,7 +15,8 @@ are listed, with the reason, in the update's ``not_applied`` (and logged here).
 The update is written to the outbox first and marked sent once the broker acknowledged it;
 what is still pending is re-sent after a reconnect while the round is open, a sent update
 once more when its round is announced again (a resumed coordinator, a broker back without
-its retained messages), and both are discarded when the round closes.
+its retained messages), and both are discarded when the round closes. A buffered
+announcement asks for one update per ticket instead (``edge_client.assignment``).
 
 Nothing here imports torch (a float device's trainer imports it lazily) or ``coordinator``.
 """
@@ -37,6 +38,7 @@ from typing import Any
 import numpy as np
 
 from edge_client import __version__
+from edge_client.assignment import RefusalLog, never_counts, outbox_kept, still_counts, work_number
 from edge_client.compat import zip_strict
 from edge_client.errors import CodecError, ConfigError, ProtocolError, TrainingError
 from edge_client.hparams import RoundSettings, not_applied_level, round_settings
@@ -287,6 +289,7 @@ class DeviceRuntime:
         #: the open round was announced again (a resumed coordinator, a broker that lost its
         #: retained messages, a reconnect): its sent update goes out once more
         self._announced_again = False
+        self.refusals = RefusalLog(cfg.device_id, self.log)
         j, d = cfg.job, cfg.device_id
         self.t_presence = topic(j, "presence", d)
         self.t_hello = topic(j, "hello", d)
@@ -390,10 +393,15 @@ class DeviceRuntime:
         if isinstance(m, RoundAnnouncement) and kind == "round":
             prev = self.announcement
             same_run = prev is not None and prev.hparams.get("run") == m.hparams.get("run")
-            self._announced_again |= same_run and prev.round_id == m.round_id
             self.announcement = m
             self.coordinator_active = True
-            n = self.outbox.discard_closed(m.round_id, keep_newer=same_run)
+            if m.mode == "buffered":
+                self.refusals.note(m, self.last_done)
+                same_run = m.hparams.get("run") == (prev.hparams.get("run") if prev else self.run_token)
+            else:
+                self._announced_again |= same_run and prev.round_id == m.round_id
+            kept, newer = outbox_kept(m, same_run)
+            n = self.outbox.discard_closed(kept, keep_newer=newer)
             if n:
                 self.log.info("discarded %d outbox item(s) of closed rounds", n)
         elif isinstance(m, ModelMessage) and kind == "model" and ident == m.variant:
@@ -410,9 +418,6 @@ class DeviceRuntime:
                 return True
         return False
 
-    def _round_open(self, round_id: int) -> bool:
-        a = self.announcement
-        return a is not None and a.round_id == round_id and time.time() < a.deadline
 
     def _flush_outbox(self, again: bool = False) -> None:
         """Re-send pending updates of the open round (and, ``again``, the sent ones: the
@@ -420,10 +425,8 @@ class DeviceRuntime:
         t = self.transport
         assert t is not None
         for item in self.outbox.pending() + (self.outbox.sent() if again else []):
-            if not self._round_open(item.round_id):
-                if self.announcement is not None and (
-                        item.round_id < self.announcement.round_id
-                        or time.time() >= self.announcement.deadline):
+            if not still_counts(self.announcement, item.round_id):
+                if never_counts(self.announcement, item.round_id):
                     self.outbox.remove(item)
                 continue
             if t.publish(item.topic, item.payload(), qos=1, timeout=self.cfg.publish_timeout_s):
@@ -438,7 +441,8 @@ class DeviceRuntime:
         run = str(a.hparams.get("run", ""))
         if run != self.run_token:  # a new coordinator run: round ids start again
             self.run_token, self.last_done = run, -1
-        if a.round_id <= self.last_done or time.time() >= a.deadline:
+        ticket = work_number(a, self.cfg.device_id)
+        if ticket <= self.last_done or time.time() >= a.deadline:
             return
         m = self.models.get(self.variant)
         want = a.variants.get(self.variant)
@@ -456,9 +460,9 @@ class DeviceRuntime:
                              a.round_id, exc)
             self.models.pop(self.variant, None)
             return
-        self.last_done = a.round_id
+        self.last_done = ticket
         self.rounds_done.append(a.round_id)
-        self._save_last_done(a.round_id)
+        self._save_last_done(ticket)
         item = self.outbox.put(a.round_id, self.t_update, payload)
         t = self.transport
         assert t is not None
@@ -572,7 +576,7 @@ class DeviceRuntime:
                      num_samples=int(len(self.data.y)), compute_bits=self.cfg.compute_bits,
                      content=st.content, tensors=tensors, model_digest=m.digest,
                      train_loss=loss if math.isfinite(loss) else 0.0, train_seconds=secs,
-                     not_applied=not_applied)
+                     not_applied=not_applied, ticket=work_number(a, self.cfg.device_id) if a.mode == "buffered" else 0)
         return encode_message(upd, self.cfg.limits)
 
     def _codec_options(self, st: RoundSettings, m: ModelMessage, round_id: int,
