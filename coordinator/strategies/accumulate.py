@@ -76,6 +76,13 @@ class GroupSums:
         if len(held) >= self.batch:
             self._fold(bits)
 
+    def add_base(self, bits: int, omega: float) -> None:
+        """Weight ``omega`` of the round's model in group ``bits`` (counted as a delta of
+        zero: its base is added at :meth:`flush_base`): the rest of a damped update's
+        weight. The group must have an update."""
+        self.total[bits] += omega
+        self.delta_weight[bits] += omega
+
     def flush(self) -> None:
         """Fold every group's held updates into its sums."""
         for bits in sorted(self._pending):

@@ -128,8 +128,11 @@ class Strategy:
             # an integer device's own integers q: q / 2^(s_g - 1) in the shared domain
             adders.append(add.scaled(unit_value(t, update.compute_bits))
                           if t.dtype in INTEGER_DTYPES else add)
-        self._sums.add_encoded(int(update.compute_bits), adders, self._omega(update),
+        omega = self._omega(update)
+        self._sums.add_encoded(int(update.compute_bits), adders, omega * update.scale,
                                update.kind == "delta", key=update.device_id)
+        if update.scale != 1.0:
+            self._sums.add_base(int(update.compute_bits), omega * (1.0 - update.scale))
         self._count(update)
 
     def accept(self, update: ClientUpdate) -> None:
@@ -191,8 +194,11 @@ class Strategy:
             if mapped is not update:
                 update = mapped
                 flat = self._finite_layers(update)
-        self._sums.add(int(update.compute_bits), flat, self._omega(update), update.kind == "delta",
+        omega = self._omega(update)
+        self._sums.add(int(update.compute_bits), flat, omega * update.scale, update.kind == "delta",
                        key=update.device_id)
+        if update.scale != 1.0:
+            self._sums.add_base(int(update.compute_bits), omega * (1.0 - update.scale))
         self._count(update)
 
     def _count(self, update: ClientUpdate | EncodedUpdate) -> None:

@@ -27,6 +27,10 @@ class ClientUpdate:
       when each tensor came through a codec with ``finite_output``, whose decode verified
       it); the strategy then skips its own NaN/Inf pass instead of reading the update
       twice. Left False, the strategy checks.
+    - ``scale``: how much of its movement from the round's model counts: it weighs
+      ``ω·scale`` and the round's model the rest, ``ω·(1 - scale)``, so it contributes the
+      model plus ``scale`` times its step (buffered mode: the staleness weight times the
+      server learning rate; 1: the update as it is).
     """
 
     device_id: str
@@ -37,6 +41,7 @@ class ClientUpdate:
     lossy: bool = False
     sigma_loc: list[float] | None = None
     finite: bool = False
+    scale: float = 1.0
 
     @property
     def inferior(self) -> bool:
@@ -64,6 +69,7 @@ class EncodedUpdate:
     lossy: bool = False
     sigma_loc: list[float] | None = None
     not_applied: dict[str, str] = field(default_factory=dict)
+    scale: float = 1.0
 
     @property
     def inferior(self) -> bool:
