@@ -237,6 +237,24 @@ class Collector:
         self.log.warning("rejected %s from %r: %s (%s)", kind, device_id, exc.reason, exc.detail,
                          extra={"event": "reject", **fields})
 
+    def await_present(self, need: int, timeout_s: float) -> bool:
+        """Handle messages until ``need`` devices are present (a ``waiting`` event every 5 s
+        while there are fewer), for at most ``timeout_s``; whether they are."""
+        end = time.monotonic() + timeout_s
+        last_note = 0.0
+        waited = False
+        while len(self.devices.present()) < need:
+            waited = True
+            if time.monotonic() >= end:
+                return False
+            if time.monotonic() - last_note > 5:
+                last_note = time.monotonic()
+                self.on_event("waiting", {"present": len(self.devices.present()), "need": need})
+            self.pump(min(end, time.monotonic() + 0.5))
+        if waited:  # let hellos that arrive together settle
+            self.pump(time.monotonic() + 0.05)
+        return True
+
     def pump(self, until: float, stop: Callable[[], bool] = lambda: False) -> None:
         """Handle messages until ``time.monotonic() >= until`` or ``stop()``.
 

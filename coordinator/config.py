@@ -23,11 +23,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from coordinator.buffered.settings import BufferedSettings, buffered_conflict
 from coordinator.ops.admission import AdmissionConfig
 from coordinator.strategies.round import RoundStrategy
 from edge_client.errors import ConfigError
 from edge_client.hparams import validate_hparams
-from edge_client.protocol import DEFAULT_LIMITS, Limits
+from edge_client.protocol import DEFAULT_LIMITS, ROUND_MODES, Limits
 
 #: a key's accepted type(s) and default
 KeySpec = tuple[type | tuple[type, ...], Any]
@@ -165,7 +166,10 @@ class ServerConfig:
     - ``admission``: enrolment, the ``num_samples`` bound, hello rates, registry size
       (:class:`~coordinator.ops.admission.AdmissionConfig`);
     - ``on_collapse``: what a collapsed aggregate does (:mod:`coordinator.health`):
-      ``rollback`` to the last healthy model, or ``log`` it and keep it.
+      ``rollback`` to the last healthy model, or ``log`` it and keep it;
+    - ``mode``: ``sync`` (rounds) or ``buffered`` (``coordinator.buffered``: ``rounds``
+      buffer applications, ``buffered`` its settings; ``fraction``, ``quorum`` and
+      ``min_updates`` unused, ``round_timeout_s`` bounds how long a request is held).
     """
 
     job: str = "default"
@@ -186,6 +190,8 @@ class ServerConfig:
     limits: Limits = DEFAULT_LIMITS
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     on_collapse: str = "rollback"
+    mode: str = "sync"
+    buffered: BufferedSettings = field(default_factory=BufferedSettings)
 
     def validate(self, strategy: RoundStrategy | None = None) -> None:
         """ConfigError naming the first bad setting; with ``strategy``, also a configured
@@ -210,5 +216,15 @@ class ServerConfig:
             raise ConfigError(f"on_collapse: {self.on_collapse!r} is not one of {list(ON_COLLAPSE)}")
         self.admission.validate()
         validate_hparams(self.hparams)
+        if self.mode not in ROUND_MODES:
+            raise ConfigError(f"round.mode: {self.mode!r} is not one of {sorted(ROUND_MODES)}")
+        if self.mode == "buffered":
+            self.buffered.validate()
+            why = buffered_conflict(self.strategy, self.strategy_params)
+            if why:
+                raise ConfigError(f"strategy {self.strategy!r} cannot run with round.mode = \"buffered\": {why}")
+            if self.hparams.get("content", "delta") != "delta":
+                raise ConfigError("train.content: buffered mode needs updates relative to the version each "
+                                  f"device started from (\"delta\"), got {self.hparams['content']!r}")
         if strategy is not None:
             strategy.device_hparams(self.hparams)

@@ -87,6 +87,18 @@ class OpenRound:
     selected: frozenset[str]
     accepted: dict[str, float] = field(default_factory=dict)
 
+    def admit(self, m: Update, completed: int) -> None:
+        """Steps 5-7 for a parsed update (``completed``: the last closed round); raises
+        :class:`Rejected`. (A buffered window has rules of its own: ``coordinator.buffered``.)"""
+        if m.round_id <= completed:
+            raise Rejected("late", f"round {m.round_id} is closed (current {self.round_id})", dropped=True)
+        if m.round_id != self.round_id:
+            raise Rejected("wrong_round", f"round {m.round_id} is not open (current {self.round_id})")
+        if m.device_id not in self.selected:
+            raise Rejected("not_selected", f"{m.device_id} is not selected in round {self.round_id}")
+        if m.device_id in self.accepted:
+            raise Rejected("duplicate", f"round {self.round_id} already counted", dropped=True)
+
 
 class Ingest:
     """Checks received messages against the model and the open round.
@@ -128,15 +140,11 @@ class Ingest:
         if not isinstance(m, Update):
             raise Rejected("wrong_kind", f"{m.KIND} on an update topic")
         _check_identity(m, device_id)
-        current = rnd.round_id if rnd is not None else None
-        if m.round_id <= completed:
-            raise Rejected("late", f"round {m.round_id} is closed (current {current})", dropped=True)
-        if rnd is None or m.round_id != rnd.round_id:
-            raise Rejected("wrong_round", f"round {m.round_id} is not open (current {current})")
-        if m.device_id not in rnd.selected:
-            raise Rejected("not_selected", f"{m.device_id} is not selected in round {rnd.round_id}")
-        if m.device_id in rnd.accepted:
-            raise Rejected("duplicate", f"round {rnd.round_id} already counted", dropped=True)
+        if rnd is None:
+            if m.round_id <= completed:
+                raise Rejected("late", f"round {m.round_id} is closed (current None)", dropped=True)
+            raise Rejected("wrong_round", f"round {m.round_id} is not open (current None)")
+        rnd.admit(m, completed)
         try:
             eu = self.encoded(m)
         except ProtocolError as exc:

@@ -15,7 +15,9 @@ naming the file and the key; ``examples/job.toml`` shows every section)::
     [strategy_params]           # build_strategy(strategy, **strategy_params)
     [train]                     # announced to devices (edge_client.hparams), over epochs = 1, batch = 32
     [round]                     # fraction, min_devices, max_devices, min_present, quorum,
-                                # min_updates, timeout_s, presence_timeout_s
+                                # min_updates, timeout_s, presence_timeout_s; mode = "sync" |
+                                # "buffered" (coordinator.buffered) with buffer_size,
+                                # concurrency, server_lr, max_staleness, staleness
     [broker]                    # url (an external broker) or the embedded one: embedded,
                                 # port, listen, security, security_dir, hostnames; the
                                 # connection: credentials, mqtt_version, username,
@@ -29,7 +31,8 @@ naming the file and the key; ``examples/job.toml`` shows every section)::
 Every flag of ``fedbit serve`` sets one of these keys (:data:`FLAGS`; ``--set KEY=VALUE``
 sets any), so a flag and the file never disagree about a default: defaults come from
 :class:`~coordinator.config.ServerConfig`, :class:`~coordinator.ops.admission.AdmissionConfig`
-and ``edge_client.protocol.Limits``.
+and ``edge_client.protocol.Limits``. :func:`coordinator_for` makes the loop of
+``round.mode`` (``fedbit serve``'s and the emulator's).
 """
 
 from __future__ import annotations
@@ -40,6 +43,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from coordinator.buffered.loop import BufferedCoordinator
+from coordinator.buffered.settings import BufferedSettings
 from coordinator.config import (
     DEFAULT_HPARAMS,
     NUMBER,
@@ -51,10 +56,13 @@ from coordinator.config import (
 )
 from coordinator.ops.admission import AdmissionConfig
 from coordinator.ops.dashboard.access import parse_address
+from coordinator.server import Coordinator
 from edge_client.errors import ConfigError
 from edge_client.protocol import DEFAULT_LIMITS
 from firmware_models import MODELS
 
+#: ``round.mode`` -> its loop (each takes :class:`~coordinator.server.Coordinator`'s arguments)
+LOOPS: dict[str, type[Coordinator]] = {"sync": Coordinator, "buffered": BufferedCoordinator}
 EMBEDDED_KINDS = ("auto", "mosquitto", "amqtt")
 SECURITY_MODES = ("auto", "none", "password", "tls")
 MQTT_VERSIONS = ("auto", "5", "3.1.1")
@@ -120,6 +128,7 @@ class ServeJob:
 
 
 _S, _A, _L, _B = ServerConfig(), AdmissionConfig(), DEFAULT_LIMITS, BrokerSettings()
+_F = _S.buffered
 SCHEMA = TomlSchema({
     "": {"job": (str, _S.job), "model": (str, _S.model), "rounds": (int, _S.rounds),
          "strategy": (str, _S.strategy), "seed": (int, _S.seed), "out": (str, ""),
@@ -128,7 +137,10 @@ SCHEMA = TomlSchema({
               "max_devices": (int, _S.max_devices), "min_present": (int, _S.min_present),
               "quorum": (NUMBER, _S.quorum), "min_updates": (int, _S.min_updates),
               "timeout_s": (NUMBER, _S.round_timeout_s),
-              "presence_timeout_s": (NUMBER, _S.presence_timeout_s)},
+              "presence_timeout_s": (NUMBER, _S.presence_timeout_s), "mode": (str, _S.mode),
+              "buffer_size": (int, _F.buffer_size), "concurrency": (int, _F.concurrency),
+              "server_lr": (NUMBER, _F.server_lr), "max_staleness": (int, _F.max_staleness),
+              "staleness": (str, _F.staleness)},
     "broker": {k: ((bool if isinstance(v, bool) else list if isinstance(v, list) else int if isinstance(v, int)
                     else str), v) for k, v in vars(_B).items()},
     "admission": {"max_samples": (int, _A.max_samples), "samples_policy": (str, _A.samples_policy),
@@ -139,6 +151,12 @@ SCHEMA = TomlSchema({
     "log": {"json": (bool, False), "level": (str, "info"), "quiet": (bool, False)},
     "dashboard": {"listen": ((str, int), ""), "password_file": (str, "")},
 }, free=("strategy_params", "train"))
+
+
+def coordinator_for(cfg: ServerConfig, *args: Any, **kw: Any) -> Coordinator:
+    """The loop of ``cfg.mode`` (rounds; buffered: ``coordinator.buffered``), built with
+    :class:`~coordinator.server.Coordinator`'s arguments."""
+    return LOOPS[cfg.mode](cfg, *args, **kw)
 
 
 def _choice(source: str, key: str, value: Any, allowed: tuple[str, ...]) -> None:
@@ -179,7 +197,9 @@ def job_from_dict(raw: dict[str, Any], source: str) -> ServeJob:
         presence_timeout_s=float(rnd["presence_timeout_s"]), hparams=hparams, seed=top["seed"],
         limits=replace(DEFAULT_LIMITS, max_payload_bytes=lim["max_payload_bytes"],
                        max_abs_value=lim["max_abs_value"]),
-        admission=AdmissionConfig(**adm), on_collapse=top["on_collapse"])
+        admission=AdmissionConfig(**adm), on_collapse=top["on_collapse"], mode=rnd["mode"],
+        buffered=BufferedSettings(rnd["buffer_size"], rnd["concurrency"], float(rnd["server_lr"]),
+                                  rnd["max_staleness"], rnd["staleness"]))
     try:
         cfg.validate()
     except ConfigError as exc:
@@ -245,6 +265,12 @@ FLAGS: list[tuple[str, str, dict[str, Any]]] = [
     ("--round-timeout", "round.timeout_s", {"type": float, "metavar": "S", "help": "round deadline in seconds"}),
     ("--presence-timeout", "round.presence_timeout_s", {"type": float, "metavar": "S",
                                                         "help": "how long to wait for --min-devices devices"}),
+    ("--mode", "round.mode", {"choices": ["sync", "buffered"], "help": "synchronous rounds, or buffered "
+                              "asynchronous aggregation (FedBuff: see --buffer-size, --concurrency)"}),
+    ("--buffer-size", "round.buffer_size", {"type": int, "help": "buffered: updates per model version"}),
+    ("--concurrency", "round.concurrency", {"type": int, "help": "buffered: most devices training at once"}),
+    ("--max-staleness", "round.max_staleness", {"type": int, "help": "buffered: refuse updates trained more "
+                                                "than this many versions ago"}),
     ("--epochs", "train.epochs", {"type": int, "help": "local epochs per round"}),
     ("--batch", "train.batch", {"type": int, "help": "local batch size"}),
     ("--steps", "train.steps", {"type": int, "help": "local steps per round (0: whole epochs)"}),

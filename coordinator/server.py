@@ -1,29 +1,16 @@
 """The round loop: select, announce, collect, aggregate, evaluate, checkpoint.
 
-:class:`Coordinator` speaks only to a :class:`~coordinator.fleet.Fleet`. One round:
-
-1. wait (bounded by ``presence_timeout_s``) until ``min_devices`` devices are present
-   (retained hello + presence); select ``clamp(ceil(C * present), min, max)`` of them with
-   the seeded selection RNG;
-2. build one model variant per bitwidth group among the selected (``coordinator.variants``),
-   save the round plan, announce (models, then the round, then the status; retained);
-3. collect (``coordinator.collect.Collector``) until ``quorum`` of the selected answered
-   or the deadline passed. Each update goes ``coordinator.ingest`` (every per-update
-   rule, once) -> ``Strategy.fold`` (into the running sums) -> the inbox, synced, then
-   acked in the background. Refused messages are acked too (never redelivered), logged
-   with their reason and counted. Stragglers past the deadline are excluded and counted;
-4. ``strategy.finish()`` -> new global weights (and per-group weights), evaluation of
-   every bitwidth variant the devices run on the held-out set, atomic checkpoint, one
-   metrics line (with the uplink bytes by codec and the fleet's own figures), retained
-   status.
-
-``run(resume=True)`` continues from the checkpoint of the last completed round. When the
-coordinator died inside a round, that round's plan (same selection, same model digests)
-is re-announced with a fresh deadline and the updates already in its inbox are replayed,
-so every acked update is counted exactly once and no round is repeated or skipped.
-A checkpoint that fails its checksum is reported by name and the previous one is loaded
-instead; the round after it is then replayed from its kept plan and inbox (the same
-updates in the same order: the same model), so even then no acked update is lost.
+:class:`Coordinator` speaks only to a :class:`~coordinator.fleet.Fleet`. A round: wait (up
+to ``presence_timeout_s``) for ``min_devices`` present devices, select ``clamp(ceil(C *
+present), min, max)`` with the seeded RNG; save the plan, announce one model variant per
+bitwidth group (``coordinator.variants``); collect (``coordinator.collect``: ingest, fold,
+inbox, ack; refusals acked, logged, counted) until ``quorum`` answered or the deadline
+(stragglers excluded); ``strategy.finish()``, evaluate every variant, checkpoint, one
+metrics line, retained status. ``run(resume=True)`` goes on after the last checkpoint: a
+round the coordinator died in is announced again from its plan and its inbox replayed
+(every acked update counted once, no round repeated or skipped); a damaged checkpoint is
+named and the previous one loaded, the round after it replayed from its kept plan and
+inbox. ``coordinator.job.coordinator_for`` picks this loop or another by ``round.mode``.
 """
 
 from __future__ import annotations
@@ -51,6 +38,7 @@ from coordinator.variants import model_messages
 from edge_client.errors import ConfigError, FedbitError
 from edge_client.protocol import (
     FLOAT_VARIANT,
+    Presence,
     RoundAnnouncement,
     Status,
     encode_message,
@@ -117,21 +105,10 @@ class Coordinator:
 
     def _select(self) -> list[str]:
         cfg, devices = self.cfg, self.collector.devices
-        end = time.monotonic() + cfg.presence_timeout_s
-        last_note = 0.0
         need = max(cfg.min_devices, cfg.min_present)
-        waited = False
-        while len(devices.present()) < need:
-            waited = True
-            if time.monotonic() >= end:
-                raise RoundError(f"only {len(devices.present())} device(s) present after "
-                                 f"{cfg.presence_timeout_s:.0f} s; need {need}")
-            if time.monotonic() - last_note > 5:
-                last_note = time.monotonic()
-                self.on_event("waiting", {"present": len(devices.present()), "need": need})
-            self.collector.pump(min(end, time.monotonic() + 0.5))
-        if waited:  # let hellos that arrive together settle
-            self.collector.pump(time.monotonic() + 0.05)
+        if not self.collector.await_present(need, cfg.presence_timeout_s):
+            raise RoundError(f"only {len(devices.present())} device(s) present after "
+                             f"{cfg.presence_timeout_s:.0f} s; need {need}")
         present = devices.present()
         k = max(cfg.min_devices, min(cfg.max_devices, math.ceil(cfg.fraction * len(present))))
         idx = self.rng.choice(len(present), size=min(k, len(present)), replace=False)
@@ -346,6 +323,8 @@ class Coordinator:
         roster = self.fleet.roster()  # devices the fleet registers in bulk
         for cohort in roster:
             self.collector.devices.add_cohort(cohort)
+        for device_id in self.fleet.offline():  # roster members not online at the start
+            self.collector.devices.apply(Presence(device_id, False))
         if roster and len(self.collector.devices.hellos) > self.cfg.admission.max_registered:
             raise ConfigError(f"the fleet registers {len(self.collector.devices.hellos)} devices: more than "
                               f"admission.max_registered ({self.cfg.admission.max_registered})")
@@ -354,9 +333,7 @@ class Coordinator:
             # a fresh run: clear a previous run's retained announcement, say we are here
             self.fleet.reset(encode_message(Status("waiting", 0, "coordinator started")))
         try:
-            while self.completed < self.cfg.rounds:
-                r = self.completed + 1
-                self.run_round(r, plans.pop(r, None))
+            self._loop(plans)
             self.fleet.flush()  # the last status reached the broker
         except BaseException:
             try:
@@ -366,3 +343,8 @@ class Coordinator:
                 pass
             raise
         return self.history
+
+    def _loop(self, plans: dict[int, RoundPlan]) -> None:
+        """The rounds left (``plans``: those in progress to resume, by round id)."""
+        while self.completed < self.cfg.rounds and not self.fleet.done():
+            self.run_round(self.completed + 1, plans.pop(self.completed + 1, None))

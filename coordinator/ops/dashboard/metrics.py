@@ -22,6 +22,12 @@ registry of the dashboard's own (no global state). Names follow Prometheus' conv
 ``fedbit_devices_known``                   gauge      devices that said hello
 ``fedbit_device_wait_seconds_total``       counter    time rounds waited for devices
 ``fedbit_round_duration_seconds``          histogram  round time (the wait for devices apart)
+``fedbit_model_version``                   gauge      buffered mode: the model version (applied buffers)
+``fedbit_buffer_updates``                  gauge      buffered mode: updates in the open buffer
+``fedbit_buffer_size``                     gauge      buffered mode: updates that fill a buffer
+``fedbit_devices_training``                gauge      buffered mode: devices holding a request
+``fedbit_update_staleness``                histogram  buffered mode: counted updates' staleness (versions)
+``fedbit_staleness_refusals_total``        counter    buffered mode: updates refused as too stale
 =========================================  =========================================
 
 Counters count from the start of the run directory (a resumed run continues them) and
@@ -48,6 +54,8 @@ from coordinator.ops.dashboard.monitor import FleetMonitor
 
 #: ``fedbit_round_duration_seconds`` buckets (s)
 DURATION_BUCKETS = (0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0)
+#: ``fedbit_update_staleness`` buckets (versions)
+STALENESS_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64)
 
 
 class MonitorCollector(Collector):
@@ -114,6 +122,26 @@ class MonitorCollector(Collector):
         yield counter("fedbit_device_wait", "Time rounds waited for devices before selecting.",
                       tot["wait_seconds"], unit="seconds")
         yield _histogram([r.get("round_seconds") for r in rounds], job)
+        if cur.get("mode") == "buffered" or snap.get("staleness"):
+            yield from _buffered(snap, job, gauge, counter)
+
+
+def _buffered(snap: dict[str, Any], job: str, gauge: Any, counter: Any) -> Iterator[Metric]:
+    """The buffered mode's metrics (see the module docstring)."""
+    cur = snap["current"]
+    yield gauge("fedbit_model_version", "The model version (buffers applied).", len(snap["rounds"]))
+    yield gauge("fedbit_buffer_updates", "Updates in the open buffer.", cur.get("fill", 0))
+    yield gauge("fedbit_buffer_size", "Updates that fill a buffer.", cur.get("size", 0))
+    yield gauge("fedbit_devices_training", "Devices holding a request to train.", cur.get("in_flight", 0))
+    yield counter("fedbit_staleness_refusals", "Updates refused as staler than max_staleness.",
+                  snap["totals"]["refused"].get("rejected_stale", 0))
+    counts = {int(k): int(v) for k, v in (snap.get("staleness") or {}).items()}
+    buckets = [(f"{b}", sum(n for t, n in counts.items() if t <= b)) for b in STALENESS_BUCKETS]
+    buckets.append(("+Inf", sum(counts.values())))
+    h = HistogramMetricFamily("fedbit_update_staleness", "Staleness of counted updates, in model versions.",
+                              labels=["job"])
+    h.add_metric([job], buckets, sum_value=float(sum(t * n for t, n in counts.items())))
+    yield h
 
 
 def _histogram(values: list[Any], job: str) -> HistogramMetricFamily:

@@ -2,13 +2,16 @@
 
 :class:`FleetMonitor` is an ``on_event`` callback of the
 :class:`~coordinator.server.Coordinator` (``round_start``, ``update``, ``reject``,
-``device``, ``round_end``, ``waiting``). It keeps
+``device``, ``round_end``, ``waiting``; ``buffer`` in buffered mode). It keeps
 
 - ``devices``: every device the coordinator accepted a hello from: profile, model
   variant, declared uplink codec, online or not, last seen (Unix s), its last accepted
   update (round, bytes, codec), refusals by reason and notes (``clipped_num_samples``);
 - ``current``: the round in progress: number, phase (``waiting`` for devices,
-  ``collecting``, ``closed``), selected, received, deadline (Unix s);
+  ``collecting``, ``closed``), selected, received, deadline (Unix s); in buffered mode
+  (phase ``buffering``) the model version, the buffer's fill and size, devices training;
+- ``staleness``: updates counted per staleness (buffered mode), completed buffers plus
+  the open one;
 - ``rounds``: one compact record per completed round (accuracy per bitwidth group,
   updates, stragglers, round and wait seconds, uplink bytes by codec, refusal counts);
 - ``totals``: updates accepted, refusals by counter (``rejected_<reason>``,
@@ -87,7 +90,8 @@ def round_summary(rec: dict[str, Any]) -> dict[str, Any]:
         "stragglers": rec.get("stragglers", 0), "aggregated": rec.get("aggregated", True),
         "round_seconds": rec.get("round_seconds"), "wait_seconds": rec.get("wait_seconds", 0.0),
         "sim_time": rec.get("sim_time"), "uplink_bytes": dict(rec.get("uplink_bytes") or {}),
-        "counts": dict(rec.get("counts") or {}),
+        "counts": dict(rec.get("counts") or {}), "mode": rec.get("mode", "sync"),
+        "staleness_mean": rec.get("staleness_mean"), "staleness_max": rec.get("staleness_max"),
     })
 
 
@@ -130,6 +134,8 @@ class FleetMonitor:
             self.done: Counter[str] = Counter()  # completed rounds' totals
             self.live: Counter[str] = Counter()  # the open round's, as logged so far
             self.recent: deque[dict[str, Any]] = deque(maxlen=RECENT)
+            self.staleness_done: Counter[int] = Counter()  # completed buffers' updates by staleness
+            self.staleness_live: Counter[int] = Counter()  # the open buffer's
             self.version += 1
         self._notify()
 
@@ -204,8 +210,9 @@ class FleetMonitor:
                         "wait_seconds": f.get("wait_seconds", 0.0), "resumed": f.get("resumed", False)}
 
     def _on_update(self, f: dict[str, Any]) -> None:
-        self.current["received"] = f.get("accepted", self.current.get("received", 0))
-        self.current.setdefault("received_ids", []).append(f["device"])
+        if self.current.get("mode") != "buffered":  # (buffered: the buffer event's fill)
+            self.current["received"] = f.get("accepted", self.current.get("received", 0))
+            self.current.setdefault("received_ids", []).append(f["device"])
         n = int(f.get("bytes", 0))
         self.live["accepted"] += 1
         self.live[f"bytes:{f.get('codec', '?')}"] += n
@@ -231,6 +238,14 @@ class FleetMonitor:
                             "reason": f.get("reason", ""), "dropped": bool(f.get("dropped")),
                             "detail": str(f.get("detail", ""))[:200]})
 
+    def _on_buffer(self, f: dict[str, Any]) -> None:
+        self.state = "running"
+        self.current = {"round": f["version"], "phase": "buffering", "mode": "buffered", "version": f["version"],
+                        "fill": f["fill"], "size": f["size"], "in_flight": f["in_flight"],
+                        "received": f["fill"], "selected": f["size"]}
+        if f.get("staleness") is not None:
+            self.staleness_live[int(f["staleness"])] += 1
+
     def _on_round_end(self, f: dict[str, Any]) -> None:
         self._round_end(f)
         now = self.clock()
@@ -250,10 +265,13 @@ class FleetMonitor:
         for codec, n in s["uplink_bytes"].items():
             self.done[f"bytes:{codec}"] += int(n)
         self.done["wait_milliseconds"] += int(1000 * (s["wait_seconds"] or 0.0))
+        self.staleness_live = Counter()
+        for u in rec.get("updates") or ():
+            self.staleness_done[int(u.get("staleness", 0))] += 1
 
     _handlers: dict[str, Callable[[FleetMonitor, dict[str, Any]], None]] = {
         "device": _on_device, "waiting": _on_waiting, "round_start": _on_round_start, "update": _on_update,
-        "reject": _on_reject, "round_end": _on_round_end}
+        "reject": _on_reject, "round_end": _on_round_end, "buffer": _on_buffer}
 
     # ------------------------------------------------------------------ readers
 
@@ -299,6 +317,7 @@ class FleetMonitor:
                 "online": self.n_online,
                 "totals": self._totals(), "recent_refusals": list(self.recent),
                 "rounds_done": len(self.rounds),
+                "staleness": {str(k): v for k, v in sorted((self.staleness_done + self.staleness_live).items())},
             }
             if rounds_after is not None:
                 out["rounds_after"] = rounds_after
