@@ -304,3 +304,40 @@ def test_devices_join_and_leave_over_mqtt_while_the_model_advances(mosquitto, tm
     move = expected_model(history, shifts)
     np.testing.assert_allclose(co.weights[0], init_shared(SPEC, 0)[0] + move, atol=2e-6, rtol=0)
 
+
+# --------------------------------------------------------------------------- the emulator
+
+#: record fields measured in wall time (differ between runs by nature)
+WALL = {"time", "run", "round_seconds", "aggregate_seconds", "eval_seconds", "health_seconds",
+        "device_train_seconds", "device_wall_seconds"}
+
+
+def test_a_buffered_emulation_with_availability_gives_the_same_result_for_the_same_seed(tmp_path: Path) -> None:
+    """A mixed fleet in buffered mode on the simulated clock: a slow Pi Zero 2 W, Pi 4s and
+    desktops that lose half their requests and come and go (sessions of 0.05 simulated s).
+    Two runs of one seed give the same records; requests time out, updates are stale,
+    refused past max_staleness, or lost with a device that went offline."""
+    from coordinator.emulation.config import from_dict
+    from coordinator.emulation.run import Emulator
+
+    lossy = tmp_path / "lossy.toml"
+    lossy.write_text((Path(__file__).parents[1] / "hw_profiles" / "profiles" / "desktop.toml").read_text()
+                     .replace('name = "desktop"', 'name = "lossy"').replace("loss_rate = 0.0", "loss_rate = 0.5"))
+    cfg = from_dict({"name": "fb", "model": "mlp", "rounds": 8, "transport": "inproc", "strategy": "fedavg",
+                     "devices": {"raspberry-pi-zero-2w": 1, "raspberry-pi-4": 2, str(lossy): 3},
+                     "data": {"partition": "iid"}, "train": {"steps": 2, "batch": 16},
+                     "round": {"workers": 1, "mode": "buffered", "buffer_size": 2, "concurrency": 4,
+                               "deadline_s": 0.05, "max_staleness": 2},
+                     "availability": {"model": "diurnal",
+                                      "profiles": {"lossy": {"availability": 0.6, "mean_session_s": 0.05}}},
+                     "clock": {"seconds_per_sample": {"float32": 1e-4, "int8": 2e-5, "int6": 5e-4}}}, "test")
+    runs = [Emulator(cfg, 3, tmp_path / name).run() for name in ("a", "b")]
+    a, b = ([{k: v for k, v in r.items() if k not in WALL} for r in res.history] for res in runs)
+    assert a == b and [r["round"] for r in a] == list(range(1, 9))
+    sim = [r["sim_time"] for r in a]
+    assert all(y > x for x, y in zip(sim, sim[1:], strict=False))
+    assert runs[0].info["sim_seconds"] >= sim[-1]
+    assert sum(r["stragglers"] for r in a) > 0 and sum(r["sim_lost"] for r in a) > 0
+    assert max(u["staleness"] for r in a for u in r["updates"]) >= 1
+    assert all(u["staleness"] <= 2 for r in a for u in r["updates"])
+    assert len(runs[0].info["availability"]["online"]["lossy"]) == 200

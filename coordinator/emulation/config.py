@@ -26,10 +26,17 @@ A config (``fedbit emulate FILE``; the bundled default is ``coordinator/emulatio
     [round]                    # fraction, quorum, min_updates, deadline_s (simulated),
                                # wall_timeout_s, workers (processes or actors that train
                                # the devices; 0: one per core / per Ray CPU; 1: this
-                               # process), parallel (devices training at once per worker)
+                               # process), parallel (devices training at once per worker);
+                               # mode = "sync" | "buffered" (coordinator.buffered: buffer_size,
+                               # concurrency, server_lr, max_staleness, staleness; deadline_s
+                               # then bounds how long a request holds a slot)
+    [availability]             # model = "none" | "diurnal" | "trace", trace (CSV: device,start,
+                               # end), start_hour, time_scale, [availability.profiles.<profile>]
+                               # (coordinator.emulation.availability)
     [cluster]                  # backend = "local" (processes here) | "ray"; address = "auto"
                                # | "host:port" | "ray://host:port" | "local" (a new Ray here)
-    [clock]                    # seconds_per_sample = {variant = s}: pin the compute model
+    [clock]                    # seconds_per_sample = {variant = s}: pin the compute model;
+                               # until_s: end the run at this simulated time (0: `rounds` ends it)
 
 ``paper = "<name>"`` (``coordinator.emulation.papers``: fedshift, prowd, prowd-fedprox, prowd-grouped,
 prowd-grouped-asym, fedfor, fedwsq) starts from that paper's strategy, its parameters and
@@ -75,10 +82,12 @@ from coordinator.config import (
 )
 from coordinator.emulation.datasets import DATASETS, NEEDS_PATH, PARTITIONS
 from edge_client.errors import ConfigError
+from edge_client.protocol import ROUND_MODES
 
 DEFAULT_CONFIG = Path(__file__).with_name("default.toml")
 
 _SERVER = ServerConfig()
+_BUF = _SERVER.buffered
 _NUM = NUMBER
 #: the experiment file's sections; the round loop's knobs take ServerConfig's defaults
 SCHEMA = TomlSchema({
@@ -91,9 +100,14 @@ SCHEMA = TomlSchema({
              "seed": (int, 0), "validation": (_NUM, 0.0), "inferior": (list, [])},
     "round": {"fraction": (_NUM, _SERVER.fraction), "quorum": (_NUM, _SERVER.quorum),
               "min_updates": (int, _SERVER.min_updates), "deadline_s": (_NUM, 0.0),
-              "wall_timeout_s": (_NUM, 600.0), "workers": (int, 0), "parallel": (int, 2)},
+              "wall_timeout_s": (_NUM, 600.0), "workers": (int, 0), "parallel": (int, 2),
+              "mode": (str, _SERVER.mode), "buffer_size": (int, _BUF.buffer_size),
+              "concurrency": (int, _BUF.concurrency), "server_lr": (_NUM, _BUF.server_lr),
+              "max_staleness": (int, _BUF.max_staleness), "staleness": (str, _BUF.staleness)},
     "cluster": {"backend": (str, "local"), "address": (str, "auto")},
-    "clock": {"seconds_per_sample": (dict, {})},
+    "clock": {"seconds_per_sample": (dict, {}), "until_s": (_NUM, 0.0)},
+    "availability": {"model": (str, "none"), "trace": (str, ""), "start_hour": (_NUM, 8.0),
+                     "time_scale": (_NUM, 1.0), "profiles": (dict, {})},
 }, free=("strategy_params", "devices", "codecs", "train", "sweep"))
 
 
@@ -119,6 +133,7 @@ class ExperimentConfig:
     round: dict[str, Any] = field(default_factory=dict)
     cluster: dict[str, Any] = field(default_factory=dict)
     clock: dict[str, Any] = field(default_factory=dict)
+    availability: dict[str, Any] = field(default_factory=dict)
     sweep: dict[str, list[Any]] = field(default_factory=dict)
     source: str = "<config>"
     #: the paper's settings of the strategy's own stages (``swa.<key>``, ``dequantize.<key>``;
@@ -130,12 +145,21 @@ class ExperimentConfig:
         the config's own ``strategy_params`` over them."""
         return self.paper_stage_params | self.strategy_params
 
+    def buffered_settings(self) -> Any:
+        """``[round]``'s buffered-mode settings (``coordinator.buffered.BufferedSettings``)."""
+        from coordinator.buffered.settings import BufferedSettings
+
+        r = self.round
+        return BufferedSettings(r["buffer_size"], r["concurrency"], float(r["server_lr"]), r["max_staleness"],
+                                r["staleness"])
+
     def as_dict(self) -> dict[str, Any]:
         """The config as the TOML table it came from (for reports and run folders)."""
         keys = ("name", "model", "rounds", "seeds", "strategy", "transport", "broker", "target_accuracy", "paper",
                 "on_collapse")
         out: dict[str, Any] = {k: copy.deepcopy(getattr(self, k)) for k in keys}
-        for sec in ("strategy_params", "devices", "codecs", "data", "train", "round", "cluster", "clock", "sweep"):
+        for sec in ("strategy_params", "devices", "codecs", "data", "train", "round", "cluster", "clock",
+                    "availability", "sweep"):
             out[sec] = copy.deepcopy(getattr(self, sec))
         return out
 
@@ -333,6 +357,10 @@ def _check_values(cfg: ExperimentConfig, bad) -> None:
     addr = cl["address"]
     if not addr or not (addr in ("auto", "local") or addr.startswith("ray://") or addr.rpartition(":")[2].isdigit()):
         raise bad("cluster.address", f"{addr!r}: expected \"auto\", \"local\", \"host:port\" or \"ray://host:port\"")
+    if not (cfg.clock["until_s"] >= 0 and math.isfinite(cfg.clock["until_s"])):
+        raise bad("clock.until_s", f"must be >= 0 (0: none), got {cfg.clock['until_s']}")
+    _check_mode(cfg, bad)
+    _check_availability(cfg, bad)
     for v, s in cfg.clock["seconds_per_sample"].items():
         if isinstance(s, bool) or not isinstance(s, int | float) or not (s > 0 and math.isfinite(s)):
             raise bad(f"clock.seconds_per_sample.{v}", f"must be a number > 0, got {s!r}")
@@ -361,6 +389,45 @@ def _check_values(cfg: ExperimentConfig, bad) -> None:
         check_analysis(cfg.sweep)
     except ConfigError as exc:
         raise ConfigError(f"{cfg.source}: {exc}") from None
+
+
+def _check_mode(cfg: ExperimentConfig, bad) -> None:
+    """``round.mode`` and its settings, as ``fedbit serve`` checks them (ServerConfig)."""
+    from coordinator.buffered.settings import buffered_conflict
+
+    r = cfg.round
+    if r["mode"] not in ROUND_MODES:
+        raise bad("round.mode", f"{r['mode']!r} is not one of {sorted(ROUND_MODES)}")
+    if r["mode"] != "buffered":
+        return
+    try:
+        cfg.buffered_settings().validate()
+    except ConfigError as exc:
+        raise ConfigError(f"{cfg.source}: {exc}") from None
+    why = buffered_conflict(cfg.strategy, cfg.build_params())
+    if why:
+        raise bad("strategy", f"{cfg.strategy!r} cannot run with round.mode = \"buffered\": {why}")
+    if cfg.train.get("content", "delta") != "delta":
+        raise bad("train.content", "buffered mode needs updates relative to the version each device started "
+                                   f"from (\"delta\"), got {cfg.train['content']!r}")
+
+
+def _check_availability(cfg: ExperimentConfig, bad) -> None:
+    from coordinator.emulation.availability import MODELS, profile_overrides
+
+    av = cfg.availability
+    if av["model"] not in MODELS:
+        raise bad("availability.model", f"{av['model']!r} is not one of {list(MODELS)}")
+    if av["model"] == "trace" and not av["trace"]:
+        raise bad("availability.trace", "model \"trace\" needs a CSV file (device,start,end)")
+    if av["trace"] and not Path(av["trace"]).is_absolute():  # relative to the config's folder, else the cwd
+        near = Path(cfg.source).parent / av["trace"]
+        av["trace"] = str(near.resolve() if near.is_file() else Path(av["trace"]).resolve())
+    if not 0 <= av["start_hour"] < 24:
+        raise bad("availability.start_hour", f"must be in [0, 24), got {av['start_hour']}")
+    if not (av["time_scale"] > 0 and math.isfinite(av["time_scale"])):
+        raise bad("availability.time_scale", f"must be > 0, got {av['time_scale']}")
+    profile_overrides(av["profiles"], cfg.source)
 
 
 def _check_profiles(cfg: ExperimentConfig, bad) -> None:

@@ -7,6 +7,8 @@ adds to it:
 - ``accuracy.png``: the accuracy of each bitwidth group's model (as that group runs it)
   against the round and against the simulated time;
 - ``bytes.png``: uplink bytes per round, by codec;
+- ``availability.png`` (a run with ``[availability]``): the fraction of each profile's
+  devices online against the simulated time;
 - ``summary.md``: the configuration, the data split (samples per class per device), the
   final table and where the plots are.
 
@@ -39,7 +41,7 @@ from coordinator.emulation.analysis import (
     averaging_text,
     rounds_averaged,
 )
-from coordinator.emulation.plots import plot_bytes, plot_run_accuracy, plot_sweep
+from coordinator.emulation.plots import plot_availability, plot_bytes, plot_run_accuracy, plot_sweep
 from coordinator.emulation.stats import estimate
 from coordinator.ops.dashboard.runview import served_info
 from coordinator.ops.export import onnx_summary_lines
@@ -163,6 +165,8 @@ def write_report(run_dir: str | Path) -> Path:
     plot_run_accuracy(run / "accuracy.png", records, group_curves(records),
                       info.get("config", {}).get("name", run.name), s["rounds_averaged"], averaged)
     plot_bytes(run / "bytes.png", records)
+    if info.get("availability"):
+        plot_availability(run / "availability.png", info["availability"], records)
     cfg = info.get("config", {})
     lines = [f"# {cfg.get('name', run.name)}: seed {info.get('seed', '?')}", ""]
     lines += [f"Run folder: `{run}`. Config: `{info.get('source', '?')}`. Plots: `accuracy.png` (accuracy per "
@@ -185,6 +189,7 @@ def write_report(run_dir: str | Path) -> Path:
               f"{s['sim_seconds']:.1f} s of simulated time; {s['stragglers']} straggler(s) in all.", "",
               *([_workers_line(info), ""] if "workers" in info else []),
               "Uplink bytes by codec: " + ", ".join(f"{k} {v:,}" for k, v in sorted(s["uplink_bytes"].items())), ""]
+    lines += _availability_lines(info.get("availability"), records)
     lines += _health_lines(s["health"])
     lines += onnx_summary_lines(run, info.get("onnx"))
     lines += _split_lines(info)
@@ -295,6 +300,26 @@ def mean_std(values: Sequence[float]) -> str:
 
 
 # --------------------------------------------------------------------------- text
+
+
+def _availability_lines(series: dict[str, Any] | None, records: Sequence[dict[str, Any]]) -> list[str]:
+    """The summary's availability section: per profile the mean fraction online over the
+    run, and what the clock made of it (updates lost to devices going offline)."""
+    if not series:
+        return []
+    lines = ["## Device availability", "", f"Model `{series.get('model')}`, local hour "
+             f"{float(series.get('start_hour', 0)):g}:00 at simulated time 0; `availability.png` shows each profile's "
+             "devices online against the simulated time.", "", "| profile | devices | mean online | min | max |",
+             "|---|---|---|---|---|"]
+    for prof, online in sorted(series.get("online", {}).items()):
+        n = max(1, int(series.get("devices", {}).get(prof, 1)))
+        frac = np.asarray(online, dtype=float) / n
+        lines.append(f"| {prof} | {n} | {_pct(float(frac.mean()))} | {_pct(float(frac.min()))} | "
+                     f"{_pct(float(frac.max()))} |")
+    lost = sum(int(r.get("sim_offline", 0)) + int(r.get("sim_lost", 0)) for r in records)
+    waited = sum(float(r.get("sim_wait_seconds", 0.0)) for r in records)
+    return [*lines, "", f"Updates lost (device offline before its update arrived, or its request dropped): {lost}; "
+            f"simulated seconds waited for devices between rounds: {waited:.1f}.", ""]
 
 
 def _workers_line(info: dict[str, Any]) -> str:

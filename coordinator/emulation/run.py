@@ -54,6 +54,7 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
@@ -63,10 +64,17 @@ from typing import Any
 import numpy as np
 
 from coordinator.emulation.analysis import LAST_ROUNDS
+from coordinator.emulation.availability import (
+    Availability,
+    availability_series,
+    profile_overrides,
+    read_trace,
+)
 from coordinator.emulation.clock import EmulatedFleet, SimLinks, calibrate, one_thread_torch
 from coordinator.emulation.config import ExperimentConfig
 from coordinator.emulation.datasets import DataSplit, class_counts, load_dataset
 from coordinator.emulation.emulator import FleetPlan, build_fleet
+from coordinator.emulation.eventclock import BufferedEmulatedFleet
 from coordinator.emulation.pool import (
     InlineBackend,
     ProcessBackend,
@@ -123,8 +131,8 @@ class Emulator:
     def run(self) -> RunResult:
         from coordinator.config import ServerConfig
         from coordinator.evaluate import evaluator_for
+        from coordinator.job import coordinator_for
         from coordinator.ops.admission import AdmissionConfig
-        from coordinator.server import Coordinator
         from coordinator.state import RunState
         from coordinator.strategies import build_strategy
         from edge_client.intnn import init_shared
@@ -150,14 +158,18 @@ class Emulator:
         rnd = cfg.round
         strategy = build_strategy(cfg.strategy, model=cfg.model, **cfg.build_params())
         n = len(plan)
+        availability = self._availability(plan)
+        buffered = rnd["mode"] == "buffered"  # (its requests time out on the simulated clock)
+        timeout = (float(rnd["deadline_s"]) or math.inf) if buffered else float(rnd["wall_timeout_s"])
         server_cfg = ServerConfig(
             job=job, model=cfg.model, rounds=cfg.rounds, strategy=cfg.strategy,
             strategy_params=cfg.build_params(), fraction=float(rnd["fraction"]), min_devices=1,
-            max_devices=n, min_present=n, quorum=float(rnd["quorum"]),
-            min_updates=int(rnd["min_updates"]), round_timeout_s=float(rnd["wall_timeout_s"]),
+            max_devices=n, min_present=1 if availability else n, quorum=float(rnd["quorum"]),
+            min_updates=int(rnd["min_updates"]), round_timeout_s=min(timeout, 1e12),
             presence_timeout_s=max(120.0, float(rnd["wall_timeout_s"])), hparams=dict(cfg.train), seed=seed,
-            admission=replace(AdmissionConfig(), max_registered=max(n, AdmissionConfig().max_registered)),
-            on_collapse=cfg.on_collapse)
+            admission=replace(AdmissionConfig(), max_registered=max(n, AdmissionConfig().max_registered),
+                              hello_rate=1e9, hello_burst=1 << 30),  # (presence changes come from the clock)
+            on_collapse=cfg.on_collapse, mode=rnd["mode"], buffered=cfg.buffered_settings())
         broker, inner, relay = self._transport(job)
         info["broker"] = (f"embedded {broker.kind} at {broker.url}" if broker is not None
                           else self.cfg.broker or "in-process hub")
@@ -170,17 +182,26 @@ class Emulator:
             if not wait_ready(pool, float(rnd["wall_timeout_s"])):
                 raise ConnectionError("the emulator's worker processes did not start (see the log)")
             links = SimLinks(plan, sps, seed)
-            fleet = EmulatedFleet(inner, pool, links, quorum=float(rnd["quorum"]),
-                                  deadline_s=float(rnd["deadline_s"]), wall_timeout_s=float(rnd["wall_timeout_s"]),
-                                  on_progress=(lambda f: self.on_event("devices", f)) if self.on_event else None)
+            progress = (lambda f: self.on_event("devices", f)) if self.on_event else None
+            if buffered:
+                fleet = BufferedEmulatedFleet(inner, pool, links, timeout_s=timeout, until_s=float(cfg.clock["until_s"]),
+                                              wall_timeout_s=float(rnd["wall_timeout_s"]),
+                                              availability=availability, on_progress=progress)
+            else:
+                fleet = EmulatedFleet(inner, pool, links, quorum=float(rnd["quorum"]),
+                                      deadline_s=float(rnd["deadline_s"]), wall_timeout_s=float(rnd["wall_timeout_s"]),
+                                      on_progress=progress, availability=availability,
+                                      until_s=float(cfg.clock["until_s"]))
             # the validation split is read only over the rounds the reports average
             # (analysis.LAST_ROUNDS); every core scores, the device workers idle meanwhile
+            # (a run ended by its simulated time budget does not know its last rounds: every round)
             evaluator = evaluator_for(cfg.model, data.test, strategy.device_hparams(cfg.train), seed=seed,
-                                      validation=data.validation, validate_from=cfg.rounds - LAST_ROUNDS + 1,
+                                      validation=data.validation,
+                                      validate_from=1 if cfg.clock["until_s"] else cfg.rounds - LAST_ROUNDS + 1,
                                       threads=machine_cores())
-            coord = Coordinator(server_cfg, fleet, strategy, RunState(self.run_dir / "out"), evaluator=evaluator,
-                                init_weights=init_shared(resolve_model(cfg.model), seed), on_event=self.on_event,
-                                logger=log.getChild("server"))
+            coord = coordinator_for(server_cfg, fleet, strategy, RunState(self.run_dir / "out"), evaluator=evaluator,
+                                    init_weights=init_shared(resolve_model(cfg.model), seed), on_event=self.on_event,
+                                    logger=log.getChild("server"))
             history = coord.run()
             info |= pool.describe() | {"workers_lost": pool.lost}
         finally:
@@ -198,8 +219,21 @@ class Emulator:
         info["onnx"] = _export(self.run_dir / "out")
         info["wall_seconds"] = time.monotonic() - t_start
         info["sim_seconds"] = fleet.sim_time
+        if availability is not None:
+            info["availability"] = availability_series(availability, fleet.sim_time)
         (self.run_dir / "emulation.json").write_text(json.dumps(info, indent=1))
         return RunResult(self.run_dir, history, info)
+
+    def _availability(self, plan: FleetPlan) -> Availability | None:
+        """The ``[availability]`` of the config for this fleet (None: every device always online)."""
+        av = self.cfg.availability
+        if av["model"] == "none":
+            return None
+        devices = {d: g.profile.name for g in plan.groups for d in (g.device_id(i) for i in range(g.count))}
+        trace = read_trace(av["trace"], devices) if av["model"] == "trace" else None
+        return Availability(av["model"], devices, seed=self.seed, start_hour=float(av["start_hour"]),
+                            profiles=profile_overrides(av["profiles"], self.cfg.source), trace=trace,
+                            time_scale=float(av["time_scale"]))
 
     def _workers(self, plan: FleetPlan, data: DataSplit, relay: Any, job: str) -> WorkerPool:
         """The pool of ``round.workers`` workers on the ``[cluster]`` backend."""

@@ -29,7 +29,8 @@ def finished_run(run_dir: str | Path, cfg: ExperimentConfig, seed: int) -> bool:
     ``seed``: its ``emulation.json`` was written at the run's end (``wall_seconds``), it
     records the same config (every key but the name, the seed list and the sweep table), the same
     stage settings and the same seed, and ``out/metrics.jsonl`` has one record for each
-    of ``cfg.rounds`` rounds. Unreadable files count as not finished."""
+    of ``cfg.rounds`` rounds (or for each round up to the simulated time budget,
+    ``[clock] until_s``). Unreadable files count as not finished."""
     run_dir = Path(run_dir)
     try:
         info = json.loads((run_dir / "emulation.json").read_text())
@@ -39,7 +40,9 @@ def finished_run(run_dir: str | Path, cfg: ExperimentConfig, seed: int) -> bool:
     if not isinstance(info, dict) or "wall_seconds" not in info or info.get("seed") != int(seed):
         return False
     rounds = sorted({_round(line) for line in lines if line.strip()} - {None})
-    if rounds != list(range(1, cfg.rounds + 1)):
+    until = float(cfg.clock.get("until_s") or 0.0)  # (a run its simulated time budget ended)
+    if rounds != list(range(1, cfg.rounds + 1)) and not (
+            until and rounds == list(range(1, len(rounds) + 1)) and float(info.get("sim_seconds", 0.0)) >= until):
         return False
     return (_run_keys(info.get("config")) == _run_keys(_plain(cfg.as_dict()))
             and info.get("paper_stage_params") == _plain(dict(cfg.paper_stage_params)))
