@@ -240,9 +240,10 @@ def test_a_buffer_applies_the_staleness_weighted_updates_exactly(tmp_path: Path,
     assert len(set(tickets)) == len(tickets) == 10  # every answer counted once
     assert all(0 <= u["base"] < h["round"] and u["staleness"] == h["round"] - 1 - u["base"] <= 1
                for h in history for u in h["updates"])
-    assert sum(h["counts"].get("rejected_stale", 0) for h in history) == 1
+    stale = sum(h["counts"].get("rejected_stale", 0) for h in history)  # (a, b too, on a loaded machine)
     refused = [r.getMessage() for r in caplog.records if "refused by the coordinator" in r.getMessage()]
-    assert len(refused) == 1 and "stale: staleness" in refused[0] and "trained on version 0" in refused[0]
+    assert stale >= 1 and 1 <= len(refused) <= stale  # (one announced after the last version is not seen)
+    assert any("stale: staleness" in m and "trained on version 0" in m for m in refused)  # c's first
     move = expected_model(history, shifts)
     for w, w0 in zip(co.weights, init_shared(SPEC, 0), strict=True):
         np.testing.assert_allclose(w, w0 + move, atol=2e-6, rtol=0)
@@ -251,10 +252,10 @@ def test_a_buffer_applies_the_staleness_weighted_updates_exactly(tmp_path: Path,
     snap = monitor.snapshot()
     taus = [u["staleness"] for h in history for u in h["updates"]]
     assert snap["staleness"] == {str(t): taus.count(t) for t in sorted(set(taus))}
-    assert snap["current"]["mode"] == "buffered" and snap["totals"]["refused"]["rejected_stale"] == 1
+    assert snap["current"]["mode"] == "buffered" and snap["totals"]["refused"]["rejected_stale"] == stale
     text = generate_latest(registry_for(monitor)).decode()
     assert 'fedbit_model_version{job="buf"} 5.0' in text
-    assert 'fedbit_staleness_refusals_total{job="buf"} 1.0' in text
+    assert f'fedbit_staleness_refusals_total{{job="buf"}} {float(stale)}' in text
     assert f'fedbit_update_staleness_bucket{{job="buf",le="0"}} {float(taus.count(0))}' in text
     assert f'fedbit_update_staleness_count{{job="buf"}} {float(len(taus))}' in text
 

@@ -88,7 +88,7 @@ class BufferedCoordinator(Coordinator):
         now = self.fleet.now()
         for d in [d for d in req.slots if not devices.is_online(d)]:
             req.release(d, left=True)
-        for d in sorted(d for d in req.away if devices.is_online(d))[:self.buf.concurrency - len(req.slots)]:
+        for d in sorted(d for d in req.away if devices.is_online(d))[:max(0, self.buf.concurrency - len(req.slots))]:
             req.back(d, now)
         self._expire(now)
         free = self.buf.concurrency - len(req.slots)

@@ -36,7 +36,8 @@ A config (``fedbit emulate FILE``; the bundled default is ``coordinator/emulatio
     [cluster]                  # backend = "local" (processes here) | "ray"; address = "auto"
                                # | "host:port" | "ray://host:port" | "local" (a new Ray here)
     [clock]                    # seconds_per_sample = {variant = s}: pin the compute model;
-                               # until_s: end the run at this simulated time (0: `rounds` ends it)
+                               # until_s: end the run at this simulated time (0: `rounds` ends it);
+                               # eval_every_s: score only once per this many simulated s (0: every round)
 
 ``paper = "<name>"`` (``coordinator.emulation.papers``: fedshift, prowd, prowd-fedprox, prowd-grouped,
 prowd-grouped-asym, fedfor, fedwsq) starts from that paper's strategy, its parameters and
@@ -105,7 +106,7 @@ SCHEMA = TomlSchema({
               "concurrency": (int, _BUF.concurrency), "server_lr": (_NUM, _BUF.server_lr),
               "max_staleness": (int, _BUF.max_staleness), "staleness": (str, _BUF.staleness)},
     "cluster": {"backend": (str, "local"), "address": (str, "auto")},
-    "clock": {"seconds_per_sample": (dict, {}), "until_s": (_NUM, 0.0)},
+    "clock": {"seconds_per_sample": (dict, {}), "until_s": (_NUM, 0.0), "eval_every_s": (_NUM, 0.0)},
     "availability": {"model": (str, "none"), "trace": (str, ""), "start_hour": (_NUM, 8.0),
                      "time_scale": (_NUM, 1.0), "profiles": (dict, {})},
 }, free=("strategy_params", "devices", "codecs", "train", "sweep"))
@@ -357,8 +358,9 @@ def _check_values(cfg: ExperimentConfig, bad) -> None:
     addr = cl["address"]
     if not addr or not (addr in ("auto", "local") or addr.startswith("ray://") or addr.rpartition(":")[2].isdigit()):
         raise bad("cluster.address", f"{addr!r}: expected \"auto\", \"local\", \"host:port\" or \"ray://host:port\"")
-    if not (cfg.clock["until_s"] >= 0 and math.isfinite(cfg.clock["until_s"])):
-        raise bad("clock.until_s", f"must be >= 0 (0: none), got {cfg.clock['until_s']}")
+    for key in ("until_s", "eval_every_s"):
+        if not (cfg.clock[key] >= 0 and math.isfinite(cfg.clock[key])):
+            raise bad(f"clock.{key}", f"must be >= 0 (0: none), got {cfg.clock[key]}")
     _check_mode(cfg, bad)
     _check_availability(cfg, bad)
     for v, s in cfg.clock["seconds_per_sample"].items():

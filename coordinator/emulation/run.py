@@ -184,21 +184,23 @@ class Emulator:
             links = SimLinks(plan, sps, seed)
             progress = (lambda f: self.on_event("devices", f)) if self.on_event else None
             if buffered:
-                fleet = BufferedEmulatedFleet(inner, pool, links, timeout_s=timeout, until_s=float(cfg.clock["until_s"]),
+                fleet = BufferedEmulatedFleet(inner, pool, links, timeout_s=timeout, until_s=float(cfg.clock.get("until_s", 0.0)),
                                               wall_timeout_s=float(rnd["wall_timeout_s"]),
                                               availability=availability, on_progress=progress)
             else:
                 fleet = EmulatedFleet(inner, pool, links, quorum=float(rnd["quorum"]),
                                       deadline_s=float(rnd["deadline_s"]), wall_timeout_s=float(rnd["wall_timeout_s"]),
                                       on_progress=progress, availability=availability,
-                                      until_s=float(cfg.clock["until_s"]))
+                                      until_s=float(cfg.clock.get("until_s", 0.0)))
             # the validation split is read only over the rounds the reports average
             # (analysis.LAST_ROUNDS); every core scores, the device workers idle meanwhile
             # (a run ended by its simulated time budget does not know its last rounds: every round)
             evaluator = evaluator_for(cfg.model, data.test, strategy.device_hparams(cfg.train), seed=seed,
                                       validation=data.validation,
-                                      validate_from=1 if cfg.clock["until_s"] else cfg.rounds - LAST_ROUNDS + 1,
+                                      validate_from=1 if cfg.clock.get("until_s", 0.0) else cfg.rounds - LAST_ROUNDS + 1,
                                       threads=machine_cores())
+            if cfg.clock.get("eval_every_s", 0.0):
+                evaluator = SimTimeEvaluator(evaluator, fleet, float(cfg.clock.get("eval_every_s", 0.0)))
             coord = coordinator_for(server_cfg, fleet, strategy, RunState(self.run_dir / "out"), evaluator=evaluator,
                                     init_weights=init_shared(resolve_model(cfg.model), seed), on_event=self.on_event,
                                     logger=log.getChild("server"))
@@ -296,6 +298,26 @@ class Emulator:
                          "samples": len(d.shard), "class_counts": counts[i].tolist()}
                         for i, d in enumerate(devices)],
         }
+
+
+class SimTimeEvaluator:
+    """Scores a round (a buffer) only when the fleet's simulated clock has passed the next
+    multiple of ``every_s`` (``[clock] eval_every_s``): the other records have no
+    accuracy. For runs whose rounds are shorter than the resolution their curves need."""
+
+    def __init__(self, inner: Any, fleet: Fleet, every_s: float) -> None:
+        self.inner, self.fleet, self.every_s = inner, fleet, every_s
+        self._next = 0.0
+
+    def __call__(self, variants: Any, **kw: Any) -> dict[str, Any]:
+        t = self.fleet.now()
+        if t < self._next:
+            return {}
+        self._next = (math.floor(t / self.every_s) + 1) * self.every_s
+        return self.inner(variants, **kw)
+
+    def __getattr__(self, name: str) -> Any:  # probe, close
+        return getattr(self.inner, name)
 
 
 def _export(run_dir: Path) -> list[str] | str:
