@@ -18,6 +18,13 @@ chunk's mean; ``tests/test_evaluate.py``).
 ``>= validate_from`` (and whenever no round is given): the emulator's reports use it
 only over the last rounds they average (``coordinator.emulation.analysis.LAST_ROUNDS``),
 to choose a tuned setting, so earlier rounds need not pay for it.
+
+**Decisions never read the test split.** What a run decides from (the health watch's
+probe batch and accuracy rule) comes from :meth:`ModelEvaluator.probe` and
+:attr:`ModelEvaluator.decision_key`: the validation split; without one, the devices'
+training data (``probe_data``, given by the emulator) for the probe and no accuracy
+figure. ``fedbit serve`` has one held-out set, the operator's monitoring set and no test
+split (``watch_held_out``): there the watch reads it.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from edge_client.data import float_images
 from edge_client.protocol import variant_bits
 
 #: samples per evaluation task (a multiple of the trainers' evaluation batch of 256)
@@ -67,11 +75,16 @@ class ModelEvaluator:
             data): each variant's result gains ``{"val_loss", "val_accuracy"}`` on it.
         validate_from: the first round whose call scores ``validation`` (module docstring).
         threads: how many threads score the chunks (module docstring; >= 1).
+        probe_data: the inputs the health watch probes when there is no validation split
+            (the devices' training data; module docstring).
+        watch_held_out: ``data`` is a monitoring set, not a test split (``fedbit serve``):
+            without a validation split, decisions read it.
     """
 
     def __init__(self, model: str, data: Any, *, seed: int = 0, weight_standardization: bool = False,
                  float_forward: str = "float32", validation: Any = None, weight_norm: bool = False,
-                 validate_from: int = 0, threads: int = 1) -> None:
+                 validate_from: int = 0, threads: int = 1, probe_data: Any = None,
+                 watch_held_out: bool = False) -> None:
         from edge_client.errors import ConfigError
         from edge_client.trainers import forward_bits
 
@@ -82,6 +95,8 @@ class ModelEvaluator:
         self.validation = validation if validation is not None and len(validation) else None
         self.validate_from = int(validate_from)
         self.threads = int(threads)
+        self.probe_data = probe_data if probe_data is not None and len(probe_data) else None
+        self.watch_held_out = bool(watch_held_out)
         self.seed = seed
         self.float_forward = str(float_forward)
         forward_bits(self.float_forward)  # ConfigError naming a bad value
@@ -121,9 +136,23 @@ class ModelEvaluator:
             self._trainers[variant, lane] = make_trainer(resolve_model(self.model), bits, seed=self.seed, **extra)
         return self._trainers[variant, lane]
 
-    def probe(self, n: int) -> np.ndarray:
-        """The first ``n`` held-out inputs (float32 [n, C, H, W]): the health check's probe."""
-        return np.asarray(self.data.x[:n], dtype=np.float32)
+    @property
+    def decision_key(self) -> str | None:
+        """The figure of a group that decisions read: ``val_accuracy`` (the validation
+        split), ``accuracy`` of a monitoring set (``watch_held_out``), or None (no figure
+        a decision may read: the test split is only reported)."""
+        if self.validation is not None:
+            return "val_accuracy"
+        return "accuracy" if self.watch_held_out else None
+
+    def probe(self, n: int) -> np.ndarray | None:
+        """The health check's probe batch, float32 [n, C, H, W] in [0, 1]: the first ``n``
+        inputs of the validation split, else of ``probe_data``, else of a monitoring set;
+        None when there is none of them (never the test split)."""
+        for src in (self.validation, self.probe_data, self.data if self.watch_held_out else None):
+            if src is not None:
+                return float_images(np.asarray(src.x[:n]))
+        return None
 
     def __call__(self, variants: Mapping[str, list[np.ndarray]], *,
                  at_round: int | None = None) -> dict[str, tuple[Any, ...]]:
@@ -176,22 +205,16 @@ def _combine(parts: list[tuple[tuple[float, float], int]]) -> tuple[float, float
     return loss, hits / n
 
 
-def make_evaluator(model: str, data: Any, *, seed: int = 0, weight_standardization: bool = False,
-                   float_forward: str = "float32", validation: Any = None,
-                   weight_norm: bool = False, validate_from: int = 0, threads: int = 1) -> ModelEvaluator:
-    """A :class:`ModelEvaluator` of ``model`` on ``data`` (and ``validation``; torch is
+def make_evaluator(model: str, data: Any, **kw: Any) -> ModelEvaluator:
+    """A :class:`ModelEvaluator` of ``model`` on ``data`` (keywords: its own; torch is
     imported lazily, for the float32 variant only)."""
-    return ModelEvaluator(model, data, seed=seed, weight_standardization=weight_standardization,
-                          float_forward=float_forward, validation=validation, weight_norm=weight_norm,
-                          validate_from=validate_from, threads=threads)
+    return ModelEvaluator(model, data, **kw)
 
 
-def evaluator_for(model: str, data: Any, announced: Mapping[str, Any], *, seed: int = 0,
-                  validation: Any = None, validate_from: int = 0, threads: int = 1) -> ModelEvaluator:
+def evaluator_for(model: str, data: Any, announced: Mapping[str, Any], **kw: Any) -> ModelEvaluator:
     """The evaluator of a run whose rounds announce ``announced`` (the strategy's
     ``device_hparams``): the float32 variant in the forward the float devices train
-    (``float_forward``, ``ws``, ``wn``); the rest: see :class:`ModelEvaluator`."""
-    return make_evaluator(model, data, seed=seed, weight_standardization=bool(announced.get("ws", False)),
-                          float_forward=str(announced.get("float_forward", "float32")), validation=validation,
-                          weight_norm=bool(announced.get("wn", False)), validate_from=validate_from,
-                          threads=threads)
+    (``float_forward``, ``ws``, ``wn``); the other keywords: see :class:`ModelEvaluator`."""
+    return ModelEvaluator(model, data, weight_standardization=bool(announced.get("ws", False)),
+                          float_forward=str(announced.get("float_forward", "float32")),
+                          weight_norm=bool(announced.get("wn", False)), **kw)

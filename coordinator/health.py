@@ -10,14 +10,16 @@ layer (the metrics record's ``health``):
   unit: any value) for some input (:mod:`edge_client.intnn.liveness`; a unit that is not
   live is dead for every input, and no gradient brings it back);
 - ``zero``: the fraction of its forward weights that are zero (ternary codes);
-- ``act``: the mean |activation| (real units, after the ReLU) on a fixed probe batch of the
-  held-out set (``PROBE_SAMPLES``), and ``sat`` the fraction at the clip ``(S(s)-1)/S(s)``;
+- ``act``: the mean |activation| (real units, after the ReLU) on a fixed probe batch
+  (``PROBE_SAMPLES``: the validation split's, else the devices' training data; never the
+  test split), and ``sat`` the fraction at the clip ``(S(s)-1)/S(s)``;
 - ``nonfinite``: NaN/Inf weights; ``update``: ``||W - W_prev|| / ||W_prev||`` this round.
 
 A live count that drops is a warning naming the round, the group and the layer (filters
 dying one by one cost accuracy long before the last one goes). A **collapse** is an
 error naming the round and the layer: every group's accuracy at chance (within
-``CHANCE_MARGIN``) after the best round was well above it (``WELL_ABOVE``); a group whose
+``CHANCE_MARGIN``) after the best round was well above it (``WELL_ABOVE``), read from the
+figure the evaluator names for decisions (``val_accuracy``; off without one); a group whose
 output is the same for every probe sample; a layer with no live unit or whose forward
 weights are all zero; non-finite weights. It is logged, written to the metrics, sent as
 an ``on_event("collapse", ...)`` (every round sends ``"health"``), and with
@@ -78,12 +80,14 @@ class HealthWatch:
         probe: float inputs [N, C, H, W] in [0, 1] (the first ``PROBE_SAMPLES`` are used);
             None: no activation figures and no constant-output check.
         float_forward: the network the float32 group runs (``float32`` or ``int<s>``).
+        accuracy_key: the group figure the accuracy rule reads (``val_accuracy``, or
+            ``accuracy`` of a monitoring set); None: no accuracy rule.
         log / on_event: where the warnings, errors and events go.
     """
 
     def __init__(self, spec: ModelSpec, on_collapse: str = ServerConfig.on_collapse, *,
                  probe: np.ndarray | None = None, float_forward: str = FLOAT_VARIANT,
-                 log: logging.Logger | None = None,
+                 accuracy_key: str | None = "val_accuracy", log: logging.Logger | None = None,
                  on_event: Callable[[str, dict[str, Any]], None] | None = None) -> None:
         from edge_client.errors import ConfigError
 
@@ -94,6 +98,7 @@ class HealthWatch:
         self.probe = None if probe is None or len(probe) == 0 else \
             np.ascontiguousarray(probe[:PROBE_SAMPLES], dtype=np.float32)
         self.float_bits = variant_bits(float_forward)
+        self.accuracy_key = accuracy_key
         self.log = log or logging.getLogger("fedbit.health")
         self.on_event = on_event or (lambda _e, _f: None)
         self.names = spec.param_names()
@@ -104,9 +109,10 @@ class HealthWatch:
     @classmethod
     def for_run(cls, spec: ModelSpec, cfg: ServerConfig, evaluator: Any, **kw: Any) -> HealthWatch:
         """The watch of a coordinator run: ``cfg.on_collapse``, the float devices' announced
-        ``float_forward``, the probe batch from the evaluator's held-out set (none without one)."""
+        ``float_forward``, the probe batch and the accuracy figure the evaluator offers for
+        decisions (``coordinator.evaluate``: never the test split; none without an evaluator)."""
         probe = evaluator.probe(PROBE_SAMPLES) if hasattr(evaluator, "probe") else None
-        return cls(spec, cfg.on_collapse, probe=probe,
+        return cls(spec, cfg.on_collapse, probe=probe, accuracy_key=getattr(evaluator, "decision_key", None),
                    float_forward=str(cfg.hparams.get("float_forward", FLOAT_VARIANT)), **kw)
 
     # ------------------------------------------------------------------ rollback
@@ -199,13 +205,19 @@ class HealthWatch:
 
     def _accuracy_collapse(self, r: int, scores: Mapping[str, tuple[Any, ...]],
                            history: Sequence[Mapping[str, Any]]) -> list[str]:
-        """Every group at chance now, after the best round was well above it."""
+        """Every group at chance now, after the best round was well above it (the figure
+        ``accuracy_key`` of the scores and of the earlier rounds' records)."""
+        key = self.accuracy_key
+        if key is None:
+            return []
         chance = 1.0 / self.spec.num_classes
-        now = [s[1] for s in scores.values() if isinstance(s[1], int | float) and math.isfinite(s[1])]
+        now = {v: a for v, s in scores.items()
+               if isinstance(a := (s[1] if key == "accuracy" else (s[2] if len(s) > 2 else {}).get(key)), int | float)
+               and math.isfinite(a)}
         best = max((a for h in history for g in h.get("groups", {}).values()
-                    if isinstance(a := g.get("accuracy"), int | float)), default=0.0)
-        if now and best >= chance + WELL_ABOVE and max(now) <= chance + CHANCE_MARGIN:
-            return [f"round {r}: every group's accuracy at chance ({', '.join(f'{v} {s[1]:.3f}' for v, s in sorted(scores.items()))}; "
+                    if isinstance(a := g.get(key), int | float)), default=0.0)
+        if now and best >= chance + WELL_ABOVE and max(now.values()) <= chance + CHANCE_MARGIN:
+            return [f"round {r}: every group's {key} at chance ({', '.join(f'{v} {a:.3f}' for v, a in sorted(now.items()))}; "
                     f"best so far {best:.3f}, chance {chance:.3f})"]
         return []
 

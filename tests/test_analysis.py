@@ -68,11 +68,14 @@ def test_a_learning_rate_is_chosen_on_validation_and_methods_are_paired_to_the_b
     text = "\n".join(sweep_lines(a, averaging_text({(5, 30)}), len(runs)))
     assert "chosen on the validation split" in text and "the last 5 of 30 rounds" in text
     assert "| method=FedFOR | method=FedAvg | +6.0 ± 1.0 [" in text and "wins 3/3" in text
-    # without a validation split the choice falls back to the test split, and says so
+    # the test split never chooses: without validation figures nothing is tuned, every row reported
     no_val = analyse([(c, s, {"groups": {g: {"mean_last": v["mean_last"]} for g, v in r["groups"].items()}})
                       for c, s, r in runs], SWEEP)
-    assert no_val.chosen["method=FedAvg"][0] == "1.0"
-    assert "optimistic" in "\n".join(sweep_lines(no_val, "all 2 rounds", len(runs)))
+    assert not no_val.chosen and no_val.tune is None and len(no_val.reported) == 4
+    # and the choice does not move when every test figure does
+    poisoned = analyse([(c, s, {"groups": {g: {**v, "mean_last": 1.0 - v["mean_last"]} for g, v in r["groups"].items()}})
+                        for c, s, r in runs], SWEEP)
+    assert {k: v[:2] for k, v in poisoned.chosen.items()} == {k: v[:2] for k, v in a.chosen.items()}
 
 
 @pytest.mark.parametrize("sweep, culprit", [

@@ -112,7 +112,8 @@ def test_int6_needs_more_than_one_tap_where_the_shift_is_large():
 
 
 def watch_check(hw: HealthWatch, r: int, w, old, acc: float, history=()):
-    scores = {v: (0.5, acc) for v in ("float32", "int8")}
+    """``acc``: the validation accuracy (the test accuracy, 0.9, is never read)."""
+    scores = {v: (0.5, 0.9, {"val_accuracy": acc}) for v in ("float32", "int8")}
     return hw.check(r, (w, {}), (old, {}), scores, list(history))
 
 
@@ -131,7 +132,7 @@ def test_the_watch_records_every_group_and_names_a_dead_layer(caplog):
     dead = [w.copy() for w in w0]
     dead[0] = np.minimum(dead[0], 0.2)  # no conv1 filter keeps a positive tap
     with caplog.at_level(logging.WARNING, logger="fedbit.health"):
-        v = watch_check(hw, 7, dead, w0, 0.1, [{"round": 6, **{"health": rec}, "groups": {"int8": {"accuracy": 0.8}}}])
+        v = watch_check(hw, 7, dead, w0, 0.1, [{"round": 6, **{"health": rec}, "groups": {"int8": {"accuracy": 0.1, "val_accuracy": 0.8}}}])
     assert not v.rolled_back  # on_collapse = log
     text = " | ".join(v.collapse)
     assert "round 7" in text and "conv1: no live unit (0 of 16" in text and "at chance" in text

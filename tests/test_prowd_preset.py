@@ -86,17 +86,30 @@ def test_a_short_preset_run_uses_ternary_uplinks_and_logs_every_stage(tmp_path: 
         assert max(h["groups"][g]["accuracy"] for h in hist) > 0.3, g  # chance: 0.1
 
 
-def test_a_preset_run_with_the_dequantizer_trained_in_the_round_loop_repeats_exactly(tmp_path: Path) -> None:
-    """The dequantizer trains on a background thread by default, and a round applies the
-    last version finished by then, so two runs of one seed can differ. With
-    ``dequantize.background = false`` it trains between rounds in the round loop: the same
-    seed gives the same run, every group's accuracy and every stage's figure in every round
-    (a version is trained and applied within the three rounds)."""
-    params = {"dequantize.epochs": 1, "dequantize.background": False}
-    runs = [Emulator(from_dict(raw(strategy_params=params), "t"), 0, tmp_path / f"run{i}").run().history
-            for i in range(2)]
+def test_a_preset_run_repeats_exactly_however_long_the_background_training_takes(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The dequantizer trains on a background thread (the default) while the next round
+    runs, and the version trained after round r is applied from round r + 2, waited for if
+    need be: two runs of one seed, the second with every training slowed down by 0.3 s,
+    give the same run, every group's accuracy and every stage's figure in every round (a
+    version is trained and applied within the three rounds)."""
+    import time
+
+    from coordinator.strategies.dequantizer.stage import ProwdDequantizer
+
+    params = {"dequantize.epochs": 1}
+    runs = [Emulator(from_dict(raw(strategy_params=params, rounds=3), "t"), 0, tmp_path / "run0").run().history]
+    train = ProwdDequantizer.train_version
+
+    def slow(self, *a, **k):
+        time.sleep(0.3)
+        return train(self, *a, **k)
+
+    monkeypatch.setattr(ProwdDequantizer, "train_version", slow)
+    runs.append(Emulator(from_dict(raw(strategy_params=params, rounds=3), "t"), 0, tmp_path / "run1").run().history)
     assert runs[1][-1]["stats"]["dequantizer_version"] >= 1
     assert any(v == 1 for k, v in runs[1][-1]["stats"].items() if k.startswith("dequantizer_on/"))
+    assert runs[1][-1]["stats"]["dequantizer_updates"] >= 1  # a version was applied
     for a, b in zip(runs[0], runs[1], strict=True):
         assert a["groups"] == b["groups"], a["round"]
         figures = lambda h: {k: v for k, v in h["stats"].items() if "seconds" not in k and not k.endswith("_s")}  # noqa: E731

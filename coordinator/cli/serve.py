@@ -69,7 +69,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         fleet = MqttFleet(conn.pop("url"), cfg.job, protocol=job.broker.mqtt_version,
                           max_payload=cfg.limits.max_payload_bytes + 65536, **conn)
         evaluator = evaluator_for(cfg.model, _eval_data(job.eval_data), strategy.device_hparams(cfg.hparams),
-                                  seed=cfg.seed)
+                                  seed=cfg.seed, watch_held_out=True)  # a deployment: no test split
         state = RunState(job.out)
         if not job.resume and state.has_run():  # (before live.json of that run is overwritten)
             raise ConfigError(f"{job.out} holds a previous run: pass --resume or use another --out")

@@ -16,9 +16,9 @@ the run held one out (``data.validation``), on the validation split.
 
 **Tuning** (``tune``): for every combination of the other dimensions, the value of the
 tuned dimension whose runs score best on the validation split (mean over seeds of the
-mean over groups) is chosen, and only its test figures are reported. Without a
-validation split the choice falls back to the test split, and the report says that
-this is optimistic.
+mean over groups) is chosen, and only its test figures are reported. The test split
+never chooses: tuning needs a validation split (``data.validation``; a config without
+one is refused), and runs without validation figures are reported untuned.
 
 **Baseline** (``baseline``): every combination is compared with the combination that
 differs from it only in the baseline's dimension, seed by seed (same data split, same
@@ -134,12 +134,12 @@ class Row:
         return estimate(list(getattr(self, split).get(group, {}).values()))
 
     def score(self, groups: Sequence[str]) -> tuple[float, str]:
-        """(selection score, split it came from): the mean over seeds of the mean over
-        ``groups`` of the validation figure (the test figure without validation)."""
-        split = "val" if any(self.val.get(g) for g in groups) else "test"
+        """(selection score, ``"val"``): the mean over seeds of the mean over ``groups`` of
+        the validation figure; -inf without one (the test split never chooses)."""
+        split = "val"
         per_seed = []
         for s in self.seeds:
-            vals = [getattr(self, split).get(g, {}).get(s, math.nan) for g in groups]
+            vals = [self.val.get(g, {}).get(s, math.nan) for g in groups]
             vals = [v for v in vals if not math.isnan(v)]
             if vals:
                 per_seed.append(sum(vals) / len(vals))
@@ -199,6 +199,8 @@ def analyse(runs: Sequence[tuple[Mapping[str, Any], int, Mapping[str, Any]]],
     tdim = tune.lstrip("@") if isinstance(tune, str) else None
     if tdim and not any(tdim in r.combination for r in rows.values()):
         tdim = None
+    if tdim and not any(r.val for r in rows.values()):
+        tdim = None  # no validation figures: nothing may choose (every row is reported)
     out.tune = tdim
     if tdim:
         by_rest: dict[tuple, list[Row]] = {}

@@ -391,6 +391,9 @@ def _check_values(cfg: ExperimentConfig, bad) -> None:
         check_analysis(cfg.sweep)
     except ConfigError as exc:
         raise ConfigError(f"{cfg.source}: {exc}") from None
+    if cfg.sweep.get("tune") and not d["validation"] > 0 and "data.validation" not in cfg.sweep:
+        raise bad("sweep.tune", "tuning chooses on the validation split: set data.validation "
+                                "(e.g. 0.1); the test split is only reported")
 
 
 def _check_mode(cfg: ExperimentConfig, bad) -> None:

@@ -194,11 +194,12 @@ class Emulator:
                                       until_s=float(cfg.clock.get("until_s", 0.0)))
             # the validation split is read only over the rounds the reports average
             # (analysis.LAST_ROUNDS); every core scores, the device workers idle meanwhile
-            # (a run ended by its simulated time budget does not know its last rounds: every round)
+            # (decisions read the validation split, else the training split: never the test split;
+            # a run ended by its simulated time budget does not know its last rounds: every round)
             evaluator = evaluator_for(cfg.model, data.test, strategy.device_hparams(cfg.train), seed=seed,
                                       validation=data.validation,
                                       validate_from=1 if cfg.clock.get("until_s", 0.0) else cfg.rounds - LAST_ROUNDS + 1,
-                                      threads=machine_cores())
+                                      threads=machine_cores(), probe_data=data.train)
             if cfg.clock.get("eval_every_s", 0.0):
                 evaluator = SimTimeEvaluator(evaluator, fleet, float(cfg.clock.get("eval_every_s", 0.0)))
             coord = coordinator_for(server_cfg, fleet, strategy, RunState(self.run_dir / "out"), evaluator=evaluator,

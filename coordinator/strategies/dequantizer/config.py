@@ -47,7 +47,8 @@ class DequantizerConfig:
     ``noise_std`` (the server's unlabeled inputs, a minibatch of them per step, the
     Gaussian noise added), ``pool_rounds`` (rounds of float32 devices' weights kept to
     train on), ``models_per_round`` (float32 devices' models kept per round, plus the
-    global model), ``seed``, ``background`` (train in a thread between rounds; False:
+    global model), ``seed``, ``background`` (train in a thread while the next round runs,
+    applied from the round after it; False:
     in the caller, for scripts and tests), ``threads`` (torch's intra-op threads while
     training: torch's setting is per process, so it also holds for the coordinator's
     evaluation; 1 keeps the training from crowding the round loop, 0 leaves torch's

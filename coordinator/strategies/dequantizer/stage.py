@@ -12,8 +12,12 @@ Per round (the strategy calls the hooks):
   layer (and every update while no version is ready) passes through unchanged: plain
   dequantization;
 - ``end_round``: the round's models join the pool (last ``pool_rounds`` rounds) and a new
-  version is trained in a background thread, unless one is still training. It never
-  delays a round: a round uses the last finished version.
+  version is trained in a background thread while the next round runs. The version
+  trained after round r is put in use at the end of round r + 1 (waiting for it there if
+  it has not finished) and applied from round r + 2 on, so which version a round applies
+  never depends on wall-clock time: the same seeds give the same run. With
+  ``background = false`` it is trained in the caller at the end of round r and applied
+  from round r + 1.
 
 Held out: the most recent round's models (the pool's older rounds are trained on); with
 one round in the pool, its last model.
@@ -157,7 +161,8 @@ class ProwdDequantizer:
         self._version: Version | SliceVersion | None = None  # the last finished one; None: plain
         self._next_number = 1
         self._failures = 0
-        self._thread: threading.Thread | None = None
+        self._thread: threading.Thread | None = None  # the background training not yet put in use
+        self._trained: list[Version | SliceVersion | None] = []  # what it left (empty: nothing, stopped)
         self._pool: list[RoundData] = []
         self._round: RoundData | None = None
         self._layout: BlockLayout | SliceLayout | None = None
@@ -276,8 +281,20 @@ class ProwdDequantizer:
             self._pool = self._pool[-self.cfg.pool_rounds:]
         stats = self.stats()
         self._round = None
+        self._put_in_use()
         self._start_training()
         return stats
+
+    def _put_in_use(self) -> None:
+        """The background training started at the end of the previous round, waited for
+        and put in use (its version; None after a failure): the next round applies it."""
+        t, self._thread = self._thread, None
+        if t is None:
+            return
+        t.join()
+        with self._lock:
+            if self._trained:
+                self._version = self._trained.pop()
 
     def stats(self) -> dict[str, float | int]:
         """``dequantizer_version`` (0: none), ``dequantizer_updates`` (low-bit updates
@@ -292,7 +309,7 @@ class ProwdDequantizer:
         out: dict[str, float | int] = {f"dequantizer_{k}": n for k, n in self._counts.items()}
         out["dequantizer_version"] = v.number if v is not None else 0
         out["dequantizer_failures"] = self._failures
-        out["dequantizer_training"] = int(self.training)
+        out["dequantizer_training"] = int(self._thread is not None)
         if v is not None:
             for (i, b), (plain, deq) in v.heldout.items():
                 out[f"dequantizer_on/{i}/int{b}"] = int(v.is_on(i, b))
@@ -377,13 +394,15 @@ class ProwdDequantizer:
         job = (split, number, self._pool[-1].round_id, self._layout, self._version)
         if not self.cfg.background:
             self._train(*job)
+            if self._trained:
+                self._version = self._trained.pop()
             return
         self._thread = threading.Thread(target=self._train, args=job, name=f"prowd-train-{number}", daemon=True)
         self._thread.start()
 
     def _train(self, split, number: int, round_id: int, layout, previous) -> None:
-        """Train version ``number`` (warm-started from ``previous``); on any failure, log
-        it and fall back to plain dequantization."""
+        """Train version ``number`` (warm-started from ``previous``) into ``_trained``; on
+        any failure, log it and leave None there (plain dequantization)."""
         try:
             version = self.train_version(split[0], split[1], number, round_id, layout, previous)
         except TrainingStopped:
@@ -393,10 +412,10 @@ class ProwdDequantizer:
             log.exception("dequantizer: training v%d failed; falling back to plain dequantization", number)
             with self._lock:
                 self._failures += 1
-                self._version = None
+                self._trained[:] = [None]
             return
         with self._lock:
-            self._version = version
+            self._trained[:] = [version]
         _log_version(version)
 
     def train_version(self, train_models, heldout_models, number: int, round_id: int,
