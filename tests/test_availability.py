@@ -75,13 +75,15 @@ def test_a_trace_with_a_bad_row_is_refused_by_line(tmp_path: Path) -> None:
 
 def test_a_round_selects_only_devices_online_on_the_simulated_clock(tmp_path: Path) -> None:
     """A trace takes desktop-1 offline from 0.01 to 0.5 simulated s: the rounds that start
-    in that window do not select it, the report plots availability against time."""
+    in that window do not select it, the report plots availability against time. The model
+    is scored once per 0.2 simulated s (``eval_every_s``): the other rounds have no accuracy."""
     trace = tmp_path / "trace.csv"
     trace.write_text("device,start,end\ndesktop-1,0,0.01\ndesktop-1,0.5,1000\n")
     cfg = from_dict({"name": "av", "model": "mlp", "rounds": 4, "transport": "inproc",
                      "devices": {"raspberry-pi-4": 1, "desktop": 2}, "data": {"partition": "iid"},
                      "train": {"steps": 2, "batch": 16}, "round": {"workers": 1},
-                     "availability": {"model": "trace", "trace": str(trace)}, "clock": CLOCK}, "test")
+                     "availability": {"model": "trace", "trace": str(trace)},
+                     "clock": CLOCK | {"eval_every_s": 0.2}}, "test")
     res = Emulator(cfg, 0, tmp_path / "run").run()
     hist = res.history
     assert hist[0]["selected_ids"] == ["desktop-0", "desktop-1", "raspberry-pi-4-0"]  # online at 0
@@ -90,5 +92,8 @@ def test_a_round_selects_only_devices_online_on_the_simulated_clock(tmp_path: Pa
         assert ("desktop-1" in h["selected_ids"]) == (start < 0.01 or start >= 0.5), (start, h["selected_ids"])
     assert any("desktop-1" not in h["selected_ids"] for h in hist)
     assert res.info["availability"]["online"]["desktop"][0] == 2
+    scored = [h["sim_time"] for h in hist if h["accuracy"] is not None]
+    assert hist[0]["accuracy"] is not None and len(scored) < len(hist)  # (0.2 s apart, rounds are shorter)
+    assert len({math.floor(t / 0.2) for t in scored}) == len(scored)  # at most one per 0.2 s
     summary = write_report(res.run_dir).read_text()
     assert "## Device availability" in summary and (res.run_dir / "availability.png").stat().st_size > 5_000

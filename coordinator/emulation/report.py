@@ -122,14 +122,15 @@ def health_summary(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
     with_health = [r["health"] for r in records if r.get("health")]
     if not with_health:
         return {}
-    live: dict[str, dict[str, list[int]]] = {}
-    for h in (with_health[0], with_health[-1]):
+    first: dict[str, dict[str, Any]] = {}  # per group, its first and last record (a round
+    last: dict[str, dict[str, Any]] = {}  # that scored no group has the float32 one only)
+    for h in with_health:
         for g, layers in h.get("groups", {}).items():
-            for name, v in layers.items():
-                live.setdefault(g, {}).setdefault(name, []).append(int(v.get("live", 0)))
-    for g, layers in live.items():
-        for name, v in layers.items():
-            v.append(int(with_health[-1]["groups"].get(g, {}).get(name, {}).get("units", 0)))
+            first.setdefault(g, layers)
+            last[g] = layers
+    live = {g: {name: [int(v.get("live", 0)), int(last[g].get(name, {}).get("live", 0)),
+                       int(last[g].get(name, {}).get("units", 0))] for name, v in layers.items()}
+            for g, layers in first.items()}
     return {"live": live, "collapse": [c for h in with_health for c in h.get("collapse", [])],
             "collapse_rounds": [int(r["round"]) for r in records if (r.get("health") or {}).get("collapse")],
             "rolled_back": [int(r["round"]) for r in records if (r.get("health") or {}).get("rolled_back")],
