@@ -87,9 +87,7 @@ class BufferedCoordinator(Coordinator):
         devices, req = self.collector.devices, self.requests
         now = self.fleet.now()
         for d in [d for d in req.slots if not devices.is_online(d)]:
-            req.release(d, left=True)
-        for d in sorted(d for d in req.away if devices.is_online(d))[:max(0, self.buf.concurrency - len(req.slots))]:
-            req.back(d, now)
+            req.release(d)
         self._expire(now)
         free = self.buf.concurrency - len(req.slots)
         if free > 0:

@@ -40,8 +40,6 @@ class Requests:
         self.tickets: dict[str, int] = dict(tickets or {})
         self.last_ticket = max([int(last_ticket), *self.tickets.values()])
         self.slots: dict[str, float] = dict.fromkeys(self.tickets, now)
-        #: devices whose slot was freed because they left (it is theirs again when they return)
-        self.away: set[str] = set()
         self.refusals: OrderedDict[str, tuple[int, str]] = OrderedDict()
         self.refused = False  # a refusal was added since the last announcement
 
@@ -50,25 +48,17 @@ class Requests:
         self.last_ticket += 1
         self.tickets[device_id] = self.last_ticket
         self.slots[device_id] = now
-        self.away.discard(device_id)
         return self.last_ticket
 
     def close(self, device_id: str) -> None:
         """``device_id`` answered: its request is closed, its slot free."""
         self.tickets.pop(device_id, None)
         self.slots.pop(device_id, None)
-        self.away.discard(device_id)
 
-    def release(self, device_id: str, *, left: bool = False) -> None:
-        """Free the slot (the device ``left``, or took too long); its request stays open."""
+    def release(self, device_id: str) -> None:
+        """Free the slot (the device left, or took too long); its request stays open until
+        it answers or is asked again."""
         self.slots.pop(device_id, None)
-        if left:
-            self.away.add(device_id)
-
-    def back(self, device_id: str, now: float) -> None:
-        """A device that left with an open request is back: the slot is its own again."""
-        self.away.discard(device_id)
-        self.slots[device_id] = now
 
     def refuse(self, device_id: str, ticket: int, reason: str) -> None:
         """Note why ``device_id``'s answer to ``ticket`` was refused (the announcements list
