@@ -1,20 +1,16 @@
 """The buffered loop: :class:`BufferedCoordinator`, FedBuff over the round loop's parts.
 
-The global model has a version (0: the initial model; ``completed`` versions applied).
-While fewer than ``concurrency`` devices hold a request, present devices without one are
-drawn with the seeded RNG and asked to train: each gets a ticket, the plan (tickets,
-digests, RNG state) is saved, then the announcement (mode ``buffered``: the devices with
-an open request and their tickets, the current version's digests, recent refusals) is
-published, with the version's models when they changed. Each arriving update goes
-through the collector as in a round (ingest, the buffer's rules of
-``coordinator.buffered.window``, the strategy's fold scaled by ``η·s(τ)``, the inbox,
-then the ack). A request is closed by its answer; its slot is freed early when the
-device leaves or holds it past ``round_timeout_s`` (a straggler; its answer still
-counts). Every ``buffer_size`` updates the buffer is applied: ``strategy.finish()`` gives
-``w + η Σ ω s(τ) Δ / Σ ω``, evaluated, health-checked, checkpointed with one metrics
-line (each update's device, ticket, base version and staleness), and the next version is
-announced. ``run(resume=True)`` loads the last checkpoint and plan and replays the open
-buffer's inbox (every acked update counted once; the version sequence goes on).
+The model has a version (0: the initial one). While fewer than ``concurrency`` devices
+train, present devices without a request are drawn (seeded RNG) and each given a ticket;
+the plan (tickets, digests, RNG) is saved, then the announcement published (mode
+``buffered``: the open requests, the version's digests, recent refusals; the models when
+they changed). Updates go through the collector as in a round, the buffer's rules first
+(``window.py``), and are folded scaled by ``η·s(τ)``. A request closes with its answer;
+its slot frees when the device leaves or holds it past ``round_timeout_s`` (a straggler).
+Every ``buffer_size`` updates ``strategy.finish()`` gives ``w + η Σ ω s(τ) Δ / Σ ω``: it
+is evaluated, health-checked, checkpointed with one metrics line (each update's device,
+ticket, base version, staleness) and announced. ``run(resume=True)`` loads the last
+checkpoint and plan and replays the open buffer's inbox.
 """
 
 from __future__ import annotations

@@ -1,24 +1,15 @@
 """When each emulated device is online: a bundled model or a trace (``[availability]``).
 
-Times are simulated seconds from the run's start (``start_hour`` is the local hour then).
-``model = "none"``: every device always online. ``model = "trace"``: the CSV file
-``trace`` (rows ``device,start,end``; a header row is allowed) lists each device's
-sessions; a device it does not list is always online. ``model = "diurnal"``: each device
-alternates online sessions and offline gaps drawn from its profile's parameters
-(:data:`PROFILE_AVAILABILITY`, overridable per profile with ``[availability.profiles.<name>]``):
-
-- sessions last ``Exp(mean_session_s)`` (ended early when a charging window closes);
-- the gap after one ends at rate ``A / ((1 - A) mean_session_s)``, ``A`` the target
-  availability at that quarter hour: ``availability + amplitude cos(2π (hour - peak_hour)
-  / 24)``, clipped to [0.02, 1] (1: back at once), so a device is online about ``A`` of
-  the time;
-- ``charging = [from, to]`` (hours; may wrap midnight): a battery device trains only while
-  it charges; outside that window it is offline.
-
+Times are simulated seconds from the run's start (local hour ``start_hour`` then).
+``none``: always online. ``trace``: a CSV of ``device,start,end`` rows (a header allowed;
+a device it does not list is always online). ``diurnal``: sessions of
+``Exp(mean_session_s)``, the gap after one ending at rate ``A / ((1 - A) mean_session_s)``
+per quarter hour, ``A = availability + amplitude cos(2π (hour - peak_hour) / 24)``
+clipped to [0.02, 1], so a device is online about ``A`` of the time; with ``charging =
+[from, to]`` (hours) only inside that window. Parameters per profile:
+:data:`PROFILE_AVAILABILITY`, overridden by ``[availability.profiles.<name>]``.
 ``time_scale = k`` runs the model's clock k times faster than the simulated one (a day in
-86,400 / k simulated seconds, sessions and gaps k times shorter): for runs whose simulated
-span is minutes. The draws come from the run seed and the device id: the same seed gives
-the same sessions.
+86,400 / k s). The draws come from the run seed and the device id.
 """
 
 from __future__ import annotations

@@ -1,20 +1,17 @@
-"""The simulated clock of a buffered job (``round.mode = "buffered"``): every request, update
-arrival, presence change and request timeout is an event in simulated time.
+"""The simulated clock of a buffered job: requests, update arrivals, presence changes and
+request timeouts are events in simulated time.
 
 :class:`BufferedEmulatedFleet` sits between the buffered coordinator and the real fleet as
-:class:`~coordinator.emulation.clock.EmulatedFleet` does for rounds. Each announcement's new
-tickets are requests made at the current simulated time: the device is started in the
-workers (on the announcement's version; with a wall-clock deadline, the simulated one
-meaning nothing to a device that trains in wall time) unless its request is lost
-(``loss_rate``). Its update arrives at the request's time plus download, compute and
-upload (:class:`~coordinator.emulation.clock.SimLinks`), unless the device's session ends
-first (the update is lost with it). Events go to the coordinator one at a time in
-simulated order (then by kind: presence changes, arrivals, timeouts; then device id), and
-one only once no device still training could arrive before it (each arrival's lower
-bound is known at the request: compute and latency), so the coordinator reacts to each
-(asks others to train) at its simulated time and the run does not depend on the wall
-clock. A request that has not arrived ``timeout_s`` after it was made wakes the
-coordinator then (a presence message that changes nothing), so it frees the slot.
+``clock.EmulatedFleet`` does for rounds. A new ticket is a request at the current
+simulated time: its device starts in the workers on the announced version (the
+announcement re-dated in wall time for it) unless the request is lost (``loss_rate``);
+its update arrives after download, compute and upload (``SimLinks``) unless the device's
+session ends first. Events reach the coordinator one at a time in simulated order (then
+kind: presence, arrival, timeout; then device id), each once no device still training
+can arrive before it (an arrival's earliest time is known at the request), so the
+coordinator reacts to each at its simulated time and the run does not depend on the
+wall clock. A request unanswered ``timeout_s`` after it was made wakes the coordinator
+(a presence message that changes nothing) so that it frees the slot.
 """
 
 from __future__ import annotations
