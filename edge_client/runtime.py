@@ -466,12 +466,13 @@ class DeviceRuntime:
         item = self.outbox.put(a.round_id, self.t_update, payload)
         t = self.transport
         assert t is not None
+        what = f"version {a.round_id}, request {ticket}" if a.mode == "buffered" else f"round {a.round_id}"
         if t.publish(self.t_update, payload, qos=1, timeout=self.cfg.publish_timeout_s):
             self.outbox.mark_sent(item)
             self.sent += 1
-            self.log.info("round %d: update sent (%d bytes)", a.round_id, len(payload))
+            self.log.info("%s: update sent (%d bytes)", what, len(payload))
         else:
-            self.log.warning("round %d: update not acknowledged; kept in the outbox", a.round_id)
+            self.log.warning("%s: update not acknowledged; kept in the outbox", what)
 
     # ------------------------------------------------------------------ training
 
