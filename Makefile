@@ -3,24 +3,33 @@
 #
 # torch is pinned (torch==2.13.0 in the `coordinator` extra) so that pip takes the CPU
 # wheel a machine already has; an unpinned torch would pull a multi-GB CUDA build.
+# Every other dependency installs at the version constraints.txt pins for this Python (the
+# versions the tests and benchmarks were made with); `make lock` rewrites this Python's
+# block from .venv (README, "Two commands").
 
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 EXTRAS ?= coordinator,data,dev,onnx,cluster
+CONSTRAINTS ?= constraints.txt
 
-.PHONY: demo test bench bench-flower experiments fuzz faults wheel device-check py39-check install lint clean
+.PHONY: demo test bench bench-flower experiments fuzz faults wheel device-check py39-check install lock lint clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 
-# Re-install when pyproject.toml changes.
-$(VENV)/.installed: pyproject.toml | $(PY)
-	$(PY) -m pip install --quiet -e ".[$(EXTRAS)]"
+# Re-install when pyproject.toml or the constraints change.
+$(VENV)/.installed: pyproject.toml $(CONSTRAINTS) | $(PY)
+	$(PY) -m pip install --quiet -c $(CONSTRAINTS) -e ".[$(EXTRAS)]"
 	@touch $@
 
 install: $(VENV)/.installed
+
+# constraints.txt's block for this Python from what .venv has installed (after upgrading a
+# package there and passing make test / make bench with it)
+lock:
+	$(PY) tools/lock.py --extras $(EXTRAS) --out $(CONSTRAINTS)
 
 demo: install
 	$(VENV)/bin/fedbit demo
@@ -31,7 +40,8 @@ test: install
 bench: install
 	$(PY) benchmarks/run_all.py --out benchmarks/results/latest.jsonl
 
-# The emulator against Flower 1.40's simulation engine, side by side in one run: Flower in
+# The emulator against Flower 1.40's simulation engine, and SecAgg+ against Flower's
+# SecAggPlusWorkflow, side by side in one run each: Flower in
 # its own venv (.venv-flower, never a fedbit dependency), torch pinned as for fedbit.
 FLOWER_VENV ?= .venv-flower
 $(FLOWER_VENV)/bin/python:
@@ -41,6 +51,7 @@ $(FLOWER_VENV)/bin/python:
 
 bench-flower: install $(FLOWER_VENV)/bin/python
 	$(PY) benchmarks/emulator_scale.py --flower $(FLOWER_VENV)/bin/python
+	$(PY) benchmarks/secagg.py --flower $(FLOWER_VENV)/bin/python
 
 # The papers' experiments on the emulator (every config in experiments/: fmnist-* on
 # Fashion-MNIST, >= 5 seeds, hours; the others their digits versions); ONLY=name runs
@@ -84,8 +95,9 @@ device-check: install
 
 # The device side under Debian bullseye's Python 3.9 on this x86_64 machine (root; the
 # root filesystem is cached under ~/.cache/fedbit): the wheel, the device-side tests
-# (tests/device_tests.txt), Int8 training throughput vs this Python, a round over MQTT.
-# .ci/run runs it after make test.
+# (tests/device_tests.txt), Int8 training throughput vs this Python, a round over MQTT; at
+# constraints.txt's 3.9 versions (FEDBIT_LOCK_REFRESH=1: resolved afresh, and written there
+# when every check passes). .ci/run runs it after make test.
 py39-check: install
 	PY=$(PY) tools/py39_check.sh
 

@@ -6,7 +6,8 @@ Each ``benchmarks/<name>.py`` prints one JSON object per line; lines that are no
 (progress, warnings) are passed through to stderr. A failing benchmark makes the run
 fail, after the others have run. ``--jobs N`` runs N scripts at a time: for checking that
 they run (the test suite's ``--quick --jobs 2``), never for figures, since the scripts'
-timings would then share the CPU.
+timings would then share the CPU. Every line records the versions it was measured with
+(``versions``: Python, the kernel, numpy, numba, llvmlite, torch).
 """
 
 from __future__ import annotations
@@ -14,13 +15,29 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from importlib import metadata
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+#: the packages whose versions every line records (the engine's compiler and the anchors')
+VERSIONED = ("numpy", "numba", "llvmlite", "torch")
+
+
+def versions() -> dict[str, str]:
+    """This interpreter's Python, the kernel (``platform.release()``) and the VERSIONED
+    packages' versions (``"absent"`` when not installed)."""
+    out = {"python": platform.python_version(), "kernel": platform.release()}
+    for name in VERSIONED:
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = "absent"
+    return out
 
 
 def main() -> int:
@@ -43,6 +60,7 @@ def main() -> int:
 
     failed: list[str] = []
     records: list[dict] = []
+    measured_with = versions()
     with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
         # results in script order, whatever order they finish in
         for script, (proc, seconds) in zip(scripts, pool.map(run, scripts), strict=True):
@@ -55,6 +73,7 @@ def main() -> int:
                     continue
                 if isinstance(rec, dict):
                     rec.setdefault("quick", args.quick)
+                    rec.setdefault("versions", measured_with)
                     records.append(rec)
                     print(line, flush=True)
             if proc.returncode != 0:

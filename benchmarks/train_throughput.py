@@ -18,11 +18,14 @@ Prints JSON lines (docs/architecture.md#benchmarks; plus ``target``, ``spread`` 
   physical core or a busy host give ~1.0-1.3, and then no kernel reaches 1.7);
 - ``rss`` (MB): peak RSS of a device process training Int8 ``fedshift_cnn``, anchored on
   the 150 MB budget: the device runtime's trainer (``edge_client.runtime.
-  default_trainer_factory``, which drops LLVM's machine code from the process's resident
-  memory once the kernels are loaded: ``edge_client.intnn.memory``) in a process without
-  scipy, as the device wheel installs it (numpy, numba, msgpack, paho-mqtt: Numba imports
-  ``scipy.linalg`` at its first kernel when scipy is there). Extra fields: the
-  anonymous peak, the peak with scipy installed, and without the release;
+  default_trainer_factory``, which drops LLVM's pages from the process's resident memory
+  once the kernels are loaded: ``edge_client.intnn.memory``) in a process without scipy,
+  as the device wheel installs it (numpy, numba, msgpack, paho-mqtt: Numba imports
+  ``scipy.linalg`` at its first kernel when scipy is there), loading numpy and llvmlite
+  from copies written as pip writes a fresh install: how many pages of a library a fault
+  maps depends on how its file came into the page cache (docs/performance.md, "Memory").
+  Extra fields: the anonymous peak, the peak with scipy installed, without the release,
+  and with the libraries as found in this environment (``as_found_mb``);
 - ``warm_start_s``: process start to the end of the first training step, Numba cache
   warm, the same device process, anchored on the 1 s budget: the process's CPU time
   (what the start costs on an idle machine; the wall time, which a loaded machine
@@ -41,9 +44,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 MODELS = ("fedshift_cnn", "digits_cnn")
@@ -170,6 +175,9 @@ def worker_rss(name: str, steps: int, bits: int, scipy: str, release: str) -> di
     _device_install(scipy)
     import resource
 
+    import llvmlite
+    import numpy
+
     spec, data = _random_data(name, DATA_SAMPLES)
     tr = _device_trainer(spec, bits, release == "release")
     anon = 0.0
@@ -177,8 +185,10 @@ def worker_rss(name: str, steps: int, bits: int, scipy: str, release: str) -> di
         tr.train(data, steps=4, batch=BATCH)
         anon = max(anon, _status_mb("RssAnon"))
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+    fresh = os.environ.get("FEDBIT_BENCH_FRESH")
     return {"rss_mb": peak, "anon_mb": anon, "llvm_mb": _llvm_mb(),
-            "now_mb": _status_mb("VmRSS")}
+            "now_mb": _status_mb("VmRSS"),
+            "fresh": bool(fresh) and all(m.__file__.startswith(fresh) for m in (numpy, llvmlite))}
 
 
 def worker_first_step(name: str, bits: int, scipy: str = "installed") -> dict:
@@ -237,14 +247,42 @@ def worker_scaling() -> dict:
     return out
 
 
-def run_worker(*args: str) -> dict:
+def run_worker(*args: str, fresh: bool = False) -> dict:
+    """One worker subprocess; ``fresh``: numpy and llvmlite imported from copies written
+    as a fresh install writes them (:func:`fresh_copies`)."""
     env = dict(os.environ, NUMBA_NUM_THREADS="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1",
                FEDBIT_BENCH_T0=repr(time.time()))
-    out = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", *args],
-                         capture_output=True, text=True, env=env, cwd=ROOT, check=False)
+    with tempfile.TemporaryDirectory(prefix="fedbit-bench-") as tmp:
+        if fresh:
+            fresh_copies(tmp)
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (tmp, env.get("PYTHONPATH")) if p)
+            env["FEDBIT_BENCH_FRESH"] = tmp
+        out = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", *args],
+                             capture_output=True, text=True, env=env, cwd=ROOT, check=False)
     if out.returncode != 0:
         raise RuntimeError(f"worker {args} failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def fresh_copies(dest: str) -> None:
+    """Copy the numpy and llvmlite packages (and numpy's bundled libraries) into ``dest``
+    as pip installs a wheel: 64 KiB writes, times kept (their ``.pyc`` stay valid). The
+    page cache then holds the files in small folios, as after a fresh install or after
+    the loader read them; a file read whole (``cat``, a backup, a checksum) is held in
+    large folios, which a page fault maps whole."""
+    import llvmlite
+    import numpy
+
+    def copy(src: str, dst: str) -> None:
+        with open(src, "rb") as a, open(dst, "wb") as b:
+            shutil.copyfileobj(a, b, 64 * 1024)
+        shutil.copystat(src, dst)
+
+    for pkg in (os.path.dirname(numpy.__file__), os.path.dirname(llvmlite.__file__)):
+        for d in (pkg, pkg + ".libs"):
+            if os.path.isdir(d):
+                shutil.copytree(d, os.path.join(dest, os.path.basename(d)), copy_function=copy,
+                                ignore=shutil.ignore_patterns("tests"))
 
 
 # ----------------------------------------------------------------------------- main
@@ -321,15 +359,20 @@ def main(argv: list[str] | None = None) -> int:
              cpus=os.cpu_count(), load_1min=round(os.getloadavg()[0], 2),
              machine_2core_scaling=machine, **_summary(ratios))
     n = str(steps["fedshift_cnn"])
-    mem = run_worker("rss", "fedshift_cnn", n, bits, "absent", "release")
+    mem = run_worker("rss", "fedshift_cnn", n, bits, "absent", "release", fresh=True)
+    if not mem["fresh"]:
+        raise RuntimeError("the rss worker did not import numpy and llvmlite from the fresh copies")
     extra = {}
-    if not args.quick:  # the variants: with scipy installed, without the release
-        extra["with_scipy_mb"] = round(
-            run_worker("rss", "fedshift_cnn", n, bits, "installed", "release")["rss_mb"], 1)
-        extra["without_release_mb"] = round(
-            run_worker("rss", "fedshift_cnn", n, bits, "absent", "keep")["rss_mb"], 1)
+    if not args.quick:  # the variants: with scipy installed, without the release, as found
+        extra["with_scipy_mb"] = round(run_worker(
+            "rss", "fedshift_cnn", n, bits, "installed", "release", fresh=True)["rss_mb"], 1)
+        extra["without_release_mb"] = round(run_worker(
+            "rss", "fedshift_cnn", n, bits, "absent", "keep", fresh=True)["rss_mb"], 1)
+        extra["as_found_mb"] = round(
+            run_worker("rss", "fedshift_cnn", n, bits, "absent", "release")["rss_mb"], 1)
     emit(f"fedshift_cnn {q}", "rss", mem["rss_mb"], "MB", "budget", RSS_BUDGET_MB,
-         target="<= 1.0", process="device install (no scipy), device runtime's trainer",
+         target="<= 1.0", process="device install (no scipy, numpy and llvmlite freshly "
+                                  "written), device runtime's trainer",
          anon_mb=round(mem["anon_mb"], 1), after_warmup_mb=round(mem["now_mb"], 1),
          llvmlite_mb=round(mem["llvm_mb"], 1), **extra)
     warm = [run_worker("first", "fedshift_cnn", bits, "absent") for _ in range(rounds)]

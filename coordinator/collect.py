@@ -13,20 +13,36 @@ with their reason and counted (``rejected_<reason>`` / ``dropped_<reason>``).
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import numpy as np
+
 from coordinator.commit import AckCommitter
 from coordinator.devices import DeviceRegistry
 from coordinator.fleet import Fleet, Inbound
 from coordinator.ingest import Ingest, OpenRound, Rejected
+from coordinator.ops.knocks import JobsOnBroker
 from coordinator.state import RunState
 from coordinator.strategies.round import RoundStrategy
-from edge_client.errors import ProtocolError
+from edge_client.errors import FedbitError, ProtocolError
 from edge_client.hparams import not_applied_level
+
+
+def _names(ids: list[str], most: int = 20) -> str:
+    """``: a, b, c`` (the first ``most`` ids, then how many more); empty for none."""
+    if not ids:
+        return ""
+    more = f" and {len(ids) - most} more" if len(ids) > most else ""
+    return ": " + ", ".join(ids[:most]) + more
+
+
+class NotEnoughDevices(FedbitError, RuntimeError):
+    """A round cannot start (not enough devices within the presence timeout)."""
 
 
 def codec_label(tensors: Any) -> str:
@@ -98,9 +114,43 @@ class Collector:
             lambda: self.state.inbox_sync(), lambda m: self.fleet.ack(m),
             persist=lambda rec: self.state.inbox_append(*rec))
         self._to_persist: list[tuple[int, str, bytes]] = []
+        #: handles secure-aggregation messages (``coordinator.privacy.round.Privacy.handle``;
+        #: None: they are refused); raises Rejected
+        self.on_secure: Callable[[Inbound], None] | None = None
+        #: devices present when the last round's devices were selected
+        self.present = 0
         #: (device, what it reported) already logged at WARNING: a device that reports the
         #: same setting not applied every round is logged once, then at DEBUG (still counted)
         self._reported: set[tuple[str, str]] = set()
+        #: which jobs of the broker have a coordinator, and devices knocking on the others
+        self.jobs = JobsOnBroker(getattr(fleet, "job", "default"))
+        self._gone_until: dict[str, float] = {}  # gone device -> when the round stops waiting for it
+
+    def select(self, cfg: Any, rng: np.random.Generator) -> list[str]:
+        """Wait (bounded by ``cfg.presence_timeout_s``: :class:`NotEnoughDevices`) until
+        ``max(min_devices, min_present)`` devices are present, then select ``clamp(ceil(fraction * present), min, max)`` of
+        them with ``rng``; sorted ids."""
+        devices = self.devices
+        end = time.monotonic() + cfg.presence_timeout_s
+        last_note = 0.0
+        need = max(cfg.min_devices, cfg.min_present)
+        waited = False
+        while len(devices.present()) < need:
+            waited = True
+            if time.monotonic() >= end:
+                raise NotEnoughDevices(f"only {len(devices.present())} device(s) present after "
+                                       f"{cfg.presence_timeout_s:.0f} s; need {need}")
+            if time.monotonic() - last_note > 5:
+                last_note = time.monotonic()
+                self.on_event("waiting", {"present": len(devices.present()), "need": need})
+            self.pump(min(end, time.monotonic() + 0.5))
+        if waited:  # let hellos that arrive together settle
+            self.pump(time.monotonic() + 0.05)
+        present = devices.present()
+        self.present = len(present)
+        k = max(cfg.min_devices, min(cfg.max_devices, math.ceil(cfg.fraction * len(present))))
+        idx = rng.choice(len(present), size=min(k, len(present)), replace=False)
+        return sorted(present[i] for i in idx)
 
     def new_round(self) -> None:
         """Reset the per-round counters and the stopwatch (before selection)."""
@@ -139,6 +189,15 @@ class Collector:
                                                                        self.devices, msg.received_at))
                         if change:
                             self._device_changed(msg.device_id, change)
+                    except Rejected as exc:
+                        self._refused(exc, msg.kind, msg.device_id)
+                elif msg.kind == "status":
+                    self.jobs.status(msg.topic, msg.payload)
+                elif msg.kind == "knock":
+                    self.jobs.knock(msg.topic, msg.payload, msg.received_at)
+                elif msg.kind == "secagg" and self.on_secure is not None:
+                    try:
+                        self.on_secure(msg)
                     except Rejected as exc:
                         self._refused(exc, msg.kind, msg.device_id)
                 else:
@@ -198,6 +257,45 @@ class Collector:
         self.on_event("device", {"device": device_id, "change": change, "online": n, "profile": h.profile,
                                  "compute_bits": h.compute_bits, "trainer": h.trainer,
                                  "codec": f"{h.codec}-{h.codec_bits}", "num_samples": h.num_samples})
+        rnd = self.round
+        if rnd is not None and change == "left":
+            self.device_gone(device_id, "left", self.back_within_s)
+        elif rnd is not None and rnd.gone.get(device_id) == "left":  # back before the round closed
+            del rnd.gone[device_id]
+            self._gone_until.pop(device_id, None)
+            self.log.info("round %d: selected device %r is back; waiting for its update", rnd.round_id, device_id)
+
+    #: a selected device that left (its last will) and comes back within this many seconds
+    #: (a restarted process re-sending its update from its outbox) is still waited for
+    back_within_s = 5.0
+
+    def device_gone(self, device_id: str, why: str, back_within_s: float = 0.0) -> None:
+        """A selected device of the open round will not answer (``why``: ``left``, its last
+        will arrived): a straggler, logged and reported (``gone`` event); the round closes
+        when every other selected device answered or is gone too, and ``back_within_s``
+        seconds have passed without it coming back."""
+        rnd = self.round
+        if rnd is None or not rnd.mark_gone(device_id, why):
+            return
+        self._gone_until[device_id] = time.monotonic() + back_within_s
+        left = rnd.outstanding()
+        self.log.warning("round %d: selected device %r is gone (%s) before answering: a straggler%s; "
+                         "%d outstanding%s", rnd.round_id, device_id, why,
+                         f" unless back within {back_within_s:g} s" if back_within_s else "", len(left),
+                         _names(left), extra={"event": "gone", "round": rnd.round_id, "device": device_id,
+                                              "why": why})
+        self.on_event("gone", {"round": rnd.round_id, "device": device_id, "why": why,
+                               "outstanding": len(left)})
+
+    def _report_knocks(self) -> None:
+        """Log (and report as ``knock`` events) the devices saying hello on a job that has
+        no coordinator on this broker, each once."""
+        for k in self.jobs.due(time.monotonic()):
+            self.log.warning("device %r says hello on job %r, which has no coordinator on this broker; this "
+                             "coordinator serves job %r (start the device with --job %s)", k.device_id, k.job,
+                             self.jobs.job, self.jobs.job, extra={"event": "knock", "device": k.device_id,
+                                                                   "job": k.job})
+            self.on_event("knock", {"device": k.device_id, "job": k.job, "serving": self.jobs.job})
 
     #: refusals of one reason logged per round at their level; more go to debug (a flood
     #: must not flood the log; every one is counted)
@@ -237,23 +335,41 @@ class Collector:
         self.log.warning("rejected %s from %r: %s (%s)", kind, device_id, exc.reason, exc.detail,
                          extra={"event": "reject", **fields})
 
-    def await_present(self, need: int, timeout_s: float) -> bool:
-        """Handle messages until ``need`` devices are present (a ``waiting`` event every 5 s
-        while there are fewer), for at most ``timeout_s``; whether they are."""
-        end = time.monotonic() + timeout_s
-        last_note = 0.0
-        waited = False
-        while len(self.devices.present()) < need:
-            waited = True
-            if time.monotonic() >= end:
-                return False
-            if time.monotonic() - last_note > 5:
-                last_note = time.monotonic()
-                self.on_event("waiting", {"present": len(self.devices.present()), "need": need})
-            self.pump(min(end, time.monotonic() + 0.5))
-        if waited:  # let hellos that arrive together settle
-            self.pump(time.monotonic() + 0.05)
-        return True
+    #: how often the devices a round still waits for are logged by name (s)
+    outstanding_every_s = 15.0
+
+    def collect(self, need: int, until: float, more: Callable[[], bool] = lambda: True) -> list[str]:
+        """Collect the open round until ``need`` updates are accepted, every selected device
+        answered or is gone (:meth:`OpenRound.settled`; a device that left: once it stayed
+        away :attr:`back_within_s`), ``more()`` is False (the fleet
+        knows nothing more will come) or ``time.monotonic() >= until`` (the deadline). The
+        devices still outstanding are logged by name every :attr:`outstanding_every_s`.
+        Returns the stragglers (selected, no update; counted), empty once ``need`` was met."""
+        rnd = self.round
+        assert rnd is not None
+        self._gone_until = {}
+
+        def done() -> bool:
+            return len(rnd.accepted) >= need or not more() or (
+                rnd.settled() and time.monotonic() >= max(self._gone_until.values(), default=0.0))
+
+        while not done() and time.monotonic() < until:
+            self.pump(min(until, time.monotonic() + self.outstanding_every_s), stop=done)
+            if not done() and time.monotonic() < until:
+                left = rnd.outstanding()
+                self.log.info("round %d: %d of %d update(s); waiting for %d device(s)%s, deadline in %.0f s",
+                              rnd.round_id, len(rnd.accepted), len(rnd.selected), len(left), _names(left),
+                              until - time.monotonic(), extra={"event": "outstanding", "round": rnd.round_id})
+        if len(rnd.accepted) >= need:
+            return []
+        stragglers = sorted(rnd.selected - rnd.accepted.keys())
+        self.counts["stragglers"] = len(stragglers)
+        why = ("every selected device answered or is gone" if rnd.settled() else
+               "the fleet expects no more updates" if not more() else "deadline passed")
+        gone = f" ({len(rnd.gone)} gone{_names(sorted(rnd.gone), 10)})" if rnd.gone else ""
+        self.log.warning("round %d: %s; %d straggler(s) excluded%s: %s", rnd.round_id, why, len(stragglers), gone,
+                         stragglers, extra={"event": "stragglers", "round": rnd.round_id})
+        return stragglers
 
     def pump(self, until: float, stop: Callable[[], bool] = lambda: False) -> None:
         """Handle messages until ``time.monotonic() >= until`` or ``stop()``.
@@ -270,6 +386,7 @@ class Collector:
                 if left <= 0:
                     return
                 msg = self.fleet.recv(timeout=min(left, 0.25))
+                self._report_knocks()
                 if msg is None:
                     continue
                 batch = [msg]

@@ -2,29 +2,33 @@
 loop's settings (:class:`ServerConfig`), validated as a whole.
 
 A config file (an experiment for ``fedbit emulate``, a job for ``fedbit serve --config``) is
-one TOML table checked against a :class:`TomlSchema`: known sections and keys, each with
-its accepted types and its default, plus *free* sections whose keys their consumer
-checks (``[train]``, ``[strategy_params]``, ...). An unknown key, a wrong type or a bad
-value is a :class:`ConfigError` naming the file and the key. Command-line values reach the
-same table as dotted keys (``--set round.quorum=0.8``, :func:`parse_assignments`, the one
-``KEY=VALUE`` parser of every command) and override the file's.
-
-Each default lives in one place: the dataclass that uses the setting (:class:`ServerConfig`,
-:class:`~coordinator.ops.admission.AdmissionConfig`, ``edge_client.protocol.Limits``); the
-schemas read their defaults from there.
+one TOML table checked against a :class:`TomlSchema`: known sections, each a dataclass
+whose fields are its keys (:func:`section_keys`: the annotation gives the accepted types,
+the field the default), plus *free* sections whose keys their consumer checks
+(``[train]``, ``[strategy_params]``, ...). :meth:`TomlSchema.load` returns each section
+as an instance of its dataclass, read by attribute; a section's ``check()`` validates its
+values. An unknown key, a wrong type or a bad value is a :class:`ConfigError` naming the
+file and the key. Command-line values reach the same table as dotted keys (``--set
+round.quorum=0.8``, :func:`parse_assignments`, the one ``KEY=VALUE`` parser of every
+command) and override the file's. docs/architecture.md ("Configuration") has the recipe
+for a new key or section.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import tomllib
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import UnionType
 from typing import Any
 
 from coordinator.buffered.settings import BufferedSettings, buffered_conflict
 from coordinator.ops.admission import AdmissionConfig
+from coordinator.privacy.config import PrivacyConfig
 from coordinator.strategies.round import RoundStrategy
 from edge_client.errors import ConfigError
 from edge_client.hparams import validate_hparams
@@ -75,13 +79,83 @@ def check_type(key: str, value: Any, types: type | tuple[type, ...], source: str
         raise ConfigError(f"{source}: {key}: expected {want}, got {type(value).__name__} {value!r}")
 
 
+def toml_types(annotation: Any) -> type | tuple[type, ...]:
+    """The TOML value types a field's annotation accepts: ``float`` takes an integer too,
+    ``list[str]`` a list, ``dict[str, float]`` a table, ``str | int`` either."""
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, UnionType):
+        out: list[type] = []
+        for arg in typing.get_args(annotation):
+            t = toml_types(arg)
+            out += list(t) if isinstance(t, tuple) else [t]
+        return tuple(dict.fromkeys(out))
+    if origin is not None:
+        return origin
+    return NUMBER if annotation is float else annotation
+
+
+def section_keys(cls: type, exclude: tuple[str, ...] = ()) -> dict[str, KeySpec]:
+    """A settings dataclass's fields as a section's keys: ``{name: (types, default)}``.
+    The types come from the annotation (:func:`toml_types`), or from the field's
+    ``metadata["toml"]`` where the file accepts more than the attribute holds; a field
+    with ``metadata["file"] = False`` is set by the program, never by the file."""
+    hints = typing.get_type_hints(cls)
+    out: dict[str, KeySpec] = {}
+    for f in dataclasses.fields(cls):
+        if f.name in exclude or not f.init or not f.metadata.get("file", True):
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        out[f.name] = (f.metadata.get("toml", toml_types(hints[f.name])), default)
+    return out
+
+
+def checked(section: Any, name: str, source: str) -> Any:
+    """``section`` after its ``check()`` (if it has one), which raises ConfigError
+    ``"key: why"``; re-raised as ``"SOURCE: NAME.key: why"``."""
+    check = getattr(section, "check", None)
+    if check is not None:
+        try:
+            check()
+        except ConfigError as exc:
+            raise ConfigError(f"{source}: {name + '.' if name else ''}{exc}") from None
+    return section
+
+
 @dataclass(frozen=True)
 class TomlSchema:
-    """Sections (``""``: the top level) of ``{key: (types, default)}``, and the free
+    """Sections (``""``: the top level) of ``{key: (types, default)}``, the dataclass each
+    section is loaded as (``classes``; a section without one stays a dict), and the free
     sections whose keys their consumer checks."""
 
     sections: dict[str, dict[str, KeySpec]]
     free: tuple[str, ...] = ()
+    classes: dict[str, type] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, sections: dict[str, type | dict[str, KeySpec]], free: tuple[str, ...] = ()) -> TomlSchema:
+        """A schema from each section's dataclass (its keys: :func:`section_keys`) or its
+        ``{key: (types, default)}``."""
+        return cls({name: section_keys(c) if isinstance(c, type) else c for name, c in sections.items()}, free,
+                   {name: c for name, c in sections.items() if isinstance(c, type)})
+
+    def load(self, raw: dict[str, Any], source: str) -> dict[str, Any]:
+        """:meth:`validate`, then :meth:`build`."""
+        return self.build(self.validate(raw, source))
+
+    def build(self, values: dict[str, dict[str, Any]]) -> dict[str, Any]:
+        """:meth:`validate`'s sections, each that has a class as an instance of it (a
+        ``float`` field holds a float, also where the file wrote an integer; not yet
+        checked: :func:`checked`); the others and the free sections as they are."""
+        out: dict[str, Any] = {}
+        for name, table in values.items():
+            cls = self.classes.get(name)
+            if cls is None:
+                out[name] = table
+                continue
+            hints = typing.get_type_hints(cls)
+            out[name] = cls(**{k: float(v) if hints[k] is float and type(v) is int else copy.deepcopy(v)
+                               for k, v in table.items()})
+        return out
 
     def known(self) -> list[str]:
         """Every top-level key and section name."""
@@ -167,6 +241,8 @@ class ServerConfig:
       (:class:`~coordinator.ops.admission.AdmissionConfig`);
     - ``on_collapse``: what a collapsed aggregate does (:mod:`coordinator.health`):
       ``rollback`` to the last healthy model, or ``log`` it and keep it;
+    - ``privacy``: secure aggregation and differential privacy
+      (:class:`~coordinator.privacy.config.PrivacyConfig`);
     - ``mode``: ``sync`` (rounds) or ``buffered`` (``coordinator.buffered``: ``rounds``
       buffer applications, ``buffered`` its settings; ``fraction``, ``quorum`` and
       ``min_updates`` unused, ``round_timeout_s`` bounds how long a request is held).
@@ -190,6 +266,7 @@ class ServerConfig:
     limits: Limits = DEFAULT_LIMITS
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     on_collapse: str = "rollback"
+    privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
     mode: str = "sync"
     buffered: BufferedSettings = field(default_factory=BufferedSettings)
 
@@ -215,6 +292,7 @@ class ServerConfig:
         if self.on_collapse not in ON_COLLAPSE:
             raise ConfigError(f"on_collapse: {self.on_collapse!r} is not one of {list(ON_COLLAPSE)}")
         self.admission.validate()
+        self.privacy.validate(self.strategy, self.strategy_params)
         validate_hparams(self.hparams)
         if self.mode not in ROUND_MODES:
             raise ConfigError(f"round.mode: {self.mode!r} is not one of {sorted(ROUND_MODES)}")
@@ -226,5 +304,9 @@ class ServerConfig:
             if self.hparams.get("content", "delta") != "delta":
                 raise ConfigError("train.content: buffered mode needs updates relative to the version each "
                                   f"device started from (\"delta\"), got {self.hparams['content']!r}")
+            if self.privacy.secure_aggregation or self.privacy.dp:
+                raise ConfigError("[privacy]: secure aggregation and differential privacy run in rounds (masks "
+                                  "over one round's selected devices; the accountant composes rounds), not with "
+                                  "round.mode = \"buffered\"")
         if strategy is not None:
             strategy.device_hparams(self.hparams)

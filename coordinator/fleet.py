@@ -35,8 +35,10 @@ from edge_client.transport import LocalHub, MqttTransport, TlsOptions, Transport
 class Inbound:
     """One received message.
 
-    - ``kind``: ``hello``, ``presence``, ``update``, or ``invalid`` (a topic outside the
-      protocol: ``device_id`` is then empty);
+    - ``kind``: ``hello``, ``presence``, ``update``, ``secagg`` (secure aggregation's),
+      ``knock`` (a hello on another job), ``status`` (a coordinator's status, this job's or
+      another's: ``device_id`` empty), or ``invalid`` (a topic outside the protocol:
+      ``device_id`` is then empty);
     - ``device_id``: the id in the topic (the payload's own id is checked against it);
     - ``payload``: the exact bytes; ``received_at``: a ``time.monotonic()`` stamp (s);
     - ``topic``: the topic as received (for logs);
@@ -148,6 +150,7 @@ class TransportFleet(Fleet):
         self.publish_timeout = publish_timeout
         self.invalid_topics = 0
         self._unconfirmed: list[tuple[str, bytes, Any]] = []  # (topic, payload, handle)
+        self._sent: list[tuple[str, bytes, Any]] = []  # messages to one device, not retained
         #: what the broker should retain (topic -> last payload), published again after a
         #: reconnect: a broker restarted without persistence has lost it
         self._retained: dict[str, bytes] = {}
@@ -155,9 +158,16 @@ class TransportFleet(Fleet):
         self.republished = 0
 
     @staticmethod
-    def subscriptions(job: str) -> list[str]:
+    def subscriptions(job: str, other_jobs: bool = False) -> list[str]:
+        """The coordinator's topic filters; ``other_jobs``: every job's hellos and
+        coordinator statuses (on a broker whose ACL allows it: the embedded anonymous one),
+        so that a device knocking on a job nobody serves is logged (``knock`` messages)."""
         root = topic(job, "round").rsplit("/", 1)[0]
-        return [f"{root}/presence/+", f"{root}/hello/+", f"{root}/update/+"]
+        if other_jobs:
+            every = root.rsplit("/", 1)[0] + "/+"
+            return [f"{root}/presence/+", f"{every}/hello/+", f"{root}/update/+",
+                    f"{root}/secagg/+", f"{every}/status"]
+        return [f"{root}/presence/+", f"{root}/hello/+", f"{root}/update/+", f"{root}/secagg/+"]
 
     def start(self, timeout: float = 30.0) -> None:
         self.transport.connect(timeout=timeout)
@@ -176,6 +186,18 @@ class TransportFleet(Fleet):
     def reset(self, status: bytes) -> None:
         self._queue([(self.t_round, b""), (self.t_status, status)])
         self.flush()
+
+    def send(self, device_id: str, payload: bytes) -> None:
+        """Queue one message to one device (secure aggregation's, on ``secagg-in/<id>``; QoS 1,
+        not retained); :meth:`flush` waits for the broker."""
+        name = topic(self.job, "secagg-in", device_id)
+        start = getattr(self.transport, "publish_start", None)
+        h = start(name, payload, qos=1, retain=False) if start is not None else None
+        if h is None:
+            if not self.transport.publish(name, payload, qos=1, retain=False, timeout=self.publish_timeout):
+                raise ConnectionError(f"{name}: the broker did not acknowledge the publish")
+            return
+        self._sent.append((name, payload, h))
 
     def _publish_retained(self, name: str, payload: bytes) -> None:
         """One retained QoS 1 publish, re-sent until acknowledged (or the timeout)."""
@@ -209,6 +231,12 @@ class TransportFleet(Fleet):
                 self._unconfirmed.append((name, payload, h))
 
     def flush(self) -> None:
+        sent, self._sent = self._sent, []
+        end = time.monotonic() + self.publish_timeout
+        for name, payload, h in sent:  # to one device each: re-sent (not retained) when not acked
+            if not h.wait(max(0.0, end - time.monotonic())) and not self.transport.publish(
+                    name, payload, qos=1, retain=False, timeout=10.0):
+                raise ConnectionError(f"{name}: the broker did not acknowledge the publish")
         pending, self._unconfirmed = self._unconfirmed, []
         end = time.monotonic() + min(10.0, self.publish_timeout)
         failed = False
@@ -241,7 +269,10 @@ class TransportFleet(Fleet):
             return None
         try:
             job, kind, ident = parse_topic(msg.topic)
-            if job != self.job or kind not in ("hello", "presence", "update") or ident is None:
+            if kind == "status" or (kind == "hello" and job != self.job):  # (other_jobs subscriptions)
+                return Inbound("status" if kind == "status" else "knock", ident or "", msg.payload,
+                               time.monotonic(), msg.topic, msg)
+            if job != self.job or kind not in ("hello", "presence", "update", "secagg") or ident is None:
                 raise ProtocolError(f"topic: {msg.topic!r} is not an inbound topic of job {self.job!r}")
         except ProtocolError:
             self.invalid_topics += 1
@@ -266,18 +297,19 @@ class MqttFleet(TransportFleet):
     """A fleet behind an MQTT broker (see the module docstring).
 
     ``url`` may carry ``user:password@``; ``tls`` gives CA / client certificate files;
-    ``client_id`` must stay the same across restarts for the persistent session.
+    ``client_id`` must stay the same across restarts for the persistent session;
+    ``watch_jobs``: also hear every job's hellos and statuses (see :meth:`subscriptions`).
     """
 
     def __init__(self, url: str, job: str = "default", *, client_id: str | None = None,
                  username: str | None = None, password: str | None = None,
                  tls: TlsOptions | None = None, protocol: str = "auto",
-                 max_payload: int = 64 * 1024 * 1024 + 64 * 1024) -> None:
+                 max_payload: int = 64 * 1024 * 1024 + 64 * 1024, watch_jobs: bool = False) -> None:
         will = (topic(job, "status"),
                 encode_message(Status(state="error", round_id=0, message="coordinator offline")))
         t = MqttTransport(url, client_id or f"fedbit-coordinator-{job}", username=username,
                           password=password, tls=tls, will=will,
-                          subscriptions=self.subscriptions(job), manual_ack=True,
+                          subscriptions=self.subscriptions(job, watch_jobs), manual_ack=True,
                           persistent_session=True, protocol=protocol, max_payload=max_payload)
         super().__init__(job, t)
         self.url = url

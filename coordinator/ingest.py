@@ -86,6 +86,25 @@ class OpenRound:
     round_id: int
     selected: frozenset[str]
     accepted: dict[str, float] = field(default_factory=dict)
+    #: selected devices known to be gone before they answered (device id -> why: ``left``,
+    #: their last will arrived): stragglers at once, the round does not wait for them
+    gone: dict[str, str] = field(default_factory=dict)
+
+    def mark_gone(self, device_id: str, why: str) -> bool:
+        """Stop waiting for selected device ``device_id`` (``why``: ``left``, ...); True
+        when it was still outstanding."""
+        if device_id not in self.selected or device_id in self.accepted or device_id in self.gone:
+            return False
+        self.gone[device_id] = why
+        return True
+
+    def outstanding(self) -> list[str]:
+        """Selected devices that neither answered nor are gone, by id."""
+        return sorted(self.selected - self.accepted.keys() - self.gone.keys())
+
+    def settled(self) -> bool:
+        """Every selected device answered or is gone: nothing more to wait for."""
+        return len(self.accepted) + len(self.gone.keys() - self.accepted.keys()) >= len(self.selected)
 
     def admit(self, m: Update, completed: int) -> None:
         """Steps 5-7 for a parsed update (``completed``: the last closed round); raises
@@ -204,6 +223,15 @@ class Ingest:
             raise Rejected("registry_full", f"{len(registry.hellos)} devices registered (max_registered {cap})")
         return m
 
+    def secure(self, device_id: str, payload: bytes, kinds: frozenset[str]):  # -> protocol.Message
+        """A secure-aggregation message from ``device_id``'s ``secagg`` topic: steps 1-4
+        (size, enrolment, MAC, parse, a kind of ``kinds``, identity); raises :class:`Rejected`."""
+        m = self._parse(payload, device_id)
+        if m.KIND not in kinds:
+            raise Rejected("wrong_kind", f"{m.KIND} on a secagg topic")
+        _check_identity(m, device_id)
+        return m
+
     def _parse(self, payload: bytes, device_id: str):  # -> protocol.Message
         """Steps 1, 1a, 1b and 2."""
         if len(payload) > self.limits.max_payload_bytes:
@@ -220,7 +248,7 @@ class Ingest:
             raise Rejected.from_protocol(exc) from None
 
 
-def _check_identity(m: Hello | Presence | Update, device_id: str) -> None:
+def _check_identity(m: Any, device_id: str) -> None:
     """Step 4: a device speaks only under its own id (the broker's ACL should already
     enforce it; this holds on a misconfigured broker too)."""
     if m.device_id != device_id:

@@ -27,6 +27,8 @@ naming the file and the key; ``examples/job.toml`` shows every section)::
     [limits]                    # max_payload_bytes, max_abs_value
     [log]                       # json, level, quiet
     [dashboard]                 # listen ([HOST:]PORT; empty: none), password_file
+    [privacy]                   # secure_aggregation, mechanism, clip, noise_multiplier,
+                                # target_epsilon, delta, ... (coordinator.privacy.config)
 
 Every flag of ``fedbit serve`` sets one of these keys (:data:`FLAGS`; ``--set KEY=VALUE``
 sets any), so a flag and the file never disagree about a default: defaults come from
@@ -47,18 +49,20 @@ from coordinator.buffered.loop import BufferedCoordinator
 from coordinator.buffered.settings import BufferedSettings
 from coordinator.config import (
     DEFAULT_HPARAMS,
-    NUMBER,
     ON_COLLAPSE,
     ServerConfig,
     TomlSchema,
+    checked,
     parse_assignments,
     read_toml,
 )
 from coordinator.ops.admission import AdmissionConfig
 from coordinator.ops.dashboard.access import parse_address
+from coordinator.privacy.config import FLAGS as PRIVACY_FLAGS
+from coordinator.privacy.config import PrivacyConfig
 from coordinator.server import Coordinator
 from edge_client.errors import ConfigError
-from edge_client.protocol import DEFAULT_LIMITS
+from edge_client.protocol import DEFAULT_LIMITS, Limits
 from firmware_models import MODELS
 
 #: ``round.mode`` -> its loop (each takes :class:`~coordinator.server.Coordinator`'s arguments)
@@ -67,6 +71,62 @@ EMBEDDED_KINDS = ("auto", "mosquitto", "amqtt")
 SECURITY_MODES = ("auto", "none", "password", "tls")
 MQTT_VERSIONS = ("auto", "5", "3.1.1")
 LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+_S, _A = ServerConfig(), AdmissionConfig()
+
+
+def _one_of(key: str, value: Any, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{key}: {value!r} is not one of {list(allowed)}")
+
+
+@dataclass
+class JobSettings:
+    """The job file's top-level keys (the module docstring): the job id, the model, the
+    rounds, the strategy, the seed, the run directory ``out``, the held-out ``eval_data``,
+    ``resume`` and what a collapsed aggregate does (``on_collapse``)."""
+
+    job: str = _S.job
+    model: str = _S.model
+    rounds: int = _S.rounds
+    strategy: str = _S.strategy
+    seed: int = _S.seed
+    out: str = ""
+    eval_data: str = "digits:test"
+    resume: bool = False
+    on_collapse: str = _S.on_collapse
+
+    def check(self) -> None:
+        _one_of("on_collapse", self.on_collapse, ON_COLLAPSE)
+        if not self.out:
+            raise ConfigError("out: no run directory (give --out DIR or `out = \"DIR\"` in the job file)")
+
+
+@dataclass
+class JobRound:
+    """``[round]``: :class:`~coordinator.config.ServerConfig`'s round-loop settings under
+    the file's names (``timeout_s`` is ``round_timeout_s``)."""
+
+    fraction: float = _S.fraction
+    min_devices: int = _S.min_devices
+    max_devices: int = _S.max_devices
+    min_present: int = _S.min_present
+    quorum: float = _S.quorum
+    min_updates: int = _S.min_updates
+    timeout_s: float = _S.round_timeout_s
+    presence_timeout_s: float = _S.presence_timeout_s
+    mode: str = _S.mode
+    buffer_size: int = _S.buffered.buffer_size
+    concurrency: int = _S.buffered.concurrency
+    server_lr: float = _S.buffered.server_lr
+    max_staleness: int = _S.buffered.max_staleness
+    staleness: str = _S.buffered.staleness
+
+    def buffered(self) -> BufferedSettings:
+        """Buffered mode's settings (``coordinator.buffered``)."""
+        return BufferedSettings(self.buffer_size, self.concurrency, float(self.server_lr), self.max_staleness,
+                                self.staleness)
 
 
 @dataclass
@@ -97,6 +157,43 @@ class BrokerSettings:
     key: str = ""
     insecure: bool = False
 
+    def check(self) -> None:
+        _one_of("embedded", self.embedded, EMBEDDED_KINDS)
+        _one_of("security", self.security, SECURITY_MODES)
+        _one_of("mqtt_version", self.mqtt_version, MQTT_VERSIONS)
+        if not all(isinstance(h, str) and h for h in self.hostnames):
+            raise ConfigError(f"hostnames: expected a list of names, got {self.hostnames!r}")
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"port: must be in 0..65535 (0: a free port), got {self.port}")
+
+
+@dataclass
+class LimitSettings:
+    """``[limits]``: the two protocol limits a job sets (``edge_client.protocol.Limits``)."""
+
+    max_payload_bytes: int = DEFAULT_LIMITS.max_payload_bytes
+    max_abs_value: float = DEFAULT_LIMITS.max_abs_value
+
+    def check(self) -> None:
+        if self.max_payload_bytes < 1024:
+            raise ConfigError(f"max_payload_bytes: must be >= 1024, got {self.max_payload_bytes}")
+
+    def limits(self) -> Limits:
+        return replace(DEFAULT_LIMITS, max_payload_bytes=self.max_payload_bytes, max_abs_value=self.max_abs_value)
+
+
+@dataclass
+class LogSettings:
+    """``[log]``: JSON lines instead of text (``json``), the ``level``, no progress display
+    (``quiet``)."""
+
+    json: bool = False
+    level: str = "info"
+    quiet: bool = False
+
+    def check(self) -> None:
+        _one_of("level", self.level, LOG_LEVELS)
+
 
 @dataclass
 class DashboardSettings:
@@ -105,8 +202,18 @@ class DashboardSettings:
     bare port is on 127.0.0.1, 0 a free one; beyond loopback HTTPS with the job CA and a
     password), ``password_file`` (default beyond loopback: ``SECURITY/dashboard.password``)."""
 
-    listen: str = ""
+    listen: str = field(default="", metadata={"toml": (str, int)})  # a bare port may be a number
     password_file: str = ""
+
+    def __post_init__(self) -> None:
+        self.listen = str(self.listen).strip()
+
+    def check(self) -> None:
+        if self.listen:
+            try:
+                parse_address(self.listen)
+            except ConfigError as exc:
+                raise ConfigError(f"listen: {exc}") from None
 
 
 @dataclass
@@ -127,29 +234,9 @@ class ServeJob:
     table: dict[str, Any] = field(default_factory=dict)
 
 
-_S, _A, _L, _B = ServerConfig(), AdmissionConfig(), DEFAULT_LIMITS, BrokerSettings()
-_F = _S.buffered
-SCHEMA = TomlSchema({
-    "": {"job": (str, _S.job), "model": (str, _S.model), "rounds": (int, _S.rounds),
-         "strategy": (str, _S.strategy), "seed": (int, _S.seed), "out": (str, ""),
-         "eval_data": (str, "digits:test"), "resume": (bool, False), "on_collapse": (str, _S.on_collapse)},
-    "round": {"fraction": (NUMBER, _S.fraction), "min_devices": (int, _S.min_devices),
-              "max_devices": (int, _S.max_devices), "min_present": (int, _S.min_present),
-              "quorum": (NUMBER, _S.quorum), "min_updates": (int, _S.min_updates),
-              "timeout_s": (NUMBER, _S.round_timeout_s),
-              "presence_timeout_s": (NUMBER, _S.presence_timeout_s), "mode": (str, _S.mode),
-              "buffer_size": (int, _F.buffer_size), "concurrency": (int, _F.concurrency),
-              "server_lr": (NUMBER, _F.server_lr), "max_staleness": (int, _F.max_staleness),
-              "staleness": (str, _F.staleness)},
-    "broker": {k: ((bool if isinstance(v, bool) else list if isinstance(v, list) else int if isinstance(v, int)
-                    else str), v) for k, v in vars(_B).items()},
-    "admission": {"max_samples": (int, _A.max_samples), "samples_policy": (str, _A.samples_policy),
-                  "allow_uncapped": (bool, _A.allow_uncapped),
-                  "max_registered": (int, _A.max_registered), "hello_rate": (NUMBER, _A.hello_rate),
-                  "hello_burst": (int, _A.hello_burst)},
-    "limits": {"max_payload_bytes": (int, _L.max_payload_bytes), "max_abs_value": (NUMBER, _L.max_abs_value)},
-    "log": {"json": (bool, False), "level": (str, "info"), "quiet": (bool, False)},
-    "dashboard": {"listen": ((str, int), ""), "password_file": (str, "")},
+SCHEMA = TomlSchema.of({
+    "": JobSettings, "round": JobRound, "broker": BrokerSettings, "admission": AdmissionConfig,
+    "limits": LimitSettings, "log": LogSettings, "dashboard": DashboardSettings, "privacy": PrivacyConfig,
 }, free=("strategy_params", "train"))
 
 
@@ -159,53 +246,27 @@ def coordinator_for(cfg: ServerConfig, *args: Any, **kw: Any) -> Coordinator:
     return LOOPS[cfg.mode](cfg, *args, **kw)
 
 
-def _choice(source: str, key: str, value: Any, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        raise ConfigError(f"{source}: {key}: {value!r} is not one of {list(allowed)}")
-
-
 def job_from_dict(raw: dict[str, Any], source: str) -> ServeJob:
     """Validate a job table (file values with the command line's already applied)."""
     v = SCHEMA.validate(raw, source)
-    top, rnd, adm, lim, log = v[""], v["round"], v["admission"], v["limits"], v["log"]
-    broker = BrokerSettings(**v["broker"])
-    _choice(source, "broker.embedded", broker.embedded, EMBEDDED_KINDS)
-    _choice(source, "broker.security", broker.security, SECURITY_MODES)
-    _choice(source, "broker.mqtt_version", broker.mqtt_version, MQTT_VERSIONS)
-    _choice(source, "log.level", log["level"], LOG_LEVELS)
-    _choice(source, "on_collapse", top["on_collapse"], ON_COLLAPSE)
-    if not all(isinstance(h, str) and h for h in broker.hostnames):
-        raise ConfigError(f"{source}: broker.hostnames: expected a list of names, got {broker.hostnames!r}")
-    if not 0 <= broker.port <= 65535:
-        raise ConfigError(f"{source}: broker.port: must be in 0..65535 (0: a free port), got {broker.port}")
-    if not top["out"]:
-        raise ConfigError(f"{source}: out: no run directory (give --out DIR or `out = \"DIR\"` in the job file)")
-    if lim["max_payload_bytes"] < 1024:
-        raise ConfigError(f"{source}: limits.max_payload_bytes: must be >= 1024, got {lim['max_payload_bytes']}")
-    dash = DashboardSettings(str(v["dashboard"]["listen"]).strip(), v["dashboard"]["password_file"])
-    if dash.listen:
-        try:
-            parse_address(dash.listen)
-        except ConfigError as exc:
-            raise ConfigError(f"{source}: dashboard.listen: {exc}") from None
-    hparams = copy.deepcopy(DEFAULT_HPARAMS) | v["train"]
+    s = SCHEMA.build(v)
+    top, rnd, broker, lim, log, dash = (checked(s[name], name, source) for name in
+                                        ("", "round", "broker", "limits", "log", "dashboard"))
+    hparams = copy.deepcopy(DEFAULT_HPARAMS) | s["train"]
     cfg = ServerConfig(
-        job=top["job"], model=_model(top["model"], source), rounds=top["rounds"], strategy=top["strategy"],
-        strategy_params=v["strategy_params"], fraction=float(rnd["fraction"]), min_devices=rnd["min_devices"],
-        max_devices=rnd["max_devices"], min_present=rnd["min_present"], quorum=float(rnd["quorum"]),
-        min_updates=rnd["min_updates"], round_timeout_s=float(rnd["timeout_s"]),
-        presence_timeout_s=float(rnd["presence_timeout_s"]), hparams=hparams, seed=top["seed"],
-        limits=replace(DEFAULT_LIMITS, max_payload_bytes=lim["max_payload_bytes"],
-                       max_abs_value=lim["max_abs_value"]),
-        admission=AdmissionConfig(**adm), on_collapse=top["on_collapse"], mode=rnd["mode"],
-        buffered=BufferedSettings(rnd["buffer_size"], rnd["concurrency"], float(rnd["server_lr"]),
-                                  rnd["max_staleness"], rnd["staleness"]))
+        job=top.job, model=_model(top.model, source), rounds=top.rounds, strategy=top.strategy,
+        strategy_params=s["strategy_params"], fraction=float(rnd.fraction), min_devices=rnd.min_devices,
+        max_devices=rnd.max_devices, min_present=rnd.min_present, quorum=float(rnd.quorum),
+        min_updates=rnd.min_updates, round_timeout_s=float(rnd.timeout_s),
+        presence_timeout_s=float(rnd.presence_timeout_s), hparams=hparams, seed=top.seed,
+        limits=lim.limits(), admission=s["admission"], on_collapse=top.on_collapse, privacy=s["privacy"],
+        mode=rnd.mode, buffered=rnd.buffered())
     try:
         cfg.validate()
     except ConfigError as exc:
         raise ConfigError(f"{source}: {exc}") from None
-    return ServeJob(cfg, broker, top["out"], eval_data=top["eval_data"], resume=top["resume"],
-                    log_json=log["json"], log_level=log["level"], quiet=log["quiet"], source=source,
+    return ServeJob(cfg, broker, top.out, eval_data=top.eval_data, resume=top.resume,
+                    log_json=log.json, log_level=log.level, quiet=log.quiet, source=source,
                     dashboard=dash, table={**v[""], **{sec: t for sec, t in v.items() if sec}})
 
 
@@ -247,24 +308,26 @@ FLAGS: list[tuple[str, str, dict[str, Any]]] = [
     ("--job", "job", {"help": "job id (topic prefix fedbit/<job>/)"}),
     ("--model", "model", {"metavar": "SPEC", "help": "a bundled model's name, or a model file (TOML layers, "
                                                      "or a Python file defining a ModelSpec)"}),
-    ("--rounds", "rounds", {"type": int, "metavar": "N"}),
+    ("--rounds", "rounds", {"type": int, "metavar": "N", "help": "rounds the job runs"}),
     ("--strategy", "strategy", {"metavar": "NAME", "help": "aggregation strategy; prowd = ProWD's "
                                 "dequantizer + selective aggregation"}),
-    ("--seed", "seed", {"type": int}),
+    ("--seed", "seed", {"type": int, "help": "seed of the initial model and of the device selection"}),
     ("--on-collapse", "on_collapse", {"choices": list(ON_COLLAPSE), "help": "a collapsed aggregate (every "
                                       "group at chance, a constant output, a dead layer): go back to the last "
                                       "healthy model without that round's updates, or log it and keep it"}),
     ("--eval-data", "eval_data", {"metavar": "SRC", "help": "held-out set: a data source (digits:test, fashion-mnist:test, an IDX/CIFAR-10 folder or .npz: its test split)"}),
     ("--fraction", "round.fraction", {"type": float, "metavar": "C", "help": "fraction of present devices per round"}),
-    ("--min-devices", "round.min_devices", {"type": int, "help": "fewest devices selected per round"}),
+    ("--min-devices", "round.min_devices", {"type": int, "help": "fewest devices a round selects; a round "
+                                            "starts once this many are present (or --min-present, if more)"}),
     ("--max-devices", "round.max_devices", {"type": int, "help": "most devices selected per round"}),
     ("--min-present", "round.min_present", {"type": int, "help": "devices that must be present before a "
-                                            "round starts (0: --min-devices)"}),
+                                            "round starts, when more than --min-devices (0: --min-devices)"}),
     ("--quorum", "round.quorum", {"type": float, "help": "fraction of the selected that closes a round early"}),
     ("--min-updates", "round.min_updates", {"type": int, "help": "fewer updates at the deadline keep the old model"}),
     ("--round-timeout", "round.timeout_s", {"type": float, "metavar": "S", "help": "round deadline in seconds"}),
     ("--presence-timeout", "round.presence_timeout_s", {"type": float, "metavar": "S",
-                                                        "help": "how long to wait for --min-devices devices"}),
+                                                        "help": "how long a round waits for --min-devices "
+                                                                "(or --min-present) devices to be present"}),
     ("--mode", "round.mode", {"choices": ["sync", "buffered"], "help": "synchronous rounds, or buffered "
                               "asynchronous aggregation (FedBuff: see --buffer-size, --concurrency)"}),
     ("--buffer-size", "round.buffer_size", {"type": int, "help": "buffered: updates per model version"}),
@@ -302,7 +365,8 @@ FLAGS: list[tuple[str, str, dict[str, Any]]] = [
     ("--max-registered", "admission.max_registered", {"type": int, "metavar": "N", "help": "most devices the job registers"}),
     ("--hello-rate", "admission.hello_rate", {"type": float, "metavar": "PER_S", "help": "hello/presence "
                                               "messages per device per second (after --hello-burst)"}),
-    ("--hello-burst", "admission.hello_burst", {"type": int, "metavar": "N"}),
+    ("--hello-burst", "admission.hello_burst", {"type": int, "metavar": "N", "help": "hello/presence "
+                                                "messages a device may send at once before --hello-rate applies"}),
     ("--quiet", "log.quiet", {"action": "store_true", "help": "no progress display"}),
     ("--dashboard", "dashboard.listen", {"metavar": "[HOST:]PORT", "help": "serve the live dashboard and "
                                          "Prometheus /metrics (8080: on 127.0.0.1; 0: a free port; beyond "
@@ -310,6 +374,7 @@ FLAGS: list[tuple[str, str, dict[str, Any]]] = [
     ("--dashboard-password-file", "dashboard.password_file", {"metavar": "FILE", "help": "the dashboard's "
                                                               "password (default beyond loopback: "
                                                               "SECURITY/dashboard.password, made once)"}),
+    *PRIVACY_FLAGS,
 ]
 #: the shared connection and logging options' keys in the job file
 CONNECTION_KEYS = {name: f"broker.{'url' if name == 'broker' else name}" for name in

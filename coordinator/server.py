@@ -1,16 +1,19 @@
 """The round loop: select, announce, collect, aggregate, evaluate, checkpoint.
 
-:class:`Coordinator` speaks only to a :class:`~coordinator.fleet.Fleet`. A round: wait (up
-to ``presence_timeout_s``) for ``min_devices`` present devices, select ``clamp(ceil(C *
-present), min, max)`` with the seeded RNG; save the plan, announce one model variant per
-bitwidth group (``coordinator.variants``); collect (``coordinator.collect``: ingest, fold,
-inbox, ack; refusals acked, logged, counted) until ``quorum`` answered or the deadline
-(stragglers excluded); ``strategy.finish()``, evaluate every variant, checkpoint, one
-metrics line, retained status. ``run(resume=True)`` goes on after the last checkpoint: a
-round the coordinator died in is announced again from its plan and its inbox replayed
-(every acked update counted once, no round repeated or skipped); a damaged checkpoint is
-named and the previous one loaded, the round after it replayed from its kept plan and
-inbox. ``coordinator.job.coordinator_for`` picks this loop or another by ``round.mode``.
+:class:`Coordinator` speaks only to a :class:`~coordinator.fleet.Fleet`. A round: select
+(``Collector.select``: ``clamp(ceil(C * present), min, max)`` of the present devices,
+seeded, once ``min_devices`` are present within ``presence_timeout_s``); save the plan,
+announce one model variant per bitwidth group (``coordinator.variants``); collect
+(``Collector.collect``: ingest, fold, inbox, ack; refusals acked, logged, counted) until
+``quorum`` answered, every selected device answered or is gone (its last will), or the
+deadline (stragglers counted; a secure round runs its protocol instead,
+``coordinator.privacy.round``); ``strategy.finish()``, evaluate every variant, checkpoint,
+one metrics line, retained status. ``run(resume=True)`` goes on after the last
+checkpoint: a round the coordinator died in is announced again from its plan and its
+inbox replayed (every acked update counted once, no round repeated or skipped; a secure
+round is run again); a damaged checkpoint is named and the previous one loaded, the round
+after it replayed from its kept plan and inbox. ``coordinator.job.coordinator_for`` picks
+this loop or another by ``round.mode``.
 """
 
 from __future__ import annotations
@@ -25,17 +28,19 @@ from typing import Any
 
 import numpy as np
 
-from coordinator.collect import Collector
+from coordinator.collect import Collector, NotEnoughDevices
 from coordinator.config import ServerConfig
 from coordinator.devices import DeviceRegistry
 from coordinator.evaluate import Evaluator
 from coordinator.fleet import Fleet
 from coordinator.health import HealthWatch
 from coordinator.ingest import Ingest, OpenRound
+from coordinator.ops.logs import group_accuracy_text
+from coordinator.privacy.round import Privacy
 from coordinator.state import Checkpoint, CorruptFile, RoundPlan, RunState
 from coordinator.strategies.round import RoundStrategy
 from coordinator.variants import model_messages
-from edge_client.errors import ConfigError, FedbitError
+from edge_client.errors import ConfigError
 from edge_client.protocol import (
     FLOAT_VARIANT,
     Presence,
@@ -49,8 +54,7 @@ from edge_client.protocol import (
 log = logging.getLogger("fedbit.server")
 
 
-class RoundError(FedbitError, RuntimeError):
-    """A round cannot start (not enough devices within the presence timeout)."""
+RoundError = NotEnoughDevices  # a round cannot start (too few devices present in time)
 
 
 class Coordinator:
@@ -68,7 +72,7 @@ class Coordinator:
             figures the evaluator adds, such as ``val_accuracy``).
         init_weights: the initial shared weights (``intnn.init_shared(spec, seed)``).
         on_event: progress callback ``(event, fields)``; events ``round_start``,
-            ``update``, ``reject``, ``device``, ``round_end``, ``waiting``, ``health``, ``collapse``.
+            ``update``, ``reject``, ``device``, ``gone``, ``round_end``, ``waiting``, ``health``, ``collapse``.
     """
 
     def __init__(self, cfg: ServerConfig, fleet: Fleet, strategy: RoundStrategy, state: RunState, *,
@@ -100,19 +104,10 @@ class Coordinator:
         #: the inbound side: devices, ingest, folding, the inbox and acks
         self.collector = Collector(fleet, Ingest(cfg.model, shapes, cfg.limits, cfg.admission, cfg.job), strategy, state,
                                    on_event=self.on_event, logger=self.log)
+        self.privacy = Privacy(cfg, fleet, self.collector, shapes, self.log, self.on_event)
+        self.strategy = self.collector.strategy = self.privacy.wrap(strategy)
 
     # ------------------------------------------------------------------ rounds
-
-    def _select(self) -> list[str]:
-        cfg, devices = self.cfg, self.collector.devices
-        need = max(cfg.min_devices, cfg.min_present)
-        if not self.collector.await_present(need, cfg.presence_timeout_s):
-            raise RoundError(f"only {len(devices.present())} device(s) present after "
-                             f"{cfg.presence_timeout_s:.0f} s; need {need}")
-        present = devices.present()
-        k = max(cfg.min_devices, min(cfg.max_devices, math.ceil(cfg.fraction * len(present))))
-        idx = self.rng.choice(len(present), size=min(k, len(present)), replace=False)
-        return sorted(present[i] for i in idx)
 
     def open_round(self, r: int, selected: list[str]) -> OpenRound:
         """Start collecting round ``r`` from ``selected``, from the current global model."""
@@ -129,7 +124,7 @@ class Coordinator:
         clock = col.clock
         resumed = plan is not None
         if plan is None:
-            selected = self._select()
+            selected = col.select(cfg, self.rng)
             hellos = [col.devices.hellos[d] for d in selected]
             variants = {FLOAT_VARIANT} | {model_variant(h.compute_bits, h.trainer) for h in hellos}
         else:
@@ -146,8 +141,8 @@ class Coordinator:
             if plan is not None and digests != plan.variants:
                 raise ConfigError(f"round {r}: the resumed model differs from the announced one")
             plan = RoundPlan(round_id=r, selected=selected, deadline=time.time() + cfg.round_timeout_s,
-                             variants=digests, hparams=dict(plan.hparams) if resumed else
-                             self.strategy.device_hparams(cfg.hparams, hellos) | {"run": self.run_id},
+                             variants=digests, hparams=(dict(plan.hparams) if resumed else self.strategy.device_hparams(
+                                 cfg.hparams, hellos) | {"run": self.run_id}) | self.privacy.hparams(r),
                              started_at=time.time(), rng_state=json.dumps(self.rng.bit_generator.state))
             self.state.save_plan(plan)
             rnd = self.open_round(r, selected)
@@ -164,18 +159,14 @@ class Coordinator:
         self.log.info("round %d: selected %d device(s)%s%s", r, len(selected), f" after waiting {wait:.1f} s for "
                       "devices" if wait >= 0.1 else "", f", resumed with {replayed} update(s) from the inbox"
                       if resumed else "", extra={"event": "round_start", "round": r, "selected": selected})
-        need = max(1, math.ceil(cfg.quorum * len(selected)))
-        col.pump(time.monotonic() + cfg.round_timeout_s,
-                 stop=lambda: len(rnd.accepted) >= need or not self.fleet.more_expected(r))
+        need, until = max(1, math.ceil(cfg.quorum * len(selected))), time.monotonic() + cfg.round_timeout_s
+        if cfg.privacy.secure_aggregation:  # the secure round's phases instead of updates
+            stragglers = self.privacy.collect(rnd, plan.hparams, need, until)
+        else:
+            stragglers = col.collect(need, until, more=lambda: self.fleet.more_expected(r))
         t_collect = time.monotonic()
         with clock.timed("announce"):
             self.fleet.flush()  # the announcement's PUBACKs (long arrived, as a rule)
-        late = len(rnd.accepted) < need
-        stragglers = sorted(rnd.selected - set(rnd.accepted)) if late else []
-        if late:
-            col.counts["stragglers"] = len(stragglers)
-            self.log.warning("round %d: deadline passed; %d straggler(s) excluded: %s", r,
-                             len(stragglers), stragglers, extra={"event": "stragglers", "round": r})
         stats: dict[str, Any] = {}
         aggregated = len(rnd.accepted) >= cfg.min_updates
         old, old_groups = [w.copy() for w in self.weights], self.group_weights
@@ -218,7 +209,7 @@ class Coordinator:
                            **{k: finite(float(x)) for k, x in (s[2] if len(s) > 2 else {}).items()}}
                        for v, s in scores.items()},
             "uplink_bytes": dict(col.uplink_bytes), "health": health.record, "health_seconds": health.seconds,
-            **self.fleet.round_report(r),
+            **self.fleet.round_report(r), **self.privacy.end_round(r, len(selected), col.present, aggregated),
         }
         with clock.timed("checkpoint"):
             self.completed = r
@@ -231,7 +222,7 @@ class Coordinator:
             self.state.inbox_prune(r)  # round r's is kept until the next checkpoint (fallback)
             # PUBACK waited for by the next round's flush (or run()'s, after the last round)
             self.fleet.publish_status(encode_message(Status(
-                "waiting" if r < cfg.rounds else "done", r, f"round {r} complete",
+                "waiting" if r < cfg.rounds and self.privacy.allows(r + 1) else "done", r, f"round {r} complete",
                 {k: float(v) for k, v in (("accuracy", acc), ("loss", loss)) if math.isfinite(v)})))
         # (in memory only: the line on disk was written before these were known)
         record |= {"checkpoint_seconds": parts["checkpoint"], "coordinator_seconds": clock.wall,
@@ -239,7 +230,7 @@ class Coordinator:
         self.history.append(record)
         self.on_event("round_end", record)
         self.log.info("round %d: %d/%d updates, accuracy %s", r, len(rnd.accepted), len(selected),
-                      f"{acc:.4f}" if math.isfinite(acc) else "n/a",
+                      group_accuracy_text(record),
                       extra={"event": "round_end", "round": r, "accuracy": record["accuracy"]})
         return record
 
@@ -261,7 +252,7 @@ class Coordinator:
             rng_state={"json": json.dumps(self.rng.bit_generator.state)},
             metrics=record,
             config={"run_id": self.run_id, "rounds": self.cfg.rounds, "strategy": self.cfg.strategy,
-                    "totals": dict(self.collector.totals)},
+                    "totals": dict(self.collector.totals), "privacy": self.privacy.state()},
         )
 
     def _restore(self) -> dict[int, RoundPlan]:
@@ -294,6 +285,7 @@ class Coordinator:
             self.collector.devices = DeviceRegistry.from_state(devices or ckpt.devices)
             self.run_id = str(ckpt.config.get("run_id", self.run_id))
             self.collector.totals.update(ckpt.config.get("totals", {}))
+            self.privacy.load_state(ckpt.config.get("privacy") or {})
         elif plan is not None:
             self.run_id = str(plan.hparams.get("run", self.run_id))
         self.state.repair_metrics(ckpt)
@@ -346,5 +338,5 @@ class Coordinator:
 
     def _loop(self, plans: dict[int, RoundPlan]) -> None:
         """The rounds left (``plans``: those in progress to resume, by round id)."""
-        while self.completed < self.cfg.rounds and not self.fleet.done():
+        while self.completed < self.cfg.rounds and self.privacy.allows(self.completed + 1) and not self.fleet.done():
             self.run_round(self.completed + 1, plans.pop(self.completed + 1, None))

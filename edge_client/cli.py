@@ -85,7 +85,11 @@ def _cmd_run(args: argparse.Namespace) -> int:
     threads = f", {cfg.threads} threads" if profile.is_integer else ""
     print(f"fedbit-edge: device {args.id} ({profile.name}, {profile.compute_bits}-bit "
           f"{profile.trainer}{threads}, uplink {cfg.codec}-{cfg.codec_bits}, {len(data.y)} "
-          f"samples) -> {args.broker}", flush=True)
+          f"samples) -> {args.broker}, job {args.job}", flush=True)
+    if profile.is_integer:
+        from edge_client.intnn.compile_note import say_when_compiling
+
+        say_when_compiling(lambda m: print(f"fedbit-edge: {m}", flush=True))
     try:
         n = rt.run(max_seconds=args.max_seconds or None)
     except KeyboardInterrupt:
@@ -154,7 +158,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"fedbit-edge {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    p = sub.add_parser("profiles", help="list the bundled hardware profiles")
+    p = sub.add_parser("profiles", help="list the bundled hardware profiles",
+                       description="One line per bundled hardware profile: compute bitwidth, trainer, "
+                                   "uplink codec, RAM, uplink speed, the Python it needs and its OS image "
+                                   "(`--profile NAME` of run, warmup, doctor; a TOML file of your own "
+                                   "works too: docs/device.md#hardware-profiles).")
     p.set_defaults(func=_cmd_profiles)
 
     p = sub.add_parser("warmup", help="compile the kernels a profile's rounds run (first run only)",
@@ -177,9 +185,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "round announces a model file of that name (repeatable)")
     p.add_argument("--workdir", metavar="DIR", help="outbox, state and TLS files (default $XDG_STATE_HOME/fedbit/<id>, "
                    "else ~/.local/state/fedbit/<id>)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the device's local training (shuffling, "
+                   "stochastic rounding; default 0)")
     p.add_argument("--codec", help="override the profile's uplink codec")
-    p.add_argument("--codec-bits", type=int, default=0)
+    p.add_argument("--codec-bits", type=int, default=0, metavar="N",
+                   help="bits of --codec (default: the profile's)")
     p.add_argument("--auto-codec", action="store_true",
                    help="measure the link to the broker first and pick the uplink codec from it "
                         "(fedbit-edge measure-link)")
@@ -212,7 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="auto: onnxruntime when installed, else numba")
     p.add_argument("--spec", metavar="NAME", help="refuse a model of another architecture")
     p.add_argument("--bits", type=int, default=None, help="refuse a model of another bitwidth (32: float32)")
-    p.add_argument("--batch", type=int, default=256)
+    p.add_argument("--batch", type=int, default=256, metavar="N", help="samples per inference batch (default 256)")
     p.add_argument("--threads", type=int, default=1, help="ONNX Runtime intra-op threads")
     p.set_defaults(func=_cmd_predict)
     return parser

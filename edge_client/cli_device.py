@@ -12,6 +12,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from edge_client.doctor import Check
+from edge_client.transport.base import Transport
+from hw_profiles import HardwareProfile
+
 #: the model the link test sizes an update of (the model of make demo and the quick start)
 LINK_MODEL = "digits_cnn"
 
@@ -28,7 +32,12 @@ def add_device_commands(sub: Any) -> None:
     p.set_defaults(func=cmd_doctor)
 
     p = sub.add_parser("measure-link", help="measure uplink throughput and latency to the broker; "
-                       "recommend an uplink codec", allow_abbrev=False)
+                       "recommend an uplink codec",
+                       description="Publish probe messages of an update's sizes to the broker (topic "
+                                   "linktest/<id>, which nobody subscribes to), measure the uplink's "
+                                   "throughput and latency, and recommend the most precise uplink codec "
+                                   "whose update fits --budget seconds (fedbit-edge run --auto-codec "
+                                   "does the same before it starts).", allow_abbrev=False)
     add_device_connection_options(p)
     p.add_argument("--profile", required=True, metavar="NAME", help="hardware profile name or TOML path")
     p.add_argument("--model", default=LINK_MODEL, metavar="SPEC", help="model whose update is sized")
@@ -37,8 +46,12 @@ def add_device_commands(sub: Any) -> None:
     p.set_defaults(func=cmd_measure_link)
 
     p = sub.add_parser("install-service", help="write a systemd unit that runs this device",
+                       description="Write a systemd unit (and its environment file, mode 0600) that warms "
+                                   "the kernels up, then runs `fedbit-edge run --stay` as a service: "
+                                   "restarted on failure, reconnecting forever with capped, jittered "
+                                   "backoff. Run as root, or give --dir; --dry-run prints the files.",
                        allow_abbrev=False)
-    p.add_argument("--profile", required=True, metavar="NAME")
+    p.add_argument("--profile", required=True, metavar="NAME", help="hardware profile name or TOML path")
     p.add_argument("--data", required=True, metavar="SRC", help="the device's local data (as for run)")
     p.add_argument("--broker", metavar="URL", help="the broker (or in the credentials file)")
     p.add_argument("--id", help="device id (or in the credentials file)")
@@ -99,9 +112,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
-def _link_check(args: argparse.Namespace, profile: Any, transport: Any) -> Any:
-    from edge_client.doctor import Check
-
+def _link_check(args: argparse.Namespace, profile: HardwareProfile, transport: Transport) -> Check:
     try:
         link, choice = _measure(args, profile, transport, LINK_MODEL, 2.0)
     except ConnectionError as exc:
@@ -112,7 +123,8 @@ def _link_check(args: argparse.Namespace, profile: Any, transport: Any) -> Any:
                                  f"recommended uplink {choice.codec}-{choice.bits} ({choice.reason})")
 
 
-def _measure(args: argparse.Namespace, profile: Any, transport: Any, model: str, budget: float):
+def _measure(args: argparse.Namespace, profile: HardwareProfile, transport: Transport, model: str,
+             budget: float):
     import numpy as np
 
     from edge_client.link import choose_codec, measure_link
@@ -124,7 +136,7 @@ def _measure(args: argparse.Namespace, profile: Any, transport: Any, model: str,
     return link, choose_codec(profile, n, link, budget_s=budget)
 
 
-def auto_codec(args: argparse.Namespace, profile: Any, connect: Any) -> tuple[str, int]:
+def auto_codec(args: argparse.Namespace, profile: HardwareProfile, connect: Any) -> tuple[str, int]:
     """``run --auto-codec``: measure the link over one connection of this device and return
     the recommended ``(codec, bits)``; logged with the measurement."""
     import logging

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hw_profiles import HardwareProfile
+
 #: a clock before this is certainly wrong (a Pi without a real-time clock boots in 1970,
 #: and TLS then refuses every certificate as not yet valid)
 SANE_EPOCH = 1_735_689_600  # 2025-01-01T00:00:00Z
@@ -45,7 +47,7 @@ class Check:
         return f"{verdict}  {self.name}: {self.detail}"
 
 
-def check_python(profile: Any, version: tuple[int, ...] | None = None) -> Check:
+def check_python(profile: HardwareProfile, version: tuple[int, ...] | None = None) -> Check:
     """Python >= the profile's ``python`` (the oldest its images ship; at least 3.9)."""
     v = tuple(sys.version_info[:3]) if version is None else tuple(version)
     ok = v[:2] >= profile.python_floor
@@ -67,7 +69,7 @@ def os_name(os_release: str = "/etc/os-release") -> str:
     return platform.platform()
 
 
-def check_image(profile: Any, machine: str | None = None, os_release: str = "/etc/os-release") -> Check:
+def check_image(profile: HardwareProfile, machine: str | None = None, os_release: str = "/etc/os-release") -> Check:
     """The machine is the profile's ``arch``: a FAIL for a 32-bit ARM OS where the profile
     is 64-bit, a WARN for any other mismatch (a profile tried on a workstation)."""
     machine = platform.machine() if machine is None else machine
@@ -81,7 +83,7 @@ def check_image(profile: Any, machine: str | None = None, os_release: str = "/et
     return Check("image", True, f"{detail}; this machine is not {profile.arch}", warn=True)
 
 
-def check_torch(profile: Any) -> Check:
+def check_torch(profile: HardwareProfile) -> Check:
     """A float (``trainer = "torch"``) profile trains with torch: it must import."""
     try:
         import torch
@@ -92,8 +94,10 @@ def check_torch(profile: Any) -> Check:
 
 
 def check_jit() -> Check:
-    """numba compiles, and its cache can be written where numba will write it."""
+    """numba compiles, and its cache can be written where numba will write it; the line
+    names numba's, llvmlite's and numpy's versions (what a device's figures depend on)."""
     try:
+        import llvmlite
         import numba
         import numpy as np
 
@@ -112,7 +116,8 @@ def check_jit() -> Check:
     if not ok and not os.environ.get("NUMBA_CACHE_DIR"):
         where = str(Path.home() / ".cache")  # numba's user-wide cache when beside the package is read-only
         ok = _writable(Path(where))
-    return Check("numba", ok, f"{numba.__version__}, compiles; kernel cache {where} "
+    versions = f"{numba.__version__} (llvmlite {llvmlite.__version__}, numpy {np.__version__})"
+    return Check("numba", ok, f"{versions}, compiles; kernel cache {where} "
                               f"{'writable' if ok else 'NOT writable: every start recompiles (minutes on a Pi)'}")
 
 
@@ -136,7 +141,7 @@ def available_ram_mb(meminfo: str = "/proc/meminfo") -> float | None:
     return None
 
 
-def check_ram(profile: Any, meminfo: str = "/proc/meminfo") -> Check:
+def check_ram(profile: HardwareProfile, meminfo: str = "/proc/meminfo") -> Check:
     free = available_ram_mb(meminfo)
     if free is None:
         return Check("memory", True, f"unknown (no {meminfo}); a device process needs ~{TRAINING_RAM_MB} MB")

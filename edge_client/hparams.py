@@ -33,8 +33,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from edge_client.codecs import CODECS
 from edge_client.errors import ConfigError, ProtocolError
-from edge_client.protocol import CODEC_BITS, FLOAT_VARIANT, model_variant, variant_bits
+from edge_client.protocol import FLOAT_VARIANT, model_variant, variant_bits
 
 
 @dataclass(frozen=True)
@@ -91,7 +92,7 @@ _TABLE = (
     HParam("ws", bool, "weight standardization in the forward pass (FedWSQ; float devices)"),
     HParam("wn", bool, "weight normalization in the float forward (ProWD appendix B; float devices): "
            "each output channel's weights used as sqrt(2) W_c / ||W_c||"),
-    HParam("codec", str, "uplink codec, overriding the device profile's", choices=tuple(CODEC_BITS)),
+    HParam("codec", str, "uplink codec, overriding the device profile's", choices=tuple(CODECS)),
     HParam("codec_bits", int, "uplink codec bits, overriding the device profile's", 1, 32),
     HParam("kmeans_method", str, "K-means uplink: 'fast' (optimal 1-D) or 'authors' (FedShift's "
            "code: random init, Lloyd)", choices=("fast", "authors")),
@@ -105,8 +106,9 @@ _TABLE = (
 HPARAMS: dict[str, HParam] = {h.name: h for h in _TABLE}
 #: keys that may also be given per model variant, ``<key>.<variant>``
 PER_VARIANT = frozenset({"lr_scale"})
-#: keys the coordinator adds itself (``run``: the coordinator run's token)
-RESERVED = frozenset({"run"})
+#: keys the coordinator adds itself (``run``: the coordinator run's token; ``secagg``: a secure
+#: round's session, hex, and ``secagg_degree`` its graph's k: edge_client.secagg)
+RESERVED = frozenset({"run", "secagg", "secagg_degree"})
 
 
 def _spec_of(key: str) -> tuple[HParam | None, str | None]:
@@ -236,9 +238,10 @@ def round_settings(hparams: Mapping[str, Any], *, variant: str, codec: str, code
     ``float_forward`` is the float
     devices' network: an integer device always trains its own forward and reports an
     announced ``int<s'>`` of another bitwidth (the fleet's function is not its own; the
-    default ``float32`` concerns float devices only and is not reported); codec
-    ``int`` needs an integer device; an announced codec without ``codec_bits`` keeps the
-    profile's bits, clamped to the codec's range; settings meant for the other kind of
+    default ``float32`` concerns float devices only and is not reported); an
+    integer-only codec (``int``) needs an integer device; an announced codec without
+    ``codec_bits`` keeps the profile's bits, clamped to the codec's range; ``content``
+    defaults to the codec's (``delta`` for DANUQ); settings meant for the other kind of
     device (``lr_shift`` on a float device that trains the float forward, ``grad_clip`` on
     an integer one or on a float device that trains an integer forward, whose step is the
     integer devices') and
@@ -265,10 +268,10 @@ def round_settings(hparams: Mapping[str, Any], *, variant: str, codec: str, code
                 not_applied[key] = f"no weight {what} in the integer forward ({forward})"
                 values.pop(key)
     new_codec = values.get("codec", codec)
-    if new_codec == "int" and not integer:
-        not_applied["codec"] = "codec 'int' needs an integer device"
+    if CODECS[new_codec].integer_only and not integer:
+        not_applied["codec"] = f"codec {new_codec!r} needs an integer device"
         new_codec = codec
-    lo, hi = CODEC_BITS[new_codec]
+    lo, hi = CODECS[new_codec].bits_range
     bits = codec_bits if new_codec == codec else min(max(codec_bits, lo), hi)
     if "codec_bits" in values:
         want = values["codec_bits"]
@@ -276,7 +279,7 @@ def round_settings(hparams: Mapping[str, Any], *, variant: str, codec: str, code
             bits = want
         else:
             not_applied["codec_bits"] = f"{want} is outside {new_codec}'s range {lo}..{hi}"
-    content = values.get("content", "delta" if new_codec == "danuq" else "weights")
+    content = values.get("content", CODECS[new_codec].default_content)
     return RoundSettings(
         epochs=values.get("epochs", DEVICE_DEFAULTS["epochs"]),
         steps=values.get("steps", DEVICE_DEFAULTS["steps"]),

@@ -12,9 +12,10 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Any
 
 from edge_client.errors import ConfigError
+from edge_client.transport.base import Transport
+from hw_profiles import HardwareProfile
 
 #: candidate uplinks, most precise first: (codec, bits); ``own`` is the profile's own
 #: (float32 on a float device, its integer grid on an integer one)
@@ -39,7 +40,7 @@ class CodecChoice:
     reason: str
 
 
-def measure_link(transport: Any, topic: str, *, probe_bytes: int = 256 * 1024, probes: int = 4,
+def measure_link(transport: Transport, topic: str, *, probe_bytes: int = 256 * 1024, probes: int = 4,
                  pings: int = 5, timeout: float = 30.0) -> LinkMeasurement:
     """Publish ``pings`` 16-byte and ``probes`` ``probe_bytes`` messages at QoS 1 to
     ``topic`` on a connected ``transport`` (not retained) and time the acknowledgements.
@@ -66,16 +67,12 @@ def update_bytes(num_params: int, codec: str, bits: int) -> int:
     return num_params * bits // 8 + 1024
 
 
-def choose_codec(profile: Any, num_params: int, link: LinkMeasurement, *, budget_s: float = 2.0) -> CodecChoice:
+def choose_codec(profile: HardwareProfile, num_params: int, link: LinkMeasurement, *, budget_s: float = 2.0) -> CodecChoice:
     """The most precise uplink of :data:`LADDER` whose estimated upload time (bytes /
     throughput + latency) fits ``budget_s``; the coarsest when none fits."""
     if budget_s <= 0:
         raise ConfigError(f"budget_s: must be > 0, got {budget_s}")
-    own = (profile.codec, profile.codec_bits)
-    if profile.codec == "int":
-        own = ("int", max(profile.compute_bits, 8))
-    elif profile.codec == "float32":
-        own = ("float32", 32)
+    own = (profile.codec, profile.codec_bits)  # a loaded profile's own uplink (int: its grid)
     candidates = [own if c == "own" else (c, b) for c, b in LADDER]
     est = []
     for codec, bits in candidates:

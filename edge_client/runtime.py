@@ -1,24 +1,16 @@
 """The device loop: hello -> wait for selection -> download -> train -> encode -> publish.
 
-One :class:`DeviceRuntime` per device. It owns a :class:`~edge_client.transport.Transport`
-(MQTT or in-memory) built from the session spec it asks for (last-will presence, retained
-presence + hello as birth messages, subscriptions to ``round``, its model variant and
-``status``), and an on-disk :class:`~edge_client.outbox.Outbox`.
-
-Per round: when a retained round announcement selects this device and its deadline is in
-the future, the device waits for the model variant of its bitwidth group (``float32`` for
-float devices, ``int<s>`` for s-bit integer devices) whose digest matches the announcement,
-loads it, trains locally with the announced hyper-parameters (:mod:`edge_client.hparams`),
-encodes the result per its hardware profile (``codec``/``codec_bits``, unless announced)
-and publishes the :class:`Update` with QoS 1. Announced settings the device cannot honour
-are listed, with the reason, in the update's ``not_applied`` (and logged here).
-The update is written to the outbox first and marked sent once the broker acknowledged it;
-what is still pending is re-sent after a reconnect while the round is open, a sent update
-once more when its round is announced again (a resumed coordinator, a broker back without
-its retained messages), and both are discarded when the round closes. A buffered
-announcement asks for one update per ticket instead (``edge_client.assignment``).
-
-Nothing here imports torch (a float device's trainer imports it lazily) or ``coordinator``.
+One :class:`DeviceRuntime` per device owns a :class:`~edge_client.transport.Transport`
+(MQTT or in-memory; last-will presence, retained presence + hello, subscriptions to
+``round``, its model variant and ``status``) and an on-disk :class:`~edge_client.outbox.Outbox`.
+When a retained announcement selects it before its deadline, the device waits for its
+bitwidth group's model variant (digest checked), trains with the announced settings
+(:mod:`edge_client.hparams`; those it cannot honour go in the update's ``not_applied``),
+encodes per its profile and publishes the :class:`Update` with QoS 1, outbox first: re-sent
+after a reconnect while the round is open, once more when the round is announced again,
+discarded when it closes. A secure round (``secagg`` announced) hands the update to
+``edge_client.secagg.session``; a buffered announcement asks for one update per ticket
+(``edge_client.assignment``). Nothing here imports torch or ``coordinator``.
 """
 
 from __future__ import annotations
@@ -33,7 +25,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -42,6 +34,7 @@ from edge_client.assignment import RefusalLog, never_counts, outbox_kept, still_
 from edge_client.compat import zip_strict
 from edge_client.errors import CodecError, ConfigError, ProtocolError, TrainingError
 from edge_client.hparams import RoundSettings, not_applied_level, round_settings
+from edge_client.jobcheck import CoordinatorCheck
 from edge_client.outbox import Outbox
 from edge_client.protocol import (
     DEFAULT_LIMITS,
@@ -56,15 +49,20 @@ from edge_client.protocol import (
     Update,
     decode_message,
     encode_message,
-    float32_tensor,
     model_variant,
     parse_topic,
     tensors_digest,
     topic,
     variant_bits,
 )
+from edge_client.secagg.session import SecureSession
 from edge_client.session import SessionWatch
 from edge_client.transport import Received, Transport
+from hw_profiles import HardwareProfile
+
+if TYPE_CHECKING:
+    from edge_client.trainers import Trainer
+    from firmware_models import ModelSpec
 
 log = logging.getLogger("fedbit.device")
 
@@ -89,54 +87,26 @@ def model_to_shared(msg: ModelMessage) -> list[np.ndarray]:
 def encode_update_tensors(weights: list[np.ndarray], names: list[str], codec: str, bits: int,
                           *, int_weights: list[np.ndarray] | None = None,
                           compute_bits: int = 32, delta: bool = False,
-                          options: list[dict[str, Any]] | None = None,
-                          ternary_weights: list[np.ndarray] | None = None) -> tuple[EncodedTensor, ...]:
-    """Encode a device's result per its profile.
+                          ternary_weights: list[np.ndarray] | None = None,
+                          sigma_g: tuple[float, ...] = (), kmeans_method: str = "fast",
+                          seed: tuple[int, int] = (0, 0)) -> tuple[EncodedTensor, ...]:
+    """Encode a device's result with its uplink ``codec`` at ``bits``: the codec's
+    :meth:`~edge_client.codecs.Codec.encode_update` picks what it sends of the shared-domain
+    float32 ``weights`` (or their change, ``delta``), the device's own integers
+    ``int_weights`` and its ternary forward weights ``ternary_weights`` (worth
+    ``intnn.TERNARY_WEIGHT`` each), with the model's ``sigma_g`` and the K-means
+    ``kmeans_method`` / ``seed`` (device seed, round id)."""
+    from edge_client.codecs import DeviceUpdate, get_codec
 
-    ``codec == "int"``: the device's own integers (``int_weights``) with ``bits`` bits, or
-    the storage-grid width ``max(s, 8)`` when the integers need more (an Int6 device keeps
-    its weights on the 8-bit grid, docs/algorithms.md §1); with ``delta``, ``int_weights`` are
-    the differences ``q - q_global`` (int8 or int16) and take the fewest bits that hold
-    them. ``codec == "ternary"`` with ``ternary_weights`` (an integer device): its own
-    ternary forward weights ``t``, sent exactly with ``aux.scale = intnn.TERNARY_WEIGHT``
-    (what ``t = +1`` computes in the shared domain), so the coordinator decodes them to
-    the weights the device computes with. ``float32``: lossless. Any other codec
-    (``ternary`` included, without ``ternary_weights``: the TWN rule): the shared-domain
-    float32 ``weights`` through ``edge_client.codecs.encode`` with the layer's
-    ``options`` (e.g. DANUQ's ``sigma_g``, K-means' ``method``).
-    """
-    if codec == "float32":
-        return tuple(float32_tensor(w, n) for w, n in zip_strict(weights, names))
-    from edge_client.codecs import encode
-
-    if codec == "ternary" and ternary_weights is not None:
+    ternary_weight = 0.0
+    if ternary_weights is not None:
         from edge_client.intnn import TERNARY_WEIGHT
 
-        return tuple(encode(np.ascontiguousarray(t, dtype=np.int8), codec="ternary", bits=2, name=n,
-                            scale=TERNARY_WEIGHT)
-                     for t, n in zip_strict(ternary_weights, names))
-    out = []
-    if codec == "int":
-        if int_weights is None:
-            raise ConfigError("codec 'int' needs an integer device (trainer 'int')")
-        from edge_client.intnn import storage_grid_bits
-
-        for q, n in zip_strict(int_weights, names):
-            need = int(np.abs(q.astype(np.int64)).max(initial=0)).bit_length() + 1
-            if delta:
-                out.append(encode(q, codec="int", bits=max(2, need), name=n))
-                continue
-            b = bits if need <= bits else max(bits, storage_grid_bits(compute_bits))
-            try:
-                out.append(encode(q, codec="int", bits=b, name=n))
-            except CodecError:
-                out.append(encode(q, codec="int", bits=storage_grid_bits(compute_bits), name=n))
-        return tuple(out)
-    opts = options or [{} for _ in weights]
-    for w, n, o in zip_strict(weights, names, opts):
-        out.append(encode(np.ascontiguousarray(w, dtype=np.float32), codec=codec, bits=bits,
-                          name=n, **o))
-    return tuple(out)
+        ternary_weight = TERNARY_WEIGHT
+    u = DeviceUpdate(names, weights, compute_bits=compute_bits, delta=delta, integers=int_weights,
+                     ternary=ternary_weights, ternary_weight=ternary_weight, sigma_g=tuple(sigma_g),
+                     kmeans_method=kmeans_method, seed=seed)
+    return get_codec(codec).encode_update(u, bits)
 
 
 def int_delta(after: list[np.ndarray], before: list[np.ndarray]) -> list[np.ndarray] | None:
@@ -199,7 +169,7 @@ class DeviceConfig:
     threads: int = 1
 
     @classmethod
-    def from_profile(cls, device_id: str, profile: Any, **kw: Any) -> DeviceConfig:
+    def from_profile(cls, device_id: str, profile: HardwareProfile, **kw: Any) -> DeviceConfig:
         """From a :class:`hw_profiles.HardwareProfile`."""
         kw.setdefault("kmeans_method", getattr(profile, "kmeans_method", "fast"))
         kw.setdefault("threads", getattr(profile, "threads", 1))
@@ -221,7 +191,7 @@ def birth_messages(cfg: DeviceConfig, num_samples: int) -> list[tuple[str, bytes
             (topic(cfg.job, "hello", cfg.device_id), encode_message(device_hello(cfg, num_samples)), True)]
 
 
-TrainerFactory = Callable[[Any, int, int], Any]  # (spec, bits, seed) -> Trainer
+TrainerFactory = Callable[["ModelSpec", int, int], "Trainer"]  # (spec, bits, seed) -> Trainer
 
 
 def load_model_files(paths: Any) -> dict[str, Any]:
@@ -237,7 +207,7 @@ def load_model_files(paths: Any) -> dict[str, Any]:
     return out
 
 
-def default_trainer_factory(spec: Any, bits: int, seed: int, threads: int = 1) -> Any:
+def default_trainer_factory(spec: ModelSpec, bits: int, seed: int, threads: int = 1) -> Trainer:
     """A device's trainer: ``threads`` cores; an integer one drops LLVM's machine code from
     the process's resident memory once its kernels are loaded
     (``edge_client.intnn.memory``)."""
@@ -279,7 +249,7 @@ class DeviceRuntime:
         #: a host that re-creates runtimes (the emulator) carries it from one to the next
         self.not_applied_logged = ""
         self.transport: Transport | None = None
-        self._trainers: dict[str, Any] = {}
+        self._trainers: dict[str, tuple[ModelSpec, Trainer]] = {}
         self._model_files = load_model_files(cfg.model_files)
         self.stop_event = threading.Event()
         #: why the loop gave up ("" unless it did: no session for ``give_up_after_s``)
@@ -290,6 +260,7 @@ class DeviceRuntime:
         #: retained messages, a reconnect): its sent update goes out once more
         self._announced_again = False
         self.refusals = RefusalLog(cfg.device_id, self.log)
+        self.coordinator_check = CoordinatorCheck(cfg.job, self.log)  # (no coordinator on the job: says so)
         j, d = cfg.job, cfg.device_id
         self.t_presence = topic(j, "presence", d)
         self.t_hello = topic(j, "hello", d)
@@ -297,6 +268,7 @@ class DeviceRuntime:
         self.t_round = topic(j, "round")
         self.t_status = topic(j, "status")
         self.t_model = topic(j, "model", self.variant)
+        self.secure = SecureSession(cfg, self.log)  # the rounds whose announcement says secagg
 
     # ------------------------------------------------------------------ state
 
@@ -324,7 +296,7 @@ class DeviceRuntime:
         return {
             "will": (self.t_presence, offline),
             "birth": birth_messages(self.cfg, int(len(self.data.y))),
-            "subscriptions": [self.t_round, self.t_model, self.t_status],
+            "subscriptions": [self.t_round, self.t_model, self.t_status, self.secure.inbox_topic],
         }
 
     # ------------------------------------------------------------------ loop
@@ -346,8 +318,8 @@ class DeviceRuntime:
         if not ok:
             t.close()
             return 0
-        self.log.info("device %s connected (%s, variant %s)", self.cfg.device_id,
-                      getattr(t, "version", "?"), self.variant)
+        v = str(getattr(t, "version", "") or "?")
+        self.log.info("device %s connected (%s%s, job %s, variant %s)", self.cfg.device_id, "MQTT " * v[0].isdigit(), v, self.cfg.job, self.variant)
         seen_connects = t.connects
         next_resend = 0.0
         idle = False  # True once a work pass found nothing queued: then block in recv
@@ -356,7 +328,8 @@ class DeviceRuntime:
                 if not session.watch(t):
                     self.failure = session.failure
                     break
-                if self.cfg.max_rounds and len(self.rounds_done) >= self.cfg.max_rounds and not self.outbox.pending():
+                if self.cfg.max_rounds and len(self.rounds_done) >= self.cfg.max_rounds and not (
+                        self.outbox.pending() or self.secure.busy):
                     self.log.info("device %s: %d round(s) done, stopping", self.cfg.device_id,
                                   len(self.rounds_done))
                     break
@@ -374,6 +347,7 @@ class DeviceRuntime:
                     self._flush_outbox(self._announced_again)
                     self._announced_again = False
                 self._maybe_train()
+                self.coordinator_check.tick(t, now)
         finally:
             t.close(clear_will=(self.t_presence, encode_message(Presence(self.cfg.device_id, False))))
         return len(self.rounds_done)
@@ -381,7 +355,9 @@ class DeviceRuntime:
     def _handle(self, msg: Received) -> bool:
         """Process one received message; True when the loop should end."""
         try:
-            _, kind, ident = parse_topic(msg.topic)
+            job, kind, ident = parse_topic(msg.topic)
+            if self.coordinator_check.other_job(job, kind, msg.payload):  # (seen while it checks the broker's jobs)
+                return False
             if not msg.payload:  # a cleared retained message
                 if kind == "round":
                     self.announcement = None
@@ -403,12 +379,14 @@ class DeviceRuntime:
             kept, newer = outbox_kept(m, same_run)
             n = self.outbox.discard_closed(kept, keep_newer=newer)
             if n:
-                self.log.info("discarded %d outbox item(s) of closed rounds", n)
+                self.log.debug("discarded %d outbox item(s) of closed rounds", n)
         elif isinstance(m, ModelMessage) and kind == "model" and ident == m.variant:
             if tensors_digest(m.tensors) != m.digest:  # (what the announcement's digest names)
                 self.log.warning("ignored model on %s: its digest does not match its tensors", msg.topic)
                 return False
             self.models[m.variant] = m
+        elif kind == "secagg-in" and (reply := self.secure.handle(m)) is not None and self.transport is not None:
+            self.transport.publish(self.secure.topic, reply, qos=1, timeout=self.cfg.publish_timeout_s)
         elif isinstance(m, Status) and kind == "status":
             if m.state in ("waiting", "round"):
                 self.coordinator_active = True
@@ -417,7 +395,6 @@ class DeviceRuntime:
                 self.log.info("coordinator done after round %d", m.round_id)
                 return True
         return False
-
 
     def _flush_outbox(self, again: bool = False) -> None:
         """Re-send pending updates of the open round (and, ``again``, the sent ones: the
@@ -463,11 +440,12 @@ class DeviceRuntime:
         self.last_done = ticket
         self.rounds_done.append(a.round_id)
         self._save_last_done(ticket)
-        item = self.outbox.put(a.round_id, self.t_update, payload)
+        to = self.secure.topic if "secagg" in a.hparams else self.t_update  # a secure round: its keys
+        item = self.outbox.put(a.round_id, to, payload)
         t = self.transport
         assert t is not None
         what = f"version {a.round_id}, request {ticket}" if a.mode == "buffered" else f"round {a.round_id}"
-        if t.publish(self.t_update, payload, qos=1, timeout=self.cfg.publish_timeout_s):
+        if t.publish(to, payload, qos=1, timeout=self.cfg.publish_timeout_s):
             self.outbox.mark_sent(item)
             self.sent += 1
             self.log.info("%s: update sent (%d bytes)", what, len(payload))
@@ -476,13 +454,20 @@ class DeviceRuntime:
 
     # ------------------------------------------------------------------ training
 
-    def _trainer(self, model: str) -> Any:
+    def _trainer(self, model: str) -> tuple[ModelSpec, Trainer]:
+        """The spec and the trainer of ``model`` (made once); TypeError when the factory's
+        trainer lacks a member of the :class:`~edge_client.trainers.Trainer` protocol."""
         if model not in self._trainers:
+            from edge_client.trainers import missing_members
             from firmware_models import resolve_model
 
             spec = resolve_model(model, self._model_files, allow_paths=False)
-            self._trainers[model] = (spec, self._trainer_factory(spec, self.cfg.compute_bits,
-                                                                 self.cfg.seed))
+            trainer = self._trainer_factory(spec, self.cfg.compute_bits, self.cfg.seed)
+            missing = missing_members(trainer)
+            if missing:
+                raise TypeError(f"trainer_factory made a {type(trainer).__name__}, which lacks "
+                                f"{missing} of the Trainer protocol")
+            self._trainers[model] = (spec, trainer)
         return self._trainers[model]
 
     def round_settings(self, a: RoundAnnouncement) -> RoundSettings:
@@ -490,7 +475,7 @@ class DeviceRuntime:
         return round_settings(a.hparams, variant=self.variant, codec=self.cfg.codec,
                               codec_bits=self.cfg.codec_bits, kmeans_method=self.cfg.kmeans_method)
 
-    def train_kwargs(self, st: RoundSettings, trainer: Any) -> dict[str, Any]:
+    def train_kwargs(self, st: RoundSettings, trainer: Trainer) -> dict[str, Any]:
         """The ``trainer.train`` arguments of ``st`` beyond epochs/steps/batch (the ones left
         out keep the trainer's own values). ``lr_scale`` multiplies a float device's learning
         rate; on an integer device, and on a float device training an integer forward, it
@@ -499,25 +484,21 @@ class DeviceRuntime:
         kw: dict[str, Any] = {"prox_mu": st.prox_mu, "fedfor_alpha": st.fedfor_alpha}
         lr = st.lr
         if st.lr_scale != 1.0:
-            from edge_client.trainers import DEFAULT_TORCH_LR
-
-            lr = (lr if lr is not None else getattr(trainer, "lr", DEFAULT_TORCH_LR)) * st.lr_scale
+            lr = (lr if lr is not None else trainer.lr) * st.lr_scale
         for key, value in (("lr", lr), ("momentum", st.momentum), ("grad_clip", st.grad_clip),
                            ("weight_standardization", st.ws), ("weight_norm", st.wn),
                            ("forward", st.float_forward)):
             if value is not None:
                 kw[key] = value
         integer_step = self.variant != FLOAT_VARIANT or st.float_forward not in (None, FLOAT_VARIANT)
-        if integer_step:  # an integer device, or a float device training an integer forward
-            from edge_client.trainers import DEFAULT_LR_SHIFT
-
-            shift = st.lr_shift if st.lr_shift is not None else getattr(trainer, "lr_shift", DEFAULT_LR_SHIFT)
+        # an integer device, or a float device training an integer forward, whose step moves
+        if integer_step and (st.lr_shift is not None or st.lr_scale != 1.0):
+            shift = st.lr_shift if st.lr_shift is not None else trainer.lr_shift
             shift += round(math.log2(st.lr_scale))
             if not -8 <= shift <= 8:
                 st.not_applied["lr_scale"] = f"lr_shift {shift} outside -8..8; clamped"
                 shift = min(8, max(-8, shift))
-            if st.lr_shift is not None or st.lr_scale != 1.0:
-                kw["lr_shift"] = shift
+            kw["lr_shift"] = shift
         if self.variant != FLOAT_VARIANT:
             kw.pop("weight_standardization", None)
             kw.pop("weight_norm", None)
@@ -540,7 +521,7 @@ class DeviceRuntime:
             raise ProtocolError(f"model {m.variant} of round {m.round_id}: layer shapes "
                                 f"{[w.shape for w in weights]} do not fit {a.model} {want}", reason="wrong_shape")
         trainer.load_shared(weights)
-        from edge_client.codecs import decode
+        from edge_client.codecs import decode, get_codec
 
         lgs = [decode(t) for t in m.last_global_step] or None
         kw = self.train_kwargs(st, trainer)
@@ -550,23 +531,21 @@ class DeviceRuntime:
         secs = time.perf_counter() - t0
         names = spec.param_names()
         shared = [np.asarray(w, dtype=np.float32) for w in trainer.to_shared()]
-        ints = tern = None
-        if st.codec == "int" and hasattr(trainer, "int_weights"):
-            ints = trainer.int_weights()
-        if st.codec == "ternary" and hasattr(trainer, "ternary_weights"):
-            tern = trainer.ternary_weights()  # the weights its forward computes with
+        if "secagg" in a.hparams:  # a secure round: the update goes into the protocol, not on the wire
+            return self.secure.start(a, m, trainer, shared, weights, int(len(self.data.y)))
         delta = st.content == "delta"
+        wants = get_codec(st.codec).device_input  # what the uplink codec sends of a device
+        ints = trainer.int_weights() if wants == "integers" else None
+        tern = trainer.ternary_weights() if wants == "ternary_forward" and not delta else None
         if delta:
             shared = [w - g for w, g in zip_strict(shared, weights)]
-            tern = None
             if ints is not None:
                 ints = int_delta(ints, [decode(t) for t in m.tensors])
-        codec = st.codec if (st.codec != "int" or ints is not None) else "float32"
-        tensors = encode_update_tensors(shared, names, codec, st.codec_bits, int_weights=ints,
+        tensors = encode_update_tensors(shared, names, st.codec, st.codec_bits, int_weights=ints,
                                         compute_bits=self.cfg.compute_bits, delta=delta,
-                                        options=self._codec_options(st, m, a.round_id, len(names)),
-                                        ternary_weights=tern)
-        loss = float(getattr(report, "loss", 0.0))
+                                        ternary_weights=tern, sigma_g=m.sigma_g,
+                                        kmeans_method=st.kmeans_method, seed=(self.cfg.seed, a.round_id))
+        loss = float(report.loss)
         not_applied = {k: v[:self.cfg.limits.max_str] for k, v in st.not_applied.items()}
         if not_applied:  # logged once while the job announces the same; reported every round
             what = "; ".join(f"{k}: {v}" for k, v in not_applied.items())
@@ -579,21 +558,3 @@ class DeviceRuntime:
                      train_loss=loss if math.isfinite(loss) else 0.0, train_seconds=secs,
                      not_applied=not_applied, ticket=work_number(a, self.cfg.device_id) if a.mode == "buffered" else 0)
         return encode_message(upd, self.cfg.limits)
-
-    def _codec_options(self, st: RoundSettings, m: ModelMessage, round_id: int,
-                       n_layers: int) -> list[dict[str, Any]]:
-        """Per-layer encode options: DANUQ standardizes an update by the server's σ_g when
-        the model carries one per layer (FedWSQ; else by the update's own σ), K-means takes
-        the announced or profile ``method`` (the authors' random init seeded per device and
-        round)."""
-        opts: list[dict[str, Any]] = [{} for _ in range(n_layers)]
-        if st.codec == "danuq" and st.content == "delta" and len(m.sigma_g) == n_layers:
-            for o, sg in zip_strict(opts, m.sigma_g):
-                if sg > 0:
-                    o["sigma_g"] = float(sg)
-        elif st.codec == "kmeans":
-            for o in opts:
-                o["method"] = st.kmeans_method
-                if st.kmeans_method == "authors":
-                    o["seed"] = [int(self.cfg.seed), int(round_id)]
-        return opts

@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
+
+from hw_profiles import HardwareProfile
 
 
 @dataclass(frozen=True)
@@ -32,7 +33,7 @@ class WarmupReport:
     compiled: bool
 
 
-def warm_up(profile: Any, model: str = "digits_cnn", *, batch: int = 32, seed: int = 0) -> WarmupReport:
+def warm_up(profile: HardwareProfile, model: str = "digits_cnn", *, batch: int = 32, seed: int = 0) -> WarmupReport:
     """Run one training step and one uplink encoding of ``model`` as ``profile`` would.
     Float devices (``trainer = "torch"``) have nothing to compile and return at once."""
     from firmware_models import resolve_model

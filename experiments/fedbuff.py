@@ -245,9 +245,9 @@ def main(argv: list[str] | None = None) -> int:
     clock = json.loads((RESULTS / "clock.json").read_text())["models"].get(cfg.model) \
         if (RESULTS / "clock.json").is_file() else None
     if clock:  # the experiments' shared compute model (experiments/run_all.py)
-        cfg.clock["seconds_per_sample"] = dict(clock)
+        cfg.clock.seconds_per_sample = dict(clock)
     out = args.analyse or args.out
-    budget = float(cfg.clock["until_s"])
+    budget = float(cfg.clock.until_s)
 
     def variant(seeds: list[int], arms: list[str] | None = None) -> Any:
         raw = cfg.as_dict()
@@ -261,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
         runs, modes = {}, {}
         for combo, cc in expand_sweep(c):
             arm = str(combo.get("arm"))
-            modes[arm] = cc.round["mode"]
+            modes[arm] = cc.round.mode
             runs[arm] = {s: out / "runs" / run_slug(combo) / f"seed-{s}" for s in cc.seeds}
         return runs, modes
 

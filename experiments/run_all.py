@@ -39,6 +39,7 @@ import shutil
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -236,8 +237,7 @@ def main() -> int:
         clocks = _clock(models, args.calibrate, bool(args.names) or args.estimate is not None)
     estimates = {}
     for path, cfg in configs.items():
-        cfg.clock = {"seconds_per_sample": dict(clocks[cfg.model])} | {
-            k: v for k, v in cfg.clock.items() if k != "seconds_per_sample"}
+        cfg.clock = replace(cfg.clock, seconds_per_sample=dict(clocks[cfg.model]))
         t0 = time.monotonic()
         out = args.out / path.stem
         if out.exists() and not (args.resume and args.estimate is None):

@@ -1,10 +1,10 @@
 """Hardware profiles: one TOML file per device kind, validated on load.
 
-Imports neither ``edge_client`` nor ``coordinator``.
+Imports no ``coordinator`` and, of ``edge_client``, only the codec table (when a profile
+is checked: its ``codec`` and ``codec_bits``).
 """
 
 from hw_profiles.loader import (
-    CODEC_BITS,
     FIELDS,
     PYTHON_FLOOR,
     HardwareProfile,
@@ -16,6 +16,6 @@ from hw_profiles.loader import (
 )
 
 __all__ = [
-    "CODEC_BITS", "FIELDS", "PYTHON_FLOOR", "HardwareProfile", "ProfileError", "list_profiles",
+    "FIELDS", "PYTHON_FLOOR", "HardwareProfile", "ProfileError", "list_profiles",
     "load_profile", "parse_profile", "profile_dir",
 ]

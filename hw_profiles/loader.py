@@ -18,18 +18,6 @@ if sys.version_info >= (3, 11):
 else:  # Python 3.9/3.10 (the device side's floor is 3.9): the same parser from PyPI
     import tomli as tomllib
 
-#: codec name -> (min bits, max bits); mirrors ``edge_client.protocol.CODEC_BITS``
-#: (a test keeps the two equal; this package may not import edge_client).
-CODEC_BITS: dict[str, tuple[int, int]] = {
-    "float32": (32, 32),
-    "float16": (16, 16),
-    "asym": (1, 16),
-    "kmeans": (1, 8),
-    "ternary": (2, 2),
-    "int": (2, 16),
-    "danuq": (1, 8),
-}
-
 #: the oldest Python the device side runs on; mirrors ``edge_client.PYTHON_FLOOR`` (a test
 #: keeps the two equal). A profile's ``python`` may not be older.
 PYTHON_FLOOR = (3, 9)
@@ -39,7 +27,7 @@ class ProfileError(ValueError):
     """A profile file is missing, unreadable or invalid; the message names file and key.
 
     ``edge_client.errors.ConfigError`` is the SDK's general config error; this package
-    stays import-free of the SDK, so callers that want one type catch ``ValueError``.
+    imports only the SDK's codec table, so callers that want one type catch ``ValueError``.
     """
 
 
@@ -120,6 +108,27 @@ def _check(where: str, key: str, value: Any, kind: type, lo: float | None = None
     return value
 
 
+def _check_codec(where: str, v: dict[str, Any], trainer: str, compute_bits: int) -> tuple[str, int]:
+    """``codec``/``codec_bits`` against the codec table (:data:`edge_client.codecs.CODECS`,
+    the codec classes' own names, widths and rules)."""
+    from edge_client.codecs import CODECS
+
+    name = _check(where, "codec", v["codec"], str)
+    if name not in CODECS:
+        raise ProfileError(f"{where}: key 'codec' = {name!r} is not one of {sorted(CODECS)}")
+    codec = CODECS[name]
+    lo, hi = codec.bits_range
+    bits = _check(where, "codec_bits", v["codec_bits"], int)
+    if not lo <= bits <= hi:
+        raise ProfileError(f"{where}: key 'codec_bits' = {bits} out of range {lo}..{hi} for {name}")
+    if codec.integer_only and trainer != "int":
+        raise ProfileError(f"{where}: key 'codec' = {name!r} needs an integer device (trainer = 'int')")
+    why = codec.bits_problem(bits, compute_bits)
+    if why:
+        raise ProfileError(f"{where}: key 'codec_bits' = {bits} {why} for codec {name!r}")
+    return name, bits
+
+
 def parse_profile(table: dict[str, Any], where: str = "<profile>") -> HardwareProfile:
     """Validate a parsed TOML table; ``where`` names the source in errors."""
     unknown = sorted(set(table) - set(FIELDS))
@@ -144,21 +153,7 @@ def parse_profile(table: dict[str, Any], where: str = "<profile>") -> HardwarePr
             f"{where}: key 'trainer' = {trainer!r} does not fit compute_bits = {bits} "
             "(integer devices use 'int' with 2..16 bits, float devices 'torch' with 32)"
         )
-    codec = _check(where, "codec", v["codec"], str)
-    if codec not in CODEC_BITS:
-        raise ProfileError(f"{where}: key 'codec' = {codec!r} is not one of {sorted(CODEC_BITS)}")
-    lo, hi = CODEC_BITS[codec]
-    codec_bits = _check(where, "codec_bits", v["codec_bits"], int)
-    if not lo <= codec_bits <= hi:
-        raise ProfileError(f"{where}: key 'codec_bits' = {codec_bits} out of range {lo}..{hi} for {codec}")
-    if codec == "int" and trainer != "int":
-        raise ProfileError(f"{where}: key 'codec' = 'int' needs an integer device (trainer = 'int')")
-    grid = max(bits, 8)  # integer weights live on the grid 1/S(max(s, 8)) (docs/algorithms.md §1)
-    if codec == "int" and codec_bits != grid:
-        raise ProfileError(
-            f"{where}: key 'codec_bits' = {codec_bits} must be the storage grid max(compute_bits, 8) "
-            f"= {grid} for codec 'int'"
-        )
+    codec, codec_bits = _check_codec(where, v, trainer, bits)
     kmeans_method = _check(where, "kmeans_method", v.get("kmeans_method", "fast"), str)
     if kmeans_method not in KMEANS_METHODS:
         raise ProfileError(f"{where}: key 'kmeans_method' = {kmeans_method!r} must be one of "

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from importlib import metadata
 from pathlib import Path
 
 import pytest
@@ -39,6 +40,7 @@ WANTED = {
                          ("fedshift_cnn int8 2 threads", "throughput"),
                          ("fedshift_cnn int8 2 threads", "throughput_vs_float"),
                          ("fedshift_cnn int8", "rss"), ("fedshift_cnn int8", "warm_start_s")],
+    "secagg": [("devices", "device_cpu_seconds"), ("devices", "uplink_bytes")],
     "layer_profile": [("fedshift_cnn int8 conv layers", "arithmetic_bound_fraction"),
                       ("fedshift_cnn conv2 forward", "seconds"),
                       ("int8 SIMD rate: ternary_add", "rate")],
@@ -54,6 +56,10 @@ def test_run_all_quick_writes_every_benchmarks_lines(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-4000:]
     recs = [json.loads(line) for line in out.read_text().splitlines()]
     assert recs and all(r["quick"] is True for r in recs)
+    # every line says what it was measured with
+    assert all(r["versions"]["numba"] == metadata.version("numba")
+               and r["versions"]["llvmlite"] == metadata.version("llvmlite")
+               and r["versions"]["numpy"] == metadata.version("numpy") for r in recs)
     for r in recs:
         assert {"bench", "case", "metric", "value", "unit", "anchor", "anchor_value", "ratio"} <= set(r)
         assert r["value"] == r["value"] and r["value"] >= 0  # not NaN

@@ -1,10 +1,11 @@
-"""Codec registry, round trips within each codec's bound, exact payload sizes, input and
-wire validation; plain-numpy references for asym, int, ternary."""
+"""Each codec's own promises: its registry attributes, round trips within its bound,
+plain-numpy references for asym, int and ternary, its option and aux rules. What every
+codec promises (sizes, empty tensors, encode errors, malformed and fuzzed tensors) is in
+``test_codec_conformance.py``."""
 
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import numpy as np
 import pytest
@@ -17,18 +18,10 @@ from edge_client.codecs.bitpack import pack
 from edge_client.errors import CodecError, ProtocolError
 from edge_client.protocol import EncodedTensor
 
-FLOAT_CODECS = {"float32": (32, 32), "float16": (16, 16), "asym": (1, 16), "kmeans": (1, 8), "danuq": (1, 8), "ternary": (2, 2)}
-AUX_KEYS = {
-    "float32": set(), "float16": set(), "asym": {"min", "max"}, "kmeans": {"codebook"},
-    "danuq": {"sigma_loc", "sigma_g", "zero_level"}, "ternary": {"scale"}, "int": set(),
-}
-
 
 def sample(codec: str, shape=(17, 5), seed=0) -> np.ndarray:
-    rng = np.random.default_rng(seed)
-    if codec == "int":
-        return rng.integers(-2, 2, shape).astype(np.int16)
-    return rng.normal(0, 0.05, shape).astype(np.float32)
+    c = get_codec(codec)
+    return c.examples(shape, c.default_bits, np.random.default_rng(seed))[0]
 
 
 finite_f32 = st.floats(-1e3, 1e3, allow_nan=False, width=32)
@@ -39,11 +32,7 @@ arrays = hnp.arrays(np.float32, hnp.array_shapes(min_dims=1, max_dims=3, min_sid
 
 
 def test_registry_names_and_attributes():
-    assert available_codecs() == ("asym", "danuq", "float16", "float32", "int", "kmeans", "ternary")
-    for name in available_codecs():
-        c = get_codec(name)
-        assert c.name == name
-        assert c.bits_range[0] <= c.default_bits <= c.bits_range[1]
+    assert {"asym", "danuq", "float16", "float32", "int", "kmeans", "ternary"} <= set(available_codecs())
     assert get_codec("float32").lossy is False and get_codec("int").lossy is False
     assert all(get_codec(n).lossy for n in ("float16", "asym", "kmeans", "danuq"))
     assert get_codec("asym").bits_range == (1, 16) and get_codec("kmeans").bits_range == (1, 8)
@@ -51,7 +40,7 @@ def test_registry_names_and_attributes():
 
 
 def test_unknown_codec():
-    with pytest.raises(CodecError, match="available: asym, danuq"):
+    with pytest.raises(CodecError, match=f"available: {', '.join(available_codecs())}"):
         get_codec("zip")
     t = EncodedTensor((1,), "float32", "zip", 8, b"\x00")
     with pytest.raises(ProtocolError, match="codec"):
@@ -67,22 +56,15 @@ def test_ternary_lossiness_depends_on_input():
 # ---------------------------------------------------------------- sizes and aux
 
 
-@pytest.mark.parametrize("codec", sorted(AUX_KEYS))
-@pytest.mark.parametrize("shape", [(0,), (3, 0, 2), (1,), (7,), (13, 11), (2, 3, 4, 5)])
-def test_payload_length_and_aux(codec, shape):
+@pytest.mark.parametrize(("codec", "keys"), [
+    ("float32", set()), ("float16", set()), ("asym", {"min", "max"}), ("kmeans", {"codebook"}),
+    ("danuq", {"sigma_loc", "sigma_g", "zero_level"}), ("ternary", {"scale"}), ("int", set()),
+])
+def test_aux_fields(codec, keys):
     c = get_codec(codec)
-    x = sample(codec, shape)
-    for bits in sorted({c.bits_range[0], c.default_bits, c.bits_range[1]}):
-        t = c.encode(x, bits, name="layer0")
-        n = math.prod(shape)
-        assert len(t.data) == math.ceil(n * bits / 8)
-        assert set(t.aux) == AUX_KEYS[codec]
-        assert (t.shape, t.dtype, t.codec, t.bits, t.name) == (shape, x.dtype.name, codec, bits, "layer0")
-        assert all(isinstance(v, (int, float, list)) for v in t.aux.values())
-        y = c.decode(t)
-        assert y.shape == shape and y.dtype == x.dtype and y.flags.writeable
-    if codec == "kmeans":
-        assert len(c.encode(x, 5).aux["codebook"]) == 32
+    for shape in [(0,), (13, 11)]:
+        assert set(c.encode(sample(codec, shape)).aux) == keys
+    assert len(get_codec("kmeans").encode(sample("kmeans"), 5).aux["codebook"]) == 32
 
 
 # ---------------------------------------------------------------- round trips
@@ -201,37 +183,7 @@ def test_ternary_int8_exact_and_float_reference():
     assert encode(x, "ternary", threshold=0.05, scale=0.25).aux["scale"] == 0.25
 
 
-# ---------------------------------------------------------------- encode-side errors
-
-
-@pytest.mark.parametrize("codec", sorted(FLOAT_CODECS))
-@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
-def test_nonfinite_input_rejected_with_count(codec, bad):
-    x = np.zeros(10, np.float32)
-    x[[2, 7]] = bad
-    with pytest.raises(CodecError, match=rf"'{codec}'.*2 non-finite"):
-        encode(x, codec)
-
-
-@pytest.mark.parametrize("codec", sorted(AUX_KEYS))
-def test_bits_out_of_range(codec):
-    c = get_codec(codec)
-    lo, hi = c.bits_range
-    x = sample(codec)
-    for bits in (lo - 1, hi + 1, 0, 2.5, "4"):
-        with pytest.raises(CodecError, match="bits"):
-            c.encode(x, bits)
-
-
-@pytest.mark.parametrize("codec", sorted(AUX_KEYS))
-def test_wrong_dtypes(codec):
-    bad = [np.zeros(4, np.float64), np.zeros(4, np.bool_), np.zeros(4, np.uint8), np.zeros(4, np.complex64)]
-    bad.append(np.zeros(4, np.float32) if codec == "int" else np.zeros(4, np.int16))
-    for x in bad:
-        with pytest.raises(CodecError, match="dtype"):
-            encode(x, codec)
-    with pytest.raises(CodecError, match="numpy array"):
-        encode([0.0, 1.0], codec)
+# ---------------------------------------------------------------- options
 
 
 def test_unknown_option():
@@ -241,38 +193,12 @@ def test_unknown_option():
         encode(np.zeros(3, np.float32), "kmeans", 4, method="sklearn")
 
 
-def test_noncontiguous_input():
-    x = np.random.default_rng(0).normal(size=(20, 20)).astype(np.float32)[::2, ::3]
-    for codec in ("asym", "kmeans", "float32", "danuq"):
-        t = encode(x, codec)
-        assert decode(t).shape == x.shape
-    assert np.array_equal(decode(encode(x, "float32")), x)
-
-
 # ---------------------------------------------------------------- decode-side validation
 
 
 def good(codec: str) -> EncodedTensor:
-    return encode(sample(codec, (9,)), codec, 4 if codec in ("asym", "kmeans", "danuq", "int") else None)
-
-
-@pytest.mark.parametrize("codec", sorted(AUX_KEYS))
-def test_decode_rejects_wrong_length_bits_dtype_codec(codec):
-    t = good(codec)
-    with pytest.raises(ProtocolError, match="data"):
-        decode(dataclasses.replace(t, data=t.data + b"\x00"))
-    with pytest.raises(ProtocolError, match="data"):
-        decode(dataclasses.replace(t, data=t.data[:-1]))
-    with pytest.raises(ProtocolError, match="bits"):
-        decode(dataclasses.replace(t, bits=99))
-    with pytest.raises(ProtocolError, match="dtype"):
-        decode(dataclasses.replace(t, dtype="float64"))
-    with pytest.raises(ProtocolError, match="shape"):
-        decode(dataclasses.replace(t, shape=(-9,)))
-    with pytest.raises(ProtocolError, match="codec"):
-        get_codec("asym" if codec != "asym" else "kmeans").decode(t)
-    with pytest.raises(ProtocolError, match="aux.extra"):
-        decode(dataclasses.replace(t, aux={**t.aux, "extra": 1}))
+    lo, hi = get_codec(codec).bits_range
+    return encode(sample(codec, (9,)), codec, 4 if lo <= 4 <= hi else None)
 
 
 @pytest.mark.parametrize(

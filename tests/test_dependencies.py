@@ -60,10 +60,15 @@ def test_device_side_never_imports_coordinator(package: str) -> None:
     assert not bad
 
 
+#: package -> what it may import of the device SDK: a profile names an uplink codec, so the
+#: profiles read the codec table (the codec classes' names, widths and rules)
+SDK_FOR = {"firmware_models": set(), "hw_profiles": {"edge_client.codecs"}}
+
+
 @pytest.mark.parametrize("package", ["firmware_models", "hw_profiles"])
 def test_specs_and_profiles_import_neither_sdk_nor_server(package: str) -> None:
     bad = [(str(f.relative_to(ROOT)), m) for f in _files(package) for m, _ in _imports(f)
-           if _root(m) in {"edge_client", "coordinator"}]
+           if _root(m) in {"edge_client", "coordinator"} and m not in SDK_FOR[package]]
     assert not bad
 
 
@@ -96,9 +101,9 @@ sys.exit(1 if leaked else 0)
 #: announcement may carry, part of the wire format; ``auth``: the credentials format and
 #: the MAC), not its application
 #: ``connection`` and ``logs``: the broker/TLS/logging options and log format both command
-#: lines share
+#: lines share; ``secagg``: secure aggregation's primitives and encoding, both sides'
 COORDINATOR_MAY_USE = {"errors", "protocol", "hparams", "codecs", "intnn", "trainers", "data",
-                       "transport", "auth", "connection", "logs"}
+                       "transport", "auth", "connection", "logs", "secagg"}
 #: the emulator's devices, by design: emulator.py makes their configs, worker.py runs their
 #: real runtimes
 RUNS_DEVICES = {"coordinator/emulation/emulator.py", "coordinator/emulation/worker.py"}
@@ -237,3 +242,62 @@ def test_module_and_folder_sizes() -> None:
     assert not long
     top = sorted(p.name for p in (ROOT / "coordinator").glob("*.py"))
     assert len(top) <= 14, top
+
+
+# --------------------------------------------------------------------------- codec knowledge
+
+
+def _strings(node: ast.expr) -> list[str]:
+    """The string literals an operand is or lists (``"kmeans"``, ``("int", "ternary")``)."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return [node.value]
+    if isinstance(node, ast.Tuple | ast.List | ast.Set):
+        return [s for elt in node.elts for s in _strings(elt)]
+    return []
+
+
+def _codec_name_comparisons(source: str, names: set[str], shared: set[str]) -> list[str]:
+    """Every comparison of a codec name with something (``st.codec == "kmeans"``,
+    ``codec in ("int", "ternary")``). Names that are also dtypes, trainers or model variants
+    (``shared``: ``"float32"``, ``"int"``) count only where the other side speaks of a
+    codec."""
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Compare):
+            continue
+        operands = [node.left, *node.comparators]
+        for left, right in zip(operands, operands[1:], strict=False):
+            for lit, other in ((left, right), (right, left)):
+                if any(s in names and (s not in shared or "codec" in ast.unparse(other).lower())
+                       for s in _strings(lit)):
+                    out.append(f"line {node.lineno}: {ast.unparse(node)}")
+    return out
+
+
+def _codec_names() -> tuple[set[str], set[str]]:
+    from edge_client.codecs import CODECS
+    from edge_client.protocol import DTYPES, FLOAT_VARIANT, TRAINERS
+
+    names = set(CODECS)
+    return names, {n for n in names if n in DTYPES or n in TRAINERS or n == FLOAT_VARIANT}
+
+
+def test_only_the_codecs_branch_on_a_codec_s_name() -> None:
+    """A codec's knowledge lives in its class (``edge_client/codecs/``): nowhere else in
+    the packages is a codec's name compared, so a new codec needs no edit elsewhere.
+    (Benchmarks, experiments and tests choose codecs by name; they are not scanned.)"""
+    names, shared = _codec_names()
+    codecs = ROOT / "edge_client" / "codecs"
+    bad = []
+    for f in (f for pkg in PACKAGES for f in _files(pkg) if codecs not in f.parents):
+        text = f.read_text(encoding="utf-8")
+        if any(f"{q}{n}{q}" in text for n in names for q in "'\""):  # parse only what quotes a name
+            bad += [(str(f.relative_to(ROOT)), hit) for hit in _codec_name_comparisons(text, names, shared)]
+    assert not bad
+
+
+def test_the_codec_name_check_finds_a_branch() -> None:
+    names, shared = _codec_names()
+    src = ("if st.codec == 'kmeans': pass\nif codec in ('int', 'x'): pass\nif 'danuq' != name: pass\n"
+           "if dtype == 'float32' or trainer == 'int' or variant != 'float32': pass\n")
+    assert [h.split(":")[0] for h in _codec_name_comparisons(src, names, shared)] == ["line 1", "line 2", "line 3"]

@@ -307,6 +307,8 @@ class _Dev:
     """A device's 'training': a known shift of the received weights; an integer device
     returns its weights on its 8-bit grid (``int_weights``), as the real IntTrainer."""
 
+    spec, bits, lr, lr_shift = get_spec("mlp"), 8, 1.0, 3  # the Trainer protocol
+
     def __init__(self, shift: float, integer: bool) -> None:
         self.shift, self.integer, self.w = np.float32(shift), integer, []
 
@@ -321,6 +323,12 @@ class _Dev:
 
     def int_weights(self):
         return [np.clip(np.rint(w * 128), -64, 64).astype(np.int8) for w in self.w]
+
+    def ternary_weights(self):
+        return None
+
+    def evaluate(self, data, batch=256):
+        return 0.0, 0.0
 
 
 def _coordinated_run(tmp: Path, strategy, rounds: int = 3):

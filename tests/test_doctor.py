@@ -69,4 +69,10 @@ def test_doctor_fails_a_python_older_than_the_profile_s(tmp_path: Path) -> None:
     lines = proc.stdout.splitlines()
     assert f"FAIL  python: {platform.python_version()} (the future-board profile needs >= 3.99" in lines[0]
     assert [ln.split(":")[0].split()[-1] for ln in lines[:-1]] == ["python", "image", "numba", "memory", "clock"]
+    import llvmlite
+    import numba
+    import numpy
+
+    assert lines[2].startswith(f"PASS  numba: {numba.__version__} (llvmlite {llvmlite.__version__}, "
+                               f"numpy {numpy.__version__}), compiles; kernel cache "), lines[2]
     assert lines[-1].startswith("doctor: 4 of 5 checks passed; failed: python")

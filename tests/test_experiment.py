@@ -48,6 +48,10 @@ def test_the_bundled_default_is_a_mixed_fleet_of_twenty() -> None:
     ("[data]\nlabels = 3", "data.labels"),                      # unknown key in a section
     ("[round]\nquorum = 1.5", "round.quorum"),
     ("[round]\ndeadline_s = -1", "round.deadline_s"),
+    ("[round]\nparallel = 0", "round.parallel: must be >= 1"),
+    ("[round]\nworkers = 1.5", "round.workers: expected int"),
+    ("[cluster]\nbackend = \"slurm\"", "cluster.backend: 'slurm' is not 'local' or 'ray'"),
+    ("[cluster]\naddress = \"here\"", "cluster.address: 'here'"),
     ("[codecs]\nraspberry-pi-4 = \"kmeans-9\"", "codecs.raspberry-pi-4"),
     ("[codecs]\njetson-nano = \"asym-4\"", "codecs.jetson-nano"),  # not in [devices]
     ("[clock]\nseconds_per_sample = {int8 = 0}", "clock.seconds_per_sample.int8"),
@@ -73,12 +77,12 @@ def test_missing_and_broken_files(tmp_path: Path) -> None:
 def test_overrides_and_sweeps(tmp_path: Path) -> None:
     path = write(tmp_path, BASE + '[sweep]\nstrategy = ["fedavg", "fedshift"]\n"data.partition" = ["iid", "shards"]\n')
     cfg = load_config(path, {"rounds": 7, "round.deadline_s": 3.5, "seeds": [1, 2]})
-    assert cfg.rounds == 7 and cfg.round["deadline_s"] == 3.5 and cfg.seeds == [1, 2]
+    assert cfg.rounds == 7 and cfg.round.deadline_s == 3.5 and cfg.seeds == [1, 2]
     runs = expand_sweep(cfg)
     assert [c for c, _ in runs] == [{"strategy": s, "data.partition": p} for s in ("fedavg", "fedshift")
                                     for p in ("iid", "shards")]
     assert all(not c.sweep and c.rounds == 7 for _, c in runs)
-    assert runs[3][1].strategy == "fedshift" and runs[3][1].data["partition"] == "shards"
+    assert runs[3][1].strategy == "fedshift" and runs[3][1].data.partition == "shards"
     assert len({run_slug(c) for c, _ in runs}) == 4
     with pytest.raises(ConfigError, match="sweep"):
         expand_sweep(load_config(write(tmp_path, BASE + '[sweep]\n"data.partition" = ["iid", "nope"]\n')))

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from coordinator.emulation.config import expand_sweep, load_config
+from coordinator.emulation.sections import ClockSettings
 from coordinator.emulation.sweep import run_experiment
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,7 +39,7 @@ def test_every_config_and_combination_is_valid_with_five_seeds_on_fashion_mnist(
         combos = expand_sweep(cfg)  # every combination validated
         assert combos and all(c.sweep.keys() <= {"baseline", "tune"} for _, c in combos)
         if path.stem.startswith("fmnist-"):
-            assert cfg.data["dataset"] == "fashion-mnist" and cfg.data["validation"] > 0
+            assert cfg.data.dataset == "fashion-mnist" and cfg.data.validation > 0
             assert len(cfg.seeds) >= 5 and cfg.sweep.get("baseline"), path.name
             assert "Kept" in path.read_text() or "Not a paper" in path.read_text(), path.name
     for part in sorted(set(CONFIGS) - set(WHOLE)):  # a part's quick run is its base's
@@ -52,11 +53,11 @@ def test_the_quick_form_runs_end_to_end(path: Path, tmp_path: Path) -> None:
     run_all = _run_all()
     fmnist = path.stem.startswith("fmnist-")
     cfg = run_all.quick_config(load_config(path), every_method=fmnist)
-    cfg.clock = {"seconds_per_sample": dict.fromkeys(run_all.VARIANTS, 1e-4)}
+    cfg.clock = ClockSettings(dict.fromkeys(run_all.VARIANTS, 1e-4))
     if not fmnist:  # a digits config's machinery is its fmnist twin's: its first combination, twice
         cfg.sweep = {k: (v[:1] if isinstance(v, list) else v) for k, v in cfg.sweep.items()}
         cfg.seeds = [0, 1]
-    assert cfg.data["dataset"] == "digits" and cfg.rounds == 2 and cfg.model in ("digits_cnn", "mlp")
+    assert cfg.data.dataset == "digits" and cfg.rounds == 2 and cfg.model in ("digits_cnn", "mlp")
     summary = run_experiment(cfg, tmp_path / "out", echo=lambda _m: None)
     text = summary.read_text()
     results = json.loads((tmp_path / "out" / "results.json").read_text())
@@ -97,7 +98,7 @@ def test_the_experiments_run_on_a_cifar10_folder_with_the_papers_models(name: st
     cfg = load_config(ROOT / "experiments" / f"{name}.toml",
                       {"data.dataset": "cifar10", "data.path": str(tmp_path), "model": model})
     cfg = run_all.quick_config(cfg, every_method=False, keep_data=True)
-    cfg.clock = {"seconds_per_sample": dict.fromkeys(run_all.VARIANTS, 1e-4)}
+    cfg.clock = ClockSettings(dict.fromkeys(run_all.VARIANTS, 1e-4))
     cfg.seeds = [0, 1]  # one combination (the baseline's), two seeds: the sweep report's statistics
     cfg.sweep = {k: (v[:1] if isinstance(v, list) else v) for k, v in cfg.sweep.items() if k != "baseline"}
     summary = run_experiment(cfg, tmp_path / "out", echo=lambda _m: None)

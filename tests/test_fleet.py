@@ -25,6 +25,8 @@ SPEC = get_spec("mlp")
 
 
 class ShiftTrainer:
+    spec, bits, lr, lr_shift = SPEC, 32, 1.0, 3  # the Trainer protocol
+
     def __init__(self, shift: float) -> None:
         self.shift, self.w = np.float32(shift), []
 
@@ -37,6 +39,15 @@ class ShiftTrainer:
 
     def to_shared(self):
         return [w.copy() for w in self.w]
+
+    def int_weights(self):
+        return None
+
+    def ternary_weights(self):
+        return None
+
+    def evaluate(self, data, batch=256):
+        return 0.0, 0.0
 
 
 def run(fleet, connector, tmp: Path, rounds: int = 2) -> Coordinator:

@@ -262,6 +262,8 @@ def test_fuzz_every_codec_decode() -> None:
 
 
 class _Trainer:
+    spec, bits, lr, lr_shift = SPEC, 32, 1.0, 3  # the Trainer protocol
+
     def load_shared(self, weights):
         self.w = [np.asarray(w, np.float32) for w in weights]
 
@@ -270,6 +272,15 @@ class _Trainer:
 
     def to_shared(self):
         return [w.copy() for w in self.w]
+
+    def int_weights(self):
+        return None
+
+    def ternary_weights(self):
+        return None
+
+    def evaluate(self, data, batch=256):
+        return 0.0, 0.0
 
 
 _MODEL_T = tuple(float32_tensor(np.zeros(s, np.float32)) for s in SHAPES)

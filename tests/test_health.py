@@ -169,6 +169,8 @@ class RoundTrainer:
     """Adds 0.01 to every weight each round (one trainer per device for the whole run, one
     ``train`` per round), except in round ``kill_round``: fc1 loses every positive tap."""
 
+    spec, bits, lr, lr_shift = MLP, 32, 1.0, 3  # the Trainer protocol
+
     def __init__(self, kill_round: int) -> None:
         self.kill_round = kill_round
         self.calls = 0
@@ -186,6 +188,15 @@ class RoundTrainer:
 
     def to_shared(self):
         return [w.copy() for w in self.w]
+
+    def int_weights(self):
+        return None
+
+    def ternary_weights(self):
+        return None
+
+    def evaluate(self, data, batch=256):
+        return 0.0, 0.0
 
 
 def run_fleet(tmp: Path, policy: str, kill_round: int = 2, rounds: int = 3) -> Coordinator:

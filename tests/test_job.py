@@ -38,7 +38,7 @@ def test_each_default_lives_in_one_place() -> None:
     for name in ("model", "strategy", "fraction", "quorum", "min_updates", "seed"):
         assert getattr(job.server, name) == getattr(server, name), name
     assert job.server.rounds == server.rounds
-    assert exp.round["quorum"] == server.quorum and exp.round["min_updates"] == server.min_updates
+    assert exp.round.quorum == server.quorum and exp.round.min_updates == server.min_updates
     assert job.server.admission == AdmissionConfig() and job.server.limits == DEFAULT_LIMITS
     assert {key for _, key, _ in FLAGS} <= {f"{s}.{k}" if s else k for s, keys in SCHEMA.sections.items()
                                             for k in keys} | {"train.epochs", "train.batch", "train.steps"}

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from edge_client.codecs import CODECS
 from hw_profiles import (
-    CODEC_BITS,
     FIELDS,
     PYTHON_FLOOR,
     ProfileError,
@@ -37,10 +37,28 @@ def test_integer_profiles_train_on_the_board_s_cores() -> None:
     assert {p.name: p.threads for p in list_profiles()} == cores
 
 
-def test_codec_table_mirrors_the_protocol() -> None:
-    from edge_client.protocol import CODEC_BITS as WIRE
-
-    assert CODEC_BITS == WIRE
+@pytest.mark.parametrize("codec", sorted(CODECS))
+def test_profiles_read_the_codec_table(tmp_path: Path, codec: str) -> None:
+    """Every registered codec, at the ends of its range, is a valid uplink of an Int8
+    profile unless the codec itself says why not; one bit outside the range is refused."""
+    c = CODECS[codec]
+    lo, hi = c.bits_range
+    for bits in (lo, hi):
+        path = _write(tmp_path, codec=f'"{codec}"', codec_bits=str(bits))
+        if c.bits_problem(bits, 8) is None:
+            assert (load_profile(path).codec, load_profile(path).codec_bits) == (codec, bits)
+        else:
+            with pytest.raises(ProfileError, match="'codec_bits'"):
+                load_profile(path)
+    for bits in (lo - 1, hi + 1):
+        with pytest.raises(ProfileError, match=f"'codec_bits' = {bits} out of range {lo}..{hi}"):
+            load_profile(_write(tmp_path, codec=f'"{codec}"', codec_bits=str(bits)))
+    float_device = _write(tmp_path, compute_bits="32", trainer='"torch"', codec=f'"{codec}"', codec_bits=str(hi))
+    if c.integer_only:
+        with pytest.raises(ProfileError, match="needs an integer device"):
+            load_profile(float_device)
+    else:
+        assert load_profile(float_device).codec == codec
 
 
 def _write(tmp_path: Path, **changes) -> Path:

@@ -178,11 +178,13 @@ def py39_problems(source: str, filename: str = "<source>") -> list[str]:
 
 def _runs_on_39() -> list[str]:
     """Besides the device packages, what tools/py39_check.sh runs under Python 3.9: the
-    device-side test modules (tests/device_tests.txt), their conftest and runner, the probe."""
+    device-side test modules (tests/device_tests.txt), their conftest and runner, the probe,
+    the lock writer (FEDBIT_LOCK_REFRESH=1)."""
     from device_subset import read_manifest
 
     tests = {s.split("::")[0] for s in read_manifest().selected}
-    return sorted(tests | {"tests/conftest.py", "tests/device_subset.py", "tools/train_probe.py"})
+    return sorted(tests | {"tests/conftest.py", "tests/device_subset.py", "tools/train_probe.py",
+                           "tools/lock.py"})
 
 
 def _device_files() -> list[Path]:

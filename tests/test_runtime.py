@@ -39,6 +39,8 @@ BIN = Path(sys.executable).parent
 
 
 class ShiftTrainer:
+    spec, bits, lr, lr_shift = SPEC, 32, 1.0, 3  # the Trainer protocol
+
     def __init__(self, shift: float = 0.01, on_train=None) -> None:
         self.shift, self.on_train, self.w = np.float32(shift), on_train, []
 
@@ -53,6 +55,15 @@ class ShiftTrainer:
 
     def to_shared(self):
         return [w.copy() for w in self.w]
+
+    def int_weights(self):
+        return None
+
+    def ternary_weights(self):
+        return None
+
+    def evaluate(self, data, batch=256):
+        return 0.0, 0.0
 
 
 def data(n: int = 12) -> SimpleNamespace:
@@ -173,6 +184,23 @@ def test_outbox_items_of_closed_rounds_are_discarded(tmp_path: Path) -> None:
     fleet.hub.route(topic(JOB, "round"), encode_message(ann), True)
     rt.run(max_seconds=1.0)
     assert len(rt.outbox) == 0
+
+
+def test_a_trainer_short_of_the_protocol_is_refused_naming_what_it_lacks(tmp_path: Path) -> None:
+    class Partial:  # what a device loop once probed for, not what the Trainer protocol says
+        def load_shared(self, weights): ...
+
+        def train(self, data, **_kw): ...
+
+        def to_shared(self): ...
+
+    cfg = DeviceConfig("d", 8, "int", "int", 8, job=JOB, workdir=tmp_path)
+    rt = DeviceRuntime(cfg, data(), InProcessFleet(JOB).device_connector("d"), trainer_factory=lambda *a: Partial())
+    with pytest.raises(TypeError, match=r"Partial, which lacks \['spec', 'bits', 'lr', 'lr_shift', 'int_weights', "
+                                        r"'ternary_weights', 'evaluate'\] of the Trainer protocol"):
+        rt._trainer("mlp")
+    ok = DeviceRuntime(cfg, data(), InProcessFleet(JOB).device_connector("d"), trainer_factory=lambda *a: ShiftTrainer())
+    assert isinstance(ok._trainer("mlp")[1], ShiftTrainer)
 
 
 def test_int_update_encoding_uses_the_storage_grid_when_needed() -> None:

@@ -110,6 +110,8 @@ def test_device_ids_and_the_acl() -> None:
             check_device_id(bad)
     text = acl_text("farm")
     assert "pattern write fedbit/farm/update/%u" in text and "pattern read fedbit/farm/round" in text
+    # secure aggregation: a device sends under its own id and reads only what is addressed to it
+    assert "pattern write fedbit/farm/secagg/%u" in text and "pattern read fedbit/farm/secagg-in/%u" in text
     assert f"user {COORDINATOR_USER}\ntopic readwrite fedbit/farm/#" in text
     assert "pattern write fedbit/farm/round" not in text and "pattern write fedbit/farm/model" not in text
 

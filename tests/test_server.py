@@ -41,6 +41,8 @@ SPEC = get_spec("mlp")
 class ShiftTrainer:
     """Local 'training' that adds a known constant: the aggregate is checkable exactly."""
 
+    spec, bits, lr, lr_shift = SPEC, 32, 1.0, 3  # the Trainer protocol
+
     def __init__(self, shift: float) -> None:
         self.shift = np.float32(shift)
         self.w: list[np.ndarray] = []
@@ -54,6 +56,15 @@ class ShiftTrainer:
 
     def to_shared(self):
         return [w.copy() for w in self.w]
+
+    def int_weights(self):
+        return None
+
+    def ternary_weights(self):
+        return None
+
+    def evaluate(self, data, batch=256):
+        return 0.0, 0.0
 
 
 def data(n: int) -> SimpleNamespace:

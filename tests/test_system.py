@@ -258,4 +258,27 @@ def test_serve_stops_on_sigterm_and_takes_its_broker_down(procs: Procs, tmp_path
         assert wait_for(status, 10, "the error status") == "error"   # said so before leaving
     finally:
         watch.close()
+    err = procs.text("coord", "err")
+    assert "Traceback" not in err   # one line: where it stopped, how to go on
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("fedbit serve: stopped by SIGTERM ") and "before round 1; `fedbit serve --model mlp " in last
+    assert err.strip().endswith("--resume` goes on")
     assert not wait_for_port("127.0.0.1", port, timeout=1.0)         # the broker is gone too
+
+
+def test_secure_rounds_with_distributed_dp_over_mosquitto(mosquitto, procs: Procs, tmp_path: Path) -> None:
+    """fedbit serve --secure-aggregation --dp distributed with fedbit-edge devices (Int8 and
+    float32) over a real broker: every round is a SecAgg+ round whose devices talk to each
+    other only sealed, through the coordinator; ε after every round in metrics.jsonl."""
+    out = tmp_path / "run"
+    coord = procs.start("coord", *serve_args(out, "--broker", mosquitto.url, "--secure-aggregation", "--dp",
+                                             "distributed", "--dp-clip", "0.5", "--noise-multiplier", "0.8",
+                                             rounds=1))
+    devs = start_devices(procs, mosquitto.url, tmp_path)
+    finish(procs, coord, devs)
+    lines = check_run(out, 1, 4)
+    assert [m["secagg_survivors"] for m in lines] == [4] and all(not m["secagg_excluded"] for m in lines)
+    assert 0 < lines[0]["epsilon"] < 100 and lines[0]["delta"] == 1e-5 and lines[0]["noise_multiplier"] == pytest.approx(0.8)
+    assert all(m["uplink_bytes"]["secagg-masked"] > 0 and set(m["uplink_bytes"]) == {"secagg-masked", "secagg-protocol"}
+               for m in lines)
+    assert all((tmp_path / d / "secagg-identity").stat().st_mode & 0o777 == 0o600 for d in ("dev1", "dev4"))

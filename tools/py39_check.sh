@@ -17,6 +17,9 @@
 # Needs root, apt and debootstrap (installed when missing). Cache: FEDBIT_BULLSEYE_ROOT
 # (default ~/.cache/fedbit/amd64-bullseye, ~600 MB with its pip cache and venv);
 # FEDBIT_ROOTFS_FRESH=1 rebuilds it, FEDBIT_ROOTFS_FRESH_VENV=1 only the venv.
+# The venv installs the versions constraints.txt pins for Python 3.9; FEDBIT_LOCK_REFRESH=1
+# resolves afresh instead and, when every check passed, writes what it installed as the
+# file's 3.9 block (tools/lock.py; README, "Two commands").
 # FEDBIT_PY39_MIN_RATIO (0.9, issue 24's target): the throughput floor. numba 0.60, the
 # last for Python 3.9, runs the kernels at 0.98-1.03 of numba 0.68 under 3.11 (docs/device.md).
 set -euo pipefail
@@ -50,8 +53,14 @@ case "$pyver" in 3.9.*) ;; *) fail "bullseye's python3 is $pyver, not 3.9" ;; es
 lap; passed+=("bullseye rootfs, Python $pyver ($LAP)")
 
 whl=$(rootfs_wheel "$PY")
-rootfs_venv "$ROOT" "$V" "$whl" "data,dev"
-lap; passed+=("the wheel installed from wheels only ($LAP)")
+REFRESH=${FEDBIT_LOCK_REFRESH:-0}
+if [ "$REFRESH" = 1 ]; then
+    FEDBIT_ROOTFS_FRESH_VENV=1 rootfs_venv "$ROOT" "$V" "$whl" "data,dev"
+    lap; passed+=("the wheel installed from wheels only, versions resolved afresh ($LAP)")
+else
+    rootfs_venv "$ROOT" "$V" "$whl" "data,dev" "$REPO/constraints.txt"
+    lap; passed+=("the wheel installed from wheels only, at constraints.txt's versions ($LAP)")
+fi
 # the kernels' numba cache, kept with the root filesystem (a reinstalled wheel's files are
 # new, so numba compiles them again: the first run after a change pays the compile)
 ROOTFS_ENV="NUMBA_CACHE_DIR=/root/numba-cache"
@@ -136,4 +145,12 @@ grep -q '"accepted_ids": \["py39-pi"\]' "$OUT/serve/metrics.jsonl" 2>/dev/null \
     || { tail -5 "$OUT/serve.log" "$OUT/device.log"; fail "the coordinator did not count the 3.9 device's update"; }
 lap; passed+=("a Python $pyver device's Int8 kmeans-4 update counted by the host's coordinator ($LAP)")
 
+if [ "$REFRESH" = 1 ]; then  # every check passed: these versions are the 3.9 block
+    cp "$REPO/tools/lock.py" "$ROOT/root/lock.py"
+    cp "$REPO/constraints.txt" "$ROOT/root/constraints.txt"
+    inside "$ROOT" "$V/bin/python" /root/lock.py --extras data,dev --out /root/constraints.txt \
+        || fail "tools/lock.py under Python $pyver"
+    cp "$ROOT/root/constraints.txt" "$REPO/constraints.txt"
+    passed+=("constraints.txt's 3.9 block written")
+fi
 echo "py39-check passed in $(( $(date +%s) - t_all )) s: $(IFS=';'; echo "${passed[*]}")"

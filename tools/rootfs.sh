@@ -8,8 +8,10 @@
 #   rootfs_enter ROOT                  bind /proc, /sys, /dev (undone by rootfs_leave)
 #   inside ROOT CMD...                 run CMD in ROOT with a clean environment
 #   rootfs_wheel PY                    build dist/fedbit-*.whl on the host; prints its path
-#   rootfs_venv ROOT VENV WHEEL EXTRAS a venv with the wheel (kept while its requirements
-#                                      are the same: then only fedbit is reinstalled)
+#   rootfs_venv ROOT VENV WHEEL EXTRAS [CONSTRAINTS]
+#                                      a venv with the wheel (kept while its requirements
+#                                      and constraints are the same: then only fedbit is
+#                                      reinstalled), pip's -c CONSTRAINTS when given
 
 ROOTFS_MOUNTS=()
 
@@ -82,23 +84,28 @@ rootfs_wheel() {
     ls "$repo"/dist/fedbit-*-py3-none-any.whl
 }
 
-# the wheel's requirements (Requires-Python, Requires-Dist) and the extras asked for: what
-# decides whether a venv can be kept
+# the wheel's requirements (Requires-Python, Requires-Dist), the extras asked for and the
+# constraints file's text: what decides whether a venv can be kept
 _wheel_requirements() {
-    "$2" - "$1" "$3" <<'PYEOF'
+    "$2" - "$1" "$3" "${4:-}" <<'PYEOF'
 import hashlib, sys, zipfile
 z = zipfile.ZipFile(sys.argv[1])
 meta = z.read(next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))).decode()
 req = [ln for ln in meta.splitlines() if ln.startswith(("Requires-Dist:", "Requires-Python:"))]
-print(hashlib.sha256("\n".join(req + [sys.argv[2]]).encode()).hexdigest()[:16])
+pins = open(sys.argv[3]).read() if sys.argv[3] else ""
+print(hashlib.sha256("\n".join(req + [sys.argv[2], pins]).encode()).hexdigest()[:16])
 PYEOF
 }
 
 rootfs_venv() {
-    local root=$1 venv=$2 whl=$3 extras=$4 key t0 w
-    key=$(_wheel_requirements "$whl" "${PY:-python3}" "$extras")
+    local root=$1 venv=$2 whl=$3 extras=$4 constraints=${5:-} key t0 w pin=()
+    key=$(_wheel_requirements "$whl" "${PY:-python3}" "$extras" "$constraints")
     cp "$whl" "$root/root/"
     w=/root/$(basename "$whl")
+    if [ -n "$constraints" ]; then
+        cp "$constraints" "$root/root/constraints.txt"
+        pin=(-c /root/constraints.txt)
+    fi
     t0=$(date +%s)
     if [ "${FEDBIT_ROOTFS_FRESH_VENV:-0}" != 1 ] && [ "$(cat "$root$venv/.fedbit-requirements" 2>/dev/null)" = "$key" ]; then
         inside "$root" "$venv/bin/pip" install -q --no-deps --force-reinstall "$w"
@@ -107,7 +114,7 @@ rootfs_venv() {
         inside "$root" rm -rf "$venv"
         inside "$root" python3 -m venv "$venv"
         # --only-binary: every dependency must have a wheel for this Python and machine
-        inside "$root" "$venv/bin/pip" install -q --only-binary :all: "$w[$extras]"
+        inside "$root" "$venv/bin/pip" install -q --only-binary :all: "${pin[@]}" "$w[$extras]"
         echo "$key" > "$root$venv/.fedbit-requirements"
         rootfs_say "venv $venv with $(basename "$whl")[$extras] in $(( $(date +%s) - t0 )) s," \
             "$(du -sm "$root$venv" | cut -f1) MB"

@@ -101,9 +101,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_export)
 
     p = sub.add_parser("broker", help="run the embedded MQTT broker",
-                       description="mosquitto child process (when on PATH) or amqtt, on loopback.")
+                       description="Run the broker `fedbit serve` embeds, on its own, until Ctrl-C or "
+                                   "SIGTERM: mosquitto as a child process when it is on PATH, else amqtt "
+                                   "in this process; on 127.0.0.1, anonymous and unencrypted (for trials: "
+                                   "`fedbit serve --broker URL` and devices' --broker URL). A secured broker "
+                                   "for other machines: fedbit broker-config.")
     p.add_argument("--port", type=int, default=None, help="TCP port (default: a free one)")
-    p.add_argument("--kind", choices=["auto", "mosquitto", "amqtt"], default="auto")
+    p.add_argument("--kind", choices=["auto", "mosquitto", "amqtt"], default="auto",
+                   help="which broker (auto: mosquitto when on PATH, else amqtt)")
     p.set_defaults(func=_cmd_broker)
 
     add_security_commands(sub)
@@ -115,6 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # (for the --resume line of a stopped run)
     if not getattr(args, "func", None):
         parser.print_help()
         return 2

@@ -4,10 +4,9 @@ demo`` (the bundled default experiment) and ``fedbit report`` (plots and summari
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from typing import Any
-
-from coordinator.cli.common import sigterm_to_exit
 
 
 def add_emulate_commands(sub: Any) -> None:
@@ -46,24 +45,51 @@ def add_emulate_commands(sub: Any) -> None:
                        description="Writes accuracy.png, bytes.png and summary.md into a run folder (a `fedbit "
                                    "emulate` run or a `fedbit serve --out` folder), or the sweep summary into a "
                                    "sweep folder.")
-    p.add_argument("run_dir", metavar="RUN_DIR")
+    p.add_argument("run_dir", metavar="RUN_DIR", help="a run folder (fedbit emulate, fedbit serve --out), "
+                   "a sweep folder, or any folder inside one (out/, onnx/)")
     p.set_defaults(func=_cmd_report)
 
 
 def _cmd_emulate(args: argparse.Namespace) -> int:
+    from coordinator.cli.common import (
+        Interrupted,
+        StopPoint,
+        resume_command,
+        stop_on_signals,
+        stopped_line,
+    )
+
+    stop_on_signals()
+    point = StopPoint()
+    where: dict[str, str] = {}
+    try:
+        return _emulate(args, point, where)
+    except Interrupted as exc:  # (workers, brokers and the dashboard are stopped by now)
+        if "out" not in where:
+            print(f"fedbit {args.command}: stopped by {exc.name} before it started", file=sys.stderr, flush=True)
+            return exc.status
+        resume = resume_command("fedbit", getattr(args, "argv", [args.command]), {"--out": where["out"]})
+        note = "; finished runs are kept, the interrupted one starts again" if point.run else \
+            "; the run starts again from its first round"
+        print(stopped_line(f"fedbit {args.command}", exc, point, resume, note), file=sys.stderr, flush=True)
+        return exc.status
+
+
+def _emulate(args: argparse.Namespace, point: Any, where: dict[str, str]) -> int:
     import time
     from pathlib import Path
 
     from coordinator.config import parse_assignments
     from coordinator.emulation.config import expand_sweep, load_config
     from coordinator.emulation.sweep import run_experiment
+    from coordinator.ops.dashboard.monitor import fan_out
     from coordinator.ops.dashboard.watch import Watch
     from coordinator.ops.logs import LiveProgress
     from edge_client.errors import ConfigError
+    from edge_client.intnn.compile_note import say_when_compiling
     from edge_client.logs import setup_logging
 
     setup_logging(json_lines=args.log_json, level=args.log_level)
-    sigterm_to_exit()
     try:
         overrides = parse_assignments(args.set) | ({"on_collapse": args.on_collapse} if args.on_collapse else {})
         cfg = load_config(args.config, overrides)
@@ -84,13 +110,11 @@ def _cmd_emulate(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"fedbit emulate: error: {exc}", file=sys.stderr)
         return 1
+    where["out"] = str(out)
     if watch.describe:
         print(watch.describe, flush=True)
-    n_dev = sum(cfg.devices.values())
-    print(f"fedbit emulate: {cfg.name} ({cfg.source}): {n_dev} devices "
-          f"({', '.join(f'{n} {p}' for p, n in cfg.devices.items() if n)}), model {cfg.model}, "
-          f"strategy {cfg.strategy}, {cfg.rounds} rounds, transport {cfg.transport}, "
-          f"seeds {cfg.seeds}; run folder {out}", flush=True)
+    print(header(cfg, out), flush=True)
+    say_when_compiling(lambda m: print(m, flush=True))
     bars: list[LiveProgress] = []
 
     def progress(rounds: int) -> LiveProgress | None:
@@ -101,8 +125,10 @@ def _cmd_emulate(args: argparse.Namespace) -> int:
 
     def watched(c: Any, combo: dict[str, Any], seed: int, run_dir: Path) -> Any:
         label = ", ".join(f"{k}={v}" for k, v in combo.items())
-        return watch.new_run(c.as_dict() | {"seed": seed}, c.rounds, f"{c.name}: seed {seed}"
-                             + (f" ({label})" if label else ""), run_dir / "out")
+        if run_dir != out:  # one run of several
+            point.new_run(f"the run {label + ', ' if label else ''}seed {seed}")
+        return fan_out(point, watch.new_run(c.as_dict() | {"seed": seed}, c.rounds, f"{c.name}: seed {seed}"
+                             + (f" ({label})" if label else ""), run_dir / "out"))
 
     outcome = "error"
     try:
@@ -112,7 +138,7 @@ def _cmd_emulate(args: argparse.Namespace) -> int:
     except (ConfigError, ConnectionError) as exc:
         print(f"fedbit emulate: error: {exc}", file=sys.stderr)
         return 1
-    except (KeyboardInterrupt, SystemExit):
+    except KeyboardInterrupt:
         outcome = "stopped"
         raise
     finally:
@@ -127,24 +153,43 @@ def _cmd_emulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def header(cfg: Any, out: Any) -> str:
+    """The first line of ``fedbit emulate``: the experiment, its fleet, what a run is and
+    what the sweep varies (a swept key is given as its values, never as the base's)."""
+    from coordinator.emulation.analysis import ANALYSIS_KEYS
+
+    swept = {k.lstrip("@"): [v["label"] if isinstance(v, dict) else v for v in vs]
+             for k, vs in cfg.sweep.items() if k not in ANALYSIS_KEYS}
+    shown = {"model": cfg.model, "strategy": cfg.strategy, "rounds": cfg.rounds, "transport": cfg.transport}
+    what = ", ".join(f"{k} {' | '.join(map(str, swept[k]))} (swept)" if k in swept else f"{k} {v}"
+                     for k, v in shown.items())
+    more = [f"{k} = {' | '.join(map(str, vs))}" for k, vs in swept.items() if k not in shown]
+    n_runs = len(cfg.seeds) * math.prod(len(vs) for vs in swept.values())
+    devices = ", ".join(f"{n} {p}" for p, n in cfg.devices.items() if n)
+    return (f"fedbit emulate: {cfg.name} ({cfg.source}): {sum(cfg.devices.values())} devices ({devices}), "
+            f"{what}{'; sweep: ' + '; '.join(more) if more else ''}; seeds {cfg.seeds} ({n_runs} run(s)); "
+            f"run folder {out}")
+
+
 def _cmd_report(args: argparse.Namespace) -> int:
     import json
-    from pathlib import Path
 
     from coordinator.emulation.report import write_report, write_sweep_report
-    from coordinator.ops.rundir import is_coordinator_dir
+    from coordinator.ops.rundir import find_run, sweep_runs
     from edge_client.errors import ConfigError
 
-    root = Path(args.run_dir)
     try:
-        if (root / "results.json").is_file() and not is_coordinator_dir(root / "out"):
-            results = json.loads((root / "results.json").read_text())
-            summary = write_sweep_report(root, [(r["combination"], r["seed"], root / r["run"]) for r in results])
-        elif is_coordinator_dir(root) or is_coordinator_dir(root / "out"):
-            summary = write_report(root)
+        run = find_run(args.run_dir)
+        if run.kind != "sweep":
+            summary = write_report(run.path)
+        elif (run.path / "results.json").is_file():
+            results = json.loads((run.path / "results.json").read_text())
+            summary = write_sweep_report(run.path, [(r["combination"], r["seed"], run.path / r["run"])
+                                                    for r in results])
         else:
-            raise ConfigError(f"{root}: not a run folder (no metrics.jsonl here or in out/: a `fedbit serve --out` "
-                              "or `fedbit emulate` folder) nor a sweep folder (no results.json)")
+            raise ConfigError(f"{run.path}: a sweep that did not finish (no results.json): go on with it "
+                              f"(`fedbit emulate CONFIG --out {run.path} --resume`) or report one of its "
+                              f"{len(sweep_runs(run.path))} run folders")
     except ConfigError as exc:
         print(f"fedbit report: error: {exc}", file=sys.stderr)
         return 1

@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the commands import lazily: a fast --help
+    from coordinator.job import ServeJob
 
 
 def add_security_commands(sub: Any) -> None:
@@ -33,7 +36,8 @@ def add_security_commands(sub: Any) -> None:
                                    "password file), a MAC key, and a client certificate of the job CA "
                                    "when the broker speaks TLS; writes one credentials file (mode 0600) "
                                    "for `fedbit-edge run --credentials FILE`. Secrets are never printed.")
-    p.add_argument("device_id", nargs="?", metavar="DEVICE_ID")
+    p.add_argument("device_id", nargs="?", metavar="DEVICE_ID",
+                   help="the device's id ([A-Za-z0-9._-]+; or --devices CSV for many)")
     p.add_argument("--devices", metavar="CSV", help="enroll many: device_id[,max_samples] per line")
     p.add_argument("--out", metavar="FILE", help="credentials file (with --devices: a folder; "
                    "default SECURITY/devices/<id>.toml)")
@@ -51,7 +55,7 @@ def add_security_commands(sub: Any) -> None:
     p = sub.add_parser("revoke", help="revoke a device's credentials",
                        description="Remove a device from the job's registry and the broker's password "
                                    "file; a running embedded broker reloads it at once.")
-    p.add_argument("device_id", metavar="DEVICE_ID")
+    p.add_argument("device_id", metavar="DEVICE_ID", help="the device to revoke")
     job_folder(p)
     p.set_defaults(func=_cmd_revoke)
 
@@ -61,12 +65,17 @@ def add_security_commands(sub: Any) -> None:
                                    "certificate, password file, ACL, and credentials for the coordinator "
                                    "and every device.")
     p.add_argument("--devices", required=True, metavar="CSV", help="device_id[,max_samples] per line")
-    p.add_argument("--out", required=True, metavar="DIR")
+    p.add_argument("--out", required=True, metavar="DIR",
+                   help="folder for mosquitto.conf, the CA, certificates, password file, ACL and every "
+                        "credentials file (DIR/coordinator.toml for fedbit serve --credentials)")
     p.add_argument("--job", default="default", help="job id (topic prefix fedbit/<job>/)")
-    p.add_argument("--listen", default="0.0.0.0:8883", metavar="HOST:PORT")
+    p.add_argument("--listen", default="0.0.0.0:8883", metavar="HOST:PORT",
+                   help="where mosquitto listens for devices (default 0.0.0.0:8883)")
     p.add_argument("--hostname", action="append", metavar="NAME",
                    help="a name devices dial (repeatable; the first goes into their URL)")
-    p.add_argument("--security", choices=["tls", "password"], default="tls")
+    p.add_argument("--security", choices=["tls", "password"], default="tls",
+                   help="tls: TLS with client certificates of the job CA, passwords and the ACL (default); "
+                        "password: passwords and the ACL without TLS (a trusted network only)")
     p.add_argument("--max-payload", type=int, default=0, metavar="BYTES",
                    help="largest update (the broker's max_packet_size is this plus 64 KiB)")
     default_cap(p)
@@ -74,7 +83,7 @@ def add_security_commands(sub: Any) -> None:
 
 
 
-def serve_broker(job: Any, max_packet: int) -> tuple[Any, dict[str, Any]]:
+def serve_broker(job: ServeJob, max_packet: int) -> tuple[Any, dict[str, Any]]:
     """The broker ``fedbit serve`` talks to (``job``: a :class:`~coordinator.job.ServeJob`):
     (the embedded one it started, or None; MqttFleet's ``url``/``username``/``password``/
     ``tls``/``client_id`` plus ``enrolment``, the job's registry path or "" when devices
@@ -124,11 +133,12 @@ def serve_broker(job: Any, max_packet: int) -> tuple[Any, dict[str, Any]]:
         jb = start_job_broker(host, port, security=mode, prefer=b.embedded, max_packet_size=max_packet)
         print(f"broker: {jb.device_url} (embedded {jb.kind}; anonymous and unencrypted: loopback "
               f"only, for demos, as no device is enrolled in {sec.dir}; devices connect with --broker "
-              f"{jb.device_url}; devices on other machines: --listen HOST:PORT, TLS and per-device "
-              f"credentials)", flush=True)
-        # amqtt keeps offline sessions only for clients with a username
+              f"{jb.device_url} --job {name}; devices on other machines: --listen HOST:PORT, TLS and "
+              f"per-device credentials)", flush=True)
+        # amqtt keeps offline sessions only for clients with a username; the anonymous
+        # broker lets the coordinator hear every job (devices knocking on the wrong one)
         return jb, {"url": jb.coordinator_url, "username": COORDINATOR_USER, "password": None,
-                    "tls": None, "enrolment": ""}
+                    "tls": None, "enrolment": "", "watch_jobs": True}
     check_caps(sec, job.server.admission)
     jb = start_job_broker(host, port, security=mode, job_security=sec, hosts=b.hostnames or None,
                           workdir=out / "broker", prefer=b.embedded, max_packet_size=max_packet)

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from coordinator.cli.common import sigterm_to_exit
+if TYPE_CHECKING:  # the commands import lazily: a fast --help
+    from coordinator.job import ServeJob
 
 
 def add_serve_command(sub: Any) -> None:
@@ -29,7 +30,27 @@ def _eval_data(src: str) -> Any:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
+    from coordinator.cli.common import (
+        Interrupted,
+        StopPoint,
+        resume_command,
+        stop_on_signals,
+        stopped_line,
+    )
+
+    stop_on_signals()
+    point = StopPoint()
+    try:
+        return _serve(args, point)
+    except Interrupted as exc:  # (the broker, the dashboard and live.json are closed by now)
+        resume = resume_command("fedbit", getattr(args, "argv", ["serve"]))
+        print(stopped_line("fedbit serve", exc, point, resume), file=sys.stderr, flush=True)
+        return exc.status
+
+
+def _serve(args: argparse.Namespace, point: Any) -> int:
     import json
+    from pathlib import Path
 
     from coordinator.cli.security import serve_broker
     from coordinator.evaluate import evaluator_for
@@ -37,12 +58,13 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from coordinator.job import coordinator_for, job_from_args
     from coordinator.ops.dashboard.monitor import fan_out
     from coordinator.ops.dashboard.watch import Watch
-    from coordinator.ops.logs import ProgressDisplay, hide_events
+    from coordinator.ops.logs import ProgressDisplay, final_line, hide_events
     from coordinator.server import RoundError
     from coordinator.state import RunState
     from coordinator.strategies import build_strategy
     from edge_client.errors import ConfigError
     from edge_client.intnn import init_shared
+    from edge_client.intnn.compile_note import say_when_compiling
     from edge_client.intnn.memory import keep_freed_memory
     from edge_client.logs import setup_logging
     from firmware_models import resolve_model
@@ -55,13 +77,16 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         return 1
     cfg = job.server
     logger = setup_logging(json_lines=job.log_json, level=job.log_level)
+    say_when_compiling(lambda m: print(m, flush=True))
     progress = None if job.quiet else ProgressDisplay(cfg.rounds)
     if progress is not None and not job.log_json:  # what the progress lines say is not logged again
         hide_events(logger, ProgressDisplay.SHOWN)
-    sigterm_to_exit()
     broker = watch = None
     outcome = "error"
     try:
+        # (before a broker starts or live.json is overwritten; a new --out is made only later)
+        if not job.resume and Path(job.out).is_dir() and RunState(job.out).has_run():
+            raise ConfigError(f"{job.out} holds a previous run: pass --resume or use another --out")
         spec = resolve_model(cfg.model)
         strategy = build_strategy(cfg.strategy, model=cfg.model, **cfg.strategy_params)
         broker, conn = serve_broker(job, cfg.limits.max_payload_bytes + 65536)
@@ -71,8 +96,6 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         evaluator = evaluator_for(cfg.model, _eval_data(job.eval_data), strategy.device_hparams(cfg.hparams),
                                   seed=cfg.seed, watch_held_out=True)  # a deployment: no test split
         state = RunState(job.out)
-        if not job.resume and state.has_run():  # (before live.json of that run is overwritten)
-            raise ConfigError(f"{job.out} holds a previous run: pass --resume or use another --out")
         watch = Watch(listen=job.dashboard.listen, security_dir=_security_dir(job), job_id=cfg.job,
                       hostnames=job.broker.hostnames or None, password_file=job.dashboard.password_file)
         if watch.describe:
@@ -80,20 +103,18 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         observe = watch.new_run(job.table, cfg.rounds, f"job {cfg.job}: {cfg.model}, {cfg.strategy}", job.out,
                                 state.read_metrics() if job.resume else None)
         coord = coordinator_for(cfg, fleet, strategy, state, evaluator=evaluator,
-                            init_weights=init_shared(spec, cfg.seed), on_event=fan_out(progress, observe),
-                            logger=logger.getChild("server"))
+                                init_weights=init_shared(spec, cfg.seed), on_event=fan_out(progress, observe, point),
+                                logger=logger.getChild("server"))
         print(f"fedbit serve: job {cfg.job}, model {cfg.model}, strategy {cfg.strategy}, "
               f"{cfg.rounds} round(s), out {job.out}", flush=True)
         try:
             history = coord.run(resume=job.resume)
-        except (KeyboardInterrupt, SystemExit):
+        except KeyboardInterrupt:
             outcome = "stopped"
             raise
         outcome = "done"
         _export_finished_run(job.out)
-        last = history[-1] if history else {}
-        print(json.dumps({"rounds": len(history), "final_accuracy": last.get("accuracy"),
-                          "broker": fleet.describe(), "metrics": str(coord.state.metrics_path)}),
+        print(json.dumps(final_line(history, broker=fleet.describe(), metrics=str(coord.state.metrics_path))),
               flush=True)
         fleet.close()
         return 0
@@ -107,7 +128,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             broker.stop()
 
 
-def _security_dir(job: Any) -> str:
+def _security_dir(job: ServeJob) -> str:
     """The job's security folder, as :func:`~coordinator.cli.security.serve_broker` finds it."""
     from pathlib import Path
 

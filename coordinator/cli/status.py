@@ -16,7 +16,8 @@ def add_status_command(sub: Any) -> None:
                                    "`fedbit emulate` run folder): running or not, the round in progress, the "
                                    "devices (online, last seen, last update, refusals), the last rounds and the "
                                    "totals. Reads files only; works while the job runs.")
-    p.add_argument("run_dir", metavar="RUN_DIR")
+    p.add_argument("run_dir", metavar="RUN_DIR", help="the run folder (fedbit serve --out, a fedbit emulate run "
+                   "folder, or any folder inside one)")
     p.add_argument("--rounds", type=int, default=10, metavar="N", help="last N rounds in the table (default 10)")
     p.add_argument("--json", action="store_true", help="the same picture as one JSON object")
     p.set_defaults(func=_cmd_status)
@@ -63,6 +64,20 @@ def _ago(t: Any) -> str:
     return f"{d:.0f} s ago" if d < 120 else f"{d / 60:.0f} min ago" if d < 7200 else f"{d / 3600:.0f} h ago"
 
 
+def outstanding_lines(cur: dict[str, Any]) -> list[str]:
+    """The open round's selected devices still waited for, and those gone before answering
+    (by id; a long list ends with how many more)."""
+    out = []
+    n, ids = int(cur.get("outstanding") or 0), list(cur.get("outstanding_ids") or [])
+    if n:
+        more = f" and {n - len(ids)} more" if n > len(ids) else ""
+        out.append(f"  waiting for {n} device(s): {', '.join(ids)}{more}")
+    gone = cur.get("gone") or {}
+    if gone:
+        out.append(f"  gone before answering (stragglers): {', '.join(f'{d} ({w})' for d, w in sorted(gone.items()))}")
+    return out
+
+
 def render(view: dict[str, Any], *, last: int = 10, console: Any = None) -> None:
     """Print ``view`` as rich tables (80+ columns; 140 when not on a terminal)."""
     from rich.console import Console
@@ -89,6 +104,8 @@ def render(view: dict[str, Any], *, last: int = 10, console: Any = None) -> None
             left = max(0.0, float(cur.get("deadline") or 0) - time.time())
             con.print(f"round {cur['round']}: collecting, {cur.get('received', 0)} of {cur.get('selected', 0)} "
                       f"updates, deadline in {left:.0f} s")
+            for line in outstanding_lines(cur):
+                con.print(line, markup=False, highlight=False)
         elif cur.get("round"):
             con.print(f"round {cur['round']}: closed, {cur.get('stragglers', 0)} straggler(s)")
 

@@ -20,6 +20,7 @@ import numpy as np
 from coordinator.devices import Cohort
 from coordinator.emulation.availability import Availability
 from coordinator.emulation.emulator import FleetPlan, derive_seed
+from coordinator.emulation.secure import SecureDevices, drop_phase
 from coordinator.emulation.worker import RoundMessages, one_thread_torch
 from coordinator.fleet import Fleet, Inbound
 from edge_client.errors import ProtocolError
@@ -39,14 +40,10 @@ log = logging.getLogger("fedbit.emulator")
 
 __all__ = ["EmulatedFleet", "SimLinks", "calibrate", "one_thread_torch", "presence_message"]
 
-#: the receipt of a message the simulated clock made (a presence change): nothing to ack
-SIMULATED = object()
-
-
 def presence_message(job: str, device_id: str, online: bool) -> Inbound:
     """A device's presence change as the coordinator receives it (made, not received)."""
     return Inbound("presence", device_id, encode_message(Presence(device_id, online)), time.monotonic(),
-                   topic(job, "presence", device_id), SIMULATED)
+                   topic(job, "presence", device_id))  # (no receipt: nothing to ack)
 
 
 @dataclass
@@ -123,6 +120,7 @@ class _SimRound:
     out: deque = field(default_factory=deque)
     final: bool = False
     report: dict[str, Any] = field(default_factory=dict)
+    secure: SecureDevices | None = None  # a secure round's devices (coordinator.emulation.secure)
 
 
 class EmulatedFleet(Fleet):
@@ -170,6 +168,7 @@ class EmulatedFleet(Fleet):
         self.until_s = until_s
         self._between: deque[Inbound] = deque()  # presence changes made while the coordinator waits
         self._waited = 0.0  # simulated seconds waited for devices since the last round started
+        self._identities: dict[str, bytes] = {}  # the devices' secure-aggregation identities
 
     # pass-throughs
     def start(self, timeout: float = 30.0) -> None:
@@ -185,8 +184,15 @@ class EmulatedFleet(Fleet):
         self.inner.flush()
 
     def ack(self, msg: Inbound) -> None:
-        if msg.receipt is not SIMULATED:
+        if msg.receipt is not None:  # (a secure round's device messages, presence changes: made here)
             self.inner.ack(msg)
+
+    def send(self, device_id: str, payload: bytes) -> None:
+        """A secure round's message to one device: its emulated half answers at once."""
+        rnd = self._round
+        reply = rnd.secure.answer(device_id, payload) if rnd is not None and rnd.secure is not None else None
+        if reply is not None:
+            rnd.out.append(Inbound("secagg", device_id, reply, time.monotonic(), f"secagg/{device_id}"))
 
     def close(self) -> None:
         self.inner.close()
@@ -216,9 +222,14 @@ class EmulatedFleet(Fleet):
         av = self.availability
         lost = [d for d in selected if self.links.dropped(d, ann.round_id)
                 or av is not None and not av.online(d, self.sim_time)]
+        secure = None
+        if "secagg" in ann.hparams:  # lost devices drop at a phase; those past the first train
+            drops = {d: drop_phase(self.links.seed, d, ann.round_id) for d in lost}
+            secure = SecureDevices(ann, self._identities, drops)
+            lost = [d for d in lost if drops[d] == "keys"]
         started = [d for d in selected if d not in lost]
         self._round = _SimRound(ann.round_id, selected, started, lost, {v: len(p) for v, p in models.items()},
-                                dict(ann.hparams), time.monotonic(), self.sim_time)
+                                dict(ann.hparams), time.monotonic(), self.sim_time, secure=secure)
         costs = {d: self.links.compute_seconds(d, self.links.samples(d, ann.hparams)) for d in started}
         self.host.activate(ann.round_id, started, RoundMessages(ann.round_id, dict(models), announcement, status),
                            costs)
@@ -329,7 +340,14 @@ class EmulatedFleet(Fleet):
         else:
             duration = self.deadline_s
         self.sim_time += duration
-        rnd.out.extend(rnd.pending[d][1] for _, d in sorted(chosen, key=lambda x: x[1]))
+        if rnd.secure is None:
+            rnd.out.extend(rnd.pending[d][1] for _, d in sorted(chosen, key=lambda x: x[1]))
+        for _, d in sorted(chosen, key=lambda x: x[1]) if rnd.secure is not None else ():
+            msg = rnd.pending[d][1]
+            self.inner.ack(msg)  # the update stays here: the device's secure half takes it
+            keys = rnd.secure.keys(msg.payload)
+            if keys is not None:
+                rnd.out.append(Inbound("secagg", d, keys[1], time.monotonic(), f"secagg/{d}"))
         if av is not None:  # who came and went meanwhile, after the round's updates
             rnd.out.extend(presence_message(self.job, d, on) for _, d, on in av.changes(rnd.sim_t0, self.sim_time))
         failed = sorted(d for d in rnd.started if d not in rnd.pending)

@@ -38,6 +38,8 @@ A config (``fedbit emulate FILE``; the bundled default is ``coordinator/emulatio
     [clock]                    # seconds_per_sample = {variant = s}: pin the compute model;
                                # until_s: end the run at this simulated time (0: `rounds` ends it);
                                # eval_every_s: score only once per this many simulated s (0: every round)
+    [privacy]                  # secure aggregation and DP, as fedbit serve's job
+                               # (coordinator.privacy.config)
 
 ``paper = "<name>"`` (``coordinator.emulation.papers``: fedshift, prowd, prowd-fedprox, prowd-grouped,
 prowd-grouped-asym, fedfor, fedwsq) starts from that paper's strategy, its parameters and
@@ -67,54 +69,45 @@ file and the key.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import itertools
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from coordinator.config import (
     DEFAULT_HPARAMS,
-    NUMBER,
     ON_COLLAPSE,
     ServerConfig,
     TomlSchema,
+    checked,
     read_toml,
+    section_keys,
 )
-from coordinator.emulation.datasets import DATASETS, NEEDS_PATH, PARTITIONS
+from coordinator.emulation.sections import (
+    AvailabilitySettings,
+    ClockSettings,
+    ClusterSettings,
+    DataSettings,
+    RoundSettings,
+)
+from coordinator.privacy.config import PrivacyConfig
 from edge_client.errors import ConfigError
-from edge_client.protocol import ROUND_MODES
 
 DEFAULT_CONFIG = Path(__file__).with_name("default.toml")
 
 _SERVER = ServerConfig()
-_BUF = _SERVER.buffered
-_NUM = NUMBER
-#: the experiment file's sections; the round loop's knobs take ServerConfig's defaults
-SCHEMA = TomlSchema({
-    "": {"name": (str, "run"), "model": (str, _SERVER.model), "rounds": (int, _SERVER.rounds),
-         "seeds": (list, [0]), "strategy": (str, _SERVER.strategy), "transport": (str, "inproc"),
-         "broker": (str, ""), "target_accuracy": (_NUM, 0.0), "paper": (str, ""),
-         "on_collapse": (str, _SERVER.on_collapse)},
-    "data": {"dataset": (str, "digits"), "path": (str, ""), "partition": (str, "iid"),
-             "shards_per_device": (int, 2), "alpha": (_NUM, 0.5), "per_device": (int, 32),
-             "seed": (int, 0), "validation": (_NUM, 0.0), "inferior": (list, [])},
-    "round": {"fraction": (_NUM, _SERVER.fraction), "quorum": (_NUM, _SERVER.quorum),
-              "min_updates": (int, _SERVER.min_updates), "deadline_s": (_NUM, 0.0),
-              "wall_timeout_s": (_NUM, 600.0), "workers": (int, 0), "parallel": (int, 2),
-              "mode": (str, _SERVER.mode), "buffer_size": (int, _BUF.buffer_size),
-              "concurrency": (int, _BUF.concurrency), "server_lr": (_NUM, _BUF.server_lr),
-              "max_staleness": (int, _BUF.max_staleness), "staleness": (str, _BUF.staleness)},
-    "cluster": {"backend": (str, "local"), "address": (str, "auto")},
-    "clock": {"seconds_per_sample": (dict, {}), "until_s": (_NUM, 0.0), "eval_every_s": (_NUM, 0.0)},
-    "availability": {"model": (str, "none"), "trace": (str, ""), "start_hour": (_NUM, 8.0),
-                     "time_scale": (_NUM, 1.0), "profiles": (dict, {})},
-}, free=("strategy_params", "devices", "codecs", "train", "sweep"))
 
 
 @dataclass
 class ExperimentConfig:
-    """One emulator experiment (see the module docstring); ``source`` names the file."""
+    """One emulator experiment (see the module docstring); ``source`` names the file.
+
+    The top-level keys are the fields up to ``on_collapse``; ``data``, ``round``,
+    ``cluster`` and ``clock`` (:mod:`coordinator.emulation.sections`) and ``privacy``
+    (:class:`~coordinator.privacy.config.PrivacyConfig`) are the sections with fixed keys;
+    ``strategy_params``, ``devices``, ``codecs``, ``train`` and ``sweep`` are free tables
+    whose keys their consumer checks."""
 
     name: str = "run"
     model: str = _SERVER.model
@@ -129,40 +122,41 @@ class ExperimentConfig:
     strategy_params: dict[str, Any] = field(default_factory=dict)
     devices: dict[str, int] = field(default_factory=dict)
     codecs: dict[str, str] = field(default_factory=dict)
-    data: dict[str, Any] = field(default_factory=dict)
+    data: DataSettings = field(default_factory=DataSettings)
     train: dict[str, Any] = field(default_factory=lambda: dict(DEFAULT_HPARAMS))
-    round: dict[str, Any] = field(default_factory=dict)
-    cluster: dict[str, Any] = field(default_factory=dict)
-    clock: dict[str, Any] = field(default_factory=dict)
-    availability: dict[str, Any] = field(default_factory=dict)
+    round: RoundSettings = field(default_factory=RoundSettings)
+    cluster: ClusterSettings = field(default_factory=ClusterSettings)
+    clock: ClockSettings = field(default_factory=ClockSettings)
+    privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
+    availability: AvailabilitySettings = field(default_factory=AvailabilitySettings)
     sweep: dict[str, list[Any]] = field(default_factory=dict)
-    source: str = "<config>"
+    source: str = field(default="<config>", metadata={"file": False})
     #: the paper's settings of the strategy's own stages (``swa.<key>``, ``dequantize.<key>``;
     #: ``papers.PaperSettings.stage_params``), under the config's own ``strategy_params``
-    paper_stage_params: dict[str, Any] = field(default_factory=dict)
+    paper_stage_params: dict[str, Any] = field(default_factory=dict, metadata={"file": False})
 
     def build_params(self) -> dict[str, Any]:
         """The strategy's parameters as the run builds it: the paper's stage settings, then
         the config's own ``strategy_params`` over them."""
         return self.paper_stage_params | self.strategy_params
 
-    def buffered_settings(self) -> Any:
-        """``[round]``'s buffered-mode settings (``coordinator.buffered.BufferedSettings``)."""
-        from coordinator.buffered.settings import BufferedSettings
-
-        r = self.round
-        return BufferedSettings(r["buffer_size"], r["concurrency"], float(r["server_lr"]), r["max_staleness"],
-                                r["staleness"])
-
     def as_dict(self) -> dict[str, Any]:
         """The config as the TOML table it came from (for reports and run folders)."""
-        keys = ("name", "model", "rounds", "seeds", "strategy", "transport", "broker", "target_accuracy", "paper",
-                "on_collapse")
-        out: dict[str, Any] = {k: copy.deepcopy(getattr(self, k)) for k in keys}
-        for sec in ("strategy_params", "devices", "codecs", "data", "train", "round", "cluster", "clock",
-                    "availability", "sweep"):
-            out[sec] = copy.deepcopy(getattr(self, sec))
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            if f.metadata.get("file", True):
+                v = getattr(self, f.name)
+                out[f.name] = dataclasses.asdict(v) if f.name in SCHEMA.classes else copy.deepcopy(v)
         return out
+
+
+#: the file's sections with fixed keys, and the free tables
+SECTIONS = {"data": DataSettings, "round": RoundSettings, "cluster": ClusterSettings, "clock": ClockSettings,
+            "privacy": PrivacyConfig, "availability": AvailabilitySettings}
+FREE = ("strategy_params", "devices", "codecs", "train", "sweep")
+SCHEMA = TomlSchema.of(
+    {"": section_keys(ExperimentConfig, exclude=(*SECTIONS, *FREE)), **SECTIONS},
+    free=FREE)
 
 
 def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> ExperimentConfig:
@@ -230,10 +224,8 @@ def from_dict(raw: dict[str, Any], source: str = "<config>") -> ExperimentConfig
         raw["train"] = ps.hparams
         if ps.int_codec:
             _paper_codecs(raw, ps.int_codec, bad)
-    cfg = ExperimentConfig(source=source)
-    values = SCHEMA.validate(raw, source)
-    for key, v in values.pop("").items():
-        setattr(cfg, key, v)
+    values = SCHEMA.load(raw, source)
+    cfg = ExperimentConfig(source=source, **values.pop(""))
     for sec, table in values.items():
         if sec in SCHEMA.free and sec not in raw:
             continue  # the dataclass default (e.g. [train]: DEFAULT_HPARAMS)
@@ -314,58 +306,16 @@ def _check_values(cfg: ExperimentConfig, bad) -> None:
             raise bad(f"codecs.{prof}", "not a profile listed in [devices]")
         parse_codec(spec, f"codecs.{prof}", bad)
     _check_profiles(cfg, bad)
-    d = cfg.data
-    if d["dataset"] not in DATASETS:
-        raise bad("data.dataset", f"{d['dataset']!r} is not one of {list(DATASETS)}")
-    if d["dataset"] in NEEDS_PATH and not d["path"]:
-        raise bad("data.path", f"dataset {d['dataset']!r} needs a path (its file or folder; "
-                               f"fedbit never downloads data)")
-    if d["path"]:
-        where = Path(d["path"]).expanduser()
-        if not (where.is_file() if d["dataset"] == "npz" else where.is_dir()):
-            raise bad("data.path", f"{d['path']!r} is not a {'file' if d['dataset'] == 'npz' else 'folder'} "
-                      f"(the {d['dataset']} data; fedbit never downloads data)")
-    for prof in d["inferior"]:
+    checked(cfg.data, "data", cfg.source)
+    for prof in cfg.data.inferior:
         if prof not in cfg.devices:
             raise bad("data.inferior", f"{prof!r} is not a profile listed in [devices]")
-    if not 0 <= d["validation"] < 1:
-        raise bad("data.validation", f"must be in [0, 1) (the fraction held out), got {d['validation']}")
-    if d["partition"] not in PARTITIONS:
-        raise bad("data.partition", f"{d['partition']!r} is not one of {list(PARTITIONS)}")
-    if not d["alpha"] > 0:
-        raise bad("data.alpha", f"must be > 0, got {d['alpha']}")
-    for key in ("shards_per_device", "per_device"):
-        if d[key] < 1:
-            raise bad(f"data.{key}", f"must be >= 1, got {d[key]}")
-    r = cfg.round
-    if not 0 < r["fraction"] <= 1:
-        raise bad("round.fraction", f"must be in (0, 1], got {r['fraction']}")
-    if not 0 < r["quorum"] <= 1:
-        raise bad("round.quorum", f"must be in (0, 1], got {r['quorum']}")
-    if r["min_updates"] < 1:
-        raise bad("round.min_updates", f"must be >= 1, got {r['min_updates']}")
-    if not (r["deadline_s"] >= 0 and math.isfinite(r["deadline_s"])):
-        raise bad("round.deadline_s", f"must be >= 0 (0: no simulated deadline), got {r['deadline_s']}")
-    if not r["wall_timeout_s"] > 0:
-        raise bad("round.wall_timeout_s", f"must be > 0, got {r['wall_timeout_s']}")
-    if r["parallel"] < 1:
-        raise bad("round.parallel", f"must be >= 1, got {r['parallel']}")
-    if r["workers"] < 0:
-        raise bad("round.workers", f"must be >= 0 (0: one per core), got {r['workers']}")
-    cl = cfg.cluster
-    if cl["backend"] not in ("local", "ray"):
-        raise bad("cluster.backend", f"{cl['backend']!r} is not 'local' or 'ray'")
-    addr = cl["address"]
-    if not addr or not (addr in ("auto", "local") or addr.startswith("ray://") or addr.rpartition(":")[2].isdigit()):
-        raise bad("cluster.address", f"{addr!r}: expected \"auto\", \"local\", \"host:port\" or \"ray://host:port\"")
-    for key in ("until_s", "eval_every_s"):
-        if not (cfg.clock[key] >= 0 and math.isfinite(cfg.clock[key])):
-            raise bad(f"clock.{key}", f"must be >= 0 (0: none), got {cfg.clock[key]}")
+    checked(cfg.round, "round", cfg.source)
+    checked(cfg.cluster, "cluster", cfg.source)
+    checked(cfg.clock, "clock", cfg.source)
+    checked(cfg.availability, "availability", cfg.source)
     _check_mode(cfg, bad)
     _check_availability(cfg, bad)
-    for v, s in cfg.clock["seconds_per_sample"].items():
-        if isinstance(s, bool) or not isinstance(s, int | float) or not (s > 0 and math.isfinite(s)):
-            raise bad(f"clock.seconds_per_sample.{v}", f"must be a number > 0, got {s!r}")
     for key, t in cfg.train.items():
         if isinstance(t, dict | list):
             raise bad(f"train.{key}", "must be a number, boolean or string")
@@ -373,6 +323,10 @@ def _check_values(cfg: ExperimentConfig, bad) -> None:
         build_strategy(cfg.strategy, **cfg.build_params()).device_hparams(cfg.train)
     except ConfigError as exc:
         raise bad("[strategy_params] / [train]", str(exc)) from None
+    try:
+        cfg.privacy.validate(cfg.strategy, cfg.build_params())
+    except ConfigError as exc:
+        raise bad("[privacy]", str(exc)) from None
     if not 0 <= cfg.target_accuracy <= 1:
         raise bad("target_accuracy", f"must be in (0, 1] (0: none), got {cfg.target_accuracy}")
     from coordinator.emulation.analysis import ANALYSIS_KEYS, check_analysis
@@ -391,53 +345,43 @@ def _check_values(cfg: ExperimentConfig, bad) -> None:
         check_analysis(cfg.sweep)
     except ConfigError as exc:
         raise ConfigError(f"{cfg.source}: {exc}") from None
-    if cfg.sweep.get("tune") and not d["validation"] > 0 and "data.validation" not in cfg.sweep:
+    if cfg.sweep.get("tune") and not cfg.data.validation > 0 and "data.validation" not in cfg.sweep:
         raise bad("sweep.tune", "tuning chooses on the validation split: set data.validation "
                                 "(e.g. 0.1); the test split is only reported")
 
 
 def _check_mode(cfg: ExperimentConfig, bad) -> None:
-    """``round.mode`` and its settings, as ``fedbit serve`` checks them (ServerConfig)."""
+    """Buffered mode's strategy, content and privacy, as ``fedbit serve`` checks them."""
     from coordinator.buffered.settings import buffered_conflict
 
-    r = cfg.round
-    if r["mode"] not in ROUND_MODES:
-        raise bad("round.mode", f"{r['mode']!r} is not one of {sorted(ROUND_MODES)}")
-    if r["mode"] != "buffered":
+    if cfg.round.mode != "buffered":
         return
-    try:
-        cfg.buffered_settings().validate()
-    except ConfigError as exc:
-        raise ConfigError(f"{cfg.source}: {exc}") from None
     why = buffered_conflict(cfg.strategy, cfg.build_params())
     if why:
         raise bad("strategy", f"{cfg.strategy!r} cannot run with round.mode = \"buffered\": {why}")
     if cfg.train.get("content", "delta") != "delta":
         raise bad("train.content", "buffered mode needs updates relative to the version each device started "
                                    f"from (\"delta\"), got {cfg.train['content']!r}")
+    if cfg.privacy.active:
+        raise bad("privacy", "secure aggregation and differential privacy run in rounds, not with round.mode = "
+                             "\"buffered\"")
 
 
 def _check_availability(cfg: ExperimentConfig, bad) -> None:
-    from coordinator.emulation.availability import MODELS, profile_overrides
+    """A trace file relative to the config's folder (else the cwd); the profile overrides."""
+    from coordinator.emulation.availability import profile_overrides
 
     av = cfg.availability
-    if av["model"] not in MODELS:
-        raise bad("availability.model", f"{av['model']!r} is not one of {list(MODELS)}")
-    if av["model"] == "trace" and not av["trace"]:
-        raise bad("availability.trace", "model \"trace\" needs a CSV file (device,start,end)")
-    if av["trace"] and not Path(av["trace"]).is_absolute():  # relative to the config's folder, else the cwd
-        near = Path(cfg.source).parent / av["trace"]
-        av["trace"] = str(near.resolve() if near.is_file() else Path(av["trace"]).resolve())
-    if not 0 <= av["start_hour"] < 24:
-        raise bad("availability.start_hour", f"must be in [0, 24), got {av['start_hour']}")
-    if not (av["time_scale"] > 0 and math.isfinite(av["time_scale"])):
-        raise bad("availability.time_scale", f"must be > 0, got {av['time_scale']}")
-    profile_overrides(av["profiles"], cfg.source)
+    if av.trace and not Path(av.trace).is_absolute():
+        near = Path(cfg.source).parent / av.trace
+        av.trace = str(near.resolve() if near.is_file() else Path(av.trace).resolve())
+    profile_overrides(av.profiles, cfg.source)
 
 
 def _check_profiles(cfg: ExperimentConfig, bad) -> None:
     """Every ``[devices]`` profile loads (a bundled name or a TOML file) and takes its
-    ``[codecs]`` override (codec ``int`` only on an integer device)."""
+    ``[codecs]`` override (an integer-only codec, ``int``, only on an integer device)."""
+    from edge_client.codecs import get_codec
     from hw_profiles import load_profile
 
     for name in cfg.devices:
@@ -445,9 +389,9 @@ def _check_profiles(cfg: ExperimentConfig, bad) -> None:
             prof = load_profile(name)
         except ValueError as exc:
             raise bad(f"devices.{name}", str(exc)) from None
-        if name in cfg.codecs and parse_codec(cfg.codecs[name], f"codecs.{name}", bad)[0] == "int" \
-                and prof.trainer != "int":
-            raise bad(f"codecs.{name}", "codec 'int' needs an integer device")
+        codec = parse_codec(cfg.codecs[name], f"codecs.{name}", bad)[0] if name in cfg.codecs else None
+        if codec is not None and get_codec(codec).integer_only and prof.trainer != "int":
+            raise bad(f"codecs.{name}", f"codec {codec!r} needs an integer device")
 
 
 def parse_codec(spec: Any, key: str = "codec", bad=None) -> tuple[str, int]:

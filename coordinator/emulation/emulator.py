@@ -26,10 +26,13 @@ import numpy as np
 from coordinator.devices import Cohort
 from coordinator.emulation.config import ExperimentConfig, parse_codec
 from coordinator.emulation.datasets import DataSplit, partition
+from edge_client.codecs import get_codec
 from edge_client.errors import ConfigError
-from edge_client.protocol import model_variant
+from edge_client.protocol import Update, encode_message, float32_tensor, model_variant, topic
 from edge_client.runtime import DeviceConfig, DeviceRuntime, device_hello
+from edge_client.secagg.session import SecureSession
 from firmware_models import is_model_file
+from hw_profiles import HardwareProfile
 
 __all__ = ["DeviceGroup", "EmulatedDevice", "FleetPlan", "ListedShards", "SampledShards", "build_fleet",
            "derive_seed", "device_runtime"]
@@ -48,7 +51,7 @@ class EmulatedDevice:
     shard (``int64`` indices into the training split)."""
 
     device_id: str
-    profile: Any  # hw_profiles.HardwareProfile
+    profile: HardwareProfile
     config: DeviceConfig
     shard: np.ndarray
     variant: str
@@ -57,8 +60,31 @@ class EmulatedDevice:
 
 def device_runtime(cfg: DeviceConfig, data: Any, connect: Any, **kw: Any) -> DeviceRuntime:
     """The real device runtime of one emulated device (``kw``: ``trainer_factory``,
-    ``logger``): this module is the emulator's one door to the device application."""
-    return DeviceRuntime(cfg, data, connect, **kw)
+    ``logger``): this module is the emulator's one door to the device application. Its
+    secure rounds are relayed (:class:`RelaySecure`)."""
+    rt = DeviceRuntime(cfg, data, connect, **kw)
+    rt.secure = RelaySecure(cfg, rt.log)
+    return rt
+
+
+class RelaySecure(SecureSession):
+    """An emulated device's half of a secure round, as far as its worker goes: the update it
+    would mask (exact: an integer device's grid differences as integer-valued float32) goes
+    out on its update topic, and the emulator (``coordinator.emulation.secure``) plays the
+    protocol with it, with the same device code (``edge_client.secagg``)."""
+
+    def __init__(self, cfg: DeviceConfig, log: Any) -> None:
+        super().__init__(cfg, log)
+        self.topic = topic(cfg.job, "update", cfg.device_id)
+
+    def start(self, a: Any, m: Any, trainer: Any, shared: list, start: list, weight: int) -> bytes:
+        self.keep(m, trainer, shared, start, weight)
+        assert self._update is not None
+        layers, _, w = self._update
+        self._update = None
+        tensors = tuple(float32_tensor(np.asarray(x, dtype=np.float32)) for x in layers)
+        return encode_message(Update(self.cfg.device_id, a.round_id, int(w), int(self.cfg.compute_bits), "delta",
+                                     tensors, m.digest), self.cfg.limits)
 
 
 @dataclass(frozen=True)
@@ -66,7 +92,7 @@ class DeviceGroup:
     """The devices of one ``[devices]`` entry: ids ``<profile>-<i>`` (``i`` zero-padded to
     the width of ``count - 1``), fleet indices ``offset .. offset + count - 1``."""
 
-    profile: Any  # hw_profiles.HardwareProfile
+    profile: HardwareProfile
     codec: str
     bits: int
     count: int
@@ -232,22 +258,22 @@ def build_fleet(cfg: ExperimentConfig, seed: int, data: DataSplit, workdir: Path
             raise ConfigError(f"{cfg.source}: devices.{name}: {exc}") from None
         codec, bits = (parse_codec(cfg.codecs[name], f"codecs.{name}") if name in cfg.codecs
                        else (prof.codec, prof.codec_bits))
-        if codec == "int" and prof.trainer != "int":
-            raise ConfigError(f"{cfg.source}: codecs.{name}: codec 'int' needs an integer device")
+        if get_codec(codec).integer_only and prof.trainer != "int":
+            raise ConfigError(f"{cfg.source}: codecs.{name}: codec {codec!r} needs an integer device")
         if count:
-            inferior = (name in d["inferior"] if d["inferior"]  # the parity split's groups, named
-                        else prof.trainer == "int" or prof.compute_bits < 32 or codec != "float32")
+            inferior = (name in d.inferior if d.inferior  # the parity split's groups, named
+                        else prof.trainer == "int" or prof.compute_bits < 32 or get_codec(codec).lossy)
             groups.append(DeviceGroup(prof, codec, bits, count, offset, inferior))
             offset += count
-    if d["partition"] == "sample":
-        if d["per_device"] < 1:
-            raise ConfigError(f"data.per_device: must be >= 1, got {d['per_device']}")
-        shards: SampledShards | ListedShards = SampledShards(len(data.train), d["per_device"], seed)
+    if d.partition == "sample":
+        if d.per_device < 1:
+            raise ConfigError(f"data.per_device: must be >= 1, got {d.per_device}")
+        shards: SampledShards | ListedShards = SampledShards(len(data.train), d.per_device, seed)
     else:
         inferior = [g.inferior for g in groups for _ in range(g.count)]
-        shards = ListedShards(partition(d["partition"], data.train.y, offset,
+        shards = ListedShards(partition(d.partition, data.train.y, offset,
                                         np.random.default_rng(derive_seed("data", seed)),
-                                        k=d["shards_per_device"], alpha=float(d["alpha"]), inferior=inferior,
-                                        per_device=d["per_device"]))
+                                        k=d.shards_per_device, alpha=float(d.alpha), inferior=inferior,
+                                        per_device=d.per_device))
     model_files = (cfg.model,) if is_model_file(cfg.model) else ()  # a user's model: the devices get the file
     return FleetPlan(groups, shards, seed, job, workdir, model_files)

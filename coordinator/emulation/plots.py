@@ -1,9 +1,12 @@
 """The report's plots (PNG, matplotlib's Agg backend).
 
-Every plot keeps its legend outside the axes (never over the data), gives each bitwidth
-group and each uplink codec a fixed colour (the same in every report: float32 is always
-the same blue), and returns whether its legends stay clear of the axes (tests check it), draws sweep curves as the mean over seeds with a band of ± one sample SD,
-and says in its labels how many rounds a figure averages.
+Every plot keeps its legend outside the axes (never over the data; :func:`_save` returns
+whether that holds, tests check it), draws accuracy in percent and rounds on integer
+ticks, and gives each bitwidth group and each uplink codec a fixed colour of a
+colour-blind-safe palette (Okabe and Ito's, then Tol's) and its own line style and marker,
+the same in every report and on the dashboard, so groups stay apart in grey too. Sweep
+curves are the mean over seeds with a band of ± one sample SD, one colour and line style
+per combination; the labels say how many rounds a figure averages.
 """
 
 from __future__ import annotations
@@ -15,30 +18,65 @@ from typing import Any
 
 import numpy as np
 
-#: a fixed colour per bitwidth group (model variant)
-GROUP_COLOURS = {"float32": "#1f77b4", "int16": "#2ca02c", "int8": "#ff7f0e", "int6": "#d62728",
-                 "int4": "#9467bd", "int2": "#8c564b"}
-#: a fixed colour per uplink codec family (``kmeans-4`` -> ``kmeans``)
-CODEC_COLOURS = {"float32": "#1f77b4", "float16": "#17becf", "int": "#ff7f0e", "asym": "#2ca02c",
-                 "kmeans": "#d62728", "lloydmax": "#9467bd", "danuq": "#8c564b", "ternary": "#e377c2",
-                 "lut": "#7f7f7f", "affine": "#bcbd22", "fused": "#aec7e8"}
-#: colours of the combinations of a sweep (in the order of the sweep)
-SERIES_COLOURS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2",
-                  "#7f7f7f", "#bcbd22", "#17becf", "#393b79", "#637939", "#8c6d31", "#843c39",
-                  "#7b4173", "#3182bd", "#e6550d", "#31a354", "#756bb1", "#636363"]
-_SPARE = ["#393b79", "#637939", "#8c6d31", "#843c39", "#7b4173"]
-_LINESTYLES = ["-", "--", ":", "-."]
+#: Okabe & Ito's colour-blind-safe palette (blue, vermillion, bluish green, orange,
+#: reddish purple, sky blue, yellow, black), then Paul Tol's muted one
+PALETTE = ["#0072B2", "#D55E00", "#009E73", "#E69F00", "#CC79A7", "#56B4E9", "#F0E442", "#000000",
+           "#332288", "#882255", "#44AA99", "#999933", "#AA4499", "#117733", "#88CCEE", "#DDCC77"]
+#: a fixed colour, line style and marker per bitwidth group (model variant): neighbours in
+#: bitwidth (int6 / int8) differ in hue, style and marker
+GROUP_STYLES = {"float32": ("#0072B2", "-", "o"), "int16": ("#009E73", "--", "s"), "int12": ("#56B4E9", "--", "P"),
+                "int8": ("#E69F00", "-.", "^"), "int6": ("#CC79A7", ":", "D"), "int4": ("#D55E00", (0, (5, 1)), "v"),
+                "int2": ("#000000", (0, (1, 1)), "x")}
+GROUP_COLOURS = {g: c for g, (c, _, _) in GROUP_STYLES.items()}
+#: a fixed colour and hatch per uplink codec family (``kmeans-4`` -> ``kmeans``)
+CODEC_STYLES = {"float32": ("#0072B2", ""), "float16": ("#56B4E9", "//"), "int": ("#E69F00", ""),
+                "asym": ("#009E73", "\\\\"), "kmeans": ("#D55E00", "xx"), "lloydmax": ("#CC79A7", ".."),
+                "danuq": ("#000000", ""), "ternary": ("#F0E442", "++"), "lut": ("#999933", "--"),
+                "affine": ("#882255", "||"), "fused": ("#44AA99", "oo"), "mixed": ("#999999", "")}
+CODEC_COLOURS = {c: col for c, (col, _) in CODEC_STYLES.items()}
+#: colours and line styles of the combinations of a sweep (in the order of the sweep)
+SERIES_COLOURS = PALETTE
+_LINESTYLES = ["-", "--", "-.", ":"]
+_MARKERS = ["o", "s", "^", "D", "v", "P", "X", "*"]
+_SPARE = PALETTE[8:]
+
+
+def _spare(name: str) -> str:
+    return _SPARE[sum(map(ord, name)) % len(_SPARE)]
 
 
 def group_colour(group: str) -> str:
     """The fixed colour of a bitwidth group (a spare one, stable by name, for others)."""
-    return GROUP_COLOURS.get(group, _SPARE[sum(map(ord, group)) % len(_SPARE)])
+    return GROUP_COLOURS.get(group) or _spare(group)
+
+
+def group_style(group: str) -> tuple[str, Any, str]:
+    """``(colour, line style, marker)`` of a bitwidth group."""
+    return GROUP_STYLES.get(group) or (_spare(group), _LINESTYLES[sum(map(ord, group)) % 4], "*")
 
 
 def codec_colour(codec: str) -> str:
     """The fixed colour of an uplink codec (``"kmeans-4"``: the ``kmeans`` family's)."""
     family = codec.split("-")[0]
-    return CODEC_COLOURS.get(family, _SPARE[sum(map(ord, family)) % len(_SPARE)])
+    return CODEC_COLOURS.get(family) or _spare(family)
+
+
+def series_style(i: int) -> tuple[str, str, str]:
+    """``(colour, line style, marker)`` of a sweep's ``i``-th combination: colour and style
+    both change from one to the next, so neighbours differ twice."""
+    return SERIES_COLOURS[i % len(SERIES_COLOURS)], _LINESTYLES[i % len(_LINESTYLES)], _MARKERS[i % len(_MARKERS)]
+
+
+def _round_axis(ax: Any) -> None:
+    """Rounds are whole numbers: integer ticks only."""
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel("round")
+
+
+def _percent(values: Sequence[float]) -> np.ndarray:
+    return 100.0 * np.asarray(values, dtype=float)
 
 
 def _pyplot():
@@ -52,23 +90,30 @@ def _pyplot():
 
 def plot_run_accuracy(path: Path, records: Sequence[Mapping[str, Any]], curves: Mapping[str, list[float]],
                       title: str, last: int, averaged: str) -> bool:
-    """Accuracy of each group's model against the round and the simulated time, in its
-    group's colour; the legend to the right, with each group's mean over its ``last``
-    rounds (described by ``averaged``)."""
+    """Accuracy (%) of each group's model against the round and, for an emulated run, the
+    simulated time, in its group's colour and style; the legend to the right, with each
+    group's mean over its ``last`` rounds (described by ``averaged``). A run without a
+    simulated clock (``fedbit serve``) gets the round panel only."""
     plt = _pyplot()
-    fig, (ax_r, ax_t) = plt.subplots(1, 2, figsize=(12, 4), layout="constrained")
+    sim = [r.get("sim_time") for r in records]
+    simulated = bool(sim) and all(isinstance(t, int | float) and math.isfinite(t) for t in sim)
+    fig, axes = plt.subplots(1, 2 if simulated else 1, figsize=(12 if simulated else 9, 4), squeeze=False,
+                             layout="constrained")
+    ax_r = axes[0][0]
     rounds = [r["round"] for r in records]
-    sim = [r.get("sim_time", math.nan) for r in records]
     for g, acc in curves.items():
         tail = [a for a in acc[-last:] if not math.isnan(a)]
         label = f"{g}: {100 * float(np.mean(tail)):.1f}%" if tail else g
-        ax_r.plot(rounds, acc, marker=".", color=group_colour(g), label=label)
-        ax_t.plot(sim, acc, marker=".", color=group_colour(g))
-    ax_r.set_xlabel("round")
-    ax_t.set_xlabel("simulated time (s)")
-    for ax in (ax_r, ax_t):
-        ax.set_ylabel("test accuracy")
-        ax.set_ylim(0, 1)
+        colour, style, marker = group_style(g)
+        ax_r.plot(rounds, _percent(acc), marker=marker, linestyle=style, color=colour, label=label)
+        if simulated:
+            axes[0][1].plot(sim, _percent(acc), marker=marker, linestyle=style, color=colour)
+    _round_axis(ax_r)
+    if simulated:
+        axes[0][1].set_xlabel("simulated time (s)")
+    for ax in axes[0]:
+        ax.set_ylabel("test accuracy (%)")
+        ax.set_ylim(0, 100)
         ax.grid(alpha=0.3)
     if curves:
         fig.legend(loc="outside right upper", fontsize=8, title=f"mean of {averaged}", title_fontsize=8)
@@ -77,7 +122,7 @@ def plot_run_accuracy(path: Path, records: Sequence[Mapping[str, Any]], curves: 
 
 
 def plot_bytes(path: Path, records: Sequence[Mapping[str, Any]]) -> bool:
-    """Uplink bytes per round stacked by codec, each codec in its colour."""
+    """Uplink bytes per round stacked by codec, each codec in its colour and hatch."""
     plt = _pyplot()
     codecs = sorted({c for r in records for c in r.get("uplink_bytes", {})})
     rounds = np.array([r["round"] for r in records])
@@ -85,9 +130,10 @@ def plot_bytes(path: Path, records: Sequence[Mapping[str, Any]]) -> bool:
     bottom = np.zeros(len(records))
     for c in codecs:
         vals = np.array([r.get("uplink_bytes", {}).get(c, 0) for r in records], dtype=float) / 1e3
-        ax.bar(rounds, vals, bottom=bottom, label=c, color=codec_colour(c))
+        ax.bar(rounds, vals, bottom=bottom, label=c, color=codec_colour(c),
+               hatch=CODEC_STYLES.get(c.split("-")[0], ("", ""))[1], edgecolor="white", linewidth=0.5)
         bottom += vals
-    ax.set_xlabel("round")
+    _round_axis(ax)
     ax.set_ylabel("uplink kB (accepted updates)")
     if codecs:
         fig.legend(loc="outside right upper", fontsize=8, title="codec", title_fontsize=8)
@@ -97,9 +143,10 @@ def plot_bytes(path: Path, records: Sequence[Mapping[str, Any]]) -> bool:
 
 def plot_sweep(path: Path, curves: Mapping[str, list[Mapping[str, list[float]]]], groups: Sequence[str],
                figures: Mapping[str, str], averaged: str) -> bool:
-    """One panel per group: per combination, the mean accuracy over seeds per round with a
-    band of ± one sample SD (two seeds or more); legend to the right, each entry with its
-    figures (``figures[label]``: each group's mean ± SD of ``averaged``)."""
+    """One panel per group (titled neutrally: the colours are the combinations'): per
+    combination, the mean accuracy (%) over seeds per round with a band of ± one sample
+    SD (two seeds or more); legend to the right, each entry with its figures
+    (``figures[label]``: each group's mean ± SD of ``averaged``)."""
     plt = _pyplot()
     n = max(1, len(groups))
     fig, axes = plt.subplots(1, n, figsize=(4.2 * n + 3.5, 4), squeeze=False, layout="constrained")
@@ -109,24 +156,23 @@ def plot_sweep(path: Path, curves: Mapping[str, list[Mapping[str, list[float]]]]
             if not accs:
                 continue
             m = min(len(a) for a in accs)
-            arr = np.array([a[:m] for a in accs], dtype=float)
+            arr = _percent([a[:m] for a in accs])
             x = np.arange(1, m + 1)
             with np.errstate(all="ignore"):
                 mean = np.nanmean(arr, axis=0)
-            colour = SERIES_COLOURS[i % len(SERIES_COLOURS)]
-            style = _LINESTYLES[(i // len(SERIES_COLOURS)) % len(_LINESTYLES)]
+            colour, style, marker = series_style(i)
             fig_text = figures.get(label, "")
-            ax.plot(x, mean, color=colour, linestyle=style,
+            ax.plot(x, mean, color=colour, linestyle=style, marker=marker, markersize=4,
                     label=(f"{label}: {fig_text}" if fig_text else label) if ax is axes[0][0] else None)
             if len(accs) >= 2:
                 with np.errstate(all="ignore"):
                     sd = np.nanstd(arr, axis=0, ddof=1)
                 ax.fill_between(x, mean - sd, mean + sd, color=colour, alpha=0.15, linewidth=0)
-        ax.set_title(g, color=group_colour(g))
-        ax.set_xlabel("round")
-        ax.set_ylim(0, 1)
+        ax.set_title(f"{g} model")
+        _round_axis(ax)
+        ax.set_ylim(0, 100)
         ax.grid(alpha=0.3)
-    axes[0][0].set_ylabel("test accuracy (mean over seeds ± SD)")
+    axes[0][0].set_ylabel("test accuracy (%), mean over seeds ± SD")
     if curves:
         fig.legend(loc="outside right upper", fontsize=7,
                    title=f"accuracy (%), mean ± SD over seeds of {averaged}", title_fontsize=7)
@@ -153,7 +199,6 @@ def plot_availability(path: Path, series: Mapping[str, Any], records: Sequence[M
     fig.legend(loc="outside right upper", fontsize=8, title=f"availability: {series.get('model', '?')}",
                title_fontsize=8)
     return _save(fig, path, 110)
-
 
 def _save(fig: Any, path: Path, dpi: int) -> bool:
     """Write the figure; returns whether every legend stays clear of every axes (the

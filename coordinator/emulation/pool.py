@@ -166,9 +166,10 @@ class ProcessHandle:
         self._pool = pool
         mine, theirs = socket.socketpair()
         env = dict(os.environ) | thread_env(spec.threads)
+        # (a process group of its own: a terminal's Ctrl-C reaches the emulator, which stops it)
         self.proc = subprocess.Popen(
             [sys.executable, "-c", "from coordinator.emulation.worker import main; main()", str(theirs.fileno())],
-            pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL)
+            pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL, process_group=0)
         theirs.close()
         self._conn = Connection(mine.detach())
         self.pid: int | None = self.proc.pid

@@ -45,19 +45,23 @@ from coordinator.emulation.plots import plot_availability, plot_bytes, plot_run_
 from coordinator.emulation.stats import estimate
 from coordinator.ops.dashboard.runview import served_info
 from coordinator.ops.export import onnx_summary_lines
-from coordinator.ops.rundir import coordinator_dir
+from coordinator.ops.rundir import find_run
 from edge_client.errors import ConfigError
 
 
 def load_run(run_dir: str | Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """``(emulation info, metrics records)`` of a run folder, emulated or a ``fedbit serve
-    --out`` folder (whose info is its job, from ``live.json``); ConfigError naming what is
-    missing."""
-    run = Path(run_dir)
-    info_path, metrics_path = run / "emulation.json", coordinator_dir(run) / "metrics.jsonl"
+    --out`` folder (whose info is its job, from ``live.json``, with ``served`` True);
+    ConfigError naming what is missing."""
+    run = find_run(run_dir)
+    if run.coordinator is None:
+        raise ConfigError(f"{run.path}: a sweep folder, not one run")
+    info_path, metrics_path = run.path / "emulation.json", run.coordinator / "metrics.jsonl"
     if not metrics_path.is_file():
-        raise ConfigError(f"{run}: not a run folder (no metrics.jsonl)")
+        raise ConfigError(f"{run.path}: no metrics.jsonl yet (no round completed)")
     info = json.loads(info_path.read_text()) if info_path.is_file() else served_info(metrics_path.parent)
+    if run.kind == "serve":
+        info["served"] = True
     records = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
     return info, records
 
@@ -107,11 +111,36 @@ def summarize_run(info: dict[str, Any], records: Sequence[dict[str, Any]], last:
         "groups": groups,
         "target_accuracy": target,
         "uplink_bytes": uplink,
-        "wall_seconds": info.get("wall_seconds", sum(r.get("round_seconds", 0.0) for r in records)),
-        "sim_seconds": records[-1].get("sim_time", math.nan) if records else math.nan,
+        "wall_seconds": info.get("wall_seconds", sum(v for r in records for v in (r.get("round_seconds"),
+                                                                                   r.get("wait_seconds"))
+                                                     if isinstance(v, int | float) and math.isfinite(v))),
+        "sim_seconds": _num(records[-1].get("sim_time")) if records else math.nan,
         "stragglers": sum(int(r.get("stragglers", 0)) for r in records),
         "health": health_summary(records),
+        **privacy_summary(records),
     }
+
+
+def privacy_summary(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The run's privacy: the last round's ``epsilon`` at ``delta`` (DP runs) and the
+    devices secure aggregation excluded (``{}`` when neither applies)."""
+    dp = [r for r in records if r.get("epsilon") is not None]
+    excluded = sorted({d for r in records for d in (r.get("secagg_excluded") or {})})
+    out: dict[str, Any] = {"epsilon": dp[-1]["epsilon"], "delta": dp[-1].get("delta")} if dp else {}
+    if any("secagg_survivors" in r for r in records):
+        out["secagg_excluded"] = excluded
+    return out
+
+
+def _privacy_lines(s: dict[str, Any]) -> list[str]:
+    lines = []
+    if "epsilon" in s:
+        lines.append(f"Differential privacy: ε = {s['epsilon']:.3f} at δ = {s['delta']:g} after the last round "
+                     "(every round's ε: `metrics.jsonl`).")
+    if "secagg_excluded" in s:
+        lines.append("Secure aggregation: the coordinator saw only sums; devices excluded: "
+                     + (", ".join(s["secagg_excluded"]) or "none") + ".")
+    return [*lines, ""] if lines else []
 
 
 def health_summary(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -159,19 +188,24 @@ def _health_lines(h: dict[str, Any]) -> list[str]:
 
 def write_report(run_dir: str | Path) -> Path:
     """Plots and ``summary.md`` for one run folder; returns the summary's path."""
-    run = Path(run_dir)
+    run = find_run(run_dir).path
     info, records = load_run(run)
     s = summarize_run(info, records)
     averaged = averaging_text({(s["rounds_averaged"], s["rounds"])})
-    plot_run_accuracy(run / "accuracy.png", records, group_curves(records),
-                      info.get("config", {}).get("name", run.name), s["rounds_averaged"], averaged)
+    cfg = info.get("config", {})
+    served = bool(info.get("served"))
+    title = (info.get("title") or f"{run.name}: a `fedbit serve` run") if served \
+        else f"{cfg.get('name', run.name)}: seed {info.get('seed', '?')}"
+    plot_run_accuracy(run / "accuracy.png", records, group_curves(records), title, s["rounds_averaged"], averaged)
     plot_bytes(run / "bytes.png", records)
     if info.get("availability"):
         plot_availability(run / "availability.png", info["availability"], records)
-    cfg = info.get("config", {})
-    lines = [f"# {cfg.get('name', run.name)}: seed {info.get('seed', '?')}", ""]
-    lines += [f"Run folder: `{run}`. Config: `{info.get('source', '?')}`. Plots: `accuracy.png` (accuracy per "
-              "bitwidth group vs round and vs simulated time), `bytes.png` (uplink bytes per round by codec).", ""]
+    simulated = math.isfinite(s["sim_seconds"])
+    lines = [f"# {title}", ""]
+    made = ("Made by `fedbit serve`" + (" (its job's settings below)" if cfg else " (no live.json: its settings "
+                                         "are not known here)")) if served else f"Config: `{info.get('source', '?')}`"
+    lines += [f"Run folder: `{run}`. {made}. Plots: `accuracy.png` (accuracy per bitwidth group vs round"
+              f"{' and vs simulated time' if simulated else ''}), `bytes.png` (uplink bytes per round by codec).", ""]
     lines += _config_lines(cfg)
     t = s["target_accuracy"]
     has_val = any("val_mean_last" in v for v in s["groups"].values())
@@ -186,10 +220,12 @@ def write_report(run_dir: str | Path) -> Path:
             reach = f" {r} / {sim:.1f} |" if r is not None else " not reached |"
         vcell = f" {_pct(v.get('val_mean_last', math.nan))} |" if has_val else ""
         lines.append(f"| {g} | {_pct(v['final'])} | {_pct(v['mean_last'])} |{vcell}{reach}")
-    lines += ["", f"{s['rounds']} rounds in {s['wall_seconds']:.1f} s of wall time and "
-              f"{s['sim_seconds']:.1f} s of simulated time; {s['stragglers']} straggler(s) in all.", "",
+    sim = f" and {s['sim_seconds']:.1f} s of simulated time" if simulated else ""
+    lines += ["", f"{s['rounds']} rounds in {s['wall_seconds']:.1f} s of wall time{sim}; {s['stragglers']} "
+              "straggler(s) in all.", "",
               *([_workers_line(info), ""] if "workers" in info else []),
               "Uplink bytes by codec: " + ", ".join(f"{k} {v:,}" for k, v in sorted(s["uplink_bytes"].items())), ""]
+    lines += _privacy_lines(s)
     lines += _availability_lines(info.get("availability"), records)
     lines += _health_lines(s["health"])
     lines += onnx_summary_lines(run, info.get("onnx"))

@@ -145,11 +145,11 @@ class Emulator:
         keep_freed_memory()  # the evaluator's activations: reused heap, not fresh pages
         t_start = time.monotonic()
         job = "".join(c if c.isalnum() or c in "._-" else "-" for c in f"{cfg.name}-s{seed}")[:64]
-        data = load_dataset(cfg.data["dataset"], cfg.data["path"] or None,
-                            validation=float(cfg.data["validation"]), seed=int(cfg.data["seed"]))
+        data = load_dataset(cfg.data.dataset, cfg.data.path or None, validation=float(cfg.data.validation),
+                            seed=cfg.data.seed)
         plan = build_fleet(cfg, seed, data, self.run_dir / "devices", job)
         variants = sorted(plan.variants() | {FLOAT_VARIANT})
-        pinned = {str(k): float(v) for k, v in cfg.clock["seconds_per_sample"].items()}
+        pinned = {str(k): float(v) for k, v in cfg.clock.seconds_per_sample.items()}
         missing = [v for v in variants if v not in pinned]
         measured = calibrate(cfg.model, missing, data.train.subset(np.arange(min(64, len(data.train))))) \
             if missing else {}
@@ -159,17 +159,17 @@ class Emulator:
         strategy = build_strategy(cfg.strategy, model=cfg.model, **cfg.build_params())
         n = len(plan)
         availability = self._availability(plan)
-        buffered = rnd["mode"] == "buffered"  # (its requests time out on the simulated clock)
-        timeout = (float(rnd["deadline_s"]) or math.inf) if buffered else float(rnd["wall_timeout_s"])
+        buffered = rnd.mode == "buffered"  # (its requests time out on the simulated clock)
+        timeout = (float(rnd.deadline_s) or math.inf) if buffered else float(rnd.wall_timeout_s)
         server_cfg = ServerConfig(
             job=job, model=cfg.model, rounds=cfg.rounds, strategy=cfg.strategy,
-            strategy_params=cfg.build_params(), fraction=float(rnd["fraction"]), min_devices=1,
-            max_devices=n, min_present=1 if availability else n, quorum=float(rnd["quorum"]),
-            min_updates=int(rnd["min_updates"]), round_timeout_s=min(timeout, 1e12),
-            presence_timeout_s=max(120.0, float(rnd["wall_timeout_s"])), hparams=dict(cfg.train), seed=seed,
+            strategy_params=cfg.build_params(), fraction=float(rnd.fraction), min_devices=1,
+            max_devices=n, min_present=1 if availability else n, quorum=float(rnd.quorum),
+            min_updates=rnd.min_updates, round_timeout_s=min(timeout, 1e12),
+            presence_timeout_s=max(120.0, float(rnd.wall_timeout_s)), hparams=dict(cfg.train), seed=seed,
             admission=replace(AdmissionConfig(), max_registered=max(n, AdmissionConfig().max_registered),
                               hello_rate=1e9, hello_burst=1 << 30),  # (presence changes come from the clock)
-            on_collapse=cfg.on_collapse, mode=rnd["mode"], buffered=cfg.buffered_settings())
+            on_collapse=cfg.on_collapse, privacy=cfg.privacy, mode=rnd.mode, buffered=rnd.buffered())
         broker, inner, relay = self._transport(job)
         info["broker"] = (f"embedded {broker.kind} at {broker.url}" if broker is not None
                           else self.cfg.broker or "in-process hub")
@@ -179,29 +179,29 @@ class Emulator:
             pool = self.pool = self._workers(plan, data, relay, job)
             info |= pool.describe() | {"cores": machine_cores()}
             (self.run_dir / "emulation.json").write_text(json.dumps(info, indent=1))
-            if not wait_ready(pool, float(rnd["wall_timeout_s"])):
+            if not wait_ready(pool, float(rnd.wall_timeout_s)):
                 raise ConnectionError("the emulator's worker processes did not start (see the log)")
             links = SimLinks(plan, sps, seed)
             progress = (lambda f: self.on_event("devices", f)) if self.on_event else None
             if buffered:
-                fleet = BufferedEmulatedFleet(inner, pool, links, timeout_s=timeout, until_s=float(cfg.clock.get("until_s", 0.0)),
-                                              wall_timeout_s=float(rnd["wall_timeout_s"]),
+                fleet = BufferedEmulatedFleet(inner, pool, links, timeout_s=timeout, until_s=float(cfg.clock.until_s),
+                                              wall_timeout_s=float(rnd.wall_timeout_s),
                                               availability=availability, on_progress=progress)
             else:
-                fleet = EmulatedFleet(inner, pool, links, quorum=float(rnd["quorum"]),
-                                      deadline_s=float(rnd["deadline_s"]), wall_timeout_s=float(rnd["wall_timeout_s"]),
+                fleet = EmulatedFleet(inner, pool, links, quorum=float(rnd.quorum),
+                                      deadline_s=float(rnd.deadline_s), wall_timeout_s=float(rnd.wall_timeout_s),
                                       on_progress=progress, availability=availability,
-                                      until_s=float(cfg.clock.get("until_s", 0.0)))
+                                      until_s=float(cfg.clock.until_s))
             # the validation split is read only over the rounds the reports average
             # (analysis.LAST_ROUNDS); every core scores, the device workers idle meanwhile
             # (decisions read the validation split, else the training split: never the test split;
             # a run ended by its simulated time budget does not know its last rounds: every round)
             evaluator = evaluator_for(cfg.model, data.test, strategy.device_hparams(cfg.train), seed=seed,
                                       validation=data.validation,
-                                      validate_from=1 if cfg.clock.get("until_s", 0.0) else cfg.rounds - LAST_ROUNDS + 1,
+                                      validate_from=1 if cfg.clock.until_s else cfg.rounds - LAST_ROUNDS + 1,
                                       threads=machine_cores(), probe_data=data.train)
-            if cfg.clock.get("eval_every_s", 0.0):
-                evaluator = SimTimeEvaluator(evaluator, fleet, float(cfg.clock.get("eval_every_s", 0.0)))
+            if cfg.clock.eval_every_s:
+                evaluator = SimTimeEvaluator(evaluator, fleet, float(cfg.clock.eval_every_s))
             coord = coordinator_for(server_cfg, fleet, strategy, RunState(self.run_dir / "out"), evaluator=evaluator,
                                     init_weights=init_shared(resolve_model(cfg.model), seed), on_event=self.on_event,
                                     logger=log.getChild("server"))
@@ -230,27 +230,27 @@ class Emulator:
     def _availability(self, plan: FleetPlan) -> Availability | None:
         """The ``[availability]`` of the config for this fleet (None: every device always online)."""
         av = self.cfg.availability
-        if av["model"] == "none":
+        if av.model == "none":
             return None
         devices = {d: g.profile.name for g in plan.groups for d in (g.device_id(i) for i in range(g.count))}
-        trace = read_trace(av["trace"], devices) if av["model"] == "trace" else None
-        return Availability(av["model"], devices, seed=self.seed, start_hour=float(av["start_hour"]),
-                            profiles=profile_overrides(av["profiles"], self.cfg.source), trace=trace,
-                            time_scale=float(av["time_scale"]))
+        trace = read_trace(av.trace, devices) if av.model == "trace" else None
+        return Availability(av.model, devices, seed=self.seed, start_hour=float(av.start_hour),
+                            profiles=profile_overrides(av.profiles, self.cfg.source), trace=trace,
+                            time_scale=float(av.time_scale))
 
     def _workers(self, plan: FleetPlan, data: DataSplit, relay: Any, job: str) -> WorkerPool:
         """The pool of ``round.workers`` workers on the ``[cluster]`` backend."""
         rnd, cluster = self.cfg.round, self.cfg.cluster
         cores = machine_cores()
-        workers = int(rnd["workers"])
+        workers = rnd.workers
         kinds = {(g.profile.trainer, g.profile.compute_bits, g.codec, g.bits):
                  replace(g.profile, codec=g.codec, codec_bits=g.bits) for g in plan.groups}
-        spec = WorkerSpec(job=job, slots=int(rnd["parallel"]), wall_timeout_s=float(rnd["wall_timeout_s"]),
+        spec = WorkerSpec(job=job, slots=rnd.parallel, wall_timeout_s=float(rnd.wall_timeout_s),
                           workdir=str(plan.workdir), model=self.cfg.model, profiles=tuple(kinds.values()))
-        if cluster["backend"] == "ray":
+        if cluster.backend == "ray":
             from coordinator.emulation.ray_backend import RayBackend
 
-            backend: Any = RayBackend(cluster["address"], data.train, spec)
+            backend: Any = RayBackend(cluster.address, data.train, spec)
             return WorkerPool(plan, backend, workers or backend.cpus, relay, job)
         n = min(workers or cores, len(plan))
         if n <= 1:

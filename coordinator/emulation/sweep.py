@@ -40,7 +40,7 @@ def finished_run(run_dir: str | Path, cfg: ExperimentConfig, seed: int) -> bool:
     if not isinstance(info, dict) or "wall_seconds" not in info or info.get("seed") != int(seed):
         return False
     rounds = sorted({_round(line) for line in lines if line.strip()} - {None})
-    until = float(cfg.clock.get("until_s") or 0.0)  # (a run its simulated time budget ended)
+    until = float(cfg.clock.until_s)  # (a run its simulated time budget ended)
     if rounds != list(range(1, cfg.rounds + 1)) and not (
             until and rounds == list(range(1, len(rounds) + 1)) and float(info.get("sim_seconds", 0.0)) >= until):
         return False

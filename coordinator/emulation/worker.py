@@ -23,6 +23,7 @@ import logging
 import os
 import queue
 import shutil
+import signal
 import sys
 import tempfile
 import threading
@@ -337,6 +338,8 @@ def main() -> None:
     ``FD`` its end of a socket pair to the emulator."""
     from multiprocessing.connection import Connection
 
+    # the emulator stops its workers (a SIGINT sent to this process alone is ignored)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     conn = Connection(int(sys.argv[1]))
     try:
         serve(conn)

@@ -21,7 +21,7 @@ that :mod:`coordinator.ingest` applies, and the per-device rate limiter.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from edge_client.errors import ConfigError
 
@@ -32,7 +32,7 @@ SAMPLES_POLICIES = ("clip", "reject")
 class AdmissionConfig:
     """See the module docstring (rates in messages per second)."""
 
-    enrolment: str = ""
+    enrolment: str = field(default="", metadata={"file": False})  # set by `fedbit serve`, not the job file
     max_samples: int = 0
     samples_policy: str = "clip"
     allow_uncapped: bool = False

@@ -201,9 +201,11 @@ class MosquittoBroker:
     def start(self, timeout: float = 10.0) -> MosquittoBroker:
         """Write the config, spawn mosquitto, wait until the port accepts connections."""
         self.config_path.write_text(self.config_text())
+        # (a process group of its own: a terminal's Ctrl-C reaches the coordinator only,
+        # which says goodbye through the broker, then stops it by PID)
         self.proc = subprocess.Popen(
             [self.binary, "-c", str(self.config_path)],
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, process_group=0,
         )
         ports = [(self.host, self.port)] + ([(self.tls["host"], self.tls["port"])] if self.tls else []) \
             + ([(self.devices["host"], self.devices["port"])] if self.devices else [])

@@ -106,22 +106,39 @@ def devices_text(f: dict[str, Any]) -> str:
     return f"{f['done']}/{f['started']} devices done{failed}, {f['busy']}/{f['workers']} workers busy"
 
 
-def round_line(f: dict[str, Any], rounds: int) -> str:
-    """One line for a finished round: accuracy (per bitwidth group when there are several),
-    updates, stragglers, wall (and simulated) seconds."""
+def group_accuracy_text(f: dict[str, Any]) -> str:
+    """``float32 0.9610 int8 0.9060``: the accuracy of each bitwidth group's model (float32
+    first), each named; a record without groups names the float32 (global) model."""
     groups = f.get("groups") or {}
-    if len(groups) > 1:
-        acc_s = " ".join(f"{g} {_fmt(v.get('accuracy'))}" for g, v in sorted(groups.items()))
-    else:
-        acc_s = _fmt(f.get("accuracy"))
+    if not groups:
+        return f"float32 {_fmt(f.get('accuracy'))}"
+    return " ".join(f"{g} {_fmt(v.get('accuracy'))}" for g, v in sorted(groups.items(),
+                                                                        key=lambda gv: (gv[0] != "float32", gv[0])))
+
+
+def round_line(f: dict[str, Any], rounds: int) -> str:
+    """One line for a finished round: the accuracy of each bitwidth group's model (named),
+    updates, stragglers, wall (and simulated) seconds."""
     strag = f", {f['stragglers']} straggler(s)" if f.get("stragglers") else ""
     if f.get("mode") == "buffered":
-        return (f"version {f['round']}/{rounds}: accuracy {acc_s}, {f['accepted']} updates (staleness mean "
+        return (f"version {f['round']}/{rounds}: accuracy {group_accuracy_text(f)}, {f['accepted']} updates (staleness mean "
                 f"{f['staleness_mean']:.1f}, max {f['staleness_max']}){strag}, {f['round_seconds']:.2f} s")
     sim = f" (simulated {f['sim_round_seconds']:.2f} s)" if isinstance(f.get("sim_round_seconds"), float) else ""
     wait = f" (+ {f['wait_seconds']:.2f} s waiting for devices)" if f.get("wait_seconds", 0) >= 0.1 else ""
-    return (f"round {f['round']}/{rounds}: accuracy {acc_s}, {f['accepted']}/{f['selected']} updates{strag}, "
-            f"{f['round_seconds']:.2f} s{sim}{wait}")
+    return (f"round {f['round']}/{rounds}: accuracy {group_accuracy_text(f)}, {f['accepted']}/{f['selected']} "
+            f"updates{strag}, {f['round_seconds']:.2f} s{sim}{wait}")
+
+
+def final_line(history: list[dict[str, Any]], **fields: Any) -> dict[str, Any]:
+    """``fedbit serve``'s last line (JSON): ``rounds`` completed, ``final_accuracy`` of each
+    bitwidth group's model after the last round (``{"float32": 0.961, "int8": 0.906}``),
+    then ``fields``."""
+    last = history[-1] if history else {}
+    groups = {g: v.get("accuracy") for g, v in sorted((last.get("groups") or {}).items(),
+                                                      key=lambda gv: (gv[0] != "float32", gv[0]))}
+    if not groups and last:
+        groups = {"float32": last.get("accuracy")}
+    return {"rounds": len(history), "final_accuracy": groups, **fields}
 
 
 def _fmt(acc: Any) -> str:

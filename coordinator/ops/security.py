@@ -92,6 +92,8 @@ def acl_text(job: str) -> str:
         f"pattern write {root}/hello/%u",
         f"pattern write {root}/presence/%u",
         f"pattern write {root}/linktest/%u",
+        f"pattern write {root}/secagg/%u",
+        f"pattern read {root}/secagg-in/%u",
         f"pattern read {root}/round",
         f"pattern read {root}/model/+",
         f"pattern read {root}/status",

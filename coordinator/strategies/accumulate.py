@@ -60,13 +60,16 @@ class GroupSums:
         layer's shape; it must not fail), with weight ``omega``."""
         self._hold(bits, adders, omega, is_delta, key, encoded=True)
 
-    def _hold(self, bits: int, layers: Sequence[Any], omega: float, is_delta: bool, key: str,
-              *, encoded: bool) -> None:
+    def _group(self, bits: int) -> None:
         if bits not in self.sums:
             self.sums[bits] = [np.zeros(int(np.prod(s)), dtype=self.acc_dtype) for s in self.shapes]
             self.total[bits] = 0.0
             self.count[bits] = 0
             self.delta_weight[bits] = 0.0
+
+    def _hold(self, bits: int, layers: Sequence[Any], omega: float, is_delta: bool, key: str,
+              *, encoded: bool) -> None:
+        self._group(bits)
         self.total[bits] += omega
         self.count[bits] += 1
         if is_delta:
@@ -82,6 +85,17 @@ class GroupSums:
         weight. The group must have an update."""
         self.total[bits] += omega
         self.delta_weight[bits] += omega
+
+    def add_sum(self, bits: int, sums: list[np.ndarray], total: float, count: int, is_delta: bool) -> None:
+        """Add a group already summed elsewhere (secure aggregation's, a private sum):
+        ``sums[l] = Σ ω_k x_k[l]`` (flat), ``total = Σ ω_k`` over ``count`` updates."""
+        self._group(bits)
+        self.count[bits] += int(count)
+        self.total[bits] += float(total)
+        if is_delta:
+            self.delta_weight[bits] += float(total)
+        for a, s in zip(self.sums[bits], sums, strict=True):
+            a += np.asarray(s, dtype=a.dtype).reshape(-1)
 
     def flush(self) -> None:
         """Fold every group's held updates into its sums."""

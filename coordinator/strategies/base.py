@@ -157,6 +157,20 @@ class Strategy:
             check_sigma_loc(who, update.sigma_loc, len(self._shapes))
         self._add_decoded(update, self._finite_layers(update))
 
+    def fold_sum(self, bits: int, sums: list[np.ndarray], total: float, count: int, *, inferior: int = 0,
+                 is_delta: bool = True) -> None:
+        """Fold a sum of ``count`` updates of group ``bits`` made elsewhere (secure
+        aggregation, DP): ``sums`` per layer (``Σ ω·x``, any float dtype), ``total = Σ ω``,
+        ``inferior`` of them FedShift-inferior. ProtocolError for shapes that do not fit,
+        NaN or Inf."""
+        self._require_round(f"a sum of {count}")
+        flat = [np.asarray(s, dtype=np.float64).reshape(-1) for s in sums]
+        if [f.size for f in flat] != [int(np.prod(s)) for s in self._shapes] or not all(
+                np.isfinite(f).all() for f in flat):
+            raise ProtocolError(f"a sum of {count} update(s): wrong sizes or not finite")
+        self._sums.add_sum(int(bits), flat, float(total), int(count), is_delta)
+        self._n_inferior += int(inferior)
+
     def takes_encoded(self, update: EncodedUpdate) -> bool:
         """Whether :meth:`fold` adds ``update`` without decoding it first: there is no
         dequantizer (it needs decoded values) and every layer's codec has a fused

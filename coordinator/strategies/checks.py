@@ -5,11 +5,12 @@ way to :meth:`Strategy.fold`; :meth:`Strategy.accept` applies the same ones to a
 caller built from arrays. Every failure is a :class:`ProtocolError` naming the device and
 the field, with its ``reason`` (``wrong_shape``, ``out_of_range``, ``malformed``).
 
-The shared domain (docs/algorithms.md §2): an integer device's own integers ``q`` (codec
-``int``) stand for ``q / 2^(s_g - 1)``, ``s_g = max(s, 8)`` (:func:`integer_scale`, from
-``edge_client.intnn``'s grid); its ternary codes ``t`` (codec ``ternary``, int8) for the
-ternary forward weights ``t * intnn.TERNARY_WEIGHT`` = ``t / 2`` (:func:`unit_value`);
-every codec but ``float32`` is lossy.
+The shared domain (docs/algorithms.md §2): an integer device's integer tensors stand for
+what their codec says one unit is (``Codec.integer_unit``): grid integers ``q`` (codec
+``int``) for ``q / 2^(s_g - 1)``, ``s_g = max(s, 8)`` (:func:`integer_scale`, from
+``edge_client.intnn``'s grid), ternary codes ``t`` for the ternary forward weights
+``t * intnn.TERNARY_WEIGHT`` = ``t / 2`` (:func:`unit_value`). Lossiness is the codec's
+(``Codec.is_lossy``).
 """
 
 from __future__ import annotations
@@ -21,10 +22,10 @@ from typing import Any
 import numpy as np
 
 from coordinator.strategies.types import FLOAT_BITS, UPDATE_KINDS, EncodedUpdate
+from edge_client.codecs import get_codec
 from edge_client.errors import ProtocolError
 from edge_client.protocol import EncodedTensor
 
-LOSSLESS_CODECS = frozenset({"float32"})
 INTEGER_DTYPES = frozenset({"int8", "int16", "int32", "uint8", "uint16"})
 
 
@@ -40,7 +41,7 @@ def unit_value(t: EncodedTensor, compute_bits: int) -> float:
     """The shared-domain value of one unit of an integer tensor ``t`` of an integer
     device: ``intnn.TERNARY_WEIGHT`` for ternary codes (what ``t = +1`` computes in the
     device's forward, docs/algorithms.md §1-2), ``integer_scale(s)`` for grid integers."""
-    if t.codec == "ternary":
+    if get_codec(t.codec).integer_unit == "ternary_weight":
         from edge_client.intnn.quant import TERNARY_WEIGHT
 
         return TERNARY_WEIGHT
@@ -48,8 +49,9 @@ def unit_value(t: EncodedTensor, compute_bits: int) -> float:
 
 
 def is_lossy(tensors: Sequence[EncodedTensor]) -> bool:
-    """Whether any layer came through a lossy codec (every codec but ``float32``)."""
-    return any(t.codec not in LOSSLESS_CODECS for t in tensors)
+    """Whether any layer may differ from what its device encoded (``Codec.is_lossy``:
+    float32, int and ternary codes are exact)."""
+    return any(get_codec(t.codec).is_lossy(t) for t in tensors)
 
 
 def check_shapes(who: str, shapes: Sequence[tuple[int, ...]], model: Sequence[tuple[int, ...]]) -> None:

@@ -16,8 +16,9 @@ import numpy as np
 from coordinator.strategies.accumulate import GroupSums
 from coordinator.strategies.announce import variant_counts
 from coordinator.strategies.mask import MaskStage
+from edge_client.codecs import get_codec
 from edge_client.errors import ConfigError
-from edge_client.protocol import CODEC_BITS, Hello
+from edge_client.protocol import Hello
 
 Stats = dict[str, float | int]
 
@@ -159,7 +160,7 @@ class FedWsqCombine(FedPaqCombine):
 
     def __init__(self, server_lr: float = 1.0, bits: int = 2) -> None:
         super().__init__(server_lr)
-        lo, hi = CODEC_BITS["danuq"]
+        lo, hi = get_codec("danuq").bits_range
         if isinstance(bits, bool) or not isinstance(bits, int) or not lo <= bits <= hi:
             raise ConfigError(f"fedwsq: bits must be an integer in {lo}..{hi}, got {bits!r}")
         self.bits = bits

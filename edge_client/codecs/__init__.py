@@ -5,17 +5,18 @@
 >>> y = decode(t)                                 # float32, shape x.shape  # doctest: +SKIP
 >>> decode(t, out=buf); decode_accumulate(t, acc, 0.1)  # server side  # doctest: +SKIP
 
-Codecs: ``float32`` (32), ``float16`` (16), ``asym`` (1..16), ``kmeans`` (1..8),
-``ternary`` (2), ``int`` (2..16), ``danuq`` (1..8); one module each, the registry in
-:mod:`.registry`, the bit order in :mod:`.bitpack`. What is encoded (full weights, the
-update, the device's integers) is the caller's choice. Encoding raises ``CodecError``;
-decoding a malformed received tensor raises ``ProtocolError`` naming the field. Empty
-tensors are supported by every codec (empty payload, neutral aux).
+One module per codec, one :class:`Codec` class each, which says everything about it (name,
+bits range, lossiness, options, what a device encodes with it); :data:`CODECS`
+(:mod:`.registry`) is the table of them that the wire, the profiles and the coordinator
+read. The bit order is in :mod:`.bitpack`. Encoding raises ``CodecError``; decoding a
+malformed received tensor raises ``ProtocolError`` naming the field. Empty tensors are
+supported by every codec (empty payload, neutral aux).
 """
 
 from edge_client.codecs.base import Codec
 from edge_client.codecs.bitpack import pack, packed_nbytes, unpack
 from edge_client.codecs.registry import (
+    CODECS,
     accumulate_many,
     accumulator,
     available_codecs,
@@ -26,9 +27,12 @@ from edge_client.codecs.registry import (
     get_codec,
     max_abs,
 )
+from edge_client.codecs.uplink import DeviceUpdate
 
 __all__ = [
+    "CODECS",
     "Codec",
+    "DeviceUpdate",
     "available_codecs",
     "accumulate_many",
     "accumulator",

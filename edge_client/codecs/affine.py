@@ -16,8 +16,8 @@ from edge_client.codecs.fused import (
     affine_accumulate,
     affine_accumulate_f32,
 )
+from edge_client.codecs.tensor import EncodedTensor
 from edge_client.compat import zip_strict
-from edge_client.protocol import EncodedTensor
 
 
 @dataclass(frozen=True, eq=False)

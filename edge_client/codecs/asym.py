@@ -18,8 +18,8 @@ from edge_client.codecs.affine import AffineAccumulator
 from edge_client.codecs.base import CHUNK, Codec
 from edge_client.codecs.bitpack import _pack_into, _unpack_into, packed_nbytes
 from edge_client.codecs.fused import decode_lut
+from edge_client.codecs.tensor import EncodedTensor
 from edge_client.errors import CodecError, ProtocolError
-from edge_client.protocol import EncodedTensor
 
 
 @numba.njit(cache=True)

@@ -1,6 +1,6 @@
 """The codec interface and the checks every codec shares.
 
-A codec turns one tensor into an :class:`~edge_client.protocol.EncodedTensor` (``encode``)
+A codec turns one tensor into an :class:`~edge_client.codecs.tensor.EncodedTensor` (``encode``)
 and back (``decode``). Encoding checks the caller's input and raises :class:`CodecError`;
 decoding checks a *received* tensor and raises :class:`ProtocolError` naming the field.
 
@@ -19,8 +19,10 @@ import numba
 import numpy as np
 
 from edge_client.codecs.bitpack import as_byte_array, check_bits
+from edge_client.codecs.tensor import EncodedTensor
+from edge_client.codecs.uplink import DeviceUpdate
+from edge_client.compat import zip_strict
 from edge_client.errors import CodecError, ProtocolError
-from edge_client.protocol import EncodedTensor
 
 #: Elements per chunk in the fused kernels (a multiple of 8, so chunk boundaries are byte
 #: boundaries for every bit width; 4096 uint16 scratch values stay in L1).
@@ -46,6 +48,31 @@ class Codec(ABC):
     options: ClassVar[frozenset[str]] = frozenset()
     #: True when :meth:`decode_accumulate` is supported (float32 or integer decoded values)
     accumulates: ClassVar[bool] = False
+    #: the numpy dtype of a payload of raw IEEE floats (``"<f4"``), which the wire checks
+    #: for NaN/Inf before it builds the tensor; empty for packed codes
+    wire_dtype: ClassVar[str] = ""
+    #: what :meth:`encode_update` encodes of a device's round: ``"shared"`` (its float32
+    #: shared-domain weights), ``"integers"`` (an integer device's own grid integers: the
+    #: codec is :attr:`integer_only`) or ``"ternary_forward"`` (an integer device's ternary
+    #: forward weights, where it has them; else the shared ones)
+    device_input: ClassVar[str] = "shared"
+    #: what an update holds when the announcement does not say: ``"weights"`` or ``"delta"``
+    default_content: ClassVar[str] = "weights"
+    #: what one unit of an integer-dtype decode stands for in the shared domain:
+    #: ``"grid_step"`` (one step of the sending device's storage grid, ``1/2^(max(s,8)-1)``)
+    #: or ``"ternary_weight"`` (the weight ``t = +1`` computes with in the integer forward)
+    integer_unit: ClassVar[str] = "grid_step"
+
+    @property
+    def integer_only(self) -> bool:
+        """Whether only an integer device (trainer ``int``) can send this codec."""
+        return self.device_input == "integers"
+
+    def bits_problem(self, bits: int, compute_bits: int) -> str | None:
+        """Why a device computing with ``compute_bits`` bits (32: a float device) may not
+        name this codec with ``bits`` in its hardware profile, beyond :attr:`bits_range`
+        (which the caller checks first); None when it may."""
+        return None
 
     @abstractmethod
     def encode(self, x: np.ndarray, bits: int | None = None, *, name: str = "", **options: Any) -> EncodedTensor:
@@ -91,6 +118,27 @@ class Codec(ABC):
         it from the header alone; this default decodes."""
         a = self.decode(t)
         return float(np.max(np.abs(a.astype(np.float64, copy=False)))) if a.size else 0.0
+
+    def encode_update(self, u: DeviceUpdate, bits: int) -> tuple[EncodedTensor, ...]:
+        """A device's round on the uplink, one tensor per layer named as ``u.names``: by
+        default its float32 ``shared`` layers through :meth:`encode` with ``bits`` and
+        :meth:`update_options`. A codec that sends something else of a device (its
+        integers, its ternary weights: :attr:`device_input`) overrides it."""
+        return tuple(self.encode(np.ascontiguousarray(w, dtype=np.float32), bits, name=n,
+                                 **self.update_options(u, i))
+                     for i, (w, n) in enumerate(zip_strict(u.shared, u.names)))
+
+    def update_options(self, u: DeviceUpdate, layer: int) -> dict[str, Any]:
+        """The :meth:`encode` options for layer ``layer`` of a device's round (none)."""
+        return {}
+
+    def examples(self, shape: tuple[int, ...], bits: int, rng: np.random.Generator) -> list[np.ndarray]:
+        """Valid :meth:`encode` inputs of ``shape`` at ``bits``, one per kind of input the
+        codec takes (what conformance tests and benchmarks feed it): by default float32
+        weights, N(0.01, 0.05) with every 97th value 40 times larger (heavy tails)."""
+        x = rng.normal(0.01, 0.05, shape).astype(np.float32)
+        x.reshape(-1)[::97] *= 40
+        return [x]
 
     def __repr__(self) -> str:
         return f"<codec {self.name} bits {self.bits_range[0]}..{self.bits_range[1]}>"

@@ -23,8 +23,9 @@ from edge_client.codecs.base import scan_float
 from edge_client.codecs.bitpack import packed_nbytes
 from edge_client.codecs.lloydmax import normal_levels
 from edge_client.codecs.lut import TableCodec
+from edge_client.codecs.tensor import EncodedTensor
+from edge_client.codecs.uplink import DeviceUpdate
 from edge_client.errors import CodecError, ProtocolError
-from edge_client.protocol import EncodedTensor
 
 
 @numba.njit(cache=True)
@@ -49,6 +50,14 @@ class DanuqCodec(TableCodec):
     default_bits = 2
     lossy = True
     options = frozenset({"sigma_g", "zero_level"})
+    default_content = "delta"  # FedWSQ quantizes the update, not the weights
+
+    def update_options(self, u: DeviceUpdate, layer: int) -> dict[str, Any]:
+        """An update (``delta``) is standardized by the server's σ_g when the model carried
+        one per layer (FedWSQ), else by its own σ."""
+        if u.delta and len(u.sigma_g) == len(u.names) and u.sigma_g[layer] > 0:
+            return {"sigma_g": float(u.sigma_g[layer])}
+        return {}
 
     def encode(self, x: np.ndarray, bits: int | None = None, *, name: str = "", **options: Any) -> EncodedTensor:
         """``x``: the float32 update. Options ``sigma_g`` (float > 0), ``zero_level`` (bool)."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from edge_client.codecs.base import Codec
 from edge_client.codecs.float32 import Float32Codec, _count_bad
 from edge_client.errors import CodecError
 
@@ -18,6 +19,7 @@ class Float16Codec(Float32Codec):
     default_bits = 16
     lossy = True
     wire_dtype = "<f2"
+    encode_update = Codec.encode_update  # checked: float16 overflow is an error
 
     def _check_wire(self, a: np.ndarray, wire: np.ndarray) -> None:
         bad = _count_bad(wire.reshape(-1))

@@ -16,8 +16,10 @@ from edge_client.codecs.fused import (
     half_bad,
     half_decode,
 )
+from edge_client.codecs.tensor import EncodedTensor, float32_tensor
+from edge_client.codecs.uplink import DeviceUpdate
+from edge_client.compat import zip_strict
 from edge_client.errors import ProtocolError
-from edge_client.protocol import EncodedTensor
 
 
 def _count_bad(vals: np.ndarray) -> int:
@@ -48,6 +50,11 @@ class Float32Codec(Codec):
             wire = a.astype(self.wire_dtype, copy=False)
         self._check_wire(a, wire)
         return self._tensor(a, b, wire.tobytes(), {}, name)
+
+    def encode_update(self, u: DeviceUpdate, bits: int) -> tuple[EncodedTensor, ...]:
+        """The shared layers as they are, not checked here: a device does not hold back a
+        result that went non-finite; the coordinator's wire check rejects and counts it."""
+        return tuple(float32_tensor(w, n) for w, n in zip_strict(u.shared, u.names))
 
     def _check_wire(self, a: np.ndarray, wire: np.ndarray) -> None:
         """Hook: raise when the wire representation lost range (float16 overflow)."""

@@ -16,8 +16,10 @@ import numpy as np
 from edge_client.codecs.affine import AffineAccumulator
 from edge_client.codecs.base import CHUNK, Codec
 from edge_client.codecs.bitpack import _pack_into, _unpack_into, packed_nbytes
+from edge_client.codecs.tensor import EncodedTensor, float32_tensor
+from edge_client.codecs.uplink import DeviceUpdate
+from edge_client.compat import zip_strict
 from edge_client.errors import CodecError, ProtocolError
-from edge_client.protocol import EncodedTensor
 
 _WIDTH = {"int8": 8, "int16": 16}
 
@@ -57,6 +59,46 @@ class IntCodec(Codec):
     lossy = False
     finite_output = True
     accumulates = True  # the integers, as the accumulator's float dtype
+    device_input = "integers"
+
+    def encode_update(self, u: DeviceUpdate, bits: int) -> tuple[EncodedTensor, ...]:
+        """The device's own integers (``u.integers``) with ``bits`` bits, or its storage
+        grid's width for a layer whose integers need more (an Int6 device keeps its
+        weights on the 8-bit grid, docs/algorithms.md §1); a change (``u.delta``) in the
+        fewest bits that hold it. Without integers (a change beyond 16 bits) the shared
+        values go as float32."""
+        if u.integers is None:
+            return tuple(float32_tensor(w, n) for w, n in zip_strict(u.shared, u.names))
+        from edge_client.intnn.quant import storage_grid_bits
+
+        grid = storage_grid_bits(u.compute_bits)
+        out = []
+        for q, n in zip_strict(u.integers, u.names):
+            need = int(np.abs(q.astype(np.int64)).max(initial=0)).bit_length() + 1
+            if u.delta:
+                out.append(self.encode(q, max(2, need), name=n))
+                continue
+            b = bits if need <= bits else max(bits, grid)
+            try:
+                out.append(self.encode(q, b, name=n))
+            except CodecError:
+                out.append(self.encode(q, grid, name=n))
+        return tuple(out)
+
+    def examples(self, shape: tuple[int, ...], bits: int, rng: np.random.Generator) -> list[np.ndarray]:
+        """Integers over the whole ``bits``-bit range: int8 (``bits`` <= 8) and int16."""
+        half = 1 << (bits - 1)
+        q = rng.integers(-half, half, shape).astype(np.int16)
+        return [q.astype(np.int8), q] if bits <= 8 else [q]
+
+    def bits_problem(self, bits: int, compute_bits: int) -> str | None:
+        """An s-bit device sends its storage grid's width (docs/algorithms.md §1)."""
+        if compute_bits >= 32:
+            return "needs an integer device"
+        from edge_client.intnn.quant import storage_grid_bits
+
+        grid = storage_grid_bits(compute_bits)
+        return None if bits == grid else f"must be the storage grid max(s, 8) = {grid} of a {compute_bits}-bit device"
 
     def encode(self, x: np.ndarray, bits: int | None = None, *, name: str = "", **options: Any) -> EncodedTensor:
         """``x``: int8/int16 array; ``bits=None`` means the dtype's width. No aux."""

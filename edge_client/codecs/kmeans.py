@@ -25,8 +25,9 @@ from edge_client.codecs import kmeans1d as k1
 from edge_client.codecs.base import scan_float
 from edge_client.codecs.bitpack import packed_nbytes
 from edge_client.codecs.lut import TableCodec
+from edge_client.codecs.tensor import EncodedTensor
+from edge_client.codecs.uplink import DeviceUpdate
 from edge_client.errors import CodecError, ProtocolError
-from edge_client.protocol import EncodedTensor
 
 #: Lloyd iterations per pass of the fast method (it stops at a fixed point long before).
 FAST_MAX_ITER = 100_000
@@ -87,6 +88,12 @@ class KMeansCodec(TableCodec):
     lossy = True
     finite_output = True
     options = frozenset({"method", "seed", "max_iter", "tol"})
+
+    def update_options(self, u: DeviceUpdate, layer: int) -> dict[str, Any]:
+        """The device's method; the authors' random init seeded per device and round."""
+        if u.kmeans_method == "authors":
+            return {"method": "authors", "seed": [int(u.seed[0]), int(u.seed[1])]}
+        return {"method": u.kmeans_method}
 
     def encode(self, x: np.ndarray, bits: int | None = None, *, name: str = "", **options: Any) -> EncodedTensor:
         """``x``: float32 array. Options: ``method`` ("fast" | "authors"), ``seed`` (authors'

@@ -10,8 +10,8 @@ import numpy as np
 
 from edge_client.codecs.base import Codec
 from edge_client.codecs.fused import decode_lut, lut_accumulate, weighted_lut
+from edge_client.codecs.tensor import EncodedTensor
 from edge_client.errors import ProtocolError
-from edge_client.protocol import EncodedTensor
 
 
 class TableCodec(Codec):

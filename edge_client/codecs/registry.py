@@ -1,4 +1,7 @@
-"""Codecs by name. The table is built once from the codec classes and never mutated."""
+"""Codecs by name: :data:`CODECS`, the one codec table, built once from the codec classes
+(each says its name, bits range, lossiness, options, whether it accumulates...) and never
+mutated. The wire (:mod:`edge_client.protocol`), the hardware profiles, the announced
+hyper-parameters and the coordinator read it; nothing else lists codecs."""
 
 from __future__ import annotations
 
@@ -16,12 +19,13 @@ from edge_client.codecs.float16 import Float16Codec
 from edge_client.codecs.float32 import Float32Codec
 from edge_client.codecs.integer import IntCodec
 from edge_client.codecs.kmeans import KMeansCodec
+from edge_client.codecs.tensor import EncodedTensor
 from edge_client.codecs.ternary import TernaryCodec
 from edge_client.compat import zip_strict
 from edge_client.errors import CodecError, ProtocolError
-from edge_client.protocol import EncodedTensor
 
-_CODECS: MappingProxyType[str, Codec] = MappingProxyType(
+#: name -> the codec (a shared, stateless instance), in a fixed order
+CODECS: MappingProxyType[str, Codec] = MappingProxyType(
     {
         c.name: c
         for c in (
@@ -39,13 +43,13 @@ _CODECS: MappingProxyType[str, Codec] = MappingProxyType(
 
 def available_codecs() -> tuple[str, ...]:
     """Registered codec names, sorted."""
-    return tuple(sorted(_CODECS))
+    return tuple(sorted(CODECS))
 
 
 def get_codec(name: str) -> Codec:
     """The codec called ``name``; :class:`CodecError` listing the valid names otherwise."""
     try:
-        return _CODECS[name]
+        return CODECS[name]
     except (KeyError, TypeError):
         raise CodecError(f"unknown codec {name!r}; available: {', '.join(available_codecs())}") from None
 
@@ -57,9 +61,9 @@ def encode(x: np.ndarray, codec: str = "float32", bits: int | None = None, *, na
 
 def _codec_of(t: EncodedTensor) -> Codec:
     codec = getattr(t, "codec", None)
-    if not isinstance(codec, str) or codec not in _CODECS:
+    if not isinstance(codec, str) or codec not in CODECS:
         raise ProtocolError(f"codec: unknown codec {codec!r}; available: {', '.join(available_codecs())}")
-    return _CODECS[codec]
+    return CODECS[codec]
 
 
 def decode(t: EncodedTensor, out: np.ndarray | None = None) -> np.ndarray:
@@ -74,13 +78,13 @@ def decode(t: EncodedTensor, out: np.ndarray | None = None) -> np.ndarray:
 
 def max_abs(t: EncodedTensor) -> float:
     """An upper bound of ``|v|`` over ``decode(t)`` (see :meth:`Codec.max_abs`): from the
-    header for asym, kmeans, danuq, ternary and int, one pass for float32/float16."""
+    header where the codec's table or affine code allows, else one pass."""
     return _codec_of(t).max_abs(t)
 
 
 def decode_accumulate(t: EncodedTensor, acc: np.ndarray, weight: float) -> None:
     """``acc += weight * decode(t)`` fused, no temporary (float32/float64 ``acc`` of shape
-    ``t.shape``); codecs asym, kmeans, danuq, int, float32, float16. Rounding: see
+    ``t.shape``), for the codecs that :attr:`~Codec.accumulates`. Rounding: see
     :meth:`Codec.decode_accumulate`."""
     _codec_of(t).decode_accumulate(t, acc, weight)
 
@@ -124,8 +128,8 @@ def accumulate_many(adders: Sequence[Callable[[np.ndarray, float], None]], acc: 
 
 
 def can_accumulate(t: EncodedTensor) -> bool:
-    """Whether :func:`decode_accumulate` supports ``t``'s codec (False for unknown codecs
-    and ``ternary``)."""
+    """Whether :func:`decode_accumulate` supports ``t``'s codec (its
+    :attr:`~Codec.accumulates`; False for unknown codecs)."""
     name = getattr(t, "codec", None)
-    codec = _CODECS.get(name) if isinstance(name, str) else None
+    codec = CODECS.get(name) if isinstance(name, str) else None
     return bool(codec is not None and codec.accumulates)

@@ -23,8 +23,10 @@ import numpy as np
 from edge_client.codecs.base import CHUNK, Codec, count_nonfinite
 from edge_client.codecs.bitpack import _pack_into, _unpack_into, packed_nbytes
 from edge_client.codecs.integer import offset_pack_kernel
+from edge_client.codecs.tensor import EncodedTensor
+from edge_client.codecs.uplink import DeviceUpdate
+from edge_client.compat import zip_strict
 from edge_client.errors import CodecError, ProtocolError
-from edge_client.protocol import EncodedTensor
 
 
 @numba.njit(cache=True)
@@ -82,6 +84,21 @@ class TernaryCodec(Codec):
     lossy = True  # float input is thresholded; int8 input is exact (see is_lossy)
     finite_output = True  # {-1, 0, 1} or scale * {-1, 0, 1} with a finite float32 scale
     options = frozenset({"threshold", "scale"})
+    device_input = "ternary_forward"
+    integer_unit = "ternary_weight"  # an int8 code t stands for the ternary weight t = +1
+
+    def examples(self, shape: tuple[int, ...], bits: int, rng: np.random.Generator) -> list[np.ndarray]:
+        """Float32 weights (the TWN rule) and int8 ternary codes (sent exactly)."""
+        return [*super().examples(shape, bits, rng), rng.integers(-1, 2, shape).astype(np.int8)]
+
+    def encode_update(self, u: DeviceUpdate, bits: int) -> tuple[EncodedTensor, ...]:
+        """An integer device's own ternary forward weights (``u.ternary``), sent exactly
+        with ``aux.scale = u.ternary_weight``, so that the coordinator decodes them to the
+        weights the device computes with; else the shared values by the TWN rule."""
+        if u.ternary is None:
+            return super().encode_update(u, bits)
+        return tuple(self.encode(np.ascontiguousarray(t, dtype=np.int8), bits, name=n, scale=u.ternary_weight)
+                     for t, n in zip_strict(u.ternary, u.names))
 
     def is_lossy(self, t: EncodedTensor) -> bool:
         return t.dtype != "int8"

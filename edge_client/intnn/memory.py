@@ -1,31 +1,19 @@
-"""A process's memory: dropping the compiler's code once the kernels are loaded (devices),
+"""A process's memory: dropping the compiler's pages once the kernels are loaded (devices),
 keeping freed heap for reuse (the emulator's and the coordinator's processes).
 
-Numba maps LLVM (``libllvmlite``, ~180 MB of machine code) into the process: its static
-initializers touch ~35 MB of it at ``import numba``, Numba's first use (the JIT engine,
-its runtime helpers compiled at start) another ~50 MB, and the kernels' cache loads a
-little more. A device that has loaded its kernels runs none of that code again (until it
-compiles a new kernel signature), yet those pages count in its RSS. They are clean pages
-of a file: :func:`release_compiler_pages` asks the kernel to unmap them from this process
-(``madvise(MADV_DONTNEED)``); they stay in the page cache (reclaimable, shared with other
-processes) and fault back in from the file if LLVM runs again. Only executable
-(``r-xp``) mappings of the library are touched: machine code is never written, so
-nothing but a future page fault is lost. Linux only; elsewhere a no-op.
+Numba maps LLVM (``libllvmlite``: ~80 MB of machine code, ~70 MB of read-only data) into
+the process; ``import numba`` and Numba's start (its JIT engine, runtime helpers compiled
+at start) fault much of it in, the kernels' cache loads a little more. A device that has
+loaded its kernels runs none of that code again (until it compiles a new signature), yet
+those pages count in its RSS. :func:`release_compiler_pages` asks the kernel to unmap
+them (``madvise(MADV_DONTNEED)``): clean pages of the file, which stay in the page cache
+and fault back in if LLVM runs again. Only the library's read-only mappings that hold no
+page of the process's own are touched (the machine code, its read-only data; not the
+part the loader relocated), so nothing but a future page fault is lost. Linux only.
 
-``IntTrainer(release_pages=True)`` (the device runtime's default trainer) starts Numba
-before it allocates anything (so that the compiler's peak does not add to the model's and
-the data's), then calls this after Numba's start, after building its model and after its
-first training call.
-
-:func:`keep_freed_memory` is for the processes that train and score float32 models over and
-over (the emulator's, its device workers, ``fedbit serve``'s evaluation): glibc returns a
-freed block of more than its mmap threshold (128 KiB at start) to the kernel at once, and
-trims the top of the heap, so
-each torch activation of a batch (a 50 x 16 x 28 x 28 float32 tensor is 2.5 MB) is
-fresh memory the kernel must fault in page by page. Measured on a 2-core VM, one
-``mnist_cnn`` training step of 50 images: 1.46 M minor faults in 15 s of steps before,
-52 k after; the step 1.2x and the no-grad forward 1.4x as fast. Not for a
-device: the heap it keeps is resident.
+How many pages a fault maps depends on the page cache (docs/performance.md, "Memory").
+:func:`keep_freed_memory` keeps freed heap for processes that train float32 models over
+and over; not for a device (the heap it keeps is resident).
 """
 
 from __future__ import annotations
@@ -46,28 +34,45 @@ HEAP_BLOCKS_UP_TO = 32 << 20
 TRIM_BEYOND = 1 << 30
 
 
-def compiler_mappings(maps_text: str) -> list[tuple[int, int]]:
-    """``[(start, end)]`` of the executable mappings of LLVM's shared library in a
-    ``/proc/<pid>/maps`` text."""
+def compiler_mappings(smaps_text: str) -> list[tuple[int, int]]:
+    """``[(start, end)]`` of the mappings of LLVM's shared library in a ``/proc/<pid>/smaps``
+    text that are read-only (``r-xp``, ``r--p``) and hold no anonymous page: what
+    :func:`release_compiler_pages` may drop. A read-only mapping with anonymous pages is
+    the part the dynamic loader relocated (RELRO): its pages exist nowhere else."""
     out = []
-    for line in maps_text.splitlines():
+    current: tuple[int, int] | None = None
+    for line in smaps_text.splitlines():
         parts = line.split()
-        if len(parts) >= 6 and parts[1] == "r-xp" and LIBRARY in parts[5]:
-            lo, hi = (int(v, 16) for v in parts[0].split("-"))
-            out.append((lo, hi))
+        if not parts:
+            continue
+        if "-" in parts[0] and not parts[0].endswith(":"):  # a mapping's header line
+            current = None
+            if len(parts) >= 6 and parts[1] in ("r-xp", "r--p") and LIBRARY in parts[5]:
+                lo, hi = (int(v, 16) for v in parts[0].split("-"))
+                current = (lo, hi)
+        elif parts[0] == "Anonymous:" and current is not None:
+            if int(parts[1]) == 0:
+                out.append(current)
+            current = None
     return out
 
 
+#: the library's droppable mappings, found once per process (they never change while it
+#: is loaded, and a read-only mapping gains no page of its own)
+_clean: list[tuple[int, int]] = []
+
+
 def release_compiler_pages() -> int:
-    """Unmap the resident pages of LLVM's machine code from this process (see the module
-    docstring); returns the bytes of address range advised (0 when not on Linux or when
-    the library is not loaded)."""
+    """Unmap the resident pages of LLVM's machine code and read-only data from this process
+    (see the module docstring); returns the bytes of address range advised (0 when not on
+    Linux or when the library is not loaded)."""
     if not sys.platform.startswith("linux"):
         return 0
     try:
-        with open("/proc/self/maps", encoding="ascii", errors="replace") as f:
-            ranges = compiler_mappings(f.read())
-        if not ranges:
+        if not _clean:
+            with open("/proc/self/smaps", encoding="ascii", errors="replace") as f:
+                _clean.extend(compiler_mappings(f.read()))
+        if not _clean:
             return 0
         libc = ctypes.CDLL(None, use_errno=True)
         madvise = libc.madvise
@@ -76,17 +81,20 @@ def release_compiler_pages() -> int:
     except (OSError, AttributeError):
         return 0
     done = 0
-    for lo, hi in ranges:
+    for lo, hi in _clean:
         if madvise(lo, hi - lo, MADV_DONTNEED) == 0:
             done += hi - lo
     return done
 
 
 def keep_freed_memory(blocks_up_to: int = HEAP_BLOCKS_UP_TO, trim_beyond: int = TRIM_BEYOND) -> bool:
-    """Keep freed memory in this process for the next allocation (module docstring): blocks
-    up to ``blocks_up_to`` bytes come from the heap, and the heap keeps up to
-    ``trim_beyond`` bytes of free memory. Process-wide; returns whether glibc took both
-    settings (False elsewhere: musl, macOS, Windows)."""
+    """Keep freed memory in this process for the next allocation: blocks up to
+    ``blocks_up_to`` bytes come from the heap, and the heap keeps up to ``trim_beyond``
+    bytes of free memory. glibc's defaults return every freed block over 128 KiB to the
+    kernel, so each float32 activation of a training step (2.5 MB for mnist_cnn's first
+    conv on 50 images) is fresh memory faulted in page by page (docs/experiments.md).
+    Process-wide; returns whether glibc took both settings (False elsewhere: musl, macOS,
+    Windows)."""
     if not sys.platform.startswith("linux"):
         return False
     try:

@@ -16,6 +16,7 @@ Topics live under ``fedbit/<job>/``: ``presence/<device>``, ``hello/<device>``, 
 
 from __future__ import annotations
 
+from edge_client.codecs.tensor import EncodedTensor, float32_tensor, packed_length
 from edge_client.protocol.messages import (
     CODEC_BITS,
     DEFAULT_LIMITS,
@@ -28,7 +29,6 @@ from edge_client.protocol.messages import (
     TOPIC_ROOT,
     TRAINERS,
     UPDATE_CONTENTS,
-    EncodedTensor,
     Hello,
     Limits,
     Message,
@@ -38,9 +38,7 @@ from edge_client.protocol.messages import (
     Status,
     Update,
     as_mapping,
-    float32_tensor,
     model_variant,
-    packed_length,
     parse_topic,
     tensors_digest,
     topic,

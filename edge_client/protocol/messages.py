@@ -1,36 +1,33 @@
-"""The messages of the wire format and the names they travel under: limits, tensors,
-the six message kinds, model variants and topics (:mod:`edge_client.protocol`)."""
+"""The messages of the wire format and the names they travel under: limits, the codec
+names and widths the wire accepts (read from :mod:`edge_client.codecs`, which defines
+:class:`EncodedTensor`), the six message kinds, model variants and topics
+(:mod:`edge_client.protocol`)."""
 
 from __future__ import annotations
 
 import hashlib
-import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields
+from types import MappingProxyType
 from typing import Any, ClassVar, Union
 
 import msgpack
-import numpy as np
 
+from edge_client.codecs.registry import CODECS
+from edge_client.codecs.tensor import EncodedTensor
 from edge_client.errors import ProtocolError
+from edge_client.protocol.secure import SECURE_TYPES
 
 PROTOCOL_VERSION = 1
 
-#: codec name -> (min bits, max bits). The codecs package registers the implementations;
-#: the wire accepts exactly these names.
-CODEC_BITS: dict[str, tuple[int, int]] = {
-    "float32": (32, 32),
-    "float16": (16, 16),
-    "asym": (1, 16),
-    "kmeans": (1, 8),
-    "ternary": (2, 2),
-    "int": (2, 16),
-    "danuq": (1, 8),
-}
+#: codec name -> (min bits, max bits), read from the codec classes (the wire accepts
+#: exactly the registered codecs).
+CODEC_BITS: Mapping[str, tuple[int, int]] = MappingProxyType({n: c.bits_range for n, c in CODECS.items()})
 #: dtypes a decoded tensor may have.
 DTYPES = frozenset({"float32", "float16", "int8", "int16", "int32", "uint8", "uint16"})
-#: codecs whose ``data`` is raw IEEE floats and must be finite.
-FLOAT_CODECS = {"float32": "<f4", "float16": "<f2"}
+#: codec name -> the numpy dtype of its payload where that is raw IEEE floats, which the
+#: wire checks for NaN/Inf (:attr:`Codec.wire_dtype`).
+FLOAT_CODECS: Mapping[str, str] = MappingProxyType({n: c.wire_dtype for n, c in CODECS.items() if c.wire_dtype})
 
 
 @dataclass(frozen=True)
@@ -60,50 +57,6 @@ DEFAULT_LIMITS = Limits()
 
 
 # --------------------------------------------------------------------------- tensors
-
-
-@dataclass(frozen=True)
-class EncodedTensor:
-    """One layer as it travels: ``len(data) == ceil(prod(shape) * bits / 8)`` exactly.
-
-    - ``shape``: the decoded array's shape;
-    - ``dtype``: the decoded array's dtype name (``"float32"``, ``"int8"``, ``"int16"``...);
-    - ``codec``: a codec name from :data:`CODEC_BITS`;
-    - ``bits``: bits per element in ``data`` (32 for float32, 16 for float16);
-    - ``data``: the packed payload, little-endian bit order (see ``codecs.bitpack``);
-    - ``aux``: codec side information: finite floats, ints, strings, bytes, or lists of
-      finite numbers (``{"min": .., "max": ..}`` for asym, ``{"codebook": [..]}`` ...);
-    - ``name``: the layer name from the model spec (may be empty).
-    """
-
-    shape: tuple[int, ...]
-    dtype: str
-    codec: str
-    bits: int
-    data: bytes
-    aux: dict[str, Any] = field(default_factory=dict)
-    name: str = ""
-
-    @property
-    def size(self) -> int:
-        """Number of elements."""
-        return math.prod(self.shape)
-
-    @property
-    def nbytes(self) -> int:
-        """Exact payload length in bytes: ``ceil(size * bits / 8)``."""
-        return packed_length(self.size, self.bits)
-
-
-def packed_length(n: int, bits: int) -> int:
-    """Bytes that ``n`` values of ``bits`` bits occupy when bit-packed: ``ceil(n*bits/8)``."""
-    return (n * bits + 7) // 8
-
-
-def float32_tensor(array: np.ndarray, name: str = "") -> EncodedTensor:
-    """Lossless float32 tensor (the passthrough codec, used for models and tests)."""
-    a = np.ascontiguousarray(array, dtype="<f4")
-    return EncodedTensor(tuple(int(d) for d in a.shape), "float32", "float32", 32, a.tobytes(), {}, name)
 
 
 def tensor_to_wire(t: EncodedTensor) -> dict[str, Any]:
@@ -239,6 +192,7 @@ Message = Union[Hello, Presence, RoundAnnouncement, ModelMessage, Update, Status
 MESSAGE_TYPES: dict[str, type] = {
     cls.KIND: cls for cls in (Hello, Presence, RoundAnnouncement, ModelMessage, Update, Status)
 }
+MESSAGE_TYPES.update(SECURE_TYPES)  # secure aggregation's (protocol.secure)
 UPDATE_CONTENTS = frozenset({"weights", "delta"})
 TRAINERS = frozenset({"int", "torch"})
 STATUS_STATES = frozenset({"waiting", "round", "done", "error"})
@@ -283,7 +237,8 @@ def variant_bits(variant: str) -> int:
 TOPIC_ROOT = "fedbit"
 #: ``linktest``: a device's link measurement (``fedbit-edge measure-link``), which no one
 #: subscribes to: the broker acknowledges and drops it
-_TOPIC_KINDS_WITH_ID = frozenset({"presence", "hello", "model", "update", "linktest"})
+#: ``secagg``: a device's secure-aggregation messages, ``secagg-in``: the coordinator's to it
+_TOPIC_KINDS_WITH_ID = frozenset({"presence", "hello", "model", "update", "linktest", "secagg", "secagg-in"})
 _TOPIC_KINDS_PLAIN = frozenset({"round", "status"})
 
 

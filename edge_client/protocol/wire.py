@@ -4,12 +4,13 @@ door for received bytes (:mod:`edge_client.protocol`)."""
 from __future__ import annotations
 
 import math
-from dataclasses import fields
+from dataclasses import fields, is_dataclass
 from typing import Any
 
 import msgpack
 import numpy as np
 
+from edge_client.codecs.tensor import EncodedTensor, packed_length
 from edge_client.errors import ProtocolError
 from edge_client.protocol.messages import (
     CODEC_BITS,
@@ -22,7 +23,6 @@ from edge_client.protocol.messages import (
     STATUS_STATES,
     TRAINERS,
     UPDATE_CONTENTS,
-    EncodedTensor,
     Hello,
     Limits,
     Message,
@@ -31,10 +31,10 @@ from edge_client.protocol.messages import (
     RoundAnnouncement,
     Status,
     Update,
-    packed_length,
     tensor_to_wire,
     valid_id,
 )
+from edge_client.protocol.secure import SECURE_TYPES, parse_secure
 
 # --------------------------------------------------------------------------- encoding
 
@@ -46,6 +46,8 @@ def _to_wire(value: Any) -> Any:
         return [_to_wire(v) for v in value]
     if isinstance(value, np.generic):
         return value.item()
+    if is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _to_wire(getattr(value, f.name)) for f in fields(value)}
     return value
 
 
@@ -282,6 +284,8 @@ def _read_digest(r: _Reader, key: str, default: Any = ...) -> str:
 
 def _parse(kind: str, r: _Reader) -> Message:
     lim = r.limits
+    if kind in SECURE_TYPES:
+        return parse_secure(kind, r)
     if kind == "hello":
         return Hello(
             device_id=r.device_id("device_id"), profile=r.str("profile", empty=False),

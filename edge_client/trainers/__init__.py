@@ -42,13 +42,14 @@ from edge_client.trainers.common import (
     DEFAULT_TORCH_LR,
     Trainer,
     TrainReport,
+    missing_members,
 )
 from edge_client.trainers.floating import TorchTrainer, forward_bits
 from edge_client.trainers.integer import IntTrainer
 from firmware_models import ModelSpec
 
 __all__ = ["DEFAULT_LR_SHIFT", "DEFAULT_MOMENTUM", "DEFAULT_TORCH_LR", "IntTrainer", "TorchTrainer",
-           "TrainReport", "Trainer", "forward_bits", "make_trainer"]
+           "TrainReport", "Trainer", "forward_bits", "make_trainer", "missing_members"]
 
 
 def make_trainer(spec: ModelSpec | str, bits: int, seed: int = 0, threads: int = 1,

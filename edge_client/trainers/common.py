@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -38,19 +38,52 @@ class TrainReport:
 
 @runtime_checkable
 class Trainer(Protocol):
+    """A device's local trainer, everything a device runtime (``edge_client.runtime``) and
+    the coordinator's evaluation ask of it: :class:`~edge_client.trainers.IntTrainer`,
+    :class:`~edge_client.trainers.TorchTrainer`, or what a ``trainer_factory`` makes.
+    Weights travel as float32 shared-domain arrays in ``spec.param_shapes()`` order."""
+
+    #: the model it trains
     spec: ModelSpec
+    #: its compute bitwidth: 2..16 on an integer device, 32 on a float one
     bits: int
+    #: its default float SGD learning rate (an integer device: its FedProx/FedFOR step's)
+    lr: float
+    #: its default integer data step, log2 LSBs of the 8-bit grid (-8..8)
+    lr_shift: int
 
-    def load_shared(self, weights: list[np.ndarray]) -> None: ...
+    def load_shared(self, weights: list[np.ndarray]) -> None:
+        """Start from these shared-domain weights (the received global model)."""
 
-    def to_shared(self) -> list[np.ndarray]: ...
+    def to_shared(self) -> list[np.ndarray]:
+        """The current weights in the shared domain (new float32 arrays)."""
+
+    def int_weights(self) -> list[np.ndarray] | None:
+        """The device's own grid integers (int8 for s <= 8, int16 above); None on a
+        device without them (a float device)."""
+
+    def ternary_weights(self) -> list[np.ndarray] | None:
+        """The int8 ternary weights ({-1, 0, 1}) its forward computes with; None where
+        the forward is not ternary (a float device)."""
 
     def train(self, data: Dataset, *, epochs: int = 1, steps: int | None = None,
               batch: int = 32, prox_mu: float = 0.0, fedfor_alpha: float = 0.0,
               last_global_step: list[np.ndarray] | None = None, lr: float | None = None,
-              momentum: float | None = None) -> TrainReport: ...
+              momentum: float | None = None, lr_shift: int | None = None,
+              **float_settings: Any) -> TrainReport:
+        """Local training; None: the trainer's own value. ``float_settings``: what only a
+        float device takes (``grad_clip``, ``weight_standardization``, ``weight_norm``,
+        ``forward``), passed to float devices only."""
 
-    def evaluate(self, data: Dataset, batch: int = 256) -> tuple[float, float]: ...
+    def evaluate(self, data: Dataset, batch: int = 256) -> tuple[float, float]:
+        """(mean loss, accuracy) on ``data``."""
+
+
+def missing_members(trainer: object) -> list[str]:
+    """The :class:`Trainer` members ``trainer`` lacks (empty when it has them all; looked up
+    with ``getattr``, so a wrapper that forwards its attributes counts as what it wraps)."""
+    names = dict.fromkeys(n for n in (*Trainer.__annotations__, *vars(Trainer)) if not n.startswith("_"))
+    return [n for n in names if not hasattr(trainer, n)]
 
 
 def as_spec(spec: ModelSpec | str) -> ModelSpec:

@@ -120,6 +120,14 @@ class TorchTrainer:
     def to_shared(self) -> list[np.ndarray]:
         return [p.detach().cpu().numpy().astype(np.float32, copy=True) for p in self.params]
 
+    def int_weights(self) -> None:
+        """A float device holds no grid integers."""
+        return None
+
+    def ternary_weights(self) -> None:
+        """A float device sends shared-domain weights, whatever forward it trains."""
+        return None
+
     # model -----------------------------------------------------------------
 
     def _effective(self, i: int, w, ws: bool, wn: bool = False):

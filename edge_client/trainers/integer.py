@@ -48,8 +48,8 @@ class IntTrainer:
     FedProx/FedFOR step ``lr / (1 - momentum)`` this device's terms match (module docstring);
     they do not change the data step. ``threads``: cores a training step uses (results
     are the same bit for bit for any number; ignored when a model is passed in).
-    ``release_pages``: a device process's trainer drops LLVM's machine code from its
-    resident memory once its kernels are loaded (:mod:`edge_client.intnn.memory`; after
+    ``release_pages``: a device process's trainer drops LLVM's code and read-only data from
+    its resident memory once its kernels are loaded (:mod:`edge_client.intnn.memory`; after
     construction and after the first :meth:`train`).
     """
 

@@ -82,6 +82,12 @@ class LocalHub:
             for name in self._retained_for(t.subscriptions):
                 self._deliver_locked(t, name, self._retained[name], retain=True)
 
+    def _deliver_retained(self, t: LocalTransport, filters: list[str]) -> None:
+        """The retained messages matching ``filters``, to ``t`` (a new subscription)."""
+        with self._lock:
+            for name in self._retained_for(filters):
+                self._deliver_locked(t, name, self._retained[name], retain=True)
+
     def _retained_for(self, filters: list[str]) -> list[str]:
         """Retained topics matching any of ``filters``, each once: exact filters are
         looked up (a device's subscriptions: no scan of a fleet's worth of retained
@@ -180,6 +186,17 @@ class LocalTransport:
             return False
         self.hub.route(topic, bytes(payload), retain)
         return True
+
+    def subscribe(self, topic_filter: str) -> None:
+        """Subscribe to ``topic_filter`` now (its retained messages are delivered)."""
+        if topic_filter not in self.subscriptions:
+            self.subscriptions.append(topic_filter)
+            if self._connected:
+                self.hub._deliver_retained(self, [topic_filter])
+
+    def unsubscribe(self, topic_filter: str) -> None:
+        if topic_filter in self.subscriptions:
+            self.subscriptions.remove(topic_filter)
 
     def recv(self, timeout: float | None = None) -> Received | None:
         try:

@@ -458,6 +458,29 @@ class MqttTransport:
             return None
         return PublishHandle(info)
 
+    def subscribe(self, topic_filter: str) -> None:
+        """Subscribe to ``topic_filter`` (QoS 1) now and on every reconnect (a broker's ACL
+        may refuse it: then nothing arrives on it)."""
+        if topic_filter not in self.subscriptions:
+            self.subscriptions.append(topic_filter)
+        client = self._client
+        if client is not None and self.connected:
+            try:
+                client.subscribe(topic_filter, qos=1)
+            except Exception as exc:  # noqa: BLE001 - the connection went: on_connect subscribes again
+                self.last_error = f"subscribe: {exc!r}"
+
+    def unsubscribe(self, topic_filter: str) -> None:
+        """Stop receiving ``topic_filter`` (now and after reconnects)."""
+        if topic_filter in self.subscriptions:
+            self.subscriptions.remove(topic_filter)
+        client = self._client
+        if client is not None and self.connected:
+            try:
+                client.unsubscribe(topic_filter)
+            except Exception as exc:  # noqa: BLE001
+                self.last_error = f"unsubscribe: {exc!r}"
+
     def recv(self, timeout: float | None = None) -> Received | None:
         """Next received message, or None after ``timeout`` seconds."""
         try:

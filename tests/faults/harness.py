@@ -143,6 +143,8 @@ def run_coordinator(a: argparse.Namespace) -> int:
 class ShiftTrainer:
     """Local training that adds ``shift`` to every weight."""
 
+    spec, bits, lr, lr_shift = None, 32, 1.0, 3  # the Trainer protocol (spec: unused)
+
     def __init__(self, shift: float) -> None:
         self.shift = np.float32(shift)
         self.w: list[np.ndarray] = []
@@ -156,6 +158,15 @@ class ShiftTrainer:
 
     def to_shared(self):
         return [w.copy() for w in self.w]
+
+    def int_weights(self):
+        return None
+
+    def ternary_weights(self):
+        return None
+
+    def evaluate(self, data, batch=256):
+        return 0.0, 0.0
 
 
 def run_device(a: argparse.Namespace) -> int:

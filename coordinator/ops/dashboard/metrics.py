@@ -18,6 +18,7 @@ registry of the dashboard's own (no global state). Names follow Prometheus' conv
 ``fedbit_uplink_bytes_total``              counter    accepted update bytes, label ``codec``
 ``fedbit_accuracy_ratio``                  gauge      last round's test accuracy, label ``group``
 ``fedbit_loss``                            gauge      last round's test loss, label ``group``
+``fedbit_privacy_epsilon``                 gauge      ε spent so far at the job's δ (DP jobs), label ``delta``
 ``fedbit_devices_online``                  gauge      devices online with a hello
 ``fedbit_devices_known``                   gauge      devices that said hello
 ``fedbit_device_wait_seconds_total``       counter    time rounds waited for devices
@@ -116,6 +117,12 @@ class MonitorCollector(Collector):
             for group, v in sorted((last.get(key) or {}).items()):
                 if isinstance(v, int | float) and math.isfinite(v):
                     g.add_metric([job, group], v)
+            yield g
+        eps = next((r for r in reversed(rounds) if isinstance(r.get("epsilon"), int | float)), None)
+        if eps is not None:
+            g = GaugeMetricFamily("fedbit_privacy_epsilon", "Differential privacy spent so far: epsilon at the "
+                                  "job's delta (dp-accounting, RDP).", labels=["job", "delta"])
+            g.add_metric([job, f"{eps.get('delta', 0):g}"], float(eps["epsilon"]))
             yield g
         yield gauge("fedbit_devices_online", "Devices online (with a hello).", snap["online"])
         yield gauge("fedbit_devices_known", "Devices that said hello.", snap["registered"])

@@ -8,8 +8,10 @@
   variant, declared uplink codec, online or not, last seen (Unix s), its last accepted
   update (round, bytes, codec), refusals by reason and notes (``clipped_num_samples``);
 - ``current``: the round in progress: number, phase (``waiting`` for devices,
-  ``collecting``, ``closed``), selected, received, deadline (Unix s); in buffered mode
-  (phase ``buffering``) the model version, the buffer's fill and size, devices training;
+  ``collecting``, ``closed``), selected, received, deadline (Unix s), the selected devices
+  gone before answering (``gone``: id -> why) and, in a snapshot, those still outstanding;
+  in buffered mode (phase ``buffering``) the model version, the buffer's fill and size,
+  devices training;
 - ``staleness``: updates counted per staleness (buffered mode), completed buffers plus
   the open one;
 - ``rounds``: one compact record per completed round (accuracy per bitwidth group,
@@ -50,6 +52,8 @@ RECENT = 20
 #: devices a snapshot lists (by id; the counts cover all): a page or live.json of a fleet
 #: of 100,000 would be megabytes several times a second
 DEVICE_ROWS = 500
+#: outstanding devices of the open round a snapshot names (the count covers all)
+OUTSTANDING_ROWS = 50
 #: devices refused before any hello of theirs was accepted (a wrong MAC key, not enrolled)
 #: that get a row, so the operator sees who; more are only counted
 STRANGERS = 100
@@ -90,9 +94,18 @@ def round_summary(rec: dict[str, Any]) -> dict[str, Any]:
         "stragglers": rec.get("stragglers", 0), "aggregated": rec.get("aggregated", True),
         "round_seconds": rec.get("round_seconds"), "wait_seconds": rec.get("wait_seconds", 0.0),
         "sim_time": rec.get("sim_time"), "uplink_bytes": dict(rec.get("uplink_bytes") or {}),
-        "counts": dict(rec.get("counts") or {}), "mode": rec.get("mode", "sync"),
+        "counts": dict(rec.get("counts") or {}),
+        "epsilon": rec.get("epsilon"), "delta": rec.get("delta"), "mode": rec.get("mode", "sync"),
         "staleness_mean": rec.get("staleness_mean"), "staleness_max": rec.get("staleness_max"),
     })
+
+
+def outstanding_fields(current: dict[str, Any], most: int = OUTSTANDING_ROWS) -> dict[str, Any]:
+    """``outstanding`` (how many selected devices of the open round neither answered nor
+    are gone) and ``outstanding_ids`` (the first ``most`` of them, by id)."""
+    left = set(current.get("selected_ids") or ()) - set(current.get("received_ids") or ()) \
+        - set(current.get("gone") or ())
+    return {"outstanding": len(left), "outstanding_ids": sorted(left)[:most]}
 
 
 class FleetMonitor:
@@ -209,6 +222,10 @@ class FleetMonitor:
                         "started": now, "deadline": now + float(f.get("deadline_s") or 0.0),
                         "wait_seconds": f.get("wait_seconds", 0.0), "resumed": f.get("resumed", False)}
 
+    def _on_gone(self, f: dict[str, Any]) -> None:
+        if f.get("round") == self.current.get("round"):
+            self.current.setdefault("gone", {})[str(f["device"])] = str(f.get("why", "left"))
+
     def _on_update(self, f: dict[str, Any]) -> None:
         if self.current.get("mode") != "buffered":  # (buffered: the buffer event's fill)
             self.current["received"] = f.get("accepted", self.current.get("received", 0))
@@ -271,7 +288,7 @@ class FleetMonitor:
 
     _handlers: dict[str, Callable[[FleetMonitor, dict[str, Any]], None]] = {
         "device": _on_device, "waiting": _on_waiting, "round_start": _on_round_start, "update": _on_update,
-        "reject": _on_reject, "round_end": _on_round_end, "buffer": _on_buffer}
+        "reject": _on_reject, "round_end": _on_round_end, "gone": _on_gone, "buffer": _on_buffer}
 
     # ------------------------------------------------------------------ readers
 
@@ -308,6 +325,10 @@ class FleetMonitor:
             for key in ("selected_ids", "received_ids"):
                 if key in cur:
                     cur[key] = list(cur[key])
+            if cur.get("phase") == "collecting":
+                cur |= outstanding_fields(cur)
+            if "gone" in cur:
+                cur["gone"] = dict(cur["gone"])
             out = {
                 "run": self.run, "version": self.version, "now": self.clock(), "title": self.title,
                 "state": self.state, "rounds_planned": self.rounds_planned, "job": self.job,

@@ -36,10 +36,15 @@ def read_live(run_dir: Path) -> dict[str, Any]:
 
 
 def served_info(run_dir: Path) -> dict[str, Any]:
-    """A ``fedbit serve`` run's description for the reports: its job table (``config``)."""
+    """A ``fedbit serve`` run's description for the reports: its job table (``config``,
+    from ``live.json``; {} without one), ``title`` (``job farm: digits_cnn, fedavg``)."""
     live = read_live(run_dir)
     job = live.get("job") if isinstance(live.get("job"), dict) else {}
-    return {"config": job, "source": "fedbit serve", "seed": job.get("seed", "?")} if job else {}
+    if not job:
+        return {}
+    title = live.get("title") if isinstance(live.get("title"), str) else ""
+    return {"config": job, "seed": job.get("seed", "?"),
+            "title": title or f"job {job.get('job', '?')}: {job.get('model', '?')}, {job.get('strategy', '?')}"}
 
 
 def _alive(pid: Any) -> bool:

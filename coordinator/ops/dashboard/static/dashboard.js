@@ -4,20 +4,23 @@
 "use strict";
 
 (function () {
-  // a fixed colour per bitwidth group and per codec, the same on every page and run
-  const GROUP_COLOURS = {float32: "#1f77b4", int16: "#2ca02c", int12: "#17becf", int8: "#ff7f0e",
-                         int6: "#d62728", int4: "#9467bd", int2: "#8c564b"};
-  const CODEC_COLOURS = {"float32-32": "#1f77b4", "float16-16": "#aec7e8", "int-8": "#ff7f0e",
-                         "int-16": "#2ca02c", "asym-8": "#9467bd", "asym-4": "#c5b0d5", "kmeans-4": "#d62728",
-                         "kmeans-2": "#ff9896", "ternary-2": "#8c564b", "mixed": "#7f7f7f"};
-  const SPARE = ["#e377c2", "#bcbd22", "#7f7f7f", "#393b79", "#637939", "#8c6d31", "#843c39", "#7b4173"];
+  // a fixed colour (colour-blind-safe: Okabe & Ito, then Tol) and dash per bitwidth group,
+  // a colour per codec family: the same as the reports' plots (coordinator/emulation/plots.py)
+  const GROUP_STYLES = {float32: ["#0072B2", []], int16: ["#009E73", [8, 4]], int12: ["#56B4E9", [8, 4]],
+                        int8: ["#E69F00", [8, 3, 2, 3]], int6: ["#CC79A7", [2, 3]], int4: ["#D55E00", [5, 1]],
+                        int2: ["#000000", [1, 1]]};
+  const CODEC_COLOURS = {float32: "#0072B2", float16: "#56B4E9", int: "#E69F00", asym: "#009E73",
+                         kmeans: "#D55E00", lloydmax: "#CC79A7", danuq: "#000000", ternary: "#F0E442",
+                         lut: "#999933", affine: "#882255", fused: "#44AA99", mixed: "#999999"};
+  const SPARE = ["#332288", "#882255", "#44AA99", "#999933", "#AA4499", "#117733", "#88CCEE", "#DDCC77"];
 
-  function colour(table, name) {
-    if (table[name]) return table[name];
+  function spare(name) {
     let h = 0;
     for (const c of name) h = (h * 31 + c.charCodeAt(0)) >>> 0;
     return SPARE[h % SPARE.length];
   }
+  const groupStyle = (g) => GROUP_STYLES[g] || [spare(g), [4, 2]];
+  const codecColour = (c) => CODEC_COLOURS[c.split("-")[0]] || spare(c);
 
   const $ = (id) => document.getElementById(id);
   let state = null;
@@ -78,7 +81,7 @@
         scales: {x: {time: false}, y: {range: [0, 1]}},
         axes: [ROUND_AXIS, {label: "test accuracy", values: (u, v) => v.map((x) => (100 * x).toFixed(0) + "%")}],
         series: [{label: "round"}, ...groups.map((g) => ({
-          label: g, stroke: colour(GROUP_COLOURS, g), width: 2, points: {show: true, size: 6},
+          label: g, stroke: groupStyle(g)[0], dash: groupStyle(g)[1], width: 2, points: {show: true, size: 6},
           value: (u, v) => pct(v)}))],
       }, data, $("acc-chart"));
     } else {
@@ -101,7 +104,7 @@
         scales: {x: {time: false}, y: {range: (u, lo, hi) => [0, Math.max(1, hi) * 1.1]}},
         axes: [ROUND_AXIS, {label: "bytes", size: 70, values: (u, v) => v.map(bytes)}],
         series: [{label: "round"}, ...codecs.map((c) => ({
-          label: c, stroke: colour(CODEC_COLOURS, c), width: 2, points: {show: true, size: 6},
+          label: c, stroke: codecColour(c), width: 2, points: {show: true, size: 6},
           value: (u, v) => bytes(v)}))],
       }, data, $("bytes-chart"));
     } else {
@@ -159,6 +162,13 @@
     if (c.phase === "collecting" && c.deadline) {
       pairs.push(["deadline", `in ${Math.max(0, c.deadline - Date.now() / 1000).toFixed(0)} s`]);
     }
+    if (c.phase === "collecting" && c.outstanding) {
+      const ids = c.outstanding_ids || [];
+      const more = c.outstanding > ids.length ? ` and ${c.outstanding - ids.length} more` : "";
+      pairs.push(["waiting for", ids.join(", ") + more]);
+    }
+    const gone = Object.entries(c.gone || {});
+    if (gone.length) pairs.push(["gone (stragglers)", gone.map(([d, why]) => `${d} (${why})`).join(", ")]);
     if (c.phase === "closed") pairs.push(["stragglers", c.stragglers ?? 0]);
     if (c.wait_seconds >= 0.1) pairs.push(["waited for devices", secs(c.wait_seconds)]);
     const last = rounds[rounds.length - 1];
@@ -176,6 +186,8 @@
     for (const [k, v] of Object.entries(t.refused || {})) pairs.push([k.replace(/_/g, " "), v]);
     for (const [k, v] of Object.entries(t.uplink_bytes || {})) pairs.push([`uplink ${k}`, bytes(v)]);
     if (t.wait_seconds) pairs.push(["waited for devices", secs(t.wait_seconds)]);
+    const dp = rounds.filter((r) => r.epsilon != null).pop();
+    if (dp) pairs.push(["privacy spent", `ε = ${dp.epsilon.toFixed(3)} at δ = ${dp.delta}`]);
     facts($("totals"), pairs);
   }
 
