@@ -128,6 +128,10 @@ def test_strategies_that_need_a_synchronous_cohort_refuse_buffered_mode(tmp_path
         ServerConfig(strategy="prowd").validate()  # rounds take every strategy
     with pytest.raises(ConfigError, match="train.content"):
         buffered_cfg(hparams={"epochs": 1, "content": "weights"}).validate()
+    from coordinator.privacy.config import PrivacyConfig
+
+    with pytest.raises(ConfigError, match=r"\[privacy\]"):
+        buffered_cfg(privacy=PrivacyConfig(secure_aggregation=True)).validate()
     job = tmp_path / "job.toml"
     job.write_text('out = "x"\nstrategy = "prowd"\n[round]\nmode = "buffered"\n')
     with pytest.raises(ConfigError, match=r"job\.toml.*prowd.*buffered"):
