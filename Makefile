@@ -13,7 +13,7 @@ PY     := $(VENV)/bin/python
 EXTRAS ?= coordinator,data,dev,onnx,cluster
 CONSTRAINTS ?= constraints.txt
 
-.PHONY: demo test bench bench-flower experiments fuzz faults wheel device-check py39-check install lock lint clean
+.PHONY: demo test bench bench-flower experiments fuzz faults wheel device-check py39-check gpu-check gpu-wheels ptx-check install lock lint clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -100,6 +100,37 @@ device-check: install
 # when every check passes). .ci/run runs it after make test.
 py39-check: install
 	PY=$(PY) tools/py39_check.sh
+
+# The CUDA engine on a GPU machine (tools/gpu_check.py: its tests on the GPU, a 3-round fleet
+# against the CPU emulator byte for byte, benchmarks/gpu.py), <= 8 minutes, JSON lines in
+# $(OUT) (default gpu-check/). Uses the machine's Python as it is (GPU_PY; numba-cuda and
+# torch installed there, no package index: missing wheels come from $(OUT)/wheels, which
+# `make gpu-wheels` fills where there is an index). QUICK=1: small, under Numba's CUDA
+# simulator (the script's path on a machine without a GPU).
+GPU_PY ?= python3
+OUT ?= gpu-check
+QUICK ?=
+gpu-check:
+	$(GPU_PY) tools/gpu_check.py --out $(OUT) $(if $(QUICK),--quick)
+
+# The wheels gpu-check may lack on the GPU machine (GPU_PYTHON: its Python version)
+GPU_PYTHON ?= 3.11
+gpu-wheels: install
+	$(PY) -m pip download --quiet --only-binary=:all: --python-version $(GPU_PYTHON) \
+	    --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 -d $(OUT)/wheels \
+	    msgpack paho-mqtt cryptography pytest scipy matplotlib aiohttp rich prometheus-client scikit-learn
+
+# Every CUDA kernel compiled to PTX for the Jetsons' compute capabilities (Nano 5.3, Xavier
+# 7.2, Orin 8.7) and the H100's (9.0), no GPU needed: numba-cuda with CUDA 12's NVVM (pip
+# wheels) in a venv of its own (.venv-cuda12; CUDA 13's NVVM has no sm < 7.5).
+CUDA_VENV ?= .venv-cuda12
+$(CUDA_VENV)/bin/python:
+	$(PYTHON) -m venv $(CUDA_VENV)
+	$(CUDA_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(CUDA_VENV)/bin/python -m pip install --quiet -c $(CONSTRAINTS) numpy numba msgpack paho-mqtt "numba-cuda[cu12]==0.30.4"
+
+ptx-check: $(CUDA_VENV)/bin/python
+	PYTHONPATH=. $(CUDA_VENV)/bin/python tools/ptx_check.py
 
 lint: install
 	$(PY) -m ruff check edge_client coordinator firmware_models hw_profiles tests benchmarks experiments tools

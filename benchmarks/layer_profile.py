@@ -112,12 +112,12 @@ NOTES = {
 
 
 def _macs(op) -> int:
-    lay = op.layer
-    if op.kind == "conv":
-        return BATCH * int(np.prod(op.out_shape)) * lay.kernel * lay.kernel * lay.in_channels
-    if op.kind == "linear":
-        return BATCH * op.in_shape[0] * op.out_shape[0]
-    return 0
+    return BATCH * op.macs()
+
+
+def _is_conv(op) -> bool:
+    """The convolutions (the headline fraction is theirs): weight layers on feature maps."""
+    return op.param >= 0 and len(op.out_shape) == 3
 
 
 def profile_model(name: str, steps: int) -> tuple[list, dict]:
@@ -239,9 +239,9 @@ def main(argv: list[str] | None = None) -> int:
         conv_keys = []
         total = sum(statistics.median(v) for v in per_step.values())
         for i, op in enumerate(ops):
-            if op.kind in ("flatten", "relu"):
+            if op.view or op.layer.is_relu:
                 continue
-            row = {"layer": op.layer.name, "kind": op.kind, "cells": {}}
+            row = {"layer": op.layer.name, "kind": op.layer.file_type, "cells": {}}
             for phase in PHASES:
                 times = per_step.get((i, phase))
                 if not times:
@@ -261,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
                 else:
                     emit(f"{name} {op.layer.name} {phase}", "seconds", t, "s",
                          "the step's total", total)
-                if op.kind == "conv" and phase in ("forward", "backward-data", "weight gradient"):
+                if _is_conv(op) and phase in ("forward", "backward-data", "weight gradient"):
                     conv_bound += bound
                     conv_meas += t
                     conv_keys.append((i, phase))
@@ -285,12 +285,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _weights(op) -> int:
-    lay = op.layer
-    if op.kind == "conv":
-        return lay.kernel * lay.kernel * lay.in_channels * lay.out_channels
-    if op.kind == "linear":
-        return lay.in_features * lay.out_features
-    return 0
+    return int(np.prod(op.weight_shape)) if op.param >= 0 else 0
 
 
 def _markdown(tables, rates) -> str:

@@ -7,7 +7,8 @@ Each ``benchmarks/<name>.py`` prints one JSON object per line; lines that are no
 fail, after the others have run. ``--jobs N`` runs N scripts at a time: for checking that
 they run (the test suite's ``--quick --jobs 2``), never for figures, since the scripts'
 timings would then share the CPU. Every line records the versions it was measured with
-(``versions``: Python, the kernel, numpy, numba, llvmlite, torch).
+(``versions``: Python, the kernel, numpy, numba, llvmlite, torch). Named benchmarks
+(``run_all.py eval_share``) replace their own lines in ``--out`` and keep the others'.
 """
 
 from __future__ import annotations
@@ -81,6 +82,9 @@ def main() -> int:
                 print(proc.stderr[-4000:], file=sys.stderr)
             print(f"   {seconds:.1f} s, exit {proc.returncode}", file=sys.stderr)
     args.out.parent.mkdir(parents=True, exist_ok=True)
+    if args.names and args.out.is_file():  # the other benchmarks' lines already there are kept
+        records = _merged([json.loads(line) for line in args.out.read_text(encoding="utf-8").splitlines()
+                           if line.strip()], records)
     tmp = args.out.with_suffix(".tmp")
     tmp.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
     tmp.replace(args.out)
@@ -89,6 +93,19 @@ def main() -> int:
         print(f"failed: {', '.join(failed)}", file=sys.stderr)
         return 1
     return 0
+
+
+def _merged(old: list[dict], new: list[dict]) -> list[dict]:
+    """``old`` with each benchmark of ``new`` in place of its old lines (where its first one
+    was; a benchmark new to the file at the end)."""
+    ran = {r.get("bench") for r in new}
+    out: list[dict] = []
+    for r in old:
+        if r.get("bench") not in ran:
+            out.append(r)
+        elif not any(x.get("bench") == r.get("bench") for x in out):
+            out += [x for x in new if x.get("bench") == r.get("bench")]
+    return out + [x for x in new if not any(y.get("bench") == x.get("bench") for y in old)]
 
 
 if __name__ == "__main__":

@@ -9,7 +9,9 @@ Cases (``fedshift_cnn``, ~2.16 M parameters; asym-4 wire updates, ~1.08 MB each)
   times on both paths, counted at its fastest), where the path without the MAC is ~4x
   faster and the MAC's one pass weighs more;
 - a round of N updates (fold + finish) with robust aggregation (``clip``, ``trimmed_mean``,
-  ``median``) against streaming FedAvg: ``round_seconds``, and the round's peak traced
+  ``median``), and with the round loop's default poisoning defense (``coordinator.defense``:
+  each update decoded once more to measure it, the first 32 held), against streaming
+  FedAvg: ``round_seconds``, and the round's peak traced
   memory (tracemalloc, each update's bytes allocated as it arrives: what a mode holds, the
   per-layer matrices): ``peak_memory``.
 
@@ -104,8 +106,16 @@ def received(i: int, sets: list[tuple]) -> EncodedUpdate:
 def round_cost(params: dict, sets: list[tuple], base: list[np.ndarray], n: int) -> tuple[float, float]:
     """(seconds, peak traced MiB) of a round of ``n`` wire updates arriving (each one's
     bytes allocated as it arrives, dropped by the caller once folded), folded, finished:
-    what a strategy keeps of them shows in the peak. (Making the copies is not timed.)"""
+    what a strategy keeps of them shows in the peak. (Making the copies is not timed.)
+    ``params["defense"]``: the strategy inside the round loop's guard."""
+    params = dict(params)
+    guarded = params.pop("defense", False)
     strat = build_strategy("fedavg", **params)
+    if guarded:
+        from coordinator.defense.config import DefenseConfig
+        from coordinator.defense.guard import GuardedStrategy
+
+        strat = GuardedStrategy(strat, DefenseConfig())
     strat.begin_round(1, base)
     tracemalloc.start()
     dt = 0.0
@@ -153,7 +163,7 @@ def main() -> None:
 
     round_cost({}, sets, base, 2)
     cases = (("clip=1 (wire bytes held)", {"clip": 1.0}), ("trimmed_mean trim=0.1", {"robust": "trimmed_mean"}),
-             ("median", {"robust": "median"}))
+             ("median", {"robust": "median"}), ("defense (the round loop's default)", {"defense": True}))
     anchor = (float("inf"), 0.0)
     best = [(float("inf"), 0.0)] * len(cases)
     for _ in range(reps):
@@ -163,7 +173,7 @@ def main() -> None:
             t, m = round_cost(params, sets, base, n_round)
             best[k] = (min(best[k][0], t), m)
     for (name, _), (t, m) in zip(cases, best, strict=True):
-        case = f"{MODEL} {n_round} asym-4 updates, robust {name}"
+        case = f"{MODEL} {n_round} asym-4 updates, {'' if name.startswith('defense') else 'robust '}{name}"
         emit(case, "round_seconds", t, "s", "streaming fedavg round", anchor[0])
         emit(case, "peak_memory", m, "MiB", "streaming fedavg peak (tracemalloc)", anchor[1])
 

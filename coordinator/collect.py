@@ -13,7 +13,6 @@ with their reason and counted (``rejected_<reason>`` / ``dropped_<reason>``).
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -23,14 +22,19 @@ from typing import Any
 import numpy as np
 
 from coordinator.commit import AckCommitter
+from coordinator.defense.reputation import STRIKE_REASONS
 from coordinator.devices import DeviceRegistry
 from coordinator.fleet import Fleet, Inbound
 from coordinator.ingest import Ingest, OpenRound, Rejected
 from coordinator.ops.knocks import JobsOnBroker
+from coordinator.ops.untrusted import safe_text
+from coordinator.presence.roundwatch import AckWatch
+from coordinator.presence.selection import NotEnoughDevices, draw
 from coordinator.state import RunState
 from coordinator.strategies.round import RoundStrategy
-from edge_client.errors import FedbitError, ProtocolError
+from edge_client.errors import ProtocolError
 from edge_client.hparams import not_applied_level
+from edge_client.protocol import Presence
 
 
 def _names(ids: list[str], most: int = 20) -> str:
@@ -39,10 +43,6 @@ def _names(ids: list[str], most: int = 20) -> str:
         return ""
     more = f" and {len(ids) - most} more" if len(ids) > most else ""
     return ": " + ", ".join(ids[:most]) + more
-
-
-class NotEnoughDevices(FedbitError, RuntimeError):
-    """A round cannot start (not enough devices within the presence timeout)."""
 
 
 def codec_label(tensors: Any) -> str:
@@ -90,7 +90,8 @@ class Collector:
     """
 
     def __init__(self, fleet: Fleet, ingest: Ingest, strategy: RoundStrategy, state: RunState, *,
-                 on_event: Callable[[str, dict[str, Any]], None], logger: logging.Logger) -> None:
+                 on_event: Callable[[str, dict[str, Any]], None], logger: logging.Logger,
+                 ack_timeout_s: float = 10.0) -> None:
         self.fleet = fleet
         self.ingest = ingest
         self.strategy = strategy
@@ -103,10 +104,16 @@ class Collector:
         self.counts: Counter[str] = Counter()  # this round's refusals (and stragglers)
         self.totals: Counter[str] = Counter()
         self.uplink_bytes: Counter[str] = Counter()  # this round's accepted payload bytes by codec
+        #: this round's devices whose update was refused for its content (reason), and
+        #: those whose sample claim was cut to its bound (the reputation's strikes)
+        self.refused_devices: dict[str, str] = {}
+        self.over_claimed: set[str] = set()
+        #: the selected devices' acknowledgements of the open round (silent ones are gone)
+        self.acks = AckWatch(ack_timeout_s)
         self.clock = Stopwatch()
         #: most messages handled before they go to the committer, which syncs every batch
         #: queued since its last sync at once (group commit). Small batches let the sync
-        #: of one overlap the decoding of the next (fedshift_cnn bursts: 8 -> ~1.1x of 64)
+        #: of one overlap the decoding of the next (docs/performance.md#codecs-and-the-coordinators-update-path)
         self.batch_max = 8
         #: appends the accepted updates to the inbox, syncs, then acks, in two background
         #: threads while ``pump`` goes on (the append's checksum and write release the GIL)
@@ -117,6 +124,9 @@ class Collector:
         #: handles secure-aggregation messages (``coordinator.privacy.round.Privacy.handle``;
         #: None: they are refused); raises Rejected
         self.on_secure: Callable[[Inbound], None] | None = None
+        #: handles what ingest worker processes report (``kind == "ingest"``;
+        #: ``coordinator.ingest_workers``; None: refused as a bad topic)
+        self.on_ingest: Callable[[Inbound], None] | None = None
         #: devices present when the last round's devices were selected
         self.present = 0
         #: (device, what it reported) already logged at WARNING: a device that reports the
@@ -126,10 +136,12 @@ class Collector:
         self.jobs = JobsOnBroker(getattr(fleet, "job", "default"))
         self._gone_until: dict[str, float] = {}  # gone device -> when the round stops waiting for it
 
-    def select(self, cfg: Any, rng: np.random.Generator) -> list[str]:
+    def select(self, cfg: Any, rng: np.random.Generator, quarantined: frozenset[str] = frozenset()) -> list[str]:
         """Wait (bounded by ``cfg.presence_timeout_s``: :class:`NotEnoughDevices`) until
-        ``max(min_devices, min_present)`` devices are present, then select ``clamp(ceil(fraction * present), min, max)`` of
-        them with ``rng``; sorted ids."""
+        ``max(min_devices, min_present)`` devices are present, then select ``clamp(ceil(fraction * eligible), min, max)`` of
+        the present ones not ``quarantined`` with ``rng`` (:func:`~coordinator.presence.selection.draw`);
+        sorted ids. A revoked device is taken offline first."""
+        self.drop_revoked()
         devices = self.devices
         end = time.monotonic() + cfg.presence_timeout_s
         last_note = 0.0
@@ -148,19 +160,29 @@ class Collector:
             self.pump(time.monotonic() + 0.05)
         present = devices.present()
         self.present = len(present)
-        k = max(cfg.min_devices, min(cfg.max_devices, math.ceil(cfg.fraction * len(present))))
-        idx = rng.choice(len(present), size=min(k, len(present)), replace=False)
-        return sorted(present[i] for i in idx)
+        return draw(cfg, present, rng, frozenset(d for d in quarantined if d in devices.hellos and devices.is_online(d)))
+
+    def drop_revoked(self) -> None:
+        """Take the present devices that are no longer enrolled offline (a revoked device is
+        offline, whatever its last presence message said)."""
+        enrolled = self.ingest.enrolled
+        if enrolled is None:
+            return
+        for d in [d for d in self.devices.present() if enrolled.key(d) is None]:
+            self.devices.apply(Presence(d, False))
+            self._device_changed(d, "left")
 
     def new_round(self) -> None:
         """Reset the per-round counters and the stopwatch (before selection)."""
         self.counts = Counter()
         self.uplink_bytes = Counter()
+        self.refused_devices, self.over_claimed = {}, set()
         self.clock = Stopwatch()
 
     def open(self, rnd: OpenRound) -> None:
         """Collect updates for ``rnd`` (the strategy's round must be begun)."""
         self.round = rnd
+        self.acks.open(rnd.round_id, rnd.selected)
 
     def close(self, completed: int) -> None:
         """No round is open; updates of rounds up to ``completed`` are late from now on."""
@@ -185,16 +207,20 @@ class Collector:
                     self.update(msg.device_id, msg.payload)
                 elif msg.kind in ("hello", "presence"):
                     try:
-                        change = self.devices.apply(self.ingest.device(msg.kind, msg.device_id, msg.payload,
-                                                                       self.devices, msg.received_at))
+                        m = self.ingest.device(msg.kind, msg.device_id, msg.payload, self.devices, msg.received_at)
+                        change = self.devices.apply(m)
                         if change:
                             self._device_changed(msg.device_id, change)
+                        if isinstance(m, Presence) and m.round_id:
+                            self.acks.ack(m.device_id, m.round_id)
                     except Rejected as exc:
                         self._refused(exc, msg.kind, msg.device_id)
                 elif msg.kind == "status":
                     self.jobs.status(msg.topic, msg.payload)
                 elif msg.kind == "knock":
                     self.jobs.knock(msg.topic, msg.payload, msg.received_at)
+                elif msg.kind == "ingest" and self.on_ingest is not None:
+                    self.on_ingest(msg)
                 elif msg.kind == "secagg" and self.on_secure is not None:
                     try:
                         self.on_secure(msg)
@@ -228,22 +254,34 @@ class Collector:
             self._refused(exc, "update", device_id)
             return False
         assert rnd is not None
-        if self.ingest.notes:  # changed rather than refused (clipped_num_samples)
-            self.counts.update(self.ingest.notes)
-            self.totals.update(self.ingest.notes)
-        if eu.not_applied:
-            self._not_applied(device_id, rnd.round_id, eu.not_applied)
         if not replay:
             # persisted and synced by handle_batch (or its committer), then acked. A crash
             # before the sync leaves the update unacked: the broker redelivers it.
             self._to_persist.append((rnd.round_id, device_id, payload))
         rnd.accepted[device_id] = time.monotonic()
-        codec = codec_label(eu.tensors)
-        self.uplink_bytes[codec] += len(payload)
-        self.on_event("update", {"round": rnd.round_id, "device": device_id, "accepted": len(rnd.accepted),
-                                 "selected": len(rnd.selected), "bytes": len(payload), "codec": codec,
-                                 "notes": sorted(self.ingest.notes)})
+        self.note_accepted(rnd, device_id, len(payload), codec_label(eu.tensors), sorted(self.ingest.notes),
+                           eu.not_applied)
         return True
+
+    def note_accepted(self, rnd: OpenRound, device_id: str, nbytes: int, codec: str, notes: list[str],
+                      not_applied: dict[str, str]) -> None:
+        """Count (and report as an ``update`` event) an update of ``rnd`` accepted from
+        ``device_id`` (``nbytes`` of payload, its ``codec`` label, what was changed rather
+        than refused, the settings it did not apply): here or by an ingest worker."""
+        if notes:  # changed rather than refused (clipped_num_samples)
+            self.counts.update(notes)
+            self.totals.update(notes)
+            self.over_claimed.add(device_id)
+        if not_applied:
+            self._not_applied(device_id, rnd.round_id, not_applied)
+        self.uplink_bytes[codec] += nbytes
+        self.on_event("update", {"round": rnd.round_id, "device": device_id, "accepted": len(rnd.accepted),
+                                 "selected": len(rnd.selected), "bytes": nbytes, "codec": codec,
+                                 "notes": notes})
+
+    def refuse(self, exc: Rejected, kind: str, device_id: str) -> None:
+        """Count, log and report a refused message (an ingest worker's too)."""
+        self._refused(exc, kind, device_id)
 
     def _device_changed(self, device_id: str, change: str) -> None:
         """A device joined (came online with a hello, or changed it) or left: one log line
@@ -320,8 +358,20 @@ class Collector:
                             "keys": sorted(items)})
 
     def _refused(self, exc: Rejected, kind: str, device_id: str) -> None:
+        exc.detail = safe_text(exc.detail, 400, backslash=False)  # (it may quote what the device sent)
         self.counts[exc.metric] += 1
         self.totals[exc.metric] += 1
+        if self.ingest.enrolled is not None and not exc.dropped and (
+                exc.reason == "unenrolled" or kind == "update" and exc.reason in STRIKE_REASONS):
+            # an enrolled job's update refused after its MAC verified, or a revoked device: the
+            # device's own doing, it sends no other (the round need not wait for it), and what
+            # it held counts against it. (Without enrolment anyone may have sent it.)
+            self.device_gone(device_id, "revoked" if exc.reason == "unenrolled" else "refused")
+            if exc.reason in STRIKE_REASONS:
+                self.refused_devices[device_id] = exc.reason
+        if exc.reason == "unenrolled" and self.devices.is_online(device_id) and device_id in self.devices.hellos:
+            self.devices.apply(Presence(device_id, False))  # revoked: offline, whatever it last said
+            self._device_changed(device_id, "left")
         fields = {"reason": exc.reason, "device": device_id,
                   "round": self.round.round_id if self.round else None}
         if exc.quiet or self.counts[exc.metric] > self.log_per_reason:
@@ -350,6 +400,8 @@ class Collector:
         self._gone_until = {}
 
         def done() -> bool:
+            for d in self.acks.silent(rnd.accepted):  # acknowledged earlier rounds, not this one
+                self.device_gone(d, "silent")
             return len(rnd.accepted) >= need or not more() or (
                 rnd.settled() and time.monotonic() >= max(self._gone_until.values(), default=0.0))
 

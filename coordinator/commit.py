@@ -1,19 +1,13 @@
 """Background group commit: persist accepted updates, make them durable, then acknowledge.
 
-The round loop hands each handled batch to an :class:`AckCommitter` with the records of
-its accepted updates. Two background threads form a pipeline:
-
-1. ``fedbit-persist`` appends each batch's records (``persist``: the inbox log's checksum
-   and write, which release the GIL, so they run beside the loop's decoding), then passes
-   the batch on;
-2. ``fedbit-committer`` calls ``sync()`` once for every batch passed on meanwhile (one
-   ``fdatasync`` covers all of them: group commit) and only then acks the batches'
-   messages, in arrival order (MQTT wants PUBACKs in order).
-
-So the appends of one batch overlap the sync of the one before, both overlap the loop's
-handling of the next, and the persist-then-ack rule (docs/architecture.md#failure-semantics)
-still holds: nothing is acked before the sync that covers it returned. A crash before
-that leaves the message unacked: the broker redelivers it.
+The round loop hands each handled batch, with the records of its accepted updates, to an
+:class:`AckCommitter`, whose two threads form a pipeline: ``fedbit-persist`` appends each
+batch's records to the inbox log (checksum and write release the GIL, so they run beside
+the loop's decoding) and passes the batch on; ``fedbit-committer`` calls ``sync()`` once
+for every batch passed on meanwhile (one ``fdatasync``: group commit) and only then acks
+their messages, in arrival order (MQTT wants PUBACKs in order). Nothing is acked before
+the sync that covers it returned (docs/architecture.md#failure-semantics); a crash before
+that leaves the message unacked, and the broker redelivers it.
 
 A failure in ``persist``, ``sync`` or ``ack`` (any exception, ``BaseException`` included)
 stops the committer: nothing later is persisted or acked, and the exception is raised in

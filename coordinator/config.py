@@ -27,6 +27,7 @@ from types import UnionType
 from typing import Any
 
 from coordinator.buffered.settings import BufferedSettings, buffered_conflict
+from coordinator.defense.config import DefenseConfig
 from coordinator.ops.admission import AdmissionConfig
 from coordinator.privacy.config import PrivacyConfig
 from coordinator.strategies.round import RoundStrategy
@@ -241,6 +242,9 @@ class ServerConfig:
       (:class:`~coordinator.ops.admission.AdmissionConfig`);
     - ``on_collapse``: what a collapsed aggregate does (:mod:`coordinator.health`):
       ``rollback`` to the last healthy model, or ``log`` it and keep it;
+    - ``ack_timeout_s``: a selected device that acknowledged earlier rounds but not this
+      one within this time is a straggler at once (:mod:`coordinator.presence.roundwatch`; 0: off);
+    - ``defense``: poisoning resistance (:class:`~coordinator.defense.config.DefenseConfig`);
     - ``privacy``: secure aggregation and differential privacy
       (:class:`~coordinator.privacy.config.PrivacyConfig`);
     - ``mode``: ``sync`` (rounds) or ``buffered`` (``coordinator.buffered``: ``rounds``
@@ -266,6 +270,8 @@ class ServerConfig:
     limits: Limits = DEFAULT_LIMITS
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     on_collapse: str = "rollback"
+    ack_timeout_s: float = 10.0
+    defense: DefenseConfig = field(default_factory=DefenseConfig)
     privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
     mode: str = "sync"
     buffered: BufferedSettings = field(default_factory=BufferedSettings)
@@ -285,6 +291,8 @@ class ServerConfig:
             raise ConfigError(f"min/max devices: need 1 <= {self.min_devices} <= {self.max_devices}")
         if self.round_timeout_s <= 0 or self.presence_timeout_s <= 0:
             raise ConfigError("round_timeout_s and presence_timeout_s must be > 0")
+        if not finite_number(self.ack_timeout_s) or self.ack_timeout_s < 0:
+            raise ConfigError(f"ack_timeout_s: must be >= 0 (0: off), got {self.ack_timeout_s!r}")
         v = self.limits.max_abs_value
         if not (isinstance(v, int | float) and 0.0 < v <= MAX_ABS_VALUE_CAP):
             raise ConfigError(f"limits.max_abs_value: must be in (0, {MAX_ABS_VALUE_CAP:g}], got {v!r} "
@@ -292,6 +300,10 @@ class ServerConfig:
         if self.on_collapse not in ON_COLLAPSE:
             raise ConfigError(f"on_collapse: {self.on_collapse!r} is not one of {list(ON_COLLAPSE)}")
         self.admission.validate()
+        try:
+            self.defense.check()
+        except ConfigError as exc:
+            raise ConfigError(f"defense.{exc}") from None
         self.privacy.validate(self.strategy, self.strategy_params)
         validate_hparams(self.hparams)
         if self.mode not in ROUND_MODES:

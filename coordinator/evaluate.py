@@ -1,34 +1,23 @@
-"""Evaluating the global model as each bitwidth group runs it, on a held-out set.
+"""Evaluating the global model as each bitwidth group runs it, on held-out sets.
 
-A float32 device runs the shared weights through the float forward (or, when the fleet
-announces ``float_forward = "int<s>"``, through the s-bit integer forward computed in
-float, the network it then trains); an s-bit integer device runs ``from_shared(W, s)``
-through the integer forward (ternary weights, shifts, s-bit activations).
-:class:`ModelEvaluator` scores every variant it is given with the same trainer code the
-devices use (``edge_client.trainers.make_trainer``), kept between rounds.
-
-**Threads.** The held-out sets are cut into fixed chunks of :data:`EVAL_CHUNK` samples
-and the (variant, chunk) tasks are dealt to ``threads`` lanes, each a thread with its own
-trainer per variant (the integer kernels and torch release the GIL). The chunks and the
-order in which their results are summed do not depend on ``threads``: the scores are the
-same for any thread count (the accuracy exactly, the loss up to the float summation of a
-chunk's mean; ``tests/test_evaluate.py``).
-
-**Validation rounds.** The validation split (``validation``) is scored only in rounds
-``>= validate_from`` (and whenever no round is given): the emulator's reports use it
-only over the last rounds they average (``coordinator.emulation.analysis.LAST_ROUNDS``),
-to choose a tuned setting, so earlier rounds need not pay for it.
-
-**Decisions never read the test split.** What a run decides from (the health watch's
-probe batch and accuracy rule) comes from :meth:`ModelEvaluator.probe` and
-:attr:`ModelEvaluator.decision_key`: the validation split; without one, the devices'
-training data (``probe_data``, given by the emulator) for the probe and no accuracy
-figure. ``fedbit serve`` has one held-out set, the operator's monitoring set and no test
-split (``watch_held_out``): there the watch reads it.
+:class:`ModelEvaluator` scores every variant (float32: the float forward, or the
+announced ``float_forward = "int<s>"``; ``int<s>``: the s-bit integer forward) with the
+devices' trainer code. **Threads**: the sets are cut into fixed chunks of
+:data:`EVAL_CHUNK` dealt to ``threads`` lanes; the scores do not depend on the count.
+**Rounds**: every round scores a fixed random subsample of ``val_sample`` validation
+samples (the whole split when 0 or smaller), and rounds ``>= report_from`` (the reported
+ones) the test split as well (earlier rounds' test figures are NaN); without a
+validation split every round scores the test split. Variants running the same weights in the same forward are scored
+once. **Decisions** (the health watch: :meth:`ModelEvaluator.probe`,
+:attr:`ModelEvaluator.decision_key`) read the validation split, else the devices'
+training data (``probe_data``), never the test split; ``fedbit serve``'s one held-out
+set is a monitoring set (``watch_held_out``), which it reads.
 """
 
 from __future__ import annotations
 
+import hashlib
+import math
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
@@ -72,8 +61,10 @@ class ModelEvaluator:
         float_forward: the network the float devices train (the announced
             ``float_forward``): ``float32`` or ``int<s>``; the float32 variant is scored in it.
         validation: a second held-out set (the validation split carved from the training
-            data): each variant's result gains ``{"val_loss", "val_accuracy"}`` on it.
-        validate_from: the first round whose call scores ``validation`` (module docstring).
+            data): each variant's result gains ``{"val_loss", "val_accuracy",
+            "val_samples"}`` on it (or on its subsample).
+        report_from: the first round whose call scores the test split (module docstring).
+        val_sample: the validation samples scored each round (0: the whole split).
         threads: how many threads score the chunks (module docstring; >= 1).
         probe_data: the inputs the health watch probes when there is no validation split
             (the devices' training data; module docstring).
@@ -83,7 +74,7 @@ class ModelEvaluator:
 
     def __init__(self, model: str, data: Any, *, seed: int = 0, weight_standardization: bool = False,
                  float_forward: str = "float32", validation: Any = None, weight_norm: bool = False,
-                 validate_from: int = 0, threads: int = 1, probe_data: Any = None,
+                 report_from: int = 0, val_sample: int = 0, threads: int = 1, probe_data: Any = None,
                  watch_held_out: bool = False) -> None:
         from edge_client.errors import ConfigError
         from edge_client.trainers import forward_bits
@@ -93,7 +84,9 @@ class ModelEvaluator:
         self.model = model
         self.data = data
         self.validation = validation if validation is not None and len(validation) else None
-        self.validate_from = int(validate_from)
+        #: the first round that scores the test split (the emulator moves it at a plateau)
+        self.report_from = int(report_from)
+        self.val_sample = int(val_sample)
         self.threads = int(threads)
         self.probe_data = probe_data if probe_data is not None and len(probe_data) else None
         self.watch_held_out = bool(watch_held_out)
@@ -109,10 +102,26 @@ class ModelEvaluator:
         self._pool: ThreadPoolExecutor | None = None
 
     def _split(self, name: str) -> list[Any]:
-        """The chunks of the held-out set ``test`` or ``val`` (cut once)."""
+        """The chunks of the held-out set ``test``, ``val`` or ``vsub`` (the validation
+        subsample: ``val_sample`` samples drawn with seed 0, in split order), cut once."""
         if name not in self._sets:
-            self._sets[name] = _chunks(self.data if name == "test" else self.validation, EVAL_CHUNK)
+            data = self.data if name == "test" else self.validation
+            if name == "vsub":
+                n = len(data)
+                data = data.subset(np.sort(np.random.default_rng(0).permutation(n)[:min(self.val_sample, n)]))
+            self._sets[name] = _chunks(data, EVAL_CHUNK)
         return self._sets[name]
+
+    def _forward(self, variant: str) -> tuple[Any, ...]:
+        """What decides a variant's scores besides its weights: the network it runs."""
+        from edge_client.trainers import forward_bits
+
+        bits, fbits = variant_bits(variant), forward_bits(self.float_forward)
+        if bits == 32 and fbits != 32:
+            return ("int", fbits)
+        if bits == 32:
+            return ("float", self.float_forward, self.weight_standardization, self.weight_norm)
+        return ("int", bits)
 
     def _trainer(self, variant: str, lane: int = 0) -> Any:
         if (variant, lane) not in self._trainers:
@@ -154,13 +163,22 @@ class ModelEvaluator:
                 return float_images(np.asarray(src.x[:n]))
         return None
 
+    def splits(self, at_round: int | None) -> tuple[str, ...]:
+        """The sets a call for ``at_round`` scores (module docstring)."""
+        if self.validation is None:
+            return ("test",)
+        val = "vsub" if 0 < self.val_sample < len(self.validation) else "val"
+        return ("test", val) if at_round is None or at_round >= self.report_from else (val,)
+
     def __call__(self, variants: Mapping[str, list[np.ndarray]], *,
                  at_round: int | None = None) -> dict[str, tuple[Any, ...]]:
-        validate = self.validation is not None and (at_round is None or at_round >= self.validate_from)
-        splits = ("test", "val") if validate else ("test",)
-        tasks = [(v, s, i) for v in sorted(variants) for s in splits for i in range(len(self._split(s)))]
-        lanes = min(self.threads, len(tasks))
+        splits = self.splits(at_round)
         weights = {v: [np.asarray(w, dtype=np.float32) for w in variants[v]] for v in variants}
+        same: dict[tuple[Any, ...], str] = {}  # (forward, weights digest) -> the variant scored
+        scored_as = {v: same.setdefault((self._forward(v), _digest(weights[v])), v) for v in sorted(variants)}
+        unique = sorted(set(scored_as.values()))
+        tasks = [(v, s, i) for v in unique for s in splits for i in range(len(self._split(s)))]
+        lanes = min(self.threads, len(tasks))
 
         def run_lane(lane: int) -> list[tuple[float, float]]:
             loaded: set[str] = set()
@@ -180,20 +198,32 @@ class ModelEvaluator:
                 self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="fedbit-eval")
             per_lane = list(self._pool.map(run_lane, range(lanes)))
         results = {t: per_lane[k % lanes][k // lanes] for k, t in enumerate(tasks)}
-        out: dict[str, tuple[Any, ...]] = {}
-        for v in sorted(variants):
+        by_unique: dict[str, tuple[Any, ...]] = {}
+        for v in unique:
             scored = {s: _combine([(results[v, s, i], len(c)) for i, c in enumerate(self._split(s))])
                       for s in splits}
-            out[v] = scored["test"]
-            if validate:
-                out[v] += ({"val_loss": scored["val"][0], "val_accuracy": scored["val"][1]},)
-        return out
+            out_v: tuple[Any, ...] = scored.get("test", (math.nan, math.nan))
+            val = next((s for s in ("val", "vsub") if s in scored), None)
+            if val is not None:
+                out_v += ({"val_loss": scored[val][0], "val_accuracy": scored[val][1],
+                           "val_samples": sum(len(c) for c in self._split(val))},)
+            by_unique[v] = out_v
+        return {v: by_unique[scored_as[v]] for v in sorted(variants)}
 
     def close(self) -> None:
         """End the evaluation threads (a later call starts them again)."""
         if self._pool is not None:
             self._pool.shutdown()
             self._pool = None
+
+
+def _digest(weights: list[np.ndarray]) -> bytes:
+    """A digest of a model's weights (their shapes and bytes)."""
+    h = hashlib.blake2b(digest_size=16)
+    for w in weights:
+        h.update(str(w.shape).encode())
+        h.update(np.ascontiguousarray(w).data)
+    return h.digest()
 
 
 def _combine(parts: list[tuple[tuple[float, float], int]]) -> tuple[float, float]:

@@ -6,12 +6,10 @@ presence / update payloads from it as :class:`Inbound` messages, and acknowledge
 once it is handled (persist, then ack).
 
 - :class:`MqttFleet`: a real broker through :class:`edge_client.transport.MqttTransport`:
-  MQTT v5 where offered (else 3.1.1), QoS 1, retained round/model/status messages, a
-  last-will ``error`` status, manual PUBACK and a persistent session, so an update the
-  coordinator received but did not persist is redelivered after a crash. With amqtt
-  (3.1.1) the offline session exists only when the coordinator connects with a username;
-  without one, updates published while the coordinator is down are lost to it (devices
-  then re-send from their outbox only if their PUBACK never came).
+  QoS 1, retained round/model/status, a last-will ``error`` status, manual PUBACK and a
+  persistent session, so an update received but not persisted is redelivered after a
+  crash (on amqtt only when the coordinator connects with a username:
+  docs/mqtt.md#amqtt-the-zero-install-fallback).
 - :class:`InProcessFleet`: the same messages and bytes through an in-memory
   :class:`~edge_client.transport.LocalHub` (no broker, no sockets); device runtimes in the
   same process connect with :meth:`InProcessFleet.device_connector`.
@@ -161,13 +159,17 @@ class TransportFleet(Fleet):
     def subscriptions(job: str, other_jobs: bool = False) -> list[str]:
         """The coordinator's topic filters; ``other_jobs``: every job's hellos and
         coordinator statuses (on a broker whose ACL allows it: the embedded anonymous one),
-        so that a device knocking on a job nobody serves is logged (``knock`` messages)."""
+        so that a device knocking on a job nobody serves is logged (``knock`` messages).
+        Hello before presence: the broker hands out the retained messages of a new
+        subscription in filter order, so a device's retained presence (its last word:
+        ``offline`` from a clean exit or its will) comes after its retained hello, which
+        registers it online, and has the last say (no ghost after a restart)."""
         root = topic(job, "round").rsplit("/", 1)[0]
         if other_jobs:
             every = root.rsplit("/", 1)[0] + "/+"
-            return [f"{root}/presence/+", f"{every}/hello/+", f"{root}/update/+",
+            return [f"{every}/hello/+", f"{root}/presence/+", f"{root}/update/+",
                     f"{root}/secagg/+", f"{every}/status"]
-        return [f"{root}/presence/+", f"{root}/hello/+", f"{root}/update/+", f"{root}/secagg/+"]
+        return [f"{root}/hello/+", f"{root}/presence/+", f"{root}/update/+", f"{root}/secagg/+"]
 
     def start(self, timeout: float = 30.0) -> None:
         self.transport.connect(timeout=timeout)

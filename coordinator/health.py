@@ -1,34 +1,18 @@
 """Training health, watched every round: live units, zero codes, activations, collapse.
 
-After each round's aggregate is evaluated, :class:`HealthWatch` looks at the model of
-every bitwidth group as that group runs it (the forward of each evaluated variant:
-``int<s>`` the s-bit integer engine, ``float32`` the float forward or, with
-``float_forward = "int<s>"``, that integer forward) and writes, per group and parameter
-layer (the metrics record's ``health``):
+After each round's aggregate is evaluated, :class:`HealthWatch` looks at every bitwidth
+group's model as that group runs it (``int<s>``: the s-bit integer engine; ``float32``:
+the float forward or the announced integer forward) and writes, per group and parameter
+layer, the metrics record's ``health``: ``live`` / ``units`` (units that can still fire
+for some input: :mod:`edge_client.intnn.liveness`), ``zero`` (the fraction of ternary
+codes at 0), ``act`` and ``sat`` (mean |activation| on a fixed probe batch, never the
+test split, and the fraction at the clip), ``nonfinite`` and ``update`` (relative change).
 
-- ``live`` / ``units``: filters or units that can still output a positive value (an output
-  unit: any value) for some input (:mod:`edge_client.intnn.liveness`; a unit that is not
-  live is dead for every input, and no gradient brings it back);
-- ``zero``: the fraction of its forward weights that are zero (ternary codes);
-- ``act``: the mean |activation| (real units, after the ReLU) on a fixed probe batch
-  (``PROBE_SAMPLES``: the validation split's, else the devices' training data; never the
-  test split), and ``sat`` the fraction at the clip ``(S(s)-1)/S(s)``;
-- ``nonfinite``: NaN/Inf weights; ``update``: ``||W - W_prev|| / ||W_prev||`` this round.
-
-A live count that drops is a warning naming the round, the group and the layer (filters
-dying one by one cost accuracy long before the last one goes). A **collapse** is an
-error naming the round and the layer: every group's accuracy at chance (within
-``CHANCE_MARGIN``) after the best round was well above it (``WELL_ABOVE``), read from the
-figure the evaluator names for decisions (``val_accuracy``; off without one); a group whose
-output is the same for every probe sample; a layer with no live unit or whose forward
-weights are all zero; non-finite weights. It is logged, written to the metrics, sent as
-an ``on_event("collapse", ...)`` (every round sends ``"health"``), and with
-``on_collapse = "rollback"`` (the default of ``fedbit serve`` and ``fedbit emulate``) the
-coordinator returns to the last healthy global model (weights, group models, strategy
-state) and carries on with that round's updates excluded; ``"log"`` keeps the collapsed
-model. Rollback is the default because a collapsed model cannot recover (a dead network
-passes no gradient), and announcing it would hand the whole fleet a constant function;
-excluding one round's updates costs one round.
+A live count that drops is a warning; a **collapse** (every group at chance after the best
+round was well above it, a constant output, a layer with no live unit or all-zero
+weights, non-finite weights) is an error that ``on_collapse = "rollback"`` answers by
+keeping the round without the update(s) that caused it, or the last healthy model.
+Definitions, thresholds and why rollback is the default: docs/training-health.md.
 """
 
 from __future__ import annotations
@@ -132,6 +116,38 @@ class HealthWatch:
         accuracy, ...)}), ``history`` the earlier rounds' records. With rollback and a
         collapse, the strategy of :meth:`snapshot` gets its state from before ``finish()`` back."""
         t0 = time.perf_counter()
+        groups, collapse, warnings = self.assess(r, new, old, scores, history)
+        record: dict[str, Any] = {"groups": groups}
+        verdict = Verdict(record, collapse)
+        if collapse:
+            verdict.rolled_back = self.on_collapse == "rollback"
+            if verdict.rolled_back and self._strategy is not None and self._snapshot is not None:
+                self._strategy.load_state_dict(self._snapshot)
+            if verdict.rolled_back:
+                record["rolled_back_accuracy"] = {v: sc[1] for v, sc in sorted(scores.items())}
+            if verdict.rolled_back and history:
+                verdict.scores = {g: (s.get("loss"), s.get("accuracy"),
+                                      {k: x for k, x in s.items() if k not in ("loss", "accuracy")})
+                                  for g, s in history[-1].get("groups", {}).items()}
+        for text in warnings:
+            self.log.warning("%s", text, extra={"event": "health_warning", "round": r})
+        for text in collapse:
+            then = ("; rolled back: the round without the update(s) that caused it, else the model of "
+                    f"round {r - 1}" if verdict.rolled_back else "; the model is kept (on_collapse = log)")
+            self.log.error("collapse: %s%s", text, then, extra={"event": "collapse", "round": r})
+        record.update({"collapse": collapse, "warnings": warnings, "rolled_back": verdict.rolled_back})
+        verdict.seconds = time.perf_counter() - t0
+        self._snapshot = None
+        self.on_event("health", {"round": r, **record})
+        if collapse:
+            self.on_event("collapse", {"round": r, "reasons": collapse, "rolled_back": verdict.rolled_back})
+        return verdict
+
+    def assess(self, r: int, new: tuple[Weights, Mapping[int, Weights]], old: tuple[Weights, Mapping[int, Weights]],
+               scores: Mapping[str, tuple[Any, ...]], history: Sequence[Mapping[str, Any]],
+               ) -> tuple[dict[str, dict[str, dict[str, Any]]], list[str], list[str]]:
+        """What :meth:`check` finds, without acting on it (nothing logged, sent or restored):
+        (the figures per group and layer, the collapse reasons, the warnings)."""
         groups: dict[str, dict[str, dict[str, Any]]] = {}
         found: dict[tuple[str, str], list[str]] = {}  # (kind, text after the group) -> groups
         prev = (history[-1].get("health") or {}).get("groups", {}) if history else {}
@@ -154,31 +170,7 @@ class HealthWatch:
         collapse = [f"round {r}: {', '.join(vs)}: {text}" for (kind, text), vs in found.items() if kind == "collapse"]
         warnings = [f"round {r}: {', '.join(vs)}: {text}" for (kind, text), vs in found.items() if kind == "warning"]
         collapse += self._accuracy_collapse(r, scores, history)
-        record: dict[str, Any] = {"groups": groups}
-        verdict = Verdict(record, collapse)
-        if collapse:
-            verdict.rolled_back = self.on_collapse == "rollback"
-            if verdict.rolled_back and self._strategy is not None and self._snapshot is not None:
-                self._strategy.load_state_dict(self._snapshot)
-            if verdict.rolled_back:
-                record["rolled_back_accuracy"] = {v: sc[1] for v, sc in sorted(scores.items())}
-            if verdict.rolled_back and history:
-                verdict.scores = {g: (s.get("loss"), s.get("accuracy"),
-                                      {k: x for k, x in s.items() if k not in ("loss", "accuracy")})
-                                  for g, s in history[-1].get("groups", {}).items()}
-        for text in warnings:
-            self.log.warning("%s", text, extra={"event": "health_warning", "round": r})
-        for text in collapse:
-            then = (f"; rolled back to the model of round {r - 1}, this round's updates excluded"
-                    if verdict.rolled_back else "; the model is kept (on_collapse = log)")
-            self.log.error("collapse: %s%s", text, then, extra={"event": "collapse", "round": r})
-        record.update({"collapse": collapse, "warnings": warnings, "rolled_back": verdict.rolled_back})
-        verdict.seconds = time.perf_counter() - t0
-        self._snapshot = None
-        self.on_event("health", {"round": r, **record})
-        if collapse:
-            self.on_event("collapse", {"round": r, "reasons": collapse, "rolled_back": verdict.rolled_back})
-        return verdict
+        return groups, collapse, warnings
 
     def _problems(self, layers: dict[str, dict[str, Any]]) -> list[str]:
         """The collapse reasons of one group's layers (the probe's constant-output flag is

@@ -1,39 +1,15 @@
 """Received bytes -> what the round loop acts on, every per-message rule applied once.
 
-An update, from :meth:`Fleet.recv` to the strategy's sums::
+:meth:`Ingest.update` takes an update's exact payload and the open round, applies the
+numbered rules of docs/architecture.md#the-update-path in order (size; enrolment and the
+device's MAC, before any parsing; parse; kind; topic id = payload id; round; selection;
+duplicate; the ``num_samples`` bound; tensors) and returns an ``EncodedUpdate``:
+nothing is decoded here, the strategy's fold does that. :meth:`Ingest.device` takes hello
+and presence messages: rules 1-4, then a per-device rate limit and the registry's size.
 
-    Inbound(kind="update", device_id, payload)
-      -> Ingest.update(device_id, payload, round, completed)
-           1. size            payload <= Limits.max_payload_bytes     rejected_oversized
-           1a. enrolment      (with a registry) the topic's device is  rejected_unenrolled
-                              enrolled ...
-           1b. MAC            ... and the payload's MAC verifies       rejected_bad_mac
-                              under its key (before any parsing)
-           2. parse           protocol.decode_message (every field)   rejected_<reason>
-           3. kind            an Update on an update topic             rejected_wrong_kind
-           4. identity        topic id == payload id                   rejected_spoofed
-           5. round           closed: dropped_late; not the open one:  rejected_wrong_round
-           6. selection       selected in the open round               rejected_not_selected
-           7. duplicate       not yet accepted this round              dropped_duplicate
-           7a. num_samples    <= the device's bound (job cap, enrolled rejected_too_many_samples
-                              value, its hello's): clipped, or refused  (or clipped_num_samples)
-           8. tensors         layer shapes, integer tensors only from integer devices,
-                              |v| <= Limits.max_abs_value, sigma_loc   (``strategies.checks``)
-         -> EncodedUpdate (nothing decoded)
-      -> Strategy.fold: every codec checks its tensor (header, aux, NaN/Inf of float
-         payloads), then the update is fused into the sums or decoded first.
-
-A refused message raises :class:`Rejected` (its ``reason`` labels the metric,
-``rejected_<reason>`` or, when ``dropped``, ``dropped_<reason>``: a repeat or late message
-from an honest device). Hello and presence messages go through :meth:`Ingest.device`:
-steps 1-4, then a per-device rate limit (``rejected_rate_limited``) and the registry's
-size (``rejected_registry_full``). The admission settings (enrolment, sample bound, rate,
-registry size) are :class:`~coordinator.ops.admission.AdmissionConfig`.
-
-Topic id = payload id = the authenticated client: the broker binds a topic to the user
-that may publish on it (the generated ACL: ``update/%u``), and with a registry the MAC
-(step 1b) binds the payload to the device's own key, so that a broker without that ACL
-still cannot make the coordinator count a message in another device's name.
+A refused message raises :class:`Rejected`; its ``reason`` labels the metric
+(``rejected_<reason>``, or ``dropped_<reason>`` for a repeat or late message from an
+honest device). The admission settings are :class:`~coordinator.ops.admission.AdmissionConfig`.
 """
 
 from __future__ import annotations
@@ -41,10 +17,11 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from coordinator.ops.admission import AdmissionConfig, RateLimiter
+from coordinator.ops.untrusted import safe_map, safe_text
 from coordinator.strategies.checks import check_encoded, is_lossy, sigma_loc_of
 from coordinator.strategies.types import FLOAT_BITS, EncodedUpdate
 from edge_client.auth import verify as verify_mac
@@ -109,14 +86,7 @@ class OpenRound:
     def admit(self, m: Update, completed: int) -> None:
         """Steps 5-7 for a parsed update (``completed``: the last closed round); raises
         :class:`Rejected`. (A buffered window has rules of its own: ``coordinator.buffered``.)"""
-        if m.round_id <= completed:
-            raise Rejected("late", f"round {m.round_id} is closed (current {self.round_id})", dropped=True)
-        if m.round_id != self.round_id:
-            raise Rejected("wrong_round", f"round {m.round_id} is not open (current {self.round_id})")
-        if m.device_id not in self.selected:
-            raise Rejected("not_selected", f"{m.device_id} is not selected in round {self.round_id}")
-        if m.device_id in self.accepted:
-            raise Rejected("duplicate", f"round {self.round_id} already counted", dropped=True)
+        Ingest.admit(m.device_id, m.round_id, self, completed)
 
 
 class Ingest:
@@ -155,26 +125,52 @@ class Ingest:
         ``completed`` the last closed round and ``registry`` the
         :class:`~coordinator.devices.DeviceRegistry` (its hellos bound ``num_samples``).
         Returns the checked update; raises :class:`Rejected`."""
-        m = self._parse(payload, device_id)
-        if not isinstance(m, Update):
-            raise Rejected("wrong_kind", f"{m.KIND} on an update topic")
-        _check_identity(m, device_id)
+        m = self.checked(device_id, payload)
         if rnd is None:
-            if m.round_id <= completed:
-                raise Rejected("late", f"round {m.round_id} is closed (current None)", dropped=True)
-            raise Rejected("wrong_round", f"round {m.round_id} is not open (current None)")
+            self.admit(m.device_id, m.round_id, rnd, completed)  # (raises: no round is open)
         rnd.admit(m, completed)
         try:
             eu = self.encoded(m)
         except ProtocolError as exc:
             raise Rejected.from_protocol(exc) from None
-        bound, source = self.sample_bound(m.device_id, registry)
-        if bound and eu.num_samples > bound:
-            if self.admission.samples_policy == "reject":
-                raise Rejected("too_many_samples", f"num_samples {eu.num_samples} > {bound} ({source})")
-            eu.num_samples = bound
+        n = self.sample_limit(m.device_id, eu.num_samples, registry)
+        if n != eu.num_samples:
+            eu.num_samples = n
             self.notes["clipped_num_samples"] += 1
         return eu
+
+    def checked(self, device_id: str, payload: bytes) -> Update:
+        """Steps 1-4: the parsed update a device sent on its own topic (:class:`Rejected`
+        otherwise). What needs no round state, so ingest workers run it."""
+        m = self._parse(payload, device_id)
+        if not isinstance(m, Update):
+            raise Rejected("wrong_kind", f"{m.KIND} on an update topic")
+        _check_identity(m, device_id)
+        return m
+
+    @staticmethod
+    def admit(device_id: str, round_id: int, rnd: OpenRound | None, completed: int) -> None:
+        """Steps 5-7: an update of ``round_id`` from ``device_id`` is for the open round
+        ``rnd``, from a selected device, and its first (:class:`Rejected` otherwise)."""
+        current = rnd.round_id if rnd is not None else None
+        if round_id <= completed:
+            raise Rejected("late", f"round {round_id} is closed (current {current})", dropped=True)
+        if rnd is None or round_id != rnd.round_id:
+            raise Rejected("wrong_round", f"round {round_id} is not open (current {current})")
+        if device_id not in rnd.selected:
+            raise Rejected("not_selected", f"{device_id} is not selected in round {rnd.round_id}")
+        if device_id in rnd.accepted:
+            raise Rejected("duplicate", f"round {rnd.round_id} already counted", dropped=True)
+
+    def sample_limit(self, device_id: str, num_samples: int, registry: Any = None) -> int:
+        """Step 7a: the ``num_samples`` an update claiming ``num_samples`` counts with (its
+        bound when it claims more and the policy clips; :class:`Rejected` when it rejects)."""
+        bound, source = self.sample_bound(device_id, registry)
+        if bound and num_samples > bound:
+            if self.admission.samples_policy == "reject":
+                raise Rejected("too_many_samples", f"num_samples {num_samples} > {bound} ({source})")
+            return bound
+        return num_samples
 
     def sample_bound(self, device_id: str, registry: Any = None) -> tuple[int, str]:
         """Step 7a: the most samples an update of ``device_id`` may claim (0: unbounded)
@@ -195,7 +191,7 @@ class Ingest:
         bits = m.compute_bits if m.compute_bits <= 16 else FLOAT_BITS
         eu = EncodedUpdate(m.device_id, m.num_samples, m.tensors, m.content, bits,
                            is_lossy(m.tensors), sigma_loc_of(f"update from {m.device_id!r}", m.tensors),
-                           dict(m.not_applied))
+                           safe_map(m.not_applied))
         check_encoded(eu, self.shapes, self.limits.max_abs_value)
         return eu
 
@@ -214,6 +210,8 @@ class Ingest:
         if isinstance(m, Hello) and (m.compute_bits not in DEVICE_BITS or (
                 m.trainer == "int" and m.compute_bits > 16)):
             raise Rejected("malformed", f"unsupported compute_bits {m.compute_bits}")
+        if isinstance(m, Hello):  # its free text, as it is registered, logged and shown
+            m = replace(m, profile=safe_text(m.profile), sdk_version=safe_text(m.sdk_version))
         if not self.rate.allow(device_id, time.monotonic() if now is None else now):
             raise Rejected("rate_limited", f"more than {self.admission.hello_burst} hello/presence "
                            f"messages at {self.admission.hello_rate:g}/s", quiet=True)

@@ -2,33 +2,13 @@
 that override it, and :class:`ServeJob`, what the command runs.
 
 The file follows the conventions of :mod:`coordinator.config` (unknown keys are errors
-naming the file and the key; ``examples/job.toml`` shows every section)::
-
-    job = "farm"                # topic prefix fedbit/<job>/
-    model = "digits_cnn"        # a bundled model, or a model file (my_cnn.toml / my_cnn.py)
-    rounds = 20
-    strategy = "fedshift"
-    seed = 0
-    out = "runs/farm"           # run directory: checkpoint, inbox, metrics.jsonl
-    eval_data = "digits:test"   # held-out set: a data source (fashion-mnist:test, a folder: its test split)
-    on_collapse = "rollback"    # a collapsed aggregate (coordinator.health): rollback | log
-    [strategy_params]           # build_strategy(strategy, **strategy_params)
-    [train]                     # announced to devices (edge_client.hparams), over epochs = 1, batch = 32
-    [round]                     # fraction, min_devices, max_devices, min_present, quorum,
-                                # min_updates, timeout_s, presence_timeout_s; mode = "sync" |
-                                # "buffered" (coordinator.buffered) with buffer_size,
-                                # concurrency, server_lr, max_staleness, staleness
-    [broker]                    # url (an external broker) or the embedded one: embedded,
-                                # port, listen, security, security_dir, hostnames; the
-                                # connection: credentials, mqtt_version, username,
-                                # password_file, ca, cert, key, insecure
-    [admission]                 # max_samples, samples_policy, allow_uncapped, max_registered,
-                                # hello_rate, hello_burst
-    [limits]                    # max_payload_bytes, max_abs_value
-    [log]                       # json, level, quiet
-    [dashboard]                 # listen ([HOST:]PORT; empty: none), password_file
-    [privacy]                   # secure_aggregation, mechanism, clip, noise_multiplier,
-                                # target_epsilon, delta, ... (coordinator.privacy.config)
+naming the file and the key): top-level ``job``, ``model``, ``rounds``, ``strategy``,
+``seed``, ``out``, ``eval_data``, ``resume``, ``on_collapse`` (:class:`JobSettings`) and the
+sections ``[strategy_params]``, ``[train]``, ``[round]``, ``[broker]``, ``[admission]``,
+``[limits]``, ``[log]``, ``[dashboard]``, ``[defense]``, ``[privacy]``, ``[ingest]``, each a
+dataclass of this module or of the package that owns it (:data:`SCHEMA`);
+``examples/job.toml`` shows every key and docs/operations.md#fedbit-serve-with-a-job-file
+says what each section does.
 
 Every flag of ``fedbit serve`` sets one of these keys (:data:`FLAGS`; ``--set KEY=VALUE``
 sets any), so a flag and the file never disagree about a default: defaults come from
@@ -56,6 +36,7 @@ from coordinator.config import (
     parse_assignments,
     read_toml,
 )
+from coordinator.defense.config import DefenseConfig
 from coordinator.ops.admission import AdmissionConfig
 from coordinator.ops.dashboard.access import parse_address
 from coordinator.privacy.config import FLAGS as PRIVACY_FLAGS
@@ -116,6 +97,7 @@ class JobRound:
     min_updates: int = _S.min_updates
     timeout_s: float = _S.round_timeout_s
     presence_timeout_s: float = _S.presence_timeout_s
+    ack_timeout_s: float = _S.ack_timeout_s
     mode: str = _S.mode
     buffer_size: int = _S.buffered.buffer_size
     concurrency: int = _S.buffered.concurrency
@@ -217,6 +199,18 @@ class DashboardSettings:
 
 
 @dataclass
+class IngestSettings:
+    """``[ingest]``: ``workers`` processes take the updates through a shared subscription
+    (``coordinator.ingest_workers``; 0: the round loop takes them itself)."""
+
+    workers: int = 0
+
+    def check(self) -> None:
+        if self.workers < 0:
+            raise ConfigError(f"workers: must be >= 0, got {self.workers}")
+
+
+@dataclass
 class ServeJob:
     """Everything ``fedbit serve`` runs (see the module docstring); ``source`` names the file."""
 
@@ -232,11 +226,14 @@ class ServeJob:
     dashboard: DashboardSettings = field(default_factory=DashboardSettings)
     #: the validated job table (every key, defaults filled in), as the dashboard shows it
     table: dict[str, Any] = field(default_factory=dict)
+    #: ingest worker processes (``[ingest] workers``; 0: the round loop takes the updates)
+    ingest_workers: int = 0
 
 
 SCHEMA = TomlSchema.of({
     "": JobSettings, "round": JobRound, "broker": BrokerSettings, "admission": AdmissionConfig,
     "limits": LimitSettings, "log": LogSettings, "dashboard": DashboardSettings, "privacy": PrivacyConfig,
+    "defense": DefenseConfig, "ingest": IngestSettings,
 }, free=("strategy_params", "train"))
 
 
@@ -260,14 +257,21 @@ def job_from_dict(raw: dict[str, Any], source: str) -> ServeJob:
         min_updates=rnd.min_updates, round_timeout_s=float(rnd.timeout_s),
         presence_timeout_s=float(rnd.presence_timeout_s), hparams=hparams, seed=top.seed,
         limits=lim.limits(), admission=s["admission"], on_collapse=top.on_collapse, privacy=s["privacy"],
-        mode=rnd.mode, buffered=rnd.buffered())
+        ack_timeout_s=float(rnd.ack_timeout_s), defense=s["defense"], mode=rnd.mode, buffered=rnd.buffered())
     try:
         cfg.validate()
     except ConfigError as exc:
         raise ConfigError(f"{source}: {exc}") from None
+    ingest = checked(s["ingest"], "ingest", source)
+    if ingest.workers:
+        from coordinator.ingest_workers import refusal
+
+        if why := refusal(cfg):
+            raise ConfigError(f"{source}: ingest.workers: {why}")
     return ServeJob(cfg, broker, top.out, eval_data=top.eval_data, resume=top.resume,
                     log_json=log.json, log_level=log.level, quiet=log.quiet, source=source,
-                    dashboard=dash, table={**v[""], **{sec: t for sec, t in v.items() if sec}})
+                    dashboard=dash, table={**v[""], **{sec: t for sec, t in v.items() if sec}},
+                    ingest_workers=ingest.workers)
 
 
 def _model(ref: str, source: str) -> str:
@@ -375,6 +379,11 @@ FLAGS: list[tuple[str, str, dict[str, Any]]] = [
                                                               "password (default beyond loopback: "
                                                               "SECURITY/dashboard.password, made once)"}),
     *PRIVACY_FLAGS,
+    ("--ingest-workers", "ingest.workers", {"type": int, "metavar": "N", "help": "N processes take the updates "
+                                            "through a shared subscription, fold them into partial sums and hand "
+                                            "those to the round loop (0: it takes them itself; needs mosquitto "
+                                            "or another broker with shared subscriptions, and a strategy that "
+                                            "sums: not robust aggregation, a dequantizer or privacy)"}),
 ]
 #: the shared connection and logging options' keys in the job file
 CONNECTION_KEYS = {name: f"broker.{'url' if name == 'broker' else name}" for name in

@@ -1,19 +1,19 @@
 """The round loop: select, announce, collect, aggregate, evaluate, checkpoint.
 
-:class:`Coordinator` speaks only to a :class:`~coordinator.fleet.Fleet`. A round: select
-(``Collector.select``: ``clamp(ceil(C * present), min, max)`` of the present devices,
-seeded, once ``min_devices`` are present within ``presence_timeout_s``); save the plan,
-announce one model variant per bitwidth group (``coordinator.variants``); collect
-(``Collector.collect``: ingest, fold, inbox, ack; refusals acked, logged, counted) until
-``quorum`` answered, every selected device answered or is gone (its last will), or the
-deadline (stragglers counted; a secure round runs its protocol instead,
-``coordinator.privacy.round``); ``strategy.finish()``, evaluate every variant, checkpoint,
-one metrics line, retained status. ``run(resume=True)`` goes on after the last
-checkpoint: a round the coordinator died in is announced again from its plan and its
-inbox replayed (every acked update counted once, no round repeated or skipped; a secure
-round is run again); a damaged checkpoint is named and the previous one loaded, the round
-after it replayed from its kept plan and inbox. ``coordinator.job.coordinator_for`` picks
-this loop or another by ``round.mode``.
+:class:`Coordinator` speaks only to a :class:`~coordinator.fleet.Fleet`. A round selects
+(``Collector.select``: present, eligible, not quarantined, seeded), builds one model
+variant per bitwidth group among the selected (``coordinator.variants``), saves the round
+plan and announces (models, round, status; retained); collects until quorum, every
+selected device answered or is gone, or the deadline (``Collector.collect``: each update
+``Ingest`` -> the guarded ``Strategy.fold`` -> inbox, synced, then acked; a secure round
+runs ``coordinator.privacy.round`` instead); then ``strategy.finish()``, evaluates every
+variant, checks health (a collapse: :mod:`coordinator.defense.recover`), records strikes,
+writes the checkpoint atomically, one metrics line and the retained status.
+
+``run(resume=True)`` continues from the last completed round: a round the coordinator
+died in is re-announced from its plan and its inbox replayed, so every acked update counts
+once (docs/architecture.md#one-round, docs/architecture.md#failure-semantics).
+``coordinator.job.coordinator_for`` picks this loop or the buffered one by ``round.mode``.
 """
 
 from __future__ import annotations
@@ -30,6 +30,8 @@ import numpy as np
 
 from coordinator.collect import Collector, NotEnoughDevices
 from coordinator.config import ServerConfig
+from coordinator.defense.loop import RoundDefense
+from coordinator.defense.recover import recover
 from coordinator.devices import DeviceRegistry
 from coordinator.evaluate import Evaluator
 from coordinator.fleet import Fleet
@@ -103,9 +105,11 @@ class Coordinator:
         self.health = HealthWatch.for_run(self.spec, cfg, evaluator, log=self.log, on_event=self.on_event)
         #: the inbound side: devices, ingest, folding, the inbox and acks
         self.collector = Collector(fleet, Ingest(cfg.model, shapes, cfg.limits, cfg.admission, cfg.job), strategy, state,
-                                   on_event=self.on_event, logger=self.log)
+                                   on_event=self.on_event, logger=self.log, ack_timeout_s=cfg.ack_timeout_s)
         self.privacy = Privacy(cfg, fleet, self.collector, shapes, self.log, self.on_event)
-        self.strategy = self.collector.strategy = self.privacy.wrap(strategy)
+        #: poisoning resistance: the strategy folds guarded updates, quarantined devices sit out
+        self.defense = RoundDefense(cfg.defense, state.dir, on_event=self.on_event, logger=self.log)
+        self.strategy = self.collector.strategy = self.defense.wrap(self.privacy.wrap(strategy))
 
     # ------------------------------------------------------------------ rounds
 
@@ -124,7 +128,7 @@ class Coordinator:
         clock = col.clock
         resumed = plan is not None
         if plan is None:
-            selected = col.select(cfg, self.rng)
+            selected = col.select(cfg, self.rng, self.defense.quarantined(r))
             hellos = [col.devices.hellos[d] for d in selected]
             variants = {FLOAT_VARIANT} | {model_variant(h.compute_bits, h.trainer) for h in hellos}
         else:
@@ -186,9 +190,8 @@ class Coordinator:
         scores = self._evaluate(r)
         eval_s = time.perf_counter() - te
         health = self.health.check(r, (self.weights, self.group_weights), (old, old_groups), scores, self.history)
-        if health.rolled_back:  # the last healthy model (and strategy state), this round's updates excluded
-            self.weights, self.group_weights = old, old_groups
-            scores = health.scores or self._evaluate(r)
+        if health.rolled_back:  # the round without the update(s) that collapsed it, else the last healthy model
+            scores = recover(self, r, rnd, (old, old_groups), health)
         loss, acc = scores.get(FLOAT_VARIANT, (math.nan, math.nan))[:2]
         change = float(math.sqrt(sum(float(np.sum((a - b) ** 2)) for a, b in zip(self.weights, old, strict=True))))
         finite = lambda v: v if math.isfinite(v) else None  # noqa: E731
@@ -197,7 +200,7 @@ class Coordinator:
             "round": r, "time": time.time(), "run": self.run_id, "strategy": cfg.strategy,
             "model": cfg.model, "accuracy": finite(acc), "loss": finite(loss), "selected": len(selected),
             "selected_ids": selected, "accepted": len(rnd.accepted), "accepted_ids": sorted(rnd.accepted),
-            "stragglers": len(stragglers), "straggler_ids": stragglers,
+            "stragglers": len(stragglers), "straggler_ids": stragglers, "gone": dict(sorted(rnd.gone.items())),
             "aggregated": aggregated, "resumed": resumed, "replayed": replayed,
             "weight_change_l2": change, "round_seconds": time.monotonic() - t_start, "wait_seconds": wait,
             "collect_seconds": t_collect - t_start, "aggregate_seconds": parts["aggregate"],
@@ -209,6 +212,7 @@ class Coordinator:
                            **{k: finite(float(x)) for k, x in (s[2] if len(s) > 2 else {}).items()}}
                        for v, s in scores.items()},
             "uplink_bytes": dict(col.uplink_bytes), "health": health.record, "health_seconds": health.seconds,
+            "defense": self.defense.after_round(r, rnd.accepted, col.refused_devices, col.over_claimed),
             **self.fleet.round_report(r), **self.privacy.end_round(r, len(selected), col.present, aggregated),
         }
         with clock.timed("checkpoint"):
@@ -284,6 +288,7 @@ class Coordinator:
             devices = self._load(self.state.load_devices, "device registry") or {}
             self.collector.devices = DeviceRegistry.from_state(devices or ckpt.devices)
             self.run_id = str(ckpt.config.get("run_id", self.run_id))
+            self.defense.restore()
             self.collector.totals.update(ckpt.config.get("totals", {}))
             self.privacy.load_state(ckpt.config.get("privacy") or {})
         elif plan is not None:

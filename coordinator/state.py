@@ -1,34 +1,18 @@
 """Durable coordinator state: atomic checkpoints, the round plan, the inbox, metrics.
 
-Layout under the run directory ``DIR`` (``fedbit serve --out DIR``)::
+Under the run directory ``DIR`` (``fedbit serve --out DIR``; files 0600, ``inbox/`` 0700)::
 
     DIR/checkpoint.msgpack      last completed round: weights, strategy + RNG state, metrics
     DIR/round.msgpack           the plan of the round in progress (selected, deadline, ...)
     DIR/devices.msgpack         the device registry (every hello), rewritten when it changes
-    DIR/inbox/r000007.log       raw update payloads received for round 7 (append-only)
+    DIR/inbox/r000007.log       round 7's raw updates, append-only (``r000007.<tag>.log``: a worker's)
     DIR/metrics.jsonl           one JSON object per completed round
 
-Every file but the inbox is written atomically (temporary file in the same directory,
-``fsync``, ``rename``, ``fsync`` of the directory), so a ``kill -9`` at any instant leaves
-either the old or the new version, and framed with a 64-bit checksum of its body
-(``FBS1``, checksum, length, body): a truncated or damaged file is refused by name
-(:class:`CorruptFile`), never loaded. The checkpoint and the round plan keep their
-previous generation (``checkpoint.prev.msgpack``, ``round.prev.msgpack``) and the inbox of
-the last completed round is kept until the next checkpoint, so a damaged checkpoint of
-round r falls back to round r-1's and round r is replayed from its plan and its inbox
-(``server.py``). The inbox is an append-only log per round of framed
-records (magic, length, 64-bit checksum (:mod:`coordinator.checksum`), device id, the
-update's exact received bytes); updates
-are appended, the log is ``fdatasync``-ed once per batch (group commit), and only then are
-they acknowledged to the broker (persist, then ack), so an acked update survives a crash.
-A record torn by a crash fails its length/checksum check at the log's tail; it was never
-acked, so the broker redelivers it. A record damaged inside the log fails its checksum: it
-is reported by name (file, offset, record number) and skipped, and the records after it
-still replay; its device re-sends its update when the round is announced again
-(``runtime.py`` keeps a sent update until its round closes). On resume the open round's
-log is replayed.
-
-Arrays are stored as ``{"shape", "dtype", "data"}`` maps (little-endian), msgpack-framed.
+Every file but the inbox is written atomically and framed with a 64-bit checksum (a damaged
+one raises :class:`CorruptFile`, never loads); the inbox is a log of checksummed records,
+synced before its updates are acknowledged. What survives which crash and how a resumed
+run replays: docs/architecture.md#failure-semantics. Arrays are stored as ``{"shape",
+"dtype", "data"}`` maps (little-endian), msgpack-framed.
 """
 
 from __future__ import annotations
@@ -105,11 +89,26 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+#: the mode of every file of a run directory: updates, models and device lists are the
+#: operator's alone (other local users read none of them)
+FILE_MODE = 0o600
+
+
+def private_opener(path: str, flags: int) -> int:
+    """``open(..., opener=private_opener)``: a file created :data:`FILE_MODE` from the
+    start (never briefly readable by others, whatever the umask)."""
+    fd = os.open(path, flags, FILE_MODE)
+    if flags & os.O_CREAT:
+        os.fchmod(fd, FILE_MODE)
+    return fd
+
+
 def atomic_write(path: str | Path, data: bytes, *, durable: bool = True) -> None:
-    """Replace ``path`` with ``data`` atomically (tmp + fsync + rename + dir fsync)."""
+    """Replace ``path`` with ``data`` atomically (tmp + fsync + rename + dir fsync), mode
+    :data:`FILE_MODE`."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "wb") as f:
+    with open(tmp, "wb", opener=private_opener) as f:
         f.write(data)
         if durable:
             f.flush()
@@ -210,10 +209,12 @@ class RunState:
     """The files of one run directory (see the module docstring).
 
     ``damaged`` lists what :meth:`inbox_items` found damaged (messages naming the file,
-    offset and record), for the caller's log and metrics.
+    offset and record), for the caller's log and metrics. ``inbox_tag``: this process
+    appends to ``r<round>.<tag>.log`` (an ingest worker; the round loop's own log has
+    none); :meth:`inbox_items` reads every process's log of a round.
     """
 
-    def __init__(self, out_dir: str | Path, *, durable: bool = True) -> None:
+    def __init__(self, out_dir: str | Path, *, durable: bool = True, inbox_tag: str = "") -> None:
         self.dir = Path(out_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.durable = durable
@@ -225,7 +226,8 @@ class RunState:
         self.devices_path = self.dir / "devices.msgpack"
         self.inbox_dir = self.dir / "inbox"
         self.metrics_path = self.dir / "metrics.jsonl"
-        self.inbox_dir.mkdir(exist_ok=True)
+        self.inbox_dir.mkdir(mode=0o700, exist_ok=True)
+        self.inbox_tag = inbox_tag
         self._log: int | None = None  # raw fd of the open round's log (O_APPEND)
         self._log_round: int | None = None
         self._appended = 0  # records appended to the open log ...
@@ -327,8 +329,14 @@ class RunState:
 
     # ------------------------------------------------------------------ inbox
 
-    def _round_log(self, round_id: int) -> Path:
-        return self.inbox_dir / f"r{round_id:06d}.log"
+    def _round_log(self, round_id: int, tag: str | None = None) -> Path:
+        tag = self.inbox_tag if tag is None else tag
+        return self.inbox_dir / (f"r{round_id:06d}.{tag}.log" if tag else f"r{round_id:06d}.log")
+
+    def _round_logs(self, round_id: int) -> list[Path]:
+        """Every log of round ``round_id``: the round loop's first, then the others by name."""
+        main = self._round_log(round_id, "")
+        return ([main] if main.exists() else []) + sorted(self.inbox_dir.glob(f"r{round_id:06d}.*.log"))
 
     def inbox_append(self, round_id: int, device_id: str, payload: bytes) -> None:
         """Append an update's received bytes to the round's log, *not yet durable*: call
@@ -342,7 +350,7 @@ class RunState:
             self._close_log()
             path = self._round_log(round_id)
             created = not path.exists()
-            self._log = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            self._log = private_opener(str(path), os.O_WRONLY | os.O_APPEND | os.O_CREAT)
             self._log_round = round_id
             # the new log's directory entry is made durable by the next inbox_sync
             self._dir_dirty = created
@@ -418,20 +426,27 @@ class RunState:
             if self._record(data, i) is not None:
                 return i
 
-    def inbox_items(self, round_id: int, *, unique: bool = True) -> list[tuple[str, bytes]]:
-        """``(device_id, payload)`` persisted for ``round_id``, in arrival order; the first
-        record of a device wins (``unique=False``: every record, for a buffer that may hold
-        several updates of one device). Bytes that are not a whole record are skipped and
+    def inbox_items(self, round_id: int, tag: str | None = None, *, unique: bool = True) -> list[tuple[str, bytes]]:
+        """``(device_id, payload)`` persisted for ``round_id`` (by every process, or only
+        by the one appending under ``tag``), in arrival order; the first record of a
+        device wins (``unique=False``: every record, for a buffer that may hold several
+        updates of one device). Bytes that are not a whole record are skipped and
         reported (``damaged``, the log): at the log's tail, a write torn by a crash (never
         acknowledged: re-sent); inside it, a damaged record (its device re-sends when the
         round is announced again); the records after it still count."""
         if self._log_round == round_id:
             self.inbox_sync()
-        path = self._round_log(round_id)
-        if not path.exists():
-            return []
+        paths = self._round_logs(round_id) if tag is None else [self._round_log(round_id, tag)]
+        out: list[tuple[str, bytes]] = []
+        seen: set[str] = set()
+        for path in paths:
+            if path.exists():
+                self._read_log(path, out, seen, unique)
+        return out
+
+    def _read_log(self, path: Path, out: list[tuple[str, bytes]], seen: set[str], unique: bool = True) -> None:
         data = path.read_bytes()
-        out, seen, pos, index = [], set(), 0, 0
+        pos, index = 0, 0
         while pos < len(data):
             rec = self._record(data, pos)
             if rec is None:
@@ -452,7 +467,6 @@ class RunState:
                 seen.add(dev)
                 out.append((dev, payload))
             pos, index = end, index + 1
-        return out
 
     def inbox_has(self, round_id: int, device_id: str) -> bool:
         return any(d == device_id for d, _ in self.inbox_items(round_id))
@@ -463,7 +477,7 @@ class RunState:
             self._close_log()
         for path in self.inbox_dir.glob("r*.log"):
             try:
-                r = int(path.stem[1:])
+                r = int(path.name[1:].split(".", 1)[0])
             except ValueError:
                 continue
             if r < keep_from:
@@ -474,7 +488,7 @@ class RunState:
     def append_metrics(self, record: dict[str, Any]) -> None:
         """Append one JSON line and fsync (one line per completed round)."""
         line = json.dumps(record, sort_keys=True, allow_nan=False) + "\n"
-        with open(self.metrics_path, "a", encoding="utf-8") as f:
+        with open(self.metrics_path, "a", encoding="utf-8", opener=private_opener) as f:
             f.write(line)
             f.flush()
             if self.durable:

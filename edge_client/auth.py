@@ -4,31 +4,15 @@
 ``fedbit-edge run --credentials FILE`` reads: the job, the device id (= MQTT client id =
 username), the broker URL, the password, the device's MAC key and, when the broker speaks
 TLS, the job CA, the device's client certificate and its key (PEM text). Secrets live only
-in that file (or in environment variables): never on a command line, never in a log.
+in that file (or in environment variables), never on a command line or in a log;
 :func:`load_credentials` refuses a file that others may read (as ssh does with keys).
 
-**Update MAC.** Every message a device publishes (hello, presence, update) carries an
-AES-256-GMAC tag under its own key, as the msgpack map's last entry ``"mac": bin(28)``
-(a fresh random 96-bit nonce, then the 128-bit tag)::
-
-    payload = map(n + 1) { ...the message's fields..., "mac": <nonce 12 B><tag 16 B> }
-    tag     = GMAC(key, nonce, payload[:-16])      (AES-256-GCM, empty plaintext, the bytes
-                                                    before the tag as associated data)
-
-so it covers every byte of the message but the tag itself (the nonce included), and
-:func:`decode_message <edge_client.protocol.decode_message>` ignores the extra entry (a
-coordinator without keys reads the same message). The coordinator holds every enrolled
-device's key and refuses a message whose tag does not verify: a device that can publish
-on another device's topic (a broker without the generated ACL) still cannot make the
-coordinator count a message in that device's name. GMAC is a nonce-based MAC: without
-the key a forgery succeeds with probability at most ~2^-110 per try for messages up to
-64 MB, as long as a key never tags two messages under one nonce; random 96-bit nonces
-repeat with probability below 2^-33 within 2^32 messages of one device. Cost: one GHASH
-pass over the payload (OpenSSL through ``cryptography``, ~30 GB/s on a CPU with VAES and
-VPCLMULQDQ, ~0.04 ms per MB; HMAC-SHA256, used before, ran at ~2 GB/s and cost more than
-parsing and folding the update together). A MAC says who wrote a message, not when:
-replays of an old round are refused by the round rules, repeats of the open round by the
-duplicate rule.
+**Update MAC.** Every message a device publishes (hello, presence, update) ends with a
+``"mac": bin(28)`` entry: a fresh random 96-bit nonce, then the AES-256-GMAC tag, under
+the device's own key, of every byte before the tag. Readers without keys ignore it; the
+coordinator refuses a message whose tag does not verify, so a device that can publish on
+another's topic still cannot be counted in its name. Why GMAC, its forgery bound and its
+cost: docs/security.md#the-device-mac.
 """
 
 from __future__ import annotations

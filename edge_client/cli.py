@@ -51,6 +51,11 @@ def _cmd_run(args: argparse.Namespace) -> int:
             overrides = {"codec": args.codec, "codec_bits": args.codec_bits or profile.codec_bits}
         if args.threads is not None:
             overrides["threads"] = check_threads(args.threads)
+        if profile.is_integer:
+            from edge_client.intnn.cuda.probe import choose
+
+            overrides["engine"], engine_line = choose(args.engine or profile.engine)
+            print(f"fedbit-edge: {engine_line}", flush=True)
         cfg = DeviceConfig.from_profile(
             args.id, profile, job=args.job, seed=args.seed,
             workdir=Path(args.workdir) if args.workdir else device_state_dir(args.id),
@@ -138,15 +143,21 @@ def _cmd_warmup(args: argparse.Namespace) -> int:
 
     try:
         profile = load_profile(args.profile)
+        engine = "cpu"
         if profile.is_integer:
+            from edge_client.intnn.cuda.probe import choose
+
+            engine, line = choose(args.engine or profile.engine)
             print(f"compiling kernels for {profile.name} (Int{profile.compute_bits}, {profile.codec} "
-                  f"uplink), first run only; minutes on a Raspberry Pi ...", file=sys.stderr, flush=True)
-        report = warm_up(profile, args.model)
+                  f"uplink, {line}), first run only; minutes on a Raspberry Pi ...", file=sys.stderr,
+                  flush=True)
+        report = warm_up(profile, args.model, engine=engine)
     except (FedbitError, SpecError, ProfileError) as exc:
         print(f"fedbit-edge warmup: error: {exc}", file=sys.stderr)
         return 1
     print(json.dumps({"profile": report.profile, "model": report.model, "bits": report.bits,
-                      "compiled": report.compiled, "train_s": round(report.train_s, 3),
+                      "engine": report.engine, "compiled": report.compiled,
+                      "train_s": round(report.train_s, 3),
                       "encode_s": round(report.encode_s, 3)}), flush=True)
     return 0
 
@@ -170,6 +181,9 @@ def build_parser() -> argparse.ArgumentParser:
                                    "that the first round does not wait for the compiler.")
     p.add_argument("--profile", required=True, metavar="NAME", help="hardware profile name or TOML path")
     p.add_argument("--model", default="digits_cnn", metavar="SPEC", help="model spec (digits_cnn)")
+    p.add_argument("--engine", choices=("cpu", "cuda", "auto"), default=None,
+                   help="the engine whose kernels to compile (default: the profile's; cuda kernels "
+                        "go to numba-cuda's cache)")
     p.set_defaults(func=_cmd_warmup)
 
     # (allow_abbrev=False: an old `--password x` must not turn into `--password-file x`)
@@ -198,6 +212,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=None, metavar="N",
                    help="cores a training step uses (default: the profile's threads; the "
                         "results are the same for any N)")
+    p.add_argument("--engine", choices=("cpu", "cuda", "auto"), default=None,
+                   help="where the integer training steps run: cpu, cuda (the GPU; fails where the "
+                        "CUDA engine cannot run) or auto (the GPU when it can, else the CPU, saying "
+                        "why); default: the profile's engine. The results are the same")
     p.add_argument("--stay", action="store_true", help="keep running after the coordinator is done")
     p.add_argument("--max-seconds", type=float, default=0.0, help="stop after this long (0: never)")
     add_connect_timeout_option(p)

@@ -89,6 +89,8 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     checks = [doctor.check_python(profile), doctor.check_image(profile), doctor.check_jit()]
     if not profile.is_integer:
         checks.append(doctor.check_torch(profile))
+    if profile.engine != "cpu":
+        checks.append(doctor.check_gpu(profile))
     checks += [doctor.check_ram(profile), doctor.check_clock()]
     files = {"--ca": args.ca, "--cert": args.cert, "--key": args.key, "--credentials": args.credentials}
     if any(files.values()):

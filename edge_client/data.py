@@ -1,25 +1,18 @@
 """Local data sets of a device and the sources they are named by.
 
-A :class:`Dataset` holds images ``x [N, C, H, W]`` and int64 labels ``y [N]``. The images
-are either **uint8 pixels** (intensity = value / 255: the IDX, CIFAR-10 and uint8 ``.npz``
-files, held as they are stored, so 70,000 28x28 images cost 55 MB) or float32 intensities
-in [0, 1] (the digits, float ``.npz`` files). :func:`float_images` gives a float device
-its float32 view; integer devices turn either into their s-bit activation integers once,
-with :func:`quantize_images` (a table lookup for pixels: the integer path never sees a
-float there). Nothing here imports torch; scikit-learn is never imported (the digits are
-read from its bundled CSV).
+A :class:`Dataset` holds images ``x [N, C, H, W]`` and int64 labels ``y [N]``: **uint8
+pixels** (intensity = value / 255: IDX, CIFAR-10 and uint8 ``.npz`` files, held as stored,
+a quarter of float32's memory) or float32 intensities in [0, 1] (the digits, float
+``.npz`` files). :func:`float_images` gives a float device its float32 view; integer
+devices turn either into their s-bit activation integers once (:func:`quantize_images`: a
+table lookup for pixels). Nothing here imports torch or scikit-learn.
 
-**Sources** (``fedbit-edge run --data SRC``, ``fedbit serve --eval-data SRC``)::
+**Sources** (``fedbit-edge run --data SRC``, ``fedbit serve --eval-data SRC``;
+docs/experiments.md#data-sets)::
 
     SRC  := BASE[:PART]
-    BASE := digits | fashion-mnist       (a data set fedbit knows where to find)
-          | mnist | DIR | FILE.npz       (an IDX or CIFAR-10 folder, a .npz file)
-    PART := K/N | train | test           (shard K of N of the training split: IID, seeded;
-                                          or a whole split; default: the caller's)
-
-``fashion-mnist`` is read from :data:`FASHION_MNIST_DIR` (Debian's package
-``dataset-fashion-mnist``); ``mnist`` has no packaged copy, so its folder is named.
-Nothing is ever downloaded.
+    BASE := digits | fashion-mnist | mnist | DIR | FILE.npz   (nothing is ever downloaded)
+    PART := K/N | train | test       (shard K of N of the training split, IID and seeded; a split)
 """
 
 from __future__ import annotations
@@ -107,7 +100,7 @@ def quantize_images(x: np.ndarray, bits: int) -> np.ndarray:
 
 def _digits_file() -> str:
     """The digits CSV that scikit-learn bundles (found without importing scikit-learn,
-    whose import alone costs a device ~80 MB of RSS)."""
+    whose import alone costs a device tens of MB of RSS: docs/performance.md#memory)."""
     import importlib.util
 
     spec = importlib.util.find_spec("sklearn")

@@ -1,19 +1,17 @@
 """Image data sets in their files: IDX (MNIST, Fashion-MNIST, EMNIST), ``.npz``, CIFAR-10.
 
 Every reader returns ``(x, y)`` (``edge_client.data`` wraps them into a ``Dataset``): images
-**uint8 pixels** ``[N, C, H, W]`` (value / 255 is the intensity in [0, 1]) when the file holds
-bytes, so that 70,000 28x28 images cost 55 MB and not the 220 MB of float32 (or 440 MB of
-float64); float images (a ``.npz`` of floats) are kept as float32 in [0, 1]. Labels are
-int64 ``[N]``. Nothing here downloads anything or imports torch; every error is a
-:class:`ConfigError` naming the file.
+``[N, C, H, W]`` as **uint8 pixels** (value / 255 the intensity) when the file holds bytes,
+so that 70,000 28x28 images take 55 MB and not float32's 220 MB; float images as float32
+in [0, 1]; labels int64 ``[N]``. Nothing here downloads anything or imports torch; every
+error is a :class:`ConfigError` naming the file.
 
-- **IDX** (LeCun's format; plain or ``.gz``): a folder with ``train-images-idx3-ubyte``,
+- **IDX** (plain or ``.gz``): a folder with ``train-images-idx3-ubyte``,
   ``train-labels-idx1-ubyte``, ``t10k-images-idx3-ubyte``, ``t10k-labels-idx1-ubyte``
-  (``test-`` instead of ``t10k-``, ``.`` instead of the last ``-`` and a prefix such as
-  ``emnist-balanced-`` are accepted). Images ``[N, H, W]`` get one channel.
-- **npz**: one file with ``x_train``, ``y_train``, ``x_test``, ``y_test`` (Keras's
-  ``mnist.npz`` layout); images ``[N, H, W]`` (one channel) or ``[N, C, H, W]``, uint8
-  pixels or floats in [0, 1].
+  (``test-`` for ``t10k-``, ``.`` for the last ``-`` and a prefix such as ``emnist-balanced-``
+  accepted); images ``[N, H, W]`` get one channel.
+- **npz**: ``x_train``, ``y_train``, ``x_test``, ``y_test`` (Keras's ``mnist.npz`` layout);
+  images ``[N, H, W]`` or ``[N, C, H, W]``, uint8 pixels or floats in [0, 1].
 - **CIFAR-10**: the python-pickle batches (``data_batch_1..5``, ``test_batch``).
 """
 

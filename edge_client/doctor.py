@@ -93,6 +93,33 @@ def check_torch(profile: HardwareProfile) -> Check:
     return Check("torch", True, f"{torch.__version__}")
 
 
+def check_gpu(profile: HardwareProfile) -> Check:
+    """The CUDA engine (a profile whose ``engine`` is ``cuda`` or ``auto``): the GPU, its
+    compute capability, driver, toolkit, and whether the kernels compile for it (the
+    profile's bitwidth, to PTX). No usable GPU fails ``cuda`` and warns ``auto`` (its
+    steps then run on the CPU)."""
+    from edge_client.intnn.cuda.probe import describe
+
+    info = describe()
+    if not info["usable"]:
+        return Check("gpu", profile.engine != "cuda",
+                     f"none here: {info['why']} (numba-cuda: {info['numba_cuda']}); "
+                     + ("the cuda engine cannot run" if profile.engine == "cuda"
+                        else "engine auto trains on the CPU"), warn=True)
+    if "gpu" not in info:  # the simulator
+        return Check("gpu", True, info["why"], warn=True)
+    try:
+        from edge_client.intnn.cuda.compile import compile_for
+
+        n = compile_for(profile.compute_bits)
+        kernels = f"{n} kernels compile for it"
+    except Exception as exc:  # noqa: BLE001 - the toolkit's error is the verdict
+        return Check("gpu", False, f"{info['gpu']}: the kernels do not compile ({type(exc).__name__}: {exc})")
+    return Check("gpu", True, f"{info['gpu']}, compute capability {info['compute_capability']}, driver "
+                              f"{info['driver']}, toolkit {info['toolkit']}, numba-cuda {info['numba_cuda']}; "
+                              f"{kernels}")
+
+
 def check_jit() -> Check:
     """numba compiles, and its cache can be written where numba will write it; the line
     names numba's, llvmlite's and numpy's versions (what a device's figures depend on)."""

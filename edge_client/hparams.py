@@ -1,28 +1,17 @@
 """The hyper-parameters a round announcement may carry: one table, read by both sides.
 
 The coordinator validates what it will announce (:func:`validate_hparams`: an unknown key
-or a value out of range is a :class:`ConfigError` naming the key); a device reads an
-announcement with :func:`read_hparams`, which never raises: what it cannot use (an unknown
-key, a value out of range) is returned as ``{key: why}`` and the device reports it in its
-:class:`~edge_client.protocol.Update` (``not_applied``) instead of ignoring it silently.
-The wire format itself only requires scalar values (``protocol.wire._read_hparams``), so a
-device of an older SDK still accepts announcements that carry keys it does not know.
+or a value out of range is a :class:`ConfigError` naming the key). A device reads an
+announcement with :func:`read_hparams`, which never raises: what it cannot use is returned
+as ``{key: why}`` and reported in its update's ``not_applied``, never ignored silently.
+The wire itself only requires scalar values, so a device of an older SDK still accepts
+announcements with keys it does not know. ``lr_scale.<variant>`` (``lr_scale.int8``)
+overrides ``lr_scale`` for one model variant (FedGroupedAvg's per-group scaling, ProWD
+appendix A).
 
-``lr_scale`` may also be given per model variant, ``lr_scale.<variant>`` (``lr_scale.int8``,
-``lr_scale.float32``): a device uses its own variant's value, else ``lr_scale``, else 1
-(FedGroupedAvg's per-group learning-rate scaling, ProWD appendix A).
-
-How the learning rates reach each kind of device (docs/algorithms.md §1-2):
-
-- float devices: SGD with ``lr * lr_scale`` and ``momentum`` on the float forward; on an
-  integer forward (``float_forward = "int<s>"``) the integer devices' data step below, and
-  ``lr``/``momentum`` set the step of the FedProx / FedFOR terms, as on an integer device;
-- integer devices: the data step is ``eta = 2^(lr_shift + round(log2 lr_scale))`` LSBs of the
-  8-bit grid (WAGE's normalized step: a float learning rate has no integer counterpart, the
-  gradient's magnitude is discarded; ProWD appendix B); ``lr`` and ``momentum`` set the step
-  of the FedProx / FedFOR terms, ``lr * lr_scale / (1 - momentum)``, so that those terms move
-  an integer device's weights as far in the shared domain as a float device's
-  (:class:`edge_client.trainers.IntTrainer`).
+Float devices take ``lr * lr_scale`` and ``momentum`` for SGD; integer devices (and float
+devices on an integer forward) step ``2^(lr_shift + round(log2 lr_scale))`` LSBs, and ``lr``
+and ``momentum`` set only their FedProx / FedFOR step (docs/operations.md#what-devices-are-told-to-train).
 """
 
 from __future__ import annotations
@@ -101,6 +90,9 @@ _TABLE = (
            "devices' forward (0.5 ternary(W) straight-through to W, s-bit activations), so that "
            "one global model is one function for every group",
            choices=(FLOAT_VARIANT, *(model_variant(b, "int") for b in range(2, 17)))),
+    HParam("float_step", str, "float devices' data step on the float forward: 'sgd' (lr, momentum, "
+           "grad_clip) or 'integer' (the integer devices' normalized step, lr_shift: a control that "
+           "changes the optimizer and not the forward)", choices=("sgd", "integer")),
 )
 #: every hyper-parameter an announcement may carry, by name
 HPARAMS: dict[str, HParam] = {h.name: h for h in _TABLE}
@@ -209,6 +201,7 @@ class RoundSettings:
     ws: bool | None = None
     wn: bool | None = None
     float_forward: str | None = None
+    float_step: str | None = None
     not_applied: dict[str, str] = field(default_factory=dict)
 
 
@@ -246,7 +239,8 @@ def round_settings(hparams: Mapping[str, Any], *, variant: str, codec: str, code
     an integer one or on a float device that trains an integer forward, whose step is the
     integer devices') and
     ``kmeans_method`` on a device whose uplink is not K-means are not theirs to apply and
-    are not reported."""
+    are not reported; nor is ``float_step`` on a device that does not train the float
+    forward (its step is the integer one anyway)."""
     values, not_applied = read_hparams(hparams, variant)
     integer = variant != "float32"
     if values.get("ws") and integer:
@@ -258,6 +252,8 @@ def round_settings(hparams: Mapping[str, Any], *, variant: str, codec: str, code
         not_applied["wn"] = "weight standardization (ws) is on; the two exclude each other"
         values.pop("wn")
     forward = values.pop("float_forward", None)
+    step = values.pop("float_step", None) if not integer and forward in (None, FLOAT_VARIANT) else None
+    int_step = integer or forward not in (None, FLOAT_VARIANT) or step == "integer"
     if integer:
         if forward not in (None, FLOAT_VARIANT, variant):
             not_applied["float_forward"] = f"an {variant} device trains its own forward ({variant}), not {forward}"
@@ -290,7 +286,7 @@ def round_settings(hparams: Mapping[str, Any], *, variant: str, codec: str, code
         content=content, codec=new_codec, codec_bits=bits,
         kmeans_method=values.get("kmeans_method", kmeans_method),
         lr=values.get("lr"), momentum=values.get("momentum"),
-        grad_clip=None if integer or forward not in (None, FLOAT_VARIANT) else values.get("grad_clip"),
-        lr_shift=values.get("lr_shift") if integer or forward not in (None, FLOAT_VARIANT) else None,
-        ws=values.get("ws"), wn=values.get("wn"), float_forward=forward, not_applied=not_applied,
+        grad_clip=None if int_step else values.get("grad_clip"),
+        lr_shift=values.get("lr_shift") if int_step else None,
+        ws=values.get("ws"), wn=values.get("wn"), float_forward=forward, float_step=step, not_applied=not_applied,
     )

@@ -1,17 +1,13 @@
 """Device inference (``fedbit-edge predict``): a model file and a data set -> predictions.
 
-A model file is either
-
-- a fedbit ONNX export (``fedbit export``; ``firmware_models.onnx_export``), integer
-  (Int2..Int16) or float32, or
-- a global model as the wire carries it (``global.msgpack``: an encoded
-  ``ModelMessage``, e.g. ``fedbit export RUN_DIR --bits 8 --out global.msgpack``).
-
-Two engines give the same answers: ONNX Runtime (``pip install 'fedbit[onnx]'``; the
-integer graph is bit-exact with the Numba engine) and the Numba integer engine
-(``IntModel.forward``), which needs nothing beyond the base install for a msgpack model
-(and the ``onnx`` package to read an ONNX file's weights). ``auto`` takes ONNX Runtime
-when it is installed. A float32 model runs on ONNX Runtime only (a device has no torch).
+A model file is a fedbit ONNX export (``fedbit export``; integer Int2..Int16 or float32)
+or a global model as the wire carries it (``global.msgpack``: an encoded ``ModelMessage``,
+e.g. ``fedbit export RUN_DIR --bits 8 --out global.msgpack``). Two engines give the same
+answers: ONNX Runtime (``pip install 'fedbit[onnx]'``; the integer graph is bit-exact with
+the Numba engine) and the Numba integer engine (``IntModel.forward``), which needs nothing
+beyond the base install for a msgpack model (and the ``onnx`` package to read an ONNX
+file's weights). ``auto`` takes ONNX Runtime when it is installed; a float32 model runs on
+ONNX Runtime only (a device has no torch).
 
 Every problem with the inputs (a file that is not a model, a spec or bitwidth that does
 not match, data of the wrong shape) raises :class:`ConfigError` naming the culprit.

@@ -1,16 +1,15 @@
 """The device loop: hello -> wait for selection -> download -> train -> encode -> publish.
 
 One :class:`DeviceRuntime` per device owns a :class:`~edge_client.transport.Transport`
-(MQTT or in-memory; last-will presence, retained presence + hello, subscriptions to
-``round``, its model variant and ``status``) and an on-disk :class:`~edge_client.outbox.Outbox`.
-When a retained announcement selects it before its deadline, the device waits for its
-bitwidth group's model variant (digest checked), trains with the announced settings
-(:mod:`edge_client.hparams`; those it cannot honour go in the update's ``not_applied``),
+(MQTT or in-memory; last-will presence, retained presence + hello, subscriptions to ``round``,
+its model variant and ``status``) and an on-disk :class:`~edge_client.outbox.Outbox`. When a
+retained announcement selects it before its deadline, the device acknowledges a round (a
+presence with the round id), waits for its group's model variant (digest checked), trains with the
+announced settings (:mod:`edge_client.hparams`; those it cannot honour go in ``not_applied``),
 encodes per its profile and publishes the :class:`Update` with QoS 1, outbox first: re-sent
-after a reconnect while the round is open, once more when the round is announced again,
-discarded when it closes. A secure round (``secagg`` announced) hands the update to
-``edge_client.secagg.session``; a buffered announcement asks for one update per ticket
-(``edge_client.assignment``). Nothing here imports torch or ``coordinator``.
+after a reconnect while the round is open, again when it is announced again, dropped when it
+closes; a secure round goes to ``edge_client.secagg.session``; a buffered announcement asks
+for one update per ticket (``edge_client.assignment``). No torch, no ``coordinator``.
 """
 
 from __future__ import annotations
@@ -56,7 +55,7 @@ from edge_client.protocol import (
     variant_bits,
 )
 from edge_client.secagg.session import SecureSession
-from edge_client.session import SessionWatch
+from edge_client.session import RoundAck, SessionWatch
 from edge_client.transport import Received, Transport
 from hw_profiles import HardwareProfile
 
@@ -141,7 +140,9 @@ class DeviceConfig:
     it; 0: it retries forever, as a service does); ``train_delay_s`` sleeps before each local training (emulates a slow device
     in trials and tests); ``kmeans_method`` picks the K-means uplink's method (``fast`` |
     ``authors``) unless a round announces one; ``threads`` the cores the default trainer's
-    integer training step uses (the profile's ``threads``, or ``fedbit-edge run --threads``).
+    integer training step uses (the profile's ``threads``, or ``fedbit-edge run --threads``);
+    ``engine`` where its integer steps run, ``"cpu"`` or ``"cuda"`` (``fedbit-edge run``
+    resolves the profile's or ``--engine``'s ``"auto"``).
     ``model_files``: the user's model files (``*.toml`` / ``*.py``, ``firmware_models.files``)
     this device may train; a round announcing a model file is matched to one of them by
     file name (a device never loads a path the coordinator names).
@@ -167,12 +168,14 @@ class DeviceConfig:
     max_rounds: int = 0
     model_files: tuple[str, ...] = ()
     threads: int = 1
+    engine: str = "cpu"
 
     @classmethod
     def from_profile(cls, device_id: str, profile: HardwareProfile, **kw: Any) -> DeviceConfig:
         """From a :class:`hw_profiles.HardwareProfile`."""
         kw.setdefault("kmeans_method", getattr(profile, "kmeans_method", "fast"))
         kw.setdefault("threads", getattr(profile, "threads", 1))
+        kw.setdefault("engine", "cpu")
         return cls(device_id=device_id, compute_bits=profile.compute_bits, trainer=profile.trainer,
                    codec=profile.codec, codec_bits=profile.codec_bits, profile=profile.name, **kw)
 
@@ -207,15 +210,17 @@ def load_model_files(paths: Any) -> dict[str, Any]:
     return out
 
 
-def default_trainer_factory(spec: ModelSpec, bits: int, seed: int, threads: int = 1) -> Trainer:
-    """A device's trainer: ``threads`` cores; an integer one drops LLVM's machine code from
-    the process's resident memory once its kernels are loaded
-    (``edge_client.intnn.memory``)."""
+def default_trainer_factory(spec: ModelSpec, bits: int, seed: int, threads: int = 1,
+                            engine: str = "cpu") -> Trainer:
+    """A device's trainer: ``threads`` cores, its integer steps on ``engine``; an integer
+    one on the CPU drops LLVM's machine code from the process's resident memory once its
+    kernels are loaded (``edge_client.intnn.memory``)."""
     from edge_client.trainers import make_trainer
 
     if bits == 32:
         return make_trainer(spec, bits, seed=seed)
-    return make_trainer(spec, bits, seed=seed, threads=threads, release_pages=True)
+    return make_trainer(spec, bits, seed=seed, threads=threads, engine=engine,
+                        release_pages=engine == "cpu")
 
 
 class DeviceRuntime:
@@ -233,8 +238,8 @@ class DeviceRuntime:
         self.cfg = cfg
         self.data = data
         self._connect = connect
-        self._trainer_factory = trainer_factory or functools.partial(default_trainer_factory,
-                                                                     threads=cfg.threads)
+        self._trainer_factory = trainer_factory or functools.partial(
+            default_trainer_factory, threads=cfg.threads, engine=cfg.engine)
         self.log = logger or log
         self.variant = model_variant(cfg.compute_bits, cfg.trainer)
         self.outbox = Outbox(Path(cfg.workdir) / "outbox")
@@ -260,6 +265,7 @@ class DeviceRuntime:
         #: retained messages, a reconnect): its sent update goes out once more
         self._announced_again = False
         self.refusals = RefusalLog(cfg.device_id, self.log)
+        self.acks = RoundAck(cfg.job, cfg.device_id)  # (what the coordinator hears at once: at work)
         self.coordinator_check = CoordinatorCheck(cfg.job, self.log)  # (no coordinator on the job: says so)
         j, d = cfg.job, cfg.device_id
         self.t_presence = topic(j, "presence", d)
@@ -421,6 +427,8 @@ class DeviceRuntime:
         ticket = work_number(a, self.cfg.device_id)
         if ticket <= self.last_done or time.time() >= a.deadline:
             return
+        if a.mode != "buffered":  # (a buffered request is held until the device answers or leaves)
+            self.acks.send(self.transport, a, self.cfg.publish_timeout_s)
         m = self.models.get(self.variant)
         want = a.variants.get(self.variant)
         if m is None or m.round_id != a.round_id or want is None or m.digest != want:
@@ -487,11 +495,12 @@ class DeviceRuntime:
             lr = (lr if lr is not None else trainer.lr) * st.lr_scale
         for key, value in (("lr", lr), ("momentum", st.momentum), ("grad_clip", st.grad_clip),
                            ("weight_standardization", st.ws), ("weight_norm", st.wn),
-                           ("forward", st.float_forward)):
+                           ("forward", st.float_forward), ("step", st.float_step)):
             if value is not None:
                 kw[key] = value
-        integer_step = self.variant != FLOAT_VARIANT or st.float_forward not in (None, FLOAT_VARIANT)
-        # an integer device, or a float device training an integer forward, whose step moves
+        integer_step = (self.variant != FLOAT_VARIANT or st.float_forward not in (None, FLOAT_VARIANT)
+                        or st.float_step == "integer")
+        # an integer device, or a float device training an integer forward or with the integer step, whose step moves
         if integer_step and (st.lr_shift is not None or st.lr_scale != 1.0):
             shift = st.lr_shift if st.lr_shift is not None else trainer.lr_shift
             shift += round(math.log2(st.lr_scale))
@@ -499,10 +508,9 @@ class DeviceRuntime:
                 st.not_applied["lr_scale"] = f"lr_shift {shift} outside -8..8; clamped"
                 shift = min(8, max(-8, shift))
             kw["lr_shift"] = shift
-        if self.variant != FLOAT_VARIANT:
-            kw.pop("weight_standardization", None)
-            kw.pop("weight_norm", None)
-            kw.pop("forward", None)
+        if self.variant != FLOAT_VARIANT:  # the float devices' settings
+            for key in ("weight_standardization", "weight_norm", "forward", "step"):
+                kw.pop(key, None)
         return kw
 
     def train_round(self, a: RoundAnnouncement, m: ModelMessage) -> bytes:

@@ -3,7 +3,8 @@ and giving up after too long without one (``fedbit-edge run --connect-timeout``)
 
 The transport does the backing off (capped, jittered: :mod:`edge_client.transport.mqtt`);
 this only waits, logs why there is no session (a refused password reads "not authorised:
-this device may be revoked") and decides when to stop trying.
+this device may be revoked") and decides when to stop trying. :class:`RoundAck` is what the
+device says on its session when a round selects it.
 """
 
 from __future__ import annotations
@@ -76,3 +77,28 @@ class SessionWatch:
     def _give_up(self, why: str) -> None:
         self.failure = why
         self.log.error("device %s gives up: %s", self.who, why)
+
+
+class RoundAck:
+    """A device's acknowledgement of the announcements that select it: a presence message
+    (online, the round id; not retained) once per announcement received, so that the
+    coordinator knows at once that a selected device is at work (and takes one that stays
+    silent for a straggler long before the deadline); a round announced again is
+    acknowledged again."""
+
+    def __init__(self, job: str, device_id: str) -> None:
+        from edge_client.protocol import topic
+
+        self.topic = topic(job, "presence", device_id)
+        self.device_id = device_id
+        self._last: Any = None  # the announcement acknowledged last
+
+    def send(self, transport: Any, announcement: Any, timeout: float) -> None:
+        """Acknowledge ``announcement`` (a RoundAnnouncement) unless it already was."""
+        from edge_client.protocol import Presence, encode_message
+
+        if transport is None or announcement is self._last:
+            return
+        self._last = announcement
+        transport.publish(self.topic, encode_message(Presence(self.device_id, True, round_id=announcement.round_id)),
+                          qos=1, timeout=timeout)

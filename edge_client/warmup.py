@@ -23,7 +23,7 @@ from hw_profiles import HardwareProfile
 class WarmupReport:
     """What :func:`warm_up` did: ``train_s`` / ``encode_s`` wall seconds of the first
     (compiling or cache-loading) training step and encoding; ``compiled`` False for a
-    float device (torch, nothing to compile)."""
+    float device (torch, nothing to compile); ``engine``: where the step ran."""
 
     profile: str
     model: str
@@ -31,10 +31,13 @@ class WarmupReport:
     train_s: float
     encode_s: float
     compiled: bool
+    engine: str = "cpu"
 
 
-def warm_up(profile: HardwareProfile, model: str = "digits_cnn", *, batch: int = 32, seed: int = 0) -> WarmupReport:
-    """Run one training step and one uplink encoding of ``model`` as ``profile`` would.
+def warm_up(profile: HardwareProfile, model: str = "digits_cnn", *, batch: int = 32, seed: int = 0,
+            engine: str = "cpu") -> WarmupReport:
+    """Run one training step (on ``engine``: ``"cpu"`` or ``"cuda"``, whose kernels
+    numba-cuda caches alike) and one uplink encoding of ``model`` as ``profile`` would.
     Float devices (``trainer = "torch"``) have nothing to compile and return at once."""
     from firmware_models import resolve_model
 
@@ -50,7 +53,7 @@ def warm_up(profile: HardwareProfile, model: str = "digits_cnn", *, batch: int =
     x = rng.random((batch, *spec.input_shape), dtype=np.float32)
     data = Dataset(x, rng.integers(0, spec.num_classes, batch).astype(np.int64))
     t0 = time.perf_counter()
-    trainer = IntTrainer(spec, profile.compute_bits, seed=seed)
+    trainer = IntTrainer(spec, profile.compute_bits, seed=seed, engine=engine)
     trainer.train(data, steps=1, batch=batch)
     t1 = time.perf_counter()
     names = [f"p{i}" for i in range(len(spec.param_shapes()))]
@@ -60,4 +63,4 @@ def warm_up(profile: HardwareProfile, model: str = "digits_cnn", *, batch: int =
     for t in tensors:
         decode(t)
     return WarmupReport(profile.name, model, profile.compute_bits, t1 - t0, time.perf_counter() - t1,
-                        compiled=True)
+                        compiled=True, engine=engine)

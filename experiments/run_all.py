@@ -25,9 +25,12 @@ end to end.
 value of each dimension) for ``R`` rounds (R >= 2), timed: the per-round wall time (the
 rounds after the first) and the fixed cost of a run give a run's full time (fixed +
 rounds x per-round), and a cost factor per dimension value gives every combination's
-(:func:`estimate`); times seeds: each experiment's full time on this machine as loaded
-now, one run at a time, and in CPU seconds (the process's, scaled the same way: about
-what an idle core would take); printed and written to ``estimates.json``.
+(:func:`estimate`); times seeds (and a ``[sweep.tune]`` table's tuning runs): each
+experiment's full time on this machine as loaded now, one run at a time, and in CPU
+seconds (the process's and its workers', scaled the same way: what idle cores would
+take, to divide by the cores a run uses); for a
+config that stops at a plateau, with every run at its maximum rounds (an upper bound);
+printed and written to ``estimates.json``.
 """
 
 from __future__ import annotations
@@ -83,8 +86,13 @@ def quick_config(cfg: Any, every_method: bool = True, keep_data: bool = False) -
         first = first or dim
         every = every or (dim if every_method else "")
         keep.setdefault(dim, []).append(value)
-    tune = str(sweep.get("tune", "")).lstrip("@")
+    tune = sweep.get("tune", "")
     out = {k: v for k, v in sweep.items() if k in ANALYSIS_KEYS}
+    if isinstance(tune, dict):  # a bracket per method: one tuning seed, each bracket's first point
+        out["tune"] = {k: (v[:1] if k == "seeds" else {kk: vv[:1] for kk, vv in v.items()} if isinstance(v, dict)
+                           else v) for k, v in tune.items()}
+        tune = ""
+    tune = str(tune).lstrip("@")
     for key, values in sweep.items():
         if key in ANALYSIS_KEYS:
             continue
@@ -101,6 +109,10 @@ def quick_config(cfg: Any, every_method: bool = True, keep_data: bool = False) -
         else:
             picked = values[:1]
         out[key] = [_cap_devices(v) for v in picked]
+    if isinstance(out.get("tune"), dict) and out["tune"].get("by"):  # brackets of the values kept
+        by = "@" + str(out["tune"]["by"]).lstrip("@")
+        kept = {str(v["label"]) if isinstance(v, dict) else str(v) for v in out.get(by, out.get(by[1:], []))}
+        out["tune"] = {k: v for k, v in out["tune"].items() if k in ("seeds", "by", "default") or k in kept}
     raw["sweep"] = out
     return from_dict(raw, f"{cfg.source} (quick)")
 
@@ -137,18 +149,28 @@ def _clock(models: list[str], calibrate_anew: bool, named: bool) -> dict[str, di
     return clocks
 
 
+def _cpu() -> float:
+    """CPU seconds of this process and of its finished children (the worker processes a
+    run starts and ends)."""
+    import os
+
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
 def _time_run(c: Any, rounds: int, run_dir: Path) -> dict[str, float]:
     """One seed of config ``c`` for ``rounds`` rounds: its per-round wall time (the rounds
-    after the first), fixed wall time and the CPU/wall ratio of the process."""
+    after the first), fixed wall time and the CPU/wall ratio of the process and its worker
+    processes."""
     from coordinator.emulation.run import Emulator
 
     short = copy.deepcopy(c)
     short.rounds = rounds
     if run_dir.exists():
         shutil.rmtree(run_dir)
-    t0, c0 = time.monotonic(), time.process_time()
+    t0, c0 = time.monotonic(), _cpu()
     Emulator(short, c.seeds[0], run_dir).run()
-    wall, cpu = time.monotonic() - t0, time.process_time() - c0
+    wall, cpu = time.monotonic() - t0, _cpu() - c0
     recs = [json.loads(x) for x in (run_dir / "out" / "metrics.jsonl").read_text().splitlines() if x.strip()]
     per_round = statistics.median(r["round_seconds"] for r in recs[1:]) if len(recs) > 1 else recs[0]["round_seconds"]
     fixed = max(0.0, wall - sum(r["round_seconds"] for r in recs))
@@ -178,13 +200,20 @@ def estimate(cfg: Any, rounds: int, out: Path) -> dict[str, Any]:
         print(f"  {n + 1}/{len(plan)} {combo}: {t['per_round_s']:.1f} s/round, {t['fixed_s']:.1f} s fixed -> "
               f"{t['run_s'] / 60:.1f} min per seed ({t['run_cpu_s'] / 60:.1f} CPU min)", flush=True)
     out_est = {}
+    tune = cfg.sweep.get("tune")
+    tuning_runs = 0
+    if isinstance(tune, dict):  # every setting of a combination's bracket on every tuning seed
+        from coordinator.emulation.tuning import bracket
+
+        tuning_runs = len(bracket(tune, combos[0][0])) * len(tune["seeds"])
     for key in ("run_s", "run_cpu_s"):
         base = timed[(None, 0)][key]
         per_seed = base
         for k in dims:
             per_seed *= 1.0 + sum(timed[(k, i)][key] / base for i in range(1, len(cfg.sweep[k])))
-        out_est[key] = per_seed * len(cfg.seeds)
-    return {"combinations": len(combos), "seeds": len(cfg.seeds), "rounds": cfg.rounds,
+        out_est[key] = per_seed * (len(cfg.seeds) + tuning_runs)
+    return {"combinations": len(combos), "seeds": len(cfg.seeds), "tuning_runs_per_combination": tuning_runs,
+            "rounds": cfg.rounds, "plateau_stop": bool(cfg.stop.plateau),
             "timed_runs": len(plan), "estimated_h": round(out_est["run_s"] / 3600, 2),
             "estimated_cpu_h": round(out_est["run_cpu_s"] / 3600, 2),
             "timed": [{"dimension": d, "value": (cfg.sweep[d][i].get("label") if isinstance(cfg.sweep[d][i], dict)
@@ -247,8 +276,11 @@ def main() -> int:
                   flush=True)
             estimates[path.stem] = estimate(cfg, max(2, args.estimate), out)
             e = estimates[path.stem]
-            print(f"   {e['combinations']} combinations x {e['seeds']} seeds: about {e['estimated_h']:.1f} h "
-                  f"one run at a time as loaded now, {e['estimated_cpu_h']:.1f} h of CPU "
+            tuning = f" + {e['tuning_runs_per_combination']} tuning runs" if e["tuning_runs_per_combination"] else ""
+            bound = (f"at most (every run to its maximum of {e['rounds']} rounds; the plateau stops most "
+                     "earlier), " if e["plateau_stop"] else "")
+            print(f"   {e['combinations']} combinations x ({e['seeds']} seeds{tuning}): about {e['estimated_h']:.1f} h "
+                  f"{bound}one run at a time as loaded now, {e['estimated_cpu_h']:.1f} h of CPU "
                   f"({time.monotonic() - t0:.0f} s to estimate)", flush=True)
             continue
         print(f"== {path.name} -> {out}", flush=True)
@@ -258,14 +290,21 @@ def main() -> int:
             continue
         shutil.copyfile(summary, RESULTS / f"{path.stem}.md")
         for name, suffix in (("results.json", ".json"), ("analysis.json", ".analysis.json"),
-                             ("accuracy.png", ".png")):
+                             ("tuning.json", ".tuning.json"), ("accuracy.png", ".png")):
             if (out / name).is_file():
                 shutil.copyfile(out / name, RESULTS / f"{path.stem}{suffix}")
-    if estimates:
-        (RESULTS / "estimates.json").write_text(json.dumps(
+    if estimates:  # merged into the file: the experiments not estimated now keep theirs
+        path = RESULTS / "estimates.json"
+        old = json.loads(path.read_text()) if path.is_file() else {}
+        for e in old.get("experiments", {}).values():  # (the older layout: one load for the file)
+            e.setdefault("machine_load", old.get("machine_load"))
+        for e in estimates.values():
+            e["machine_load"] = _load()
+        path.write_text(json.dumps(
             {"note": "one seed of a covering set of combinations, the first rounds timed on this machine "
-                     "as loaded then, one run at a time; estimated_cpu_h: the same in CPU time",
-             "machine_load": _load(), "experiments": estimates}, indent=1))
+                     "as loaded then (machine_load: its load average), one run at a time; estimated_cpu_h: "
+                     "the same in CPU time; plateau_stop: an upper bound, every run at its maximum rounds",
+             "experiments": old.get("experiments", {}) | estimates}, indent=1))
     return 0
 
 

@@ -1,38 +1,14 @@
 """A user's own model from a file: a TOML list of layers, or a Python file defining a
-:class:`ModelSpec`.
+:class:`ModelSpec` (docs/experiments.md#models-bundled-and-your-own shows both).
 
-TOML (``my_cnn.toml``)::
-
-    name = "my_cnn"                 # default: the file's stem
-    input = [1, 28, 28]             # [C, H, W] (or [F])
-    classes = 10                    # default: what the last layer outputs
-    description = "..."             # optional
-    init = "wage"                   # initial weights: wage (default) | he
-
-    [[layers]]
-    type = "conv2d"                 # conv2d | linear | relu | maxpool2d | flatten
-    out = 16                        # conv2d: out, kernel, stride = 1, padding = 0
-    kernel = 3
-    padding = 1
-    [[layers]]
-    type = "relu"
-    [[layers]]
-    type = "maxpool2d"              # maxpool2d: kernel, stride = kernel, padding = 0
-    kernel = 2
-    ...
-    [[layers]]
-    type = "linear"                 # linear: out (its input is the previous layer's)
-    out = 10
-
-Every layer may give a ``name`` (default: ``conv1``, ``relu1``, ``pool1``, ``fc1``,
-``flatten``, numbered per kind) and ``in`` (default: the previous layer's output,
-checked when given). No layer has a bias (the shared parameter domain of
-``firmware_models.spec``).
-
-Python (``my_cnn.py``): a module that defines ``MODEL``, a :class:`ModelSpec` (or
-exactly one module-level ``ModelSpec``), built from ``firmware_models``' layer types.
-Loading a Python file runs it: only files the user names are loaded (a device loads
-only the files on its own command line, never a path a coordinator announces).
+TOML: top-level ``name`` (default: the file's stem), ``input`` ([C, H, W] or [F]),
+``classes`` (default: what the last layer outputs), ``description``, ``init`` (wage | he),
+and ``[[layers]]`` tables with a ``type`` (a kind's ``file_type`` or alias,
+``firmware_models.layers``) and that kind's keys (``file_keys``); every layer may give a
+``name`` (default ``conv1``, ``fc1``, ..., numbered per kind) and ``in`` where the kind
+reads an input size (checked when given). Python: a module that defines ``MODEL`` (or
+exactly one module-level ``ModelSpec``); loading it runs it, so only files the user
+names are loaded (a device never loads a path a coordinator announces).
 
 Errors are :class:`SpecError` naming the file and, for a layer, its index and name.
 """
@@ -46,7 +22,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from firmware_models.errors import SpecError
-from firmware_models.spec import Conv2d, Flatten, Linear, MaxPool2d, ModelSpec, ReLU
+from firmware_models.layers import LAYER_TYPES, REQUIRED, SpecLayer
+from firmware_models.spec import ModelSpec
 
 try:
     import tomllib as _toml
@@ -60,16 +37,9 @@ except ImportError:  # Python < 3.11 (a device): the tomli backport, when instal
 MODEL_FILE_SUFFIXES = (".toml", ".py")
 
 _TOP_KEYS = {"name", "input", "classes", "description", "layers", "init"}
-#: per layer type: (class, required keys, optional keys with defaults, name prefix)
-_LAYER_TYPES: dict[str, tuple[type, tuple[str, ...], dict[str, Any], str]] = {
-    "conv2d": (Conv2d, ("out", "kernel"), {"stride": 1, "padding": 0, "in": None}, "conv"),
-    "linear": (Linear, ("out",), {"in": None}, "fc"),
-    "relu": (ReLU, (), {}, "relu"),
-    "maxpool2d": (MaxPool2d, ("kernel",), {"stride": None, "padding": 0}, "pool"),
-    "flatten": (Flatten, (), {}, "flatten"),
-}
-_ALIASES = {"conv": "conv2d", "maxpool": "maxpool2d", "dense": "linear", "fc": "linear"}
-
+#: a model file's layer ``type`` -> its kind, aliases included (firmware_models.layers)
+_LAYER_TYPES: dict[str, type[SpecLayer]] = {cls.file_type: cls for cls in LAYER_TYPES.values()}
+_ALIASES = {alias: cls.file_type for cls in LAYER_TYPES.values() for alias in cls.file_aliases}
 
 def is_model_file(ref: str) -> bool:
     """Whether a model reference names a file (``*.toml`` / ``*.py``) rather than a zoo model."""
@@ -169,10 +139,12 @@ def _layer(raw: Any, i: int, current: tuple[int, ...], counters: dict[str, int],
     kind = _ALIASES.get(kind.lower(), kind.lower())
     if kind not in _LAYER_TYPES:
         raise SpecError(f"{where}: type {raw.get('type')!r} is not one of {sorted(_LAYER_TYPES)}")
-    cls, required, optional, prefix = _LAYER_TYPES[kind]
+    cls = _LAYER_TYPES[kind]
+    required = tuple(k for k, v in cls.file_keys.items() if v is REQUIRED)
+    optional = {k: v for k, v in cls.file_keys.items() if v is not REQUIRED}
+    prefix = cls.name_prefix
     counters[prefix] = counters.get(prefix, 0) + 1
-    default_name = prefix if kind == "flatten" and counters[prefix] == 1 else f"{prefix}{counters[prefix]}"
-    name = raw.get("name", default_name)
+    name = raw.get("name", cls.default_name(counters[prefix]))
     if not isinstance(name, str) or not name:
         raise SpecError(f"{where}: name must be a non-empty string")
     where = f"{where} ({kind} {name})"
@@ -185,32 +157,12 @@ def _layer(raw: Any, i: int, current: tuple[int, ...], counters: dict[str, int],
             raise SpecError(f"{where}: needs {key!r}")
     values.update({k: v for k, v in raw.items() if k not in ("type", "name")})
     for key, v in values.items():
-        if v is None and key in ("in", "stride"):
+        if v is None and optional.get(key, REQUIRED) is None:  # "in", a pool's "stride"
             continue
         low = 0 if key == "padding" else 1
         if not _is_int(v) or v < low:
             raise SpecError(f"{where}: {key} must be an integer >= {low}, got {v!r}")
-    if cls is Conv2d:
-        c_in = current[0] if len(current) == 3 else None
-        if c_in is None:
-            raise SpecError(f"{where}: needs a [C, H, W] input, the previous layer gives {list(current)}")
-        _check_in(values["in"], c_in, where, "input channels")
-        return Conv2d(name, c_in, values["out"], values["kernel"], values["stride"], values["padding"])
-    if cls is Linear:
-        if len(current) != 1:
-            raise SpecError(f"{where}: needs a flat input, the previous layer gives {list(current)} "
-                            f"(add a flatten layer)")
-        _check_in(values["in"], current[0], where, "input features")
-        return Linear(name, current[0], values["out"])
-    if cls is MaxPool2d:
-        return MaxPool2d(name, values["kernel"], values["stride"], values["padding"])
-    return cls(name)
-
-
-def _check_in(given: Any, actual: int, where: str, what: str) -> None:
-    if given is not None and given != actual:
-        raise SpecError(f"{where}: in = {given} but the previous layer gives {actual} {what}")
-
+    return cls.from_file(name, values, current, where)
 
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)

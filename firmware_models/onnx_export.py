@@ -1,72 +1,17 @@
 """ONNX export of a fedbit model: an integer graph that runs the integer engine's forward
-pass bit for bit, and a float32 graph of the shared-domain model.
+pass bit for bit, and a float32 graph of the shared-domain model. It takes plain arrays
+and integers (the engine computes them: ``edge_client.intnn.export``); ``onnx`` is imported
+inside the functions that need it. Each layer kind adds its own nodes
+(``firmware_models.layers``); this module walks the spec, checks the arguments, and writes
+and reads the ``fedbit.*`` metadata (spec JSON, bitwidth, kind, opset, shifts).
 
-This module takes plain arrays and integers (it imports neither the integer engine nor
-torch; ``onnx`` is imported inside the functions that need it). The caller computes them
-from the engine: ``edge_client.intnn.export`` does, for an ``IntModel`` or shared weights.
-
-**Integer graph** (``export_integer``). Input ``x``: the s-bit activation integers of the
-images, ``int8`` (s <= 8) or ``int16`` ``[N, C, H, W]`` (``round(pixel * (2^(s-1) - 1))``,
-as ``edge_client.data.quantize_images`` makes them). Outputs ``logits`` (same dtype,
-``[N, classes]``) and ``label`` (``int64 [N]``, the first maximum). Per conv/linear layer:
-
-    a' = clip(round_shift(relu?(sum t * a), k), +-amax)
-
-with ternary weights ``t`` in {-1, 0, 1}, ``k`` the layer's shift (``1 + log2 alpha``),
-``round_shift`` dividing by ``2^k`` rounding half away from zero, ``amax = 2^(s-1) - 1``.
-
-At s <= 8 (``onnx_graph.QLinearGraph``) every activation is one byte from input to
-logits: ``uint8`` with a zero point (0 after a ReLU, else 128), weights ``int8``. A conv
-is one ``QLinearConv``, a linear one ``QLinearMatMul``, with scales 1 and an output scale
-``2^k / (1 + 2^-22)``: ONNX Runtime's requantization ``nearbyint(acc * scale)`` then
-rounds exactly as ``round_shift`` (ties away from zero, nothing else moved; checked for
-every accumulator up to 600,000 in magnitude, the limit this path is used within), its
-uint8 saturation is the ReLU (zero point 0) or the lower clip, and a byte ``Clip`` after
-the max-pool (max and clip commute) is the upper one; pools are byte ``MaxPool``. ONNX
-Runtime picks its int8 GEMM kernels (VNNI where the CPU has it) and an NHWC layout. An
-image input whose channel count is not a multiple of 4 is padded with zero channels
-(``Pad``) that the first conv's zero weights ignore (its weights are then
-``[O, 4 * ceil(C / 4), K, K]``; :func:`exported_ternary` drops the zero channels): ONNX
-Runtime's int8 conv runs the padded input faster. A stride-1 conv on 4 such channels with
-at least 256 output pixels reads its input folded along the width
-(``onnx_graph.WidthFold``): pairs of columns as pixels of 8 channels, a reshape in NHWC,
-with weights ``[2 O, 8, K, ceil((K + 1) / 2)]`` whose output channels are the two output
-columns of a pair (:func:`exported_ternary` unfolds them); same products, same sums.
-
-Otherwise (s > 8, or larger accumulators; ``onnx_graph.IntegerGraph``), int32 throughout
-(opset 17):
-
-- ``sum t * a``: ``ConvInteger`` / ``MatMulInteger`` with int32 accumulators. Activations
-  travel as ``uint8`` with a zero point (0 after a ReLU, else 128: ``a + 128``); conv
-  weights as ``uint8`` ``t + 1`` with zero point 1 (``ConvInteger`` takes uint8 weights in
-  every ONNX Runtime release), linear weights as ``int8`` ``t``. A padded conv input
-  cell holds the zero point, i.e. the value 0. Int16 activations do not fit a byte: they
-  are split into a high and a low byte, ``a = 256 * hi + lo``, and the layer is
-  ``256 * op(hi) + op(lo)`` (two integer ops, exact in int32);
-- ``round_shift`` + clip + ReLU in int32: the clip comes first, on the accumulator
-  (``round_shift`` is monotone: ``|round_shift(v, k)| <= amax`` iff
-  ``|v| <= (amax + 1) * 2^k - 2^(k-1) - 1``), then ``(v + 2^(k-1)) / 2^k`` on non-negative
-  values only (integer ``Div`` of non-negative numbers is the floor everywhere, so no
-  runtime's rounding convention for negative quotients matters). A layer without ReLU
-  computes ``shift(clip(v, 0, T)) - shift(clip(-v, 0, T))``: only one is non-zero;
-- max-pool: int32 elementwise ``Max`` of the window's slabs (``Pad``, ``Reshape``,
-  ``Split``) when windows do not overlap (the zoo's pools); else ``MaxPool`` on the bytes
-  (byte order is value order: one zero point per tensor), or at Int16 int32 ``Pad`` +
-  strided ``Slice`` + ``Max`` (``MaxPool`` has no integer kernel wider than 8 bits). A
-  padded cell holds the int32 minimum, or the byte 0 (below every value + zero point but
-  a 0 itself), so it never wins, as in the engine; a ReLU on its own is an int32 ``Max``;
-
-In both, flatten is ``Flatten`` of NCHW, i.e. (c, h, w) order, the spec's weight column
-order (the engine permutes its columns to its internal (h, w, c) order: the same sums).
-
-**Float graph** (``export_float``): ``Conv`` / ``MatMul`` with the shared weights, each
-layer's output times ``2^-log2(alpha)``, ``Relu``, ``MaxPool``, ``Flatten``: the float
-forward of ``edge_client.trainers.TorchTrainer``. Input ``x`` float32 images in [0, 1].
-
-Every export is validated with ``onnx.checker`` (full check, with shape inference) and
-carries its spec (JSON), bitwidth, kind, opset and shifts in ``metadata_props``
-(``fedbit.*`` keys); :func:`describe` reads and cross-checks them. The layers are built
-by :mod:`firmware_models.onnx_graph`.
+**Integer graph** (:func:`export_integer`): input ``x``, the s-bit activation integers of
+the images, ``int8`` (s <= 8) or ``int16`` ``[N, C, H, W]``; outputs ``logits`` (same
+dtype) and ``label`` (``int64``, the first maximum). At s <= 8 one byte per activation
+(``onnx_graph.QLinearGraph``: ``QLinearConv`` / ``QLinearMatMul`` whose requantization
+rounds as ``round_shift``), otherwise int32 accumulators (``onnx_graph.IntegerGraph``);
+how each maps and why: docs/performance.md#onnx-export. **Float graph**
+(:func:`export_float`): the float forward of ``edge_client.trainers.TorchTrainer``.
 """
 
 from __future__ import annotations
@@ -79,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from firmware_models.errors import SpecError
+from firmware_models.layers import LAYER_TYPES
 from firmware_models.onnx_graph import (
     INPUT,
     INT32_MAX,
@@ -90,9 +36,8 @@ from firmware_models.onnx_graph import (
     IntegerGraph,
     QLinearGraph,
     onnx_type,
-    unfold_conv_weights,
 )
-from firmware_models.spec import Conv2d, Flatten, Linear, MaxPool2d, ModelSpec, ReLU
+from firmware_models.spec import ModelSpec
 
 if TYPE_CHECKING:  # pragma: no cover
     import onnx
@@ -105,8 +50,6 @@ IR_VERSION = 8
 #: version of the ``fedbit.*`` metadata layout
 FORMAT_VERSION = 1
 KIND_INTEGER, KIND_FLOAT = "integer", "float32"
-
-_LAYER_TYPES = {cls.__name__: cls for cls in (Conv2d, Linear, ReLU, MaxPool2d, Flatten)}
 
 
 # ============================================================================ spec <-> JSON
@@ -128,7 +71,7 @@ def spec_from_json(text: str) -> ModelSpec:
         layers = []
         for item in d["layers"]:
             fields = dict(item)
-            cls = _LAYER_TYPES.get(fields.pop("type", None))
+            cls = LAYER_TYPES.get(fields.pop("type", None))
             if cls is None:
                 raise SpecError(f"unknown layer type {item.get('type')!r}")
             layers.append(cls(**fields))
@@ -327,30 +270,22 @@ def _qlinear_layers(g: QLinearGraph, spec: ModelSpec, ts: Sequence[np.ndarray],
     (:data:`LOGITS`)."""
     layers = spec.layers
     shapes = spec.activation_shapes
-    act = g.input(INPUT, layers[0] if isinstance(layers[0], Conv2d) else None, shapes[0])
+    act = g.input(INPUT, *layers[0].qlinear_input(shapes[0]))
     p = 0
     i = 0
     while i < len(layers):
         layer = layers[i]
-        if isinstance(layer, (Conv2d, Linear)):
-            relu = i + 1 < len(layers) and isinstance(layers[i + 1], ReLU)
-            act = g.layer(act, layer, ts[p], int(shifts[p]), relu,
-                          shapes[i] if isinstance(layer, Conv2d) else ())
+        if layer.has_weights:
+            relu = _relu_after(layers, i)
+            act = layer.onnx_qlinear(g, act, shapes[i], ts[p], int(shifts[p]), relu)
             p += 1
             i += 2 if relu else 1
-            if i < len(layers) and isinstance(layers[i], MaxPool2d):
-                act = g.pool(act, layers[i])  # clip after the pool: a quarter of the bytes
+            if i < len(layers) and layers[i].commutes_with_clip:
+                act = layers[i].onnx_qlinear(g, act, shapes[i])  # clip a quarter of the bytes
                 i += 1
             act = g.clip(act)
             continue
-        if isinstance(layer, ReLU):
-            act = g.relu(act)
-        elif isinstance(layer, MaxPool2d):
-            act = g.pool(act, layer)
-        elif isinstance(layer, Flatten):
-            act = g.flatten(act)
-        else:  # pragma: no cover - the spec module has no other layer kinds
-            raise SpecError(f"{spec.name}: cannot export layer {layer!r}")
+        act = layer.onnx_qlinear(g, act, shapes[i])
         i += 1
     return g.int8_values(act, LOGITS)
 
@@ -366,23 +301,20 @@ def _widened_layers(g: IntegerGraph, spec: ModelSpec, ts: Sequence[np.ndarray],
     i = 0
     while i < len(layers):
         layer = layers[i]
-        if isinstance(layer, (Conv2d, Linear)):
-            relu = i + 1 < len(layers) and isinstance(layers[i + 1], ReLU)
-            acc = g.integer_op(act, layer, ts[p])
-            act = g.finish(acc, int(shifts[p]), relu, layer.name)
+        if layer.has_weights:
+            relu = _relu_after(layers, i)
+            act = layer.onnx_widened(g, act, shapes[i], ts[p], int(shifts[p]), relu)
             p += 1
             i += 2 if relu else 1
             continue
-        if isinstance(layer, ReLU):
-            act = g.relu(act)
-        elif isinstance(layer, MaxPool2d):
-            act = g.pool(act, layer, shapes[i])
-        elif isinstance(layer, Flatten):
-            act = g.flatten(act)
-        else:  # pragma: no cover - the spec module has no other layer kinds
-            raise SpecError(f"{spec.name}: cannot export layer {layer!r}")
+        act = layer.onnx_widened(g, act, shapes[i])
         i += 1
     return g.i32(act).name
+
+
+def _relu_after(layers: Sequence[Any], i: int) -> bool:
+    """Whether a ReLU comes right after layer i (the weight layer computes it)."""
+    return i + 1 < len(layers) and layers[i + 1].is_relu
 
 
 def export_float(spec: ModelSpec, weights: Sequence[np.ndarray],
@@ -409,26 +341,13 @@ def export_float(spec: ModelSpec, weights: Sequence[np.ndarray],
     v = INPUT
     p = 0
     for layer in spec.layers:
-        if isinstance(layer, (Conv2d, Linear)):
-            if isinstance(layer, Conv2d):
-                w = b.tensor(f"{layer.name}.w", ws[p])
-                s, pad = layer.stride, layer.padding
-                v = b.op("Conv", [v, w], layer.name, kernel_shape=[layer.kernel] * 2,
-                         strides=[s, s], pads=[pad] * 4)
-            else:
-                w = b.tensor(f"{layer.name}.w", np.ascontiguousarray(ws[p].T))
-                v = b.op("MatMul", [v, w], layer.name)
+        if layer.has_weights:
+            v = layer.onnx_float(b, v, ws[p])
             scale = np.float32(2.0 ** -int(alpha_log2[p]))
             v = b.op("Mul", [v, b.const(scale, np.float32, "scale")], layer.name)
             p += 1
-        elif isinstance(layer, ReLU):
-            v = b.op("Relu", [v], layer.name)
-        elif isinstance(layer, MaxPool2d):
-            k, s, pad = layer.kernel, layer.step, layer.padding
-            v = b.op("MaxPool", [v], layer.name, kernel_shape=[k, k], strides=[s, s],
-                     pads=[pad] * 4)
-        elif isinstance(layer, Flatten):
-            v = b.op("Flatten", [v], layer.name, axis=1)
+        else:
+            v = layer.onnx_float(b, v)
     b.op("Identity", [v], LOGITS, output=LOGITS)
     b.op("ArgMax", [v], LABEL, output=LABEL, axis=1, keepdims=0)
     doc = (f"fedbit {spec.name}, float32 shared-domain forward. Input x: float32 "
@@ -452,16 +371,7 @@ def exported_ternary(model: onnx.ModelProto, info: ExportInfo) -> list[np.ndarra
         t = inits.get(f"{layer.name}.w")
         if t is None:
             raise SpecError(f"{info.spec.name}: no weights {layer.name}.w in the graph")
-        a = numpy_helper.to_array(t)
-        if isinstance(layer, Conv2d):  # uint8 t + 1 (ConvInteger) or int8 t (QLinearConv)
-            a = a.astype(np.int16) - (1 if a.dtype == np.uint8 else 0)
-            unfolded = unfold_conv_weights(a, layer.out_channels, layer.kernel)
-            a = a if unfolded is None else unfolded  # a width-folded conv's weights
-            c = layer.weight_shape[1]  # a padded image input's channels have zero weights
-            if a.ndim == 4 and a.shape[1] > c and not np.any(a[:, c:]):
-                a = a[:, :c]
-        else:
-            a = a.T.astype(np.int16)
+        a = layer.exported_weights(numpy_helper.to_array(t))
         if tuple(a.shape) != tuple(layer.weight_shape) or (a.size and np.abs(a).max() > 1):
             raise SpecError(f"{info.spec.name}: weights {layer.name}.w are not ternary "
                             f"{list(layer.weight_shape)}")

@@ -1,5 +1,7 @@
 """Building blocks of the ONNX graphs of :mod:`firmware_models.onnx_export`: a node and
-constant builder, and the integer network's layers as ONNX Runtime CPU ops (the module
+constant builder, the integer graphs' activation representations and the steps every
+layer shares (requantization, clip, the Int16 byte split), and the width fold of a conv;
+each layer kind adds its own nodes with these (``firmware_models.layers``; the module
 docstring of ``onnx_export`` says how each piece maps and why).
 
 ``onnx`` is imported when a builder is made, never at import time.
@@ -13,10 +15,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from firmware_models.spec import Conv2d, Linear, MaxPool2d, ModelSpec
-
 if TYPE_CHECKING:  # pragma: no cover
+    from collections.abc import Callable
+
     import onnx
+
+    from firmware_models.spec import ModelSpec
 
 INPUT, LOGITS, LABEL = "x", "logits", "label"
 INT32_MAX = (1 << 31) - 1
@@ -139,30 +143,17 @@ class IntegerGraph:
 
     # layers ---------------------------------------------------------------
 
-    def integer_op(self, a: Act, layer: Conv2d | Linear, t: np.ndarray) -> str:
-        """int32 ``sum t * a`` of one conv/linear layer (ConvInteger / MatMulInteger)."""
+    def integer_sum(self, a: Act, run: Callable[[str, int], str], hint: str) -> str:
+        """int32 ``sum t * a`` of one weight layer: ``run(x, zp)`` adds its integer op on a
+        uint8 tensor ``x`` with zero point ``zp``; an Int16 activation is its two bytes,
+        ``256 * run(hi) + run(lo)`` (exact in int32)."""
         b = self.b
-        if isinstance(layer, Conv2d):
-            w = b.tensor(f"{layer.name}.w", (t.astype(np.int16) + 1).astype(np.uint8))
-            wz = b.const(1, np.uint8, "w_zp")
-            p, s = layer.padding, layer.stride
-            attrs = {"kernel_shape": [layer.kernel] * 2, "strides": [s, s], "pads": [p] * 4}
-
-            def run(x: str, zp: int) -> str:
-                return b.op("ConvInteger", [x, w, b.const(zp, np.uint8, "x_zp"), wz],
-                            layer.name, **attrs)
-        else:
-            w = b.tensor(f"{layer.name}.w", np.ascontiguousarray(t.T.astype(np.int8)))
-
-            def run(x: str, zp: int) -> str:
-                return b.op("MatMulInteger", [x, w, b.const(zp, np.uint8, "x_zp")], layer.name)
-
         if self.bytes:
             x = self.u8(a)
             return run(x.name, x.zp)
         hi, lo = self.split(a)
-        acc_hi = b.op("Mul", [run(hi[0], hi[1]), b.const(hi[2], np.int32)], layer.name)
-        return b.op("Add", [acc_hi, run(lo[0], lo[1])], layer.name)
+        acc_hi = b.op("Mul", [run(hi[0], hi[1]), b.const(hi[2], np.int32)], hint)
+        return b.op("Add", [acc_hi, run(lo[0], lo[1])], hint)
 
     def finish(self, acc: str, shift: int, relu: bool, hint: str) -> Act:
         """``clip(round_shift(relu?(acc), shift), +-amax)`` in int32 (see the docstring)."""
@@ -193,73 +184,6 @@ class IntegerGraph:
         a = self.i32(a)  # Max has byte kernels only in recent ONNX Runtime releases
         return Act(self.b.op("Max", [a.name, self.b.const(0, np.int32)], "relu"), "i32", 0, True)
 
-    def pool(self, a: Act, layer: MaxPool2d, shape: tuple[int, ...]) -> Act:
-        """Max-pool. Non-overlapping windows (stride == kernel, the usual case), on the
-        int32 values (before they become bytes: a quarter of the bytes to convert): pad
-        (with the int32 minimum) or crop to ``Ho*k x Wo*k``, then the elementwise ``Max``
-        of the k row slabs (``Split`` of ``[N, C, Ho, k, Wo*k]``), then of the k column
-        slabs (``[N, C, Ho, Wo, k]``); ONNX Runtime's byte ``MaxPool`` is a scalar loop,
-        several times slower, and its ``Max`` has no byte kernel before recent releases.
-        Overlapping windows: ``MaxPool`` on bytes, or int32 ``Pad`` + strided ``Slice``
-        + ``Max`` (no integer MaxPool kernel is wider than 8 bits)."""
-        b = self.b
-        k, s, p = layer.kernel, layer.step, layer.padding
-        c, ho, wo = layer.output_shape(shape)
-        overlapping = s != k
-        x = self.u8(a) if self.bytes and overlapping else self.i32(a)
-
-        def low() -> str:  # the pad value: 0 as a byte (below every value + zp), int32 min
-            return b.const(0, np.uint8) if x.kind == "u8" else b.const(INT32_MIN, np.int32)
-
-        if not overlapping:
-            v = x.name
-            h, w = shape[1], shape[2]
-            # in padded coordinates the windows cover [0, Ho*k) x [0, Wo*k): pad the top
-            # and left by p, the bottom and right up to that, crop what no window reads
-            bottom, right = ho * k - h - p, wo * k - w - p
-            if p or bottom > 0 or right > 0:
-                v = b.op("Pad", [v, b.const([0, 0, p, p, 0, 0, max(0, bottom), max(0, right)],
-                                            np.int64), low()], layer.name, mode="constant")
-            if bottom < 0 or right < 0:
-                v = b.op("Slice", [v, b.const([0, 0], np.int64),
-                                   b.const([ho * k, wo * k], np.int64),
-                                   b.const([2, 3], np.int64)], layer.name)
-            if k > 1:
-                # rows: [N, C, Ho, k, Wo*k] -> k slabs -> elementwise Max
-                v = b.op("Reshape", [v, b.const([0, c, ho, k, wo * k], np.int64)], layer.name)
-                v = self._max_of_split(v, 3, k, layer.name)
-                # columns: [N, C, Ho, Wo, k] -> k slabs -> elementwise Max
-                v = b.op("Reshape", [v, b.const([0, c, ho, wo, k], np.int64)], layer.name)
-                v = self._max_of_split(v, 4, k, layer.name)
-                v = b.op("Reshape", [v, b.const([0, c, ho, wo], np.int64)], layer.name)
-            return Act(v, x.kind, x.zp, x.nonneg)
-        if self.bytes:
-            y = b.op("MaxPool", [x.name], layer.name, kernel_shape=[k, k], strides=[s, s],
-                     pads=[p] * 4)
-            return Act(y, "u8", x.zp, x.nonneg)
-        v = x.name
-        if p:
-            v = b.op("Pad", [v, b.const([0, 0, p, p, 0, 0, p, p], np.int64), low()],
-                     layer.name, mode="constant")
-        axes = b.const([2, 3], np.int64)
-        steps = b.const([s, s], np.int64)
-        cells = []
-        for kh in range(k):
-            for kw in range(k):
-                starts = b.const([kh, kw], np.int64)
-                ends = b.const([kh + s * (ho - 1) + 1, kw + s * (wo - 1) + 1], np.int64)
-                cells.append(b.op("Slice", [v, starts, ends, axes, steps], layer.name))
-        y = cells[0] if len(cells) == 1 else b.op("Max", cells, layer.name)
-        return Act(y, "i32", 0, x.nonneg)
-
-    def _max_of_split(self, v: str, axis: int, k: int, hint: str) -> str:
-        """Elementwise Max of the k equal parts of ``v`` along ``axis``."""
-        b = self.b
-        parts = [b.name(hint) for _ in range(k)]
-        b.nodes.append(b.helper.make_node("Split", [v], parts, name=f"{parts[0]}/Split",
-                                          axis=axis))
-        return b.op("Max", parts, hint)
-
     def flatten(self, a: Act) -> Act:
         return Act(self.b.op("Flatten", [a.name], "flatten", axis=1), a.kind, a.zp, a.nonneg)
 
@@ -276,9 +200,8 @@ QLINEAR_MAX_ACC = 600_000
 QLINEAR_CHANNEL_BLOCK = 4
 #: a stride-1 conv on one channel block reads this many neighbouring columns as one pixel
 QLINEAR_WIDTH_FOLD = 2
-#: ... when it has this many output pixels: the fold adds two reshapes (~0.3 us each a
-#: call), which a small conv does not win back (digits_cnn's 8x8: batch 1 0.97x, batch 32
-#: 1.02x; mnist_cnn's 28x28 1.07x / 1.14x; fedshift_cnn's 30x30 1.07x / 1.10x)
+#: ... when it has this many output pixels: the fold adds two reshapes, which a small conv
+#: does not win back (docs/performance.md#onnx-export)
 QLINEAR_FOLD_MIN_PIXELS = 256
 
 
@@ -292,9 +215,9 @@ class WidthFold:
     folded columns. Same products, same exact int32 sums, ~``f * taps / kernel`` of the
     multiply-accumulates (the zero weights of the fold), but ``f`` times the channels a
     kernel tap reads: ONNX Runtime's VNNI conv pays per output pixel and tap, and a
-    4-channel tap fills a quarter of its work (fedshift_cnn's first conv 34 -> 26 us a
-    sample, docs/performance.md). The input is padded once for the folded conv: the
-    conv's own padding, and on the right up to ``width``."""
+    4-channel tap fills a quarter of its work (docs/performance.md#onnx-export). The input
+    is padded once for the folded conv: the conv's own padding, and on the right up to
+    ``width``."""
 
     f: int
     kernel: int
@@ -307,11 +230,11 @@ class WidthFold:
     pads: tuple[int, int, int, int]  # (top, left, bottom, right)
 
 
-def width_fold(layer: Conv2d, in_shape: Sequence[int], channels: int) -> WidthFold | None:
+def width_fold(layer: Any, in_shape: Sequence[int], channels: int) -> WidthFold | None:
     """The fold of a conv reading ``channels`` (padded) channels of ``in_shape`` (C, H, W),
     or None where the conv is read as it is: stride > 1; more than one channel block (a
-    tap then holds enough channels: fedshift_cnn's graph with its second conv folded too
-    ran 0.92x); fewer than :data:`QLINEAR_FOLD_MIN_PIXELS` output pixels."""
+    tap then holds enough channels); fewer than :data:`QLINEAR_FOLD_MIN_PIXELS` output
+    pixels."""
     f = QLINEAR_WIDTH_FOLD
     if layer.stride != 1 or channels != QLINEAR_CHANNEL_BLOCK or f < 2:
         return None
@@ -375,23 +298,17 @@ class QLinearGraph:
         self.one = b.const(1.0, np.float32, "scale")
         self.wzp = b.const(0, np.int8, "w_zp")
 
-    def input(self, x: str, first: Conv2d | None = None,
-              shape: Sequence[int] | None = None) -> Act:
+    def input(self, x: str, extra: int = 0, pads: tuple[int, int, int, int] = (0, 0, 0, 0)
+              ) -> Act:
         """int8 images -> uint8 with zero point 128 (any int8 value, exactly).
 
-        ``first``: the conv that reads them, and ``shape`` their (C, H, W). A channel count
-        that is not a multiple of :data:`QLINEAR_CHANNEL_BLOCK` is padded up to one with
-        zeros, which the conv's zero weights for them ignore (ONNX Runtime's int8 conv runs
-        such an input faster: fedshift_cnn's 3 channels as 4 took its first conv from ~50
-        to ~39 us a sample, digits_cnn's 1 as 4 +25% at batch 32); when the conv reads
-        them width-folded (:func:`width_fold`) the same ``Pad`` adds its spatial padding.
+        ``extra`` zero channels and ``pads`` cells (top, left, bottom, right) are added, as
+        the first layer asks (``SpecLayer.qlinear_input``): a channel count that is not a
+        multiple of :data:`QLINEAR_CHANNEL_BLOCK` padded up to one, which the conv's zero
+        weights for them ignore (ONNX Runtime's int8 conv runs such an input faster,
+        docs/performance.md), and a width-folded conv's spatial padding in the same ``Pad``.
         """
         b = self.b
-        extra = 0 if first is None else -first.in_channels % QLINEAR_CHANNEL_BLOCK
-        pads = (0, 0, 0, 0)
-        if first is not None and shape is not None:
-            fold = width_fold(first, shape, first.in_channels + extra)
-            pads = fold.pads if fold is not None else pads
         if extra or any(pads):
             top, left, bottom, right = pads
             x = b.op("Pad", [x, b.const([0, 0, top, left, 0, extra, bottom, right], np.int64),
@@ -401,65 +318,17 @@ class QLinearGraph:
         return Act(b.op("Cast", [v], "x_u8", to=onnx_type(np.uint8)), "u8", 128, False, extra,
                    pads)
 
-    def layer(self, a: Act, layer: Conv2d | Linear, t: np.ndarray, shift: int, relu: bool,
-              in_shape: Sequence[int] = ()) -> Act:
-        """``clip(round_shift(relu?(sum t * a), shift), +-amax)`` but the upper clip (see
-        :meth:`clip`); ``in_shape``: a conv's input (C, H, W)."""
+    def requant(self, a: Act, shift: int, relu: bool) -> tuple[int, str, str, str]:
+        """(output zero point, input zero point, output scale, output zero point's constant)
+        of a ``QLinearConv`` / ``QLinearMatMul`` on ``a`` whose output is
+        ``round_shift(relu?(acc), shift)`` (see ``QLINEAR_TIE_BREAK``)."""
         b = self.b
         zp = 0 if relu else 128
         y_scale = b.const(np.float32(2.0 ** shift / (1.0 + QLINEAR_TIE_BREAK)), np.float32,
                           "y_scale")
         x_zp = b.const(a.zp, np.uint8, "x_zp")
         y_zp = b.const(zp, np.uint8, "y_zp")
-        if isinstance(layer, Conv2d):
-            t = np.pad(t.astype(np.int8), ((0, 0), (0, a.extra_channels), (0, 0), (0, 0)))
-            fold = width_fold(layer, in_shape, t.shape[1]) if in_shape else None
-            if fold is not None:
-                return self._folded_conv(a, layer, t, fold, x_zp, y_scale, y_zp, zp, relu)
-            w = b.tensor(f"{layer.name}.w", t)
-            p, s = layer.padding, layer.stride
-            y = b.op("QLinearConv", [a.name, self.one, x_zp, w, self.one, self.wzp, y_scale,
-                                     y_zp], layer.name, kernel_shape=[layer.kernel] * 2,
-                     strides=[s, s], pads=[p] * 4)
-        else:
-            w = b.tensor(f"{layer.name}.w", np.ascontiguousarray(t.T.astype(np.int8)))
-            y = b.op("QLinearMatMul", [a.name, self.one, x_zp, w, self.one, self.wzp, y_scale,
-                                       y_zp], layer.name)
-        return Act(y, "u8", zp, relu)
-
-    def _folded_conv(self, a: Act, layer: Conv2d, t: np.ndarray, fold: WidthFold, x_zp: str,
-                     y_scale: str, y_zp: str, zp: int, relu: bool) -> Act:
-        """The conv on its width-folded input (:class:`WidthFold`): pad (unless the input
-        is padded already), NHWC, fold, ``QLinearConv``, unfold, crop the extra output
-        column of an odd width, NCHW. ONNX Runtime runs its int8 convs in NHWC and removes
-        the transposes that meet its own, so in its graph only the pad, the transpose of
-        the input (which it makes anyway) and two reshapes remain."""
-        b = self.b
-        c, f = t.shape[1], fold.f
-        x = a.name
-        if a.pads != fold.pads:
-            if any(a.pads):  # pragma: no cover - input() pads only for this fold
-                raise ValueError(f"{layer.name}: input padded {a.pads}, the fold needs "
-                                 f"{fold.pads}")
-            top, left, bottom, right = fold.pads
-            x = b.op("Pad", [x, b.const([0, 0, top, left, 0, 0, bottom, right], np.int64),
-                             x_zp], f"{layer.name}_pad", mode="constant")
-        x = b.op("Transpose", [x], f"{layer.name}_nhwc", perm=[0, 2, 3, 1])
-        x = b.op("Reshape", [x, b.const([-1, fold.height, fold.width // f, f * c], np.int64)],
-                 f"{layer.name}_fold")
-        x = b.op("Transpose", [x], f"{layer.name}_in", perm=[0, 3, 1, 2])
-        w = b.tensor(f"{layer.name}.w", fold_conv_weights(t, f))
-        y = b.op("QLinearConv", [x, self.one, x_zp, w, self.one, self.wzp, y_scale, y_zp],
-                 layer.name, kernel_shape=[fold.kernel, fold.taps], strides=[1, 1],
-                 pads=[0, 0, 0, 0])
-        y = b.op("Transpose", [y], f"{layer.name}_nhwc", perm=[0, 2, 3, 1])
-        y = b.op("Reshape", [y, b.const([-1, fold.out_h, fold.blocks * f, layer.out_channels],
-                                        np.int64)], f"{layer.name}_unfold")
-        if fold.blocks * f != fold.out_w:
-            y = b.op("Slice", [y, b.const([0], np.int64), b.const([fold.out_w], np.int64),
-                               b.const([2], np.int64)], f"{layer.name}_crop")
-        y = b.op("Transpose", [y], f"{layer.name}_out", perm=[0, 3, 1, 2])
-        return Act(y, "u8", zp, relu)
+        return zp, x_zp, y_scale, y_zp
 
     def clip(self, a: Act) -> Act:
         """Values to [-amax, amax] ([0, amax] when non-negative) on the bytes."""
@@ -475,14 +344,6 @@ class QLinearGraph:
         b = self.b
         y = b.op("Clip", [a.name, b.const(a.zp, np.uint8), b.const(255, np.uint8)], "relu")
         return Act(y, "u8", a.zp, True)
-
-    def pool(self, a: Act, layer: MaxPool2d) -> Act:
-        """``MaxPool`` on the bytes (byte order is value order; a padded cell reads 0, the
-        lowest byte, so it never exceeds the window's maximum)."""
-        k, s, p = layer.kernel, layer.step, layer.padding
-        y = self.b.op("MaxPool", [a.name], layer.name, kernel_shape=[k, k], strides=[s, s],
-                      pads=[p] * 4)
-        return Act(y, "u8", a.zp, a.nonneg)
 
     def flatten(self, a: Act) -> Act:
         return Act(self.b.op("Flatten", [a.name], "flatten", axis=1), a.kind, a.zp, a.nonneg)

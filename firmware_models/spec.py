@@ -1,133 +1,41 @@
 """Model architectures as plain data.
 
-A :class:`ModelSpec` is an input shape plus an ordered list of layers. It is the one
-description shared by the integer engine (``edge_client.intnn``), the torch builder on
-the coordinator and float devices, and the ONNX exporter. Nothing here imports torch.
+A :class:`ModelSpec` is an input shape plus an ordered list of layers (the kinds are in
+:mod:`firmware_models.layers`, re-exported here): the one description shared by the
+integer engine (``edge_client.intnn``), the torch builder of the coordinator and float
+devices, and the ONNX exporter. Nothing here imports torch.
 
-Conventions (all shapes exclude the batch dimension):
-
-- activations are ``[C, H, W]`` for images and ``[F]`` after :class:`Flatten`;
-- a :class:`Conv2d` weight is ``[out_channels, in_channels, k, k]``;
-- a :class:`Linear` weight is ``[out_features, in_features]``;
-- no layer has a bias (docs/algorithms.md §2: one shared parameter domain, no bias, no BN).
-
-The parameter layers, in order, define the model's weight list: ``spec.param_shapes()``
-is the list of weight shapes every other module of fedbit agrees on, and
-``spec.param_names()`` their names (``"conv1"``, ``"fc2"``...).
+Shapes exclude the batch dimension: activations are ``[C, H, W]`` for images and ``[F]``
+after :class:`Flatten`; a :class:`Conv2d` weight is ``[out_channels, in_channels, k, k]``,
+a :class:`Linear` weight ``[out_features, in_features]``; no layer has a bias
+(docs/algorithms.md §2). The parameter layers, in order, define the model's weight list:
+``spec.param_shapes()`` is the list of weight shapes every other module of fedbit agrees
+on, ``spec.param_names()`` their names (``"conv1"``, ``"fc2"``...).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Union
 
 from firmware_models.errors import SpecError
+from firmware_models.layers import (
+    Conv2d,
+    Flatten,
+    Linear,
+    MaxPool2d,
+    ReLU,
+    Shape,
+    SpecLayer,
+    WeightLayer,
+)
 
-Shape = tuple[int, ...]
+#: any layer kind (firmware_models.layers); a layer with weights
+Layer = SpecLayer
+ParamLayer = WeightLayer
 
-
-@dataclass(frozen=True)
-class Conv2d:
-    """2-D convolution, square kernel, zero padding, no bias."""
-
-    name: str
-    in_channels: int
-    out_channels: int
-    kernel: int
-    stride: int = 1
-    padding: int = 0
-
-    @property
-    def weight_shape(self) -> Shape:
-        return (self.out_channels, self.in_channels, self.kernel, self.kernel)
-
-    @property
-    def fan_in(self) -> int:
-        return self.in_channels * self.kernel * self.kernel
-
-    def output_shape(self, shape: Shape) -> Shape:
-        if len(shape) != 3:
-            raise SpecError(f"{self.name}: Conv2d needs a [C, H, W] input, got {list(shape)}")
-        c, h, w = shape
-        if c != self.in_channels:
-            raise SpecError(f"{self.name}: expects {self.in_channels} input channels, got {c}")
-        ho = (h + 2 * self.padding - self.kernel) // self.stride + 1
-        wo = (w + 2 * self.padding - self.kernel) // self.stride + 1
-        if ho < 1 or wo < 1:
-            raise SpecError(f"{self.name}: input {list(shape)} is smaller than the kernel")
-        return (self.out_channels, ho, wo)
-
-
-@dataclass(frozen=True)
-class Linear:
-    """Fully connected layer, no bias."""
-
-    name: str
-    in_features: int
-    out_features: int
-
-    @property
-    def weight_shape(self) -> Shape:
-        return (self.out_features, self.in_features)
-
-    @property
-    def fan_in(self) -> int:
-        return self.in_features
-
-    def output_shape(self, shape: Shape) -> Shape:
-        if len(shape) != 1 or shape[0] != self.in_features:
-            raise SpecError(
-                f"{self.name}: Linear expects [{self.in_features}], got {list(shape)}"
-            )
-        return (self.out_features,)
-
-
-@dataclass(frozen=True)
-class ReLU:
-    name: str
-
-    def output_shape(self, shape: Shape) -> Shape:
-        return shape
-
-
-@dataclass(frozen=True)
-class MaxPool2d:
-    """Max pooling; padded cells never win (they count as -inf, as in torch)."""
-
-    name: str
-    kernel: int
-    stride: int | None = None
-    padding: int = 0
-
-    @property
-    def step(self) -> int:
-        return self.kernel if self.stride is None else self.stride
-
-    def output_shape(self, shape: Shape) -> Shape:
-        if len(shape) != 3:
-            raise SpecError(f"{self.name}: MaxPool2d needs a [C, H, W] input, got {list(shape)}")
-        if 2 * self.padding > self.kernel:
-            raise SpecError(f"{self.name}: padding {self.padding} exceeds half the kernel")
-        c, h, w = shape
-        ho = (h + 2 * self.padding - self.kernel) // self.step + 1
-        wo = (w + 2 * self.padding - self.kernel) // self.step + 1
-        if ho < 1 or wo < 1:
-            raise SpecError(f"{self.name}: input {list(shape)} is smaller than the window")
-        return (c, ho, wo)
-
-
-@dataclass(frozen=True)
-class Flatten:
-    name: str
-
-    def output_shape(self, shape: Shape) -> Shape:
-        return (math.prod(shape),)
-
-
-# Union, not X | Y: these aliases are evaluated at import, on Python 3.9 too
-Layer = Union[Conv2d, Linear, ReLU, MaxPool2d, Flatten]
-ParamLayer = Union[Conv2d, Linear]
+__all__ = ["Conv2d", "Flatten", "Layer", "Linear", "MaxPool2d", "ModelSpec", "ParamLayer", "ReLU",
+           "Shape"]
 
 
 #: initial weight schemes (``edge_client.intnn.init_shared``): ``wage`` (WAGE eq. 10, fedbit's
@@ -177,7 +85,7 @@ class ModelSpec:
 
     @property
     def param_layers(self) -> tuple[ParamLayer, ...]:
-        return tuple(layer for layer in self.layers if isinstance(layer, (Conv2d, Linear)))
+        return tuple(layer for layer in self.layers if layer.has_weights)
 
     def param_names(self) -> list[str]:
         return [layer.name for layer in self.param_layers]
@@ -196,6 +104,6 @@ class ModelSpec:
     def summary(self) -> str:
         lines = [f"{self.name}: input {list(self.input_shape)}, {self.param_count:,} parameters"]
         for layer, shape in zip(self.layers, self._shapes[1:]):  # one shape per layer
-            params = math.prod(layer.weight_shape) if hasattr(layer, "weight_shape") else 0
+            params = math.prod(layer.weight_shape) if layer.has_weights else 0
             lines.append(f"  {layer.name:<8} {type(layer).__name__:<10} -> {list(shape)}  {params:,}")
         return "\n".join(lines)

@@ -51,6 +51,10 @@ class HardwareProfile:
     ``python``, the oldest Python those images ship (``"3.9"``, at least ``PYTHON_FLOOR``).
     ``fedbit-edge doctor --profile NAME`` checks the machine against them: Python >=
     ``python``, the machine is ``arch``, and (for ``trainer = "torch"``) torch imports.
+    ``engine`` (optional, ``"cpu"`` by default): where an integer device's training steps
+    run, ``"cpu"``, ``"cuda"`` (its GPU, ``edge_client.intnn.cuda``; the same results) or
+    ``"auto"`` (the GPU when the CUDA engine can run there, else the CPU); a float device
+    trains on the CPU (``"cpu"``).
     """
 
     name: str
@@ -70,6 +74,7 @@ class HardwareProfile:
     threads: int = 1
     image: str = ""
     python: str = "3.9"
+    engine: str = "cpu"
 
     @property
     def is_integer(self) -> bool:
@@ -83,7 +88,8 @@ class HardwareProfile:
 
 
 FIELDS: tuple[str, ...] = tuple(f.name for f in fields(HardwareProfile))
-_OPTIONAL = {"notes", "kmeans_method", "threads", "image", "python"}
+_OPTIONAL = {"notes", "kmeans_method", "threads", "image", "python", "engine"}
+ENGINES = ("cpu", "cuda", "auto")
 MAX_THREADS = 256
 KMEANS_METHODS = ("fast", "authors")
 
@@ -158,6 +164,12 @@ def parse_profile(table: dict[str, Any], where: str = "<profile>") -> HardwarePr
     if kmeans_method not in KMEANS_METHODS:
         raise ProfileError(f"{where}: key 'kmeans_method' = {kmeans_method!r} must be one of "
                            f"{list(KMEANS_METHODS)}")
+    engine = _check(where, "engine", v.get("engine", "cpu"), str)
+    if engine not in ENGINES:
+        raise ProfileError(f"{where}: key 'engine' = {engine!r} must be one of {list(ENGINES)}")
+    if engine != "cpu" and trainer != "int":
+        raise ProfileError(f"{where}: key 'engine' = {engine!r}: a float device (trainer = 'torch') "
+                           "trains on the CPU; the cuda engine is the integer one")
     python = _check(where, "python", v.get("python", "3.9"), str)
     parts = python.split(".")
     if len(parts) != 2 or not all(p.isdigit() and len(p) <= 3 for p in parts):
@@ -184,6 +196,7 @@ def parse_profile(table: dict[str, Any], where: str = "<profile>") -> HardwarePr
         threads=_check(where, "threads", v.get("threads", 1), int, 1, MAX_THREADS),
         image=_check(where, "image", v.get("image", ""), str),
         python=f"{int(parts[0])}.{int(parts[1])}",
+        engine=engine,
     )
 
 

@@ -8,6 +8,7 @@ under Python 3.9, where the coordinator does not import.
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 from collections.abc import Iterator
@@ -15,6 +16,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
+
+# The CUDA engine's kernels run under Numba's CUDA simulator in the tests unless told
+# otherwise (make gpu-check sets NUMBA_ENABLE_CUDASIM=0 on a GPU): numba reads it on import.
+os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
 
 if TYPE_CHECKING:
     from coordinator.ops.broker import AmqttBroker, MosquittoBroker
@@ -114,3 +119,16 @@ def fashion_mnist() -> str:
             pytest.fail(f"CI=true: {msg}")
         pytest.skip(msg)
     return FASHION_MNIST_DIR
+
+
+@pytest.fixture(autouse=True)
+def _fedbit_logger_restored() -> Iterator[None]:
+    """A test that runs a command in-process configures the ``fedbit`` logger tree (its
+    level, handler, propagation: ``edge_client.logs.setup_logging``); put it back after
+    the test, so that a later test's ``caplog`` sees every record of every level."""
+    log = logging.getLogger("fedbit")
+    level, handlers, propagate = log.level, list(log.handlers), log.propagate
+    yield
+    log.setLevel(level)
+    log.handlers[:] = handlers
+    log.propagate = propagate

@@ -141,7 +141,11 @@ def test_the_collector_counts_clips_and_keeps_floods_out_of_the_log(tmp_path: Pa
 
     fleet = InProcessFleet(JOB)
     fleet.start()
-    cfg = ServerConfig(job=JOB, model="mlp", rounds=1, admission=AdmissionConfig(max_samples=9))
+    from coordinator.defense.config import DefenseConfig
+
+    # hold=1: the poisoning defense folds the first update at once (its sums are what is read)
+    cfg = ServerConfig(job=JOB, model="mlp", rounds=1, admission=AdmissionConfig(max_samples=9),
+                       defense=DefenseConfig(hold=1))
     co = Coordinator(cfg, fleet, build_strategy("fedavg"), RunState(tmp_path / "run"), evaluator=None,
                      init_weights=init_shared(get_spec("mlp"), 0))
     col = co.collector

@@ -35,12 +35,16 @@ WANTED = {
                        ("dashboard on vs off", "dashboard_cost_fraction"),
                        ("dashboard on vs off", "page_update_latency_s")],
     "security": [("MAC verified", "updates_per_s"), ("robust clip", "round_seconds"), ("robust median", "round_seconds"),
-                 ("robust trimmed_mean", "peak_memory"), ("robust median", "peak_memory")],
+                 ("robust trimmed_mean", "peak_memory"), ("robust median", "peak_memory"),
+                 ("defense (the round loop's default)", "round_seconds")],
     "train_throughput": [("fedshift_cnn int8", "throughput"), ("digits_cnn int8", "throughput"),
                          ("fedshift_cnn int8 2 threads", "throughput"),
                          ("fedshift_cnn int8 2 threads", "throughput_vs_float"),
                          ("fedshift_cnn int8", "rss"), ("fedshift_cnn int8", "warm_start_s")],
+    "eval_share": [("fmnist-mixed-fleet", "eval_share")],
     "secagg": [("devices", "device_cpu_seconds"), ("devices", "uplink_bytes")],
+    "fleet_load": [("devices", "connections_held"), ("devices", "coordinator_cpu_per_update"),
+                   ("devices", "round_seconds"), ("devices", "updates_per_s")],
     "layer_profile": [("fedshift_cnn int8 conv layers", "arithmetic_bound_fraction"),
                       ("fedshift_cnn conv2 forward", "seconds"),
                       ("int8 SIMD rate: ternary_add", "rate")],
@@ -68,3 +72,17 @@ def test_run_all_quick_writes_every_benchmarks_lines(tmp_path: Path) -> None:
         for case, metric in wanted:
             assert any(case in r["case"] and r["metric"] == metric and r["anchor_value"] for r in mine), \
                 (bench, case, metric, [(r["case"], r["metric"]) for r in mine])
+    fleet = [r for r in recs if r["bench"] == "fleet_load"]
+    assert all(r["lost"] == 0 and r["devices"] > 0 for r in fleet), fleet  # nothing acknowledged is lost
+    assert all(r["ratio"] == 1.0 for r in fleet if r["metric"] == "connections_held"), fleet
+
+
+def test_a_named_run_replaces_its_own_lines_and_keeps_the_others() -> None:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_run_all", ROOT / "benchmarks" / "run_all.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    old = [{"bench": "a", "v": 1}, {"bench": "b", "v": 1}, {"bench": "a", "v": 2}, {"bench": "c", "v": 1}]
+    assert mod._merged(old, [{"bench": "a", "v": 9}, {"bench": "d", "v": 9}]) == [
+        {"bench": "a", "v": 9}, {"bench": "b", "v": 1}, {"bench": "c", "v": 1}, {"bench": "d", "v": 9}]

@@ -143,6 +143,14 @@ def test_strategies_that_need_a_synchronous_cohort_refuse_buffered_mode(tmp_path
     cfg = load_job(job).server
     assert (cfg.mode, cfg.buffered.buffer_size, cfg.buffered.concurrency, cfg.buffered.staleness) == \
         ("buffered", 3, 7, "hinge-10-4")
+    job.write_text('out = "x"\n[round]\nmode = "buffered"\n[ingest]\nworkers = 2\n')
+    with pytest.raises(ConfigError, match=r"ingest\.workers.*buffered"):
+        load_job(job)
+    from coordinator.emulation.config import from_dict
+
+    with pytest.raises(ConfigError, match=r"round\.engine.*buffered"):
+        from_dict({"name": "fb", "model": "mlp", "rounds": 2, "devices": {"raspberry-pi-4": 2},
+                   "round": {"mode": "buffered", "engine": "cuda"}}, "test")
 
 
 # --------------------------------------------------------------------------- admission
@@ -273,6 +281,41 @@ def test_a_buffer_applies_the_staleness_weighted_updates_exactly(tmp_path: Path,
     assert f'fedbit_staleness_refusals_total{{job="buf"}} {float(stale)}' in text
     assert f'fedbit_update_staleness_bucket{{job="buf",le="0"}} {float(taus.count(0))}' in text
     assert f'fedbit_update_staleness_count{{job="buf"}} {float(len(taus))}' in text
+
+
+def test_the_poisoning_defense_bounds_and_quarantines_per_update_in_buffered_mode(tmp_path: Path) -> None:
+    """Three honest devices (step 0.01, 10 samples) and ``x`` (step 1.0, claiming 1,000
+    samples), buffers of 3: each update of ``x`` is norm-bounded to 3x its buffer's median
+    movement and weighed at most 4x its median sample count, so no version moves a weight
+    more than 0.03 (``x`` unbounded: 0.99 per buffer); two struck buffers quarantine ``x``,
+    which is asked no more (an answer to a request it held still counts, bounded)."""
+    from coordinator.defense.config import DefenseConfig
+
+    shifts = {"a": (0.01, 10), "b": (0.01, 10), "c": (0.01, 10), "x": (1.0, 1000)}
+    fleet = InProcessFleet(JOB)
+    co = coordinator_for(buffered_cfg(rounds=8, defense=DefenseConfig(strikes=2, window=5),
+                                      buffered={"buffer_size": 3, "concurrency": 4, "max_staleness": 8}),
+                         fleet, build_strategy("fedavg"), RunState(tmp_path / "out"), evaluator=None,
+                         init_weights=init_shared(SPEC, 0))
+    rts = [device(d, s, n, fleet.device_connector(d), tmp_path) for d, (s, n) in shifts.items()]
+    threads = [threading.Thread(target=rt.run, kwargs={"max_seconds": 30}, daemon=True) for rt in rts]
+    for t in threads:
+        t.start()
+    history = co.run()
+    fleet.close()
+    for t in threads:
+        t.join(10)
+    assert [h["round"] for h in history] == list(range(1, 9))
+    with_x = [h for h in history if any(u["device"] == "x" for u in h["updates"])]
+    assert with_x and all(h["stats"]["guard_norm_bounded"] >= 1 and h["stats"]["guard_weight_bounded"] >= 1
+                          and "x" in h["defense"]["struck"] for h in with_x)
+    n_params = sum(int(np.prod(s)) for s in SPEC.param_shapes())
+    steps = [h["weight_change_l2"] / math.sqrt(n_params) for h in history]  # (every weight moves alike)
+    assert all(0 < step <= 0.03 + 1e-6 for step in steps), steps
+    quarantined_at = next(h["round"] for h in history if "x" in h["defense"]["newly_quarantined"])
+    asked_later = [u for h in history if h["round"] > quarantined_at for u in h["updates"] if u["device"] == "x"]
+    assert len(asked_later) <= 1 and all(h["defense"]["quarantined_ids"] == ["x"] for h in history
+                                         if h["round"] >= quarantined_at)
 
 
 @pytest.mark.mosquitto

@@ -94,6 +94,13 @@ def test_the_monitor_follows_devices_rounds_and_refusals() -> None:
     calls: list[str] = []
     fan_out(None, lambda e, f: calls.append(e), lambda e, f: calls.append(e + "!"))("x", {})
     assert calls == ["x", "x!"]
+    m("quarantine", {"device": "a", "change": "quarantined", "round": 3, "reasons": ["round 3: update norm 40x"]})
+    snap = m.snapshot()
+    assert snap["quarantined"] == ["a"] and snap["devices"][0]["quarantined"] == ["round 3: update norm 40x"]
+    m("quarantine", {"device": "a", "change": "released", "round": 4, "reasons": []})
+    assert m.snapshot()["quarantined"] == [] and not m.snapshot()["devices"][0]["quarantined"]
+    m("alert", {"round": 5, "text": "rounds 4-5 all collapsed"})
+    assert m.snapshot()["alerts"][0]["text"] == "rounds 4-5 all collapsed" and m.snapshot()["alerts_total"] == 1
 
 
 def test_a_large_fleet_is_counted_whole_and_listed_in_part(monkeypatch) -> None:
@@ -266,6 +273,7 @@ def test_pages_state_and_metrics(served) -> None:
     assert fams["fedbit_round_duration_seconds"].type == "histogram"
     assert [s.value for s in fams["fedbit_round_duration_seconds"].samples if s.name.endswith("_count")] == [1]
     assert sample("fedbit_device_wait_seconds") == 0.25
+    assert sample("fedbit_devices_quarantined") == 0 and sample("fedbit_alerts") == 0
 
 
 def test_bad_requests_are_4xx_and_the_server_goes_on(served) -> None:
@@ -275,6 +283,11 @@ def test_bad_requests_are_4xx_and_the_server_goes_on(served) -> None:
     assert get(url + "api/state?rounds=-1")[0] == 400
     assert get(url + "api/state?rounds=" + "9" * 40)[0] == 400
     assert get(url, headers={"Host": "evil.example:80"})[0] == 421  # DNS rebinding
+    port = url.rstrip("/").rsplit(":", 1)[1]
+    for host in ("127.attacker.example", "127.0.0.1.attacker.example", "localhost.attacker.example", "[::1"):
+        assert get(url, headers={"Host": f"{host}:{port}"})[0] == 421, host
+    for host in ("127.0.0.1", "127.0.0.2", "localhost", "LOCALHOST", "[::1]"):
+        assert get(url, headers={"Host": f"{host}:{port}"})[0] == 200, host
     assert get(url + "static/%2e%2e/web.py")[0] in (403, 404)
     assert get(url + "static/../../job.py")[0] in (403, 404)
     status = lambda data: re.match(rb"HTTP/1\.[01] (\d+)", raw(url, data))  # noqa: E731

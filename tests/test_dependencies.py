@@ -244,6 +244,102 @@ def test_module_and_folder_sizes() -> None:
     assert len(top) <= 14, top
 
 
+# --------------------------------------------------------------------------- layer kinds
+
+#: where a layer kind may be named in a type test or a comparison: its own modules
+LAYER_MODULES = ("firmware_models/layers/", "edge_client/intnn/layers/")
+#: modules still dispatching on layer kinds, each with the reason it is allowed
+LAYER_DISPATCH_ALLOWED = {
+    # the dequantizer's planes of a linear layer read through a flatten; its owners'
+    # module, to move to the layer objects with them
+    "coordinator/strategies/dequantizer/slices.py",
+}
+#: attributes whose value names a layer kind (``op.kind == "conv"``, ``type(x).__name__``)
+KIND_ATTRIBUTES = {"kind", "__name__", "file_type", "layer_type"}
+
+
+def _layer_kind_names() -> tuple[set[str], set[str]]:
+    """(the layer kinds' class names, spec and engine; the strings that name a kind)."""
+    from edge_client.intnn.layers import REGISTRY, IntLayer, IntWeightLayer, load_all
+    from firmware_models.layers import LAYER_TYPES, SpecLayer, WeightLayer
+
+    load_all()
+    generic = {IntLayer, IntWeightLayer, SpecLayer, WeightLayer, object}
+    classes = set(LAYER_TYPES)
+    for engine in REGISTRY.values():
+        classes |= {c.__name__ for c in engine.__mro__ if c not in generic}
+    words = {"conv", "pool", "linear", "relu", "flatten"}  # the engine's old op kinds
+    for cls in LAYER_TYPES.values():
+        words |= {cls.__name__, cls.__name__.lower(), cls.file_type, cls.name_prefix,
+                  *cls.file_aliases}
+    return classes, words
+
+
+def _layer_kind_dispatch(tree: ast.AST, classes: set[str], words: set[str]) -> list[int]:
+    """Lines that test a value against a layer kind: ``isinstance(x, Conv2d)``,
+    ``cls is Linear``, ``op.kind == "conv"``, ``type(x).__name__ in ("ReLU", ...)``."""
+
+    def names_class(node: ast.AST) -> bool:
+        if isinstance(node, ast.Tuple):
+            return any(names_class(e) for e in node.elts)
+        if isinstance(node, ast.Attribute) and ast.unparse(node.value) in ("nn", "torch.nn"):
+            return False  # torch's modules of the same names
+        last = node.id if isinstance(node, ast.Name) else getattr(node, "attr", None)
+        return last in classes
+
+    def names_word(node: ast.AST) -> bool:
+        if isinstance(node, ast.Tuple | ast.List | ast.Set):
+            return any(names_word(e) for e in node.elts)
+        return isinstance(node, ast.Constant) and node.value in words
+
+    def about_kind(node: ast.AST) -> bool:
+        return isinstance(node, ast.Attribute) and node.attr in KIND_ATTRIBUTES
+
+    lines = []
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                and node.func.id in ("isinstance", "issubclass") and len(node.args) == 2
+                and names_class(node.args[1])):
+            lines.append(node.lineno)
+        elif isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+            if (any(names_class(s) for s in sides)
+                    or (any(about_kind(s) for s in sides) and any(names_word(s) for s in sides))):
+                lines.append(node.lineno)
+    return lines
+
+
+def test_no_layer_kind_dispatch_outside_the_layer_modules() -> None:
+    """docs/architecture.md#add-a-layer-kind: a layer kind's knowledge is in its own
+    modules (firmware_models/layers/, edge_client/intnn/layers/); everywhere else a layer
+    is asked (``layer.has_weights``, ``op.forward_task(...)``), never tested for its kind."""
+    classes, words = _layer_kind_names()
+    bad = []
+    for pkg in PACKAGES + ("benchmarks", "experiments"):
+        for f in _files(pkg):
+            rel = str(f.relative_to(ROOT))
+            if rel.startswith(LAYER_MODULES) or rel in LAYER_DISPATCH_ALLOWED:
+                continue
+            tree = ast.parse(f.read_text(encoding="utf-8"))
+            bad += [f"{rel}:{line}" for line in _layer_kind_dispatch(tree, classes, words)]
+    assert not bad, "ask the layer object instead: " + ", ".join(bad)
+    assert {"Conv2d", "CpuConv2d", "IntLinear", "AvgPool2d"} <= classes
+
+
+def test_the_layer_kind_check_finds_dispatch() -> None:
+    classes, words = _layer_kind_names()
+    code = """
+if isinstance(layer, (Conv2d, Linear)): pass
+if cls is MaxPool2d: pass
+if op.kind == "conv": pass
+if type(layer).__name__ in ("ReLU", "Flatten"): pass
+if msg.kind == "update" or a.kind == "i32" or layer.has_weights: pass
+if isinstance(m, nn.Conv2d | nn.Linear): pass
+if isinstance(layer, firmware_models.Linear): pass
+"""
+    assert _layer_kind_dispatch(ast.parse(code), classes, words) == [2, 3, 4, 5, 8]
+
+
 # --------------------------------------------------------------------------- codec knowledge
 
 

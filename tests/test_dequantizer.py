@@ -448,3 +448,17 @@ def test_a_diverged_network_passes_layers_through(digits_weights, caplog) -> Non
     out = deq(ClientUpdate("d", 1, q, "weights", 8))
     assert out.weights == q and "non-finite" in caplog.text
     assert deq.stats()["dequantizer_layers_off"] == 4
+
+
+def test_a_background_version_comes_into_use_on_a_fixed_schedule(digits_weights) -> None:
+    """With ``train_every = 2`` the version trained in the background after round 1 is put
+    in use at the end of round 3 (waited for there), and the next training starts then: the
+    round a version is applied in is fixed by the round number, not by the training's speed."""
+    s = build_strategy("prowd", model="digits_cnn", dequantize_params={
+        "ladder": (8, 32), "lr": 0.1, "epochs": 1, "lam": 0.0, "train_every": 2})
+    rounds = _rounds(digits_weights)
+    stats = _run_rounds(s, rounds + rounds[:2])
+    assert [st["dequantizer_version"] for st in stats] == [0, 0, 0, 1, 1]
+    assert [st["dequantizer_training"] for st in stats] == [0, 1, 1, 1, 1]
+    with pytest.raises(ConfigError, match="train_every"):
+        build_strategy("prowd", dequantize_params={"train_every": 0})

@@ -56,18 +56,38 @@ def test_scores_do_not_depend_on_the_thread_count(small_chunks: int) -> None:
     two.close()
 
 
-def test_validation_only_from_the_round_asked_for() -> None:
+def test_the_test_split_only_in_the_reported_rounds_a_validation_subsample_before() -> None:
     test, val = load_digits("test"), load_digits("train").subset(np.arange(100))
-    ev = evaluator_for("digits_cnn", test, {}, validation=val, validate_from=4, threads=2)
+    ev = evaluator_for("digits_cnn", test, {}, validation=val, report_from=4, val_sample=40, threads=2)
     w = {"int8": _trained(8)}
     early, late, outside = ev(w, at_round=3), ev(w, at_round=4), ev(w)
-    assert len(early["int8"]) == 2  # (loss, accuracy): no validation figures
-    assert set(late["int8"][2]) == {"val_loss", "val_accuracy"} == set(outside["int8"][2])
-    assert early["int8"][:2] == late["int8"][:2]
+    assert np.isnan(early["int8"][1]) and early["int8"][2]["val_samples"] == 40  # no test split read
+    assert late["int8"] == outside["int8"] and late["int8"][2] == early["int8"][2]  # the same subsample
     tr = make_trainer(get_spec("digits_cnn"), 8, seed=0)
     tr.load_shared(w["int8"])
-    assert late["int8"][2]["val_accuracy"] == tr.evaluate(val)[1]
+    sub = ev._split("vsub")[0]
+    assert late["int8"][1] == tr.evaluate(test)[1] and late["int8"][2]["val_accuracy"] == tr.evaluate(sub)[1]
+    assert len(np.unique(sub.y)) > 3  # drawn at random, not the first 40
+    whole = evaluator_for("digits_cnn", test, {}, validation=val, report_from=4)(w, at_round=1)["int8"]
+    assert np.isnan(whole[1]) and whole[2]["val_samples"] == 100 and whole[2]["val_accuracy"] == tr.evaluate(val)[1]
+    ev.report_from = 2  # (the emulator moves it at a plateau)
+    assert ev(w, at_round=3) == late
     ev.close()
+    # without a validation split every round reads the test split
+    assert evaluator_for("digits_cnn", test, {}, report_from=4)(w, at_round=1)["int8"][1] == late["int8"][1]
+
+
+def test_variants_that_run_the_same_network_are_scored_once() -> None:
+    test = load_digits("test")
+    w8 = _trained(8)
+    ev = evaluator_for("digits_cnn", test, {"float_forward": "int8"})
+    out = ev({"float32": w8, "int8": w8, "int6": w8})
+    assert out["float32"] == out["int8"] != out["int6"]
+    assert len({v for v, _ in ev._trainers}) == 2  # float32 in the Int8 forward and int8: scored once
+    ev2 = evaluator_for("digits_cnn", test, {"float_forward": "int8"})
+    other = [-w8[0]] + w8[1:]
+    assert ev2({"float32": other, "int8": w8})["float32"] != out["int8"]  # other weights: scored on their own
+    assert len(ev2._trainers) == 2
 
 
 def test_a_thread_count_below_one_is_refused() -> None:

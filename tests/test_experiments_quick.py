@@ -18,8 +18,9 @@ from coordinator.emulation.sweep import run_experiment
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((ROOT / "experiments").glob("*.toml"))
 #: the configs run end to end in their quick form: a part that ``extends`` another changes
-#: only its name and sweep values (a split, a mix), whose machinery its base's quick run
-#: and the first test here (every combination of every config validated) already cover
+#: its name and sweep values (a split, a mix) and at most its length, stopping rule and
+#: tuning table, whose machinery its base's quick run, the first test here (every
+#: combination of every config validated), tests/test_stopping.py and test_tuning.py cover
 WHOLE = [p for p in CONFIGS if "\nextends = " not in "\n" + p.read_text()]
 
 
@@ -69,8 +70,27 @@ def test_the_quick_form_runs_end_to_end(path: Path, tmp_path: Path) -> None:
         assert len(methods) >= 2 and "Paired differences to the baseline" in text
         assert analysis["paired"] and all(c["rows"] for c in analysis["paired"])
         assert "Validation split" in text
-    if cfg.sweep.get("tune"):
+    if isinstance(cfg.sweep.get("tune"), dict):  # a bracket per method, on tuning seeds
+        tuning = json.loads((tmp_path / "out" / "tuning.json").read_text())
+        assert "Tuned on seeds" in text
+        assert len(tuning["combinations"]) == len({json.dumps(r["combination"]) for r in results})
+    elif cfg.sweep.get("tune"):
         assert "chosen on the validation split" in text and analysis["chosen"]
+
+
+def test_the_cifar10_configs_need_only_the_users_folder(tmp_path: Path) -> None:
+    from edge_client.errors import ConfigError
+
+    _write_cifar(tmp_path / "cifar")
+    paths = sorted((ROOT / "experiments" / "cifar10").glob("*.toml"))
+    assert len(paths) >= 5
+    for path in paths:
+        with pytest.raises(ConfigError, match="data.path"):
+            load_config(path)
+        cfg = load_config(path, {"data.path": str(tmp_path / "cifar")})
+        twin = load_config(ROOT / "experiments" / f"{path.stem.replace('cifar10-', 'fmnist-')}.toml")
+        assert cfg.data.dataset == "cifar10" and cfg.sweep == twin.sweep and cfg.seeds == twin.seeds
+        assert cfg.stop == twin.stop and expand_sweep(cfg)
 
 
 def _write_cifar(folder: Path, per_batch: int = 16, test: int = 20) -> None:

@@ -33,7 +33,8 @@ def test_bundled_profiles_have_the_required_bitwidths() -> None:
 
 def test_integer_profiles_train_on_the_board_s_cores() -> None:
     cores = {"raspberry-pi-zero-2w": 4, "raspberry-pi-4": 4, "raspberry-pi-5": 4,
-             "jetson-nano": 4, "jetson-orin-nano": 1, "desktop": 1}  # float devices: torch
+             "jetson-nano": 4, "jetson-orin-nano-int8": 6, "jetson-orin-nano": 1,
+             "desktop": 1}  # float devices: torch
     assert {p.name: p.threads for p in list_profiles()} == cores
 
 

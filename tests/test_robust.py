@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
+from coordinator.defense.config import DefenseConfig
 from coordinator.strategies import ClientUpdate, Strategy, build_strategy
 from coordinator.strategies.robust import RobustStrategy, clip_scales, trimmed_mean
 from coordinator.strategies.types import EncodedUpdate
@@ -72,6 +73,26 @@ def test_order_statistics_over_all_updates() -> None:
     b = run(build_strategy("fedavg", robust="median"), ups)
     for x, y in zip(a, b, strict=True):
         np.testing.assert_allclose(x, y, atol=1e-6)
+
+
+def test_robust_options_that_remove_nothing_at_the_rounds_size_say_so(caplog) -> None:
+    ups = [upd(f"d{i}", float(i)) for i in range(3)]
+    for params, n, what in (({"robust": "trimmed_mean", "trim": 0.1}, 3, "trim 0.1 drops nothing from 3"),
+                            ({"robust": "median"}, 2, "the median of 2 update(s) is their mean"),
+                            ({"clip": 2.0}, 2, "clip 2 x the median norm cannot bound any of 2")):
+        caplog.clear()
+        s = build_strategy("fedavg", **params)
+        for _ in range(2):  # (said once, not every round)
+            s.begin_round(1, G)
+            for u in ups[:n]:
+                s.accept(u)
+            assert s.finish().stats["robust_ineffective"] == 1
+        assert [r.getMessage() for r in caplog.records if what in r.getMessage()] and len(caplog.records) == 1
+    s = build_strategy("fedavg", robust="trimmed_mean", trim=0.34)         # drops one of each end of 3
+    s.begin_round(1, G)
+    for u in ups:
+        s.accept(u)
+    assert s.finish().stats["robust_ineffective"] == 0
 
 
 def test_order_statistics_per_group_for_grouped_combiners() -> None:
@@ -146,10 +167,16 @@ def test_robust_wire_updates_with_int_tensors_and_deltas() -> None:
 # --------------------------------------------------------------------------- poisoning
 
 
+#: the round loop's poisoning defense off (coordinator.defense): the strategies alone
+NO_DEFENSE = DefenseConfig(norm_bound=0, sample_bound=0, strikes=0)
+
+
 def _federated_accuracy(tmp: Path, params: dict, attack: bool, rounds: int = 5, n: int = 5) -> float:
     """Accuracy (Int8 model, digits test split) after ``rounds`` of ``n`` Int8 devices on
-    digits shards, FedAvg with ``params``; ``attack``: one more, authenticated device
-    answers every round with ``-4 × the global model`` claiming 100,000 samples."""
+    digits shards, FedAvg with ``params`` and without the round loop's defense (the
+    strategies alone: tests/test_attack.py has the defense); ``attack``: one more,
+    authenticated device answers every round with ``-4 × the global model`` claiming
+    100,000 samples."""
     from coordinator.config import ServerConfig
     from coordinator.evaluate import make_evaluator
     from coordinator.fleet import InProcessFleet
@@ -200,8 +227,9 @@ def _federated_accuracy(tmp: Path, params: dict, attack: bool, rounds: int = 5, 
                     ann = None
 
         threading.Thread(target=attacker, daemon=True).start()
-    cfg = ServerConfig(job=job, model="mlp", rounds=rounds, min_devices=n + int(attack), round_timeout_s=60,
-                       presence_timeout_s=60, hparams={"epochs": 2, "batch": 32})
+    cfg = ServerConfig(job=job, model="mlp", rounds=rounds, min_devices=n + int(attack),
+                       round_timeout_s=60, presence_timeout_s=60, hparams={"epochs": 2, "batch": 32},
+                       defense=NO_DEFENSE)
     co = Coordinator(cfg, fleet, build_strategy("fedavg", **params), RunState(tmp / "run"), evaluator=None,
                      init_weights=init_shared(get_spec("mlp"), 0))
     try:

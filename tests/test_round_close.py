@@ -33,6 +33,8 @@ JOB = "t"
 class AddTrainer:
     """Local 'training' that adds a constant (no kernels: the test is about the round)."""
 
+    spec, bits, lr, lr_shift = get_spec("mlp"), 32, 1.0, 3  # the Trainer protocol
+
     def load_shared(self, weights):
         self.w = [np.array(w, dtype=np.float32) for w in weights]
 
@@ -42,6 +44,15 @@ class AddTrainer:
 
     def to_shared(self):
         return [w.copy() for w in self.w]
+
+    def int_weights(self):
+        return None
+
+    def ternary_weights(self):
+        return None
+
+    def evaluate(self, data, batch=256):
+        return 0.0, 0.0
 
 
 def start_device(fleet: InProcessFleet, tmp: Path, dev: str, delay: float = 0.0) -> None:

@@ -127,6 +127,7 @@ def test_enrolment_registry_and_its_coordinator_view(openssl_bin: str, tmp_path:
     assert view.key("dev2") == c2.mac_key_bytes                         # re-read when the file changes
     passwd = sec.passwd_path.read_text()
     assert f"{COORDINATOR_USER}:$7$" in passwd and "dev1:$7$" in passwd and c1.password not in passwd
+    assert sec.devices_passwd_path.read_text().splitlines() == passwd.splitlines()[1:]   # no coordinator
     assert sec.revoke("dev1") and not sec.revoke("dev1")
     assert view.key("dev1") is None and "dev1:" not in sec.passwd_path.read_text()
     assert not (sec.dir / "devices" / "dev1.toml").exists()
@@ -143,6 +144,8 @@ def test_the_secure_mode_follows_the_job_not_the_address() -> None:
         resolve_security("none", "127.0.0.1", enrolled=2)
     with pytest.raises(ConfigError, match="beyond loopback"):
         resolve_security("none", "0.0.0.0")
+    assert resolve_security("auto", "127.attacker.example") == "tls"     # a name, not a loopback literal
+    assert resolve_security("auto", "::1") == resolve_security("auto", "127.0.0.2") == "none"
 
 
 def test_enrolment_caps_samples_by_default_and_serve_refuses_uncapped(openssl_bin: str, tmp_path: Path) -> None:
@@ -159,6 +162,24 @@ def test_enrolment_caps_samples_by_default_and_serve_refuses_uncapped(openssl_bi
     check_caps(sec, AdmissionConfig(max_samples=100))                     # a job-wide cap bounds it
     with pytest.raises(ConfigError, match="default_max_samples"):
         sec.save_job_info("mqtt://127.0.0.1:1883", False, default_max_samples=-1)
+
+
+def test_csv_enrolment_is_all_or_nothing(tmp_path: Path, capsys) -> None:
+    from coordinator.cli import main
+
+    sec = JobSecurity(tmp_path / "s", JOB)
+    sec.save_job_info("mqtt://127.0.0.1:1883", False)
+    for rows, why in ((["dev1,5", "dev2", "bad id!,3"], "not a valid id"),
+                      (["dev1", f"{COORDINATOR_USER},4"], "reserved for the coordinator"),
+                      (["dev1", "dev2,-4"], "max_samples: must be an integer")):
+        (tmp_path / "d.csv").write_text("\n".join(rows) + "\n")
+        assert main(["enroll", "--devices", str(tmp_path / "d.csv"), "--security-dir", str(sec.dir)]) == 1
+        assert why in capsys.readouterr().err
+        assert sec.registry() == {} and not (sec.dir / "devices").exists()   # nobody enrolled
+    (tmp_path / "d.csv").write_text("device_id,max_samples\ndev1,5\ndev2\n")
+    assert main(["enroll", "--devices", str(tmp_path / "d.csv"), "--security-dir", str(sec.dir)]) == 0
+    assert {d: e.max_samples for d, e in sec.registry().items()} == {"dev1": 5, "dev2": DEFAULT_MAX_SAMPLES}
+    assert sorted(p.name for p in (sec.dir / "devices").iterdir()) == ["dev1.toml", "dev2.toml"]
 
 
 def test_hints_and_enroll_find_the_jobs_folder(tmp_path: Path) -> None:
@@ -222,7 +243,8 @@ def refused(url: str, client_id: str, *, username: str | None = None, password: 
 
 
 class Job:
-    """A job secured as `fedbit serve --listen` does it, with its broker."""
+    """A job secured as `fedbit serve --listen` does it, with its broker (its folders under
+    ``tmp``, which may be a relative path, as ``--out runs/x`` is)."""
 
     def __init__(self, tmp: Path, max_packet: int = 200_000) -> None:
         self.port = free_port()
@@ -335,6 +357,8 @@ def test_plaintext_bad_credentials_and_foreign_certificates_are_refused(job: Job
     assert refused(job.broker.coordinator_url, "dev1", username="dev1", password=c.password)
     assert refused(job.broker.coordinator_url, "x", username=COORDINATOR_USER, password=c.password)
     assert refused(job.broker.coordinator_url, "x", username=COORDINATOR_USER, password=cc.password) == ""
+    # and the coordinator's password on the devices' listener (with a device's certificate): refused
+    assert refused(url, COORDINATOR_USER, username=COORDINATOR_USER, password=cc.password, tls=tls)
 
 
 def test_a_device_cannot_take_over_another_client_id(job: Job) -> None:
@@ -386,6 +410,30 @@ def test_revoked_device_is_refused_on_its_next_connect(job: Job) -> None:
     assert r.returncode == 3, r.stderr[-2000:]
     assert "not authorised: this device may be revoked" in r.stderr and "gives up" in r.stderr
     assert c2.password not in r.stderr + r.stdout
+
+
+def test_revocation_reaches_a_broker_started_from_a_relative_folder(mosquitto_bin: str, openssl_bin: str,
+                                                                     tmp_path: Path, monkeypatch, capsys) -> None:
+    """`--out runs/x`: the recorded config path and mosquitto's command line are matched
+    resolved, so `fedbit revoke` (run from elsewhere) reloads the broker, the revoked device
+    is refused within 5 s, and a resumed coordinator finds the broker a kill -9 left."""
+    monkeypatch.chdir(tmp_path)
+    j = Job(Path("runs") / "x")
+    try:
+        c2 = j.creds["dev2"]
+        assert refused(c2.broker, "dev2", username="dev2", password=c2.password, tls=j.tls("dev2")) == ""
+        assert j.sec._recorded_broker() == j.broker.broker.pid       # what --resume stops when orphaned
+        from coordinator.cli import main
+
+        monkeypatch.chdir(tmp_path / "runs")                           # `fedbit revoke` run from elsewhere
+        assert main(["revoke", "dev2", "--run", "x", "--job", JOB]) == 0
+        assert "the job's running broker reloaded it" in capsys.readouterr().out
+        t0 = time.monotonic()
+        while refused(c2.broker, "dev2", username="dev2", password=c2.password, tls=j.tls("dev2")) == "":
+            assert time.monotonic() - t0 < 5, "the revoked device still connects"
+            time.sleep(0.1)
+    finally:
+        j.close()
 
 
 def test_the_broker_drops_packets_over_its_limit(job: Job) -> None:

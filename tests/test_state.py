@@ -24,6 +24,23 @@ def test_atomic_write_replaces_and_leaves_no_temp_files(tmp_path: Path) -> None:
     assert sorted(os.listdir(tmp_path)) == ["f.bin"]
 
 
+def test_run_files_are_the_operators_alone(tmp_path: Path) -> None:
+    """Raw updates, models and the device list: 0600 whatever the umask (the inbox 0700)."""
+    old = os.umask(0o022)
+    try:
+        st = RunState(tmp_path)
+        st.inbox_append(1, "a", b"update bytes")
+        st.inbox_sync()
+        st.append_metrics({"round": 1})
+        st.save_plan(RoundPlan(round_id=1, selected=["a"], deadline=1.0, variants={}))
+        st.save_devices({"a": {"device_id": "a"}})
+    finally:
+        os.umask(old)
+    files = [p for p in tmp_path.rglob("*") if p.is_file()]
+    assert len(files) == 4 and {oct(p.stat().st_mode & 0o777) for p in files} == {"0o600"}, files
+    assert (tmp_path / "inbox").stat().st_mode & 0o777 == 0o700
+
+
 def test_dumps_roundtrips_arrays_and_int_keys() -> None:
     obj = {"w": [np.arange(6, dtype=np.float32).reshape(2, 3)], 8: {"x": np.int16(3)}}
     back = loads(dumps(obj))

@@ -49,7 +49,8 @@ class BufferedCoordinator(Coordinator):
         self.buf = cfg.buffered
         self.requests = Requests()
         self.window = BufferWindow(1, frozenset(), version=0, settings=self.buf, requests=self.requests)
-        self.collector.strategy = BufferFold(strategy, lambda: self.window, self._folded)
+        #: (around the guarded strategy: each update weighed by its staleness, then bounded and folded)
+        self.collector.strategy = BufferFold(self.strategy, lambda: self.window, self._folded)
         #: one message at a time, each reacted to before the next: a buffer never takes more
         #: than ``buffer_size``, and an emulated fleet's events keep their simulated order
         #: (the committer still syncs what queued meanwhile at once)
@@ -61,6 +62,7 @@ class BufferedCoordinator(Coordinator):
         self._replayed = 0
         self._opened = time.monotonic()
         self._idle_since = time.monotonic()
+        self._quarantined: frozenset[str] = frozenset()
 
     # ------------------------------------------------------------------ the loop
 
@@ -101,17 +103,18 @@ class BufferedCoordinator(Coordinator):
         return False
 
     def _draw(self, k: int) -> list[str]:
-        """Up to ``k`` present devices without a slot, drawn with the seeded RNG."""
-        present, busy = self.collector.devices.present(), self.requests.slots
+        """Up to ``k`` present devices without a slot and not quarantined, drawn with the
+        seeded RNG."""
+        present, busy, out = self.collector.devices.present(), self.requests.slots, self._quarantined
         n = len(present)
-        if n <= 4 * (len(busy) + k) or n < 64:
-            idle = [d for d in present if d not in busy]
+        if n <= 4 * (len(busy) + len(out) + k) or n < 64:
+            idle = [d for d in present if d not in busy and d not in out]
             idx = self.rng.choice(len(idle), size=min(k, len(idle)), replace=False) if idle else []
             return sorted(idle[i] for i in idx)
         chosen: set[str] = set()
         while len(chosen) < k:  # a large fleet: rejection sampling, no list of it made
             d = present[int(self.rng.integers(n))]
-            if d not in busy:
+            if d not in busy and d not in out:
                 chosen.add(d)
         return sorted(chosen)
 
@@ -165,6 +168,7 @@ class BufferedCoordinator(Coordinator):
         """Open the buffer of version ``completed + 1`` and replay what its inbox holds."""
         r, col = self.completed + 1, self.collector
         col.new_round()
+        self._quarantined = self.defense.quarantined(r)
         self.window = BufferWindow(r, frozenset(), version=self.completed, settings=self.buf, requests=self.requests)
         self.strategy.begin_round(r, [w.copy() for w in self.weights])
         col.open(self.window)
@@ -203,8 +207,9 @@ class BufferedCoordinator(Coordinator):
         scores = self._evaluate(r)
         eval_s = time.perf_counter() - t0 - t_agg
         health = self.health.check(r, (self.weights, self.group_weights), (old, old_groups), scores, self.history)
-        if health.rolled_back:
+        if health.rolled_back:  # (the whole buffer: its updates came from several versions)
             self.weights, self.group_weights = old, old_groups
+            self.defense.rolled_back(r)
             scores = health.scores or self._evaluate(r)
         loss, acc = scores.get(FLOAT_VARIANT, (math.nan, math.nan))[:2]
         finite = lambda x: x if math.isfinite(x) else None  # noqa: E731
@@ -225,6 +230,8 @@ class BufferedCoordinator(Coordinator):
                            **{k: finite(float(x)) for k, x in (s[2] if len(s) > 2 else {}).items()}}
                        for v, s in scores.items()},
             "health": health.record, "health_seconds": health.seconds, **self.fleet.round_report(r),
+            "defense": self.defense.after_round(r, {e.device for e in w.entries}, col.refused_devices,
+                                                col.over_claimed),
         }
         self.completed = r
         col.close(r)

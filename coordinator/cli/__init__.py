@@ -3,7 +3,8 @@
 Subcommands: ``serve`` (the round loop; :mod:`coordinator.cli.serve`), ``emulate``/``demo``/
 ``report`` (the emulator; :mod:`coordinator.cli.emulate`), ``enroll``/``revoke``/
 ``broker-config`` (a secured job; :mod:`coordinator.cli.security`), ``status`` (a job's
-picture in the terminal; :mod:`coordinator.cli.status`), ``export`` (a run's final model)
+picture in the terminal; :mod:`coordinator.cli.status`), ``release`` (a quarantined
+device; :mod:`coordinator.cli.release`), ``export`` (a run's final model)
 and ``broker`` (the embedded broker on its own). Heavy imports (numpy,
 torch, paho) happen inside the commands so ``fedbit --help`` stays fast.
 """
@@ -19,6 +20,7 @@ from typing import Any
 
 from coordinator import __version__
 from coordinator.cli.emulate import add_emulate_commands
+from coordinator.cli.release import add_release_command
 from coordinator.cli.security import add_security_commands
 from coordinator.cli.serve import add_serve_command
 from coordinator.cli.status import add_status_command
@@ -114,6 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_security_commands(sub)
     add_emulate_commands(sub)
     add_status_command(sub)
+    add_release_command(sub)
     return parser
 
 

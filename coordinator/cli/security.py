@@ -78,6 +78,15 @@ def add_security_commands(sub: Any) -> None:
                         "password: passwords and the ACL without TLS (a trusted network only)")
     p.add_argument("--max-payload", type=int, default=0, metavar="BYTES",
                    help="largest update (the broker's max_packet_size is this plus 64 KiB)")
+    p.add_argument("--edges", type=int, default=0, metavar="M",
+                   help="M edge brokers for the devices, bridged to a core broker for the coordinator (--listen: "
+                        "the core's; each device's credentials name its edge)")
+    p.add_argument("--edge-address", action="append", metavar="HOST:PORT",
+                   help="the address devices dial for each edge, one per edge (default: the core's host, "
+                        "the ports after the core's)")
+    p.add_argument("--ingest-workers", type=int, default=0, metavar="N",
+                   help="users for fedbit serve --ingest-workers N (fedbit-coordinator-ingest-<i>: the "
+                        "coordinator's password, read access to the updates)")
     default_cap(p)
     p.set_defaults(func=_cmd_broker_config)
 
@@ -140,6 +149,7 @@ def serve_broker(job: ServeJob, max_packet: int) -> tuple[Any, dict[str, Any]]:
         return jb, {"url": jb.coordinator_url, "username": COORDINATOR_USER, "password": None,
                     "tls": None, "enrolment": "", "watch_jobs": True}
     check_caps(sec, job.server.admission)
+    sec.set_ingest_workers(getattr(job, "ingest_workers", 0))  # their users in the password files and ACL
     jb = start_job_broker(host, port, security=mode, job_security=sec, hosts=b.hostnames or None,
                           workdir=out / "broker", prefer=b.embedded, max_packet_size=max_packet)
     info = sec.job_info()
@@ -270,14 +280,14 @@ def _cmd_enroll(args: argparse.Namespace) -> int:
         else:
             rows = [(args.device_id, None)]
             out_dir = None
-        for dev, ms in rows:
-            out = (out_dir / f"{dev}.toml") if out_dir else (args.out if not args.devices else None)
-            creds, path = sec.enroll(dev, broker=args.broker_url, max_samples=ms if ms is not None else
-                                     args.max_samples, out=out)
+        made = sec.enroll_many([(dev, ms if ms is not None else args.max_samples,
+                                 (out_dir / f"{dev}.toml") if out_dir else (args.out if not args.devices else None))
+                                for dev, ms in rows], broker=args.broker_url)
+        for creds, path in made:
             tls = "TLS client certificate, " if creds.cert else ""
             cap = f"at most {creds.max_samples:,} samples" if creds.max_samples else \
                 "UNCAPPED (fedbit serve refuses it unless --allow-uncapped)"
-            print(f"enrolled {dev} in job {job}: {tls}password and MAC key in {path} (mode 0600; "
+            print(f"enrolled {creds.device_id} in job {job}: {tls}password and MAC key in {path} (mode 0600; "
                   f"broker {creds.broker}; {cap}); on the device: fedbit-edge run --credentials "
                   f"{path.name} --profile PROFILE --data DATA", flush=True)
     except ConfigError as exc:
@@ -308,6 +318,40 @@ def _cmd_revoke(args: argparse.Namespace) -> int:
     return 0
 
 
+def _edges_config(args: argparse.Namespace, sec: Any, rows: list, host: str, port: int, hosts: list[str],
+                  tls: bool) -> int:
+    """``broker-config --edges M``: a core broker and M bridged edges (coordinator.ops.brokerconf)."""
+    from coordinator.ops.broker import DEFAULT_MAX_PACKET, parse_listen
+    from coordinator.ops.brokerconf import Address, write_edges
+    from edge_client.errors import ConfigError
+
+    wild = ("0.0.0.0", "::", "")
+    dial = hosts[0] if host in wild else host
+    given = [parse_listen(a) for a in args.edge_address or []]
+    m = args.edges or len(given)
+    if given and len(given) != m:
+        raise ConfigError(f"--edges {m} with {len(given)} --edge-address: give one address per edge")
+    edges = [Address(host, p, dial if h in wild else h) for h, p in given] or \
+        [Address(host, port + 1 + k, dial) for k in range(m)]
+    core = Address(host, port, dial)
+    max_packet = args.max_payload + 65536 if args.max_payload else DEFAULT_MAX_PACKET
+    assign = write_edges(sec, rows, core=core, edges=edges, tls=tls, max_packet=max_packet,
+                         ingest_workers=max(0, args.ingest_workers), hosts=hosts)
+    out = sec.dir
+    for k in range(m):
+        _broker_owns(out / f"edge-{k}" / "data")
+    _broker_owns(out / "core" / "data")
+    counts = [sum(1 for e in assign.values() if e == k) for k in range(m)]
+    print(f"""bridged brokers for job {args.job} in {out}:
+  {out / 'core' / 'mosquitto.conf'}   the core ({core.url(tls)}): the coordinator and {m} edge bridge(s)
+""" + "".join(f"  {out / f'edge-{k}' / 'mosquitto.conf'}   edge {k} ({edges[k].url(tls)}): {counts[k]} device(s)\n"
+              for k in range(m)) + f"""  {out / 'edges.csv'}   which edge each device's credentials name
+run each broker:    mosquitto -c FILE   (the core first; an edge's bridge retries until the core is up)
+run the job:        fedbit serve --broker {core.url(tls)} --credentials {sec.coordinator_path} --out RUN ...
+on each device:     fedbit-edge run --credentials ID.toml --profile PROFILE --data DATA""", flush=True)
+    return 0
+
+
 def _broker_owns(path: Any) -> None:
     """Make the persistence folder; hand it to the ``mosquitto`` user when we are root
     (mosquitto started as root writes it as that user)."""
@@ -328,6 +372,7 @@ def _cmd_broker_config(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from coordinator.ops.broker import DEFAULT_MAX_PACKET, parse_listen
+    from coordinator.ops.brokerconf import broker_conf
     from coordinator.ops.security import JobSecurity, default_hosts
     from edge_client.errors import ConfigError
 
@@ -339,15 +384,17 @@ def _cmd_broker_config(args: argparse.Namespace) -> int:
         hosts = args.hostname or default_hosts(host)
         sec = JobSecurity(out, args.job)
         url = f"{'mqtts' if tls else 'mqtt'}://{hosts[0] if host in ('0.0.0.0', '::') else host}:{port}"
+        if args.edges or args.edge_address:
+            return _edges_config(args, sec, rows, host, port, hosts, tls)
         if tls:
             sec.ensure_server_cert(hosts)
         sec.save_job_info(url, tls, default_max_samples=args.default_max_samples)
+        sec.set_ingest_workers(max(0, args.ingest_workers))
         sec.coordinator(url, tls=tls)
-        for dev, ms in rows:
-            sec.enroll(dev, broker=url, max_samples=ms)
+        sec.enroll_many([(dev, ms, None) for dev, ms in rows], broker=url)
         max_packet = args.max_payload + 65536 if args.max_payload else DEFAULT_MAX_PACKET
         conf = out / "mosquitto.conf"
-        conf.write_text(sec.mosquitto_conf(host=host, port=port, tls=tls, workdir=out / "data",
+        conf.write_text(broker_conf(sec, host=host, port=port, tls=tls, workdir=out / "data",
                                            max_packet_size=max_packet))
         _broker_owns(out / "data")
     except ConfigError as exc:

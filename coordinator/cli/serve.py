@@ -55,6 +55,7 @@ def _serve(args: argparse.Namespace, point: Any) -> int:
     from coordinator.cli.security import serve_broker
     from coordinator.evaluate import evaluator_for
     from coordinator.fleet import MqttFleet
+    from coordinator.ingest_workers import ingest_workers_for
     from coordinator.job import coordinator_for, job_from_args
     from coordinator.ops.dashboard.monitor import fan_out
     from coordinator.ops.dashboard.watch import Watch
@@ -91,8 +92,11 @@ def _serve(args: argparse.Namespace, point: Any) -> int:
         strategy = build_strategy(cfg.strategy, model=cfg.model, **cfg.strategy_params)
         broker, conn = serve_broker(job, cfg.limits.max_payload_bytes + 65536)
         cfg.admission.enrolment = conn.pop("enrolment")
-        fleet = MqttFleet(conn.pop("url"), cfg.job, protocol=job.broker.mqtt_version,
-                          max_payload=cfg.limits.max_payload_bytes + 65536, **conn)
+        url, conn = conn.pop("url"), conn | {"protocol": job.broker.mqtt_version,
+                                             "max_payload": cfg.limits.max_payload_bytes + 65536}
+        workers = ingest_workers_for(job, broker, url, conn, logger) if job.ingest_workers else None
+        fleet = workers.fleet_for(url, cfg.job, **conn) if workers else MqttFleet(url, cfg.job, **conn)
+        strategy = workers.wrap(strategy) if workers else strategy
         evaluator = evaluator_for(cfg.model, _eval_data(job.eval_data), strategy.device_hparams(cfg.hparams),
                                   seed=cfg.seed, watch_held_out=True)  # a deployment: no test split
         state = RunState(job.out)
@@ -105,6 +109,8 @@ def _serve(args: argparse.Namespace, point: Any) -> int:
         coord = coordinator_for(cfg, fleet, strategy, state, evaluator=evaluator,
                                 init_weights=init_shared(spec, cfg.seed), on_event=fan_out(progress, observe, point),
                                 logger=logger.getChild("server"))
+        if workers:
+            workers.attach(coord.collector, coord.strategy)
         print(f"fedbit serve: job {cfg.job}, model {cfg.model}, strategy {cfg.strategy}, "
               f"{cfg.rounds} round(s), out {job.out}", flush=True)
         try:

@@ -95,6 +95,8 @@ def check_analysis(sweep: Mapping[str, Any]) -> None:
         return
     tune = sweep.get("tune")
     bdims = [find_baseline(sweep, b)[0] for b in baselines(sweep)]
+    if isinstance(tune, dict):  # a bracket per method (coordinator.emulation.tuning; checked with the seeds)
+        return
     if tune is not None:
         if not isinstance(tune, str) or tune.lstrip("@") not in dims:
             raise ConfigError(f"sweep.tune: {tune!r} is not one of the sweep's dimensions {sorted(dims)}")
@@ -129,6 +131,16 @@ class Row:
     seeds: list[int] = field(default_factory=list)
     test: dict[str, dict[int, float]] = field(default_factory=dict)
     val: dict[str, dict[int, float]] = field(default_factory=dict)
+    #: per seed, the run's stopping figures (coordinator.emulation.stopping.stop_summary)
+    stops: dict[int, dict[str, Any]] = field(default_factory=dict)
+
+    def climbing_text(self) -> str:
+        """``"2 of 5 seeds"`` still climbing at the end (``"n/a"``: runs too short to say)."""
+        flags = [st.get("climbing") for st in self.stops.values()]
+        known = [f for f in flags if f is not None]
+        if not known:
+            return "n/a"
+        return f"{sum(known)} of {len(known)} seeds" + ("" if len(known) == len(flags) else " (others: too short)")
 
     def estimate(self, group: str, split: str = "test") -> Estimate:
         return estimate(list(getattr(self, split).get(group, {}).values()))
@@ -189,6 +201,8 @@ def analyse(runs: Sequence[tuple[Mapping[str, Any], int, Mapping[str, Any]]],
     for combo, seed, summary in runs:
         row = rows.setdefault(label_of(combo), Row(dict(combo)))
         row.seeds.append(int(seed))
+        if summary.get("stop"):
+            row.stops[int(seed)] = dict(summary["stop"])
         for g, v in summary.get("groups", {}).items():
             row.test.setdefault(g, {})[int(seed)] = _num(v.get("mean_last"))
             if v.get("val_mean_last") is not None:
@@ -256,7 +270,13 @@ def analysis_json(a: Analysis) -> dict[str, Any]:
         "groups": a.groups,
         "rows": {label: {"combination": r.combination, "seeds": sorted(r.seeds),
                          "test": {g: est(r.estimate(g)) for g in a.groups},
-                         "validation": {g: est(r.estimate(g, "val")) for g in a.groups if r.val.get(g)}}
+                         "validation": {g: est(r.estimate(g, "val")) for g in a.groups if r.val.get(g)},
+                         "stop": {"rounds": sorted({st["rounds"] for st in r.stops.values()}),
+                                  "plateau_rounds": sorted({st["plateau_round"] for st in r.stops.values()
+                                                            if st.get("plateau_round")}),
+                                  "climbing": sum(bool(st.get("climbing")) for st in r.stops.values()),
+                                  "climbing_known": sum(st.get("climbing") is not None for st in r.stops.values())}
+                         if r.stops else None}
                  for label, r in a.rows.items()},
         "tune": a.tune,
         "chosen": {k: {"value": v, "scores": {kk: _fin(s) for kk, s in sc.items()}, "split": sp}

@@ -26,10 +26,12 @@ A config (``fedbit emulate FILE``; the bundled default is ``coordinator/emulatio
     [round]                    # fraction, quorum, min_updates, deadline_s (simulated),
                                # wall_timeout_s, workers (processes or actors that train
                                # the devices; 0: one per core / per Ray CPU; 1: this
-                               # process), parallel (devices training at once per worker);
-                               # mode = "sync" | "buffered" (coordinator.buffered: buffer_size,
-                               # concurrency, server_lr, max_staleness, staleness; deadline_s
-                               # then bounds how long a request holds a slot)
+                               # process), parallel (devices training at once per worker),
+                               # engine ("cpu" | "cuda": the integer devices of a round
+                               # train together on the GPU, same results); mode = "sync" |
+                               # "buffered" (coordinator.buffered: buffer_size, concurrency,
+                               # server_lr, max_staleness, staleness; deadline_s then bounds
+                               # how long a request holds a slot)
     [availability]             # model = "none" | "diurnal" | "trace", trace (CSV: device,start,
                                # end), start_hour, time_scale, [availability.profiles.<profile>]
                                # (coordinator.emulation.availability)
@@ -38,15 +40,24 @@ A config (``fedbit emulate FILE``; the bundled default is ``coordinator/emulatio
     [clock]                    # seconds_per_sample = {variant = s}: pin the compute model;
                                # until_s: end the run at this simulated time (0: `rounds` ends it);
                                # eval_every_s: score only once per this many simulated s (0: every round)
+    [stop]                     # plateau = true: stop at a plateau of the validation accuracy
+                               # (window, min_delta, min_rounds; rounds is the maximum;
+                               # coordinator.emulation.stopping)
     [privacy]                  # secure aggregation and DP, as fedbit serve's job
                                # (coordinator.privacy.config)
+    [defense]                  # the round loop's poisoning defense (coordinator.defense.config):
+                               # norm_bound, sample_bound, hold, strikes, window
+    [attack]                   # emulated attackers (coordinator.emulation.attack): devices
+                               # or fraction, kind, factor, from_round
 
 ``paper = "<name>"`` (``coordinator.emulation.papers``: fedshift, prowd, prowd-fedprox, prowd-grouped,
 prowd-grouped-asym, fedfor, fedwsq) starts from that paper's strategy, its parameters and
 the settings it trains devices with; the config's own keys override them.
     [sweep]                    # dotted key = [values]: every combination is run
     baseline = "fedavg"        # paired differences of every method to this value (analysis)
-    tune = "train.lr"          # chosen per combination of the others on the validation split
+    tune = "train.lr"          # chosen per combination of the others on the validation split;
+                               # or a table: a bracket per method, tuning seeds apart
+                               # (coordinator.emulation.tuning)
     strategy = ["fedavg", "fedshift"]
     "data.partition" = ["shards", "parity"]
     "@mix" = [                 # "@name": values set together, each a table with a label
@@ -84,12 +95,15 @@ from coordinator.config import (
     read_toml,
     section_keys,
 )
+from coordinator.defense.config import DefenseConfig
+from coordinator.emulation.attack import AttackConfig
 from coordinator.emulation.sections import (
     AvailabilitySettings,
     ClockSettings,
     ClusterSettings,
     DataSettings,
     RoundSettings,
+    StopSettings,
 )
 from coordinator.privacy.config import PrivacyConfig
 from edge_client.errors import ConfigError
@@ -127,8 +141,12 @@ class ExperimentConfig:
     round: RoundSettings = field(default_factory=RoundSettings)
     cluster: ClusterSettings = field(default_factory=ClusterSettings)
     clock: ClockSettings = field(default_factory=ClockSettings)
+    stop: StopSettings = field(default_factory=StopSettings)
     privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
     availability: AvailabilitySettings = field(default_factory=AvailabilitySettings)
+    #: the round loop's poisoning defense (``[defense]``), and emulated attackers (``[attack]``)
+    defense: DefenseConfig = field(default_factory=DefenseConfig)
+    attack: AttackConfig = field(default_factory=AttackConfig)
     sweep: dict[str, list[Any]] = field(default_factory=dict)
     source: str = field(default="<config>", metadata={"file": False})
     #: the paper's settings of the strategy's own stages (``swa.<key>``, ``dequantize.<key>``;
@@ -152,7 +170,8 @@ class ExperimentConfig:
 
 #: the file's sections with fixed keys, and the free tables
 SECTIONS = {"data": DataSettings, "round": RoundSettings, "cluster": ClusterSettings, "clock": ClockSettings,
-            "privacy": PrivacyConfig, "availability": AvailabilitySettings}
+            "stop": StopSettings, "privacy": PrivacyConfig, "defense": DefenseConfig, "attack": AttackConfig,
+            "availability": AvailabilitySettings}
 FREE = ("strategy_params", "devices", "codecs", "train", "sweep")
 SCHEMA = TomlSchema.of(
     {"": section_keys(ExperimentConfig, exclude=(*SECTIONS, *FREE)), **SECTIONS},
@@ -314,6 +333,12 @@ def _check_values(cfg: ExperimentConfig, bad) -> None:
     checked(cfg.cluster, "cluster", cfg.source)
     checked(cfg.clock, "clock", cfg.source)
     checked(cfg.availability, "availability", cfg.source)
+    checked(cfg.defense, "defense", cfg.source)
+    checked(cfg.attack, "attack", cfg.source)
+    checked(cfg.stop, "stop", cfg.source)
+    if cfg.stop.plateau and not cfg.data.validation > 0 and "data.validation" not in cfg.sweep:
+        raise bad("stop.plateau", "the plateau is read on the validation split: set data.validation "
+                                  "(e.g. 0.1); the test split never stops a run")
     _check_mode(cfg, bad)
     _check_availability(cfg, bad)
     for key, t in cfg.train.items():
@@ -345,6 +370,14 @@ def _check_values(cfg: ExperimentConfig, bad) -> None:
         check_analysis(cfg.sweep)
     except ConfigError as exc:
         raise ConfigError(f"{cfg.source}: {exc}") from None
+    from coordinator.emulation.analysis import dimensions
+    from coordinator.emulation.tuning import check_tune, is_table
+
+    if is_table(cfg.sweep.get("tune")) and dimensions(cfg.sweep):
+        try:
+            check_tune(cfg.sweep["tune"], dimensions(cfg.sweep), cfg.seeds)
+        except ConfigError as exc:
+            raise ConfigError(f"{cfg.source}: {exc}") from None
     if cfg.sweep.get("tune") and not cfg.data.validation > 0 and "data.validation" not in cfg.sweep:
         raise bad("sweep.tune", "tuning chooses on the validation split: set data.validation "
                                 "(e.g. 0.1); the test split is only reported")
@@ -365,6 +398,9 @@ def _check_mode(cfg: ExperimentConfig, bad) -> None:
     if cfg.privacy.active:
         raise bad("privacy", "secure aggregation and differential privacy run in rounds, not with round.mode = "
                              "\"buffered\"")
+    if cfg.round.engine == "cuda":
+        raise bad("round.engine", "the GPU engine trains a round's integer devices as one batch; buffered mode "
+                                  "starts each request's device on its own (use engine = \"cpu\")")
 
 
 def _check_availability(cfg: ExperimentConfig, bad) -> None:

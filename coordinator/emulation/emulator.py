@@ -56,6 +56,7 @@ class EmulatedDevice:
     shard: np.ndarray
     variant: str
     inferior: bool  # FedShift's inferior group: an integer device or a lossy uplink
+    attack: Any = None  # its AttackConfig when it is an emulated attacker (coordinator.emulation.attack)
 
 
 def device_runtime(cfg: DeviceConfig, data: Any, connect: Any, **kw: Any) -> DeviceRuntime:
@@ -162,10 +163,11 @@ class FleetPlan:
         job: the job id the devices join.
         workdir: the folder of the devices' work folders (``<workdir>/<device id>``).
         model_files: the user's model file the devices load (``model`` a file), if any.
+        attack: the ``[attack]`` settings (its attackers are drawn here), if any.
     """
 
     def __init__(self, groups: list[DeviceGroup], shards: SampledShards | ListedShards, seed: int, job: str,
-                 workdir: Path, model_files: tuple[str, ...] = ()) -> None:
+                 workdir: Path, model_files: tuple[str, ...] = (), attack: Any = None) -> None:
         prefixes = [g.prefix for g in groups]
         dup = sorted({p for p in prefixes if prefixes.count(p) > 1})
         if dup:
@@ -177,6 +179,9 @@ class FleetPlan:
         self.workdir = Path(workdir)
         self.model_files = tuple(model_files)
         self._starts = [g.offset for g in groups]
+        self.attack = attack if attack is not None and attack.active else None
+        #: the emulated attackers' ids
+        self.attackers: frozenset[str] = self.attack.attackers(self, seed) if self.attack else frozenset()
 
     def __len__(self) -> int:
         return sum(g.count for g in self.groups)
@@ -231,7 +236,7 @@ class FleetPlan:
         """The device, made now (its config and shard)."""
         g, i = self.locate(device_id)
         return EmulatedDevice(device_id, g.profile, self.config(g, i), self.shards[g.offset + i], g.variant,
-                              g.inferior)
+                              g.inferior, self.attack if device_id in self.attackers else None)
 
     def roster(self) -> list[Cohort]:
         """The fleet as cohorts for the coordinator's registry: one per group, with the
@@ -276,4 +281,4 @@ def build_fleet(cfg: ExperimentConfig, seed: int, data: DataSplit, workdir: Path
                                         k=d.shards_per_device, alpha=float(d.alpha), inferior=inferior,
                                         per_device=d.per_device))
     model_files = (cfg.model,) if is_model_file(cfg.model) else ()  # a user's model: the devices get the file
-    return FleetPlan(groups, shards, seed, job, workdir, model_files)
+    return FleetPlan(groups, shards, seed, job, workdir, model_files, attack=cfg.attack)

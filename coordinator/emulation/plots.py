@@ -89,11 +89,12 @@ def _pyplot():
 
 
 def plot_run_accuracy(path: Path, records: Sequence[Mapping[str, Any]], curves: Mapping[str, list[float]],
-                      title: str, last: int, averaged: str) -> bool:
+                      title: str, last: int, averaged: str, ylabel: str = "test accuracy") -> bool:
     """Accuracy (%) of each group's model against the round and, for an emulated run, the
     simulated time, in its group's colour and style; the legend to the right, with each
     group's mean over its ``last`` rounds (described by ``averaged``). A run without a
-    simulated clock (``fedbit serve``) gets the round panel only."""
+    simulated clock (``fedbit serve``) gets the round panel only. ``ylabel``: what the
+    curves are (test or validation accuracy)."""
     plt = _pyplot()
     sim = [r.get("sim_time") for r in records]
     simulated = bool(sim) and all(isinstance(t, int | float) and math.isfinite(t) for t in sim)
@@ -112,7 +113,7 @@ def plot_run_accuracy(path: Path, records: Sequence[Mapping[str, Any]], curves: 
     if simulated:
         axes[0][1].set_xlabel("simulated time (s)")
     for ax in axes[0]:
-        ax.set_ylabel("test accuracy (%)")
+        ax.set_ylabel(f"{ylabel} (%)")
         ax.set_ylim(0, 100)
         ax.grid(alpha=0.3)
     if curves:
@@ -142,11 +143,12 @@ def plot_bytes(path: Path, records: Sequence[Mapping[str, Any]]) -> bool:
 
 
 def plot_sweep(path: Path, curves: Mapping[str, list[Mapping[str, list[float]]]], groups: Sequence[str],
-               figures: Mapping[str, str], averaged: str) -> bool:
+               figures: Mapping[str, str], averaged: str, ylabel: str = "test accuracy") -> bool:
     """One panel per group (titled neutrally: the colours are the combinations'): per
     combination, the mean accuracy (%) over seeds per round with a band of ± one sample
-    SD (two seeds or more); legend to the right, each entry with its figures
-    (``figures[label]``: each group's mean ± SD of ``averaged``)."""
+    SD (two seeds or more), runs that stopped earlier ending earlier; legend to the right,
+    each entry with its figures (``figures[label]``: each group's mean ± SD of
+    ``averaged``)."""
     plt = _pyplot()
     n = max(1, len(groups))
     fig, axes = plt.subplots(1, n, figsize=(4.2 * n + 3.5, 4), squeeze=False, layout="constrained")
@@ -155,8 +157,8 @@ def plot_sweep(path: Path, curves: Mapping[str, list[Mapping[str, list[float]]]]
             accs = [c[g] for c in runs if c.get(g)]
             if not accs:
                 continue
-            m = min(len(a) for a in accs)
-            arr = _percent([a[:m] for a in accs])
+            m = max(len(a) for a in accs)  # runs that stopped earlier end earlier
+            arr = _percent([list(a) + [math.nan] * (m - len(a)) for a in accs])
             x = np.arange(1, m + 1)
             with np.errstate(all="ignore"):
                 mean = np.nanmean(arr, axis=0)
@@ -172,7 +174,7 @@ def plot_sweep(path: Path, curves: Mapping[str, list[Mapping[str, list[float]]]]
         _round_axis(ax)
         ax.set_ylim(0, 100)
         ax.grid(alpha=0.3)
-    axes[0][0].set_ylabel("test accuracy (%), mean over seeds ± SD")
+    axes[0][0].set_ylabel(f"{ylabel} (%), mean over seeds ± SD")
     if curves:
         fig.legend(loc="outside right upper", fontsize=7,
                    title=f"accuracy (%), mean ± SD over seeds of {averaged}", title_fontsize=7)

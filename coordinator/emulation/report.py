@@ -43,6 +43,7 @@ from coordinator.emulation.analysis import (
 )
 from coordinator.emulation.plots import plot_availability, plot_bytes, plot_run_accuracy, plot_sweep
 from coordinator.emulation.stats import estimate
+from coordinator.emulation.stopping import stop_summary
 from coordinator.ops.dashboard.runview import served_info
 from coordinator.ops.export import onnx_summary_lines
 from coordinator.ops.rundir import find_run
@@ -64,6 +65,16 @@ def load_run(run_dir: str | Path) -> tuple[dict[str, Any], list[dict[str, Any]]]
         info["served"] = True
     records = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
     return info, records
+
+
+def curve_key(records: Sequence[dict[str, Any]]) -> str:
+    """The figure a run's per-round curves show: ``accuracy`` (the test split) when it was
+    scored every round, else ``val_accuracy`` (the validation subsample of every round;
+    the test split only in the reported rounds: coordinator.evaluate)."""
+    def count(key: str) -> int:
+        return sum(any(isinstance(g.get(key), int | float) for g in r.get("groups", {}).values()) for r in records)
+
+    return "val_accuracy" if count("val_accuracy") > count("accuracy") else "accuracy"
 
 
 def group_curves(records: Sequence[dict[str, Any]], key: str = "accuracy") -> dict[str, list[float]]:
@@ -88,7 +99,8 @@ def summarize_run(info: dict[str, Any], records: Sequence[dict[str, Any]], last:
     the last ``rounds_averaged`` = min(``last``, rounds) rounds; ``val_mean_last`` on the
     validation split when the run held one out) and (with the config's
     ``target_accuracy``) the rounds and simulated seconds to reach it; uplink bytes by
-    codec, wall and simulated seconds."""
+    codec, wall and simulated seconds; ``stop``: the rounds run, the plateau round and
+    whether it was still climbing at its end (coordinator.emulation.stopping)."""
     curves = group_curves(records)
     val = group_curves(records, "val_accuracy")
     k = rounds_averaged(len(records), last)
@@ -117,6 +129,8 @@ def summarize_run(info: dict[str, Any], records: Sequence[dict[str, Any]], last:
         "sim_seconds": _num(records[-1].get("sim_time")) if records else math.nan,
         "stragglers": sum(int(r.get("stragglers", 0)) for r in records),
         "health": health_summary(records),
+        "stop": stop_summary(records, info.get("config", {}).get("stop") or {},
+                             (info.get("stop") or {}).get("plateau_round")),
         **privacy_summary(records),
     }
 
@@ -196,7 +210,9 @@ def write_report(run_dir: str | Path) -> Path:
     served = bool(info.get("served"))
     title = (info.get("title") or f"{run.name}: a `fedbit serve` run") if served \
         else f"{cfg.get('name', run.name)}: seed {info.get('seed', '?')}"
-    plot_run_accuracy(run / "accuracy.png", records, group_curves(records), title, s["rounds_averaged"], averaged)
+    key = curve_key(records)
+    plot_run_accuracy(run / "accuracy.png", records, group_curves(records, key), title, s["rounds_averaged"], averaged,
+                      ylabel=CURVE_LABEL[key])
     plot_bytes(run / "bytes.png", records)
     if info.get("availability"):
         plot_availability(run / "availability.png", info["availability"], records)
@@ -220,6 +236,8 @@ def write_report(run_dir: str | Path) -> Path:
             reach = f" {r} / {sim:.1f} |" if r is not None else " not reached |"
         vcell = f" {_pct(v.get('val_mean_last', math.nan))} |" if has_val else ""
         lines.append(f"| {g} | {_pct(v['final'])} | {_pct(v['mean_last'])} |{vcell}{reach}")
+    if not served:
+        lines += ["", stop_text(s["stop"]) + f" Curves (`accuracy.png`): {CURVE_LABEL[key]}."]
     sim = f" and {s['sim_seconds']:.1f} s of simulated time" if simulated else ""
     lines += ["", f"{s['rounds']} rounds in {s['wall_seconds']:.1f} s of wall time{sim}; {s['stragglers']} "
               "straggler(s) in all.", "",
@@ -247,6 +265,7 @@ def write_sweep_report(root: str | Path, runs: Sequence[tuple[dict[str, Any], in
     averaging: set[tuple[int, int]] = set()
     target = 0.0
     reach: dict[str, dict[str, list[tuple[int | None, float | None]]]] = {}
+    keys: set[str] = set()
     for combo, seed, run in runs:
         info, records = load_run(run)
         if sweep is None:
@@ -255,7 +274,8 @@ def write_sweep_report(root: str | Path, runs: Sequence[tuple[dict[str, Any], in
         results.append({"combination": combo, "seed": seed, "run": str(Path(run).relative_to(root)), **s})
         averaging.add((s["rounds_averaged"], s["rounds"]))
         label = combo_label(combo)
-        curves.setdefault(label, []).append(group_curves(records))
+        keys.add(curve_key(records))
+        curves.setdefault(label, []).append(group_curves(records, curve_key(records)))
         target = s["target_accuracy"] or target
         for g, v in s["groups"].items():
             if target:
@@ -266,6 +286,8 @@ def write_sweep_report(root: str | Path, runs: Sequence[tuple[dict[str, Any], in
     (root / "analysis.json").write_text(json.dumps(_clean(analysis_json(a)), indent=1))
     averaged = averaging_text(averaging)
     lines = sweep_lines(a, averaged, len(runs))
+    if (root / "tuning.json").is_file():
+        lines += tuning_lines(json.loads((root / "tuning.json").read_text()))
     if target:
         lines += ["", f"Rounds / simulated seconds to reach {100 * target:.0f}% accuracy (mean ± SD over the "
                   "seeds that reached it; `k/n`: k of n seeds reached it):", "",
@@ -282,7 +304,8 @@ def write_sweep_report(root: str | Path, runs: Sequence[tuple[dict[str, Any], in
     path = root / "summary.md"
     path.write_text("\n".join(lines) + "\n")
     figures = {label: ", ".join(f"{g} {_pct_est(r.estimate(g))}" for g in a.groups) for label, r in a.rows.items()}
-    plot_sweep(root / "accuracy.png", curves, a.groups, figures, averaged)
+    plot_sweep(root / "accuracy.png", curves, a.groups, figures, averaged,
+               ylabel=" / ".join(CURVE_LABEL[k] for k in sorted(keys)))
     return path
 
 
@@ -298,6 +321,14 @@ def sweep_lines(a: Analysis, averaged: str, n_runs: int) -> list[str]:
              "| combination | seeds | " + " | ".join(groups) + " |", "|---|---|" + "---|" * len(groups)]
     for label, row in a.rows.items():
         lines.append(f"| {label} | {len(row.seeds)} | " + " | ".join(row.estimate(g).text() for g in groups) + " |")
+    if any(r.stops for r in a.rows.values()):
+        lines += ["", "Stopping (coordinator.emulation.stopping: still climbing = the mean validation accuracy "
+                  "of the last rounds of the window above the window before by more than the margin):", "",
+                  "| combination | rounds run | plateau at round | still climbing at the end |", "|---|---|---|---|"]
+        for label, row in a.rows.items():
+            lines.append(f"| {label} | {_span([st['rounds'] for st in row.stops.values()])} | "
+                         f"{_span([st['plateau_round'] for st in row.stops.values()])} | "
+                         f"{row.climbing_text()} |")
     if any(r.val for r in a.rows.values()):
         lines += ["", f"Validation split (held out of the training data), mean of {averaged}:", "",
                   "| combination | " + " | ".join(groups) + " |", "|---|" + "---|" * len(groups)]
@@ -322,6 +353,41 @@ def sweep_lines(a: Analysis, averaged: str, n_runs: int) -> list[str]:
         for label, d in c.diffs.items():
             lines.append(f"| {label} | {c.partner[label]} | " + " | ".join(d[g].text() for g in groups) + " |")
     return lines
+
+
+CURVE_LABEL = {"accuracy": "test accuracy", "val_accuracy": "validation accuracy"}
+
+
+def tuning_lines(t: dict[str, Any]) -> list[str]:
+    """What a ``[sweep.tune]`` table tuned (``tuning.json``): per combination the keys, the
+    budget, every point's validation score and the point chosen."""
+    lines = ["", f"Tuned on seeds {t['seeds']} (never reported; the figures above are of fresh seeds), "
+             "each combination with the same budget of settings, each chosen on the validation split "
+             "(mean over the tuning seeds of the mean over groups):", "",
+             "| combination | tuned | budget | chosen | validation scores |", "|---|---|---|---|---|"]
+    for label, c in t["combinations"].items():
+        chosen = ", ".join(f"{k}={v}" for k, v in c["chosen"].items())
+        scores = "; ".join(f"{k}: {_pct(v)}" for k, v in c["scores"].items())
+        lines.append(f"| {label} | {', '.join(c['keys'])} | {c['budget']} | **{chosen}** | {scores} |")
+    return lines
+
+
+def stop_text(stop: dict[str, Any]) -> str:
+    """One sentence on how a run stopped."""
+    how = (f"Plateau at round {stop['plateau_round']} (validation accuracy), then the reported rounds"
+           if stop.get("plateau_round") else f"Ran its {stop['rounds']} rounds")
+    flag = {True: "still climbing at the end", False: "not climbing at the end",
+            None: "too short to say whether it was still climbing"}[stop.get("climbing")]
+    return f"{how}; {flag} (read on the {stop.get('split', 'validation')} curve)."
+
+
+def _span(values: Sequence[Any]) -> str:
+    got = sorted(v for v in values if v is not None)
+    if not got:
+        return "none"
+    lo, hi = got[0], got[-1]
+    text = str(lo) if lo == hi else f"{lo}-{hi}"
+    return text if len(got) == len(values) else f"{text} ({len(got)} of {len(values)})"
 
 
 def combo_label(combo: dict[str, Any]) -> str:

@@ -82,6 +82,7 @@ from coordinator.emulation.pool import (
     machine_cores,
     wait_ready,
 )
+from coordinator.emulation.stopping import Stopper, stop_summary
 from coordinator.emulation.worker import WorkerSpec
 from coordinator.fleet import Fleet, InProcessFleet, MqttFleet
 from edge_client.protocol import FLOAT_VARIANT
@@ -96,6 +97,9 @@ DESCRIBED_DEVICES = 10_000
 #: per device) for the rounds after it. Smaller rounds stay in the emulator's process: a
 #: worker process costs ~360 MB (its kernels, torch) and a pipe each way per round.
 AUTO_CPU_S = 0.25
+#: validation samples scored each round (a fixed random subsample: the per-round curve the
+#: stopping rule, the health watch and tuning read)
+VAL_SAMPLE = 1000
 
 @dataclass
 class RunResult:
@@ -133,6 +137,7 @@ class Emulator:
         from coordinator.evaluate import evaluator_for
         from coordinator.job import coordinator_for
         from coordinator.ops.admission import AdmissionConfig
+        from coordinator.ops.dashboard.monitor import fan_out
         from coordinator.state import RunState
         from coordinator.strategies import build_strategy
         from edge_client.intnn import init_shared
@@ -169,7 +174,8 @@ class Emulator:
             presence_timeout_s=max(120.0, float(rnd.wall_timeout_s)), hparams=dict(cfg.train), seed=seed,
             admission=replace(AdmissionConfig(), max_registered=max(n, AdmissionConfig().max_registered),
                               hello_rate=1e9, hello_burst=1 << 30),  # (presence changes come from the clock)
-            on_collapse=cfg.on_collapse, privacy=cfg.privacy, mode=rnd.mode, buffered=rnd.buffered())
+            on_collapse=cfg.on_collapse, privacy=cfg.privacy, defense=cfg.defense, mode=rnd.mode,
+            buffered=rnd.buffered())
         broker, inner, relay = self._transport(job)
         info["broker"] = (f"embedded {broker.kind} at {broker.url}" if broker is not None
                           else self.cfg.broker or "in-process hub")
@@ -192,20 +198,24 @@ class Emulator:
                                       deadline_s=float(rnd.deadline_s), wall_timeout_s=float(rnd.wall_timeout_s),
                                       on_progress=progress, availability=availability,
                                       until_s=float(cfg.clock.until_s))
-            # the validation split is read only over the rounds the reports average
-            # (analysis.LAST_ROUNDS); every core scores, the device workers idle meanwhile
-            # (decisions read the validation split, else the training split: never the test split;
-            # a run ended by its simulated time budget does not know its last rounds: every round)
+            # the test split only in the reported rounds (the last LAST_ROUNDS, or those after a
+            # plateau; every round for a target accuracy, and for a run its simulated time budget
+            # ends, which does not know its last rounds), a validation subsample every round;
+            # decisions read the validation split, else the training split: never the test split.
+            # Every core scores, the device workers idle meanwhile.
             evaluator = evaluator_for(cfg.model, data.test, strategy.device_hparams(cfg.train), seed=seed,
-                                      validation=data.validation,
-                                      validate_from=1 if cfg.clock.until_s else cfg.rounds - LAST_ROUNDS + 1,
+                                      validation=data.validation, val_sample=VAL_SAMPLE,
+                                      report_from=0 if cfg.target_accuracy or cfg.clock.until_s
+                                      else cfg.rounds - LAST_ROUNDS + 1,
                                       threads=machine_cores(), probe_data=data.train)
+            stopper = Stopper(asdict(cfg.stop), server_cfg, evaluator)
             if cfg.clock.eval_every_s:
                 evaluator = SimTimeEvaluator(evaluator, fleet, float(cfg.clock.eval_every_s))
             coord = coordinator_for(server_cfg, fleet, strategy, RunState(self.run_dir / "out"), evaluator=evaluator,
-                                    init_weights=init_shared(resolve_model(cfg.model), seed), on_event=self.on_event,
-                                    logger=log.getChild("server"))
+                                    init_weights=init_shared(resolve_model(cfg.model), seed),
+                                    on_event=fan_out(stopper, self.on_event), logger=log.getChild("server"))
             history = coord.run()
+            info["stop"] = stop_summary(history, asdict(cfg.stop), stopper.plateau_round)
             info |= pool.describe() | {"workers_lost": pool.lost}
         finally:
             if evaluator is not None:
@@ -246,7 +256,10 @@ class Emulator:
         kinds = {(g.profile.trainer, g.profile.compute_bits, g.codec, g.bits):
                  replace(g.profile, codec=g.codec, codec_bits=g.bits) for g in plan.groups}
         spec = WorkerSpec(job=job, slots=rnd.parallel, wall_timeout_s=float(rnd.wall_timeout_s),
-                          workdir=str(plan.workdir), model=self.cfg.model, profiles=tuple(kinds.values()))
+                          workdir=str(plan.workdir), model=self.cfg.model, profiles=tuple(kinds.values()),
+                          engine=rnd.engine)
+        if rnd.engine == "cuda":  # one GPU, one process: this one trains every round's devices
+            return WorkerPool(plan, InlineBackend(data.train, spec), 1, relay, job)
         if cluster.backend == "ray":
             from coordinator.emulation.ray_backend import RayBackend
 
@@ -275,6 +288,8 @@ class Emulator:
         url = self.cfg.broker
         if not url:
             broker = start_embedded_broker()
+            if hasattr(broker, "keep_alive"):  # (mosquitto: started again should it die)
+                broker.keep_alive()
             url = broker.url
         inner = MqttFleet(url, job, client_id=f"fedbit-coordinator-{job}-{self.seed}", username="fedbit-coordinator")
         return broker, inner, MqttTransport(url, f"fedbit-emulator-{job}-{self.seed}")
@@ -293,10 +308,11 @@ class Emulator:
             "seconds_per_sample": sps, "calibrated": sorted(measured),
             "profiles": {g.profile.name: {"count": g.count, **{k: v for k, v in asdict(g.profile).items()
                                                                if k != "notes"}} for g in plan.groups},
-            "fleet_size": n,
+            "fleet_size": n, "attackers": sorted(plan.attackers)[:1000],
             "devices": [{"id": d.device_id, "profile": d.profile.name, "variant": d.variant,
                          "codec": f"{d.config.codec}-{d.config.codec_bits}", "inferior": d.inferior,
-                         "samples": len(d.shard), "class_counts": counts[i].tolist()}
+                         "samples": len(d.shard), "class_counts": counts[i].tolist(),
+                         **({"attacker": True} if d.attack is not None else {})}
                         for i, d in enumerate(devices)],
         }
 

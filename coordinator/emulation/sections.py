@@ -1,5 +1,5 @@
 """The experiment file's sections with fixed keys, as dataclasses: ``[data]``, ``[round]``,
-``[cluster]``, ``[clock]``, ``[availability]``.
+``[cluster]``, ``[clock]``, ``[availability]``, ``[stop]``.
 
 Each field is a key of its section (its annotation the accepted TOML types, its default
 the default: :func:`coordinator.config.section_keys`); ``check()`` validates the values
@@ -71,7 +71,9 @@ class RoundSettings:
     (``min_updates``), the simulated deadline (``deadline_s``, 0: none) and the wall-clock
     one (``wall_timeout_s``), the workers that train the devices (``workers``: processes or
     Ray actors; 0: one per core, 1: this process) and the devices training at once in each
-    (``parallel``); ``mode`` ``sync`` or ``buffered`` (``coordinator.buffered``, with
+    (``parallel``); ``engine``: where the integer devices train, ``"cpu"`` or ``"cuda"``
+    (a round's together on the GPU, in this process: ``coordinator.emulation.gpu``; the
+    same results); ``mode`` ``sync`` or ``buffered`` (``coordinator.buffered``, with
     ``buffer_size``, ``concurrency``, ``server_lr``, ``max_staleness``, ``staleness``;
     ``deadline_s`` then bounds how long a request holds a slot)."""
 
@@ -82,6 +84,7 @@ class RoundSettings:
     wall_timeout_s: float = 600.0
     workers: int = 0
     parallel: int = 2
+    engine: str = "cpu"
     mode: str = _SERVER.mode
     buffer_size: int = _SERVER.buffered.buffer_size
     concurrency: int = _SERVER.buffered.concurrency
@@ -109,6 +112,8 @@ class RoundSettings:
             raise ConfigError(f"parallel: must be >= 1, got {self.parallel}")
         if self.workers < 0:
             raise ConfigError(f"workers: must be >= 0 (0: one per core), got {self.workers}")
+        if self.engine not in ("cpu", "cuda"):
+            raise ConfigError(f"engine: {self.engine!r} is not 'cpu' or 'cuda'")
         if self.mode not in ROUND_MODES:
             raise ConfigError(f"mode: {self.mode!r} is not one of {sorted(ROUND_MODES)}")
         if self.mode == "buffered":
@@ -180,3 +185,24 @@ class AvailabilitySettings:
             raise ConfigError(f"start_hour: must be in [0, 24), got {self.start_hour}")
         if not (self.time_scale > 0 and math.isfinite(self.time_scale)):
             raise ConfigError(f"time_scale: must be > 0, got {self.time_scale}")
+
+
+@dataclass
+class StopSettings:
+    """``[stop]``: with ``plateau``, a run stops 5 rounds (the reported ones) after the first
+    round >= ``min_rounds`` whose mean validation accuracy over the last ``window`` rounds
+    gains at most ``min_delta`` on the ``window`` before (``rounds``: the maximum;
+    :mod:`coordinator.emulation.stopping`)."""
+
+    plateau: bool = False
+    window: int = 5
+    min_delta: float = 0.005
+    min_rounds: int = 10
+
+    def check(self) -> None:
+        if self.window < 1:
+            raise ConfigError(f"window: must be >= 1, got {self.window}")
+        if not (self.min_delta >= 0 and math.isfinite(self.min_delta)):
+            raise ConfigError(f"min_delta: must be >= 0, got {self.min_delta}")
+        if self.min_rounds < 1:
+            raise ConfigError(f"min_rounds: must be >= 1, got {self.min_rounds}")

@@ -38,7 +38,7 @@ import numpy as np
 
 from coordinator.emulation.emulator import EmulatedDevice, derive_seed, device_runtime
 from edge_client.data import Dataset
-from edge_client.protocol import parse_topic, topic
+from edge_client.protocol import decode_message, parse_topic, topic
 from edge_client.transport import LocalHub
 
 log = logging.getLogger("fedbit.emulator")
@@ -82,6 +82,9 @@ class WorkerSpec:
     #: model, and each group's profile with its uplink codec
     model: str = ""
     profiles: tuple[Any, ...] = ()
+    #: the integer devices' engine: "cpu" (each trains on its own), or "cuda" (a round's
+    #: train together on the GPU: coordinator.emulation.gpu)
+    engine: str = "cpu"
 
 
 class SharedData:
@@ -153,9 +156,17 @@ class DeviceWorker:
         self.spec = spec
         self.hub = LocalHub()
         self.slots = threading.Semaphore(max(1, spec.slots))
+        #: the GPU batches of the integer devices (engine "cuda"): every runtime of a round
+        #: runs at once, waiting in its ``train`` for the batch
+        self.gpu: Any = None
+        if spec.engine == "cuda":
+            from coordinator.emulation.gpu import GpuFleet
+
+            self.gpu = GpuFleet(train)
         #: the devices' runtimes run on these threads (kept from round to round); a runtime
         #: waits on its training slot, its I/O (the outbox) overlaps the others' training
-        self._threads = ThreadPoolExecutor(max(8, 4 * spec.slots), thread_name_prefix="fedbit-device")
+        runtimes = max(8, 4 * spec.slots) if self.gpu is None else 4096
+        self._threads = ThreadPoolExecutor(runtimes, thread_name_prefix="fedbit-device")
         self._running: set[Any] = set()  # the runtimes running now (stopped by close)
         self._lock = threading.Lock()
         self._closed = False
@@ -203,6 +214,8 @@ class DeviceWorker:
         self._feed.publish(topic(job, "status"), msgs.status, retain=True)
         results: dict[str, str] = {}
         finished: queue.Queue[str] = queue.Queue()
+        if self.gpu is not None:
+            self.gpu.begin([dev.device_id for dev in devices])
 
         def run(dev: EmulatedDevice) -> None:
             try:
@@ -213,10 +226,12 @@ class DeviceWorker:
         for dev in devices:
             self._threads.submit(run, dev)
         pending = {dev.device_id for dev in devices}
+        attackers = {dev.device_id: dev for dev in devices
+                     if dev.attack is not None and dev.attack.acts_in(msgs.round_id)}
         while pending:
             msg = self._relay.recv(timeout=0.02)
             if msg is not None:
-                self._forward(msg, msgs.round_id, emit)
+                self._forward(msg, msgs, emit, attackers)
                 continue
             while True:
                 try:
@@ -224,19 +239,31 @@ class DeviceWorker:
                 except queue.Empty:
                     break
                 while (msg := self._relay.recv(timeout=0)) is not None:  # its update comes first
-                    self._forward(msg, msgs.round_id, emit)
+                    self._forward(msg, msgs, emit, attackers)
                 emit(WorkerEvent("end", msgs.round_id, dev_id, state=results.get(dev_id, "failed")))
                 pending.discard(dev_id)
 
-    def _forward(self, msg: Any, round_id: int, emit: Callable[[WorkerEvent], None]) -> None:
+    def _forward(self, msg: Any, msgs: RoundMessages, emit: Callable[[WorkerEvent], None],
+                 attackers: dict[str, EmulatedDevice]) -> None:
         _, _, dev_id = parse_topic(msg.topic)
-        emit(WorkerEvent("update", round_id, str(dev_id), bytes(msg.payload)))
+        payload = bytes(msg.payload)
+        dev = attackers.get(str(dev_id))
+        if dev is not None:  # an emulated attacker: its update rewritten on its way out
+            from coordinator.emulation.attack import attack_update
+            from edge_client.runtime import model_to_shared
+
+            model = msgs.models.get(dev.variant)
+            payload = attack_update(dev.attack, payload, model_to_shared(decode_message(model)) if model else None,
+                                    derive_seed("attack", dev.device_id, msgs.round_id))
+        emit(WorkerEvent("update", msgs.round_id, str(dev_id), payload))
 
     def _run(self, dev: EmulatedDevice, round_id: int, results: dict[str, str]) -> None:
         from edge_client.trainers import make_trainer
 
         def trainer_factory(spec: Any, bits: int, seed: int) -> Any:
             trainer = make_trainer(spec, bits, seed=derive_seed(seed, round_id))
+            if self.gpu is not None and bits != 32:  # trains in the round's GPU batch
+                return self.gpu.trainer(trainer, dev.device_id, dev.shard)
             if "torch" in sys.modules:  # a float device: one torch thread, as everywhere in the emulator
                 one_thread_torch()
             return _GatedTrainer(trainer, self.slots)
@@ -248,8 +275,14 @@ class DeviceWorker:
         cfg = replace(dev.config, workdir=Path(self.spec.workdir) / dev.device_id)
         state = "failed"
         rt = None
+        data = self.train.subset(dev.shard)
+        if dev.attack is not None and dev.attack.kind == "label_flip" and dev.attack.acts_in(round_id):
+            from coordinator.emulation.attack import flip_labels
+            from firmware_models import resolve_model
+
+            data = Dataset(data.x, flip_labels(data.y, resolve_model(self.spec.model).num_classes))
         try:
-            rt = device_runtime(cfg, self.train.subset(dev.shard), connect, trainer_factory=trainer_factory,
+            rt = device_runtime(cfg, data, connect, trainer_factory=trainer_factory,
                                logger=log.getChild("device"))
             rt.not_applied_logged = self._not_applied.get(dev.device_id, "")
             with self._lock:
@@ -264,6 +297,8 @@ class DeviceWorker:
         finally:
             with self._lock:
                 self._running.discard(rt)
+            if self.gpu is not None:
+                self.gpu.gone(dev.device_id)
         results[dev.device_id] = state
 
     def close(self) -> None:

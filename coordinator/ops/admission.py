@@ -1,22 +1,18 @@
 """Who may speak to the coordinator, and how much: the settings of the admission rules
 that :mod:`coordinator.ingest` applies, and the per-device rate limiter.
 
-- ``enrolment``: the job's registry (``security/enrolled.json``). When set, every hello,
-  presence and update must come from an enrolled device and carry a MAC that verifies
-  under that device's key (:mod:`edge_client.auth`); refused as ``unenrolled`` /
-  ``bad_mac``. Empty: any valid id is heard (the anonymous loopback demo).
-- ``max_samples`` (job-wide cap, 0 = none) and ``samples_policy``: an update's
-  self-reported ``num_samples`` is bounded by the smallest of the cap, what the device
-  was enrolled with, and what its hello declared; more is clipped to the bound
-  (``clipped_num_samples``) or refused (``too_many_samples``).
-- ``allow_uncapped``: let ``fedbit serve`` start a job whose registry holds a device
-  enrolled without a sample cap (``max_samples`` 0) while ``max_samples`` is 0 too;
-  refused by default, so that every enrolled device's weight in a round is bounded.
-- ``max_registered``: most devices the registry holds; a hello from one more is refused
-  (``registry_full``).
-- ``hello_rate`` / ``hello_burst``: hello and presence messages per device, a token bucket
-  (``burst`` at once, then ``rate`` per second); more are refused (``rate_limited``,
-  logged at debug level so a flood cannot flood the log).
+- ``enrolment``: the job's registry (``security/enrolled.json``); when set, every message
+  must come from an enrolled device with a MAC that verifies under its key (refused:
+  ``unenrolled`` / ``bad_mac``); empty, any valid id is heard (the loopback demo).
+- ``max_samples`` (job-wide cap, 0 = none) and ``samples_policy``: an update's claimed
+  ``num_samples`` is bounded by the smallest of the cap, the device's enrolled value and
+  its hello's; more is clipped (``clipped_num_samples``) or refused (``too_many_samples``).
+- ``allow_uncapped``: start a job whose registry holds a device enrolled without a cap
+  while ``max_samples`` is 0 too (refused by default: every device's weight is bounded).
+- ``max_registered``: most devices the registry holds (``registry_full``).
+- ``hello_rate`` / ``hello_burst``: a token bucket per device for hello and presence
+  messages; more are refused (``rate_limited``, logged at debug level: a flood cannot
+  flood the log).
 """
 
 from __future__ import annotations

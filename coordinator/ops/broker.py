@@ -120,7 +120,9 @@ class MosquittoBroker:
         self.host = host
         self.port = port or free_port(host)
         self._own_dir = workdir is None
-        self.workdir = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="fedbit-mosq-"))
+        # resolved: the config path on mosquitto's command line is what `fedbit revoke` and a
+        # resumed coordinator match a recorded broker by, whatever the current directory
+        self.workdir = Path(workdir).resolve() if workdir else Path(tempfile.mkdtemp(prefix="fedbit-mosq-"))
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.max_packet_size = int(max_packet_size)
         self.persistence = persistence
@@ -135,6 +137,10 @@ class MosquittoBroker:
             self.devices.setdefault("port", free_port(dial_host(self.devices["host"])))
         self.clientid_is_username = clientid_is_username
         self.proc: subprocess.Popen[bytes] | None = None
+        self._keeper: threading.Thread | None = None
+        self._stopping = threading.Event()
+        #: how many times :meth:`keep_alive` started the broker again after it died
+        self.restarts = 0
         self.url = f"mqtt://{dial_host(host)}:{self.port}"
         self.url_tls = f"mqtts://{dial_host(self.tls['host'])}:{self.tls['port']}" if self.tls else ""
         self.url_devices = ""
@@ -201,6 +207,14 @@ class MosquittoBroker:
     def start(self, timeout: float = 10.0) -> MosquittoBroker:
         """Write the config, spawn mosquitto, wait until the port accepts connections."""
         self.config_path.write_text(self.config_text())
+        try:
+            self._spawn(timeout)
+        except ConfigError:
+            self.stop()
+            raise
+        return self
+
+    def _spawn(self, timeout: float) -> None:
         # (a process group of its own: a terminal's Ctrl-C reaches the coordinator only,
         # which says goodbye through the broker, then stops it by PID)
         self.proc = subprocess.Popen(
@@ -212,9 +226,37 @@ class MosquittoBroker:
         for h, p in ports:
             if not wait_for_port(dial_host(h), p, timeout) or self.proc.poll() is not None:
                 err = self._drain_stderr()
-                self.stop()
+                self._end_process()
                 raise ConfigError(f"mosquitto: did not start on {h}:{p}: {err}")
-        return self
+
+    def keep_alive(self, on_restart: Any = None, interval: float = 0.5) -> None:
+        """Watch the broker from a daemon thread and start it again (same config, ports and
+        persistence) when it dies; ``on_restart(pid)`` is called after each restart. Clients
+        reconnect on their own and a persistent broker gives them their sessions back, so a
+        round in progress continues. :meth:`stop` ends the watch first."""
+        if self._keeper is not None:
+            return
+
+        def watch() -> None:
+            while not self._stopping.wait(interval):
+                proc = self.proc
+                if proc is None or proc.poll() is None:
+                    continue
+                log.warning("mosquitto (pid %d) exited with %s; starting it again", proc.pid, proc.returncode,
+                            extra={"event": "broker_restart"})
+                if proc.stderr:
+                    proc.stderr.close()
+                try:
+                    self._spawn(10.0)
+                except ConfigError as exc:  # (the next tick tries again)
+                    log.error("%s", exc, extra={"event": "broker_restart_failed"})
+                    continue
+                self.restarts += 1
+                if on_restart is not None:
+                    on_restart(self.pid)
+
+        self._keeper = threading.Thread(target=watch, name="fedbit-broker-keeper", daemon=True)
+        self._keeper.start()
 
     def reload(self) -> None:
         """SIGHUP: mosquitto re-reads its password file and ACL (new connections see
@@ -246,6 +288,15 @@ class MosquittoBroker:
 
     def stop(self) -> None:
         """SIGTERM by PID, SIGKILL after 5 s; remove the temp workdir if we made it."""
+        self._stopping.set()
+        if self._keeper is not None:
+            self._keeper.join(15)
+            self._keeper = None
+        self._end_process()
+        if self._own_dir:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def _end_process(self) -> None:
         if self.proc is not None:
             if self.proc.poll() is None:
                 self.proc.send_signal(signal.SIGTERM)
@@ -257,8 +308,6 @@ class MosquittoBroker:
             if self.proc.stderr:
                 self.proc.stderr.close()
             self.proc = None
-        if self._own_dir:
-            shutil.rmtree(self.workdir, ignore_errors=True)
 
     def __enter__(self) -> MosquittoBroker:
         return self.start() if self.proc is None else self
@@ -458,6 +507,8 @@ def start_job_broker(host: str, port: int | None, *, security: str, job_security
     if security == "none":
         b = start_embedded_broker(port, prefer=prefer, workdir=workdir, max_packet_size=max_packet_size) \
             if host == "127.0.0.1" else _anonymous_on(host, port, prefer, workdir, max_packet_size)
+        if isinstance(b, MosquittoBroker):
+            b.keep_alive()
         return JobBroker(b, b.url, b.url, "none")
     if prefer == "amqtt" or not mosquitto_path():
         raise ConfigError(f"--security {security}: needs mosquitto (apt-get install mosquitto); "
@@ -466,7 +517,8 @@ def start_job_broker(host: str, port: int | None, *, security: str, job_security
     if sec is None:
         raise ConfigError(f"--security {security}: no security folder")
     port = port or (8883 if security == "tls" else 1883)
-    devices: dict[str, Any] = {"host": host, "port": port, "password_file": str(sec.passwd_path)}
+    # the devices' listener knows the devices alone: the coordinator's password is refused there
+    devices: dict[str, Any] = {"host": host, "port": port, "password_file": str(sec.devices_passwd_path)}
     if security == "tls":
         from coordinator.ops.security import default_hosts
 
@@ -480,9 +532,11 @@ def start_job_broker(host: str, port: int | None, *, security: str, job_security
     scheme = "mqtts" if security == "tls" else "mqtt"
     public = f"{scheme}://{(hosts or [dial_host(host)])[0] if host in ('0.0.0.0', '::', '') else host}:{port}"
     creds = sec.coordinator(b.url, tls=False)  # (before start: the password files must hold it)
+    sec.write_broker_files()  # (a folder made before devices.passwd existed gets it)
     sec.stop_recorded_broker()  # a broker left behind by a coordinator killed with -9
     b.start()
     sec.record_broker(b.pid or 0, b.config_path)
+    b.keep_alive(on_restart=lambda pid: sec.record_broker(pid or 0, b.config_path))
     return JobBroker(b, public, b.url, security, creds)
 
 

@@ -54,7 +54,7 @@ class ProgressDisplay:
     """
 
     #: log ``event`` fields whose message this display already prints
-    SHOWN = ("round_start", "round_end", "reject", "device_joined", "device_left")
+    SHOWN = ("round_start", "round_end", "reject", "device_joined", "device_left", "quarantine", "release", "alert")
 
     def __init__(self, rounds: int, stream: TextIO | None = None) -> None:
         self.rounds = rounds
@@ -88,6 +88,10 @@ class ProgressDisplay:
             self._print(refusal_line(f))
         elif event == "device":
             self._print(device_line(f))
+        elif event == "quarantine":
+            self._print(quarantine_line(f))
+        elif event == "alert":
+            self._print(f"ALERT (round {f['round']}): {f['text']}")
         elif event == "devices":
             self._print(f"  round {f['round']}: {devices_text(f)}", live=True)
         elif event == "round_end":
@@ -99,6 +103,15 @@ def buffer_text(f: dict[str, Any]) -> str:
     return f"version {f['version']}: {f['fill']}/{f['size']} updates buffered, {f['in_flight']} device(s) training"
 
 
+def quarantine_line(f: dict[str, Any]) -> str:
+    """``device 'd3' QUARANTINED after round 7 (...); release it with: fedbit release d3 --run DIR``
+    (a ``quarantine`` event)."""
+    if f["change"] != "quarantined":
+        return f"device {f['device']!r} released from quarantine"
+    return (f"device {f['device']!r} QUARANTINED after round {f['round']} ({'; '.join(f.get('reasons') or [])}): "
+            f"not selected until released (fedbit release {f['device']} --run RUN_DIR)")
+
+
 def devices_text(f: dict[str, Any]) -> str:
     """An emulator's workers during a round (its ``devices`` event): devices done of those
     started, failed ones, workers busy."""
@@ -106,26 +119,32 @@ def devices_text(f: dict[str, Any]) -> str:
     return f"{f['done']}/{f['started']} devices done{failed}, {f['busy']}/{f['workers']} workers busy"
 
 
-def group_accuracy_text(f: dict[str, Any]) -> str:
+def group_accuracy_text(f: dict[str, Any], key: str = "accuracy") -> str:
     """``float32 0.9610 int8 0.9060``: the accuracy of each bitwidth group's model (float32
-    first), each named; a record without groups names the float32 (global) model."""
+    first), each named (``key``: that figure of each group); a record without groups names
+    the float32 (global) model."""
     groups = f.get("groups") or {}
     if not groups:
         return f"float32 {_fmt(f.get('accuracy'))}"
-    return " ".join(f"{g} {_fmt(v.get('accuracy'))}" for g, v in sorted(groups.items(),
-                                                                        key=lambda gv: (gv[0] != "float32", gv[0])))
+    return " ".join(f"{g} {_fmt(v.get(key))}" for g, v in sorted(groups.items(),
+                                                                  key=lambda gv: (gv[0] != "float32", gv[0])))
 
 
 def round_line(f: dict[str, Any], rounds: int) -> str:
     """One line for a finished round: the accuracy of each bitwidth group's model (named),
     updates, stragglers, wall (and simulated) seconds."""
+    groups = f.get("groups") or {}
+    # a round before the reported ones scores no test split: its validation subsample then
+    key, what = ("val_accuracy", "validation accuracy") if groups and not any(
+        isinstance(v.get("accuracy"), float) for v in groups.values()) else ("accuracy", "accuracy")
     strag = f", {f['stragglers']} straggler(s)" if f.get("stragglers") else ""
     if f.get("mode") == "buffered":
-        return (f"version {f['round']}/{rounds}: accuracy {group_accuracy_text(f)}, {f['accepted']} updates (staleness mean "
-                f"{f['staleness_mean']:.1f}, max {f['staleness_max']}){strag}, {f['round_seconds']:.2f} s")
+        return (f"version {f['round']}/{rounds}: {what} {group_accuracy_text(f, key)}, {f['accepted']} updates "
+                f"(staleness mean {f['staleness_mean']:.1f}, max {f['staleness_max']}){strag}, "
+                f"{f['round_seconds']:.2f} s")
     sim = f" (simulated {f['sim_round_seconds']:.2f} s)" if isinstance(f.get("sim_round_seconds"), float) else ""
     wait = f" (+ {f['wait_seconds']:.2f} s waiting for devices)" if f.get("wait_seconds", 0) >= 0.1 else ""
-    return (f"round {f['round']}/{rounds}: accuracy {group_accuracy_text(f)}, {f['accepted']}/{f['selected']} "
+    return (f"round {f['round']}/{rounds}: {what} {group_accuracy_text(f, key)}, {f['accepted']}/{f['selected']} "
             f"updates{strag}, {f['round_seconds']:.2f} s{sim}{wait}")
 
 

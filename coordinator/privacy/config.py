@@ -122,8 +122,10 @@ FLAGS: list[tuple[str, str, dict[str, Any]]] = [
      "(clip + Gaussian noise at the coordinator) or distributed (devices' discrete Gaussian under "
      "secure aggregation)"}),
     ("--dp-clip", "privacy.clip", {"type": float, "metavar": "C", "help": "L2 clip of an update"}),
-    ("--noise-multiplier", "privacy.noise_multiplier", {"type": float, "metavar": "Z"}),
+    ("--noise-multiplier", "privacy.noise_multiplier", {"type": float, "metavar": "Z", "help": "Gaussian "
+     "noise's standard deviation in units of the clip (0: derived from --target-epsilon)"}),
     ("--target-epsilon", "privacy.target_epsilon", {"type": float, "metavar": "EPS", "help": "privacy "
      "budget: the job ends before a round would pass it (sets the noise when --noise-multiplier is 0)"}),
-    ("--delta", "privacy.delta", {"type": float, "metavar": "D"}),
+    ("--delta", "privacy.delta", {"type": float, "metavar": "D", "help": "the delta at which epsilon is "
+     "reported (the job's (epsilon, delta)-DP)"}),
 ]

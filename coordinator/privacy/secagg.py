@@ -2,23 +2,16 @@
 sum the masked inputs, and remove the masks with the shares of the survivors.
 
 The server never holds one device's unmasked input: it sums the masked vectors in
-ℤ/2^32 (:meth:`SecAggServer.masked`, :meth:`SecAggServer.unmask_requests`) and subtracts, at the end,
-the self-masks of the survivors and the pairwise masks that dropped devices left behind
-(:meth:`SecAggServer.unmask`). What it checks, and whom it excludes (named, with the
-reason, in :attr:`SecAggServer.excluded`):
-
-- keys: a signature that does not verify under the device's identity, or an identity
-  other than the one pinned for that device (first seen wins), excludes it before any
-  neighbour learns its keys;
-- shares: a device that does not deal exactly one sealed share to each neighbour on the
-  roster and one to itself (it keeps that one, and reveals it while it survives) is excluded before anyone masks against it (it did not share: phase-2 dropout);
-- masked input: a device whose sealed share a neighbour could not open (a complaint) is
-  excluded: its input is left out of the sum and its mask key reconstructed instead of
-  its self-mask (so its input stays hidden). Masked inputs (uniformly random while
-  masked) are therefore held until the phase closes, then summed;
-- reveal: a share that does not match its dealer's commitment is discarded and its
-  sender named; a secret is reconstructed from ``t`` good shares and checked against
-  what its owner committed to (the self-mask seed's hash, the mask key's public key).
+ℤ/2^32 and subtracts, at the end, the survivors' self-masks and the pairwise masks that
+dropped devices left behind (:meth:`SecAggServer.unmask`). It excludes, by name and reason
+(:attr:`SecAggServer.excluded`): at keys, a signature that does not verify or an identity
+other than the one pinned for the device (first seen wins); at shares, a device that does
+not deal exactly one sealed share to each roster neighbour and one to itself; at masked
+input, a device whose sealed share a neighbour could not open (its mask key is
+reconstructed instead of its self-mask, so its input stays hidden; masked inputs are held
+until the phase closes, then summed). At reveal, a share that does not match its dealer's
+commitment is discarded and its sender named, and a secret is reconstructed from ``t``
+good shares and checked against its owner's commitment (docs/security.md#secure-aggregation).
 """
 
 from __future__ import annotations

@@ -1,23 +1,17 @@
 """Streaming running sums, one set per compute bitwidth.
 
-Memory is O(model size x distinct bitwidths), independent of the number of updates: the
-sums are float32 by default (each flush forms its up-to-four-term sum in float64 and
-rounds once, so a round of N updates rounds N/4 times: relative error ~N/4 * 6e-8) or
-float64 on request; a few updates (``batch``, default 4) may be held by
-reference until they are folded in together, which halves-to-quarters the accumulator
-traffic. Callers must not mutate an update's arrays after handing them over.
-
-Each bitwidth group holds up to ``batch`` updates and folds them in the order of their
-``key`` (the device id), not of arrival, forming the up-to-four-term sum in float64
-before one rounding: a group of at most ``batch`` (<= 4) updates therefore sums to the
-same bits whatever order they arrived in (more updates: the same up to float rounding,
-about N/4 roundings).
+Memory is O(model size x distinct bitwidths), whatever the number of updates. The sums
+are float32 by default (float64 on request). Each bitwidth group holds up to ``batch``
+updates (default 4) by reference and folds them in the order of their ``key`` (the device
+id), not of arrival, forming their sum in float64 before one rounding: a group of at most
+``batch`` updates sums to the same bits whatever order they arrived in, and a round of N
+updates rounds about N/4 times (relative error ~N/4 · 6e-8). Callers must not mutate an
+update's arrays after handing them over.
 
 Encoded updates (:meth:`GroupSums.add_encoded`: per layer an ``add(acc, ω)`` that decodes
-a checked wire tensor into the sum, the codecs' fused ``decode_accumulate``) are held the
-same way (by reference: their payload bytes) and folded in the same key order with
-``edge_client.codecs.accumulate_many``: ``acc += ω·decode(t)`` per element, no decoded
-copy ever made, and ASYM / int 4- or 8-bit tensors four per pass over the accumulator.
+a checked wire tensor into the sum) are held the same way (their payload bytes) and folded
+in the same key order with ``edge_client.codecs.accumulate_many``: ``acc += ω·decode(t)``
+per element, no decoded copy, ASYM / int 4- or 8-bit tensors four per pass.
 """
 
 from __future__ import annotations
@@ -80,11 +74,13 @@ class GroupSums:
             self._fold(bits)
 
     def add_base(self, bits: int, omega: float) -> None:
-        """Weight ``omega`` of the round's model in group ``bits`` (counted as a delta of
-        zero: its base is added at :meth:`flush_base`): the rest of a damped update's
-        weight. The group must have an update."""
-        self.total[bits] += omega
-        self.delta_weight[bits] += omega
+        """Add the round's model (the base of delta updates) to group ``bits`` with weight
+        ``omega`` (an update's bounded part: ``coordinator.defense.guard``; negative for a
+        movement scaled beyond 1, a buffer's ``server_lr`` > 1); the group must have an
+        update already."""
+        if omega:
+            self.total[bits] += omega
+            self.delta_weight[bits] += omega
 
     def add_sum(self, bits: int, sums: list[np.ndarray], total: float, count: int, is_delta: bool) -> None:
         """Add a group already summed elsewhere (secure aggregation's, a private sum):
@@ -96,6 +92,24 @@ class GroupSums:
             self.delta_weight[bits] += float(total)
         for a, s in zip(self.sums[bits], sums, strict=True):
             a += np.asarray(s, dtype=a.dtype).reshape(-1)
+
+    def add_group(self, bits: int, sums: list[np.ndarray], total: float, count: int, delta_weight: float) -> None:
+        """Add group ``bits`` of another instance (:meth:`groups`: an ingest worker's
+        part of the round): its flattened sums, ``Σ ω``, its count and the delta part of
+        ``Σ ω``. Exact where the sums are (integer devices' grid values: see
+        docs/architecture.md#ingest-workers)."""
+        self._group(bits)
+        self.count[bits] += int(count)
+        self.total[bits] += float(total)
+        self.delta_weight[bits] += float(delta_weight)
+        for a, s in zip(self.sums[bits], sums, strict=True):
+            a += np.asarray(s, dtype=a.dtype).reshape(-1)
+
+    def groups(self) -> dict[int, tuple[list[np.ndarray], float, int, float]]:
+        """Every group, held updates folded in first: ``bits -> (sums, Σ ω, count, delta
+        part of Σ ω)``, for another instance's :meth:`add_group`."""
+        self.flush()
+        return {b: (self.sums[b], self.total[b], self.count[b], self.delta_weight[b]) for b in self.bits}
 
     def flush(self) -> None:
         """Fold every group's held updates into its sums."""

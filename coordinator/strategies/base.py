@@ -53,8 +53,8 @@ class Strategy:
     Params: ``weighted`` (FedAvg weights by ``num_samples``; False = unweighted, 1/N: the
     FedShift and ProWD papers' averaging, docs/algorithms.md §4),
     ``sigma_momentum`` (σ_g EMA, 0.9), ``acc_dtype`` ("float32" default | "float64"
-    running sums; float32 halves the accumulator traffic, measured 0.85x vs 0.59x of the
-    stacked-mean anchor for float64), ``batch`` (updates folded into the sums together, >= 1).
+    running sums; float32 halves the accumulator traffic:
+    docs/performance.md#codecs-and-the-coordinators-update-path), ``batch`` (updates folded into the sums together, >= 1).
     """
 
     def __init__(self, name: str, combiner: Combiner, mask: MaskStage | None = None,
@@ -116,7 +116,7 @@ class Strategy:
         self._require_round(update.device_id)
         if not self.takes_encoded(update):
             cu = decode_update(update, self._decode_buffers.take())
-            self._add_decoded(cu, self._finite_layers(cu))
+            self._add_decoded(cu, self._finite_layers(cu), update.bound)
             return
         who = f"update from {update.device_id!r}"
         adders = []
@@ -129,10 +129,10 @@ class Strategy:
             adders.append(add.scaled(unit_value(t, update.compute_bits))
                           if t.dtype in INTEGER_DTYPES else add)
         omega = self._omega(update)
-        self._sums.add_encoded(int(update.compute_bits), adders, omega * update.scale,
-                               update.kind == "delta", key=update.device_id)
-        if update.scale != 1.0:
-            self._sums.add_base(int(update.compute_bits), omega * (1.0 - update.scale))
+        f = update.bound * update.scale  # (the guard's bound, a buffer's staleness weight)
+        self._sums.add_encoded(int(update.compute_bits), adders, omega * f, update.kind == "delta",
+                               key=update.device_id)
+        self._sums.add_base(int(update.compute_bits), omega * (1.0 - f))
         self._count(update)
 
     def accept(self, update: ClientUpdate) -> None:
@@ -171,6 +171,32 @@ class Strategy:
         self._sums.add_sum(int(bits), flat, float(total), int(count), is_delta)
         self._n_inferior += int(inferior)
 
+    @property
+    def folds_in_parts(self) -> bool:
+        """Whether a round may be folded in parts by several instances whose
+        :meth:`partial` sums one adds with :meth:`fold_partial` (ingest workers): the
+        running sums are all it keeps of a round, unless a dequantizer reads every update."""
+        return isinstance(self.dequantizer, NoDequantizer)
+
+    def partial(self) -> dict[str, Any]:
+        """This round's part so far (sums flushed), for another instance's
+        :meth:`fold_partial`: ``groups`` (``GroupSums.groups``), ``inferior``, ``sigma_sum``
+        (float64 per layer, or None) and ``sigma_n``."""
+        self._require_round("a partial")
+        return {"groups": self._sums.groups(), "inferior": self._n_inferior, "sigma_sum": self._sigma_sum,
+                "sigma_n": self._sigma_n}
+
+    def fold_partial(self, part: Mapping[str, Any]) -> None:
+        """Add another instance's :meth:`partial` of the same round to this round's sums."""
+        self._require_round("a partial")
+        for bits, (sums, total, count, dw) in part["groups"].items():
+            self._sums.add_group(int(bits), sums, total, count, dw)
+        self._n_inferior += int(part["inferior"])
+        if part["sigma_sum"] is not None:
+            s = np.asarray(part["sigma_sum"], dtype=np.float64)
+            self._sigma_sum = s.copy() if self._sigma_sum is None else self._sigma_sum + s
+            self._sigma_n += int(part["sigma_n"])
+
     def takes_encoded(self, update: EncodedUpdate) -> bool:
         """Whether :meth:`fold` adds ``update`` without decoding it first: there is no
         dequantizer (it needs decoded values) and every layer's codec has a fused
@@ -198,10 +224,12 @@ class Strategy:
             flat.append(f)
         return flat
 
-    def _add_decoded(self, update: ClientUpdate, flat: list[np.ndarray]) -> None:
+    def _add_decoded(self, update: ClientUpdate, flat: list[np.ndarray], bound: float = 1.0) -> None:
         """Dequantize (when a dequantizer is set: it observes every update, then maps it)
-        and add a checked decoded update."""
+        and add a checked decoded update (its movement scaled by ``bound``, as
+        ``EncodedUpdate.bound``, and by its own ``scale``)."""
         assert self._sums is not None
+        scale = update.scale
         if not isinstance(self.dequantizer, NoDequantizer):
             self.dequantizer.observe(update)
             mapped = self.dequantizer(update)
@@ -209,10 +237,9 @@ class Strategy:
                 update = mapped
                 flat = self._finite_layers(update)
         omega = self._omega(update)
-        self._sums.add(int(update.compute_bits), flat, omega * update.scale, update.kind == "delta",
-                       key=update.device_id)
-        if update.scale != 1.0:
-            self._sums.add_base(int(update.compute_bits), omega * (1.0 - update.scale))
+        f = bound * scale
+        self._sums.add(int(update.compute_bits), flat, omega * f, update.kind == "delta", key=update.device_id)
+        self._sums.add_base(int(update.compute_bits), omega * (1.0 - f))
         self._count(update)
 
     def _count(self, update: ClientUpdate | EncodedUpdate) -> None:

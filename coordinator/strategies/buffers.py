@@ -1,8 +1,9 @@
 """Reusable per-layer float32 buffers for decoding received updates.
 
-Decoding a ``fedshift_cnn`` update into fresh arrays allocates ~8.6 MB per update, and the
-kernel then pays the page faults of that fresh memory. :class:`LayerBufferPool` hands out
-sets of preallocated arrays (one per layer) to decode into, with ``codecs.decode(t, out=)``.
+Decoding an update into fresh arrays allocates the model's size in float32 (8.6 MB for
+``fedshift_cnn``) per update, and the kernel then pays the page faults of that fresh
+memory. :class:`LayerBufferPool` hands out sets of preallocated arrays (one per layer) to
+decode into, with ``codecs.decode(t, out=)``.
 
 A strategy may keep the arrays of up to ``batch`` accepted updates (or views of them) per
 bitwidth group until it folds them into its sums (``coordinator/strategies/base.py``), so

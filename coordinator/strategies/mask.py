@@ -2,23 +2,16 @@
 combiner starts from.
 
 - ``none``: the (sample-weighted) average of all updates.
-- ``prowd-swa``: ProWD selective weight aggregation (eq. 8-9). Bitwidths below the mean
-  of the round's distinct bitwidths are "low", the others "high" ([decision] a bitwidth
-  equal to the mean counts as high). Per layer, Δlow/Δhigh = the average low/high
-  weights minus the global model this round started from ([decision] the paper's
-  "previous round's group average" is not kept: every device starts from the global
-  model, so the update relative to it is the movement eq. 8 compares). The exact mask
-  (``swa.swa_mask``) is then applied to every low-bit update. Eq. 9 read literally,
-  ``(1/N) Σ c_n ⊙ w_n``, pulls masked elements toward zero; [decision] the default
-  ``fill="exclude"`` leaves a masked element out of that element's average instead
-  (denominator = weight of the updates that kept it); ``fill="literal"`` is eq. 9 as
-  printed. With no low or no high update in the round, the mask is all ones.
-  ``tau_mode``: how eq. 8's |c*| ≤ τ is read (``swa``): "drop" (the default: at most a τ
-  fraction of a layer's low-bit elements left out) or "keep" (at most a τ fraction kept).
-  Stats per round: ``masked_fraction/<layer>`` (the fraction of the layer's low-bit
-  elements left out) and ``masked_fraction/<layer>/<variant>`` for every group of the
-  round (a low group: that fraction, every low group shares the mask; a high group: 0),
-  ``cos_before/<layer>``, ``cos_after/<layer>``.
+- ``prowd-swa``: ProWD selective weight aggregation (eq. 8-9; docs/algorithms.md §4).
+  Bitwidths below the mean of the round's distinct bitwidths are "low", the others "high";
+  per layer, Δlow/Δhigh = the average low/high weights minus the round's global model, and
+  the exact mask (``swa.swa_mask``, ``tau_mode`` "drop" or "keep") applies to every low-bit
+  update. ``fill="exclude"`` (the default) leaves a masked element out of that element's
+  average (denominator: the weight of the updates that kept it); ``fill="literal"`` is
+  eq. 9 as printed. With no low or no high update in the round the mask is all ones.
+  Stats: ``masked_fraction/<layer>`` (the low-bit elements left out; per group
+  ``masked_fraction/<layer>/<variant>``, 0 for a high group), ``cos_before/<layer>``,
+  ``cos_after/<layer>``.
 """
 
 from __future__ import annotations

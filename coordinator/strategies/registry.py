@@ -71,6 +71,18 @@ def strategy_stages(name: str, params: dict[str, Any] | None = None) -> frozense
     return frozenset(({"swa"} if mask_name else set()) | ({"dequantize"} if deq != "none" else set()))
 
 
+def folds_in_parts(name: str, params: dict[str, Any] | None = None) -> str:
+    """Why strategy ``name`` with ``params`` cannot fold a round in parts whose sums are
+    added later (ingest workers), "" when it can: robust aggregation holds the round's
+    updates, a dequantizer reads every one."""
+    params = params or {}
+    if any(k in params for k in _ROBUST_PARAMS):
+        return "holds the round's updates (robust aggregation)"
+    if "dequantize" in strategy_stages(name, params):
+        return "reads every update (its dequantizer)"
+    return ""
+
+
 def available_strategies() -> list[str]:
     """Every valid name."""
     names = list(COMBINERS)

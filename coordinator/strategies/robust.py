@@ -1,38 +1,23 @@
 """Robust aggregation: one device cannot drag the model where it likes.
 
 A :class:`RobustStrategy` is a :class:`~coordinator.strategies.base.Strategy` with two
-optional pre-aggregation steps, chosen with strategy parameters (``--strategy-param``,
-``[strategy_params]``), that compose with every mask and combiner:
+optional steps before the combiner, set as strategy parameters, composing with every mask
+and combiner:
 
-- ``clip = c`` (> 0): **update-norm clipping against the round's median norm**. Each
-  update's movement ``Δ_k = x_k - g`` (``x_k`` itself for ``delta`` updates), over all
-  layers, is scaled by ``s_k = min(1, c · median_j ‖Δ_j‖ / ‖Δ_k‖)``: an update may move the
-  model at most ``c`` times as far as the round's median update does, whatever it claims.
-- ``robust = "trimmed_mean" | "median"``: **coordinate-wise order statistics** of the
-  (clipped) updates ``g + s_k Δ_k``: per element, the mean of what is left after the
-  ``floor(trim · N)`` largest and smallest values are dropped (``trim`` in [0, 0.5)), or the
-  median. Each update counts once (``num_samples`` is what an attacker inflates; the
-  weights only share the result among bitwidth groups). Grouped combiners and masks get
-  one robust average per bitwidth group; the others one over all updates, which every
-  group then carries (so FedAvg, FedShift and FedPAQ see exactly the robust average).
+- ``clip = c`` (> 0): each update's movement ``Δ_k`` (all layers) is scaled by
+  ``min(1, c · median_j ‖Δ_j‖ / ‖Δ_k‖)``: no update moves the model more than ``c`` times
+  as far as the round's median update, whatever it claims;
+- ``robust = "trimmed_mean" | "median"``: per element, the mean after dropping the
+  ``floor(trim · N)`` largest and smallest values, or the median, each update counted once
+  (``num_samples`` is what an attacker inflates); per bitwidth group for grouped combiners.
 
-Memory. The plain strategy streams: O(model size) whatever the number of updates. Robust
-aggregation must see the whole round first:
-
-- ``clip`` alone holds each update as it arrived (its wire bytes, by reference: a 4-bit
-  update is 1/8 of its float32 size) plus one norm; at the round's end the updates are
-  folded through the usual fused path with their clipped weights: memory Σ (wire bytes)
-  + O(model), two decodes per update;
-- ``robust`` holds each update decoded, float32: ``4 · N · P`` bytes for N updates of P
-  parameters (``fedshift_cnn``, P = 2.1 M: 8.6 MB per update, 860 MB for 100), plus one
-  ``N × (largest layer)`` float32 matrix while it is sorted.
-
-With neither parameter set, ``build_strategy`` returns the plain streaming strategy: this
-module costs nothing then.
+Both need the whole round: ``clip`` alone holds each update's wire bytes, ``robust`` holds
+them decoded (float32, ``4 · P`` bytes each); docs/operations.md#robust-aggregation.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -50,6 +35,7 @@ from coordinator.strategies.types import AggregateResult, ClientUpdate, EncodedU
 from edge_client.errors import ConfigError, ProtocolError
 
 ROBUST = ("none", "trimmed_mean", "median")
+log = logging.getLogger("fedbit.strategy")
 
 
 @dataclass
@@ -107,8 +93,12 @@ class RobustStrategy(Strategy):
 
     Params (beyond :class:`Strategy`'s): ``clip`` (c > 0, or 0: off), ``robust``
     (``none`` | ``trimmed_mean`` | ``median``), ``trim`` (fraction dropped at each end,
-    [0, 0.5)).
+    [0, 0.5)). With neither ``clip`` nor ``robust``, ``build_strategy`` returns the plain
+    streaming strategy instead.
     """
+
+    #: the round's updates are held, not summed: no ingest workers
+    folds_in_parts = False
 
     def __init__(self, name: str, combiner: Any, mask: Any = None, dequantizer: Any = None, *,
                  clip: float = 0.0, robust: str = "none", trim: float = 0.1, **kw: Any) -> None:
@@ -123,6 +113,7 @@ class RobustStrategy(Strategy):
         self.robust = robust
         self.trim = float(trim)
         self._held: list[_Held] = []
+        self._warned: set[str] = set()
 
     # ------------------------------------------------------------------ round
     def begin_round(self, round_id: int, global_weights: list[np.ndarray]) -> None:
@@ -175,10 +166,32 @@ class RobustStrategy(Strategy):
             self._sums, trimmed = self._order_statistic_sums(held, scales)
         self._held = []
         result = super().finish()
+        result.stats["robust_ineffective"] = int(self._warn_ineffective(len(held), trimmed))
         result.stats.update({"robust_clipped": int(np.sum(scales < 1.0 - 1e-6)),
                              "robust_median_norm": float(np.median(norms)),
                              "robust_max_norm": float(norms.max()), "robust_trimmed_per_side": trimmed})
         return result
+
+    def _warn_ineffective(self, n: int, trimmed: int) -> bool:
+        """Log (once per kind of case) a robust parameter that removes nothing from a round
+        of ``n`` updates: a ``trim`` that drops none, a median of two, a ``clip`` that cannot
+        bite. True when one does not."""
+        from coordinator.defense.normbound import bites
+
+        why = []
+        if self.robust == "trimmed_mean" and trimmed == 0:
+            why.append(f"trimmed_mean with trim {self.trim:g} drops nothing from {n} update(s) per pool "
+                       f"(it needs at least {math.ceil(1 / self.trim) if self.trim else 'any'} in one)")
+        if self.robust == "median" and n <= 2:
+            why.append(f"the median of {n} update(s) is their mean")
+        if self.clip > 0 and not bites(n, self.clip):
+            why.append(f"clip {self.clip:g} x the median norm cannot bound any of {n} update(s)")
+        for text in why:
+            if text not in self._warned:
+                self._warned.add(text)
+                log.warning("round %s: %s: it removes nothing at this round's size", self.round_id, text,
+                            extra={"event": "robust_ineffective"})
+        return bool(why)
 
     def _adders(self, u: EncodedUpdate) -> list[Any]:
         from edge_client.codecs import accumulator

@@ -1,41 +1,17 @@
-"""ProWD selective weight aggregation, the mask of eq. 8, solved exactly.
+"""ProWD selective weight aggregation: the mask of eq. 8, solved exactly.
 
-Problem, per layer, with a = Δlow and b = Δhigh flattened (n elements):
+Per layer, with a = Δlow and b = Δhigh flattened (n elements), :func:`swa_mask` finds
 
-    maximize  cos(c ⊙ a, b) = Σ c_i a_i b_i / (sqrt(Σ c_i a_i²) · ||b||)
+    maximize  cos(c ⊙ a, b)
     over      binary c with at most k = floor(τ·n) zeros            (mode "drop")
-          or  binary c with at most k = floor(τ·n) ones             (mode "keep").
+          or  binary c with at most k = floor(τ·n) ones             (mode "keep")
 
-Eq. 8 writes the constraint as |c*| ≤ τ, the sparsity ratio τ = 0.1: "drop" reads τ as
-the largest fraction of the low-bit elements left out (at least 90 % kept), "keep" as the
-largest fraction kept (at least 90 % left out), which is what |c| (the ones) ≤ τ says
-literally. In "keep" mode elements with a_i = 0 are left out (keeping them changes
-neither sum and would spend the budget), and when no admissible set reaches a positive
-cosine nothing is kept (the low-bit updates leave the layer to the high-bit ones).
-
-Write p_i = a_i b_i, q_i = a_i² and, for a kept set S, v(S) = P(S) / sqrt(Q(S)).
-Elements with a_i = 0 change neither sum: they are always kept.
-
-docs/algorithms.md §4 (once) proposed "the best prefix of the elements sorted by b_i/a_i". That is
-exact when the τ budget is not binding, but not in general: with a budget of one drop and
-(a, b) = (1, 1), (0.01, -1), (10, -0.3), the best prefix keeps (1,1),(10,-0.3) (cosine < 0)
-while dropping (10, -0.3) gives 0.99. The exact method used here:
-
-* For any β > 0 and any S with P(S) > 0: v(S)² >= 4β(P(S) - βQ(S)), with equality at
-  β = P(S)/(2Q(S)). Hence v*² = max_β 4β·Φ(β), Φ(β) = max_{|S| >= n-k} Σ_S (p_i - β q_i),
-  and an optimal set is a maximizer of Φ at some β in (0, max_i(b_i/a_i)/2].
-* Φ(β) is evaluated in O(n) (keep everything with positive score, then the best scores
-  until n-k are kept: one ``argpartition``). Φ is convex and piecewise linear, one
-  piece per set; its pieces are enumerated by splitting at the intersection of the two
-  end sets' lines (Eisner-Severance), and an interval is pruned when the bound
-  4β·chord(β) (valid because Φ is convex) cannot beat the best set found so far.
-* On layers up to 65,536 elements the best ratio prefix is evaluated first as a warm
-  start for the pruning.
-
-If no admissible mask reaches a positive cosine (Δlow and Δhigh disagree everywhere), or
-the layer has nothing to select (k = 0, Δlow = 0 or Δhigh = 0), the mask is all ones:
-selection cannot align updates that point away from each other, and an all-ones mask
-never lowers the cosine. The returned mask never has a lower cosine than all ones.
+and returns the keep-mask (bool, the layer's shape) with the cosine before and after.
+The method is a parametric search over β of Φ(β) = max Σ_S (a_i b_i - β a_i²), whose
+convex pieces are enumerated and pruned by a bound (derivation, the two readings of τ and
+why the sorted-ratio prefix is not exact: docs/algorithms.md §4). With nothing to select
+(k = 0, Δlow = 0 or Δhigh = 0) or no mask reaching a positive cosine the mask is all ones:
+the returned mask never has a lower cosine than all ones.
 """
 
 from __future__ import annotations

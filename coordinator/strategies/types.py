@@ -58,7 +58,11 @@ class EncodedUpdate:
     ``coordinator.ingest`` their shapes, sources and magnitudes); ``not_applied`` the
     announced hyper-parameters the device reports it did not apply (key -> reason). :meth:`Strategy.fold`
     adds it to the sums with the codecs' fused ``decode_accumulate`` where it can (no
-    float32 copy of the update is ever made), or decodes it first.
+    float32 copy of the update is ever made), or decodes it first. ``bound`` in (0, 1]: the
+    update's movement ``x - g`` is folded scaled by it (``g + bound·(x - g)``: ``x`` weighs
+    ``bound·ω``, the round's model ``(1 - bound)·ω``; :mod:`coordinator.defense.guard`).
+    ``scale`` multiplies it as in :class:`ClientUpdate` (a buffer's staleness weight): the
+    movement counts ``bound·scale``.
     """
 
     device_id: str
@@ -69,6 +73,7 @@ class EncodedUpdate:
     lossy: bool = False
     sigma_loc: list[float] | None = None
     not_applied: dict[str, str] = field(default_factory=dict)
+    bound: float = 1.0
     scale: float = 1.0
 
     @property

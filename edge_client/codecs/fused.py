@@ -3,25 +3,15 @@ caller's buffer (``decode(t, out=...)``) or added into a running sum
 (``decode_accumulate(t, acc, weight)``: ``acc += weight * decode(t)`` with no temporary).
 
 Every codec with at most 8 bits per element decodes through a table ``lut`` of its
-``2**bits`` float32 values (the asym levels ``float32(lo + q * step)``, the K-means or DANUQ
-codebook), so decoding is a lookup per element; 8-bit streams are read byte by byte and
-4-bit streams a byte (two elements) at a time, other widths through the generic unpacker.
+``2**bits`` float32 values (the asym levels, the K-means or DANUQ codebook): a lookup per
+element, 8-bit streams read a byte at a time, 4-bit streams two elements per byte, other
+widths through the generic unpacker. The kernels release the GIL, so the coordinator's
+committer thread checksums and writes the inbox while the loop decodes.
 
-The kernels release the GIL (``nogil``): a coordinator's committer thread checksums and
-writes the inbox on the other core while the loop decodes.
-
-Accumulation rounding (what the tests check bit for bit): with ``w = acc.dtype.type(weight)``
-every element does ``acc[i] = acc[i] + w * acc.dtype.type(y[i])`` where ``y = decode(t)``:
-one multiply and one add, each rounded to the accumulator's dtype (no FMA, numba does not
-contract without fastmath), i.e. numpy's ``acc += w * y.astype(acc.dtype)``. The products
-``w * lut[q]`` are precomputed per table entry, which rounds identically. ASYM and
-``int`` are the exception: they accumulate their affine form ``acc[i] + (a0 + q_i * a1)``,
-``a0 = T(w * lo)``, ``a1 = T(w * step)`` (T: the accumulator's dtype; ``w * lo`` and
-``w * step`` in float64), which vectorizes; for ASYM it differs from
-``acc + w * decode(t)`` by at most one float32 unit of the level times ``|w|`` plus a few
-units of the accumulator; for ``int`` (``lo = -2**(s-1)``, ``step = 1``) it is exact.
-Four such tensors can share one pass (:func:`affine4_accumulate_f32`): their terms are
-summed in float32, then added to ``acc`` once.
+Rounding, checked bit for bit by the tests: a table codec's accumulate is numpy's
+``acc += w * y.astype(acc.dtype)`` (one multiply and one add, each rounded to ``acc``'s
+dtype, no FMA); ASYM and ``int`` accumulate their affine form ``acc + (a0 + q * a1)``,
+which vectorizes and is exact for ``int`` (docs/algorithms.md §3 gives the bound for ASYM).
 """
 
 from __future__ import annotations
@@ -77,7 +67,8 @@ def pair_table(lut: np.ndarray) -> np.ndarray:
 
 def decode_lut(data: np.ndarray, n: int, bits: int, lut: np.ndarray, out: np.ndarray) -> None:
     """:func:`lut_decode` into the float32 ``out``; at 4 bits into an 8-byte aligned ``out``
-    through :func:`pair_table` (one store per payload byte: ~0.43 vs ~0.59 ms on 2.1 M)."""
+    through :func:`pair_table` (one 8-byte store per payload byte instead of two 4-byte ones;
+    docs/performance.md#codecs-and-the-coordinators-update-path)."""
     if bits == 4 and n >= 64 and out.ctypes.data % 8 == 0:
         half = n >> 1
         pair_decode(data, half, pair_table(lut), out[: 2 * half].view(np.uint64))
@@ -130,9 +121,9 @@ def affine_accumulate(data, n, bits, a0, a1, acc):
 @numba.njit(cache=True, nogil=True)
 def affine_accumulate_f32(data, n, bits, a0, a1, acc):
     """:func:`affine_accumulate` for a float32 ``acc`` (``a0``, ``a1`` float32); 8- and
-    4-bit streams without a table lookup, so they vectorize (~0.7 vs ~1.0 ms for a table
-    on 2.1 M elements). The indices are converted with ``np.float32`` explicitly: numba
-    widens integer arithmetic to int64, and int64 * float32 would be float64."""
+    4-bit streams without a table lookup, so they vectorize. The indices are converted with
+    ``np.float32`` explicitly: numba widens integer arithmetic to int64, and int64 * float32
+    would be float64."""
     if bits == 8:
         for i in range(n):
             acc[i] += a0 + np.float32(data[i]) * a1
@@ -153,9 +144,8 @@ def affine4_accumulate_f32(d0, d1, d2, d3, n, bits, a0, a1, acc):
     """Four ASYM streams of the same ``bits`` (4 or 8) and length ``n`` in one pass over a
     float32 ``acc``: ``acc[i] + (c + ((q0·s0 + q1·s1) + (q2·s2 + q3·s3)))`` with
     ``c = ((a0[0] + a0[1]) + a0[2]) + a0[3]``, ``s_k = a1[k]`` (float32 [4] each; see
-    :func:`affine_accumulate_f32`), every operation rounded to float32. One read and
-    write of ``acc`` per four updates instead of per update (~0.46 vs ~0.74 ms per
-    update on 2.1 M elements)."""
+    :func:`affine_accumulate_f32`), every operation rounded to float32: one read and write of
+    ``acc`` per four updates instead of per update."""
     c = ((a0[0] + a0[1]) + a0[2]) + a0[3]
     s0, s1, s2, s3 = a1[0], a1[1], a1[2], a1[3]
     if bits == 8:

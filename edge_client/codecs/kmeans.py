@@ -38,11 +38,10 @@ FAST_MAX_ROUNDS = 64
 def dp_atoms(bits: int) -> int:
     """Atoms of the exact DP start of the fast method, 0 for the Panter-Dite start.
 
-    The DP costs O(2**bits * atoms * log atoms) whatever the tensor size (~4 ms at 4 bits
-    with 2048 atoms; ~16 ms at 8 bits with 1024, which would be a fixed cost per layer),
-    and pays on heavy tails at few levels (4 bits: 1.033x -> 0.90x scikit-learn's MSE on
-    the benchmark's 2.1 M weights); at 7-8 bits the Panter-Dite start with split/merge
-    moves is already within 1% of scikit-learn, so it is kept there.
+    The DP costs O(2**bits * atoms * log atoms) whatever the tensor size (a fixed cost per
+    layer that grows with the bits) and pays on heavy tails at few levels; at 7-8 bits the
+    Panter-Dite start with split/merge moves is already as good, so it is kept there
+    (docs/performance.md#codecs-and-the-coordinators-update-path).
     """
     if bits <= 4:
         return 2048

@@ -1,26 +1,18 @@
 """Fast 1-D K-means (Lloyd) on a fine log-linear histogram, and exact nearest assignment.
 
-Why a histogram: sorting 2.1 M floats costs ~100 ms on a small core, more than the whole
-budget. Instead every value goes to one bin of a fixed *log-linear* grid around the mean
-``mu`` (the grid of an HDR histogram): ``y = float32(x - mu)``; bins are ``2**MANT_BITS``
-per octave of ``|y|``, on both signs, for the ``OCTAVES`` octaves below ``max|y|``;
-everything closer to ``mu`` than that shares the centre bin. A bin is therefore never
-wider than ``max|y| * 2**-MANT_BITS`` (1/1024 of the half range), and much narrower in
-the dense middle, so heavy tails and far outliers do not starve the bulk of resolution
-as they would on a uniform grid. At most ``2*(OCTAVES+1)*2**MANT_BITS`` bins (~51 k).
+Sorting a layer costs more than a whole encode may (docs/performance.md#codecs-and-the-coordinators-update-path),
+so every value goes to one bin of a fixed log-linear grid around the mean ``mu`` (an HDR
+histogram's): ``2**MANT_BITS`` bins per octave of ``|x - mu|``, both signs, for the
+``OCTAVES`` octaves below the largest; closer values share the centre bin. No bin is wider
+than 2**-MANT_BITS of the half range and the dense middle gets much finer bins, so heavy
+tails do not starve the bulk of resolution as on a uniform grid. Lloyd runs on per-bin
+counts and sums through prefix sums (a centroid's cell is a run of whole bins): O(k) per
+iteration, until the partition is a fixed point or ``max_iter``.
 
-Lloyd runs on the per-bin counts and sums through prefix sums: the cell of a centroid is
-a run of whole bins between the bins of its two midpoints (a bin holding a midpoint goes
-to the side of its own mean), so one iteration is O(k), and iterations stop when the
-partition no longer changes (a fixed point) or after ``max_iter``.
-
-The final assignment is exact, not binned: element ``x`` gets the number of midpoints
-``m_j = (c_j + c_{j+1}) / 2`` (float64, of the float32 codebook) that are ``< x``, i.e.
-``np.searchsorted(m, x, side="left")``: the nearest codeword, ties to the lower one. It
-is found with a per-bin table (midpoints in lower bins are all ``< x``) plus a step or two.
-
-The authors' behaviour (FedShift code: random init with replacement, Lloyd on all points,
-300 iterations, tol 1e-4, empty clusters set to 0) is :func:`lloyd_authors`.
+The final assignment is exact, not binned: ``x`` gets the number of float64 midpoints of
+the float32 codebook below it (``np.searchsorted(m, x, side="left")``: the nearest codeword,
+ties to the lower), found with a per-bin table plus a step or two. The authors' behaviour
+(FedShift's code: random init, Lloyd on all points, 300 iterations) is :func:`lloyd_authors`.
 """
 
 from __future__ import annotations

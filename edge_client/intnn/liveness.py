@@ -3,24 +3,13 @@
 These models have no biases and their inputs are non-negative (images in [0, 1]), so a
 unit whose positive taps are gone outputs <= 0 for every input; after its ReLU it is 0,
 no gradient passes it (in the integer backward or the float devices' straight-through
-one), and nothing brings it back (docs/training-health.md). This module counts such
-units from the weights alone, for the forward a group runs:
-
-- an s-bit integer forward uses ``t = ternary(W)`` (``|round(W S(s_g))| > S(s_g)/4``,
-  :func:`ternary_codes`) and a layer output is ``round_shift(sum t a, 1 + log2 alpha_l)``
-  with activations of at most ``S(s) - 1``;
-- the float forward uses ``W / alpha_l`` itself (signs of ``W``, any magnitude).
-
-Per activation feature two flags are propagated from the input (``can be > 0``: every
-input feature; ``can be < 0``: none, the inputs are non-negative): a layer output can be
-positive when it has ``P`` taps that can make it so (``t > 0`` on an input that can be
-positive, ``t < 0`` on one that can be negative) with ``P (S(s) - 1)`` at least half of
-the shift's unit (``round_shift(P (S(s) - 1), shift) >= 1``; the float forward: ``P >= 1``),
-likewise for negative; a ReLU clears ``can be < 0``; max-pool and flatten carry the flags.
-A unit is **live** when its output, after the ReLU that follows it (if any), can be
-non-zero: a positive value for a hidden unit, any value for an output unit. It is an
-upper bound (it assumes every counted input at its largest value at once): a unit that
-is not live is dead for certain.
+one), and nothing brings it back (docs/training-health.md). :func:`liveness` counts such
+units from the weights alone, for the forward a group runs: an s-bit integer forward
+(``t = ternary(W)``, :func:`ternary_codes`; outputs ``round_shift(sum t a, 1 + log2
+alpha_l)`` of activations of at most ``S(s) - 1``) or the float forward (``W / alpha_l``:
+signs of ``W``, any magnitude). A unit is **live** when its output, after the ReLU that
+follows it (if any), can be non-zero; it is an upper bound: a unit that is not live is
+dead for certain.
 """
 
 from __future__ import annotations
@@ -35,7 +24,7 @@ from edge_client.intnn.quant import (
     grid_scale,
     ternary_threshold,
 )
-from firmware_models import Conv2d, Linear, ModelSpec, ReLU
+from firmware_models import ModelSpec
 
 #: ``bits`` of the float forward (``W / alpha_l``, no ternarization)
 FLOAT_FORWARD = 32
@@ -78,7 +67,15 @@ def liveness(spec: ModelSpec, weights: list[np.ndarray], bits: int,
              codes: list[np.ndarray] | None = None) -> list[LayerLiveness]:
     """Per parameter layer of ``spec`` (in order), its live units and zero codes in the
     ``bits`` forward (``32``: the float forward); ``codes``: the forward codes when the
-    caller has them already (:func:`forward_codes` of each weight)."""
+    caller has them already (:func:`forward_codes` of each weight).
+
+    Per activation channel two flags run from the input (``can be > 0``: all; ``can be
+    < 0``: none, the inputs are non-negative): a layer output can be positive when ``P``
+    taps can make it so (``t > 0`` on an input that can be positive, ``t < 0`` on one that
+    can be negative) with ``round_shift(P (S(s) - 1), shift) >= 1`` (the float forward:
+    ``P >= 1``), likewise negative (``live_reach``); a ReLU clears ``can be < 0``, the
+    other layers carry the flags (``carry_live``; firmware_models.layers). It assumes
+    every counted input at its largest value at once."""
     if codes is None:
         codes = [forward_codes(w, bits) for w in weights]
     shifts = alpha_shifts(spec)
@@ -94,37 +91,29 @@ def liveness(spec: ModelSpec, weights: list[np.ndarray], bits: int,
     layers = spec.layers
     p = 0
     for i, layer in enumerate(layers):
-        if isinstance(layer, (Conv2d, Linear)):
-            t = codes[p]
-            w = np.asarray(weights[p])
-            if isinstance(layer, Conv2d):
-                tp = (t > 0).reshape(t.shape[0], t.shape[1], -1).sum(axis=2)  # [O, C]
-                tn = (t < 0).reshape(t.shape[0], t.shape[1], -1).sum(axis=2)
-                feat_pos, feat_neg = pos, neg
-            else:
-                tp, tn = (t > 0).astype(np.int64), (t < 0).astype(np.int64)  # [O, F]
-                reps = t.shape[1] // len(pos)  # a flattened [C, H, W]: C-major features
-                feat_pos, feat_neg = (np.repeat(pos, reps), np.repeat(neg, reps)) if reps > 1 else (pos, neg)
-            can_pos = tp @ feat_pos + tn @ feat_neg >= need[p]
-            can_neg = tn @ feat_pos + tp @ feat_neg >= need[p]
-            relu = _relu_follows(layers, i)
-            live = can_pos if relu else (can_pos | can_neg)
-            out.append(LayerLiveness(layer.name, int(t.shape[0]), int(live.sum()),
-                                     float(np.mean(t == 0)) if t.size else 0.0,
-                                     int(w.size - np.count_nonzero(np.isfinite(w)))))
-            pos, neg = can_pos, can_neg
-            p += 1
-        elif isinstance(layer, ReLU):
-            neg = np.zeros_like(neg)
-        # MaxPool2d and Flatten carry the per-channel flags (a Linear expands them)
+        if not layer.has_weights:
+            pos, neg = layer.carry_live(pos, neg)  # a ReLU clears "can be < 0"
+            continue
+        t = codes[p]
+        w = np.asarray(weights[p])
+        reach_pos, reach_neg = layer.live_reach(t, pos, neg)
+        can_pos = reach_pos >= need[p]
+        can_neg = reach_neg >= need[p]
+        relu = _relu_follows(layers, i)
+        live = can_pos if relu else (can_pos | can_neg)
+        out.append(LayerLiveness(layer.name, int(t.shape[0]), int(live.sum()),
+                                 float(np.mean(t == 0)) if t.size else 0.0,
+                                 int(w.size - np.count_nonzero(np.isfinite(w)))))
+        pos, neg = can_pos, can_neg
+        p += 1
     return out
 
 
 def _relu_follows(layers, i: int) -> bool:
     """Whether a ReLU acts on layer ``i``'s output before the next parameter layer."""
     for layer in layers[i + 1:]:
-        if isinstance(layer, ReLU):
+        if layer.is_relu:
             return True
-        if isinstance(layer, (Conv2d, Linear)):
+        if layer.has_weights:
             return False
     return False

@@ -1,17 +1,15 @@
 """A process's memory: dropping the compiler's pages once the kernels are loaded (devices),
 keeping freed heap for reuse (the emulator's and the coordinator's processes).
 
-Numba maps LLVM (``libllvmlite``: ~80 MB of machine code, ~70 MB of read-only data) into
-the process; ``import numba`` and Numba's start (its JIT engine, runtime helpers compiled
-at start) fault much of it in, the kernels' cache loads a little more. A device that has
-loaded its kernels runs none of that code again (until it compiles a new signature), yet
-those pages count in its RSS. :func:`release_compiler_pages` asks the kernel to unmap
-them (``madvise(MADV_DONTNEED)``): clean pages of the file, which stay in the page cache
-and fault back in if LLVM runs again. Only the library's read-only mappings that hold no
-page of the process's own are touched (the machine code, its read-only data; not the
-part the loader relocated), so nothing but a future page fault is lost. Linux only.
+Numba maps LLVM (``libllvmlite``: its machine code and read-only data, tens of MB each)
+into the process, and its start faults much of it in. A device that has loaded its kernels
+runs none of that code again (until it compiles a new signature), yet those pages count
+in its RSS. :func:`release_compiler_pages` asks the kernel to unmap them
+(``madvise(MADV_DONTNEED)``): clean pages of the file, which stay in the page cache and
+fault back in if LLVM runs again. Only the library's read-only mappings that hold no page
+of the process's own are touched, so nothing but a future page fault is lost. Linux only.
 
-How many pages a fault maps depends on the page cache (docs/performance.md, "Memory").
+How many pages a fault maps depends on the page cache (docs/performance.md#memory).
 :func:`keep_freed_memory` keeps freed heap for processes that train float32 models over
 and over; not for a device (the heap it keeps is resident).
 """

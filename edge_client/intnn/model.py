@@ -1,30 +1,17 @@
-"""IntModel: an integer-only network built from a ``firmware_models`` spec.
+"""IntModel: an integer-only network built from a ``firmware_models`` spec: its weights
+(storage grid and ternary copies, the engine's layouts), the list of its layers
+(``edge_client.intnn.layers``: a ReLU right after a conv or linear layer fused into it)
+and the backend that runs them (``backend.py``; the Numba CPU engine by default).
 
-One training step (:meth:`IntModel.train_step`) runs only the integer kernels of
-:mod:`edge_client.intnn.kernels` on preallocated integer buffers (a :class:`Workspace`).
-
-Formulas (docs/algorithms.md §1, s = compute bits, S(k) = 2^(k-1), s_g = max(s, 8)):
-
-- forward: ``a' = clip(round_shift(sum t*a, 1 + log2 alpha), +-(S(s)-1))``, ReLU fused
-  when the spec has a ReLU right after the layer; ``t = ternary(W)`` (|W| > S(s_g)/4);
-- loss (output error): WAGE's SSE against ``target * onehot`` with ``target = S(s) - 1``
-  (real ~1.0; 96-97% on digits against 91-94% with S(s)/4 or S(s)/2), the default; or an
-  integer softmax cross-entropy, NITI style (:func:`kernels.softmax_error`: base-2
-  softmax at temperature 2^-5, Q15 error). Measured on digits_cnn (7 seeds, 20 epochs,
-  the last 6 at eta/8; float32 98.2%): SSE 97.1/96.3/96.3% (Int8/16/6), softmax
-  96.9/97.3/96.8%. The softmax ends ~0.4 points higher on average, but one round of 12
-  steps on a 360-sample shard often leaves it where it started (10-29% vs SSE's 10-39%),
-  and a device gets short rounds: SSE stays the default. Either way the
-  error is an integer array and goes through eq. 12 like every layer's error;
-- error at every conv/linear output: ReLU mask (output activation <= 0), then
-  eq. 12 quantization to s bits; errors flow back through the ternary weights;
-- update: eq. 15-16 with ``eta = 2^(lr_shift + s_g - 8)`` LSBs, stochastic rounding from
-  a counter-based SplitMix64 stream keyed by (seed, step, layer).
-
-Internal layouts differ from the spec (NHWC activations, ``[K, K, C, O]`` conv weights,
-the Linear after a Flatten with its columns in (h, w, c) order); the conversions are
-exact permutations done at the boundary (:meth:`load_int`, :meth:`int_weights`).
-The stochastic-rounding counter ``j`` enumerates a layer's weights in that internal layout.
+Formulas: docs/algorithms.md §1 (s = compute bits, S(k) = 2^(k-1), s_g = max(s, 8)):
+forward ``a' = clip(round_shift(sum t*a, 1 + log2 alpha), +-(S(s)-1))`` with
+``t = ternary(W)``; the loss's error (SSE against ``(S(s) - 1) * onehot``, the default,
+or an integer softmax, :func:`kernels.softmax_error`), ReLU-masked and quantized to s bits
+(eq. 12) at every weight layer's output; the update (eq. 15-16) stochastically rounded
+from a SplitMix64 stream keyed by (seed, step, layer), its counter enumerating a layer's
+weights in the engine's layout. Activations are NHWC, conv weights ``[K, K, C, O]``, the
+linear layer after a flatten has its columns in (h, w, c) order: exact permutations done
+at the boundary (:meth:`IntModel.load_int`, :meth:`IntModel.int_weights`).
 """
 
 from __future__ import annotations
@@ -34,8 +21,9 @@ import numpy as np
 from edge_client.compat import zip_strict
 from edge_client.errors import ConfigError, TrainingError
 from edge_client.intnn import kernels as K
-from edge_client.intnn import step
-from edge_client.intnn.ops import Op, Regularizer, Workspace, internal_shape
+from edge_client.intnn.backend import Backend, make_backend
+from edge_client.intnn.layers import IntLayer, IntWeightLayer, build_layers
+from edge_client.intnn.ops import Regularizer, Workspace
 from edge_client.intnn.parallel import Splitter
 from edge_client.intnn.quant import (
     DEFAULT_CLIP,
@@ -50,10 +38,9 @@ from edge_client.intnn.quant import (
     weight_dtype,
     weight_max,
 )
-from edge_client.intnn.workspace import build_workspace, vnni_forward, vnni_padded
-from firmware_models import Conv2d, Flatten, Linear, MaxPool2d, ModelSpec, ReLU
+from firmware_models import ModelSpec
 
-DEFAULT_CE_TEMP_SHIFT = 5  # softmax temperature 2^-5 on the real logits (measured, see docs)
+DEFAULT_CE_TEMP_SHIFT = 5  # softmax temperature 2^-5 on the real logits (docs/algorithms.md §1)
 
 
 class IntModel:
@@ -65,14 +52,15 @@ class IntModel:
 
     def __init__(self, spec: ModelSpec, bits: int, clip: float = DEFAULT_CLIP,
                  conv_impl: str = "col", loss: str = "sse",
-                 ce_temp_shift: int = DEFAULT_CE_TEMP_SHIFT, threads: int = 1) -> None:
+                 ce_temp_shift: int = DEFAULT_CE_TEMP_SHIFT, threads: int = 1,
+                 backend: str = "cpu") -> None:
         if conv_impl not in ("col", "sparse"):
             raise ConfigError(f"conv_impl must be 'col' or 'sparse', got {conv_impl!r}")
         if loss not in ("ce", "sse"):
             raise ConfigError(f"loss must be 'ce' or 'sse', got {loss!r}")
         if not 0 <= ce_temp_shift <= 12:
             raise ConfigError(f"ce_temp_shift must be in 0..12, got {ce_temp_shift}")
-        self.splitter = Splitter(threads)
+        self.backend: Backend = make_backend(backend, threads)
         self.loss = loss
         self.ce_temp_shift = int(ce_temp_shift)
         self.conv_impl = conv_impl
@@ -87,113 +75,49 @@ class IntModel:
         self.thr = ternary_threshold(bits)
         self.target = self.amax  # one-hot target: the largest activation (real ~ 1.0)
         self._alpha = alpha_shifts(spec)
-        self.ops = self._build_ops()
-        self.param_ops = [op for op in self.ops if op.param >= 0]
-        self.internal_shapes = [self._internal_weight_shape(op) for op in self.param_ops]
-        self.w = [np.zeros(s, self.wdtype) for s in self.internal_shapes]
-        self.t = [np.zeros(s, np.int8) for s in self.internal_shapes]
-        # conv ternary weights again in [O, K, K, C] for backward-data (None for linear)
-        self.tb = [np.zeros((s[3], s[0], s[1], s[2]), np.int8) if op.kind == "conv" else None
-                   for op, s in zip_strict(self.param_ops, self.internal_shapes)]
-        # stride-1 convs: per output channel, the indices of the +1 then the -1 weights
-        self.tlist = [np.zeros((s[3], s[0] * s[1] * s[2] + 1), np.int32) if op.plane else None
-                      for op, s in zip_strict(self.param_ops, self.internal_shapes)]
-        self.tcnt = [np.zeros((s[3], 2), np.int32) if op.plane else None
-                     for op, s in zip_strict(self.param_ops, self.internal_shapes)]
-        # convs whose forward runs on VNNI: ternary weights packed [K*ng, Op, 4], 128 x sums
+        #: the layers in the engine's layout (a ReLU after a weight layer fused into it)
+        self.ops: list[IntLayer] = build_layers(spec, self._alpha, self.backend.name)
+        self.param_ops: list[IntWeightLayer] = [op for op in self.ops  # type: ignore[misc]
+                                                if op.param >= 0]
         for op in self.param_ops:
-            op.vnni = vnni_forward(self, op)
-        self.tv = [np.zeros((*vnni_padded(op), 4), np.int8) if op.vnni else None
-                   for op in self.param_ops]
-        self.tcorr = [np.zeros(vnni_padded(op)[1], np.int32) if op.vnni else None
-                     for op in self.param_ops]
-        self._no_list = np.zeros((1, 1), np.int32)
+            op.bind(self)
+        self.internal_shapes = [op.weight_shape for op in self.param_ops]
+        self._w = [op.w for op in self.param_ops]
+        self._t = [op.t for op in self.param_ops]
         self._workspaces: dict[bool, Workspace] = {}
 
-    # ------------------------------------------------------------------ structure
+    @property
+    def w(self) -> list[np.ndarray]:
+        """Each weight layer's weights on the storage grid (the engine's layout; current:
+        the backend syncs them first)."""
+        self.backend.sync(self)
+        return self._w
 
-    def _build_ops(self) -> list[Op]:
-        spec = self.spec
-        layers = spec.layers
-        shapes = spec.activation_shapes
-        ops: list[Op] = []
-        param = 0
-        pending_perm: np.ndarray | None = None
-        i = 0
-        while i < len(layers):
-            layer = layers[i]
-            in_s, out_s = internal_shape(shapes[i]), internal_shape(shapes[i + 1])
-            if isinstance(layer, (Conv2d, Linear)):
-                relu = i + 1 < len(layers) and isinstance(layers[i + 1], ReLU)
-                kind = "conv" if isinstance(layer, Conv2d) else "linear"
-                op = Op(kind, layer, in_s, out_s, param=param, relu=relu,
-                         shift=1 + self._alpha[param])
-                if kind == "linear":
-                    op.perm = pending_perm
-                    pending_perm = None
-                ops.append(op)
-                param += 1
-                i += 2 if relu else 1
-                continue
-            if isinstance(layer, MaxPool2d):
-                ops.append(Op("pool", layer, in_s, out_s))
-            elif isinstance(layer, ReLU):
-                ops.append(Op("relu", layer, in_s, out_s))
-            elif isinstance(layer, Flatten):
-                if len(shapes[i]) == 3:
-                    c, h, w = shapes[i]
-                    pending_perm = np.arange(c * h * w).reshape(c, h, w).transpose(1, 2, 0).ravel()
-                ops.append(Op("flatten", layer, in_s, out_s))
-            else:  # pragma: no cover - the spec module has no other layer kinds
-                raise ConfigError(f"{spec.name}: unsupported layer {layer!r}")
-            i += 1
-        # errors are needed at the input of every op that has a parameter op before it
-        post_relu = False
-        for j, op in enumerate(ops):
-            op.needs_input_error = any(o.param >= 0 for o in ops[:j])
-            op.relu_in = post_relu
-            if op.kind in ("conv", "linear"):
-                post_relu = op.relu
-            elif op.kind == "relu":
-                post_relu = True
-            if op.kind == "pool" and j > 0:
-                prev = ops[j - 1]
-                op.fused_error = (prev.param >= 0 and prev.relu
-                                  and op.layer.kernel <= op.layer.step)
-        return ops
+    @property
+    def t(self) -> list[np.ndarray]:
+        """Each weight layer's ternary copy of its weights (int8, the engine's layout)."""
+        self.backend.sync(self)
+        return self._t
 
-    def _internal_weight_shape(self, op: Op) -> tuple[int, ...]:
-        layer = op.layer
-        if op.kind == "conv":
-            return (layer.kernel, layer.kernel, layer.in_channels, layer.out_channels)
-        return (layer.in_features, layer.out_features)
+    @property
+    def splitter(self) -> Splitter:
+        """The CPU backend's threads."""
+        return self.backend.splitter  # type: ignore[attr-defined]
+
+    @property
+    def tv(self) -> list[np.ndarray | None]:
+        """Per weight layer, its ternary weights as the VNNI forward reads them (None where
+        it does not run on VNNI)."""
+        return [getattr(op, "tv", None) for op in self.param_ops]
 
     # ------------------------------------------------------------------ weights
 
-    def _to_internal(self, op: Op, w: np.ndarray) -> np.ndarray:
-        """Spec layout -> storage layout (conv [K, K, C, O]; linear [F, O], its columns
-        in the engine's input order)."""
-        if op.kind == "conv":
-            return np.ascontiguousarray(w.transpose(2, 3, 1, 0))
-        if op.perm is not None:
-            w = w[:, op.perm]
-        return np.ascontiguousarray(w.T)
+    def _to_internal(self, op: IntWeightLayer, w: np.ndarray) -> np.ndarray:
+        """Spec layout -> storage layout (``IntWeightLayer.to_internal``)."""
+        return op.to_internal(w)
 
-    def _to_spec(self, op: Op, w: np.ndarray) -> np.ndarray:
-        if op.kind == "conv":
-            return np.ascontiguousarray(w.transpose(3, 2, 0, 1))
-        if op.perm is not None:
-            out = np.empty(w.shape[::-1], w.dtype)
-            out[:, op.perm] = w.T
-            return out
-        return np.ascontiguousarray(w.T)
-
-    def counter_layout(self, op: Op) -> tuple[int, int]:
-        """``(rows, cols)`` of kernels.sgd_update: a linear layer is stored [F, O] but its
-        stochastic-rounding counter runs over [O, F]."""
-        if op.kind == "linear":
-            return self.internal_shapes[op.param]
-        return (0, 0)
+    def _to_spec(self, op: IntWeightLayer, w: np.ndarray) -> np.ndarray:
+        return op.to_spec(w)
 
     def load_int(self, int_weights: list[np.ndarray]) -> None:
         """Set the weights from integers on this device's grid, spec layout and order."""
@@ -210,19 +134,13 @@ class IntModel:
                 raise TrainingError(f"{op.layer.name}: integer weights expected, got {q.dtype}")
             if q.size and (int(q.max()) > self.wmax or int(q.min()) < -self.wmax):
                 raise TrainingError(f"{op.layer.name}: weights exceed the clip bound {self.wmax}")
-            self.w[i][...] = self._to_internal(op, q.astype(self.wdtype))
-            K.ternarize(self.w[i].reshape(-1), self.thr, self.t[i].reshape(-1))
+            self._w[i][...] = op.to_internal(q.astype(self.wdtype))
+            K.ternarize(self._w[i].reshape(-1), self.thr, self._t[i].reshape(-1))
             self.ternary_copies(i)
 
     def ternary_copies(self, p: int) -> None:
-        """Refresh the derived copies of ternary weights p (backward layout, run lists, the
-        VNNI forward's rows)."""
-        if self.tb[p] is not None:
-            lists = self.tlist[p] is not None and self.tv[p] is None
-            K.ternary_copies(self.t[p], self.tb[p], self.tlist[p] if lists else self._no_list,
-                             self.tcnt[p] if lists else self._no_list, lists)
-            if self.tv[p] is not None:
-                K.pad_rows(self.tb[p], self.tv[p], self.tcorr[p])
+        """Refresh the derived copies of ternary weights p (the layer's kernels' layouts)."""
+        self.param_ops[p].ternary_copies()
 
     def load_shared(self, weights: list[np.ndarray]) -> None:
         """Set the weights from the shared float domain (``round(W * S(s_g))``)."""
@@ -238,7 +156,7 @@ class IntModel:
 
     def int_weights(self) -> list[np.ndarray]:
         """The device's own integers, spec layout and order (copies)."""
-        return [self._to_spec(op, w) for op, w in zip_strict(self.param_ops, self.w)]
+        return [op.to_spec(w) for op, w in zip_strict(self.param_ops, self.w)]
 
     def to_shared(self) -> list[np.ndarray]:
         """float32 shared-domain weights, exact on the grid."""
@@ -247,7 +165,7 @@ class IntModel:
     def ternary_weights(self) -> list[np.ndarray]:
         """The ternary forward weights ``t`` (int8 in {-1, 0, 1}), spec layout and order
         (copies); ``t = +1`` stands for ``quant.TERNARY_WEIGHT`` in the shared domain."""
-        return [self._to_spec(op, t) for op, t in zip_strict(self.param_ops, self.t)]
+        return [op.to_spec(t) for op, t in zip_strict(self.param_ops, self.t)]
 
     # ------------------------------------------------------------------ buffers
 
@@ -257,7 +175,7 @@ class IntModel:
         if ws is not None and ws.capacity == capacity:
             return ws
         self._workspaces.pop(train, None)  # one workspace per kind: release the old one
-        ws = build_workspace(self, capacity, train)
+        ws = self.backend.workspace(self, capacity, train)
         self._workspaces[train] = ws
         return ws
 
@@ -287,7 +205,7 @@ class IntModel:
 
     def forward(self, ws: Workspace, n: int) -> np.ndarray:
         """Run the forward pass on ``ws.x[:n]``; returns the logits view [n, classes]."""
-        return step.forward(self, ws, n)
+        return self.backend.forward(self, ws, n)
 
     def train_step(self, ws: Workspace, y: np.ndarray, n: int, lr_log2: int, seed: int,
                    step_count: int, reg: Regularizer | None = None) -> int:
@@ -297,21 +215,13 @@ class IntModel:
         ``lr_log2``: log2 of eta in LSBs of the storage grid; ``seed``/``step_count`` key
         the stochastic rounding.
         """
-        return step.train_step(self, ws, y, n, lr_log2, seed, step_count, reg)
+        return self.backend.train_step(self, ws, y, n, lr_log2, seed, step_count, reg)
 
     def quantized_error(self, ws: Workspace, i: int, n: int) -> np.ndarray:
         """Op i's quantized error of the last training step, NHWC [n, H, W, C] (or [n, O]),
         whichever layout the step kept it in (inspection and tests)."""
-        if ws.eq[i] is not None:
-            return ws.eq[i][:n].copy()
-        op = self.ops[i]
-        h_out, w_out, c_out = op.out_shape
-        h_in, w_in, _ = op.in_shape
-        wp = w_in + op.layer.padding
-        hs = (h_in + op.layer.padding) * wp
-        pos = ws.eqp[i][:, :n * hs].reshape(c_out, n, hs // wp, wp)
-        return np.ascontiguousarray(pos[:, :, :h_out, :w_out].transpose(1, 2, 3, 0))
+        return self.param_ops[self.ops[i].param].quantized_error(ws, n)
 
     def close(self) -> None:
         """Stop the worker threads (``threads > 1``); a later step starts them again."""
-        self.splitter.close()
+        self.backend.close()

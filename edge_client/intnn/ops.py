@@ -1,7 +1,7 @@
-"""The integer engine's building blocks: one op of a network in the engine's layout
-(:class:`Op`), the integer buffers of a training or evaluation pass (:class:`Workspace`)
-and the FedProx / FedFOR terms in integers (:class:`Regularizer`).
-:class:`~edge_client.intnn.model.IntModel` builds and uses them.
+"""The integer engine's buffers of a training or evaluation pass on the CPU backend
+(:class:`Workspace`, :class:`Scratch`; ``workspace.build_workspace`` fills them, each
+layer deciding its own), the planar layout's row length, and the FedProx / FedFOR terms
+in integers (:class:`Regularizer`).
 """
 
 from __future__ import annotations
@@ -25,35 +25,6 @@ def internal_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
         c, h, w = shape
         return (h, w, c)
     return tuple(shape)
-
-
-@dataclass
-class Op:
-    kind: str                      # "conv" | "linear" | "pool" | "relu" | "flatten"
-    layer: object
-    in_shape: tuple[int, ...]      # internal, without batch
-    out_shape: tuple[int, ...]
-    param: int = -1                # index into the weight list
-    relu: bool = False             # fused ReLU (conv/linear)
-    shift: int = 0                 # forward rounding shift 1 + log2 alpha
-    perm: np.ndarray | None = None  # Linear after Flatten: internal column -> spec column
-    needs_input_error: bool = False
-    grad_int64: bool = False
-    grad_mode: str = ""            # conv weight gradient: "int64" | "sparse" | "plane" | "dot"
-    split: bool = False            # large enough to split over the model's threads
-    # the input activation comes out of a ReLU (possibly through max-pools / a flatten):
-    # an error at an input <= 0 is zeroed further down, so it need not be computed
-    relu_in: bool = False
-    # max-pool right after a conv/linear with a fused ReLU, windows not overlapping: its
-    # backward writes that layer's quantized error (kernels.pool_error_quantize)
-    fused_error: bool = False
-    # conv forward as int8 dot products on AVX-512 VNNI (kernels.vnni; workspace.vnni_forward)
-    vnni: bool = False
-
-    @property
-    def plane(self) -> bool:
-        """A stride-1 conv: computed from the padded planar layout (kernels.*_plane)."""
-        return self.kind == "conv" and self.layer.stride == 1
 
 
 @dataclass
@@ -84,7 +55,7 @@ class Scratch:
 class Workspace:
     """Integer buffers for batches of up to ``capacity`` samples (all views are [:n]).
 
-    Per op (lists indexed like ``IntModel.ops``, None where unused): ``acts`` outputs
+    Per layer (lists indexed like ``IntModel.ops``, None where unused): ``acts`` outputs
     (s-bit), ``win`` max-pool winners (int8, :func:`kernels.maxpool_forward`), ``eq``
     quantized errors at conv/linear outputs (s-bit, NHWC / [N, O]), ``eqp`` the same at
     the positions of the stride-1 plane layout ([O, N*hs], convs whose weight gradient
@@ -132,7 +103,7 @@ class Workspace:
 @dataclass
 class Regularizer:
     """FedProx / FedFOR terms in integers (built by ``IntTrainer``; the derivation is in
-    :mod:`edge_client.trainers`). Per weight and step the update gets
+    docs/algorithms.md §1). Per weight and step the update gets
     ``stoch_round(((mu_q * (w - anchor)) << d_shift + alpha_q * g [g (w - anchor) > 0]) / 2^shift)``
     LSBs of the storage grid."""
 

@@ -7,15 +7,11 @@ exact, so the result is the same bit for bit whatever the number of threads. Ker
 do not wait on each other share one hand-off (:meth:`Splitter.run_group`: part p of each
 :class:`Task` on thread p).
 
-A part is handed over through a pair of sequence numbers per pool thread (posted, done),
-which the other side waits for by spinning without the GIL (:func:`.spin.wait_for`): a
-fedshift_cnn training step hands parts over five times (nine before its kernels were
-grouped), and a thread woken from a sleeping wait (a futex) took ~50 us each time on the
-2-vCPU VM this was measured on, where a spinning one takes a few microseconds. A
-pool thread spins :data:`IDLE_SPIN_S` after its last part, then sleeps on a condition
-until the next one; the caller spins up to :data:`RESULT_SPIN_S` for a part, then
-sleeps too. Between training steps the pool threads therefore keep their cores busy for
-a moment, and no longer.
+A part is handed over through a pair of sequence numbers per pool thread (posted, done)
+that the other side waits for by spinning without the GIL (:func:`.spin.wait_for`;
+waking a sleeping thread costs far more, docs/performance.md#several-cores). A pool
+thread spins :data:`IDLE_SPIN_S` after its last part, then sleeps on a condition until
+the next one; the caller spins up to :data:`RESULT_SPIN_S` for a part, then sleeps too.
 """
 
 from __future__ import annotations

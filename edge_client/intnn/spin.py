@@ -5,11 +5,8 @@ of tries has passed. The loop reads the flag with an atomic acquire load (a plai
 read may be hoisted out of the loop by LLVM, and would never see the other thread's
 write) and yields the core between reads (x86 ``pause``, Arm ``yield``: a spinning
 thread leaves its sibling hyper-thread the execution units).
-
 :class:`~edge_client.intnn.parallel.Splitter` hands a part of a kernel to its pool threads
-through such flags: a thread woken from a sleeping wait (a futex) took ~50 us on the
-2-vCPU VM of this project, nine times a training step, while a spinning one sees the new
-number within a few microseconds.
+through such flags (why not a sleeping wait: docs/performance.md#several-cores).
 """
 
 from __future__ import annotations

@@ -95,11 +95,17 @@ class Hello:
 
 @dataclass(frozen=True)
 class Presence:
-    """Retained on ``presence/<device_id>``; the last-will publishes ``online=False``."""
+    """Retained on ``presence/<device_id>``; the last-will publishes ``online=False``.
+
+    ``round_id`` > 0: the device's acknowledgement of the announcement of that round (sent,
+    not retained, when a round selects it): the coordinator knows at once that a selected
+    device is alive and at work, and one that stays silent is a straggler long before the
+    deadline. 0 (the retained messages, and devices of older versions): no round."""
 
     KIND: ClassVar[str] = "presence"
     device_id: str
     online: bool
+    round_id: int = 0
 
 
 @dataclass(frozen=True)

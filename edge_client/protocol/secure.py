@@ -1,21 +1,18 @@
 """The messages of secure aggregation (SecAgg+; docs/security.md#secure-aggregation).
 
-Devices send on ``secagg/<device>``, the coordinator answers each device on
+Devices send on ``secagg/<device>``, the coordinator answers each on
 ``secagg-in/<device>``. One secure round, after the announcement (whose ``secagg``
 hyper-parameter is the round's session, hex):
 
-1. :class:`SecAggKeys` (device): its two X25519 public keys, a commitment to its self-mask
-   seed, all signed with its Ed25519 identity;
-2. :class:`SecAggRoster` (coordinator): the device's neighbours that advertised, their
-   signed keys, the threshold and the fixed-point grid of the sum;
-3. :class:`SecAggShares` (device): Shamir shares of its self-mask seed and mask key for
-   each neighbour, each sealed for that neighbour (the coordinator cannot read them);
-4. :class:`SecAggInbox` (coordinator): the sealed shares addressed to the device;
-5. :class:`SecAggMasked` (device): its masked input, and the neighbours whose shares did
-   not open;
-6. :class:`SecAggUnmask` (coordinator): which neighbours survived, which dropped;
-7. :class:`SecAggReveal` (device): the self-mask shares of survivors, the mask-key shares
-   of dropped devices (never both of one device).
+1. :class:`SecAggKeys`: a device's two X25519 public keys and a commitment to its
+   self-mask seed, signed with its Ed25519 identity;
+2. :class:`SecAggRoster`: its neighbours' signed keys, the threshold and the sum's grid;
+3. :class:`SecAggShares`: Shamir shares of its self-mask seed and mask key, each sealed
+   for its neighbour (the coordinator cannot read them);
+4. :class:`SecAggInbox`: the sealed shares addressed to the device;
+5. :class:`SecAggMasked`: its masked input, and the neighbours whose shares did not open;
+6. :class:`SecAggUnmask`: which neighbours survived, which dropped;
+7. :class:`SecAggReveal`: survivors' self-mask shares, dropped devices' mask-key shares.
 """
 
 from __future__ import annotations

@@ -294,7 +294,8 @@ def _parse(kind: str, r: _Reader) -> Message:
             num_samples=r.int("num_samples", 0, 1 << 40), sdk_version=r.str("sdk_version"),
         )
     if kind == "presence":
-        return Presence(device_id=r.device_id("device_id"), online=r.bool("online"))
+        return Presence(device_id=r.device_id("device_id"), online=r.bool("online"),
+                        round_id=r.int("round_id", 0, 1 << 40, default=0))
     if kind == "round":
         selected = r.list("selected", lim.max_devices)
         for i, s in enumerate(selected):

@@ -1,19 +1,17 @@
 """What a device sums under secure aggregation: its update on a fixed-point grid in
 ℤ/2^32, with the distributed DP mechanism's noise when the round asks for it.
 
-The vector has one *slot* per aggregation group the round sums apart (one slot for all
-devices unless the strategy keeps a model per bitwidth group): ``[ω·x (P values), ω, 1]``
-with ``x`` the update ``W - W_global`` (``P`` = the model's parameters) in units of
-``2^-F`` of the shared domain and ``ω`` the device's weight (its sample count, or 1). A
-device fills its own slot and leaves the others zero. An integer device's grid values
-``q`` (units of ``2^-(s-1)``) become ``q·2^(F-s+1)`` exactly when ``F >= s - 1``; a float
-device clips each coordinate to ``bound``, scales and rounds stochastically (unbiased).
-
-Distributed DP (Kairouz, Liu, Steinke, ICML 2021, the distributed discrete Gaussian):
-the update is clipped to L2 norm ``l2_clip``, scaled by ``2^F``, rounded at random until
-its norm is within the conditional-rounding bound, and each device adds discrete Gaussian
-noise of std ``noise_std`` (grid units) so that the sum carries the target noise. ω is 1.
-The sum wraps modulo 2^32; the coordinator picks ``F`` so that it does not in practice.
+The vector has one *slot* per aggregation group the round sums apart: ``[ω·x (P values),
+ω, 1]`` with ``x`` the update ``W - W_global`` in units of ``2^-F`` of the shared domain
+and ``ω`` the device's weight (its sample count, or 1); a device fills its own slot and
+leaves the others zero. An integer device's grid values ``q`` (units of ``2^-(s-1)``)
+become ``q·2^(F-s+1)`` exactly when ``F >= s - 1``; a float device clips each coordinate
+to ``bound``, scales and rounds stochastically (unbiased). Distributed DP (Kairouz, Liu,
+Steinke, ICML 2021: the distributed discrete Gaussian) clips the update to L2 norm
+``l2_clip``, scales it by ``2^F``, rounds at random until its norm is within the
+conditional-rounding bound and adds discrete Gaussian noise of std ``noise_std`` grid
+units (ω is then 1). The sum wraps modulo 2^32; the coordinator picks ``F`` so that it
+does not in practice.
 """
 
 from __future__ import annotations

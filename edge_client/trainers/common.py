@@ -14,10 +14,9 @@ from edge_client.errors import ConfigError, TrainingError
 from firmware_models import ModelSpec, resolve_model
 
 DEFAULT_LR_SHIFT = 3      # eta_8 = 2^3 = 8 LSBs (ProWD appendix A: eta = 8)
-# Measured on digits_cnn (3 seeds, 20 epochs, lr/8 for the last 6): lr 1.0 -> 98-99% test
-# accuracy, 0.3 -> 97%; one round on a 360-sample shard: 38-44% (1.0) vs 24% (0.3).
-# The large value fits this domain: weights are clipped to +-0.5 and outputs divided by
-# alpha_l, so the gradients are small; the gradient norm is clipped to 2.0 anyway.
+# float devices' SGD learning rate (docs/algorithms.md §2). The large value fits this
+# domain: weights are clipped to +-0.5 and outputs divided by alpha_l, so the gradients
+# are small; the gradient norm is clipped to 2.0 anyway.
 DEFAULT_TORCH_LR = 1.0
 DEFAULT_MOMENTUM = 0.9    # float devices' SGD momentum (ProWD appendix A)
 EVAL_CAPACITY = 64        # integer evaluation runs at most this many samples at a time (RSS)

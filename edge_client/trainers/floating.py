@@ -30,7 +30,7 @@ from edge_client.trainers.common import (
     check_sgd,
     check_train_args,
 )
-from firmware_models import Conv2d, Flatten, Linear, MaxPool2d, ModelSpec, ReLU
+from firmware_models import MaxPool2d, ModelSpec
 
 
 class TorchTrainer:
@@ -74,7 +74,7 @@ class TorchTrainer:
                  weight_standardization: bool = False, momentum: float = DEFAULT_MOMENTUM,
                  grad_clip: float = 2.0, clip: float = DEFAULT_CLIP, ws_rho: float = 1e-3,
                  loss: str | None = None, forward: str = FLOAT_VARIANT,
-                 lr_shift: int = DEFAULT_LR_SHIFT, weight_norm: bool = False) -> None:
+                 lr_shift: int = DEFAULT_LR_SHIFT, weight_norm: bool = False, step: str = "sgd") -> None:
         import torch
 
         self._torch = torch
@@ -88,6 +88,7 @@ class TorchTrainer:
         self.lr = float(lr)
         self.momentum = float(momentum)
         self.lr_shift = check_lr_shift(lr_shift)
+        self.step = _check_step(step)
         self.grad_clip = float(grad_clip)
         self.clip = float(clip)
         self.seed = int(seed)
@@ -155,27 +156,18 @@ class TorchTrainer:
         bits = self.forward_bits if bits is None else bits
         if bits != 32:
             return self._int_forward(x, bits, taps)
-        F = self._torch.nn.functional
         ws = self.weight_standardization if ws is None else ws
         wn = self.weight_norm if wn is None else wn
         h = x
         p = 0
         layers = self.spec.layers
         for i, layer in enumerate(layers):
-            if isinstance(layer, Conv2d):
+            if layer.has_weights:
                 w, scale = self._effective(p, self.params[p], ws, wn)
-                h = F.conv2d(h, w, stride=layer.stride, padding=layer.padding) * scale
+                h = layer.torch_forward(self._torch, h, w) * scale
                 p += 1
-            elif isinstance(layer, Linear):
-                w, scale = self._effective(p, self.params[p], ws, wn)
-                h = F.linear(h, w) * scale
-                p += 1
-            elif isinstance(layer, ReLU):
-                h = F.relu(h)
-            elif isinstance(layer, MaxPool2d):
-                h = max_pool(self._torch, h, layer)
-            elif isinstance(layer, Flatten):
-                h = h.flatten(1)
+            else:
+                h = layer.torch_forward(self._torch, h)
             if taps is not None and _tap_after(layers, i):
                 taps.append(h)
         return h
@@ -192,34 +184,27 @@ class TorchTrainer:
         layers = self.spec.layers
         p = 0
         for i, layer in enumerate(layers):
-            if isinstance(layer, (Conv2d, Linear)):
-                w = self.params[p]
-                with torch.no_grad():
-                    q = torch.round(w * g_one)  # the device's grid integers (half to even)
-                    wt = TERNARY_WEIGHT * ((q > thr).to(w.dtype) - (q < -thr).to(w.dtype))
-                w = w + (wt - w).detach()
-                if isinstance(layer, Conv2d):
-                    h = F.conv2d(h, w, stride=layer.stride, padding=layer.padding)
-                else:
-                    h = F.linear(h, w)
-                h = h / self._alpha[p]
-                relu = i + 1 < len(layers) and isinstance(layers[i + 1], ReLU)
-                if relu:
-                    h = F.relu(h)
-                with torch.no_grad():
-                    v = h * s_one  # round half away from zero, as the integer shift does
-                    hq = torch.sign(v) * torch.floor(v.abs() + 0.5)
-                    hq = hq.clamp(0.0 if relu else -amax, amax) / s_one
-                h = h + (hq - h).detach()
-                p += 1
-                if taps is not None:
-                    taps.append(h)
-            elif isinstance(layer, ReLU):
+            if not layer.has_weights:
+                h = layer.torch_int_forward(torch, h, s_one)
+                continue
+            w = self.params[p]
+            with torch.no_grad():
+                q = torch.round(w * g_one)  # the device's grid integers (half to even)
+                wt = TERNARY_WEIGHT * ((q > thr).to(w.dtype) - (q < -thr).to(w.dtype))
+            w = w + (wt - w).detach()
+            h = layer.torch_forward(torch, h, w)
+            h = h / self._alpha[p]
+            relu = i + 1 < len(layers) and layers[i + 1].is_relu
+            if relu:
                 h = F.relu(h)
-            elif isinstance(layer, MaxPool2d):
-                h = max_pool(self._torch, h, layer)
-            elif isinstance(layer, Flatten):
-                h = h.flatten(1)
+            with torch.no_grad():
+                v = h * s_one  # round half away from zero, as the integer shift does
+                hq = torch.sign(v) * torch.floor(v.abs() + 0.5)
+                hq = hq.clamp(0.0 if relu else -amax, amax) / s_one
+            h = h + (hq - h).detach()
+            p += 1
+            if taps is not None:
+                taps.append(h)
         return h
 
     def _loss(self, logits, y, bits: int | None = None):
@@ -240,12 +225,13 @@ class TorchTrainer:
               momentum: float | None = None, grad_clip: float | None = None,
               weight_standardization: bool | None = None,
               forward: str | None = None, lr_shift: int | None = None,
-              weight_norm: bool | None = None) -> TrainReport:
+              weight_norm: bool | None = None, step: str | None = None) -> TrainReport:
         """Local SGD; loss reported is the mean training loss (CE or SSE) over the steps.
         ``lr``, ``momentum``, ``grad_clip``, ``weight_standardization``, ``weight_norm``,
         ``forward`` (the network trained: ``float32`` or ``int<s>``, class docstring),
-        ``lr_shift`` (the data step of an integer forward): this call's values (None: the
-        trainer's)."""
+        ``lr_shift`` (the data step of an integer forward), ``step`` (the float forward's:
+        ``sgd``, or ``integer``: the integer devices' step, as on an integer forward): this
+        call's values (None: the trainer's)."""
         torch = self._torch
         n_steps = check_train_args(data, self.spec, epochs, steps, batch, prox_mu,
                                     fedfor_alpha, last_global_step)
@@ -260,6 +246,7 @@ class TorchTrainer:
         bits = self.forward_bits if forward is None else forward_bits(forward)
         _check_norms(ws, wn, bits, forward)
         lr_shift = self.lr_shift if lr_shift is None else check_lr_shift(lr_shift)
+        int_step = bits != 32 or (self.step if step is None else _check_step(step)) == "integer"
         t0 = time.perf_counter()
         rng = np.random.default_rng([self.seed, self._calls])
         self._calls += 1
@@ -281,7 +268,7 @@ class TorchTrainer:
             loss = self._loss(self.forward(xb, ws, bits, wn=wn), yb, bits)
             loss.backward()
             with torch.no_grad():
-                if bits != 32:  # the integer devices' step, the terms beside it (class docstring)
+                if int_step:  # the integer devices' step, the terms beside it (class docstring)
                     reg = [self._reg_term(p, anchor[i], prox_mu, gsteps, i, fedfor_alpha)
                            for i, p in enumerate(self.params)]
                     integer_step(self.params, lr_shift)
@@ -334,26 +321,18 @@ class TorchTrainer:
 
 
 def max_pool(torch, h, layer: MaxPool2d):
-    """``layer``'s max-pool of ``h`` [N, C, H, W]. When no gradient is recorded through it
-    (evaluation), it is computed on a channels-last copy of ``h`` and returned in the
-    usual layout: the same values (a maximum is exact, NaN propagates in both), and
-    PyTorch's NCHW kernel is the slow one (``mnist_cnn``'s first pool of 50 images, one
-    thread: 3.2 ms, 0.77 ms with both copies; its second of 256 images: 8.8 vs 3.9 ms).
-    With a gradient the NCHW kernel stays, so that training computes what it always did."""
-    F = torch.nn.functional
-    if torch.is_grad_enabled() and h.requires_grad:
-        return F.max_pool2d(h, layer.kernel, stride=layer.step, padding=layer.padding)
-    h = h.contiguous(memory_format=torch.channels_last)
-    return F.max_pool2d(h, layer.kernel, stride=layer.step, padding=layer.padding).contiguous()
+    """``layer``'s max-pool of ``h`` [N, C, H, W] (``MaxPool2d.torch_forward``: channels-last
+    when no gradient is recorded)."""
+    return layer.torch_forward(torch, h)
 
 
 def _tap_after(layers, i: int) -> bool:
     """Whether layer ``i`` ends a conv/linear layer's output: the layer itself when no ReLU
     follows it, else that ReLU."""
     layer = layers[i]
-    if isinstance(layer, (Conv2d, Linear)):
-        return not (i + 1 < len(layers) and isinstance(layers[i + 1], ReLU))
-    return isinstance(layer, ReLU) and i > 0 and isinstance(layers[i - 1], (Conv2d, Linear))
+    if layer.has_weights:
+        return not (i + 1 < len(layers) and layers[i + 1].is_relu)
+    return layer.is_relu and i > 0 and layers[i - 1].has_weights
 
 
 #: Weight Normalization's fixed gain: every output channel's effective weight has norm sqrt(2)
@@ -409,7 +388,8 @@ def sgd_step(params: list, buffers: list, lr: float, momentum: float) -> None:
     """One step of SGD with momentum, as ``torch.optim.SGD`` computes it (dampening 0, no
     Nesterov, no weight decay; the same operations, so the same bits): ``b <- grad`` on the
     first step, then ``b <- momentum * b + grad``; ``p <- p - lr * b``. Written out because
-    constructing ``torch.optim.SGD`` imports ``torch._dynamo`` (~70 MB of RSS on a device)."""
+    constructing ``torch.optim.SGD`` imports ``torch._dynamo``, tens of MB of RSS on a device
+    (docs/performance.md#memory)."""
     for i, p in enumerate(params):
         g = p.grad
         if momentum:
@@ -419,3 +399,10 @@ def sgd_step(params: list, buffers: list, lr: float, momentum: float) -> None:
                 buffers[i].mul_(momentum).add_(g)
             g = buffers[i]
         p.add_(g, alpha=-lr)
+
+
+def _check_step(step: str) -> str:
+    """``sgd`` or ``integer`` (ConfigError naming the value otherwise)."""
+    if step not in ("sgd", "integer"):
+        raise ConfigError(f"step must be 'sgd' or 'integer', got {step!r}")
+    return step

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -35,13 +36,28 @@ from edge_client.trainers.common import (
 from firmware_models import ModelSpec
 
 
+@dataclass
+class TrainPlan:
+    """One call of :meth:`IntTrainer.train`, decided: its ``batches`` (index arrays into
+    the data set, in order), the labels ``y`` (int64), the workspace ``capacity``, the step
+    ``lr_log2`` (LSBs of the storage grid), the FedProx / FedFOR terms ``reg`` and the step
+    counter of its first step ``step0`` (its streams' keys)."""
+
+    batches: list[np.ndarray]
+    y: np.ndarray
+    capacity: int
+    lr_log2: int
+    reg: Regularizer | None
+    step0: int
+
+
 class IntTrainer:
     """Integer-only local training of an s-bit device (ProWD appendix B).
 
     ``lr_shift``: log2 of eta in LSBs of the 8-bit grid (3 -> eta = 8, the paper's value);
     on a finer grid the step is ``2^(lr_shift + s_g - 8)`` LSBs (same real step).
     ``loss``: "sse" (WAGE, the default) or "ce" (integer base-2 softmax cross-entropy,
-    NITI style); the measurements behind the default are in :mod:`edge_client.intnn.model`.
+    NITI style); the measurements behind the default: docs/algorithms.md §1.
     ``seed`` keys the shuffling and the stochastic rounding; the step counter runs on
     across calls of :meth:`train`, so two trainers with the same seed and the same calls
     end bit for bit equal. ``lr``/``momentum``: the float devices' SGD settings whose
@@ -50,14 +66,15 @@ class IntTrainer:
     are the same bit for bit for any number; ignored when a model is passed in).
     ``release_pages``: a device process's trainer drops LLVM's code and read-only data from
     its resident memory once its kernels are loaded (:mod:`edge_client.intnn.memory`; after
-    construction and after the first :meth:`train`).
+    construction and after the first :meth:`train`). ``engine``: the backend that runs the
+    steps, ``"cpu"`` or ``"cuda"`` (``edge_client.intnn.backend``; the same results).
     """
 
     def __init__(self, spec_or_model: ModelSpec | IntModel | str, bits: int,
                  lr_shift: int = DEFAULT_LR_SHIFT, seed: int = 0,
                  clip: float = DEFAULT_CLIP, loss: str = "sse", lr: float = DEFAULT_TORCH_LR,
                  momentum: float = DEFAULT_MOMENTUM, threads: int = 1,
-                 release_pages: bool = False) -> None:
+                 release_pages: bool = False, engine: str = "cpu") -> None:
         self._release_pages = bool(release_pages)
         if self._release_pages:
             # drop the code `import numba` touched; start Numba (its JIT engine, its runtime
@@ -71,7 +88,7 @@ class IntTrainer:
                 raise ConfigError(f"IntTrainer: model has {spec_or_model.bits} bits, not {bits}")
         else:
             spec = as_spec(spec_or_model)
-            self.model = IntModel(spec, bits, clip, loss=loss, threads=threads)
+            self.model = IntModel(spec, bits, clip, loss=loss, threads=threads, backend=engine)
             self.model.load_int(init_int(spec, seed, bits, clip))
         if not -8 <= lr_shift <= 8:
             raise ConfigError(f"lr_shift must be in -8..8, got {lr_shift}")
@@ -140,7 +157,7 @@ class IntTrainer:
         for i, op in enumerate(model.param_ops):
             if alpha_q:
                 g = np.rint(np.asarray(last_global_step[i], np.float64) * (1 << STEP_G_BITS))
-                g = model._to_internal(op, np.clip(g, -INT32_MAX, INT32_MAX).astype(np.int32))
+                g = op.to_internal(np.clip(g, -INT32_MAX, INT32_MAX).astype(np.int32))
             else:
                 g = np.zeros(model.internal_shapes[i], np.int32)
             step_g.append(g)
@@ -163,6 +180,31 @@ class IntTrainer:
         ``sum_o ((z_o - T onehot_o) / S(s))^2``, ``T = S(s) - 1``; with the softmax loss the
         mean of ``1 - p_true``.
         """
+        t0 = time.perf_counter()
+        plan = self.plan(data, epochs=epochs, steps=steps, batch=batch, prox_mu=prox_mu,
+                         fedfor_alpha=fedfor_alpha, last_global_step=last_global_step, lr=lr,
+                         momentum=momentum, lr_shift=lr_shift)
+        model = self.model
+        xq = self._inputs(data)
+        ws = model.workspace(plan.capacity)
+        sse = 0
+        samples = 0
+        for k, idx in enumerate(plan.batches):
+            n = len(idx)
+            np.take(xq, idx, axis=0, out=ws.x[:n])
+            sse += model.train_step(ws, plan.y[idx], n, plan.lr_log2, self.seed, plan.step0 + k,
+                                    plan.reg)
+            self.step_count = plan.step0 + k + 1
+            samples += n
+        return self.finish(plan, sse, samples, t0)
+
+    def plan(self, data: Dataset, *, epochs: int = 1, steps: int | None = None,
+             batch: int = 32, prox_mu: float = 0.0, fedfor_alpha: float = 0.0,
+             last_global_step: list[np.ndarray] | None = None, lr: float | None = None,
+             momentum: float | None = None, lr_shift: int | None = None) -> TrainPlan:
+        """What :meth:`train` with these arguments will run (checked, its batches drawn):
+        the CPU loop of :meth:`train` runs it, or an engine that trains many devices at
+        once (``edge_client.intnn.cuda.fleet``), which then calls :meth:`finish`."""
         n_steps = check_train_args(data, self.spec, epochs, steps, batch, prox_mu,
                                     fedfor_alpha, last_global_step)
         lr = self.lr if lr is None else float(lr)
@@ -171,27 +213,23 @@ class IntTrainer:
         lr_shift = self.lr_shift if lr_shift is None else int(lr_shift)
         if not -8 <= lr_shift <= 8:
             raise ConfigError(f"lr_shift must be in -8..8, got {lr_shift}")
-        t0 = time.perf_counter()
-        model = self.model
-        xq = self._inputs(data)
-        y_all = np.ascontiguousarray(data.y, dtype=np.int64)
         reg = self._regularizer(prox_mu, fedfor_alpha, last_global_step, lr, momentum)
-        ws = model.workspace(min(batch, len(data)))
         rng = np.random.default_rng([self.seed, self._calls])
         self._calls += 1
-        lr_log2 = lr_shift + model.grid_bits - 8
-        sse = 0
-        samples = 0
-        for idx in batches(len(data), batch, n_steps, rng):
-            n = len(idx)
-            np.take(xq, idx, axis=0, out=ws.x[:n])
-            sse += model.train_step(ws, y_all[idx], n, lr_log2, self.seed, self.step_count, reg)
-            self.step_count += 1
-            samples += n
-        loss = self._loss_value(sse, samples)
+        return TrainPlan(
+            batches=list(batches(len(data), batch, n_steps, rng)),
+            y=np.ascontiguousarray(data.y, dtype=np.int64),
+            capacity=min(batch, len(data)), lr_log2=lr_shift + self.model.grid_bits - 8,
+            reg=reg, step0=self.step_count)
+
+    def finish(self, plan: TrainPlan, loss_sum: int, samples: int, t0: float) -> TrainReport:
+        """The report of ``plan`` run (its integer loss sum over ``samples``, started at
+        ``t0``, ``time.perf_counter``); the step counter moves past its steps."""
+        self.step_count = plan.step0 + len(plan.batches)
+        loss = self._loss_value(loss_sum, samples)
         if self._release_pages and self._calls == 1:
             release_compiler_pages()  # the kernels' cache loads
-        return TrainReport(n_steps, samples, loss, time.perf_counter() - t0)
+        return TrainReport(len(plan.batches), samples, loss, time.perf_counter() - t0)
 
     def _loss_value(self, total: int, samples: int) -> float:
         """Reporting only: mean SSE in real units, or mean (1 - p_true) for the softmax."""

@@ -1,26 +1,18 @@
 """MQTT sessions through paho-mqtt 2.x: the one module that talks to paho.
 
-:class:`MqttTransport` is used by devices (``runtime.py``) and by the coordinator's
-``MqttFleet``:
-
-- URLs ``mqtt://[user:pass@]host[:1883]`` and ``mqtts://...[:8883]`` (TLS with an optional
-  CA file and client certificate/key; :func:`parse_broker_url`, :class:`TlsOptions`);
-- MQTT v5 when the broker offers it, else 3.1.1 (``protocol="auto"``: one probe connect
-  with v5; amqtt refuses v5 at connect, so the session then uses 3.1.1);
-- last-will set before connect; "birth" messages and subscriptions (re)sent on every
-  connect from the ``on_connect`` callback (non-blocking publishes only);
-- automatic reconnect with exponential backoff, capped and jittered (each wait drawn
-  uniformly from ``[d/2, d]``, ``d = min(max_s, min_s * 2^attempt)``: a fleet that lost
-  its broker does not come back in lockstep); a wait ends at once on :meth:`close`;
-- a broker that refuses the credentials is named: ``last_error`` reads ``not authorised:
-  this device may be revoked (...)`` and :attr:`MqttTransport.not_authorised` is set;
-- optional manual acknowledgement (``manual_ack=True``): received QoS 1 messages are
-  PUBACKed only when the caller calls :meth:`MqttTransport.ack` — after persisting them;
-  with ``persistent_session=True`` unacked messages are redelivered after a crash;
-- every paho callback only hands data to a queue and catches everything (an exception in
-  a callback silently stops paho's network thread: docs/mqtt.md#paho-mqtt-2x).
-
-paho itself is imported when a session is made, not with this module.
+:class:`MqttTransport`, used by devices (``runtime.py``) and the coordinator's
+``MqttFleet``, dials ``mqtt://[user:pass@]host[:1883]`` or ``mqtts://...[:8883]`` (TLS with
+an optional CA file and client certificate: :func:`parse_broker_url`, :class:`TlsOptions`),
+speaks MQTT v5 when the broker offers it, else 3.1.1 (``protocol="auto"``: one probe
+connect), sets its last will before connecting and re-sends "birth" messages and
+subscriptions on every connect. It reconnects with capped, jittered exponential backoff
+(each wait uniform in ``[d/2, d]``, ``d = min(max_s, min_s * 2^attempt)``, so a fleet that
+lost its broker does not come back in lockstep), names a broker that refuses the
+credentials (:attr:`MqttTransport.not_authorised`), and can acknowledge QoS 1 messages
+only when the caller says so (``manual_ack=True``: after persisting them). Every paho
+callback only hands data to a queue and catches everything (an exception there silently
+stops paho's network thread: docs/mqtt.md#paho-mqtt-2x). paho itself is imported when a
+session is made, not with this module.
 """
 
 from __future__ import annotations

@@ -56,6 +56,9 @@ class Access:
     ca: Path | None = None
     password_sha256: bytes = b""
     password_file: Path | None = None
+    #: the names a ``Host`` header may give (the listen address, ``--hostname`` s; the
+    #: loopback literals always pass): anything else is refused (DNS rebinding)
+    names: tuple[str, ...] = ()
 
     @property
     def scheme(self) -> str:
@@ -83,10 +86,11 @@ def dashboard_access(address: str | int, *, security_dir: str | Path, job: str,
     dashboard certificate and the password file when they are missing."""
     host, port = parse_address(address)
     pw_path = Path(password_file) if password_file else None
+    names = tuple(dict.fromkeys([host, *(hostnames or [])]))
     if is_loopback(host):
         if pw_path is None:
-            return Access(host, port)
-        return Access(host, port, password_sha256=_hash(_read(pw_path)), password_file=pw_path)
+            return Access(host, port, names=names)
+        return Access(host, port, password_sha256=_hash(_read(pw_path)), password_file=pw_path, names=names)
     sec = JobSecurity(security_dir, job)
     sec.ensure_ca()
     cert, key = _certificate(sec, hostnames or default_hosts(host))
@@ -95,7 +99,7 @@ def dashboard_access(address: str | int, *, security_dir: str | Path, job: str,
         if not pw_path.exists():
             write_private(pw_path, new_password() + "\n")
     return Access(host, port, cert=cert, key=key, ca=sec.ca_path, password_sha256=_hash(_read(pw_path)),
-                  password_file=pw_path)
+                  password_file=pw_path, names=names)
 
 
 def _certificate(sec: JobSecurity, hosts: list[str]) -> tuple[Path, Path]:

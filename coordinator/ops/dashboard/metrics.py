@@ -3,9 +3,6 @@
 A custom collector of ``prometheus_client``: the metrics are made from
 :meth:`FleetMonitor.snapshot` when scraped (nothing on the round loop's path), into a
 registry of the dashboard's own (no global state). Names follow Prometheus' conventions
-(base units, ``_total`` for counters, ``_ratio`` for 0..1):
-
-=========================================  =========  =========================================
 ``fedbit_rounds_completed_total``          counter    rounds aggregated and checkpointed
 ``fedbit_rounds_planned``                  gauge      rounds the job runs
 ``fedbit_round``                           gauge      the round in progress (or last closed)
@@ -30,6 +27,9 @@ registry of the dashboard's own (no global state). Names follow Prometheus' conv
 ``fedbit_update_staleness``                histogram  buffered mode: counted updates' staleness (versions)
 ``fedbit_staleness_refusals_total``        counter    buffered mode: updates refused as too stale
 =========================================  =========================================
+=======
+(base units, ``_total`` for counters, ``_ratio`` for 0..1), every metric has a ``job``
+label; the list: docs/operations.md#watching-a-job-the-dashboard-metrics-fedbit-status.
 
 Counters count from the start of the run directory (a resumed run continues them) and
 move at least once per round: the completed rounds' exact counts, plus the refusals the
@@ -126,6 +126,10 @@ class MonitorCollector(Collector):
             yield g
         yield gauge("fedbit_devices_online", "Devices online (with a hello).", snap["online"])
         yield gauge("fedbit_devices_known", "Devices that said hello.", snap["registered"])
+        yield gauge("fedbit_devices_quarantined", "Devices quarantined until the operator releases them.",
+                    len(snap.get("quarantined", ())))
+        yield counter("fedbit_alerts", "Operator alerts (rounds rolled back whole in a row).",
+                      snap.get("alerts_total", 0))
         yield counter("fedbit_device_wait", "Time rounds waited for devices before selecting.",
                       tot["wait_seconds"], unit="seconds")
         yield _histogram([r.get("round_seconds") for r in rounds], job)

@@ -2,30 +2,18 @@
 
 :class:`FleetMonitor` is an ``on_event`` callback of the
 :class:`~coordinator.server.Coordinator` (``round_start``, ``update``, ``reject``,
-``device``, ``round_end``, ``waiting``; ``buffer`` in buffered mode). It keeps
-
-- ``devices``: every device the coordinator accepted a hello from: profile, model
-  variant, declared uplink codec, online or not, last seen (Unix s), its last accepted
-  update (round, bytes, codec), refusals by reason and notes (``clipped_num_samples``);
-- ``current``: the round in progress: number, phase (``waiting`` for devices,
-  ``collecting``, ``closed``), selected, received, deadline (Unix s), the selected devices
-  gone before answering (``gone``: id -> why) and, in a snapshot, those still outstanding;
-  in buffered mode (phase ``buffering``) the model version, the buffer's fill and size,
-  devices training;
-- ``staleness``: updates counted per staleness (buffered mode), completed buffers plus
-  the open one;
-- ``rounds``: one compact record per completed round (accuracy per bitwidth group,
-  updates, stragglers, round and wait seconds, uplink bytes by codec, refusal counts);
-- ``totals``: updates accepted, refusals by counter (``rejected_<reason>``,
-  ``dropped_<reason>``, ``stragglers``, ...), uplink bytes by codec and seconds waited
-  for devices: the completed rounds' exact figures plus what the open round logged so far.
+``device``, ``round_end``, ``buffer``, ...). It keeps ``devices`` (every device with an
+accepted hello: profile, variant, codec, online, last seen, last update, refusals, why it
+is quarantined), ``alerts``, ``current`` (the round in progress, or buffered mode's open
+buffer: version, fill, devices training), ``staleness`` (buffered mode's counted updates
+per staleness), ``rounds`` (one compact record each) and ``totals`` (accepted updates,
+refusals, uplink bytes by codec, seconds waited: the completed rounds' exact figures plus
+what the open round logged so far). Times are Unix seconds.
 
 Per event the round loop pays a few dict updates under a lock and one call per listener
-(which must not block: the dashboard schedules a wake-up of its own thread). Copies and
-JSON are made by the readers (:meth:`snapshot`, in their own threads).
-
-:class:`LiveFile` writes the picture (without the rounds, which ``metrics.jsonl`` holds)
-to ``RUN_DIR/live.json`` at most once a second from its own thread, for ``fedbit status``.
+(which must not block); copies and JSON are made by the readers (:meth:`snapshot`, in
+their own threads). :class:`LiveFile` writes the picture without the rounds to
+``RUN_DIR/live.json`` at most once a second from its own thread, for ``fedbit status``.
 """
 
 from __future__ import annotations
@@ -43,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from coordinator.state import private_opener
 from edge_client.protocol import model_variant
 
 #: the file :class:`LiveFile` keeps in a run directory
@@ -77,10 +66,12 @@ class DeviceView:
     refusals: dict[str, int] = field(default_factory=dict)
     notes: dict[str, int] = field(default_factory=dict)
     registered: bool = True  # False: only refused so far (no accepted hello)
+    quarantined: list[str] = field(default_factory=list)  # why, while it is quarantined (coordinator.defense)
 
     def as_dict(self) -> dict[str, Any]:
-        """A plain copy (``dataclasses.asdict`` without its deep copy: 10x faster)."""
-        return {**vars(self), "refusals": dict(self.refusals), "notes": dict(self.notes)}
+        """A plain copy (``dataclasses.asdict`` without its recursive deep copy, which these fields do not need)."""
+        return {**vars(self), "refusals": dict(self.refusals), "notes": dict(self.notes),
+                "quarantined": list(self.quarantined)}
 
 
 def round_summary(rec: dict[str, Any]) -> dict[str, Any]:
@@ -149,6 +140,9 @@ class FleetMonitor:
             self.recent: deque[dict[str, Any]] = deque(maxlen=RECENT)
             self.staleness_done: Counter[int] = Counter()  # completed buffers' updates by staleness
             self.staleness_live: Counter[int] = Counter()  # the open buffer's
+            self.quarantined: set[str] = set()  # devices in quarantine (named on the page)
+            self.alerts: deque[dict[str, Any]] = deque(maxlen=RECENT)  # operator alerts (coordinator.defense)
+            self.n_alerts = 0
             self.version += 1
         self._notify()
 
@@ -263,6 +257,21 @@ class FleetMonitor:
         if f.get("staleness") is not None:
             self.staleness_live[int(f["staleness"])] += 1
 
+    def _on_quarantine(self, f: dict[str, Any]) -> None:
+        dev = str(f.get("device", ""))
+        d = self.devices.get(dev) or self.devices.setdefault(dev, DeviceView(dev))
+        d.quarantined = [str(r) for r in f.get("reasons") or ["quarantined"]] if f.get("change") == "quarantined" \
+            else []
+        if d.quarantined:
+            self.quarantined.add(dev)
+        else:
+            self.quarantined.discard(dev)
+        self._order = None
+
+    def _on_alert(self, f: dict[str, Any]) -> None:
+        self.alerts.append({"time": self.clock(), "round": f.get("round"), "text": str(f.get("text", ""))})
+        self.n_alerts += 1
+
     def _on_round_end(self, f: dict[str, Any]) -> None:
         self._round_end(f)
         now = self.clock()
@@ -288,7 +297,8 @@ class FleetMonitor:
 
     _handlers: dict[str, Callable[[FleetMonitor, dict[str, Any]], None]] = {
         "device": _on_device, "waiting": _on_waiting, "round_start": _on_round_start, "update": _on_update,
-        "reject": _on_reject, "round_end": _on_round_end, "gone": _on_gone, "buffer": _on_buffer}
+        "reject": _on_reject, "round_end": _on_round_end, "gone": _on_gone, "quarantine": _on_quarantine,
+        "alert": _on_alert, "buffer": _on_buffer}
 
     # ------------------------------------------------------------------ readers
 
@@ -335,7 +345,8 @@ class FleetMonitor:
                 "dashboard": self.dashboard_url, "current": cur,
                 "devices": [self.devices[i].as_dict() for i in self._sorted()[:DEVICE_ROWS]],
                 "devices_total": len(self.devices), "registered": len(self.devices) - self.n_strangers,
-                "online": self.n_online,
+                "online": self.n_online, "quarantined": sorted(self.quarantined)[:DEVICE_ROWS],
+                "alerts": list(self.alerts), "alerts_total": self.n_alerts,
                 "totals": self._totals(), "recent_refusals": list(self.recent),
                 "rounds_done": len(self.rounds),
                 "staleness": {str(k): v for k, v in sorted((self.staleness_done + self.staleness_live).items())},
@@ -401,7 +412,8 @@ class LiveFile:
         tmp = self.path.with_name(f".{LIVE_FILE}.{os.getpid()}.tmp")
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp.write_text(json.dumps(snap, default=str))
+            with open(tmp, "w", encoding="utf-8", opener=private_opener) as f:
+                f.write(json.dumps(snap, default=str))
             os.replace(tmp, self.path)
         except OSError:
             self.errors += 1

@@ -1,24 +1,18 @@
 """The dashboard: an aiohttp server in a thread of its own, watching a :class:`FleetMonitor`.
 
-Routes (GET only; anything else is a 404 or 405):
+Routes (GET only): ``/`` the page (``static/index.html``, charts drawn with the vendored
+uPlot); ``/static/...`` its script, style sheet and uPlot (MIT licence beside it);
+``/events`` server-sent events (``snapshot`` on connect and when a new run starts, then
+``update``: at once when a round completes, else at the next tick, every ``throttle_s``,
+after any change; a comment every 15 s keeps proxies from closing a quiet stream);
+``/api/state`` the picture as JSON (``?rounds=N``: the last N rounds); ``/metrics``
+Prometheus metrics (:mod:`~coordinator.ops.dashboard.metrics`).
 
-- ``/``: the page (``static/index.html``; charts drawn with the vendored uPlot);
-- ``/static/...``: its script, style sheet and uPlot (MIT licence beside it);
-- ``/events``: server-sent events: ``snapshot`` (everything) on connect and when a new
-  run starts, then ``update`` (the picture without rounds, plus the rounds completed since
-  the last message): at once when a round completes (it reaches the page within
-  milliseconds), else at the next tick (every ``throttle_s``) after any change; a comment
-  every 15 s keeps proxies from closing a quiet stream;
-- ``/api/state``: the picture as JSON (``?rounds=N``: only the last N rounds);
-- ``/metrics``: Prometheus metrics (:mod:`~coordinator.ops.dashboard.metrics`).
-
-The round loop never waits for it: the monitor's listener only schedules a wake-up of this
-thread's event loop. A bad request gets a 4xx (aiohttp's parser answers malformed HTTP
-with 400; an unknown path 404; a bad query 400; a wrong or missing password 401; a
-``Host`` header naming another site on an open loopback dashboard 421, against DNS
-rebinding; more than ``max_clients`` event streams 429); a handler's own failure is a 500
-of that request only. Beyond loopback it serves HTTPS and asks for the password
-(:mod:`~coordinator.ops.dashboard.access`).
+The round loop never waits for it: the monitor's listener only schedules a wake-up of
+this thread's event loop. A bad request gets a 4xx naming why (400, 401, 404, 405, 421 for
+a ``Host`` header naming another site on an open loopback dashboard, against DNS
+rebinding; 429 past ``max_clients`` streams); a handler's own failure is a 500 of that
+request only. Beyond loopback it serves HTTPS behind a password (:mod:`~coordinator.ops.dashboard.access`).
 """
 
 from __future__ import annotations
@@ -38,6 +32,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from coordinator.ops.dashboard.access import Access
 from coordinator.ops.dashboard.metrics import registry_for
 from coordinator.ops.dashboard.monitor import FleetMonitor
+from coordinator.ops.security import is_loopback
 from edge_client.errors import ConfigError
 
 STATIC = Path(__file__).with_name("static")
@@ -176,8 +171,9 @@ class Dashboard:
     @web.middleware
     async def _guard(self, request: web.Request, handler: Any) -> web.StreamResponse:
         a = self.access
-        if not a.password_sha256 and not _local_host(request.host):
-            raise web.HTTPMisdirectedRequest(text="this dashboard answers to 127.0.0.1, localhost or [::1] only\n")
+        if not a.password_sha256 and not host_allowed(request.host, a.names):
+            raise web.HTTPMisdirectedRequest(text="this dashboard answers to its own names and the loopback "
+                                                  "addresses only\n")
         if a.password_sha256:
             try:
                 auth = BasicAuth.decode(request.headers.get("Authorization", ""))
@@ -246,9 +242,14 @@ class Dashboard:
         return resp
 
 
-def _local_host(host: str) -> bool:
-    """Whether a ``Host`` header names this machine's loopback (``127.0.0.1:PORT``,
-    ``localhost``, ``[::1]``): a page of another site that rebinds its name to 127.0.0.1
-    sends its own name."""
-    name = host.rsplit(":", 1)[0] if host.count(":") == 1 or host.startswith("[") else host
-    return name.strip("[]").lower() in ("127.0.0.1", "localhost", "::1") or name.startswith("127.")
+def host_allowed(host: str, names: tuple[str, ...] = ()) -> bool:
+    """Whether a ``Host`` header names this dashboard: one of ``names`` (the configured host
+    names and the listen address), ``localhost``, or a loopback address literal
+    (``127.0.0.1:PORT``, ``[::1]``), compared exactly. A page of another site that
+    rebinds its name to 127.0.0.1 sends its own name, ``127.attacker.example`` included."""
+    if host.startswith("["):
+        name = host[1:].partition("]")[0]
+    else:
+        name = host.rpartition(":")[0] if host.count(":") == 1 else host
+    name = name.lower().rstrip(".")
+    return bool(name) and (name in {n.lower() for n in names} or is_loopback(name))

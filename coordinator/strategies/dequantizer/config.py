@@ -1,8 +1,8 @@
 """The dequantizer's settings, validated as a whole (:class:`DequantizerConfig`).
 
-Defaults are the issue's and the paper's (ProWD §4.2, appendix C): τ = 0.1, λ = 1, SGD with
-lr 0.01, batch 16 blocks, 5 epochs; the ladder of this fleet 6 → 8 → 12 → 16 → 32 (the
-paper's Table 2 ladder 2 → 4 → 8 → 16 → 32 is ``ladder="paper"``).
+Defaults follow the paper (ProWD §4.2, appendix C): τ = 0.1, λ = 1, SGD with lr 0.01,
+batch 16 blocks, 5 epochs; the ladder is this fleet's 6 → 8 → 12 → 16 → 32 (the paper's
+Table 2 ladder 2 → 4 → 8 → 16 → 32 is ``ladder="paper"``).
 """
 
 from __future__ import annotations
@@ -47,8 +47,8 @@ class DequantizerConfig:
     ``noise_std`` (the server's unlabeled inputs, a minibatch of them per step, the
     Gaussian noise added), ``pool_rounds`` (rounds of float32 devices' weights kept to
     train on), ``models_per_round`` (float32 devices' models kept per round, plus the
-    global model), ``seed``, ``background`` (train in a thread while the next round runs,
-    applied from the round after it; False:
+    global model), ``seed``, ``background`` (train in a thread while the next rounds run,
+    applied after ``train_every`` rounds, when the next training starts; False:
     in the caller, for scripts and tests), ``threads`` (torch's intra-op threads while
     training: torch's setting is per process, so it also holds for the coordinator's
     evaluation; 1 keeps the training from crowding the round loop, 0 leaves torch's
@@ -87,6 +87,7 @@ class DequantizerConfig:
     clip: float = 0.5
     seed: int = 0
     background: bool = True
+    train_every: int = 1
     threads: int = 1
 
     @classmethod
@@ -136,7 +137,8 @@ class DequantizerConfig:
                   ("noise_std", self.noise_std >= 0), ("pool_rounds", self.pool_rounds >= 1),
                   ("models_per_round", self.models_per_round >= 1),
                   ("gate_margin", 0 <= self.gate_margin < 1), ("table_limit", self.table_limit >= 0),
-                  ("clip", 0 < self.clip < 1), ("threads", self.threads >= 0)]
+                  ("clip", 0 < self.clip < 1), ("threads", self.threads >= 0),
+                  ("train_every", self.train_every >= 1)]
         for name, ok in checks:
             if not ok:
                 raise ConfigError(f"dequantizer: {name} out of range: {getattr(self, name)!r}")

@@ -1,25 +1,17 @@
 """The progressive dequantizer network (torch): ProWD eq. 2-3, 17-18.
 
 - ρ, an affine coupling layer (eq. 17) on a block x = [x_a, x_b] split by channels:
-  ``y_a = x_a + α(x_b)``; ``y_b = x_b ⊙ exp(β(y_a)) + γ(y_a)``. α, β, γ are small dense
-  blocks (:class:`DenseBlock`: two k×k conv layers whose inputs are everything before them,
-  then a 1×1 projection that starts at zero; the paper's are DenseNet blocks); β and γ
-  share one block with two output heads (they read the same ŵ_a). ρ' is ρ with the
-  halves' roles swapped (each half gets the affine transform once).
-- a step φ^{π_j → π_j+1}, with ρ and ρ' starting as the identity (α = β = γ = 0):
-  ``φ(x) = x + τ·(ρ'(ρ(x)) - x)`` (default, ``residual="deviation"``): the residual branch
-  is exactly 0 at initialization and every sub-network gets a gradient from the first
-  step. [decision] Eq. 18 as printed, ``x + τ·ρ'(ρ(x))``, is ``1.1·x`` with identity
-  couplings; to start at the identity it needs each coupling's affine half scaled away
-  (β = -8: ``residual="literal"``), and then almost every gradient path is gated by
-  exp(-8): measured on digits weights (ternary inputs, SGD lr 0.01, 6 epochs) the literal
-  form stays at held-out L1 ratio 1.000, the deviation form reaches 0.990.
-- the dequantizer is the stack φ^{π_0→π_1} ∘ ... ∘ φ^{π_{k-1}→π_k} (eq. 2); a layer
-  entering at π_j runs steps j..k-1.
+  ``y_a = x_a + α(x_b)``; ``y_b = x_b ⊙ exp(β(y_a)) + γ(y_a)``, α, β, γ small dense conv
+  blocks (:class:`DenseBlock`; β and γ share one with two heads); ρ' is ρ with the halves
+  swapped.
+- a step ``φ(x) = x + τ·(ρ'(ρ(x)) - x)`` (``residual="deviation"``, the default: exactly
+  the identity at initialization, every sub-network gets a gradient from the first step)
+  or eq. 18 as printed (``residual="literal"``); why: docs/algorithms.md §4.
+- the dequantizer is the stack of steps (eq. 2); a layer entering at rung j runs steps
+  j..k-1.
 
-Also :func:`spec_forward`, the float forward of a ``firmware_models`` spec on given weight
-tensors (the shared domain of docs/algorithms.md §2: ``layer(a, W) / α_l``, no bias), used by
-the distillation loss (eq. 5).
+:func:`spec_forward` is the float forward of a ``firmware_models`` spec on given weight
+tensors (the shared domain: ``layer(a, W) / α_l``, no bias), for the distillation loss (eq. 5).
 """
 
 from __future__ import annotations
@@ -33,7 +25,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from coordinator.strategies.dequantizer.config import DequantizerConfig
-from firmware_models import Conv2d, Flatten, Linear, MaxPool2d, ModelSpec, ReLU
+from firmware_models import ModelSpec
 
 MAX_LOG_SCALE = 4.0  # exp(β) is clamped to e^4: a diverging scale cannot overflow
 LITERAL_LOG_SCALE = -8.0  # β's initial value in the literal form: exp(-8) scales each half away
@@ -193,16 +185,9 @@ def spec_forward(spec: ModelSpec, weights: Sequence[torch.Tensor], x: torch.Tens
     h = x
     p = 0
     for layer in spec.layers:
-        if isinstance(layer, Conv2d):
-            h = F.conv2d(h, weights[p], stride=layer.stride, padding=layer.padding) / alphas[p]
+        if layer.has_weights:
+            h = layer.torch_forward(torch, h, weights[p]) / alphas[p]
             p += 1
-        elif isinstance(layer, Linear):
-            h = F.linear(h, weights[p]) / alphas[p]
-            p += 1
-        elif isinstance(layer, ReLU):
-            h = F.relu(h)
-        elif isinstance(layer, MaxPool2d):
-            h = F.max_pool2d(h, layer.kernel, stride=layer.step, padding=layer.padding)
-        elif isinstance(layer, Flatten):
-            h = h.flatten(1)
+        else:
+            h = layer.torch_forward(torch, h)
     return h

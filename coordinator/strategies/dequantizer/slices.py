@@ -1,32 +1,18 @@
 """Conv slices and the slice dequantizer: ProWD's convolutional blocks (appendix C, kernel 3)
 over weight planes in which neighbours are related weights.
 
-:class:`SliceLayout` cuts each layer into planes ``[P, H, W]`` (docs/algorithms.md §4):
+:class:`SliceLayout` cuts each layer's flat weights into planes ``[P, H, W]`` and pastes
+them back: a conv weight ``[O, I, kh, kw]`` as one plane per output filter (its I kernels
+tiled ``gr x gc``), a linear weight that reads a flattened feature map ``(c, h, w)`` as one
+``[h, w]`` plane per output unit and input channel, any other linear weight as one plane.
 
-- a conv weight ``[O, I, kh, kw]``: one plane per output filter, its I kernels tiled in a
-  grid of ``gr x gc`` tiles (gr the largest divisor of I not above sqrt(I)): the paper's
-  64x64x3x3 module is a 64-filter stack of 24x24 planes, 8x8 tiles of 3x3;
-- a linear weight that reads a flattened feature map ``(c, h, w)``: one plane per output
-  unit and input channel, ``[h, w]`` (neighbours read neighbouring pixels);
-- any other linear weight ``[O, N]``: the matrix as one plane.
-
-:class:`SliceNet` is the progressive dequantizer on those planes: one step per ladder
-step (eq. 2), each ``x + τ·(ρ'(ρ(x)) - x)`` (the ``deviation`` form of eq. 18,
-docs/algorithms.md §4) with two affine couplings ρ, ρ' (eq. 17). A coupling transforms the
-received weights ``x`` as ``x·exp(β) + γ``, β and γ read per position from ``x`` and from
-the features of a dense block of two k×k convolutions (α of eq. 17 is the additive γ)
-over a context plane:
-
-- ``context = "update"`` (the paper's: the dequantizer sees only the received weights):
-  the convolutions read the plane of ``x`` itself; applied by running the network on an
-  update's planes;
-- ``context = "global"`` [decision]: the convolutions read the global model the device
-  started from, ``g`` (the coordinator sent it: ProWD Alg. 2, line 5), and each position
-  also sees ``g`` and ``x - Q_π(g)`` (where the device's code is still the global's). The
-  update enters only per position, so for a round's ``g`` every possible received level of
-  every weight has one output: the stage compiles those tables when the round opens
-  (:func:`compile_tables`, between rounds) and applies an update by a lookup
-  (:func:`apply_table`), as cheap as decoding it.
+:class:`SliceNet` is the progressive dequantizer on those planes, one :class:`SliceStep`
+per ladder step, ``x + τ·(ρ'(ρ(x)) - x)`` with couplings ``x·exp(β) + γ`` whose β and γ are
+read per position from ``x`` and from convolutional features of a context plane: ``x``
+itself (``context = "update"``) or the global model the device started from
+(``"global"``: one output per received level, so :func:`compile_tables` makes lookup
+tables that :func:`apply_table` applies as cheaply as decoding). Why and how:
+docs/algorithms.md §4.
 """
 
 from __future__ import annotations

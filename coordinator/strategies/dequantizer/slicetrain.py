@@ -1,21 +1,14 @@
 """Training and judging the slice dequantizer (``slices``) on what it will see.
 
-A training pair is a model's true weights and the global model it started from
-(:class:`Pair`):
-
-- a float32 device's weights ``w`` with the round's global ``g``: the steps learn, one
-  rung at a time, ``Q_{π_j}(w) -> Q_{π_j+1}(w)`` (eq. 4, each step fed its own rung; the
-  anchored form also reads ``g``), and the whole stack ``Q_{π_0}(w) -> w`` through the
-  model's outputs on the server's unlabeled inputs (eq. 5);
-- an integer device's received weights ``x`` (entering at rung e) with the global ``g``
-  it started from (the unanchored form only: ``g`` is then the nearest full-precision
-  reference of what the device's own weights stand for; the anchored form reads ``g`` as
-  an input, so ``g`` cannot be its target too): the stack from e is fitted to ``g``.
-
-One optimizer step per batch of planes of one layer of one pair. Held out
-(:func:`heldout_l1`): for each layer and entry rung, the mean |ŵ - w| over held-out
-float32 pairs of the dequantized and of the plainly dequantized weights, computed by the
-path the stage applies (compiled tables for the anchored form).
+A training pair (:class:`Pair`) is a model's true weights and the global model it started
+from: a float32 device's weights with its round's global model (each step learns one rung
+up, eq. 4, and the whole stack the weights through the model's outputs, eq. 5), or, for
+``context = "update"``, an integer device's received weights with the global model it
+started from (the stack from its entry rung fitted to that model). One optimizer step per
+batch of planes of one layer of one pair. :func:`heldout_l1` gives, per layer and entry
+rung, the mean |ŵ - w| over held-out float32 pairs of the dequantized and the plainly
+dequantized weights, by the path the stage applies (compiled tables for the global
+context). docs/algorithms.md §4 says why these pairs.
 """
 
 from __future__ import annotations

@@ -1,40 +1,17 @@
 """``dequantize="prowd"``: the ProWD progressive weight dequantizer as a strategy stage.
 
-Per round (the strategy calls the hooks):
-
-- ``begin_round``: the round's global model joins the round's training models;
-- ``observe``: every decoded update; a float32 device's lossless weights join them (at
-  most ``models_per_round``);
-- ``__call__``: a low-bit device's ``weights`` update; each layer whose values sit on a
-  ladder rung's grid (``ladder.grid_precision``: ``int`` uplinks of Int6/Int8 devices at 8,
-  Int16 at 16, ternary at 2) goes through the last finished version's steps from that
-  rung up, when that version's held-out check passed for the layer and rung; every other
-  layer (and every update while no version is ready) passes through unchanged: plain
-  dequantization;
-- ``end_round``: the round's models join the pool (last ``pool_rounds`` rounds) and a new
-  version is trained in a background thread while the next round runs. The version
-  trained after round r is put in use at the end of round r + 1 (waiting for it there if
-  it has not finished) and applied from round r + 2 on, so which version a round applies
-  never depends on wall-clock time: the same seeds give the same run. With
-  ``background = false`` it is trained in the caller at the end of round r and applied
-  from round r + 1.
-
-Held out: the most recent round's models (the pool's older rounds are trained on); with
-one round in the pool, its last model.
-
-``block = "slices"`` (``slices``, ``slicetrain``): the slice dequantizer trains on pairs
-(a float32 device's weights, the global model of its round) and, for ``context =
-"update"``, (an integer device's received weights, the global model it started from);
-with ``context = "global"`` the round's tables are compiled in a background thread when
-the round opens (``begin_round``), from the version then in use, for the entry rungs the
-last round's integer updates came in on, and an update is dequantized by a lookup (it
-waits for that compilation if it has not finished: ``dequantizer_wait_s``). A failure while training is logged, counted
-(``dequantizer_failures``) and leaves no version: the stage falls back to plain
-dequantization until a later training succeeds. The coordinator never sees the exception.
-
-The finished version (network, tables, held-out verdicts) is saved with the strategy's
-checkpoint and restored on ``--resume``; the pool of training weights is not (it refills
-in the rounds after a restart).
+The strategy calls its hooks each round. ``begin_round`` adds the round's global model to
+the training models; ``observe`` adds a float32 device's lossless weights (at most
+``models_per_round``); ``__call__`` takes a low-bit device's ``weights`` update and runs
+each layer whose values sit on a ladder rung's grid through the version in use, from that
+rung up, where its held-out check passed (any other layer, and any update while no
+version is ready, is plain dequantization); ``end_round`` pools the round's models and,
+every ``train_every`` rounds, starts training the next version in a background thread
+(``background = false``: in the caller). Which version a round applies depends on round
+numbers only, never on wall-clock time. A failed training is logged, counted
+(``dequantizer_failures``) and leaves no version; the coordinator never sees the
+exception. The version in use is saved with the strategy's checkpoint. The schedule,
+held-out set and slice tables: docs/algorithms.md §4.
 """
 
 from __future__ import annotations
@@ -162,6 +139,7 @@ class ProwdDequantizer:
         self._next_number = 1
         self._failures = 0
         self._thread: threading.Thread | None = None  # the background training not yet put in use
+        self._started = -(1 << 30)  # the round after which the last training started
         self._trained: list[Version | SliceVersion | None] = []  # what it left (empty: nothing, stopped)
         self._pool: list[RoundData] = []
         self._round: RoundData | None = None
@@ -281,13 +259,15 @@ class ProwdDequantizer:
             self._pool = self._pool[-self.cfg.pool_rounds:]
         stats = self.stats()
         self._round = None
-        self._put_in_use()
-        self._start_training()
+        r = self._pool[-1].round_id if self._pool else 0
+        if r - self._started >= self.cfg.train_every:
+            self._put_in_use()
+            self._start_training()
         return stats
 
     def _put_in_use(self) -> None:
-        """The background training started at the end of the previous round, waited for
-        and put in use (its version; None after a failure): the next round applies it."""
+        """The background training started ``train_every`` rounds ago, waited for and put
+        in use (its version; None after a failure): the next round applies it."""
         t, self._thread = self._thread, None
         if t is None:
             return
@@ -391,6 +371,7 @@ class ProwdDequantizer:
         if split is None:
             return
         number, self._next_number = self._next_number, self._next_number + 1
+        self._started = self._pool[-1].round_id
         job = (split, number, self._pool[-1].round_id, self._layout, self._version)
         if not self.cfg.background:
             self._train(*job)

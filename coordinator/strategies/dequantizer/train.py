@@ -69,8 +69,8 @@ def quantize_t(x: torch.Tensor, bits: int, clip: float) -> torch.Tensor:
 
 class Optimizer:
     """SGD (with ``cfg.momentum``) or Adam (β = 0.9, 0.999, ε = 1e-8) steps written out:
-    ``torch.optim`` imports ``torch._dynamo``, ~75 MB more resident memory for the
-    coordinator (and the emulator that runs it)."""
+    ``torch.optim`` imports ``torch._dynamo``, tens of MB more resident memory for the
+    coordinator and the emulator that runs it (docs/performance.md#memory)."""
 
     def __init__(self, params: list[torch.Tensor], cfg: DequantizerConfig) -> None:
         self.params = params

@@ -1,17 +1,15 @@
 """A finished dequantizer version: the trained network, its lookup tables, and the
 held-out verdict per (layer, entry bitwidth); what a round applies to low-bit updates.
 
-Applying the steps from a layer's entry rung to the top:
+Applying the steps from a layer's entry rung to the top: a per-position network
+(``kernel = 1``, two channels per block) is a function of the pair of levels (element i,
+element i + H·W) of each block, so on an entry grid with few levels it is evaluated once
+per level pair and applied as a table (``ladder.apply_pair_table``); any other network
+runs on the layer's blocks (torch).
 
-- a per-position network (``kernel = 1`` and two channels per block) is a function of the
-  pair of levels (element i, element i + H·W) of each block, so for an entry grid with
-  few levels it is evaluated once on every level pair and applied as a table
-  (``ladder.apply_pair_table``, a few ms per million weights);
-- otherwise the layer is cut into blocks and run through the network (torch).
-
-The gate (ProWD §4.2 and the issue: "it must beat plain dequantization on held-out
-weights or it is switched off for that layer"): for every layer and entry rung, the L1
-to the true weights of the dequantized vs the plainly dequantized held-out weights;
+The gate (ProWD §4.2: the dequantizer must beat plain dequantization on held-out weights
+or it is switched off for that layer): for every layer and entry rung, the L1 to the true
+weights of the dequantized vs the plainly dequantized held-out weights; a layer is
 dequantized only where it is lower.
 """
 

@@ -1,29 +1,17 @@
-"""Numba kernels of the integer-only training step (ProWD appendix B / WAGE), split by
-what they compute:
+"""Numba kernels of the integer-only training step (ProWD appendix B / WAGE), by what they
+compute: :mod:`.arith` (rounding shifts, exact ``round(log2)``), :mod:`.rng` (the
+counter-based stochastic-rounding stream), :mod:`.layout` (NHWC / ``[K, K, C, O]``,
+ternarization, im2col and planes), :mod:`.conv_forward`, :mod:`.conv_backward`,
+:mod:`.linear`, :mod:`.pool` (max-pool, its error routed and quantized in one pass, ReLU),
+:mod:`.loss` (SSE, integer softmax), :mod:`.update` (eq. 12, eq. 15-16), and :mod:`.vnni`
+/ :mod:`.vnni_linear` (the same as int8 dot products on AVX-512 VNNI where the CPU has it,
+:data:`VNNI`; bit-identical). This package re-exports every kernel.
 
-- :mod:`.arith` rounding shifts, exact ``round(log2)``, the forward's finishing step;
-- :mod:`.rng` the counter-based stochastic-rounding stream;
-- :mod:`.layout` NHWC / ``[K, K, C, O]`` conversions, ternarization, im2col and planes;
-- :mod:`.conv_forward` the three convolution forward variants (and when each is used);
-- :mod:`.conv_backward` backward-data and the four weight-gradient variants;
-- :mod:`.linear` (input-major weights, driven by the non-zero inputs), :mod:`.pool`
-  (max-pool with int8 winners, the pool's error routed and quantized in one pass, ReLU),
-  :mod:`.loss` (SSE, integer softmax);
-- :mod:`.update` error quantization (eq. 12) and the stochastic weight update (eq. 15-16);
-- :mod:`.vnni` the conv forward, backward-data and both weight gradients, and
-  :mod:`.vnni_linear` the linear forward, backward-data, weight gradient and fused update,
-  as int8 dot products on AVX-512 VNNI, where the CPU has it (:data:`VNNI`;
-  bit-identical to the others).
-
-Every kernel takes and returns integers (or booleans) only; no float value exists in any
-of them (``tests/test_intnn_integer_only.py`` inspects the compiled type maps of
-:data:`TRAINING_KERNELS`). Integer widths: activations and quantized errors are ``int8``
-(s <= 8) or ``int16``; ternary weights ``int8``; stored weights ``int8``/``int16``; raw
-errors and forward accumulators ``int32``; weight gradients ``int32`` when the bound
-``amax^2 * pixels`` fits, else ``int64``.
-
-This package re-exports every kernel, so ``from edge_client.intnn import kernels as K;
-K.conv_forward(...)`` works as before the split.
+Every kernel takes and returns integers (or booleans) only (``tests/test_intnn_integer_only.py``
+inspects the type maps of :data:`TRAINING_KERNELS`). Widths: activations and quantized
+errors ``int8`` (s <= 8) or ``int16``; ternary weights ``int8``; stored weights
+``int8``/``int16``; raw errors and forward accumulators ``int32``; weight gradients
+``int32`` when ``amax^2 * pixels`` fits, else ``int64``.
 """
 
 from edge_client.intnn.kernels import vnni, vnni_linear

@@ -1,26 +1,17 @@
 """Convolution backward: the error at the layer's input and the weight gradient.
 
-Backward-data (the error through the ternary weights, ``[O, K, K, C]`` copy) sums per
-pixel in int16 when ``O * amax`` fits (:func:`conv_backward_data_narrow`), else in int32
-(:func:`conv_backward_data`).
+Backward-data (through the ternary weights' ``[O, K, K, C]`` copy) sums per pixel in
+int16 when ``O * amax`` fits (:func:`conv_backward_data_narrow`), else in int32
+(:func:`conv_backward_data`). The error-driven kernels list the non-zero errors
+branch-free first (a branch per error would be mispredicted at 5-20% density) and index
+flat arrays with unsigned offsets, so the runs over K*C values vectorize.
 
-The error-driven kernels list the non-zero errors branch-free first (a branch per error
-would be mispredicted at 5-20% density) and index flat arrays with unsigned offsets: no
-array view per pixel (views cost reference counting), no wraparound checks, so the runs
-over K*C values vectorize.
-
-Weight gradient ``G = sum_batch e_q (x) a`` (``IntModel._grad_mode`` picks one per layer):
-
-- :func:`conv_weight_grad` (``"int64"``): row-blocked accumulation in int64, when
-  ``amax^2 * batch * pixels`` may exceed int32 (s > 8 as a rule);
-- :func:`conv_weight_grad_sparse` (``"sparse"``): driven by the non-zero errors (after
-  ReLU masking and max-pool routing 5-20% are non-zero), when the ``K*C`` values of a
-  patch row are enough to vectorize (``>= SPARSE_GRAD_MIN_ROW``);
-- :func:`conv_weight_grad_plane` (``"plane"``): int32 dot products over the positions of
-  the stride-1 plane (the forward's input plane against the errors at the same
-  positions, :func:`eq_to_planar`), no copy;
-- :func:`conv_weight_grad_dot` (``"dot"``): int32 dot products over pixels from the
-  transposed im2col (kept by the forward, or rebuilt).
+Weight gradient ``G = sum_batch e_q (x) a`` (the conv layer's ``choose_grad`` picks one):
+:func:`conv_weight_grad` (``"int64"``: when ``amax^2 * batch * pixels`` may exceed int32),
+:func:`conv_weight_grad_sparse` (``"sparse"``: driven by the non-zero errors, when a
+patch row's K*C values are enough to vectorize), :func:`conv_weight_grad_plane`
+(``"plane"``: dot products over the stride-1 plane's positions, :func:`eq_to_planar`),
+:func:`conv_weight_grad_dot` (``"dot"``: over pixels of the transposed im2col).
 """
 
 from __future__ import annotations

@@ -1,19 +1,13 @@
 """Layout conversions between the spec's tensors and the kernels' buffers.
 
 Activations and errors are NHWC (``[N, H, W, C]``) or ``[N, F]``; conv weights, their
-ternary copies and gradients are ``[K, K, C, O]`` so the innermost loops run over
-contiguous output channels (they vectorize); backward-data uses a second ternary copy in
-``[O, K, K, C]`` (:func:`transpose_kkco_okkc`). The spec's ``[O, C, K, K]`` layout is
-only used at the module boundary (``model.py``).
-
-- :func:`ternarize`: stored weights -> ternary {-1, 0, +1} (``|w| > thr``);
-- :func:`ternary_lists`: per output channel, the lists of +1 and -1 weights that the
-  stride-1 plane forward walks;
-- ``_im2col_t`` (transposed im2col of a batch), ``_to_plane`` (the padded planar layout
-  of stride-1 convs, which fits in L2) and ``_pad_nhwc`` (zero borders for the
-  error-driven gradient): the inputs of the conv kernels; ``_transpose_fours`` (a
-  linear layer's input transposed, four samples a word: its VNNI weight gradient's);
-- :func:`quantize_inputs_nhwc`: NCHW integers into the NHWC activation layout.
+ternary copies and gradients ``[K, K, C, O]`` (the innermost loops run over contiguous
+output channels), backward-data's ternary copy ``[O, K, K, C]`` (:func:`transpose_kkco_okkc`).
+The spec's ``[O, C, K, K]`` is only used at the engine's boundary (the layers' ``to_spec``).
+:func:`ternarize` (``|w| > thr``), :func:`ternary_lists` (a stride-1 conv's +1 and -1
+weights per output channel), ``_im2col_t``, ``_to_plane`` (the padded planar layout of
+stride-1 convs), ``_pad_nhwc``, ``_transpose_fours`` (a linear layer's input, four samples
+a word), :func:`quantize_inputs_nhwc` (NCHW integers into NHWC).
 """
 
 from __future__ import annotations
@@ -178,8 +172,8 @@ def quantize_inputs_nhwc(xq, out):
 def _transpose_fours(a, a_t, f0, f1):
     """a_t[f, :N4] = a[:, f] (zero past N) for f0 <= f < f1, four samples a 32-bit word:
     each word from four rows of a read along f (a [N, F] int8, a_t [F, L] int8 with L a
-    multiple of 4). A byte at a time down a's columns took 0.21 ms for fedshift_cnn's fc1
-    (F 4096, N 32); this 0.036."""
+    multiple of 4); reading a byte at a time down a's columns is several times slower
+    (docs/performance.md#several-cores)."""
     n_s = a.shape[0]
     n_f = a.shape[1]
     af = a.reshape(-1).view(np.uint8)

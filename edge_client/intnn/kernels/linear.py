@@ -154,7 +154,7 @@ def linear_weight_grad(eq, a, g_out, idx, val, a_t, f0, f1):
     ef = eq.reshape(-1)
     gf = g_out.reshape(-1)
     if a.itemsize == 1 and a_t.shape[1] % 4 == 0:
-        _transpose_fours(a, a_t, f0, f1)  # fedshift_cnn fc2 (F 512): the kernel 43 -> 36 us
+        _transpose_fours(a, a_t, f0, f1)  # four samples a word (docs/performance.md)
     else:
         for n in range(n_s):
             for f in range(f0, f1):

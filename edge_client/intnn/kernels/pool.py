@@ -92,8 +92,8 @@ def maxpool_forward(a, k, stride, pad, out, win, want_win, relu_in, n0, n1):
 def _pool_quad(af, of, wf, b0, b1, b2, b3, ob, c_in, want_win, relu_in):
     """One 2x2 window with every cell inside: the four rows at b0..b3 (cells 0..3). The
     maximum first, then the first cell equal to it: two loops with one output each, which
-    LLVM 14 (numba 0.60, Python 3.9) vectorizes (one loop writing both ran 3x slower
-    there) and newer LLVMs run faster too."""
+    every LLVM numba uses vectorizes (one loop writing both does not on LLVM 14:
+    docs/performance.md#the-kernels)."""
     for c in range(c_in):
         of[U(ob + c)] = max(max(af[U(b0 + c)], af[U(b1 + c)]), max(af[U(b2 + c)], af[U(b3 + c)]))
     if want_win:

@@ -1,20 +1,16 @@
 """Error quantization (paper eq. 12) and the weight update (eq. 15-16).
 
-- :func:`quantize_error`: ``k = round(log2 max|e|)``, ``e_q = clip(round_shift(e, k -
-  (s - 1)), +-(S(s) - 1))``; :func:`mask_quantize_error` does the same after zeroing e
-  where the layer's output activation is <= 0 (its ReLU), in the same two passes;
-- :func:`sgd_update`: ``k_g = round(log2 max|G|)``, ``d = stoch_round(G * 2^lr_log2 /
-  2^k_g)`` in LSBs of the storage grid, plus an optional fixed-point FedProx / FedFOR term
-  on its own random stream, then clip and re-ternarize. ``max |G|`` comes from the
-  gradient kernel when it has it (one pass less over G). The usual case (no extra term)
-  runs ``_update_rows``, branch-free so that it vectorizes;
-- :func:`regularizer_terms`: the FedProx / FedFOR numerators of that extra term (FedFOR's
-  g on a finer grid than the weights, so that a step of 1e-3 survives on Int8).
+- :func:`quantize_error`: ``e_q = clip(round_shift(e, round(log2 max|e|) - (s - 1)),
+  +-(S(s) - 1))``; :func:`mask_quantize_error` zeroes e first where the layer's output is
+  <= 0 (its ReLU), in the same two passes;
+- :func:`sgd_update`: ``d = stoch_round(G * 2^lr_log2 / 2^round(log2 max|G|))`` LSBs,
+  plus an optional fixed-point FedProx / FedFOR term on its own stream
+  (:func:`regularizer_terms` makes its numerators), then clip and re-ternarize.
 
 The stochastic-rounding counter ``j`` of a weight is its index in the layer's canonical
 order (conv ``[K, K, C, O]``, linear ``[O, F]``), whatever order the weights are stored
-in: a linear layer stored ``[F, O]`` passes ``rows = F, cols = O`` and weight
-``(f, o)`` draws number ``o * F + f``.
+in: a linear layer stored ``[F, O]`` passes ``rows = F, cols = O`` and weight ``(f, o)``
+draws number ``o * F + f``.
 """
 
 from __future__ import annotations

@@ -1,28 +1,17 @@
-"""Int8 dot products on x86's AVX-512 VNNI: ``vpdpbusd`` multiplies 64 unsigned by 64
-signed bytes and adds them in fours to 16 int32 lanes, 64 multiply-accumulates an
-instruction (four times an int32 multiply's lanes, and no widening of the bytes).
-
-LLVM does not produce ``vpdpbusd`` from a loop by itself, so the kernels here call the
+"""Int8 dot products on x86's AVX-512 VNNI (``vpdpbusd``: 64 unsigned x 64 signed bytes
+added in fours into 16 int32 lanes, 64 multiply-accumulates an instruction), through the
 intrinsics of :mod:`.vnni_intrinsics` (which explains the sign-bit flip and its
-correction: any int8 works, results are exact).
+correction: any int8 works, results are exact). :data:`AVAILABLE`: whether the CPU Numba
+compiles for has it; the kernels are only compiled where it does, the generic ones stay
+the reference and the fallback. Bit-identical to them (tests/test_intnn_vnni.py).
 
-:data:`AVAILABLE` says whether the CPU Numba compiles for has the instruction; the
-kernels here are only typed and compiled when it does (``step`` picks them, the others
-stay the reference and the fallback: Arm's ``sdot`` would be the same idea, not done).
-Results are bit-identical to the generic kernels (tests/test_intnn_vnni.py).
-
-- :func:`conv_weight_grad_plane_vnni`: :func:`~.conv_backward.conv_weight_grad_plane`;
-- :func:`conv_forward_vnni`: the conv forward straight from the zero-padded input (no
-  im2col): four input bytes broadcast x the ternary weights packed in fours per kernel
-  row (:func:`pad_rows`), 4 pixels x 64 channels a block with no reduction across lanes;
-  :func:`plane_for_grad` makes the planar input a stride-1 conv's VNNI gradient reads;
-- :func:`conv_weight_grad_sparse_vnni`: the error-driven conv weight gradient, four errors'
-  patches interleaved, a channel's whole error list with its sums in registers
-  (:func:`_interleave4_rows`); the errors listed for 64 channels in one pass (bit masks);
-- :func:`conv_backward_data_vnni`: the conv backward-data the same way, per output pixel
-  its non-zero errors against their weight rows, added into the patch it covers;
-
-The linear layers' VNNI kernels are in :mod:`.vnni_linear`.
+- :func:`conv_forward_vnni`: the conv forward straight from the zero-padded input (four
+  input bytes broadcast x the weights packed in fours per kernel row, :func:`pad_rows`);
+  :func:`plane_for_grad` makes the planar input a stride-1 conv's gradient reads;
+- :func:`conv_weight_grad_plane_vnni`, :func:`conv_weight_grad_sparse_vnni` (four errors'
+  patches interleaved, a channel's error list with its sums in registers) and
+  :func:`conv_backward_data_vnni` (per output pixel its non-zero errors against their
+  weight rows). The linear layers' are in :mod:`.vnni_linear`.
 """
 
 from __future__ import annotations
@@ -268,10 +257,8 @@ def _pad_to_fours(pi, pv, cnt):
 def _rows_dot(gf, d, a, pi, pv, q0, q1, row_off, n, bias):
     """gf[d + j] += sum_q (a[pi[q] + row_off + j] ^ 0x80) * pv[q] - bias for j < n (a
     multiple of 16), q0 <= q < q1: :func:`_interleave4_rows` on five chunks of 16 a call,
-    then four, then one. Measured on fedshift_cnn's conv2 (rows of 160), one process per
-    LLVM: five a call against four the error-driven gradient 1.32 -> 1.03 ms (LLVM 22) and
-    1.33 -> 1.09 (LLVM 14), the backward-data 1.29 -> 1.25 and 1.50 -> 1.37; eight or ten
-    a call were slower by LLVM 14 in the backward-data, two a call slower by both."""
+    then four, then one (the fastest split by two LLVM versions:
+    docs/performance.md#the-kernels)."""
     c = 0
     while c + 80 <= n:
         _interleave4_rows(gf, d, a, pi, pv, q0, q1, row_off,

@@ -1,27 +1,17 @@
 """The LLVM intrinsics of the VNNI kernels (:mod:`.vnni`) and whether this CPU has them.
 
-x86's AVX-512 VNNI ``vpdpbusd`` multiplies 64 unsigned by 64 signed bytes and adds them in
-fours to 16 int32 lanes: 64 multiply-accumulates an instruction. LLVM does not produce it
-from a Numba loop (int8 products become 16-lane ``vpmulld``), so the Numba ``@intrinsic``s
-here write their loops in LLVM IR around ``llvm.x86.avx512.vpdpbusd.512``:
-
-- :func:`_dot_block`: an A x B block of dot products of byte rows (reduced at the end);
-- :func:`_outer_block`: four bytes of a row broadcast x a packed operand, into 16 output
-  lanes per instruction (no reduction), optionally in segments (a conv patch's kernel rows
-  read out of the padded input);
-- :func:`_interleave4_rows`: four rows' bytes interleaved (byte l of row i at 4l + i)
-  against four int8 values packed in one int32, over a whole list of such fours, its sums
-  in registers;
-- :func:`_finish16`: sixteen int32 sums rounded, clipped and narrowed to int8 in int32
-  lanes (Numba types the generic finishing loop in int64: half the lanes);
-- :func:`_nonzero_mask` and :func:`_lowest_bit`: which of 64 bytes are not zero, and the
-  set bits of that mask one by one (the sparse gradient's error lists).
+LLVM does not produce ``vpdpbusd`` from a Numba loop (int8 products become ``vpmulld``),
+so the ``@intrinsic``s here write their loops in LLVM IR around
+``llvm.x86.avx512.vpdpbusd.512``: :func:`_dot_block` (a block of dot products of byte
+rows), :func:`_outer_block` (four bytes broadcast x a packed operand into 16 output lanes,
+optionally in segments), :func:`_interleave4_rows` (four rows interleaved against four
+int8 values in one int32), :func:`_finish16` (sixteen sums rounded, clipped, narrowed),
+:func:`_nonzero_mask` / :func:`_lowest_bit` (the sparse gradient's error lists).
 
 The unsigned operand is the activation side with its sign bit flipped (``a ^ 0x80 =
-a + 128`` in [0, 255] for every int8 ``a``); the caller subtracts ``128 * sum(other
-side)``. The instruction wraps (no saturation), so results are exact modulo 2^32, hence
-exact whenever the true sum fits in int32 (the engine's bounds). They are only typed, and
-compiled, where :data:`AVAILABLE`.
+a + 128``); the caller subtracts ``128 * sum(other side)``. The instruction wraps, so
+results are exact whenever the true sum fits in int32 (the engine's bounds). They are only
+typed, and compiled, where :data:`AVAILABLE`.
 """
 
 from __future__ import annotations

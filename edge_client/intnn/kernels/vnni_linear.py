@@ -1,19 +1,15 @@
-"""The linear layers' int8 dot products on AVX-512 VNNI (see :mod:`.vnni`: ``vpdpbusd``,
-the sign-bit flip and its correction; compiled only where the CPU has it). Weights are
-input-major ternary ``t [F, O]`` int8; results are bit-identical to :mod:`.linear`'s
-(tests/test_intnn_vnni.py).
+"""The linear layers' int8 dot products on AVX-512 VNNI (:mod:`.vnni`; compiled only where
+the CPU has it), on input-major ternary weights ``t [F, O]``, bit-identical to
+:mod:`.linear`'s (tests/test_intnn_vnni.py):
 
-- :func:`linear_forward_vnni`: :func:`~.linear.linear_forward` for O >= 16: a block of
-  weight rows at a time for every sample (the rows stay in L1 while the samples' non-zero
-  inputs in fours, against their rows interleaved, add into the samples' sums: the
-  per-sample form read 40% of fc1's 2 MB of rows for each of 32 samples);
-- :func:`linear_backward_data_vnni`: :func:`~.linear.linear_backward_data` for O >= 64;
-- :func:`linear_weight_grad_vnni`: :func:`~.linear.linear_weight_grad` for O a multiple of
-  64 (:func:`~.vnni_intrinsics._outer_block`: four samples' products per instruction into
-  16 outputs' lanes); :func:`linear_grad_max_vnni` + :func:`linear_update_vnni`: the same
-  gradient's max, then the stochastic update with the gradient made again two rows at a
-  time: a 512 x 4096 layer's 8 MB int32 gradient is never written and read back (the step
-  is memory-bound there, most of all on several cores).
+- :func:`linear_forward_vnni` (O >= 16): a block of weight rows at a time for every
+  sample, the rows staying in L1 while the samples' non-zero inputs add into their sums;
+- :func:`linear_backward_data_vnni` (O >= 64);
+- :func:`linear_weight_grad_vnni` (O a multiple of 64: four samples' products per
+  instruction into 16 outputs' lanes); :func:`linear_grad_max_vnni` +
+  :func:`linear_update_vnni`: the gradient's max, then the stochastic update with the
+  gradient made again two rows at a time, so a large layer's int32 gradient is never
+  written and read back (docs/performance.md).
 """
 
 from __future__ import annotations
@@ -30,7 +26,7 @@ from edge_client.intnn.kernels.vnni_intrinsics import VEC, _dot_block, _outer_bl
 
 U = np.uint64
 #: weight rows the VNNI linear forward takes at a time (64 KB of fc1's at O = 512: in L2,
-#: each row in L1 while it is used; 64-256 measured alike, 32 slower)
+#: each row in L1 while it is used; docs/performance.md#the-kernels)
 FORWARD_ROWS = 128
 #: samples whose sums the VNNI linear forward keeps at a time (its acc scratch: this x O)
 FORWARD_SAMPLES = 32

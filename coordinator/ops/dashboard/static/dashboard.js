@@ -124,6 +124,10 @@
     const c = state.current || {};
     $("round-label").textContent = c.mode === "buffered" ? `version ${c.version || 0} of ${state.rounds_planned || "?"}`
       : `round ${c.round || 0} of ${state.rounds_planned || "?"}`;
+    const alerts = state.alerts || [];
+    $("alert").hidden = !alerts.length;
+    $("alert").textContent = alerts.length ? `ALERT (round ${alerts[alerts.length - 1].round}): ` +
+      alerts[alerts.length - 1].text : "";
   }
 
   function drawStaleness() {
@@ -200,14 +204,18 @@
       const notes = Object.entries(d.refusals).map(([k, v]) => `${k} x${v}`)
         .concat(Object.entries(d.notes).map(([k, v]) => `${k.replace(/_/g, " ")} x${v}`));
       const last = d.last_round ? `round ${d.last_round}: ${bytes(d.last_bytes)} ${d.last_codec}` : "-";
-      const status = d.online ? "online" : d.registered ? "offline" : "refused (no hello accepted)";
+      const quarantined = (d.quarantined || []).length > 0;
+      const status = (quarantined ? "QUARANTINED, " : "") +
+        (d.online ? "online" : d.registered ? "offline" : "refused (no hello accepted)");
+      if (quarantined) { tr.classList.add("quarantined"); tr.title = d.quarantined.join("\n"); }
       tr.append(el("td", d.device_id), el("td", status, "status"), el("td", d.profile),
                 el("td", d.variant), el("td", d.codec), el("td", ago(d.last_seen), "seen"), el("td", last),
                 el("td", d.updates, "num"), el("td", notes.join(", "), "refused"));
       body.append(tr);
     }
     const shown = state.devices.length < state.devices_total ? `; the first ${state.devices.length} by id shown` : "";
-    $("devices-caption").textContent = `(${state.online} online of ${state.devices_total}${shown})`;
+    const q = (state.quarantined || []).length ? `; quarantined: ${state.quarantined.join(", ")}` : "";
+    $("devices-caption").textContent = `(${state.online} online of ${state.devices_total}${shown}${q})`;
   }
 
   function drawRefusals() {

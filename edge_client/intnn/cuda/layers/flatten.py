@@ -1,0 +1,34 @@
+"""The CUDA engine's flatten: a view of its input (NHWC, so its outputs are in (h, w, c)
+order, as the CPU engine's; the linear layer after it permutes its columns to match)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from edge_client.intnn.cuda.layers.base import CudaLayer
+from edge_client.intnn.layers.base import IntLayer, implements
+from firmware_models import Flatten
+
+
+@implements(Flatten, backend="cuda")
+class CudaFlatten(CudaLayer, IntLayer):
+    """No kernel: the output is the input's view (``view``)."""
+
+    view = True
+
+    def link(self, prev: IntLayer | None) -> None:
+        if len(self.in_shape) == 3:
+            h, w, c = self.in_shape
+            self.order = np.arange(c * h * w).reshape(c, h, w).transpose(1, 2, 0).ravel()
+
+    def relu_out(self, relu_in: bool) -> bool:
+        return relu_in
+
+    def cuda_forward(self, model: Any, stack: Any, weights: Any, prev: Any, out: Any,
+                     n: Any) -> None:
+        """Nothing to run: ``out`` is ``prev``'s view."""
+
+    def cuda_backward(self, model: Any, stack: Any, cur: Any, n: Any) -> Any:
+        return cur.reshape(stack.devices, stack.capacity, *self.in_shape)
