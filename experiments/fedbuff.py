@@ -1,7 +1,7 @@
 """Buffered against synchronous aggregation on a fleet that comes and goes (experiments/fedbuff.toml).
 
     python experiments/fedbuff.py [--out runs/experiments/fedbuff] [--resume] [--seeds 0 1]
-                                  [--until S] [--results DIR | --no-results]
+                                  [--until S] [--results DIR | --no-results] [--tuning DIR]
     python experiments/fedbuff.py --analyse RUNS_DIR        # read finished runs again
 
 Tuning: every arm of the config's ``@arm`` dimension runs with the first two seeds (the
@@ -9,8 +9,10 @@ usual sweep, into ``OUT``; its report kept as ``OUT/tuning-summary.md``); per mo
 (``sync`` / ``buffered``: 4 settings x 2 seeds each) the arm chosen is the one whose mean
 over those seeds of the validation accuracy (the mean over the bitwidth groups, each
 group's model as that group runs it) averaged over the last 10 % of the simulated time
-budget is highest: the test split is never read for it. Then the two chosen arms run
-with every seed (the tuning runs kept), and are read on the simulated clock, per seed:
+budget is highest: the test split is never read for it (``--tuning DIR``: the choice is
+made on an earlier invocation's tuning runs in ``DIR``, none run again). Then the two
+chosen arms run with every seed (the tuning runs kept), and are read on the simulated
+clock, per seed:
 
 - **final accuracy**: the test accuracy (mean over groups) averaged over the evaluations
   in the last 10 % of the budget (a round that ends past the budget left out);
@@ -95,6 +97,7 @@ def analyse(runs: dict[str, dict[int, Path]], chosen: dict[str, str], scores: di
             budget: float) -> dict[str, Any]:
     """The figures of the module docstring for the ``chosen`` arms' ``runs``."""
     from coordinator.emulation.stats import estimate, paired
+    from coordinator.emulation.stopping import STOP_DEFAULTS, climbing
 
     curves = {arm: {s: curve(d) for s, d in runs[arm].items()} for arm in chosen.values()}
     sync, buf = curves[chosen["sync"]], curves[chosen["buffered"]]
@@ -117,7 +120,11 @@ def analyse(runs: dict[str, dict[int, Path]], chosen: dict[str, str], scores: di
     def est(e: Any) -> dict[str, Any]:
         return {"n": e.n, "mean": e.mean, "sd": e.sd, "ci95": [e.lo, e.hi]}
 
+    # runs of a fixed time budget, not to a plateau: flagged when still climbing at the end
+    w, delta = int(STOP_DEFAULTS["window"]), float(STOP_DEFAULTS["min_delta"])
+    still = {mode: sum(bool(climbing(curves[arm][s]["val"], w, delta)) for s in seeds) for mode, arm in chosen.items()}
     return {"budget_s": budget, "final_share": FINAL, "validation_scores": scores,
+            "still_climbing": {**still, "window": w, "min_delta": delta},
             "chosen": chosen, "per_seed": per_seed, "figures": {k: est(e) for k, e in figs.items()},
             "accuracy_difference": {**est(acc_diff.diff), "wins": acc_diff.wins, "losses": acc_diff.losses},
             "reached": {"sync": sum(v["sync_time"] is not None for v in per_seed.values()),
@@ -142,7 +149,8 @@ def report(a: dict[str, Any], runs_dir: Path) -> str:
     scores = ", ".join(f"{arm}: {100 * s:.2f}%" for arm, s in a["validation_scores"].items())
     lines = [
         "# Buffered (FedBuff) against synchronous FedAvg on a fleet that comes and goes", "",
-        f"experiments/fedbuff.toml, runs in `{runs_dir}`; every run {a['budget_s']:g} simulated seconds. "
+        f"experiments/fedbuff.toml, runs in `{_shown(runs_dir)}` (tuning: `{a.get('tuning_runs', _shown(runs_dir))}`); "
+        f"every run {a['budget_s']:g} simulated seconds. "
         f"Chosen on the validation split (mean over groups, last {100 * a['final_share']:.0f}% of the time): "
         f"**{a['chosen']['sync']}** and **{a['chosen']['buffered']}** (scores: {scores}).", "",
         "Mean ± sample SD [95% CI of the mean, t distribution] over seeds:", "",
@@ -159,7 +167,12 @@ def report(a: dict[str, Any], runs_dir: Path) -> str:
         f"Buffered minus synchronous final accuracy (paired by seed): {100 * d['mean']:+.2f} points "
         f"± {100 * d['sd']:.2f} [{100 * d['ci95'][0]:+.2f}, {100 * d['ci95'][1]:+.2f}], buffered ahead in "
         f"{d['wins']} of {d['n']} seeds.",
-        f"Uplink bytes to the target, buffered / synchronous: {pm('bytes_ratio', digits=2)}.", "",
+        f"Uplink bytes to the target, buffered / synchronous: {pm('bytes_ratio', digits=2)}.",
+        f"Still climbing at the end of the budget (validation accuracy: the mean of the last "
+        f"{a['still_climbing']['window']} scorings more than {100 * a['still_climbing']['min_delta']:g} points "
+        f"above the {a['still_climbing']['window']} before): {a['still_climbing']['sync']}/{a['reached']['seeds']} "
+        f"synchronous and {a['still_climbing']['buffered']}/{a['reached']['seeds']} buffered runs "
+        f"(a fixed time budget, not a plateau).", "",
         "| seed | target | sync s | buffered s | speed-up | sync MB | buffered MB | buffered final |",
         "|---|---|---|---|---|---|---|---|"]
     for s, v in a["per_seed"].items():
@@ -208,6 +221,12 @@ def plot(a: dict[str, Any], path: Path, availability: dict[str, Any] | None) -> 
     plt.close(fig)
 
 
+def _shown(path: Path) -> str:
+    """``path`` as the report names it: relative to the repository when inside it."""
+    p = Path(path).resolve()
+    return str(p.relative_to(ROOT)) if p.is_relative_to(ROOT) else str(path)
+
+
 def _clean(o: Any) -> Any:
     """JSON-ready: NaN and infinities -> None, paths -> text."""
     if isinstance(o, dict):
@@ -229,6 +248,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--analyse", type=Path, metavar="RUNS_DIR", help="only read the runs of an earlier invocation")
     ap.add_argument("--results", type=Path, default=RESULTS, help="where fedbuff-speedup.md/.json/.png go")
     ap.add_argument("--no-results", action="store_true", help="write them next to the runs only")
+    ap.add_argument("--tuning", type=Path, metavar="DIR",
+                    help="choose on the tuning runs an earlier invocation left in DIR (none run again)")
     args = ap.parse_args(argv)
     sys.path.insert(0, str(ROOT))
     import copy
@@ -257,24 +278,25 @@ def main(argv: list[str] | None = None) -> int:
             raw["sweep"]["baseline"] = arms[0]
         return from_dict(copy.deepcopy(raw), cfg.source)
 
-    def folders(c: Any) -> tuple[dict[str, dict[int, Path]], dict[str, str]]:
+    def folders(c: Any, base: Path = out) -> tuple[dict[str, dict[int, Path]], dict[str, str]]:
         runs, modes = {}, {}
         for combo, cc in expand_sweep(c):
             arm = str(combo.get("arm"))
             modes[arm] = cc.round.mode
-            runs[arm] = {s: out / "runs" / run_slug(combo) / f"seed-{s}" for s in cc.seeds}
+            runs[arm] = {s: base / "runs" / run_slug(combo) / f"seed-{s}" for s in cc.seeds}
         return runs, modes
 
     tuning = variant(cfg.seeds[:2])
-    if not args.analyse:
+    if not args.analyse and not args.tuning:
         run_experiment(tuning, out, resume=args.resume)
         (out / "tuning-summary.md").write_text((out / "summary.md").read_text())
-    chosen, scores = choose(*folders(tuning), budget)
+    chosen, scores = choose(*folders(tuning, args.tuning or out), budget)
     best = variant(cfg.seeds, [chosen["sync"], chosen["buffered"]])
     if not args.analyse:
         run_experiment(best, out, resume=True)  # (the tuning runs of the chosen arms are kept)
     runs = folders(best)[0]
     a = analyse(runs, chosen, scores, budget)
+    a["tuning_runs"] = _shown(args.tuning or out)
     av_path = next(iter(runs[chosen["sync"]].values())) / "emulation.json"
     availability = json.loads(av_path.read_text()).get("availability")
     dest = out if args.no_results else args.results
