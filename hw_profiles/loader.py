@@ -11,7 +11,7 @@ import math
 import sys
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -21,8 +21,6 @@ else:  # Python 3.9/3.10 (the device side's floor is 3.9): the same parser from 
 #: the oldest Python the device side runs on; mirrors ``edge_client.PYTHON_FLOOR`` (a test
 #: keeps the two equal). A profile's ``python`` may not be older.
 PYTHON_FLOOR = (3, 9)
-
-T = TypeVar("T")
 
 
 class ProfileError(ValueError):
@@ -101,10 +99,8 @@ def profile_dir() -> Path:
     return Path(__file__).resolve().parent / "profiles"
 
 
-def _check(where: str, key: str, value: Any, kind: type[T], lo: float | None = None,
-           hi: float | None = None, lo_open: bool = False) -> T:
-    """``value`` (a profile file's, unchecked) as a ``kind`` within [lo, hi]; ProfileError
-    naming ``key`` where it is not."""
+def _check(where: str, key: str, value: Any, kind: type, lo: float | None = None,
+           hi: float | None = None, lo_open: bool = False) -> Any:
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
     if isinstance(value, bool) or not isinstance(value, kind):
