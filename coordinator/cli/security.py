@@ -10,10 +10,14 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the commands import lazily: a fast --help
+    from pathlib import Path
+
     from coordinator.job import ServeJob
+    from coordinator.ops.admission import AdmissionConfig
+    from coordinator.ops.security import JobSecurity
 
 
-def add_security_commands(sub: Any) -> None:
+def add_security_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """The ``enroll``, ``revoke`` and ``broker-config`` subcommands."""
     from coordinator.ops.security import DEFAULT_MAX_SAMPLES
 
@@ -169,7 +173,7 @@ def serve_broker(job: ServeJob, max_packet: int) -> tuple[Any, dict[str, Any]]:
                 "client_id": c.username, "enrolment": str(sec.registry_path)}
 
 
-def check_caps(sec: Any, admission: Any) -> None:
+def check_caps(sec: JobSecurity, admission: AdmissionConfig) -> None:
     """ConfigError when a device of the job is enrolled without a sample cap, the job has
     no ``--max-samples`` of its own and ``--allow-uncapped`` was not given."""
     from edge_client.errors import ConfigError
@@ -184,7 +188,7 @@ def check_caps(sec: Any, admission: Any) -> None:
                           f"give the job a cap (--max-samples N), or pass --allow-uncapped")
 
 
-def enroll_hint(sec: Any, out: Any) -> str:
+def enroll_hint(sec: JobSecurity, out: Path) -> str:
     """The ``fedbit enroll`` command line that reaches this job's security folder."""
     from pathlib import Path
 
@@ -197,14 +201,14 @@ def enroll_hint(sec: Any, out: Any) -> str:
 SECURITY_POINTER = "security-dir"
 
 
-def _record_security_dir(out: Any, sec_dir: Any) -> None:
+def _record_security_dir(out: Path, sec_dir: Path) -> None:
     from pathlib import Path
 
     Path(out).mkdir(parents=True, exist_ok=True)
     (Path(out) / SECURITY_POINTER).write_text(str(Path(sec_dir).resolve()) + "\n")
 
 
-def _job_folder(args: argparse.Namespace) -> tuple[Any, str]:
+def _job_folder(args: argparse.Namespace) -> tuple[Path, str]:
     """(the security folder, the job id) of ``enroll``/``revoke``: ``--security-dir``, else
     the run folder's (``--run DIR``, default ``runs/<job>``: ``DIR/security``, or where
     ``serve --security-dir`` recorded it); the job is ``--job``, else the folder's own."""
@@ -318,7 +322,7 @@ def _cmd_revoke(args: argparse.Namespace) -> int:
     return 0
 
 
-def _edges_config(args: argparse.Namespace, sec: Any, rows: list, host: str, port: int, hosts: list[str],
+def _edges_config(args: argparse.Namespace, sec: JobSecurity, rows: list, host: str, port: int, hosts: list[str],
                   tls: bool) -> int:
     """``broker-config --edges M``: a core broker and M bridged edges (coordinator.ops.brokerconf)."""
     from coordinator.ops.broker import DEFAULT_MAX_PACKET, parse_listen
@@ -352,7 +356,7 @@ on each device:     fedbit-edge run --credentials ID.toml --profile PROFILE --da
     return 0
 
 
-def _broker_owns(path: Any) -> None:
+def _broker_owns(path: Path) -> None:
     """Make the persistence folder; hand it to the ``mosquitto`` user when we are root
     (mosquitto started as root writes it as that user)."""
     import os

@@ -19,7 +19,7 @@ import hashlib
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -33,6 +33,16 @@ from edge_client.runtime import DeviceConfig, DeviceRuntime, device_hello
 from edge_client.secagg.session import SecureSession
 from firmware_models import is_model_file
 from hw_profiles import HardwareProfile
+
+if TYPE_CHECKING:  # pragma: no cover
+    import logging
+    from collections.abc import Callable
+
+    from coordinator.emulation.attack import AttackConfig
+    from edge_client.data import Dataset
+    from edge_client.protocol import ModelMessage, RoundAnnouncement
+    from edge_client.trainers import Trainer
+    from edge_client.transport.base import Transport
 
 __all__ = ["DeviceGroup", "EmulatedDevice", "FleetPlan", "ListedShards", "SampledShards", "build_fleet",
            "derive_seed", "device_runtime"]
@@ -56,10 +66,11 @@ class EmulatedDevice:
     shard: np.ndarray
     variant: str
     inferior: bool  # FedShift's inferior group: an integer device or a lossy uplink
-    attack: Any = None  # its AttackConfig when it is an emulated attacker (coordinator.emulation.attack)
+    attack: AttackConfig | None = None  # set when it is an emulated attacker
 
 
-def device_runtime(cfg: DeviceConfig, data: Any, connect: Any, **kw: Any) -> DeviceRuntime:
+def device_runtime(cfg: DeviceConfig, data: Dataset, connect: Callable[..., Transport], **kw: Any
+                   ) -> DeviceRuntime:
     """The real device runtime of one emulated device (``kw``: ``trainer_factory``,
     ``logger``): this module is the emulator's one door to the device application. Its
     secure rounds are relayed (:class:`RelaySecure`)."""
@@ -74,11 +85,12 @@ class RelaySecure(SecureSession):
     out on its update topic, and the emulator (``coordinator.emulation.secure``) plays the
     protocol with it, with the same device code (``edge_client.secagg``)."""
 
-    def __init__(self, cfg: DeviceConfig, log: Any) -> None:
+    def __init__(self, cfg: DeviceConfig, log: logging.Logger) -> None:
         super().__init__(cfg, log)
         self.topic = topic(cfg.job, "update", cfg.device_id)
 
-    def start(self, a: Any, m: Any, trainer: Any, shared: list, start: list, weight: int) -> bytes:
+    def start(self, a: RoundAnnouncement, m: ModelMessage, trainer: Trainer, shared: list[np.ndarray],
+              start: list[np.ndarray], weight: int) -> bytes:
         self.keep(m, trainer, shared, start, weight)
         assert self._update is not None
         layers, _, w = self._update
@@ -167,7 +179,8 @@ class FleetPlan:
     """
 
     def __init__(self, groups: list[DeviceGroup], shards: SampledShards | ListedShards, seed: int, job: str,
-                 workdir: Path, model_files: tuple[str, ...] = (), attack: Any = None) -> None:
+                 workdir: Path, model_files: tuple[str, ...] = (),
+                 attack: AttackConfig | None = None) -> None:
         prefixes = [g.prefix for g in groups]
         dup = sorted({p for p in prefixes if prefixes.count(p) > 1})
         if dup:
@@ -212,7 +225,7 @@ class FleetPlan:
         """Every device, made one after the other (for small fleets: tests, listings)."""
         return (self.device(d) for d in self.ids())
 
-    def profile(self, device_id: str) -> Any:
+    def profile(self, device_id: str) -> HardwareProfile:
         return self.locate(device_id)[0].profile
 
     def variant(self, device_id: str) -> str:

@@ -73,7 +73,7 @@ def _close_all() -> None:
         stage.close()
 
 
-def load_buffer(source: Any, input_shape: Sequence[int], size: int, seed: int) -> np.ndarray:
+def load_buffer(source: str | np.ndarray, input_shape: Sequence[int], size: int, seed: int) -> np.ndarray:
     """The server's unlabeled inputs, float32 [size, *input_shape] in [0, 1]:
     ``"noise"`` (uniform noise images), a data source (``edge_client.data.load_source``:
     ``"digits:test"``, ``"fashion-mnist:train"``, ``"digits:K/N"``, an IDX or CIFAR-10
@@ -121,7 +121,8 @@ class ProwdDequantizer:
 
     name = "prowd"
 
-    def __init__(self, model: str | None = None, buffer: Any = "noise", **params: Any) -> None:
+    def __init__(self, model: str | None = None, buffer: str | np.ndarray = "noise", **params: Any
+                 ) -> None:
         self.cfg = DequantizerConfig.from_params(**params)
         self.spec = None
         self._buffer: np.ndarray | None = None

@@ -58,6 +58,8 @@ class CpuAvgPool2d(IntLayer):
     Its output does not keep the ReLU's zeros meaning zero errors (a mean rounded to 0
     may come from positive cells): ``relu_out`` is False."""
 
+    layer: AvgPool2d
+
     split_like_input = True
 
     def forward_task(self, model: Numerics, ws: Workspace, prev: np.ndarray, out: np.ndarray,

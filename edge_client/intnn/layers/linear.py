@@ -32,6 +32,8 @@ class IntLinear(IntWeightLayer):
     counter runs over ``[O, F]`` (the spec's order). ``perm``: after a flatten of
     [C, H, W], the spec column of each engine column."""
 
+    layer: Linear
+
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.perm: np.ndarray | None = None

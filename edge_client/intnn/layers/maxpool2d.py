@@ -22,6 +22,7 @@ MAX_POOL_KERNEL = 11  # pool winners are int8 cell numbers kh * k + kw
 class CpuMaxPool2d(IntLayer):
     """Max-pool on NHWC activations; split over samples as the layer before it is."""
 
+    layer: MaxPool2d
     split_like_input = True
 
     def link(self, prev: IntLayer | None) -> None:
