@@ -72,10 +72,9 @@ def preset_params() -> dict:
 
 def federated_run(rounds: int, n_float: int, n_int: int, steps: int, per_device: int, seed: int = 0) -> Run:
     """FedAvg (1/N) of WN float32 devices and ternary-uplink Int8 devices, in process."""
-    from coordinator.strategies.prowd_dequantizer.ladder import quantize
-
     from coordinator.emulation.papers import PAPERS
     from coordinator.strategies import ClientUpdate, build_strategy
+    from coordinator.strategies.prowd_dequantizer.ladder import quantize
     from edge_client.data import load_split
     from edge_client.intnn import init_shared
     from edge_client.trainers import make_trainer
@@ -116,10 +115,9 @@ def federated_run(rounds: int, n_float: int, n_int: int, steps: int, per_device:
 def train_and_judge(run: Run, split: int, params: dict):
     """A version trained as the stage trains one, on rounds [0, split), its gates on round
     ``split``; returns (stage, version, seconds)."""
+    from coordinator.strategies.prowd_dequantizer import ProwdDequantizer
     from coordinator.strategies.prowd_dequantizer.ladder import grid_precision, quantize
     from coordinator.strategies.prowd_dequantizer.stage import RoundData, _slice_split
-
-    from coordinator.strategies.prowd_dequantizer import ProwdDequantizer
 
     deq = ProwdDequantizer(model=MODEL, **({"background": False} | params))
     deq.begin_round(0, run.globals_[0])
@@ -203,9 +201,8 @@ def time_epoch(run: Run, split: int, deq, version, reps: int) -> None:
 
 def time_apply(deq, version, run: Run, reps: int) -> None:
     """The stage on one ternary Int8 update vs the plain fold of the same encoded update."""
-    from coordinator.strategies.prowd_dequantizer.ladder import quantize
-
     from coordinator.strategies import ClientUpdate, EncodedUpdate, build_strategy
+    from coordinator.strategies.prowd_dequantizer.ladder import quantize
     from edge_client.codecs import encode
     from edge_client.intnn import TERNARY_WEIGHT
 
@@ -255,9 +252,8 @@ def sweep(run: Run, split: int, base: dict) -> None:
     for label, params in configs:
         report_l1(run, split, base | params, f"[{label}]", {"sweep": True})
     # issue 11's block network (kernel 1, two-channel blocks, the received weights only)
-    from coordinator.strategies.prowd_dequantizer.blocks import BlockLayout
-
     from coordinator.strategies.prowd_dequantizer import ProwdDequantizer
+    from coordinator.strategies.prowd_dequantizer.blocks import BlockLayout
 
     for ladder in ("paper",):
         deq = ProwdDequantizer(model=MODEL, background=False, ladder=ladder)

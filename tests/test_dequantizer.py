@@ -14,6 +14,9 @@ from types import SimpleNamespace
 import msgpack
 import numpy as np
 import pytest
+
+from coordinator.strategies import ClientUpdate, build_strategy
+from coordinator.strategies.prowd_dequantizer import DequantizerConfig, ProwdDequantizer
 from coordinator.strategies.prowd_dequantizer.blocks import BlockLayout
 from coordinator.strategies.prowd_dequantizer.ladder import grid_precision, quantize
 from coordinator.strategies.prowd_dequantizer.network import build_network
@@ -24,9 +27,6 @@ from coordinator.strategies.prowd_dequantizer.version import (
     make_tables,
     run_direct,
 )
-
-from coordinator.strategies import ClientUpdate, build_strategy
-from coordinator.strategies.prowd_dequantizer import DequantizerConfig, ProwdDequantizer
 from edge_client.data import load_digits
 from edge_client.errors import ConfigError
 from edge_client.intnn import init_shared

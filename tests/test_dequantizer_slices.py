@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
+from coordinator.strategies import ClientUpdate
+from coordinator.strategies.prowd_dequantizer import DequantizerConfig, ProwdDequantizer
 from coordinator.strategies.prowd_dequantizer.ladder import quantize
 from coordinator.strategies.prowd_dequantizer.slices import (
     SliceLayout,
@@ -16,9 +19,6 @@ from coordinator.strategies.prowd_dequantizer.slices import (
     flat_inputs,
 )
 from coordinator.strategies.prowd_dequantizer.slicetrain import Pair, heldout_l1, train_slices
-
-from coordinator.strategies import ClientUpdate
-from coordinator.strategies.prowd_dequantizer import DequantizerConfig, ProwdDequantizer
 from edge_client.data import load_digits
 from edge_client.errors import ConfigError
 from edge_client.intnn import init_shared

@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
+
 from coordinator.strategies.prowd_dequantizer.config import PAPER_BLOCK
 
 MODULE = 64  # channels per side of a paper module

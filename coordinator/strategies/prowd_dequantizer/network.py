@@ -21,10 +21,10 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
-from coordinator.strategies.prowd_dequantizer.config import DequantizerConfig
 from torch import nn
 from torch.nn import functional as F
 
+from coordinator.strategies.prowd_dequantizer.config import DequantizerConfig
 from firmware_models import ModelSpec
 
 MAX_LOG_SCALE = 4.0  # exp(β) is clamped to e^4: a diverging scale cannot overflow

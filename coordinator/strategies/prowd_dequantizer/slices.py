@@ -23,11 +23,11 @@ from collections.abc import Sequence
 import numba
 import numpy as np
 import torch
-from coordinator.strategies.prowd_dequantizer.config import FULL_PRECISION, DequantizerConfig
-from coordinator.strategies.prowd_dequantizer.ladder import level_max, level_scale
 from torch import nn
 from torch.nn import functional as F
 
+from coordinator.strategies.prowd_dequantizer.config import FULL_PRECISION, DequantizerConfig
+from coordinator.strategies.prowd_dequantizer.ladder import level_max, level_scale
 from firmware_models import Conv2d, Flatten, Linear, ModelSpec
 
 MAX_LOG_SCALE = 4.0  # exp(β) is clamped to e^4, as in the block network

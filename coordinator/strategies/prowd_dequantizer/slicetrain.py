@@ -21,6 +21,8 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.nn import functional as F
+
 from coordinator.strategies.prowd_dequantizer.config import DequantizerConfig
 from coordinator.strategies.prowd_dequantizer.ladder import quantize
 from coordinator.strategies.prowd_dequantizer.network import get_arrays, set_arrays, spec_forward
@@ -39,8 +41,6 @@ from coordinator.strategies.prowd_dequantizer.train import (
     TrainingStopped,
     TrainStats,
 )
-from torch.nn import functional as F
-
 from coordinator.strategies.serialize import array_from_state, array_to_state
 from edge_client.errors import ProtocolError
 

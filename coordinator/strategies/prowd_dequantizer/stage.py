@@ -28,6 +28,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
+
+from coordinator.strategies.kernels import has_nonfinite
 from coordinator.strategies.prowd_dequantizer.blocks import BlockLayout
 from coordinator.strategies.prowd_dequantizer.config import DequantizerConfig
 from coordinator.strategies.prowd_dequantizer.ladder import grid_precision
@@ -57,8 +59,6 @@ from coordinator.strategies.prowd_dequantizer.version import (
     heldout_l1,
     make_tables,
 )
-
-from coordinator.strategies.kernels import has_nonfinite
 from coordinator.strategies.types import FLOAT_BITS, ClientUpdate
 from edge_client.errors import ConfigError, ProtocolError
 

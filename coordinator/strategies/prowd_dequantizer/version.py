@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 import torch
+
 from coordinator.strategies.prowd_dequantizer.blocks import BlockLayout
 from coordinator.strategies.prowd_dequantizer.config import DequantizerConfig
 from coordinator.strategies.prowd_dequantizer.ladder import (
@@ -36,7 +37,6 @@ from coordinator.strategies.prowd_dequantizer.network import (
     get_arrays,
     set_arrays,
 )
-
 from coordinator.strategies.serialize import array_from_state, array_to_state
 from edge_client.errors import ProtocolError
 
