@@ -17,7 +17,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -36,6 +36,12 @@ from edge_client.errors import ProtocolError
 from edge_client.hparams import not_applied_level
 from edge_client.protocol import Presence
 
+if TYPE_CHECKING:  # pragma: no cover
+    from collections.abc import Sequence
+
+    from coordinator.config import ServerConfig
+    from edge_client.codecs.tensor import EncodedTensor
+
 
 def _names(ids: list[str], most: int = 20) -> str:
     """``: a, b, c`` (the first ``most`` ids, then how many more); empty for none."""
@@ -45,7 +51,7 @@ def _names(ids: list[str], most: int = 20) -> str:
     return ": " + ", ".join(ids[:most]) + more
 
 
-def codec_label(tensors: Any) -> str:
+def codec_label(tensors: Sequence[EncodedTensor]) -> str:
     """``<codec>-<bits>`` of an update's first layer (devices use one codec), ``mixed`` when
     its layers use different codecs."""
     codecs = {t.codec for t in tensors}
@@ -136,7 +142,7 @@ class Collector:
         self.jobs = JobsOnBroker(getattr(fleet, "job", "default"))
         self._gone_until: dict[str, float] = {}  # gone device -> when the round stops waiting for it
 
-    def select(self, cfg: Any, rng: np.random.Generator, quarantined: frozenset[str] = frozenset()) -> list[str]:
+    def select(self, cfg: ServerConfig, rng: np.random.Generator, quarantined: frozenset[str] = frozenset()) -> list[str]:
         """Wait (bounded by ``cfg.presence_timeout_s``: :class:`NotEnoughDevices`) until
         ``max(min_devices, min_present)`` devices are present, then select ``clamp(ceil(fraction * eligible), min, max)`` of
         the present ones not ``quarantined`` with ``rng`` (:func:`~coordinator.presence.selection.draw`);

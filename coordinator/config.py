@@ -26,13 +26,14 @@ from pathlib import Path
 from types import UnionType
 from typing import Any
 
+from coordinator.buffered.settings import BufferedSettings, buffered_conflict
 from coordinator.defense.config import DefenseConfig
 from coordinator.ops.admission import AdmissionConfig
 from coordinator.privacy.config import PrivacyConfig
 from coordinator.strategies.round import RoundStrategy
 from edge_client.errors import ConfigError
 from edge_client.hparams import validate_hparams
-from edge_client.protocol import DEFAULT_LIMITS, Limits
+from edge_client.protocol import DEFAULT_LIMITS, ROUND_MODES, Limits
 
 #: a key's accepted type(s) and default
 KeySpec = tuple[type | tuple[type, ...], Any]
@@ -243,9 +244,12 @@ class ServerConfig:
       ``rollback`` to the last healthy model, or ``log`` it and keep it;
     - ``ack_timeout_s``: a selected device that acknowledged earlier rounds but not this
       one within this time is a straggler at once (:mod:`coordinator.presence.roundwatch`; 0: off);
-    - ``defense``: poisoning resistance (:class:`~coordinator.defense.config.DefenseConfig`).
+    - ``defense``: poisoning resistance (:class:`~coordinator.defense.config.DefenseConfig`);
     - ``privacy``: secure aggregation and differential privacy
-      (:class:`~coordinator.privacy.config.PrivacyConfig`).
+      (:class:`~coordinator.privacy.config.PrivacyConfig`);
+    - ``mode``: ``sync`` (rounds) or ``buffered`` (``coordinator.buffered``: ``rounds``
+      buffer applications, ``buffered`` its settings; ``fraction``, ``quorum`` and
+      ``min_updates`` unused, ``round_timeout_s`` bounds how long a request is held).
     """
 
     job: str = "default"
@@ -269,6 +273,8 @@ class ServerConfig:
     ack_timeout_s: float = 10.0
     defense: DefenseConfig = field(default_factory=DefenseConfig)
     privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
+    mode: str = "sync"
+    buffered: BufferedSettings = field(default_factory=BufferedSettings)
 
     def validate(self, strategy: RoundStrategy | None = None) -> None:
         """ConfigError naming the first bad setting; with ``strategy``, also a configured
@@ -300,5 +306,19 @@ class ServerConfig:
             raise ConfigError(f"defense.{exc}") from None
         self.privacy.validate(self.strategy, self.strategy_params)
         validate_hparams(self.hparams)
+        if self.mode not in ROUND_MODES:
+            raise ConfigError(f"round.mode: {self.mode!r} is not one of {sorted(ROUND_MODES)}")
+        if self.mode == "buffered":
+            self.buffered.validate()
+            why = buffered_conflict(self.strategy, self.strategy_params)
+            if why:
+                raise ConfigError(f"strategy {self.strategy!r} cannot run with round.mode = \"buffered\": {why}")
+            if self.hparams.get("content", "delta") != "delta":
+                raise ConfigError("train.content: buffered mode needs updates relative to the version each "
+                                  f"device started from (\"delta\"), got {self.hparams['content']!r}")
+            if self.privacy.secure_aggregation or self.privacy.dp:
+                raise ConfigError("[privacy]: secure aggregation and differential privacy run in rounds (masks "
+                                  "over one round's selected devices; the accountant composes rounds), not with "
+                                  "round.mode = \"buffered\"")
         if strategy is not None:
             strategy.device_hparams(self.hparams)

@@ -20,12 +20,16 @@ import hashlib
 import math
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
 from edge_client.data import float_images
 from edge_client.protocol import variant_bits
+
+if TYPE_CHECKING:  # pragma: no cover
+    from edge_client.data import Dataset
+    from edge_client.trainers import Trainer
 
 #: samples per evaluation task (a multiple of the trainers' evaluation batch of 256)
 EVAL_CHUNK = 1024
@@ -40,7 +44,7 @@ class Evaluator(Protocol):
                  at_round: int | None = None) -> dict[str, tuple[Any, ...]]: ...
 
 
-def _chunks(data: Any, size: int) -> list[Any]:
+def _chunks(data: Dataset, size: int) -> list[Dataset]:
     """``data`` cut into consecutive pieces of ``size`` samples (the last one shorter)."""
     n = len(data)
     if n <= size:
@@ -72,9 +76,9 @@ class ModelEvaluator:
             without a validation split, decisions read it.
     """
 
-    def __init__(self, model: str, data: Any, *, seed: int = 0, weight_standardization: bool = False,
-                 float_forward: str = "float32", validation: Any = None, weight_norm: bool = False,
-                 report_from: int = 0, val_sample: int = 0, threads: int = 1, probe_data: Any = None,
+    def __init__(self, model: str, data: Dataset, *, seed: int = 0, weight_standardization: bool = False,
+                 float_forward: str = "float32", validation: Dataset | None = None, weight_norm: bool = False,
+                 report_from: int = 0, val_sample: int = 0, threads: int = 1, probe_data: Dataset | None = None,
                  watch_held_out: bool = False) -> None:
         from edge_client.errors import ConfigError
         from edge_client.trainers import forward_bits
@@ -97,11 +101,11 @@ class ModelEvaluator:
         # as a float device reads the announcement (edge_client.hparams.round_settings)
         self.weight_norm = (bool(weight_norm) and self.float_forward == "float32"
                             and not self.weight_standardization)
-        self._trainers: dict[tuple[str, int], Any] = {}
-        self._sets: dict[str, list[Any]] = {}
+        self._trainers: dict[tuple[str, int], Trainer] = {}
+        self._sets: dict[str, list[Dataset]] = {}
         self._pool: ThreadPoolExecutor | None = None
 
-    def _split(self, name: str) -> list[Any]:
+    def _split(self, name: str) -> list[Dataset]:
         """The chunks of the held-out set ``test``, ``val`` or ``vsub`` (the validation
         subsample: ``val_sample`` samples drawn with seed 0, in split order), cut once."""
         if name not in self._sets:
@@ -123,7 +127,7 @@ class ModelEvaluator:
             return ("float", self.float_forward, self.weight_standardization, self.weight_norm)
         return ("int", bits)
 
-    def _trainer(self, variant: str, lane: int = 0) -> Any:
+    def _trainer(self, variant: str, lane: int = 0) -> Trainer:
         if (variant, lane) not in self._trainers:
             from edge_client.trainers import forward_bits, make_trainer
             from firmware_models import resolve_model
@@ -235,13 +239,13 @@ def _combine(parts: list[tuple[tuple[float, float], int]]) -> tuple[float, float
     return loss, hits / n
 
 
-def make_evaluator(model: str, data: Any, **kw: Any) -> ModelEvaluator:
+def make_evaluator(model: str, data: Dataset, **kw: Any) -> ModelEvaluator:
     """A :class:`ModelEvaluator` of ``model`` on ``data`` (keywords: its own; torch is
     imported lazily, for the float32 variant only)."""
     return ModelEvaluator(model, data, **kw)
 
 
-def evaluator_for(model: str, data: Any, announced: Mapping[str, Any], **kw: Any) -> ModelEvaluator:
+def evaluator_for(model: str, data: Dataset, announced: Mapping[str, Any], **kw: Any) -> ModelEvaluator:
     """The evaluator of a run whose rounds announce ``announced`` (the strategy's
     ``device_hparams``): the float32 variant in the forward the float devices train
     (``float_forward``, ``ws``, ``wn``); the other keywords: see :class:`ModelEvaluator`."""

@@ -101,6 +101,21 @@ class Fleet(ABC):
         starts. Empty for fleets whose devices say hello themselves."""
         return []
 
+    def now(self) -> float:
+        """The fleet's clock in seconds (monotonic): how long devices take is measured on it
+        (an emulated fleet's: simulated seconds)."""
+        return time.monotonic()
+
+    def done(self) -> bool:
+        """True once the fleet wants no further round (an emulated fleet past its simulated
+        time budget); the loop then ends early."""
+        return False
+
+    def offline(self) -> list[str]:
+        """Members of the :meth:`roster` that are not online when the run starts (an
+        emulated fleet's availability); the coordinator registers them offline."""
+        return []
+
     def round_report(self, round_id: int) -> dict[str, Any]:
         """Figures the fleet measured about round ``round_id`` (an emulated fleet's
         simulated time, dropouts ...), merged into the round's metrics record."""

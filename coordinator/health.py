@@ -22,7 +22,7 @@ import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -30,6 +30,11 @@ from coordinator.config import ON_COLLAPSE, ServerConfig
 from edge_client.intnn.liveness import FLOAT_FORWARD, forward_codes, liveness
 from edge_client.protocol import FLOAT_VARIANT, variant_bits
 from firmware_models import ModelSpec
+
+if TYPE_CHECKING:  # pragma: no cover
+    from coordinator.evaluate import Evaluator
+    from coordinator.strategies.round import RoundStrategy
+    from edge_client.intnn import IntModel
 
 #: held-out samples of the probe batch (the activation figures, the constant-output check)
 PROBE_SAMPLES = 64
@@ -88,10 +93,11 @@ class HealthWatch:
         self.names = spec.param_names()
         self._engines: dict[int, Any] = {}
         self._snapshot: dict[str, Any] | None = None
-        self._strategy: Any = None
+        self._strategy: RoundStrategy | None = None
 
     @classmethod
-    def for_run(cls, spec: ModelSpec, cfg: ServerConfig, evaluator: Any, **kw: Any) -> HealthWatch:
+    def for_run(cls, spec: ModelSpec, cfg: ServerConfig, evaluator: Evaluator | None, **kw: Any
+                ) -> HealthWatch:
         """The watch of a coordinator run: ``cfg.on_collapse``, the float devices' announced
         ``float_forward``, the probe batch and the accuracy figure the evaluator offers for
         decisions (``coordinator.evaluate``: never the test split; none without an evaluator)."""
@@ -101,7 +107,7 @@ class HealthWatch:
 
     # ------------------------------------------------------------------ rollback
 
-    def snapshot(self, strategy: Any) -> None:
+    def snapshot(self, strategy: RoundStrategy) -> None:
         """Keep the strategy's state before its ``finish()`` (rollback only): a rollback gives
         it back."""
         self._strategy = strategy
@@ -258,7 +264,7 @@ class HealthWatch:
             acts.append((float(np.abs(a).mean()) / scale, float(np.mean(np.abs(a) >= m.amax))))
         return acts, np.array(z, copy=True)
 
-    def _engine(self, bits: int) -> Any:
+    def _engine(self, bits: int) -> Any:  # IntModel | TorchTrainer, as ``bits`` says
         """The forward of ``bits`` (an ``IntModel``, or a float ``TorchTrainer``), kept."""
         if bits not in self._engines:
             if bits >= FLOAT_FORWARD:
@@ -271,7 +277,7 @@ class HealthWatch:
                 self._engines[bits] = IntModel(self.spec, bits)
         return self._engines[bits]
 
-    def _inputs(self, m: Any, bits: int) -> np.ndarray:
+    def _inputs(self, m: IntModel, bits: int) -> np.ndarray:
         key = -bits
         if key not in self._engines:
             self._engines[key] = m.prepare_inputs(self.probe)

@@ -83,6 +83,11 @@ class OpenRound:
         """Every selected device answered or is gone: nothing more to wait for."""
         return len(self.accepted) + len(self.gone.keys() - self.accepted.keys()) >= len(self.selected)
 
+    def admit(self, m: Update, completed: int) -> None:
+        """Steps 5-7 for a parsed update (``completed``: the last closed round); raises
+        :class:`Rejected`. (A buffered window has rules of its own: ``coordinator.buffered``.)"""
+        Ingest.admit(m.device_id, m.round_id, self, completed)
+
 
 class Ingest:
     """Checks received messages against the model and the open round.
@@ -106,7 +111,7 @@ class Ingest:
         self.admission = admission or AdmissionConfig()
         self.enrolled = None
         if self.admission.enrolment:
-            from coordinator.ops.security import EnrolledDevices
+            from coordinator.ops.credentials import EnrolledDevices
 
             self.enrolled = EnrolledDevices(self.admission.enrolment, job)
         self.rate = RateLimiter(self.admission.hello_rate, self.admission.hello_burst,
@@ -121,7 +126,9 @@ class Ingest:
         :class:`~coordinator.devices.DeviceRegistry` (its hellos bound ``num_samples``).
         Returns the checked update; raises :class:`Rejected`."""
         m = self.checked(device_id, payload)
-        self.admit(m.device_id, m.round_id, rnd, completed)
+        if rnd is None:
+            self.admit(m.device_id, m.round_id, rnd, completed)  # (raises: no round is open)
+        rnd.admit(m, completed)
         try:
             eu = self.encoded(m)
         except ProtocolError as exc:

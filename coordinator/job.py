@@ -13,7 +13,8 @@ says what each section does.
 Every flag of ``fedbit serve`` sets one of these keys (:data:`FLAGS`; ``--set KEY=VALUE``
 sets any), so a flag and the file never disagree about a default: defaults come from
 :class:`~coordinator.config.ServerConfig`, :class:`~coordinator.ops.admission.AdmissionConfig`
-and ``edge_client.protocol.Limits``.
+and ``edge_client.protocol.Limits``. :func:`coordinator_for` makes the loop of
+``round.mode`` (``fedbit serve``'s and the emulator's).
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from coordinator.buffered.loop import BufferedCoordinator
+from coordinator.buffered.settings import BufferedSettings
 from coordinator.config import (
     DEFAULT_HPARAMS,
     ON_COLLAPSE,
@@ -38,10 +41,13 @@ from coordinator.ops.admission import AdmissionConfig
 from coordinator.ops.dashboard.access import parse_address
 from coordinator.privacy.config import FLAGS as PRIVACY_FLAGS
 from coordinator.privacy.config import PrivacyConfig
+from coordinator.server import Coordinator
 from edge_client.errors import ConfigError
 from edge_client.protocol import DEFAULT_LIMITS, Limits
 from firmware_models import MODELS
 
+#: ``round.mode`` -> its loop (each takes :class:`~coordinator.server.Coordinator`'s arguments)
+LOOPS: dict[str, type[Coordinator]] = {"sync": Coordinator, "buffered": BufferedCoordinator}
 EMBEDDED_KINDS = ("auto", "mosquitto", "amqtt")
 SECURITY_MODES = ("auto", "none", "password", "tls")
 MQTT_VERSIONS = ("auto", "5", "3.1.1")
@@ -92,6 +98,17 @@ class JobRound:
     timeout_s: float = _S.round_timeout_s
     presence_timeout_s: float = _S.presence_timeout_s
     ack_timeout_s: float = _S.ack_timeout_s
+    mode: str = _S.mode
+    buffer_size: int = _S.buffered.buffer_size
+    concurrency: int = _S.buffered.concurrency
+    server_lr: float = _S.buffered.server_lr
+    max_staleness: int = _S.buffered.max_staleness
+    staleness: str = _S.buffered.staleness
+
+    def buffered(self) -> BufferedSettings:
+        """Buffered mode's settings (``coordinator.buffered``)."""
+        return BufferedSettings(self.buffer_size, self.concurrency, float(self.server_lr), self.max_staleness,
+                                self.staleness)
 
 
 @dataclass
@@ -220,6 +237,12 @@ SCHEMA = TomlSchema.of({
 }, free=("strategy_params", "train"))
 
 
+def coordinator_for(cfg: ServerConfig, *args: Any, **kw: Any) -> Coordinator:
+    """The loop of ``cfg.mode`` (rounds; buffered: ``coordinator.buffered``), built with
+    :class:`~coordinator.server.Coordinator`'s arguments."""
+    return LOOPS[cfg.mode](cfg, *args, **kw)
+
+
 def job_from_dict(raw: dict[str, Any], source: str) -> ServeJob:
     """Validate a job table (file values with the command line's already applied)."""
     v = SCHEMA.validate(raw, source)
@@ -234,7 +257,7 @@ def job_from_dict(raw: dict[str, Any], source: str) -> ServeJob:
         min_updates=rnd.min_updates, round_timeout_s=float(rnd.timeout_s),
         presence_timeout_s=float(rnd.presence_timeout_s), hparams=hparams, seed=top.seed,
         limits=lim.limits(), admission=s["admission"], on_collapse=top.on_collapse, privacy=s["privacy"],
-        ack_timeout_s=float(rnd.ack_timeout_s), defense=s["defense"])
+        ack_timeout_s=float(rnd.ack_timeout_s), defense=s["defense"], mode=rnd.mode, buffered=rnd.buffered())
     try:
         cfg.validate()
     except ConfigError as exc:
@@ -309,6 +332,12 @@ FLAGS: list[tuple[str, str, dict[str, Any]]] = [
     ("--presence-timeout", "round.presence_timeout_s", {"type": float, "metavar": "S",
                                                         "help": "how long a round waits for --min-devices "
                                                                 "(or --min-present) devices to be present"}),
+    ("--mode", "round.mode", {"choices": ["sync", "buffered"], "help": "synchronous rounds, or buffered "
+                              "asynchronous aggregation (FedBuff: see --buffer-size, --concurrency)"}),
+    ("--buffer-size", "round.buffer_size", {"type": int, "help": "buffered: updates per model version"}),
+    ("--concurrency", "round.concurrency", {"type": int, "help": "buffered: most devices training at once"}),
+    ("--max-staleness", "round.max_staleness", {"type": int, "help": "buffered: refuse updates trained more "
+                                                "than this many versions ago"}),
     ("--epochs", "train.epochs", {"type": int, "help": "local epochs per round"}),
     ("--batch", "train.batch", {"type": int, "help": "local batch size"}),
     ("--steps", "train.steps", {"type": int, "help": "local steps per round (0: whole epochs)"}),

@@ -13,6 +13,7 @@ writes the checkpoint atomically, one metrics line and the retained status.
 ``run(resume=True)`` continues from the last completed round: a round the coordinator
 died in is re-announced from its plan and its inbox replayed, so every acked update counts
 once (docs/architecture.md#one-round, docs/architecture.md#failure-semantics).
+``coordinator.job.coordinator_for`` picks this loop or the buffered one by ``round.mode``.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from coordinator.variants import model_messages
 from edge_client.errors import ConfigError
 from edge_client.protocol import (
     FLOAT_VARIANT,
+    Presence,
     RoundAnnouncement,
     Status,
     encode_message,
@@ -318,6 +320,8 @@ class Coordinator:
         roster = self.fleet.roster()  # devices the fleet registers in bulk
         for cohort in roster:
             self.collector.devices.add_cohort(cohort)
+        for device_id in self.fleet.offline():  # roster members not online at the start
+            self.collector.devices.apply(Presence(device_id, False))
         if roster and len(self.collector.devices.hellos) > self.cfg.admission.max_registered:
             raise ConfigError(f"the fleet registers {len(self.collector.devices.hellos)} devices: more than "
                               f"admission.max_registered ({self.cfg.admission.max_registered})")
@@ -326,9 +330,7 @@ class Coordinator:
             # a fresh run: clear a previous run's retained announcement, say we are here
             self.fleet.reset(encode_message(Status("waiting", 0, "coordinator started")))
         try:
-            while self.completed < self.cfg.rounds and self.privacy.allows(self.completed + 1):
-                r = self.completed + 1
-                self.run_round(r, plans.pop(r, None))
+            self._loop(plans)
             self.fleet.flush()  # the last status reached the broker
         except BaseException:
             try:
@@ -338,3 +340,8 @@ class Coordinator:
                 pass
             raise
         return self.history
+
+    def _loop(self, plans: dict[int, RoundPlan]) -> None:
+        """The rounds left (``plans``: those in progress to resume, by round id)."""
+        while self.completed < self.cfg.rounds and self.privacy.allows(self.completed + 1) and not self.fleet.done():
+            self.run_round(self.completed + 1, plans.pop(self.completed + 1, None))

@@ -187,7 +187,9 @@ class RoundPlan:
     """The round in progress, saved before it is announced.
 
     ``deadline`` is a Unix time (s); ``variants`` maps variant name to model digest;
-    ``selected`` is sorted.
+    ``selected`` is sorted. Buffered mode saves one before every announcement: ``round_id``
+    the model version, ``tickets`` each open request's number by device (``selected``
+    those devices) and ``last_ticket`` the highest number issued.
     """
 
     round_id: int
@@ -199,6 +201,8 @@ class RoundPlan:
     #: the selection RNG state after this round's draw (JSON), so a resumed run selects
     #: exactly as an uninterrupted one would
     rng_state: str = ""
+    tickets: dict[str, int] = field(default_factory=dict)
+    last_ticket: int = 0
 
 
 class RunState:
@@ -422,10 +426,11 @@ class RunState:
             if self._record(data, i) is not None:
                 return i
 
-    def inbox_items(self, round_id: int, tag: str | None = None) -> list[tuple[str, bytes]]:
+    def inbox_items(self, round_id: int, tag: str | None = None, *, unique: bool = True) -> list[tuple[str, bytes]]:
         """``(device_id, payload)`` persisted for ``round_id`` (by every process, or only
         by the one appending under ``tag``), in arrival order; the first record of a
-        device wins. Bytes that are not a whole record are skipped and
+        device wins (``unique=False``: every record, for a buffer that may hold several
+        updates of one device). Bytes that are not a whole record are skipped and
         reported (``damaged``, the log): at the log's tail, a write torn by a crash (never
         acknowledged: re-sent); inside it, a damaged record (its device re-sends when the
         round is announced again); the records after it still count."""
@@ -436,10 +441,10 @@ class RunState:
         seen: set[str] = set()
         for path in paths:
             if path.exists():
-                self._read_log(path, out, seen)
+                self._read_log(path, out, seen, unique)
         return out
 
-    def _read_log(self, path: Path, out: list[tuple[str, bytes]], seen: set[str]) -> None:
+    def _read_log(self, path: Path, out: list[tuple[str, bytes]], seen: set[str], unique: bool = True) -> None:
         data = path.read_bytes()
         pos, index = 0, 0
         while pos < len(data):
@@ -458,7 +463,7 @@ class RunState:
                 continue
             end, did, payload = rec
             dev = did.decode(errors="replace")
-            if dev not in seen:
+            if dev not in seen or not unique:
                 seen.add(dev)
                 out.append((dev, payload))
             pos, index = end, index + 1

@@ -23,10 +23,15 @@ import stat
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from edge_client.compat import tomllib
 from edge_client.errors import ConfigError, ProtocolError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+    from edge_client.transport.base import Transport
 
 #: bytes of a MAC key (AES-256), of the nonce and of the GMAC tag
 KEY_BYTES = 32
@@ -80,7 +85,7 @@ def strip_mac(payload: bytes) -> bytes:
     return _header(n - 1, fmt) + payload[hlen:-_TAIL]
 
 
-def _gmac(key: bytes) -> Any:
+def _gmac(key: bytes) -> AESGCM:
     """The AES-256-GCM object of ``key`` (``cryptography``, imported on first use)."""
     from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
@@ -120,7 +125,7 @@ class SignedTransport:
     ``key`` (what the device loop publishes, outbox re-sends included). Everything else
     is the wrapped transport's; build the wrapped one from :func:`signed_session`."""
 
-    def __init__(self, inner: Any, key: bytes) -> None:
+    def __init__(self, inner: Transport, key: bytes) -> None:
         self._inner = inner
         self._key = key
 
@@ -132,7 +137,7 @@ class SignedTransport:
             clear_will = (clear_will[0], sign(clear_will[1], self._key))
         self._inner.close(clear_will=clear_will)
 
-    def __getattr__(self, name: str) -> Any:
+    def __getattr__(self, name: str) -> Any:  # the wrapped transport's, whatever it is
         return getattr(self._inner, name)
 
 
@@ -144,7 +149,8 @@ def signed_session(key: bytes, will: tuple[str, bytes] | None = None,
                  "birth": [(t, sign(p, key), r) for t, p, r in (birth or [])]}
 
 
-def signing_connector(connect: Callable[..., Any], key: bytes) -> Callable[..., Any]:
+def signing_connector(connect: Callable[..., Transport], key: bytes
+                      ) -> Callable[..., SignedTransport]:
     """``connect(**session_spec)`` -> a transport whose will, birth messages and publishes
     are all signed with ``key``."""
 

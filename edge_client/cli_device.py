@@ -10,17 +10,20 @@ import os
 import shlex
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from edge_client.doctor import Check
 from edge_client.transport.base import Transport
 from hw_profiles import HardwareProfile
 
+if TYPE_CHECKING:  # pragma: no cover
+    from collections.abc import Callable
+
 #: the model the link test sizes an update of (the model of make demo and the quick start)
 LINK_MODEL = "digits_cnn"
 
 
-def add_device_commands(sub: Any) -> None:
+def add_device_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     from edge_client.connection import add_device_connection_options
 
     p = sub.add_parser("doctor", help="check that this machine can be a fleet device",
@@ -63,7 +66,7 @@ def add_device_commands(sub: Any) -> None:
     p.set_defaults(func=cmd_install_service)
 
 
-def _connected(args: argparse.Namespace, timeout: float) -> Any:
+def _connected(args: argparse.Namespace, timeout: float) -> Transport:
     from edge_client.connection import device_connector, device_identity
     from edge_client.paths import device_state_dir
 
@@ -138,7 +141,8 @@ def _measure(args: argparse.Namespace, profile: HardwareProfile, transport: Tran
     return link, choose_codec(profile, n, link, budget_s=budget)
 
 
-def auto_codec(args: argparse.Namespace, profile: HardwareProfile, connect: Any) -> tuple[str, int]:
+def auto_codec(args: argparse.Namespace, profile: HardwareProfile, connect: Callable[..., Transport]
+               ) -> tuple[str, int]:
     """``run --auto-codec``: measure the link over one connection of this device and return
     the recommended ``(codec, bits)``; logged with the measurement."""
     import logging

@@ -17,9 +17,12 @@ import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from edge_client.errors import ConfigError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from edge_client.transport import MqttTransport, TlsOptions
 
 #: option name -> (argparse keyword arguments); ``--credentials``' help is the caller's
 _OPTIONS: dict[str, dict[str, Any]] = {
@@ -125,7 +128,7 @@ class Identity:
 
     username: str | None = None
     password: str | None = None
-    tls: Any = None  # edge_client.transport.TlsOptions
+    tls: TlsOptions | None = None
     mac_key: bytes = b""
     max_samples: int = 0
 
@@ -170,7 +173,7 @@ def device_connector(args: argparse.Namespace, ident: Identity) -> Callable[...,
     if args.ca or args.cert or args.insecure:
         tls = TlsOptions(args.ca, args.cert, args.key, args.insecure)
 
-    def connect(**kw: Any) -> Any:
+    def connect(**kw: Any) -> MqttTransport:
         kw.setdefault("backoff", DEVICE_BACKOFF)
         return MqttTransport(args.broker, args.id, username=ident.username, password=ident.password,
                              tls=tls, protocol=args.mqtt_version, **kw)

@@ -15,9 +15,14 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from hw_profiles import HardwareProfile
+
+if TYPE_CHECKING:  # pragma: no cover
+    from collections.abc import Callable
+
+    from edge_client.transport.base import Transport
 
 #: a clock before this is certainly wrong (a Pi without a real-time clock boots in 1970,
 #: and TLS then refuses every certificate as not yet valid)
@@ -189,7 +194,8 @@ def check_files(paths: dict[str, str]) -> Check:
     return Check("tls files", not bad, "readable" if not bad else "cannot read " + ", ".join(bad))
 
 
-def check_broker(connect: Any, timeout: float = 10.0) -> tuple[Check, Any]:
+def check_broker(connect: Callable[[float], Transport], timeout: float = 10.0
+                 ) -> tuple[Check, Transport | None]:
     """``connect()`` -> a connected transport or an exception."""
     t0 = time.perf_counter()
     try:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -212,7 +212,7 @@ class RoundSettings:
 EXPECTED_NOT_APPLIED = frozenset({"float_forward"})
 
 
-def not_applied_level(keys: Any) -> int:
+def not_applied_level(keys: Iterable[str]) -> int:
     """The level at which the first report of the not-applied settings ``keys`` is logged:
     INFO when every one is expected in a mixed fleet (:data:`EXPECTED_NOT_APPLIED`), else
     WARNING (later reports of the same go to DEBUG)."""

@@ -11,9 +11,12 @@ arrives later is logged once too. It never stops the device: a coordinator may s
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING
 
 from edge_client.protocol import topic
+
+if TYPE_CHECKING:  # pragma: no cover
+    from edge_client.transport.base import Transport
 
 #: the topic filter of every job's coordinator status
 ALL_STATUS = topic("x", "status").replace("/x/", "/+/")
@@ -56,7 +59,7 @@ class CoordinatorCheck:
             self.status(job)
         return job != self.job
 
-    def tick(self, t: Any, now: float) -> None:
+    def tick(self, t: Transport, now: float) -> None:
         """Called from the device loop (``now``: ``time.monotonic()``); acts while ``t`` is
         connected."""
         if self.seen or self.warned or not t.connected:

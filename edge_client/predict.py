@@ -20,7 +20,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -30,6 +30,7 @@ from firmware_models import ModelSpec, SpecError, get_spec
 
 if TYPE_CHECKING:  # pragma: no cover
     import onnx
+    import onnxruntime as ort
 
     from edge_client.intnn import IntModel
 
@@ -269,7 +270,7 @@ class Prediction:
         return float(np.mean(self.labels[known] == y[known]))
 
 
-def ort_session(graph: onnx.ModelProto, threads: int = 1) -> Any:
+def ort_session(graph: onnx.ModelProto, threads: int = 1) -> ort.InferenceSession:
     """An ONNX Runtime CPU session with ``threads`` intra-op threads, sequential."""
     import onnxruntime as ort
 

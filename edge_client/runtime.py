@@ -3,12 +3,13 @@
 One :class:`DeviceRuntime` per device owns a :class:`~edge_client.transport.Transport`
 (MQTT or in-memory; last-will presence, retained presence + hello, subscriptions to ``round``,
 its model variant and ``status``) and an on-disk :class:`~edge_client.outbox.Outbox`. When a
-retained announcement selects it before its deadline, the device acknowledges it (a presence
-with the round id), waits for its group's model variant (digest checked), trains with the
+retained announcement selects it before its deadline, the device acknowledges a round (a
+presence with the round id), waits for its group's model variant (digest checked), trains with the
 announced settings (:mod:`edge_client.hparams`; those it cannot honour go in ``not_applied``),
 encodes per its profile and publishes the :class:`Update` with QoS 1, outbox first: re-sent
 after a reconnect while the round is open, again when it is announced again, dropped when it
-closes; a secure round goes to ``edge_client.secagg.session``. No torch, no ``coordinator``.
+closes; a secure round goes to ``edge_client.secagg.session``; a buffered announcement asks
+for one update per ticket (``edge_client.assignment``). No torch, no ``coordinator``.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from edge_client import __version__
+from edge_client.assignment import RefusalLog, never_counts, outbox_kept, still_counts, work_number
 from edge_client.compat import zip_strict
 from edge_client.errors import CodecError, ConfigError, ProtocolError, TrainingError
 from edge_client.hparams import RoundSettings, not_applied_level, round_settings
@@ -262,6 +264,7 @@ class DeviceRuntime:
         #: the open round was announced again (a resumed coordinator, a broker that lost its
         #: retained messages, a reconnect): its sent update goes out once more
         self._announced_again = False
+        self.refusals = RefusalLog(cfg.device_id, self.log)
         self.acks = RoundAck(cfg.job, cfg.device_id)  # (what the coordinator hears at once: at work)
         self.coordinator_check = CoordinatorCheck(cfg.job, self.log)  # (no coordinator on the job: says so)
         j, d = cfg.job, cfg.device_id
@@ -372,10 +375,15 @@ class DeviceRuntime:
         if isinstance(m, RoundAnnouncement) and kind == "round":
             prev = self.announcement
             same_run = prev is not None and prev.hparams.get("run") == m.hparams.get("run")
-            self._announced_again |= same_run and prev.round_id == m.round_id
             self.announcement = m
             self.coordinator_active = True
-            n = self.outbox.discard_closed(m.round_id, keep_newer=same_run)
+            if m.mode == "buffered":
+                self.refusals.note(m, self.last_done)
+                same_run = m.hparams.get("run") == (prev.hparams.get("run") if prev else self.run_token)
+            else:
+                self._announced_again |= same_run and prev.round_id == m.round_id
+            kept, newer = outbox_kept(m, same_run)
+            n = self.outbox.discard_closed(kept, keep_newer=newer)
             if n:
                 self.log.debug("discarded %d outbox item(s) of closed rounds", n)
         elif isinstance(m, ModelMessage) and kind == "model" and ident == m.variant:
@@ -394,20 +402,14 @@ class DeviceRuntime:
                 return True
         return False
 
-    def _round_open(self, round_id: int) -> bool:
-        a = self.announcement
-        return a is not None and a.round_id == round_id and time.time() < a.deadline
-
     def _flush_outbox(self, again: bool = False) -> None:
         """Re-send pending updates of the open round (and, ``again``, the sent ones: the
         round was announced again); forget those of closed rounds."""
         t = self.transport
         assert t is not None
         for item in self.outbox.pending() + (self.outbox.sent() if again else []):
-            if not self._round_open(item.round_id):
-                if self.announcement is not None and (
-                        item.round_id < self.announcement.round_id
-                        or time.time() >= self.announcement.deadline):
+            if not still_counts(self.announcement, item.round_id):
+                if never_counts(self.announcement, item.round_id):
                     self.outbox.remove(item)
                 continue
             if t.publish(item.topic, item.payload(), qos=1, timeout=self.cfg.publish_timeout_s):
@@ -422,9 +424,11 @@ class DeviceRuntime:
         run = str(a.hparams.get("run", ""))
         if run != self.run_token:  # a new coordinator run: round ids start again
             self.run_token, self.last_done = run, -1
-        if a.round_id <= self.last_done or time.time() >= a.deadline:
+        ticket = work_number(a, self.cfg.device_id)
+        if ticket <= self.last_done or time.time() >= a.deadline:
             return
-        self.acks.send(self.transport, a, self.cfg.publish_timeout_s)
+        if a.mode != "buffered":  # (a buffered request is held until the device answers or leaves)
+            self.acks.send(self.transport, a, self.cfg.publish_timeout_s)
         m = self.models.get(self.variant)
         want = a.variants.get(self.variant)
         if m is None or m.round_id != a.round_id or want is None or m.digest != want:
@@ -441,19 +445,20 @@ class DeviceRuntime:
                              a.round_id, exc)
             self.models.pop(self.variant, None)
             return
-        self.last_done = a.round_id
+        self.last_done = ticket
         self.rounds_done.append(a.round_id)
-        self._save_last_done(a.round_id)
+        self._save_last_done(ticket)
         to = self.secure.topic if "secagg" in a.hparams else self.t_update  # a secure round: its keys
         item = self.outbox.put(a.round_id, to, payload)
         t = self.transport
         assert t is not None
+        what = f"version {a.round_id}, request {ticket}" if a.mode == "buffered" else f"round {a.round_id}"
         if t.publish(to, payload, qos=1, timeout=self.cfg.publish_timeout_s):
             self.outbox.mark_sent(item)
             self.sent += 1
-            self.log.info("round %d: update sent (%d bytes)", a.round_id, len(payload))
+            self.log.info("%s: update sent (%d bytes)", what, len(payload))
         else:
-            self.log.warning("round %d: update not acknowledged; kept in the outbox", a.round_id)
+            self.log.warning("%s: update not acknowledged; kept in the outbox", what)
 
     # ------------------------------------------------------------------ training
 
@@ -559,5 +564,5 @@ class DeviceRuntime:
                      num_samples=int(len(self.data.y)), compute_bits=self.cfg.compute_bits,
                      content=st.content, tensors=tensors, model_digest=m.digest,
                      train_loss=loss if math.isfinite(loss) else 0.0, train_seconds=secs,
-                     not_applied=not_applied)
+                     not_applied=not_applied, ticket=work_number(a, self.cfg.device_id) if a.mode == "buffered" else 0)
         return encode_message(upd, self.cfg.limits)

@@ -13,7 +13,11 @@ import logging
 import math
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # pragma: no cover
+    from edge_client.protocol import RoundAnnouncement
+    from edge_client.transport.base import Transport
 
 
 class SessionWatch:
@@ -36,7 +40,7 @@ class SessionWatch:
         #: why the device gives up ("" while it does not)
         self.failure = ""
 
-    def first(self, t: Any, end: float = math.inf) -> bool:
+    def first(self, t: Transport, end: float = math.inf) -> bool:
         """Connect ``t``; False when stopped, past ``end`` (a monotonic time) or given up."""
         start = time.monotonic()
         give_up = self.give_up_after_s
@@ -58,7 +62,7 @@ class SessionWatch:
                                  f"giving up in {give_up - waited:.0f} s" if give_up > 0 else "until stopped")
         return False
 
-    def watch(self, t: Any) -> bool:
+    def watch(self, t: Transport) -> bool:
         """Log a lost and a regained session; False once the device gives up."""
         now = time.monotonic()
         if t.connected:
@@ -91,9 +95,10 @@ class RoundAck:
 
         self.topic = topic(job, "presence", device_id)
         self.device_id = device_id
-        self._last: Any = None  # the announcement acknowledged last
+        self._last: RoundAnnouncement | None = None  # the announcement acknowledged last
 
-    def send(self, transport: Any, announcement: Any, timeout: float) -> None:
+    def send(self, transport: Transport | None, announcement: RoundAnnouncement,
+             timeout: float) -> None:
         """Acknowledge ``announcement`` (a RoundAnnouncement) unless it already was."""
         from edge_client.protocol import Presence, encode_message
 

@@ -129,7 +129,8 @@ def spec_from_table(table: Mapping[str, Any], source: str = "<model>") -> ModelS
         raise SpecError(f"model file {source}: {exc}") from None
 
 
-def _layer(raw: Any, i: int, current: tuple[int, ...], counters: dict[str, int], source: str) -> Any:
+def _layer(raw: object, i: int, current: tuple[int, ...], counters: dict[str, int], source: str
+           ) -> SpecLayer:
     where = f"model file {source}: layers[{i}]"
     if not isinstance(raw, dict):
         raise SpecError(f"{where}: expected a table with a type, got {raw!r}")
@@ -164,7 +165,7 @@ def _layer(raw: Any, i: int, current: tuple[int, ...], counters: dict[str, int],
             raise SpecError(f"{where}: {key} must be an integer >= {low}, got {v!r}")
     return cls.from_file(name, values, current, where)
 
-def _is_int(v: Any) -> bool:
+def _is_int(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -40,7 +40,11 @@ from firmware_models.onnx_graph import (
 from firmware_models.spec import ModelSpec
 
 if TYPE_CHECKING:  # pragma: no cover
+    import os
+
     import onnx
+
+    from firmware_models.layers.base import SpecLayer
 
 #: the ai.onnx opset of every export (ONNX Runtime >= 1.17 reads it; the Int<=8 graph's
 #: QLinearConv / QLinearMatMul are ONNX Runtime's quantized ops, not TensorRT's QDQ form)
@@ -312,7 +316,7 @@ def _widened_layers(g: IntegerGraph, spec: ModelSpec, ts: Sequence[np.ndarray],
     return g.i32(act).name
 
 
-def _relu_after(layers: Sequence[Any], i: int) -> bool:
+def _relu_after(layers: Sequence[SpecLayer], i: int) -> bool:
     """Whether a ReLU comes right after layer i (the weight layer computes it)."""
     return i + 1 < len(layers) and layers[i + 1].is_relu
 
@@ -379,7 +383,7 @@ def exported_ternary(model: onnx.ModelProto, info: ExportInfo) -> list[np.ndarra
     return out
 
 
-def save(model: onnx.ModelProto, path: Any) -> None:
+def save(model: onnx.ModelProto, path: str | os.PathLike[str]) -> None:
     """Write ``model`` to ``path`` (via a temporary file in the same folder, then rename)."""
     import os
     from pathlib import Path

@@ -19,7 +19,9 @@ if TYPE_CHECKING:  # pragma: no cover
     from collections.abc import Callable
 
     import onnx
+    from numpy.typing import ArrayLike, DTypeLike
 
+    from firmware_models.layers.conv2d import Conv2d
     from firmware_models.spec import ModelSpec
 
 INPUT, LOGITS, LABEL = "x", "logits", "label"
@@ -43,7 +45,7 @@ class Builder:
         self._n += 1
         return f"{hint}_{self._n}"
 
-    def const(self, value: Any, dtype: Any, hint: str = "c") -> str:
+    def const(self, value: ArrayLike, dtype: DTypeLike, hint: str = "c") -> str:
         a = np.asarray(value, dtype=dtype)
         key = (a.dtype.str, a.tobytes(), a.shape)
         if key not in self._consts:
@@ -230,7 +232,7 @@ class WidthFold:
     pads: tuple[int, int, int, int]  # (top, left, bottom, right)
 
 
-def width_fold(layer: Any, in_shape: Sequence[int], channels: int) -> WidthFold | None:
+def width_fold(layer: Conv2d, in_shape: Sequence[int], channels: int) -> WidthFold | None:
     """The fold of a conv reading ``channels`` (padded) channels of ``in_shape`` (C, H, W),
     or None where the conv is read as it is: stride > 1; more than one channel block (a
     tap then holds enough channels); fewer than :data:`QLINEAR_FOLD_MIN_PIXELS` output
@@ -358,7 +360,7 @@ class QLinearGraph:
         return b.op("Cast", [v], output, output=output, to=onnx_type(np.int8))
 
 
-def onnx_type(dtype: Any) -> int:
+def onnx_type(dtype: DTypeLike) -> int:
     from onnx import helper
 
     return helper.np_dtype_to_tensor_dtype(np.dtype(dtype))

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from coordinator.emulation.config import expand_sweep, load_config
+from coordinator.emulation.experiment import run_experiment
 from coordinator.emulation.sections import ClockSettings
-from coordinator.emulation.sweep import run_experiment
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((ROOT / "experiments").glob("*.toml"))

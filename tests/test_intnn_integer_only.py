@@ -17,7 +17,7 @@ from numba.core.compiler_machinery import FunctionPass, register_pass
 from numba.core.registry import cpu_target
 from numba.core.typed_passes import NopythonTypeInference
 
-import edge_client.intnn.workspace as W
+import edge_client.intnn.allocation as W
 from edge_client.compat import zip_strict
 from edge_client.data import Dataset
 from edge_client.intnn import IntModel, init_shared

@@ -124,7 +124,7 @@ def test_a_toml_model_runs_in_emulate_serve_export_and_on_devices(tmp_path: Path
     the coordinator, the ONNX export), `fedbit export`, and serve's job file."""
     from coordinator.cli import main
     from coordinator.emulation.config import load_config
-    from coordinator.emulation.run import Emulator
+    from coordinator.emulation.emulator import Emulator
     from coordinator.job import load_job
     from edge_client.errors import ConfigError
     from edge_client.runtime import DeviceConfig, load_model_files

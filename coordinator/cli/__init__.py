@@ -16,7 +16,7 @@ import signal
 import sys
 import threading
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 from coordinator import __version__
 from coordinator.cli.emulate import add_emulate_commands
@@ -24,6 +24,9 @@ from coordinator.cli.release import add_release_command
 from coordinator.cli.security import add_security_commands
 from coordinator.cli.serve import add_serve_command
 from coordinator.cli.status import add_status_command
+
+if TYPE_CHECKING:  # pragma: no cover
+    from types import FrameType
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
@@ -56,7 +59,7 @@ def _cmd_broker(args: argparse.Namespace) -> int:
 
     stop = threading.Event()
 
-    def handler(_signum: int, _frame: Any) -> None:
+    def handler(_signum: int, _frame: FrameType | None) -> None:
         stop.set()
 
     signal.signal(signal.SIGTERM, handler)

@@ -8,7 +8,10 @@ import shlex
 import signal
 import threading
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # pragma: no cover
+    from types import FrameType
 
 
 class Interrupted(KeyboardInterrupt):
@@ -32,7 +35,7 @@ def stop_on_signals() -> None:
     """SIGINT (Ctrl-C) and SIGTERM raise :class:`Interrupted` in the main thread, so the
     command unwinds (brokers and workers stopped in its ``finally`` blocks) and prints
     one line instead of a traceback."""
-    def handler(signum: int, _frame: Any) -> None:
+    def handler(signum: int, _frame: FrameType | None) -> None:
         raise Interrupted(signum)
 
     if threading.current_thread() is threading.main_thread():

@@ -6,10 +6,17 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the commands import lazily: a fast --help
+    from collections.abc import Callable
+    from pathlib import Path
+
+    from coordinator.cli.common import StopPoint
+    from coordinator.emulation.config import ExperimentConfig
 
 
-def add_emulate_commands(sub: Any) -> None:
+def add_emulate_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     from edge_client.logs import add_logging_options
 
     for name in ("emulate", "demo"):
@@ -75,13 +82,13 @@ def _cmd_emulate(args: argparse.Namespace) -> int:
         return exc.status
 
 
-def _emulate(args: argparse.Namespace, point: Any, where: dict[str, str]) -> int:
+def _emulate(args: argparse.Namespace, point: StopPoint, where: dict[str, str]) -> int:
     import time
     from pathlib import Path
 
     from coordinator.config import parse_assignments
     from coordinator.emulation.config import expand_sweep, load_config
-    from coordinator.emulation.sweep import run_experiment
+    from coordinator.emulation.experiment import run_experiment
     from coordinator.ops.dashboard.monitor import fan_out
     from coordinator.ops.dashboard.watch import Watch
     from coordinator.ops.logs import LiveProgress
@@ -123,7 +130,8 @@ def _emulate(args: argparse.Namespace, point: Any, where: dict[str, str]) -> int
         bars.append(LiveProgress(rounds))
         return bars[-1]
 
-    def watched(c: Any, combo: dict[str, Any], seed: int, run_dir: Path) -> Any:
+    def watched(c: ExperimentConfig, combo: dict[str, Any], seed: int, run_dir: Path
+                ) -> Callable[[str, dict[str, Any]], None]:
         label = ", ".join(f"{k}={v}" for k, v in combo.items())
         if run_dir != out:  # one run of several
             point.new_run(f"the run {label + ', ' if label else ''}seed {seed}")
@@ -153,7 +161,7 @@ def _emulate(args: argparse.Namespace, point: Any, where: dict[str, str]) -> int
     return 0
 
 
-def header(cfg: Any, out: Any) -> str:
+def header(cfg: ExperimentConfig, out: Path) -> str:
     """The first line of ``fedbit emulate``: the experiment, its fleet, what a run is and
     what the sweep varies (a swept key is given as its values, never as the base's)."""
     from coordinator.emulation.analysis import ANALYSIS_KEYS

@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any
 
 
-def add_release_command(sub: Any) -> None:
+def add_release_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("release", help="list a job's quarantined devices, or release one",
                        description="A device whose updates were norm-bounded or refused in several rounds is "
                                    "quarantined: never selected until the operator releases it. Without "

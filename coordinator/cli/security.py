@@ -10,12 +10,16 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the commands import lazily: a fast --help
+    from pathlib import Path
+
     from coordinator.job import ServeJob
+    from coordinator.ops.admission import AdmissionConfig
+    from coordinator.ops.credentials import JobSecurity
 
 
-def add_security_commands(sub: Any) -> None:
+def add_security_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """The ``enroll``, ``revoke`` and ``broker-config`` subcommands."""
-    from coordinator.ops.security import DEFAULT_MAX_SAMPLES
+    from coordinator.ops.credentials import DEFAULT_MAX_SAMPLES
 
     def default_cap(p: argparse.ArgumentParser) -> None:
         p.add_argument("--default-max-samples", type=int, default=None, metavar="N",
@@ -101,7 +105,7 @@ def serve_broker(job: ServeJob, max_packet: int) -> tuple[Any, dict[str, Any]]:
     from pathlib import Path
 
     from coordinator.ops.broker import parse_listen, resolve_security, start_job_broker
-    from coordinator.ops.security import COORDINATOR_USER, JobSecurity
+    from coordinator.ops.credentials import COORDINATOR_USER, JobSecurity
     from edge_client.auth import load_credentials, tls_files
     from edge_client.connection import no_password_in_url, read_secret
     from edge_client.errors import ConfigError
@@ -169,7 +173,7 @@ def serve_broker(job: ServeJob, max_packet: int) -> tuple[Any, dict[str, Any]]:
                 "client_id": c.username, "enrolment": str(sec.registry_path)}
 
 
-def check_caps(sec: Any, admission: Any) -> None:
+def check_caps(sec: JobSecurity, admission: AdmissionConfig) -> None:
     """ConfigError when a device of the job is enrolled without a sample cap, the job has
     no ``--max-samples`` of its own and ``--allow-uncapped`` was not given."""
     from edge_client.errors import ConfigError
@@ -184,7 +188,7 @@ def check_caps(sec: Any, admission: Any) -> None:
                           f"give the job a cap (--max-samples N), or pass --allow-uncapped")
 
 
-def enroll_hint(sec: Any, out: Any) -> str:
+def enroll_hint(sec: JobSecurity, out: Path) -> str:
     """The ``fedbit enroll`` command line that reaches this job's security folder."""
     from pathlib import Path
 
@@ -197,14 +201,14 @@ def enroll_hint(sec: Any, out: Any) -> str:
 SECURITY_POINTER = "security-dir"
 
 
-def _record_security_dir(out: Any, sec_dir: Any) -> None:
+def _record_security_dir(out: Path, sec_dir: Path) -> None:
     from pathlib import Path
 
     Path(out).mkdir(parents=True, exist_ok=True)
     (Path(out) / SECURITY_POINTER).write_text(str(Path(sec_dir).resolve()) + "\n")
 
 
-def _job_folder(args: argparse.Namespace) -> tuple[Any, str]:
+def _job_folder(args: argparse.Namespace) -> tuple[Path, str]:
     """(the security folder, the job id) of ``enroll``/``revoke``: ``--security-dir``, else
     the run folder's (``--run DIR``, default ``runs/<job>``: ``DIR/security``, or where
     ``serve --security-dir`` recorded it); the job is ``--job``, else the folder's own."""
@@ -263,7 +267,7 @@ def _read_devices_csv(path: str) -> list[tuple[str, int | None]]:
 def _cmd_enroll(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from coordinator.ops.security import JobSecurity
+    from coordinator.ops.credentials import JobSecurity
     from edge_client.errors import ConfigError
 
     try:
@@ -299,7 +303,7 @@ def _cmd_enroll(args: argparse.Namespace) -> int:
 
 
 def _cmd_revoke(args: argparse.Namespace) -> int:
-    from coordinator.ops.security import JobSecurity
+    from coordinator.ops.credentials import JobSecurity
     from edge_client.errors import ConfigError
 
     try:
@@ -318,7 +322,7 @@ def _cmd_revoke(args: argparse.Namespace) -> int:
     return 0
 
 
-def _edges_config(args: argparse.Namespace, sec: Any, rows: list, host: str, port: int, hosts: list[str],
+def _edges_config(args: argparse.Namespace, sec: JobSecurity, rows: list, host: str, port: int, hosts: list[str],
                   tls: bool) -> int:
     """``broker-config --edges M``: a core broker and M bridged edges (coordinator.ops.brokerconf)."""
     from coordinator.ops.broker import DEFAULT_MAX_PACKET, parse_listen
@@ -352,7 +356,7 @@ on each device:     fedbit-edge run --credentials ID.toml --profile PROFILE --da
     return 0
 
 
-def _broker_owns(path: Any) -> None:
+def _broker_owns(path: Path) -> None:
     """Make the persistence folder; hand it to the ``mosquitto`` user when we are root
     (mosquitto started as root writes it as that user)."""
     import os
@@ -373,7 +377,7 @@ def _cmd_broker_config(args: argparse.Namespace) -> int:
 
     from coordinator.ops.broker import DEFAULT_MAX_PACKET, parse_listen
     from coordinator.ops.brokerconf import broker_conf
-    from coordinator.ops.security import JobSecurity, default_hosts
+    from coordinator.ops.credentials import JobSecurity, default_hosts
     from edge_client.errors import ConfigError
 
     try:

@@ -56,11 +56,11 @@ def _serve(args: argparse.Namespace, point: Any) -> int:
     from coordinator.evaluate import evaluator_for
     from coordinator.fleet import MqttFleet
     from coordinator.ingest_workers import ingest_workers_for
-    from coordinator.job import job_from_args
+    from coordinator.job import coordinator_for, job_from_args
     from coordinator.ops.dashboard.monitor import fan_out
     from coordinator.ops.dashboard.watch import Watch
     from coordinator.ops.logs import ProgressDisplay, final_line, hide_events
-    from coordinator.server import Coordinator, RoundError
+    from coordinator.server import RoundError
     from coordinator.state import RunState
     from coordinator.strategies import build_strategy
     from edge_client.errors import ConfigError
@@ -106,9 +106,9 @@ def _serve(args: argparse.Namespace, point: Any) -> int:
             print(watch.describe, flush=True)
         observe = watch.new_run(job.table, cfg.rounds, f"job {cfg.job}: {cfg.model}, {cfg.strategy}", job.out,
                                 state.read_metrics() if job.resume else None)
-        coord = Coordinator(cfg, fleet, strategy, state, evaluator=evaluator,
-                            init_weights=init_shared(spec, cfg.seed), on_event=fan_out(progress, observe, point),
-                            logger=logger.getChild("server"))
+        coord = coordinator_for(cfg, fleet, strategy, state, evaluator=evaluator,
+                                init_weights=init_shared(spec, cfg.seed), on_event=fan_out(progress, observe, point),
+                                logger=logger.getChild("server"))
         if workers:
             workers.attach(coord.collector, coord.strategy)
         print(f"fedbit serve: job {cfg.job}, model {cfg.model}, strategy {cfg.strategy}, "

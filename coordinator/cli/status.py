@@ -97,6 +97,9 @@ def render(view: dict[str, Any], *, last: int = 10, console: Any = None) -> None
         if cur.get("phase") == "waiting" and cur.get("need"):
             con.print(f"round {cur.get('round', 0) + 1}: waiting for devices, {cur.get('present', 0)} of "
                       f"{cur['need']} present")
+        elif cur.get("phase") == "buffering":
+            con.print(f"version {cur.get('version', 0)}: {cur.get('fill', 0)} of {cur.get('size', 0)} updates "
+                      f"buffered, {cur.get('in_flight', 0)} device(s) training")
         elif cur.get("phase") == "collecting":
             left = max(0.0, float(cur.get("deadline") or 0) - time.time())
             con.print(f"round {cur['round']}: collecting, {cur.get('received', 0)} of {cur.get('selected', 0)} "

@@ -45,7 +45,7 @@ from edge_client.protocol import Hello
 log = logging.getLogger("fedbit.defense")
 
 
-def bounds_norms_itself(strategy: Any) -> bool:
+def bounds_norms_itself(strategy: RoundStrategy) -> bool:
     """Whether ``strategy`` aggregates with order statistics or clips updates itself
     (:class:`~coordinator.strategies.robust.RobustStrategy` with ``robust`` or ``clip``)."""
     return getattr(strategy, "robust", "none") != "none" or getattr(strategy, "clip", 0.0) > 0

@@ -15,7 +15,7 @@ operator alert (:meth:`~coordinator.defense.loop.RoundDefense.rolled_back`).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -23,6 +23,10 @@ from coordinator.ingest import OpenRound, Rejected
 from edge_client.auth import strip_mac
 from edge_client.errors import ProtocolError
 from edge_client.protocol import decode_message
+
+if TYPE_CHECKING:  # pragma: no cover
+    from coordinator.health import Verdict
+    from coordinator.server import Coordinator
 
 #: most aggregates formed again after one collapse (each costs a fold and an evaluation)
 MAX_TRIES = 8
@@ -42,8 +46,8 @@ def suspects(accepted: list[str], norms: dict[str, float], tries: int = MAX_TRIE
     return sets[:tries]
 
 
-def recover(co: Any, r: int, rnd: OpenRound, old: tuple[Weights, dict[int, Weights]],
-            verdict: Any) -> dict[str, tuple[Any, ...]]:
+def recover(co: Coordinator, r: int, rnd: OpenRound, old: tuple[Weights, dict[int, Weights]],
+            verdict: Verdict) -> dict[str, tuple[Any, ...]]:
     """Round ``r`` of coordinator ``co`` collapsed and is to be rolled back (``verdict``:
     the health watch's, which restored the strategy's state from before ``finish()``).
     Sets ``co.weights`` / ``co.group_weights`` to a healthy aggregate without some of the
@@ -90,7 +94,7 @@ def recover(co: Any, r: int, rnd: OpenRound, old: tuple[Weights, dict[int, Weigh
     return verdict.scores or co._evaluate(r)
 
 
-def _norms(co: Any, items: list[tuple[str, bytes]], start: Weights) -> dict[str, float]:
+def _norms(co: Coordinator, items: list[tuple[str, bytes]], start: Weights) -> dict[str, float]:
     """``‖x - g‖`` of each of the round's updates (when the guard did not measure them)."""
     from coordinator.defense.normbound import update_norm
     from coordinator.strategies.decode import decode_update
@@ -107,7 +111,7 @@ def _norms(co: Any, items: list[tuple[str, bytes]], start: Weights) -> dict[str,
     return out
 
 
-def _aggregate(co: Any, r: int, rnd: OpenRound, items: list[tuple[str, bytes]], leave_out: frozenset[str],
+def _aggregate(co: Coordinator, r: int, rnd: OpenRound, items: list[tuple[str, bytes]], leave_out: frozenset[str],
                start: Weights) -> tuple[Weights, dict[int, Weights]] | None:
     """The round's aggregate without ``leave_out``'s updates (None: fewer than
     ``min_updates`` left)."""

@@ -289,7 +289,7 @@ def analysis_json(a: Analysis) -> dict[str, Any]:
     }
 
 
-def _num(v: Any) -> float:
+def _num(v: object) -> float:
     return float(v) if isinstance(v, int | float) and not isinstance(v, bool) else math.nan
 
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -42,6 +42,9 @@ from edge_client.protocol import (
     float32_tensor,
     valid_id,
 )
+
+if TYPE_CHECKING:  # pragma: no cover
+    from coordinator.emulation.fleet_plan import FleetPlan
 
 KINDS = ("scale", "boost", "noise", "label_flip", "samples")
 #: the most samples an update may claim on the wire
@@ -82,9 +85,9 @@ class AttackConfig:
     def active(self) -> bool:
         return bool(self.devices) or self.fraction > 0
 
-    def attackers(self, plan: Any, seed: int) -> frozenset[str]:
+    def attackers(self, plan: FleetPlan, seed: int) -> frozenset[str]:
         """The attacking devices of the fleet ``plan`` (a
-        :class:`~coordinator.emulation.emulator.FleetPlan`; ConfigError for a listed id
+        :class:`~coordinator.emulation.fleet_plan.FleetPlan`; ConfigError for a listed id
         that is not in it); ``fraction``: ``round(fraction · n)`` of them (at least one),
         drawn with ``seed``."""
         if self.devices:

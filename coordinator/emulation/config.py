@@ -28,10 +28,18 @@ A config (``fedbit emulate FILE``; the bundled default is ``coordinator/emulatio
                                # the devices; 0: one per core / per Ray CPU; 1: this
                                # process), parallel (devices training at once per worker),
                                # engine ("cpu" | "cuda": the integer devices of a round
-                               # train together on the GPU, same results)
+                               # train together on the GPU, same results); mode = "sync" |
+                               # "buffered" (coordinator.buffered: buffer_size, concurrency,
+                               # server_lr, max_staleness, staleness; deadline_s then bounds
+                               # how long a request holds a slot)
+    [availability]             # model = "none" | "diurnal" | "trace", trace (CSV: device,start,
+                               # end), start_hour, time_scale, [availability.profiles.<profile>]
+                               # (coordinator.emulation.availability)
     [cluster]                  # backend = "local" (processes here) | "ray"; address = "auto"
                                # | "host:port" | "ray://host:port" | "local" (a new Ray here)
-    [clock]                    # seconds_per_sample = {variant = s}: pin the compute model
+    [clock]                    # seconds_per_sample = {variant = s}: pin the compute model;
+                               # until_s: end the run at this simulated time (0: `rounds` ends it);
+                               # eval_every_s: score only once per this many simulated s (0: every round)
     [stop]                     # plateau = true: stop at a plateau of the validation accuracy
                                # (window, min_delta, min_rounds; rounds is the maximum;
                                # coordinator.emulation.stopping)
@@ -90,6 +98,7 @@ from coordinator.config import (
 from coordinator.defense.config import DefenseConfig
 from coordinator.emulation.attack import AttackConfig
 from coordinator.emulation.sections import (
+    AvailabilitySettings,
     ClockSettings,
     ClusterSettings,
     DataSettings,
@@ -134,6 +143,7 @@ class ExperimentConfig:
     clock: ClockSettings = field(default_factory=ClockSettings)
     stop: StopSettings = field(default_factory=StopSettings)
     privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
+    availability: AvailabilitySettings = field(default_factory=AvailabilitySettings)
     #: the round loop's poisoning defense (``[defense]``), and emulated attackers (``[attack]``)
     defense: DefenseConfig = field(default_factory=DefenseConfig)
     attack: AttackConfig = field(default_factory=AttackConfig)
@@ -160,7 +170,8 @@ class ExperimentConfig:
 
 #: the file's sections with fixed keys, and the free tables
 SECTIONS = {"data": DataSettings, "round": RoundSettings, "cluster": ClusterSettings, "clock": ClockSettings,
-            "stop": StopSettings, "privacy": PrivacyConfig, "defense": DefenseConfig, "attack": AttackConfig}
+            "stop": StopSettings, "privacy": PrivacyConfig, "defense": DefenseConfig, "attack": AttackConfig,
+            "availability": AvailabilitySettings}
 FREE = ("strategy_params", "devices", "codecs", "train", "sweep")
 SCHEMA = TomlSchema.of(
     {"": section_keys(ExperimentConfig, exclude=(*SECTIONS, *FREE)), **SECTIONS},
@@ -321,12 +332,15 @@ def _check_values(cfg: ExperimentConfig, bad) -> None:
     checked(cfg.round, "round", cfg.source)
     checked(cfg.cluster, "cluster", cfg.source)
     checked(cfg.clock, "clock", cfg.source)
+    checked(cfg.availability, "availability", cfg.source)
     checked(cfg.defense, "defense", cfg.source)
     checked(cfg.attack, "attack", cfg.source)
     checked(cfg.stop, "stop", cfg.source)
     if cfg.stop.plateau and not cfg.data.validation > 0 and "data.validation" not in cfg.sweep:
         raise bad("stop.plateau", "the plateau is read on the validation split: set data.validation "
                                   "(e.g. 0.1); the test split never stops a run")
+    _check_mode(cfg, bad)
+    _check_availability(cfg, bad)
     for key, t in cfg.train.items():
         if isinstance(t, dict | list):
             raise bad(f"train.{key}", "must be a number, boolean or string")
@@ -367,6 +381,37 @@ def _check_values(cfg: ExperimentConfig, bad) -> None:
     if cfg.sweep.get("tune") and not cfg.data.validation > 0 and "data.validation" not in cfg.sweep:
         raise bad("sweep.tune", "tuning chooses on the validation split: set data.validation "
                                 "(e.g. 0.1); the test split is only reported")
+
+
+def _check_mode(cfg: ExperimentConfig, bad) -> None:
+    """Buffered mode's strategy, content and privacy, as ``fedbit serve`` checks them."""
+    from coordinator.buffered.settings import buffered_conflict
+
+    if cfg.round.mode != "buffered":
+        return
+    why = buffered_conflict(cfg.strategy, cfg.build_params())
+    if why:
+        raise bad("strategy", f"{cfg.strategy!r} cannot run with round.mode = \"buffered\": {why}")
+    if cfg.train.get("content", "delta") != "delta":
+        raise bad("train.content", "buffered mode needs updates relative to the version each device started "
+                                   f"from (\"delta\"), got {cfg.train['content']!r}")
+    if cfg.privacy.active:
+        raise bad("privacy", "secure aggregation and differential privacy run in rounds, not with round.mode = "
+                             "\"buffered\"")
+    if cfg.round.engine == "cuda":
+        raise bad("round.engine", "the GPU engine trains a round's integer devices as one batch; buffered mode "
+                                  "starts each request's device on its own (use engine = \"cpu\")")
+
+
+def _check_availability(cfg: ExperimentConfig, bad) -> None:
+    """A trace file relative to the config's folder (else the cwd); the profile overrides."""
+    from coordinator.emulation.availability import profile_overrides
+
+    av = cfg.availability
+    if av.trace and not Path(av.trace).is_absolute():
+        near = Path(cfg.source).parent / av.trace
+        av.trace = str(near.resolve() if near.is_file() else Path(av.trace).resolve())
+    profile_overrides(av.profiles, cfg.source)
 
 
 def _check_profiles(cfg: ExperimentConfig, bad) -> None:

@@ -15,11 +15,15 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from edge_client.data import Dataset
+
+if TYPE_CHECKING:  # pragma: no cover
+    from edge_client.intnn.cuda.fleet import FleetJob
+    from edge_client.trainers import IntTrainer, TrainReport
 
 #: seconds without a new ``train`` call after which the waiting calls run without the rest
 GATHER_S = 5.0
@@ -27,9 +31,9 @@ GATHER_S = 5.0
 
 @dataclass
 class _Call:
-    job: Any
+    job: FleetJob
     done: threading.Event = field(default_factory=threading.Event)
-    report: Any = None
+    report: TrainReport | None = None
     error: BaseException | None = None
 
 
@@ -53,7 +57,7 @@ class GpuFleet:
             self._expected |= set(device_ids)
             self._last = time.monotonic()
 
-    def trainer(self, trainer: Any, device_id: str, rows: np.ndarray) -> GpuTrainer:
+    def trainer(self, trainer: IntTrainer, device_id: str, rows: np.ndarray) -> GpuTrainer:
         return GpuTrainer(self, trainer, device_id, np.asarray(rows, np.int64))
 
     def gone(self, device_id: str) -> None:
@@ -64,7 +68,7 @@ class GpuFleet:
         if ready:
             self._run(ready)
 
-    def submit(self, device_id: str, job: Any) -> Any:
+    def submit(self, device_id: str, job: FleetJob) -> TrainReport:
         """Queue ``job`` (a ``FleetJob``); returns its report once its batch ran."""
         call = _Call(job)
         with self._cond:
@@ -116,13 +120,13 @@ class GpuTrainer:
     """An integer device's ``IntTrainer`` whose ``train`` runs in its worker's GPU batch;
     everything else is the trainer's own."""
 
-    def __init__(self, fleet: GpuFleet, trainer: Any, device_id: str, rows: np.ndarray) -> None:
+    def __init__(self, fleet: GpuFleet, trainer: IntTrainer, device_id: str, rows: np.ndarray) -> None:
         self._fleet = fleet
         self._trainer = trainer
         self._device_id = device_id
         self._rows = rows
 
-    def train(self, data: Dataset, **kwargs: Any) -> Any:
+    def train(self, data: Dataset, **kwargs: Any) -> TrainReport:
         from edge_client.intnn.cuda.fleet import FleetJob
 
         if len(data) != len(self._rows):
@@ -130,5 +134,5 @@ class GpuTrainer:
         plan = self._trainer.plan(data, **kwargs)
         return self._fleet.submit(self._device_id, FleetJob(self._trainer, plan, self._rows))
 
-    def __getattr__(self, name: str) -> Any:
+    def __getattr__(self, name: str) -> Any:  # the wrapped trainer's
         return getattr(self._trainer, name)

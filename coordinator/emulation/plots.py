@@ -180,6 +180,27 @@ def plot_sweep(path: Path, curves: Mapping[str, list[Mapping[str, list[float]]]]
                    title=f"accuracy (%), mean ± SD over seeds of {averaged}", title_fontsize=7)
     return _save(fig, path, 100)
 
+def plot_availability(path: Path, series: Mapping[str, Any], records: Sequence[Mapping[str, Any]] = ()) -> bool:
+    """The fraction of each profile's devices online against the simulated time (and the
+    local hour), from ``emulation.json``'s ``availability``; ticks below mark when each
+    round (version) ended."""
+    plt = _pyplot()
+    times = np.asarray(series.get("times", []), dtype=float)
+    fig, ax = plt.subplots(figsize=(9, 3.6), layout="constrained")
+    for i, (prof, online) in enumerate(sorted(series.get("online", {}).items())):
+        n = max(1, int(series.get("devices", {}).get(prof, 1)))
+        ax.plot(times, np.asarray(online, dtype=float) / n, color=SERIES_COLOURS[i % len(SERIES_COLOURS)],
+                label=f"{prof} ({n})")
+    ends = [r.get("sim_time") for r in records if isinstance(r.get("sim_time"), int | float)]
+    if ends:
+        ax.plot(ends, [0.0] * len(ends), "|", color="#555555", markersize=8, label="round / version end")
+    ax.set_xlabel(f"simulated time (s; local hour {float(series.get('start_hour', 0)):g}:00 at 0)")
+    ax.set_ylabel("fraction online")
+    ax.set_ylim(-0.03, 1.03)
+    ax.grid(alpha=0.3)
+    fig.legend(loc="outside right upper", fontsize=8, title=f"availability: {series.get('model', '?')}",
+               title_fontsize=8)
+    return _save(fig, path, 110)
 
 def _save(fig: Any, path: Path, dpi: int) -> bool:
     """Write the figure; returns whether every legend stays clear of every axes (the

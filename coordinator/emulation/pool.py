@@ -16,7 +16,7 @@ Backends (``round.workers``, ``[cluster] backend``):
 
 Per round the pool deals the started devices to the workers (the costliest first, each
 to the least loaded worker: ties to the lowest index), sends each worker the round's
-messages once with its devices (made from the :class:`~coordinator.emulation.emulator.FleetPlan`
+messages once with its devices (made from the :class:`~coordinator.emulation.fleet_plan.FleetPlan`
 then), and publishes every update a worker hands back on that device's update topic of
 the real fleet (in-process hub or broker: the same bytes, QoS 1) through one relay
 session. Which worker trains a device changes nothing in what it sends: its seeds come
@@ -43,7 +43,7 @@ from multiprocessing.connection import Connection
 from typing import Any, Protocol
 
 from coordinator.devices import Cohort
-from coordinator.emulation.emulator import EmulatedDevice, FleetPlan
+from coordinator.emulation.fleet_plan import EmulatedDevice, FleetPlan
 from coordinator.emulation.worker import (
     DeviceWorker,
     RoundMessages,
@@ -282,7 +282,7 @@ class Progress:
 
 
 class WorkerPool:
-    """The devices' host for :class:`~coordinator.emulation.clock.EmulatedFleet` (see the
+    """The devices' host for :class:`~coordinator.emulation.emulated_fleet.EmulatedFleet` (see the
     module docstring).
 
     Args:
@@ -309,6 +309,7 @@ class WorkerPool:
         self._closing = False
         self._round = 0
         self._state: dict[str, str] = {}  # device id -> running | sent | done | failed (this round)
+        self._batch: dict[str, int] = {}  # device id -> the round (batch) it was last started for
         self._where: dict[str, Handle] = {}
         self._grow = grow
         self._grow_after = grow_after_cpu_s
@@ -327,9 +328,10 @@ class WorkerPool:
         return self.plan.roster()
 
     def activate(self, round_id: int, ids: list[str], msgs: RoundMessages,
-                 costs: Mapping[str, float] | None = None) -> None:
+                 costs: Mapping[str, float] | None = None, *, add: bool = False) -> None:
         """Run devices ``ids`` for round ``round_id`` (``costs``: their expected training
-        work, to balance the workers)."""
+        work, to balance the workers); ``add``: beside the devices of earlier rounds still
+        running (a buffered job's requests: ``round_id`` numbers each batch)."""
         costs = costs or {}
         with self._lock:
             if self._next is not None and all(_ready(h) for h in self._next[1]):
@@ -338,7 +340,10 @@ class WorkerPool:
                 self.grown_at = round_id
                 log.info("round %d: %d worker processes train from now on", round_id, len(self.handles))
             self._round = round_id
-            self._state = dict.fromkeys(ids, "running")
+            if not add:
+                self._state, self._batch, self._where = {}, {}, {}
+            self._state.update(dict.fromkeys(ids, "running"))
+            self._batch.update(dict.fromkeys(ids, round_id))
             handles = list(self.handles)
             loads = [0.0] * len(handles)
             shares: list[list[str]] = [[] for _ in handles]
@@ -346,7 +351,7 @@ class WorkerPool:
                 k = min(range(len(handles)), key=lambda j: (loads[j], j))
                 shares[k].append(d)
                 loads[k] += costs.get(d, 1.0)
-            self._where = {d: handles[k] for k, share in enumerate(shares) for d in share}
+            self._where.update({d: handles[k] for k, share in enumerate(shares) for d in share})
         shared = self.backend.share(msgs) if ids else None
         for h, share in zip(handles, shares, strict=True):
             if share:
@@ -355,7 +360,7 @@ class WorkerPool:
     def failed(self, device_id: str, round_id: int) -> bool:
         """Whether the device started for ``round_id`` ended without sending its update."""
         with self._lock:
-            return self._round == round_id and self._state.get(device_id) == "failed"
+            return self._batch.get(device_id) == round_id and self._state.get(device_id) == "failed"
 
     def assignment(self) -> dict[str, int]:
         """Device id -> index of the worker that trains it in the open round."""
@@ -401,11 +406,11 @@ class WorkerPool:
         if ev.kind == "update":
             ok = self._publish(ev.device_id, ev.payload)
             with self._lock:
-                if ev.round_id == self._round and self._state.get(ev.device_id) == "running":
+                if ev.round_id == self._batch.get(ev.device_id) and self._state.get(ev.device_id) == "running":
                     self._state[ev.device_id] = "sent" if ok else "failed"
         elif ev.kind == "end":
             with self._lock:
-                if ev.round_id == self._round:
+                if ev.round_id == self._batch.get(ev.device_id):
                     s = self._state.get(ev.device_id)
                     if s == "running":
                         self._state[ev.device_id] = "failed"  # ended without an update

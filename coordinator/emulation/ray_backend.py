@@ -21,9 +21,9 @@ import shutil
 import tempfile
 import threading
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from coordinator.emulation.emulator import EmulatedDevice
+from coordinator.emulation.fleet_plan import EmulatedDevice
 from coordinator.emulation.worker import (
     DeviceWorker,
     RoundMessages,
@@ -35,6 +35,13 @@ from coordinator.emulation.worker import (
 from edge_client.data import Dataset
 from edge_client.errors import ConfigError
 
+if TYPE_CHECKING:  # pragma: no cover
+    import numpy as np
+    from ray import ObjectRef
+    from ray.actor import ActorHandle
+
+    from coordinator.emulation.pool import WorkerPool
+
 log = logging.getLogger("fedbit.emulator")
 
 
@@ -42,7 +49,7 @@ class RayDeviceWorker:
     """The actor: a :class:`DeviceWorker` on the object store's copy of the split, its
     devices' work folders in a temporary folder of its node."""
 
-    def __init__(self, x: Any, y: Any, spec: WorkerSpec) -> None:
+    def __init__(self, x: np.ndarray, y: np.ndarray, spec: WorkerSpec) -> None:
         limit_threads(spec.threads)
         one_thread_torch()
         from edge_client.intnn.memory import keep_freed_memory
@@ -68,7 +75,7 @@ class RayDeviceWorker:
 class RayHandle:
     """One actor; each round's call waits on a thread of its own."""
 
-    def __init__(self, index: int, pool: Any, actor: Any) -> None:
+    def __init__(self, index: int, pool: WorkerPool, actor: ActorHandle) -> None:
         self.index = index
         self._pool = pool
         self.actor = actor
@@ -101,7 +108,7 @@ class RayHandle:
     def alive(self) -> bool:
         return not self._lost
 
-    def submit(self, msgs: Any, devices: list[EmulatedDevice]) -> None:
+    def submit(self, msgs: ObjectRef, devices: list[EmulatedDevice]) -> None:
         import ray
 
         ref = self.actor.run_round.remote(msgs, devices)  # actors run their calls in order
@@ -164,10 +171,10 @@ class RayBackend:
         self._x, self._y = ray.put(train.x), ray.put(train.y)
         self._actor = ray.remote(num_cpus=1, max_restarts=0)(RayDeviceWorker)
 
-    def start(self, index: int, pool: Any) -> RayHandle:
+    def start(self, index: int, pool: WorkerPool) -> RayHandle:
         return RayHandle(index, pool, self._actor.remote(self._x, self._y, self.spec))
 
-    def share(self, msgs: RoundMessages) -> Any:
+    def share(self, msgs: RoundMessages) -> ObjectRef:
         import ray
 
         return ray.put(msgs)

@@ -1,12 +1,14 @@
 """Reports of emulated runs: plots (PNG), a summary (Markdown), results (JSON).
 
-A run folder (``coordinator.emulation.run.Emulator``) holds ``emulation.json`` (config, fleet,
+A run folder (``coordinator.emulation.emulator.Emulator``) holds ``emulation.json`` (config, fleet,
 data split, clock) and ``out/metrics.jsonl`` (one record per round). :func:`write_report`
 adds to it:
 
 - ``accuracy.png``: the accuracy of each bitwidth group's model (as that group runs it)
   against the round and against the simulated time;
 - ``bytes.png``: uplink bytes per round, by codec;
+- ``availability.png`` (a run with ``[availability]``): the fraction of each profile's
+  devices online against the simulated time;
 - ``summary.md``: the configuration, the data split (samples per class per device), the
   final table and where the plots are.
 
@@ -39,7 +41,7 @@ from coordinator.emulation.analysis import (
     averaging_text,
     rounds_averaged,
 )
-from coordinator.emulation.plots import plot_bytes, plot_run_accuracy, plot_sweep
+from coordinator.emulation.plots import plot_availability, plot_bytes, plot_run_accuracy, plot_sweep
 from coordinator.emulation.stats import estimate
 from coordinator.emulation.stopping import stop_summary
 from coordinator.ops.dashboard.runview import served_info
@@ -163,14 +165,15 @@ def health_summary(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
     with_health = [r["health"] for r in records if r.get("health")]
     if not with_health:
         return {}
-    live: dict[str, dict[str, list[int]]] = {}
-    for h in (with_health[0], with_health[-1]):
+    first: dict[str, dict[str, Any]] = {}  # per group, its first and last record (a round
+    last: dict[str, dict[str, Any]] = {}  # that scored no group has the float32 one only)
+    for h in with_health:
         for g, layers in h.get("groups", {}).items():
-            for name, v in layers.items():
-                live.setdefault(g, {}).setdefault(name, []).append(int(v.get("live", 0)))
-    for g, layers in live.items():
-        for name, v in layers.items():
-            v.append(int(with_health[-1]["groups"].get(g, {}).get(name, {}).get("units", 0)))
+            first.setdefault(g, layers)
+            last[g] = layers
+    live = {g: {name: [int(v.get("live", 0)), int(last[g].get(name, {}).get("live", 0)),
+                       int(last[g].get(name, {}).get("units", 0))] for name, v in layers.items()}
+            for g, layers in first.items()}
     return {"live": live, "collapse": [c for h in with_health for c in h.get("collapse", [])],
             "collapse_rounds": [int(r["round"]) for r in records if (r.get("health") or {}).get("collapse")],
             "rolled_back": [int(r["round"]) for r in records if (r.get("health") or {}).get("rolled_back")],
@@ -211,6 +214,8 @@ def write_report(run_dir: str | Path) -> Path:
     plot_run_accuracy(run / "accuracy.png", records, group_curves(records, key), title, s["rounds_averaged"], averaged,
                       ylabel=CURVE_LABEL[key])
     plot_bytes(run / "bytes.png", records)
+    if info.get("availability"):
+        plot_availability(run / "availability.png", info["availability"], records)
     simulated = math.isfinite(s["sim_seconds"])
     lines = [f"# {title}", ""]
     made = ("Made by `fedbit serve`" + (" (its job's settings below)" if cfg else " (no live.json: its settings "
@@ -239,6 +244,7 @@ def write_report(run_dir: str | Path) -> Path:
               *([_workers_line(info), ""] if "workers" in info else []),
               "Uplink bytes by codec: " + ", ".join(f"{k} {v:,}" for k, v in sorted(s["uplink_bytes"].items())), ""]
     lines += _privacy_lines(s)
+    lines += _availability_lines(info.get("availability"), records)
     lines += _health_lines(s["health"])
     lines += onnx_summary_lines(run, info.get("onnx"))
     lines += _split_lines(info)
@@ -395,6 +401,26 @@ def mean_std(values: Sequence[float]) -> str:
 
 
 # --------------------------------------------------------------------------- text
+
+
+def _availability_lines(series: dict[str, Any] | None, records: Sequence[dict[str, Any]]) -> list[str]:
+    """The summary's availability section: per profile the mean fraction online over the
+    run, and what the clock made of it (updates lost to devices going offline)."""
+    if not series:
+        return []
+    lines = ["## Device availability", "", f"Model `{series.get('model')}`, local hour "
+             f"{float(series.get('start_hour', 0)):g}:00 at simulated time 0; `availability.png` shows each profile's "
+             "devices online against the simulated time.", "", "| profile | devices | mean online | min | max |",
+             "|---|---|---|---|---|"]
+    for prof, online in sorted(series.get("online", {}).items()):
+        n = max(1, int(series.get("devices", {}).get(prof, 1)))
+        frac = np.asarray(online, dtype=float) / n
+        lines.append(f"| {prof} | {n} | {_pct(float(frac.mean()))} | {_pct(float(frac.min()))} | "
+                     f"{_pct(float(frac.max()))} |")
+    lost = sum(int(r.get("sim_offline", 0)) + int(r.get("sim_lost", 0)) for r in records)
+    waited = sum(float(r.get("sim_wait_seconds", 0.0)) for r in records)
+    return [*lines, "", f"Updates lost (device offline before its update arrived, or its request dropped): {lost}; "
+            f"simulated seconds waited for devices between rounds: {waited:.1f}.", ""]
 
 
 def _workers_line(info: dict[str, Any]) -> str:

@@ -1,5 +1,5 @@
 """The experiment file's sections with fixed keys, as dataclasses: ``[data]``, ``[round]``,
-``[cluster]``, ``[clock]``, ``[stop]``.
+``[cluster]``, ``[clock]``, ``[availability]``, ``[stop]``.
 
 Each field is a key of its section (its annotation the accepted TOML types, its default
 the default: :func:`coordinator.config.section_keys`); ``check()`` validates the values
@@ -14,9 +14,11 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from coordinator.buffered.settings import BufferedSettings
 from coordinator.config import ServerConfig
 from coordinator.emulation.datasets import DATASETS, NEEDS_PATH, PARTITIONS
 from edge_client.errors import ConfigError
+from edge_client.protocol import ROUND_MODES
 
 _SERVER = ServerConfig()
 
@@ -71,7 +73,9 @@ class RoundSettings:
     Ray actors; 0: one per core, 1: this process) and the devices training at once in each
     (``parallel``); ``engine``: where the integer devices train, ``"cpu"`` or ``"cuda"``
     (a round's together on the GPU, in this process: ``coordinator.emulation.gpu``; the
-    same results)."""
+    same results); ``mode`` ``sync`` or ``buffered`` (``coordinator.buffered``, with
+    ``buffer_size``, ``concurrency``, ``server_lr``, ``max_staleness``, ``staleness``;
+    ``deadline_s`` then bounds how long a request holds a slot)."""
 
     fraction: float = _SERVER.fraction
     quorum: float = _SERVER.quorum
@@ -81,6 +85,17 @@ class RoundSettings:
     workers: int = 0
     parallel: int = 2
     engine: str = "cpu"
+    mode: str = _SERVER.mode
+    buffer_size: int = _SERVER.buffered.buffer_size
+    concurrency: int = _SERVER.buffered.concurrency
+    server_lr: float = _SERVER.buffered.server_lr
+    max_staleness: int = _SERVER.buffered.max_staleness
+    staleness: str = _SERVER.buffered.staleness
+
+    def buffered(self) -> BufferedSettings:
+        """Buffered mode's settings."""
+        return BufferedSettings(self.buffer_size, self.concurrency, float(self.server_lr), self.max_staleness,
+                                self.staleness)
 
     def check(self) -> None:
         if not 0 < self.fraction <= 1:
@@ -99,6 +114,13 @@ class RoundSettings:
             raise ConfigError(f"workers: must be >= 0 (0: one per core), got {self.workers}")
         if self.engine not in ("cpu", "cuda"):
             raise ConfigError(f"engine: {self.engine!r} is not 'cpu' or 'cuda'")
+        if self.mode not in ROUND_MODES:
+            raise ConfigError(f"mode: {self.mode!r} is not one of {sorted(ROUND_MODES)}")
+        if self.mode == "buffered":
+            try:
+                self.buffered().validate()
+            except ConfigError as exc:  # ("round.buffer_size: ..."; the loader adds "round.")
+                raise ConfigError(str(exc).removeprefix("round.")) from None
 
 
 @dataclass
@@ -122,14 +144,47 @@ class ClusterSettings:
 @dataclass
 class ClockSettings:
     """``[clock]``: ``seconds_per_sample`` per variant (``{"int8": 2e-4, ...}``) pins the
-    simulated compute time instead of measuring it at start-up (bit-reproducible runs)."""
+    simulated compute time instead of measuring it at start-up (bit-reproducible runs);
+    ``until_s`` ends a run at that simulated time (0: ``rounds`` ends it); ``eval_every_s``
+    scores the model once per that many simulated seconds (0: every round)."""
 
     seconds_per_sample: dict[str, float] = field(default_factory=dict)
+    until_s: float = 0.0
+    eval_every_s: float = 0.0
 
     def check(self) -> None:
         for v, s in self.seconds_per_sample.items():
             if isinstance(s, bool) or not isinstance(s, int | float) or not (s > 0 and math.isfinite(s)):
                 raise ConfigError(f"seconds_per_sample.{v}: must be a number > 0, got {s!r}")
+        for key in ("until_s", "eval_every_s"):
+            if not (getattr(self, key) >= 0 and math.isfinite(getattr(self, key))):
+                raise ConfigError(f"{key}: must be >= 0 (0: none), got {getattr(self, key)}")
+
+
+@dataclass
+class AvailabilitySettings:
+    """``[availability]``: when each device is online (``coordinator.emulation.availability``):
+    ``model`` none, diurnal (the bundled model, per-profile overrides in ``profiles``) or
+    trace (the CSV file ``trace``); the local hour at simulated time 0 (``start_hour``);
+    ``time_scale``, how many times faster than the simulated clock the model's runs."""
+
+    model: str = "none"
+    trace: str = ""
+    start_hour: float = 8.0
+    time_scale: float = 1.0
+    profiles: dict[str, dict] = field(default_factory=dict)
+
+    def check(self) -> None:
+        from coordinator.emulation.availability import MODELS
+
+        if self.model not in MODELS:
+            raise ConfigError(f"model: {self.model!r} is not one of {list(MODELS)}")
+        if self.model == "trace" and not self.trace:
+            raise ConfigError("trace: model \"trace\" needs a CSV file (device,start,end)")
+        if not 0 <= self.start_hour < 24:
+            raise ConfigError(f"start_hour: must be in [0, 24), got {self.start_hour}")
+        if not (self.time_scale > 0 and math.isfinite(self.time_scale)):
+            raise ConfigError(f"time_scale: must be > 0, got {self.time_scale}")
 
 
 @dataclass

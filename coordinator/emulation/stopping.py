@@ -19,10 +19,14 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from coordinator.emulation.analysis import LAST_ROUNDS
 from coordinator.emulation.sections import StopSettings
+
+if TYPE_CHECKING:  # pragma: no cover
+    from coordinator.config import ServerConfig
+    from coordinator.evaluate import ModelEvaluator
 
 #: ``[stop]``'s keys and defaults (coordinator.emulation.sections.StopSettings)
 STOP_DEFAULTS: dict[str, Any] = asdict(StopSettings())
@@ -66,7 +70,8 @@ class Stopper:
     ``round_end`` event), it shortens the run at a plateau (the coordinator's
     ``cfg.rounds``) and moves the evaluator's ``report_from`` to the rounds after it."""
 
-    def __init__(self, stop: Mapping[str, Any], server_cfg: Any, evaluator: Any) -> None:
+    def __init__(self, stop: Mapping[str, Any], server_cfg: ServerConfig, evaluator: ModelEvaluator
+                 ) -> None:
         self.stop = STOP_DEFAULTS | dict(stop)
         self.server_cfg = server_cfg
         self.evaluator = evaluator

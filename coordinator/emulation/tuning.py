@@ -31,7 +31,7 @@ from edge_client.errors import ConfigError
 OWN_KEYS = ("seeds", "by", "default")
 
 
-def is_table(tune: Any) -> bool:
+def is_table(tune: object) -> bool:
     return isinstance(tune, dict)
 
 

@@ -6,7 +6,7 @@ A worker has its own in-memory hub (:class:`~edge_client.transport.LocalHub`). P
 gets the coordinator's messages once (:class:`RoundMessages`: the model variants, the
 round announcement, the status, as the coordinator published them) and publishes them,
 retained, on that hub; each of its devices then runs :class:`edge_client.runtime.DeviceRuntime`,
-made by :func:`coordinator.emulation.emulator.device_runtime` (the code a Pi runs: download, train with its profile's trainer, encode with its codec,
+made by :func:`coordinator.emulation.fleet_plan.device_runtime` (the code a Pi runs: download, train with its profile's trainer, encode with its codec,
 publish) against the hub, at most ``slots`` training at once, and every update a device
 publishes is handed on unchanged (:class:`WorkerEvent` ``update``, the exact bytes) for
 the emulator to publish on the device's update topic of the real fleet. When a device's
@@ -32,14 +32,24 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from coordinator.emulation.emulator import EmulatedDevice, derive_seed, device_runtime
+from coordinator.emulation.fleet_plan import EmulatedDevice, derive_seed, device_runtime
 from edge_client.data import Dataset
 from edge_client.protocol import decode_message, parse_topic, topic
 from edge_client.transport import LocalHub
+
+if TYPE_CHECKING:  # pragma: no cover
+    from multiprocessing.connection import Connection
+
+    from coordinator.emulation.gpu import GpuFleet
+    from edge_client.runtime import DeviceRuntime
+    from edge_client.trainers import Trainer, TrainReport
+    from edge_client.transport.base import Received, Transport
+    from firmware_models import ModelSpec
+    from hw_profiles import HardwareProfile
 
 log = logging.getLogger("fedbit.emulator")
 
@@ -81,7 +91,7 @@ class WorkerSpec:
     #: warm up (compile or load the kernels of) these before the first round: the
     #: model, and each group's profile with its uplink codec
     model: str = ""
-    profiles: tuple[Any, ...] = ()
+    profiles: tuple[HardwareProfile, ...] = ()
     #: the integer devices' engine: "cpu" (each trains on its own), or "cuda" (a round's
     #: train together on the GPU: coordinator.emulation.gpu)
     engine: str = "cpu"
@@ -115,15 +125,15 @@ class SharedData:
 class _GatedTrainer:
     """A device's trainer whose ``train`` waits for one of the worker's training slots."""
 
-    def __init__(self, trainer: Any, slots: threading.Semaphore) -> None:
+    def __init__(self, trainer: Trainer, slots: threading.Semaphore) -> None:
         self._trainer = trainer
         self._slots = slots
 
-    def train(self, *args: Any, **kwargs: Any) -> Any:
+    def train(self, *args: Any, **kwargs: Any) -> TrainReport:
         with self._slots:
             return self._trainer.train(*args, **kwargs)
 
-    def __getattr__(self, name: str) -> Any:
+    def __getattr__(self, name: str) -> Any:  # the wrapped trainer's
         return getattr(self._trainer, name)
 
 
@@ -132,13 +142,13 @@ class _Quiet:
     presence on close): the coordinator knows the fleet from the roster, and a worker
     hosts a million devices over a run without keeping a message of each."""
 
-    def __init__(self, transport: Any) -> None:
+    def __init__(self, transport: Transport) -> None:
         self._transport = transport
 
-    def close(self, clear_will: Any = None) -> None:
+    def close(self, clear_will: tuple[str, bytes] | None = None) -> None:
         self._transport.close()
 
-    def __getattr__(self, name: str) -> Any:
+    def __getattr__(self, name: str) -> Any:  # the wrapped transport's
         return getattr(self._transport, name)
 
 
@@ -158,7 +168,7 @@ class DeviceWorker:
         self.slots = threading.Semaphore(max(1, spec.slots))
         #: the GPU batches of the integer devices (engine "cuda"): every runtime of a round
         #: runs at once, waiting in its ``train`` for the batch
-        self.gpu: Any = None
+        self.gpu: GpuFleet | None = None
         if spec.engine == "cuda":
             from coordinator.emulation.gpu import GpuFleet
 
@@ -167,7 +177,7 @@ class DeviceWorker:
         #: waits on its training slot, its I/O (the outbox) overlaps the others' training
         runtimes = max(8, 4 * spec.slots) if self.gpu is None else 4096
         self._threads = ThreadPoolExecutor(runtimes, thread_name_prefix="fedbit-device")
-        self._running: set[Any] = set()  # the runtimes running now (stopped by close)
+        self._running: set[DeviceRuntime] = set()  # the runtimes running now (stopped by close)
         self._lock = threading.Lock()
         self._closed = False
         self._not_applied: dict[str, str] = {}  # device id -> its runtime's not_applied_logged
@@ -243,7 +253,7 @@ class DeviceWorker:
                 emit(WorkerEvent("end", msgs.round_id, dev_id, state=results.get(dev_id, "failed")))
                 pending.discard(dev_id)
 
-    def _forward(self, msg: Any, msgs: RoundMessages, emit: Callable[[WorkerEvent], None],
+    def _forward(self, msg: Received, msgs: RoundMessages, emit: Callable[[WorkerEvent], None],
                  attackers: dict[str, EmulatedDevice]) -> None:
         _, _, dev_id = parse_topic(msg.topic)
         payload = bytes(msg.payload)
@@ -260,7 +270,7 @@ class DeviceWorker:
     def _run(self, dev: EmulatedDevice, round_id: int, results: dict[str, str]) -> None:
         from edge_client.trainers import make_trainer
 
-        def trainer_factory(spec: Any, bits: int, seed: int) -> Any:
+        def trainer_factory(spec: ModelSpec, bits: int, seed: int) -> Trainer:
             trainer = make_trainer(spec, bits, seed=derive_seed(seed, round_id))
             if self.gpu is not None and bits != 32:  # trains in the round's GPU batch
                 return self.gpu.trainer(trainer, dev.device_id, dev.shard)
@@ -268,7 +278,7 @@ class DeviceWorker:
                 one_thread_torch()
             return _GatedTrainer(trainer, self.slots)
 
-        def connect(**kw: Any) -> Any:
+        def connect(**kw: Any) -> _Quiet:
             kw.pop("birth", None)  # the coordinator knows the fleet from the roster
             return _Quiet(self.hub.client(dev.device_id, **kw))
 
@@ -334,7 +344,7 @@ def limit_threads(threads: int) -> None:
     os.environ.update(thread_env(threads))
 
 
-def serve(conn: Any) -> None:
+def serve(conn: Connection) -> None:
     """A worker process on connection ``conn``: receive ``(WorkerSpec, SharedData)``, build
     a :class:`DeviceWorker` on the shared training split, say ``("ready", pid)``, then
     run each ``(RoundMessages, [EmulatedDevice])`` it receives, sending ``("event",
@@ -350,7 +360,7 @@ def serve(conn: Any) -> None:
     release_compiler_pages()  # LLVM's machine code, not run again once the kernels are loaded
     lock = threading.Lock()
 
-    def send(item: Any) -> None:
+    def send(item: tuple[object, ...]) -> None:
         with lock:
             conn.send(item)
 

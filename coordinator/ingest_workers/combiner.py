@@ -23,7 +23,7 @@ import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -35,26 +35,37 @@ from coordinator.strategies.types import AggregateResult, EncodedUpdate
 from edge_client.errors import ConfigError
 from edge_client.protocol import Hello, topic
 
+if TYPE_CHECKING:  # pragma: no cover
+    from coordinator.collect import Collector
+    from coordinator.config import ServerConfig
+    from coordinator.job import ServeJob
+    from coordinator.ops.broker import Broker
+    from coordinator.strategies.base import Strategy
+
 log = logging.getLogger("fedbit.ingest")
 
 #: the run folder's record of how many workers the job's broker sessions belong to
 RECORD = "ingest-workers.json"
 
 
-def refusal(cfg: Any) -> str:
+def refusal(cfg: ServerConfig) -> str:
     """Why the job of ``cfg`` (a :class:`~coordinator.config.ServerConfig`) cannot run ingest
     workers ("" when it can): a strategy that does not fold a round in parts (robust
     aggregation holds the round's updates; a dequantizer reads every one), or privacy
-    (secure aggregation and DP handle every update in the round loop)."""
+    (secure aggregation and DP handle every update in the round loop), or buffered mode
+    (each update answers its own request and counts with its own staleness weight)."""
     from coordinator.strategies.registry import folds_in_parts
 
+    if getattr(cfg, "mode", "sync") == "buffered":
+        return ("round.mode = \"buffered\" admits, weighs and folds each update in its own loop (a request "
+                "per device, a staleness weight per update), not in partial sums of a round")
     if cfg.privacy.active:
         return "privacy (secure aggregation, DP) handles every update in the round loop itself"
     why = folds_in_parts(cfg.strategy, cfg.strategy_params)
     return f"strategy {cfg.strategy!r} {why}: it cannot add partial sums" if why else ""
 
 
-def ingest_workers_for(job: Any, broker: Any, url: str, conn: Mapping[str, Any],
+def ingest_workers_for(job: ServeJob, broker: Broker | None, url: str, conn: Mapping[str, Any],
                        logger: logging.Logger | None = None) -> IngestWorkers:
     """``fedbit serve``'s workers for ``job`` (a :class:`~coordinator.job.ServeJob`), whose
     coordinator reaches ``url`` with ``conn``; ConfigError on an embedded amqtt broker
@@ -63,6 +74,13 @@ def ingest_workers_for(job: Any, broker: Any, url: str, conn: Mapping[str, Any],
         raise ConfigError("--ingest-workers: the embedded amqtt broker delivers nothing to shared "
                           "subscriptions; install mosquitto (or give --broker URL)")
     return IngestWorkers(job.ingest_workers, job.server, {"url": url, **conn}, job.out, logger=logger)
+
+
+class FoldsPartials(Protocol):
+    """What the workers' partial sums are added to: a strategy that folds a round in parts
+    (its outermost wrapper: the poisoning guard, :class:`PartialStrategy`)."""
+
+    def fold_partial(self, part: Mapping[str, Any]) -> None: ...
 
 
 class IngestWorkers:
@@ -82,7 +100,7 @@ class IngestWorkers:
             before it is killed (and its inbox folded here).
     """
 
-    def __init__(self, n: int, cfg: Any, conn: Mapping[str, Any], run_dir: str | Path, *,
+    def __init__(self, n: int, cfg: ServerConfig, conn: Mapping[str, Any], run_dir: str | Path, *,
                  logger: logging.Logger | None = None, respawn: bool = True,
                  partial_timeout_s: float = 300.0) -> None:
         if n < 1:
@@ -96,8 +114,8 @@ class IngestWorkers:
         self.partial_timeout_s = partial_timeout_s
         self.cv = threading.Condition(threading.RLock())
         self.events: queue.Queue[tuple] = queue.Queue()
-        self.collector: Any = None
-        self.target: Any = None  # what the partial sums are folded into (attach)
+        self.collector: Collector | None = None
+        self.target: FoldsPartials | None = None  # what the partial sums are folded into (attach)
         self.fleet: IngestFleet | None = None
         self.round_id: int | None = None
         self._begin: tuple | None = None  # the open round's begin message
@@ -122,10 +140,10 @@ class IngestWorkers:
         self.fleet = IngestFleet(url, job, workers=self, **kw)
         return self.fleet
 
-    def wrap(self, strategy: Any) -> PartialStrategy:
+    def wrap(self, strategy: Strategy) -> PartialStrategy:
         return PartialStrategy(strategy, self)
 
-    def attach(self, collector: Any, strategy: Any = None) -> None:
+    def attach(self, collector: Collector, strategy: FoldsPartials | None = None) -> None:
         """The round loop's collector (its open round, registry, bookkeeping) and its
         outermost strategy (the poisoning guard around :class:`PartialStrategy`), which the
         workers' partial sums are folded into (its ``fold_partial``)."""
@@ -349,7 +367,7 @@ class IngestWorkers:
                 if i not in self.retired:
                     self.pool.send(i, self._begin)
 
-    def gather(self, inner: Any) -> None:
+    def gather(self, inner: FoldsPartials) -> None:
         """The round's end: refuse further claims, collect every worker's partial sums
         (a worker that ended or does not answer in ``partial_timeout_s``: its inbox log
         instead) and add them to the round (through the outermost strategy when attached
@@ -400,7 +418,7 @@ class PartialStrategy:
     ``fold`` folds here (the inbox replayed on resume, a dead worker's log), ``finish``
     adds the workers' partial sums first."""
 
-    def __init__(self, inner: Any, workers: IngestWorkers) -> None:
+    def __init__(self, inner: Strategy, workers: IngestWorkers) -> None:
         if not getattr(inner, "folds_in_parts", False):
             raise ConfigError(f"strategy {inner.name!r} cannot fold a round in parts: no ingest workers")
         self.inner = inner

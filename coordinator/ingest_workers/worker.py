@@ -19,11 +19,14 @@ import signal
 import sys
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from coordinator.defense.config import DefenseConfig
 from coordinator.ops.admission import AdmissionConfig
 from edge_client.protocol import DEFAULT_LIMITS, Limits
+
+if TYPE_CHECKING:  # pragma: no cover
+    from edge_client.transport import TlsOptions
 
 #: most received updates checked and claimed together
 BATCH = 16
@@ -43,7 +46,7 @@ class WorkerConfig:
     client_id: str
     username: str | None = None
     password: str | None = None
-    tls: Any = None  # edge_client.transport.TlsOptions
+    tls: TlsOptions | None = None
     protocol: str = "auto"
     max_payload: int = 64 * 1024 * 1024 + 65536
     limits: Limits = DEFAULT_LIMITS

@@ -26,10 +26,16 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from edge_client.errors import ConfigError
 from edge_client.protocol import DEFAULT_LIMITS
+
+if TYPE_CHECKING:  # pragma: no cover
+    from collections.abc import Callable
+
+    from coordinator.ops.credentials import JobSecurity
+    from edge_client.auth import Credentials
 
 #: Broker-side packet cap: the protocol's payload cap plus room for topic and headers.
 DEFAULT_MAX_PACKET = DEFAULT_LIMITS.max_payload_bytes + 64 * 1024
@@ -229,7 +235,7 @@ class MosquittoBroker:
                 self._end_process()
                 raise ConfigError(f"mosquitto: did not start on {h}:{p}: {err}")
 
-    def keep_alive(self, on_restart: Any = None, interval: float = 0.5) -> None:
+    def keep_alive(self, on_restart: Callable[[int], None] | None = None, interval: float = 0.5) -> None:
         """Watch the broker from a daemon thread and start it again (same config, ports and
         persistence) when it dies; ``on_restart(pid)`` is called after each restart. Clients
         reconnect on their own and a persistent broker gives them their sessions back, so a
@@ -450,7 +456,7 @@ def resolve_security(mode: str, host: str, *, enrolled: int = 0, tls: bool = Tru
     unless its devices were enrolled for a plaintext broker (``tls`` False: ``password``);
     ``auto`` without enrolments is ``none`` (anonymous) on loopback and ``tls`` beyond it.
     Anonymous access beyond loopback, or with enrolled devices, is refused."""
-    from coordinator.ops.security import is_loopback
+    from coordinator.ops.credentials import is_loopback
 
     if mode not in SECURITY_MODES:
         raise ConfigError(f"--security: {mode!r} is not one of {', '.join(SECURITY_MODES)}")
@@ -485,7 +491,7 @@ class JobBroker:
     """
 
     def __init__(self, broker: MosquittoBroker | AmqttBroker, device_url: str, coordinator_url: str,
-                 security: str, credentials: Any = None) -> None:
+                 security: str, credentials: Credentials | None = None) -> None:
         self.broker = broker
         self.device_url = device_url
         self.coordinator_url = coordinator_url
@@ -497,12 +503,13 @@ class JobBroker:
         self.broker.stop()
 
 
-def start_job_broker(host: str, port: int | None, *, security: str, job_security: Any = None,
+def start_job_broker(host: str, port: int | None, *, security: str,
+                     job_security: JobSecurity | None = None,
                      hosts: list[str] | None = None, workdir: str | Path | None = None,
                      prefer: str = "auto", max_packet_size: int = DEFAULT_MAX_PACKET) -> JobBroker:
     """Start ``fedbit serve``'s broker on ``host:port`` with ``security`` (resolved: see
     :func:`resolve_security`); ``job_security`` is the job's
-    :class:`~coordinator.ops.security.JobSecurity` (needed unless ``none``), ``hosts`` the
+    :class:`~coordinator.ops.credentials.JobSecurity` (needed unless ``none``), ``hosts`` the
     names devices dial (the server certificate's SAN)."""
     if security == "none":
         b = start_embedded_broker(port, prefer=prefer, workdir=workdir, max_packet_size=max_packet_size) \
@@ -520,7 +527,7 @@ def start_job_broker(host: str, port: int | None, *, security: str, job_security
     # the devices' listener knows the devices alone: the coordinator's password is refused there
     devices: dict[str, Any] = {"host": host, "port": port, "password_file": str(sec.devices_passwd_path)}
     if security == "tls":
-        from coordinator.ops.security import default_hosts
+        from coordinator.ops.credentials import default_hosts
 
         sec.ensure_server_cert(hosts or default_hosts(host))
         devices["tls"] = {"cafile": str(sec.ca_path), "certfile": str(sec.server_cert),

@@ -80,8 +80,10 @@ class ProgressDisplay:
             extra = f" (resumed, {f['replayed']} update(s) from the inbox)" if f.get("resumed") else ""
             wait = f" after waiting {f['wait_seconds']:.1f} s for devices" if f.get("wait_seconds", 0) >= 0.1 else ""
             self._print(f"round {f['round']}/{self.rounds}: {len(f['selected'])} device(s) selected{wait}{extra}")
-        elif event == "update":
+        elif event == "update" and f.get("selected"):  # (buffered: the buffer event's line)
             self._print(f"  round {f['round']}: {f['accepted']}/{f['selected']} updates", live=True)
+        elif event == "buffer":
+            self._print(f"  {buffer_text(f)}", live=True)
         elif event == "reject" and not f.get("dropped"):  # (late and repeated ones: in the log)
             self._print(refusal_line(f))
         elif event == "device":
@@ -94,6 +96,11 @@ class ProgressDisplay:
             self._print(f"  round {f['round']}: {devices_text(f)}", live=True)
         elif event == "round_end":
             self._print(round_line(f, self.rounds))
+
+
+def buffer_text(f: dict[str, Any]) -> str:
+    """The buffered loop's state (its ``buffer`` event): version, buffer fill, devices training."""
+    return f"version {f['version']}: {f['fill']}/{f['size']} updates buffered, {f['in_flight']} device(s) training"
 
 
 def quarantine_line(f: dict[str, Any]) -> str:
@@ -131,6 +138,10 @@ def round_line(f: dict[str, Any], rounds: int) -> str:
     key, what = ("val_accuracy", "validation accuracy") if groups and not any(
         isinstance(v.get("accuracy"), float) for v in groups.values()) else ("accuracy", "accuracy")
     strag = f", {f['stragglers']} straggler(s)" if f.get("stragglers") else ""
+    if f.get("mode") == "buffered":
+        return (f"version {f['round']}/{rounds}: {what} {group_accuracy_text(f, key)}, {f['accepted']} updates "
+                f"(staleness mean {f['staleness_mean']:.1f}, max {f['staleness_max']}){strag}, "
+                f"{f['round_seconds']:.2f} s")
     sim = f" (simulated {f['sim_round_seconds']:.2f} s)" if isinstance(f.get("sim_round_seconds"), float) else ""
     wait = f" (+ {f['wait_seconds']:.2f} s waiting for devices)" if f.get("wait_seconds", 0) >= 0.1 else ""
     return (f"round {f['round']}/{rounds}: {what} {group_accuracy_text(f, key)}, {f['accepted']}/{f['selected']} "
@@ -187,8 +198,10 @@ class LiveProgress:
         if event == "round_start":
             p.update(self._task, description=f"round {f['round']}/{self.rounds}",
                      updates=f"0/{len(f['selected'])} updates")
-        elif event == "update":
+        elif event == "update" and f.get("selected"):
             p.update(self._task, updates=f"{f['accepted']}/{f['selected']} updates")
+        elif event == "buffer":
+            p.update(self._task, description=f"version {f['version']}/{self.rounds}", updates=buffer_text(f))
         elif event == "devices":
             p.update(self._task, updates=devices_text(f))
         elif event == "reject" and not f.get("dropped"):

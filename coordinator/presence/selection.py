@@ -13,11 +13,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Collection, Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from edge_client.errors import FedbitError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from coordinator.config import ServerConfig
 
 
 class NotEnoughDevices(FedbitError, RuntimeError):
@@ -25,7 +28,7 @@ class NotEnoughDevices(FedbitError, RuntimeError):
     present one quarantined)."""
 
 
-def draw(cfg: Any, present: Sequence[str], rng: np.random.Generator,
+def draw(cfg: ServerConfig, present: Sequence[str], rng: np.random.Generator,
          quarantined: Collection[str] = ()) -> list[str]:
     """The sorted selection among ``present`` minus ``quarantined`` (present devices
     only; ``cfg``: its ``fraction``, ``min_devices``, ``max_devices``; see the module

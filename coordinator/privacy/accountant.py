@@ -14,12 +14,15 @@ from __future__ import annotations
 import functools
 import logging
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+if TYPE_CHECKING:  # pragma: no cover
+    import dp_accounting
 
-def _event(z: float, q: float) -> Any:
+
+def _event(z: float, q: float) -> dp_accounting.DpEvent:
     import dp_accounting
 
     g = dp_accounting.GaussianDpEvent(z)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -24,6 +24,8 @@ from edge_client.errors import ProtocolError
 from edge_client.protocol import decode_message, encode_message
 from edge_client.secagg import SecAggClient
 from edge_client.secagg.encode import Grid
+
+T = TypeVar("T")
 
 PHASES = ("keys", "shares", "masked", "reveal")
 
@@ -37,7 +39,7 @@ class Costs:
     devices: dict[str, float] = field(default_factory=dict)
     uplink: dict[str, int] = field(default_factory=dict)
 
-    def timed(self, who: str | None, fn: Callable[[], Any]) -> Any:
+    def timed(self, who: str | None, fn: Callable[[], T]) -> T:
         t0 = time.thread_time()
         try:
             return fn()

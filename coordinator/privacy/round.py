@@ -19,7 +19,7 @@ import math
 import secrets
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -35,11 +35,16 @@ from edge_client.protocol import encode_message, model_variant, variant_bits
 from edge_client.protocol.secure import FROM_DEVICES
 from edge_client.secagg.encode import Grid, split_slots
 
+if TYPE_CHECKING:  # pragma: no cover
+    from coordinator.config import ServerConfig
+    from coordinator.strategies.base import Strategy
+    from edge_client.protocol import Hello
+
 
 class Privacy:
     """See the module docstring. ``shapes``: the model's layer shapes."""
 
-    def __init__(self, server: Any, fleet: Fleet, collector: Collector, shapes: list[tuple[int, ...]],
+    def __init__(self, server: ServerConfig, fleet: Fleet, collector: Collector, shapes: list[tuple[int, ...]],
                  log: logging.Logger, on_event: Callable[[str, dict[str, Any]], None]) -> None:
         cfg, fraction = server.privacy, server.fraction
         self.rounds = server.rounds
@@ -51,7 +56,7 @@ class Privacy:
         #: the noise multiplier (from target_epsilon: derived before the first round)
         self.z = cfg.noise_multiplier
         self.pinned: dict[str, bytes] = {}
-        self.strategy: Any = None
+        self.strategy: Strategy | CentralDP | None = None
         self.server: SecAggServer | None = None
         self.grid: dp.DistributedGrid | None = None
         self.q = min(1.0, fraction)
@@ -59,7 +64,7 @@ class Privacy:
         collector.on_secure = self.handle
 
     # ------------------------------------------------------------------ set-up
-    def wrap(self, strategy: Any) -> Any:
+    def wrap(self, strategy: Strategy) -> Strategy | CentralDP:
         """The strategy the round loop uses: central DP's wrapper, or ``strategy``."""
         if self.cfg.mechanism == "central":
             strategy = CentralDP(strategy, self.cfg, self.z,
@@ -178,7 +183,7 @@ class Privacy:
         if m.KIND == "sa_reveal":
             self._revealed.add(m.device_id)
 
-    def _bits(self, hello: Any) -> int:
+    def _bits(self, hello: Hello | None) -> int:
         return 32 if hello is None else variant_bits(model_variant(hello.compute_bits, hello.trainer))
 
     def _groups(self, hellos: dict[str, Any]) -> list[int]:

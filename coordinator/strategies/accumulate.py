@@ -75,9 +75,10 @@ class GroupSums:
 
     def add_base(self, bits: int, omega: float) -> None:
         """Add the round's model (the base of delta updates) to group ``bits`` with weight
-        ``omega`` (> 0; an update's bounded part: ``coordinator.defense.guard``); the group
-        must have an update already."""
-        if omega > 0:
+        ``omega`` (an update's bounded part: ``coordinator.defense.guard``; negative for a
+        movement scaled beyond 1, a buffer's ``server_lr`` > 1); the group must have an
+        update already."""
+        if omega:
             self.total[bits] += omega
             self.delta_weight[bits] += omega
 

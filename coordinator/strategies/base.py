@@ -129,9 +129,10 @@ class Strategy:
             adders.append(add.scaled(unit_value(t, update.compute_bits))
                           if t.dtype in INTEGER_DTYPES else add)
         omega = self._omega(update)
-        self._sums.add_encoded(int(update.compute_bits), adders, omega * update.bound,
-                               update.kind == "delta", key=update.device_id)
-        self._sums.add_base(int(update.compute_bits), omega * (1.0 - update.bound))
+        f = update.bound * update.scale  # (the guard's bound, a buffer's staleness weight)
+        self._sums.add_encoded(int(update.compute_bits), adders, omega * f, update.kind == "delta",
+                               key=update.device_id)
+        self._sums.add_base(int(update.compute_bits), omega * (1.0 - f))
         self._count(update)
 
     def accept(self, update: ClientUpdate) -> None:
@@ -226,8 +227,9 @@ class Strategy:
     def _add_decoded(self, update: ClientUpdate, flat: list[np.ndarray], bound: float = 1.0) -> None:
         """Dequantize (when a dequantizer is set: it observes every update, then maps it)
         and add a checked decoded update (its movement scaled by ``bound``, as
-        ``EncodedUpdate.bound``)."""
+        ``EncodedUpdate.bound``, and by its own ``scale``)."""
         assert self._sums is not None
+        scale = update.scale
         if not isinstance(self.dequantizer, NoDequantizer):
             self.dequantizer.observe(update)
             mapped = self.dequantizer(update)
@@ -235,9 +237,9 @@ class Strategy:
                 update = mapped
                 flat = self._finite_layers(update)
         omega = self._omega(update)
-        self._sums.add(int(update.compute_bits), flat, omega * bound, update.kind == "delta",
-                       key=update.device_id)
-        self._sums.add_base(int(update.compute_bits), omega * (1.0 - bound))
+        f = bound * scale
+        self._sums.add(int(update.compute_bits), flat, omega * f, update.kind == "delta", key=update.device_id)
+        self._sums.add_base(int(update.compute_bits), omega * (1.0 - f))
         self._count(update)
 
     def _count(self, update: ClientUpdate | EncodedUpdate) -> None:

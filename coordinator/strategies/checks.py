@@ -124,7 +124,8 @@ def check_sigma_loc(who: str, sigma: Sequence[Any], n_layers: int) -> list[float
     return [float(s) for s in sigma]
 
 
-def check_header(who: str, device_id: Any, kind: Any, num_samples: Any, compute_bits: Any) -> None:
+def check_header(who: str, device_id: object, kind: object, num_samples: object, compute_bits: object
+                 ) -> None:
     """The scalar fields of an update a caller built by hand (the wire protocol checks
     the same ranges when it parses an ``Update``)."""
     if not isinstance(device_id, str) or not device_id:

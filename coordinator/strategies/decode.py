@@ -42,4 +42,4 @@ def decode_update(update: EncodedUpdate, out: Sequence[np.ndarray] | None = None
         weights.append(np.asarray(a, dtype=np.float32))
     finite = all(get_codec(t.codec).finite_output for t in update.tensors)
     return ClientUpdate(update.device_id, update.num_samples, weights, update.kind, update.compute_bits,
-                        update.lossy, update.sigma_loc, finite=finite)
+                        update.lossy, update.sigma_loc, finite=finite, scale=update.scale)

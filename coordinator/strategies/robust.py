@@ -50,6 +50,7 @@ class _Held:
     norm: float
     encoded: EncodedUpdate | None = None
     layers: list[np.ndarray] | None = None
+    scale: float = 1.0  # the update's own damping (``ClientUpdate.scale``)
 
 
 @numba.njit(cache=True, nogil=True)
@@ -130,7 +131,8 @@ class RobustStrategy(Strategy):
             self._add_decoded(cu, flat)
             return
         self._held.append(_Held(update.device_id, int(update.compute_bits), self._omega(update),
-                                update.kind == "delta", self._norm(flat, update.kind == "delta"), encoded=update))
+                                update.kind == "delta", self._norm(flat, update.kind == "delta"), encoded=update,
+                                scale=update.scale))
         self._count(update)
 
     def _add_decoded(self, update: ClientUpdate, flat: list[np.ndarray]) -> None:
@@ -140,7 +142,8 @@ class RobustStrategy(Strategy):
             flat = self._finite_layers(update)
         layers = [np.array(f, dtype=np.float32, copy=True) for f in flat]  # buffers are reused
         self._held.append(_Held(update.device_id, int(update.compute_bits), self._omega(update),
-                                update.kind == "delta", self._norm(layers, update.kind == "delta"), layers=layers))
+                                update.kind == "delta", self._norm(layers, update.kind == "delta"), layers=layers,
+                                scale=update.scale))
         self._count(update)
 
     def _norm(self, flat: list[np.ndarray], delta: bool) -> float:
@@ -201,15 +204,16 @@ class RobustStrategy(Strategy):
 
     def _clipped_sums(self, held: list[_Held], scales: np.ndarray) -> GroupSums:
         """The usual running sums of ``g + s_k Δ_k`` with weights ω_k: ``x_k`` weighs
-        ``ω_k s_k`` and the round's model ``ω_k (1 - s_k)`` (added as a delta base)."""
+        ``ω_k s_k`` and the round's model ``ω_k (1 - s_k)`` (added as a delta base); an
+        update's own ``scale`` multiplies ``s_k``."""
         sums = GroupSums(self._shapes, self.acc_dtype, self.batch)
         for h, s in zip(held, scales, strict=True):
+            w = h.omega * s * h.scale
             if h.encoded is not None:
-                sums.add_encoded(h.bits, self._adders(h.encoded), h.omega * s, h.delta, key=h.key)
+                sums.add_encoded(h.bits, self._adders(h.encoded), w, h.delta, key=h.key)
             else:
-                sums.add(h.bits, h.layers, h.omega * s, h.delta, key=h.key)  # type: ignore[arg-type]
-            sums.total[h.bits] += h.omega * (1.0 - s)
-            sums.delta_weight[h.bits] += h.omega * (1.0 - s)
+                sums.add(h.bits, h.layers, w, h.delta, key=h.key)  # type: ignore[arg-type]
+            sums.add_base(h.bits, h.omega * (1.0 - s * h.scale))
         return sums
 
     def _row(self, h: _Held, s: float, li: int) -> np.ndarray:

@@ -27,6 +27,10 @@ class ClientUpdate:
       when each tensor came through a codec with ``finite_output``, whose decode verified
       it); the strategy then skips its own NaN/Inf pass instead of reading the update
       twice. Left False, the strategy checks.
+    - ``scale``: how much of its movement from the round's model counts: it weighs
+      ``ω·scale`` and the round's model the rest, ``ω·(1 - scale)``, so it contributes the
+      model plus ``scale`` times its step (buffered mode: the staleness weight times the
+      server learning rate; 1: the update as it is).
     """
 
     device_id: str
@@ -37,6 +41,7 @@ class ClientUpdate:
     lossy: bool = False
     sigma_loc: list[float] | None = None
     finite: bool = False
+    scale: float = 1.0
 
     @property
     def inferior(self) -> bool:
@@ -56,6 +61,8 @@ class EncodedUpdate:
     float32 copy of the update is ever made), or decodes it first. ``bound`` in (0, 1]: the
     update's movement ``x - g`` is folded scaled by it (``g + bound·(x - g)``: ``x`` weighs
     ``bound·ω``, the round's model ``(1 - bound)·ω``; :mod:`coordinator.defense.guard`).
+    ``scale`` multiplies it as in :class:`ClientUpdate` (a buffer's staleness weight): the
+    movement counts ``bound·scale``.
     """
 
     device_id: str
@@ -67,6 +74,7 @@ class EncodedUpdate:
     sigma_loc: list[float] | None = None
     not_applied: dict[str, str] = field(default_factory=dict)
     bound: float = 1.0
+    scale: float = 1.0
 
     @property
     def inferior(self) -> bool:

@@ -10,15 +10,18 @@ added a layer kind at a time; :data:`BACKENDS` names them (``cuda``: the GPU eng
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
 from edge_client.errors import ConfigError
 from edge_client.intnn import step
-from edge_client.intnn.ops import Regularizer, Workspace
+from edge_client.intnn.allocation import build_workspace
 from edge_client.intnn.parallel import Splitter
-from edge_client.intnn.workspace import build_workspace
+from edge_client.intnn.workspace import Regularizer, Workspace
+
+if TYPE_CHECKING:  # pragma: no cover
+    from edge_client.intnn.model import IntModel
 
 
 class Backend(Protocol):
@@ -29,20 +32,20 @@ class Backend(Protocol):
     name: str      # the registry's backend name of the layer classes it runs
     threads: int   # cores a step uses
 
-    def workspace(self, model: Any, capacity: int, train: bool) -> Workspace:
+    def workspace(self, model: IntModel, capacity: int, train: bool) -> Workspace:
         """Buffers for batches of up to ``capacity`` samples."""
         ...
 
-    def forward(self, model: Any, ws: Workspace, n: int) -> np.ndarray:
+    def forward(self, model: IntModel, ws: Workspace, n: int) -> np.ndarray:
         """The logits [n, classes] of ``ws.x[:n]``."""
         ...
 
-    def train_step(self, model: Any, ws: Workspace, y: np.ndarray, n: int, lr_log2: int,
+    def train_step(self, model: IntModel, ws: Workspace, y: np.ndarray, n: int, lr_log2: int,
                    seed: int, step_count: int, reg: Regularizer | None) -> int:
         """One SGD step on ``ws.x[:n]``; the integer loss sum."""
         ...
 
-    def sync(self, model: Any) -> None:
+    def sync(self, model: IntModel) -> None:
         """Bring the model's arrays of weights up to date where the backend's copies
         changed (the model calls it before it reads them)."""
         ...
@@ -64,17 +67,17 @@ class CpuBackend:
     def threads(self) -> int:
         return self.splitter.threads
 
-    def workspace(self, model: Any, capacity: int, train: bool) -> Workspace:
+    def workspace(self, model: IntModel, capacity: int, train: bool) -> Workspace:
         return build_workspace(model, model.spec, model.ops, self.threads, capacity, train)
 
-    def forward(self, model: Any, ws: Workspace, n: int) -> np.ndarray:
+    def forward(self, model: IntModel, ws: Workspace, n: int) -> np.ndarray:
         return step.forward(model, ws, n, self.splitter)
 
-    def train_step(self, model: Any, ws: Workspace, y: np.ndarray, n: int, lr_log2: int,
+    def train_step(self, model: IntModel, ws: Workspace, y: np.ndarray, n: int, lr_log2: int,
                    seed: int, step_count: int, reg: Regularizer | None) -> int:
         return step.train_step(model, ws, y, n, lr_log2, seed, step_count, reg, self.splitter)
 
-    def sync(self, model: Any) -> None:
+    def sync(self, model: IntModel) -> None:
         """Nothing to do: the kernels update the model's arrays."""
 
     def close(self) -> None:

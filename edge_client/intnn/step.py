@@ -13,7 +13,7 @@ samples (:func:`forward`), the backward's stages of consecutive layers (:func:`_
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -21,8 +21,8 @@ import numpy as np
 
 from edge_client.intnn import kernels as K
 from edge_client.intnn.layers.base import IntLayer, IntWeightLayer, Numerics
-from edge_client.intnn.ops import Regularizer, Workspace
 from edge_client.intnn.parallel import Splitter, Task
+from edge_client.intnn.workspace import Regularizer, Workspace
 
 UPDATE_ALIGN = 256  # canonical-order weights are updated in runs of 256 (kernels.sgd_update)
 
@@ -30,7 +30,7 @@ UPDATE_ALIGN = 256  # canonical-order weights are updated in runs of 256 (kernel
 class Network(Numerics, Protocol):
     """What the CPU backend's passes read from a model (``IntModel``)."""
 
-    ops: Sequence[IntLayer]
+    ops: list[IntLayer]
     loss: str              # "sse" | "ce"
     target: int            # the one-hot target of the SSE loss
     ce_temp_shift: int     # the softmax loss's temperature 2^-shift
@@ -220,9 +220,9 @@ class _ParamBackward:
             return None
         return max(self.scale.results, default=-1)  # round_log2 is monotone
 
-    def task(self, kernel: Any, args: Any, total: int, align: int = 1,
-             first: bool = False, split: bool | None = None, tag: int | None = None
-             ) -> Task:
+    def task(self, kernel: Callable[..., Any], args: Callable[[int, int, int], Sequence[Any]],
+             total: int, align: int = 1, first: bool = False, split: bool | None = None,
+             tag: int | None = None) -> Task:
         """A task of this layer (tagged with its index), split as the layer is (``first``:
         as its first stage is; ``split``: as given)."""
         if split is None:

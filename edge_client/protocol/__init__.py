@@ -24,6 +24,7 @@ from edge_client.protocol.messages import (
     FLOAT_VARIANT,
     MESSAGE_TYPES,
     PROTOCOL_VERSION,
+    ROUND_MODES,
     STATUS_STATES,
     TOPIC_ROOT,
     TRAINERS,
@@ -48,7 +49,7 @@ from edge_client.protocol.wire import decode_message, encode_message
 
 __all__ = [
     "CODEC_BITS", "DEFAULT_LIMITS", "DTYPES", "FLOAT_VARIANT", "MESSAGE_TYPES", "PROTOCOL_VERSION",
-    "STATUS_STATES", "TOPIC_ROOT", "TRAINERS", "UPDATE_CONTENTS", "EncodedTensor", "Hello", "Limits",
+    "ROUND_MODES", "STATUS_STATES", "TOPIC_ROOT", "TRAINERS", "UPDATE_CONTENTS", "EncodedTensor", "Hello", "Limits",
     "Message", "ModelMessage", "Presence", "RoundAnnouncement", "Status", "Update", "as_mapping",
     "decode_message", "encode_message", "float32_tensor", "model_variant", "packed_length", "parse_topic",
     "tensors_digest", "topic", "valid_id", "variant_bits",

@@ -115,6 +115,13 @@ class RoundAnnouncement:
     ``deadline`` is a Unix time in seconds; ``variants`` maps a model variant name
     (``"float32"``, ``"int8"``...) to its digest; ``hparams`` holds the local training
     hyper-parameters (``epochs``, ``batch``, ``prox_mu``, ...).
+
+    ``mode = "buffered"``: ``round_id`` is the current model version and ``selected`` the
+    devices asked to train, ``tickets[i]`` the number of ``selected[i]``'s request (one
+    training per ticket; tickets only grow within a run). An update trained on version
+    ``v`` while the coordinator is at ``round_id`` has staleness ``round_id - v`` and is
+    refused past ``max_staleness``; ``refusals`` lists recent refusals as ``(device,
+    ticket, reason)``. Absent from an older coordinator's announcement (a round).
     """
 
     KIND: ClassVar[str] = "round"
@@ -125,6 +132,10 @@ class RoundAnnouncement:
     deadline: float
     variants: dict[str, str]
     hparams: dict[str, Any] = field(default_factory=dict)
+    mode: str = "sync"
+    tickets: tuple[int, ...] = ()
+    max_staleness: int = 0
+    refusals: tuple[tuple[str, int, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -153,7 +164,8 @@ class Update:
     (local minus global). ``model_digest`` names the model the device started from.
     ``not_applied``: announced hyper-parameters the device did not apply, each with the
     reason (an unknown key, a bad value, a setting it cannot honour); the coordinator logs
-    and counts them. Absent from an older device's update (read as empty).
+    and counts them. Absent from an older device's update (read as empty). ``ticket``: in
+    buffered mode, the request it answers (``RoundAnnouncement.tickets``; 0 otherwise).
     """
 
     KIND: ClassVar[str] = "update"
@@ -167,6 +179,7 @@ class Update:
     train_loss: float = 0.0
     train_seconds: float = 0.0
     not_applied: dict[str, str] = field(default_factory=dict)
+    ticket: int = 0
 
 
 @dataclass(frozen=True)
@@ -189,6 +202,8 @@ MESSAGE_TYPES.update(SECURE_TYPES)  # secure aggregation's (protocol.secure)
 UPDATE_CONTENTS = frozenset({"weights", "delta"})
 TRAINERS = frozenset({"int", "torch"})
 STATUS_STATES = frozenset({"waiting", "round", "done", "error"})
+#: how a job aggregates: synchronous rounds, or a buffer of asynchronous updates
+ROUND_MODES = frozenset({"sync", "buffered"})
 
 
 _ID_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")

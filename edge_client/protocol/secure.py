@@ -18,9 +18,16 @@ hyper-parameter is the round's session, hex):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar, Union
 
 from edge_client.errors import ProtocolError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from collections.abc import Callable
+
+    from edge_client.protocol.wire import _Reader
+
+T = TypeVar("T")
 
 #: the sizes of what the messages carry (bytes)
 KEY = 32
@@ -136,13 +143,17 @@ class SecAggReveal:
     shares: tuple[RevealedShare, ...]
 
 
+#: any one of the messages above (3.9: no X | Y at run time)
+SecureMessage = Union[SecAggKeys, SecAggRoster, SecAggShares, SecAggInbox, SecAggMasked,
+                      SecAggUnmask, SecAggReveal]
+
 SECURE_TYPES = {c.KIND: c for c in (SecAggKeys, SecAggRoster, SecAggShares, SecAggInbox, SecAggMasked,
                                     SecAggUnmask, SecAggReveal)}
 #: what a device sends (the rest the coordinator sends)
 FROM_DEVICES = frozenset({"sa_keys", "sa_shares", "sa_masked", "sa_reveal"})
 
 
-def _bytes(r: Any, key: str, size: int = 0, max_size: int = 0) -> bytes:
+def _bytes(r: _Reader, key: str, size: int = 0, max_size: int = 0) -> bytes:
     v = r.raw(key)
     if not isinstance(v, bytes):
         raise ProtocolError(f"{r.where(key)}: expected bytes, got {type(v).__name__}")
@@ -151,7 +162,7 @@ def _bytes(r: Any, key: str, size: int = 0, max_size: int = 0) -> bytes:
     return v
 
 
-def _ids(r: Any, key: str) -> tuple[str, ...]:
+def _ids(r: _Reader, key: str) -> tuple[str, ...]:
     items = r.list(key, r.limits.max_devices, default=[])
     for i, s in enumerate(items):
         sub = type(r)({"id": s}, f"{r.where(key)}[{i}]", r.limits)
@@ -161,13 +172,13 @@ def _ids(r: Any, key: str) -> tuple[str, ...]:
     return tuple(items)
 
 
-def _records(r: Any, key: str, read: Any) -> tuple:
+def _records(r: _Reader, key: str, read: Callable[[_Reader], T]) -> tuple[T, ...]:
     items = r.list(key, r.limits.max_devices)
     out = tuple(read(type(r)(raw, f"{r.where(key)}[{i}]", r.limits)) for i, raw in enumerate(items))
     return out
 
 
-def parse_secure(kind: str, r: Any) -> Any:
+def parse_secure(kind: str, r: _Reader) -> SecureMessage:
     """The secure-aggregation message ``kind`` from the wire reader ``r``
     (``protocol.wire._Reader``); ProtocolError naming the field."""
     dev, rnd = r.device_id("device_id"), r.int("round_id", 0, 1 << 40)

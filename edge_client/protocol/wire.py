@@ -19,6 +19,7 @@ from edge_client.protocol.messages import (
     FLOAT_CODECS,
     MESSAGE_TYPES,
     PROTOCOL_VERSION,
+    ROUND_MODES,
     STATUS_STATES,
     TRAINERS,
     UPDATE_CONTENTS,
@@ -50,6 +51,10 @@ def _to_wire(value: Any) -> Any:
     return value
 
 
+#: fields left out of the payload while they hold their default (read back as it)
+_SKIP_DEFAULT = {"round": ("mode", "tickets", "max_staleness", "refusals"), "update": ("ticket",)}
+
+
 def encode_message(msg: Message, limits: Limits = DEFAULT_LIMITS) -> bytes:
     """msgpack bytes of ``msg``. The result is validated like a received payload, so a
     sender can never emit what a receiver rejects (oversized, NaN, wrong lengths)."""
@@ -58,7 +63,10 @@ def encode_message(msg: Message, limits: Limits = DEFAULT_LIMITS) -> bytes:
         raise ProtocolError(f"kind: cannot encode {type(msg).__name__}")
     body: dict[str, Any] = {"v": PROTOCOL_VERSION, "kind": kind}
     for f in fields(msg):
-        body[f.name] = _to_wire(getattr(msg, f.name))
+        v = getattr(msg, f.name)
+        if f.name in _SKIP_DEFAULT.get(kind, ()) and v == f.default:
+            continue  # (a sync round's messages stay as they were before buffered mode)
+        body[f.name] = _to_wire(v)
     try:
         payload = msgpack.packb(body, use_bin_type=True)
     except (TypeError, ValueError, OverflowError) as exc:
@@ -249,6 +257,24 @@ def _read_floats(r: _Reader, key: str) -> tuple[float, ...]:
     return tuple(float(x) for x in items)
 
 
+def _read_refusals(r: _Reader) -> tuple[tuple[str, int, str], ...]:
+    """``refusals``: ``[device id, ticket, reason]`` triples."""
+    out = []
+    for i, item in enumerate(r.list("refusals", r.limits.max_devices, default=[])):
+        where = f"{r.where('refusals')}[{i}]"
+        if not isinstance(item, list) or len(item) != 3:
+            raise ProtocolError(f"{where}: expected [device, ticket, reason]")
+        dev, ticket, reason = item
+        if not isinstance(dev, str) or not valid_id(dev):
+            raise ProtocolError(f"{where}[0]: not a valid device id")
+        if isinstance(ticket, bool) or not isinstance(ticket, int) or not 0 <= ticket <= 1 << 62:
+            raise ProtocolError(f"{where}[1]: not a ticket number")
+        if not isinstance(reason, str) or len(reason) > r.limits.max_str:
+            raise ProtocolError(f"{where}[2]: expected a string of at most {r.limits.max_str} characters")
+        out.append((dev, ticket, reason))
+    return tuple(out)
+
+
 def _read_digest(r: _Reader, key: str, default: Any = ...) -> str:
     v = r.str(key, default=default)
     if v and (len(v) != 64 or any(c not in "0123456789abcdef" for c in v)):
@@ -280,10 +306,19 @@ def _parse(kind: str, r: _Reader) -> Message:
             if not valid_id(k):
                 raise ProtocolError(f"{r.where('variants')}: {k!r} is not a valid variant name")
             _read_digest(_Reader(variants, r.where("variants"), lim), k)
+        mode = r.str("mode", ROUND_MODES, default="sync")
+        tickets = r.list("tickets", lim.max_devices, default=[])
+        for i, t in enumerate(tickets):
+            if isinstance(t, bool) or not isinstance(t, int) or not 1 <= t <= 1 << 62:
+                raise ProtocolError(f"{r.where('tickets')}[{i}]: not a ticket number (1..2^62)")
+        if tickets and len(tickets) != len(selected):
+            raise ProtocolError(f"{r.where('tickets')}: {len(tickets)} tickets for {len(selected)} selected devices")
         return RoundAnnouncement(
             job=r.device_id("job"), round_id=r.int("round_id", 0, 1 << 40),
             model=r.str("model", empty=False), selected=tuple(selected),
             deadline=r.float("deadline", 0.0), variants=dict(variants), hparams=_read_hparams(r),
+            mode=mode, tickets=tuple(tickets), max_staleness=r.int("max_staleness", 0, 1 << 40, default=0),
+            refusals=_read_refusals(r),
         )
     if kind == "model":
         total = [0]
@@ -303,7 +338,7 @@ def _parse(kind: str, r: _Reader) -> Message:
             model_digest=_read_digest(r, "model_digest", default=""),
             train_loss=r.float("train_loss", default=0.0),
             train_seconds=r.float("train_seconds", 0.0, default=0.0),
-            not_applied=_read_str_map(r, "not_applied"),
+            not_applied=_read_str_map(r, "not_applied"), ticket=r.int("ticket", 0, 1 << 62, default=0),
         )
     if kind == "status":
         metrics = r.map("metrics", {})

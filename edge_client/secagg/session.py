@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import secrets
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -24,13 +24,16 @@ from edge_client.protocol.secure import SecAggInbox, SecAggRoster, SecAggUnmask
 from edge_client.secagg.encode import Grid, secure_vector
 
 if TYPE_CHECKING:
+    from edge_client.protocol.messages import ModelMessage, RoundAnnouncement
+    from edge_client.runtime import DeviceConfig
     from edge_client.secagg.client import SecAggClient
+    from edge_client.trainers.common import Trainer
 
 
 class SecureSession:
     """The secure-aggregation half of one device (see the module docstring)."""
 
-    def __init__(self, cfg: Any, log: logging.Logger) -> None:
+    def __init__(self, cfg: DeviceConfig, log: logging.Logger) -> None:
         self.cfg, self.log = cfg, log
         self.topic = topic(cfg.job, "secagg", cfg.device_id)
         self.inbox_topic = topic(cfg.job, "secagg-in", cfg.device_id)
@@ -44,8 +47,8 @@ class SecureSession:
         """A secure round is under way (the loop keeps running until it ends)."""
         return self.client is not None
 
-    def start(self, a: Any, m: Any, trainer: Any, shared: list[np.ndarray], start: list[np.ndarray],
-              weight: int) -> bytes:
+    def start(self, a: RoundAnnouncement, m: ModelMessage, trainer: Trainer, shared: list[np.ndarray],
+              start: list[np.ndarray], weight: int) -> bytes:
         """Keep the update of round ``a`` (announcement) trained from model ``m``; return the
         device's keys message. ``shared``: the trained shared-domain weights, ``start``: the
         model's; an integer trainer's own integers are used when it has them."""
@@ -60,7 +63,8 @@ class SecureSession:
                                    int(a.hparams.get("secagg_degree", 0) or 0))
         return encode_message(self.client.keys(), self.cfg.limits)
 
-    def keep(self, m: Any, trainer: Any, shared: list[np.ndarray], start: list[np.ndarray], weight: int) -> None:
+    def keep(self, m: ModelMessage, trainer: Trainer, shared: list[np.ndarray], start: list[np.ndarray],
+             weight: int) -> None:
         """Keep ``(layers, grid bits or None, weight)``: an integer trainer's own grid
         differences (exact; units of 2^-(bits-1), its storage grid), else the shared-domain
         ``shared - start``."""
@@ -74,7 +78,7 @@ class SecureSession:
         else:
             self._update = ([w.astype(np.float64) - g for w, g in zip(shared, start)], None, int(weight))
 
-    def handle(self, m: Any) -> bytes | None:
+    def handle(self, m: object) -> bytes | None:
         """The answer to a coordinator message (None: nothing to send; a message the
         device refuses is logged and ends its secure round)."""
         c = self.client

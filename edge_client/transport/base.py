@@ -44,4 +44,6 @@ class Transport(Protocol):
 
     def ack(self, msg: Received) -> None: ...
 
-    def close(self) -> None: ...
+    def close(self, clear_will: tuple[str, bytes] | None = None) -> None:
+        """End the session; ``clear_will`` (topic, payload): published first, retained (a
+        clean exit's presence in place of the last will)."""

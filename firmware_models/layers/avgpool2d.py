@@ -16,6 +16,10 @@ from firmware_models.errors import SpecError
 from firmware_models.layers.base import REQUIRED, Shape, SpecLayer
 
 if TYPE_CHECKING:  # pragma: no cover
+    from types import ModuleType
+
+    from torch import Tensor
+
     from firmware_models.onnx_graph import Act, Builder, IntegerGraph, QLinearGraph
 
 
@@ -46,10 +50,10 @@ class AvgPool2d(SpecLayer):
                   ) -> AvgPool2d:
         return cls(name, values["kernel"])
 
-    def torch_forward(self, torch: Any, h: Any) -> Any:
+    def torch_forward(self, torch: ModuleType, h: Tensor) -> Tensor:
         return torch.nn.functional.avg_pool2d(h, self.kernel)
 
-    def torch_int_forward(self, torch: Any, h: Any, one: float) -> Any:
+    def torch_int_forward(self, torch: ModuleType, h: Tensor, one: float) -> Tensor:
         """The engine's rounded mean of activations on the ``1 / one`` grid: exact window
         sums of the integers, then the rounding; gradients straight through the mean."""
         mean = torch.nn.functional.avg_pool2d(h, self.kernel)

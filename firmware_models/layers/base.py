@@ -14,6 +14,9 @@ import numpy as np
 
 if TYPE_CHECKING:  # pragma: no cover
     from collections.abc import Callable
+    from types import ModuleType
+
+    from torch import Tensor
 
     from firmware_models.onnx_graph import Act, Builder, IntegerGraph, QLinearGraph
 
@@ -62,11 +65,11 @@ class SpecLayer:
 
     # float reference ----------------------------------------------------------------
 
-    def torch_forward(self, torch: Any, h: Any) -> Any:
+    def torch_forward(self, torch: ModuleType, h: Tensor) -> Tensor:
         """The float forward of a batch ``h`` [N, ...] (``torch``: the torch module)."""
         raise NotImplementedError
 
-    def torch_int_forward(self, torch: Any, h: Any, one: float) -> Any:
+    def torch_int_forward(self, torch: ModuleType, h: Tensor, one: float) -> Tensor:
         """The s-bit integer engine's forward in float32, activations on the ``1 / one``
         grid (``one = 2^(s-1)``): the float forward unless rounding differs."""
         return self.torch_forward(torch, h)
@@ -112,7 +115,8 @@ class WeightLayer(SpecLayer):
     def fan_in(self) -> int:
         raise NotImplementedError
 
-    def torch_forward(self, torch: Any, h: Any, w: Any = None) -> Any:  # type: ignore[override]
+    def torch_forward(self, torch: ModuleType, h: Tensor,  # type: ignore[override]
+                      w: Tensor | None = None) -> Tensor:
         """``sum w * h`` of a batch ``h`` with weights ``w`` (spec layout; the caller scales)."""
         raise NotImplementedError
 

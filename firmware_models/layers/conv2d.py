@@ -13,6 +13,9 @@ from firmware_models.layers.base import NO_PADS, REQUIRED, Shape, WeightLayer
 
 if TYPE_CHECKING:  # pragma: no cover
     from collections.abc import Callable
+    from types import ModuleType
+
+    from torch import Tensor
 
     from firmware_models.onnx_graph import Act, Builder, IntegerGraph, QLinearGraph, WidthFold
 
@@ -67,7 +70,7 @@ class Conv2d(WeightLayer):
         return cls(name, current[0], values["out"], values["kernel"], values["stride"],
                    values["padding"])
 
-    def torch_forward(self, torch: Any, h: Any, w: Any = None) -> Any:
+    def torch_forward(self, torch: ModuleType, h: Tensor, w: Tensor | None = None) -> Tensor:
         return torch.nn.functional.conv2d(h, w, stride=self.stride, padding=self.padding)
 
     def live_reach(self, codes: np.ndarray, pos: np.ndarray, neg: np.ndarray

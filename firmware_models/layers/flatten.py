@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 from firmware_models.layers.base import Shape, SpecLayer
 
 if TYPE_CHECKING:  # pragma: no cover
+    from types import ModuleType
+
+    from torch import Tensor
+
     from firmware_models.onnx_graph import Act, Builder, IntegerGraph, QLinearGraph
 
 
@@ -29,7 +33,7 @@ class Flatten(SpecLayer):
     def output_shape(self, shape: Shape) -> Shape:
         return (math.prod(shape),)
 
-    def torch_forward(self, torch: Any, h: Any) -> Any:
+    def torch_forward(self, torch: ModuleType, h: Tensor) -> Tensor:
         return h.flatten(1)
 
     def onnx_float(self, b: Builder, v: str) -> str:

@@ -13,6 +13,9 @@ from firmware_models.layers.base import REQUIRED, Shape, WeightLayer
 
 if TYPE_CHECKING:  # pragma: no cover
     from collections.abc import Callable
+    from types import ModuleType
+
+    from torch import Tensor
 
     from firmware_models.onnx_graph import Act, Builder, IntegerGraph, QLinearGraph
 
@@ -57,7 +60,7 @@ class Linear(WeightLayer):
                             f"input features")
         return cls(name, current[0], values["out"])
 
-    def torch_forward(self, torch: Any, h: Any, w: Any = None) -> Any:
+    def torch_forward(self, torch: ModuleType, h: Tensor, w: Tensor | None = None) -> Tensor:
         return torch.nn.functional.linear(h, w)
 
     def live_reach(self, codes: np.ndarray, pos: np.ndarray, neg: np.ndarray

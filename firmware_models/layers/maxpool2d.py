@@ -13,6 +13,10 @@ from firmware_models.errors import SpecError
 from firmware_models.layers.base import REQUIRED, Shape, SpecLayer
 
 if TYPE_CHECKING:  # pragma: no cover
+    from types import ModuleType
+
+    from torch import Tensor
+
     from firmware_models.onnx_graph import Act, Builder, IntegerGraph, QLinearGraph
 
 
@@ -52,7 +56,7 @@ class MaxPool2d(SpecLayer):
                   ) -> MaxPool2d:
         return cls(name, values["kernel"], values["stride"], values["padding"])
 
-    def torch_forward(self, torch: Any, h: Any) -> Any:
+    def torch_forward(self, torch: ModuleType, h: Tensor) -> Tensor:
         """The max-pool of ``h`` [N, C, H, W]. When no gradient is recorded through it
         (evaluation), it is computed on a channels-last copy of ``h`` and returned in the
         usual layout: the same values (a maximum is exact, NaN propagates in both), and

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 
 from firmware_models.layers.base import Shape, SpecLayer
 
 if TYPE_CHECKING:  # pragma: no cover
+    from types import ModuleType
+
+    from torch import Tensor
+
     from firmware_models.onnx_graph import Act, Builder, IntegerGraph, QLinearGraph
 
 
@@ -26,7 +30,7 @@ class ReLU(SpecLayer):
     def output_shape(self, shape: Shape) -> Shape:
         return shape
 
-    def torch_forward(self, torch: Any, h: Any) -> Any:
+    def torch_forward(self, torch: ModuleType, h: Tensor) -> Tensor:
         return torch.nn.functional.relu(h)
 
     def carry_live(self, pos: np.ndarray, neg: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -1,6 +1,7 @@
 """Real coordinator and device processes for the fault-injection suite, with kill points.
 
     python tests/faults/harness.py coordinator --broker URL --out DIR [--fault POINT:N] [--resume]
+                                               [--mode buffered --buffer-size K --concurrency C]
     python tests/faults/harness.py device --broker URL --id D --shift S --samples N --workdir DIR
                                           [--fault crash_after_publish:R] [--delay S]
 
@@ -15,7 +16,7 @@ N-th time it reaches POINT:
 
 - ``before_ack``: an update was persisted and synced, its PUBACK not yet sent;
 - ``after_ack``: an update's PUBACK was sent (and had 0.2 s to leave);
-- ``aggregate``: round N's aggregation started;
+- ``aggregate``: round N's aggregation started (buffered: the buffer of version N);
 - ``checkpoint``: half of round N's checkpoint was written to its temporary file;
 - ``crash_after_publish`` (devices): the broker acknowledged round N's update.
 
@@ -104,9 +105,10 @@ def install_coordinator_fault(point: str, n: int) -> None:
 
 
 def run_coordinator(a: argparse.Namespace) -> int:
+    from coordinator.buffered import BufferedSettings
     from coordinator.config import ServerConfig
     from coordinator.fleet import MqttFleet
-    from coordinator.server import Coordinator
+    from coordinator.job import coordinator_for
     from coordinator.state import RunState
     from coordinator.strategies import build_strategy
     from edge_client.intnn import init_shared
@@ -120,7 +122,8 @@ def run_coordinator(a: argparse.Namespace) -> int:
     admission = AdmissionConfig(enrolment=a.enrolment or "", max_registered=a.max_registered,
                                 samples_policy=a.samples_policy)
     cfg = ServerConfig(job=a.job, model=MODEL, rounds=a.rounds, min_devices=a.devices,
-                       round_timeout_s=a.round_timeout, presence_timeout_s=60, seed=0, admission=admission)
+                       round_timeout_s=a.round_timeout, presence_timeout_s=60, seed=0, admission=admission,
+                       mode=a.mode, buffered=BufferedSettings(buffer_size=a.buffer_size, concurrency=a.concurrency))
     if a.credentials:  # a secured broker: the coordinator's own user (client id = username)
         from edge_client.auth import load_credentials
 
@@ -128,8 +131,8 @@ def run_coordinator(a: argparse.Namespace) -> int:
         fleet = MqttFleet(a.broker, a.job, username=c.username, password=c.password, client_id=c.username)
     else:
         fleet = MqttFleet(a.broker, a.job, username="fedbit-coordinator")
-    co = Coordinator(cfg, fleet, build_strategy("fedavg"), RunState(a.out), evaluator=None,
-                     init_weights=init_shared(get_spec(MODEL), 0), logger=logger.getChild("server"))
+    co = coordinator_for(cfg, fleet, build_strategy("fedavg"), RunState(a.out), evaluator=None,
+                         init_weights=init_shared(get_spec(MODEL), 0), logger=logger.getChild("server"))
     history = co.run(resume=a.resume)
     fleet.close()
     print(json.dumps({"rounds": len(history), "republished": fleet.republished,
@@ -227,6 +230,9 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--max-registered", type=int, default=100_000)
     c.add_argument("--samples-policy", default="clip")
     c.add_argument("--credentials", help="the coordinator's credentials file (a secured broker)")
+    c.add_argument("--mode", default="sync")
+    c.add_argument("--buffer-size", type=int, default=2)
+    c.add_argument("--concurrency", type=int, default=2)
     d = sub.add_parser("device")
     d.add_argument("--broker", required=True)
     d.add_argument("--id", required=True)

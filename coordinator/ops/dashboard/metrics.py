@@ -3,6 +3,31 @@
 A custom collector of ``prometheus_client``: the metrics are made from
 :meth:`FleetMonitor.snapshot` when scraped (nothing on the round loop's path), into a
 registry of the dashboard's own (no global state). Names follow Prometheus' conventions
+``fedbit_rounds_completed_total``          counter    rounds aggregated and checkpointed
+``fedbit_rounds_planned``                  gauge      rounds the job runs
+``fedbit_round``                           gauge      the round in progress (or last closed)
+``fedbit_round_selected_devices``          gauge      devices selected in it
+``fedbit_round_received_updates``          gauge      updates accepted in it so far
+``fedbit_updates_accepted_total``          counter    accepted updates
+``fedbit_updates_rejected_total``          counter    refused messages, label ``reason``
+``fedbit_messages_dropped_total``          counter    late or repeated messages, label ``reason``
+``fedbit_stragglers_total``                counter    selected devices past a round's deadline
+``fedbit_uplink_bytes_total``              counter    accepted update bytes, label ``codec``
+``fedbit_accuracy_ratio``                  gauge      last round's test accuracy, label ``group``
+``fedbit_loss``                            gauge      last round's test loss, label ``group``
+``fedbit_privacy_epsilon``                 gauge      ε spent so far at the job's δ (DP jobs), label ``delta``
+``fedbit_devices_online``                  gauge      devices online with a hello
+``fedbit_devices_known``                   gauge      devices that said hello
+``fedbit_device_wait_seconds_total``       counter    time rounds waited for devices
+``fedbit_round_duration_seconds``          histogram  round time (the wait for devices apart)
+``fedbit_model_version``                   gauge      buffered mode: the model version (applied buffers)
+``fedbit_buffer_updates``                  gauge      buffered mode: updates in the open buffer
+``fedbit_buffer_size``                     gauge      buffered mode: updates that fill a buffer
+``fedbit_devices_training``                gauge      buffered mode: devices holding a request
+``fedbit_update_staleness``                histogram  buffered mode: counted updates' staleness (versions)
+``fedbit_staleness_refusals_total``        counter    buffered mode: updates refused as too stale
+=========================================  =========================================
+=======
 (base units, ``_total`` for counters, ``_ratio`` for 0..1), every metric has a ``job``
 label; the list: docs/operations.md#watching-a-job-the-dashboard-metrics-fedbit-status.
 
@@ -30,6 +55,8 @@ from coordinator.ops.dashboard.monitor import FleetMonitor
 
 #: ``fedbit_round_duration_seconds`` buckets (s)
 DURATION_BUCKETS = (0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0)
+#: ``fedbit_update_staleness`` buckets (versions)
+STALENESS_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64)
 
 
 class MonitorCollector(Collector):
@@ -106,6 +133,26 @@ class MonitorCollector(Collector):
         yield counter("fedbit_device_wait", "Time rounds waited for devices before selecting.",
                       tot["wait_seconds"], unit="seconds")
         yield _histogram([r.get("round_seconds") for r in rounds], job)
+        if cur.get("mode") == "buffered" or snap.get("staleness"):
+            yield from _buffered(snap, job, gauge, counter)
+
+
+def _buffered(snap: dict[str, Any], job: str, gauge: Any, counter: Any) -> Iterator[Metric]:
+    """The buffered mode's metrics (see the module docstring)."""
+    cur = snap["current"]
+    yield gauge("fedbit_model_version", "The model version (buffers applied).", len(snap["rounds"]))
+    yield gauge("fedbit_buffer_updates", "Updates in the open buffer.", cur.get("fill", 0))
+    yield gauge("fedbit_buffer_size", "Updates that fill a buffer.", cur.get("size", 0))
+    yield gauge("fedbit_devices_training", "Devices holding a request to train.", cur.get("in_flight", 0))
+    yield counter("fedbit_staleness_refusals", "Updates refused as staler than max_staleness.",
+                  snap["totals"]["refused"].get("rejected_stale", 0))
+    counts = {int(k): int(v) for k, v in (snap.get("staleness") or {}).items()}
+    buckets = [(f"{b}", sum(n for t, n in counts.items() if t <= b)) for b in STALENESS_BUCKETS]
+    buckets.append(("+Inf", sum(counts.values())))
+    h = HistogramMetricFamily("fedbit_update_staleness", "Staleness of counted updates, in model versions.",
+                              labels=["job"])
+    h.add_metric([job], buckets, sum_value=float(sum(t * n for t, n in counts.items())))
+    yield h
 
 
 def _histogram(values: list[Any], job: str) -> HistogramMetricFamily:

@@ -2,12 +2,12 @@
 
 :class:`FleetMonitor` is an ``on_event`` callback of the
 :class:`~coordinator.server.Coordinator` (``round_start``, ``update``, ``reject``,
-``device``, ``round_end``, ``waiting``, ...). It keeps ``devices`` (every device with an
+``device``, ``round_end``, ``buffer``, ...). It keeps ``devices`` (every device with an
 accepted hello: profile, variant, codec, online, last seen, last update, refusals, why it
-is quarantined), ``alerts``, ``current`` (the round in progress: phase, selected,
-received, deadline, the devices gone and, in a snapshot, those outstanding), ``rounds``
-(one compact record per completed round) and ``totals`` (accepted updates, refusals by
-counter, uplink bytes by codec, seconds waited: the completed rounds' exact figures plus
+is quarantined), ``alerts``, ``current`` (the round in progress, or buffered mode's open
+buffer: version, fill, devices training), ``staleness`` (buffered mode's counted updates
+per staleness), ``rounds`` (one compact record each) and ``totals`` (accepted updates,
+refusals, uplink bytes by codec, seconds waited: the completed rounds' exact figures plus
 what the open round logged so far). Times are Unix seconds.
 
 Per event the round loop pays a few dict updates under a lock and one call per listener
@@ -86,7 +86,8 @@ def round_summary(rec: dict[str, Any]) -> dict[str, Any]:
         "round_seconds": rec.get("round_seconds"), "wait_seconds": rec.get("wait_seconds", 0.0),
         "sim_time": rec.get("sim_time"), "uplink_bytes": dict(rec.get("uplink_bytes") or {}),
         "counts": dict(rec.get("counts") or {}),
-        "epsilon": rec.get("epsilon"), "delta": rec.get("delta"),
+        "epsilon": rec.get("epsilon"), "delta": rec.get("delta"), "mode": rec.get("mode", "sync"),
+        "staleness_mean": rec.get("staleness_mean"), "staleness_max": rec.get("staleness_max"),
     })
 
 
@@ -137,6 +138,8 @@ class FleetMonitor:
             self.done: Counter[str] = Counter()  # completed rounds' totals
             self.live: Counter[str] = Counter()  # the open round's, as logged so far
             self.recent: deque[dict[str, Any]] = deque(maxlen=RECENT)
+            self.staleness_done: Counter[int] = Counter()  # completed buffers' updates by staleness
+            self.staleness_live: Counter[int] = Counter()  # the open buffer's
             self.quarantined: set[str] = set()  # devices in quarantine (named on the page)
             self.alerts: deque[dict[str, Any]] = deque(maxlen=RECENT)  # operator alerts (coordinator.defense)
             self.n_alerts = 0
@@ -218,8 +221,9 @@ class FleetMonitor:
             self.current.setdefault("gone", {})[str(f["device"])] = str(f.get("why", "left"))
 
     def _on_update(self, f: dict[str, Any]) -> None:
-        self.current["received"] = f.get("accepted", self.current.get("received", 0))
-        self.current.setdefault("received_ids", []).append(f["device"])
+        if self.current.get("mode") != "buffered":  # (buffered: the buffer event's fill)
+            self.current["received"] = f.get("accepted", self.current.get("received", 0))
+            self.current.setdefault("received_ids", []).append(f["device"])
         n = int(f.get("bytes", 0))
         self.live["accepted"] += 1
         self.live[f"bytes:{f.get('codec', '?')}"] += n
@@ -244,6 +248,14 @@ class FleetMonitor:
         self.recent.append({"time": self.clock(), "device": f.get("device", ""), "kind": f.get("kind", ""),
                             "reason": f.get("reason", ""), "dropped": bool(f.get("dropped")),
                             "detail": str(f.get("detail", ""))[:200]})
+
+    def _on_buffer(self, f: dict[str, Any]) -> None:
+        self.state = "running"
+        self.current = {"round": f["version"], "phase": "buffering", "mode": "buffered", "version": f["version"],
+                        "fill": f["fill"], "size": f["size"], "in_flight": f["in_flight"],
+                        "received": f["fill"], "selected": f["size"]}
+        if f.get("staleness") is not None:
+            self.staleness_live[int(f["staleness"])] += 1
 
     def _on_quarantine(self, f: dict[str, Any]) -> None:
         dev = str(f.get("device", ""))
@@ -279,11 +291,14 @@ class FleetMonitor:
         for codec, n in s["uplink_bytes"].items():
             self.done[f"bytes:{codec}"] += int(n)
         self.done["wait_milliseconds"] += int(1000 * (s["wait_seconds"] or 0.0))
+        self.staleness_live = Counter()
+        for u in rec.get("updates") or ():
+            self.staleness_done[int(u.get("staleness", 0))] += 1
 
     _handlers: dict[str, Callable[[FleetMonitor, dict[str, Any]], None]] = {
         "device": _on_device, "waiting": _on_waiting, "round_start": _on_round_start, "update": _on_update,
         "reject": _on_reject, "round_end": _on_round_end, "gone": _on_gone, "quarantine": _on_quarantine,
-        "alert": _on_alert}
+        "alert": _on_alert, "buffer": _on_buffer}
 
     # ------------------------------------------------------------------ readers
 
@@ -334,6 +349,7 @@ class FleetMonitor:
                 "alerts": list(self.alerts), "alerts_total": self.n_alerts,
                 "totals": self._totals(), "recent_refusals": list(self.recent),
                 "rounds_done": len(self.rounds),
+                "staleness": {str(k): v for k, v in sorted((self.staleness_done + self.staleness_live).items())},
             }
             if rounds_after is not None:
                 out["rounds_after"] = rounds_after

@@ -47,7 +47,7 @@ def served_info(run_dir: Path) -> dict[str, Any]:
             "title": title or f"job {job.get('job', '?')}: {job.get('model', '?')}, {job.get('strategy', '?')}"}
 
 
-def _alive(pid: Any) -> bool:
+def _alive(pid: object) -> bool:
     if not isinstance(pid, int) or pid <= 0:
         return False
     try:

@@ -6,9 +6,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from coordinator.ops.dashboard.monitor import FleetMonitor, LiveFile
+
+if TYPE_CHECKING:  # pragma: no cover
+    from coordinator.ops.dashboard.web import Dashboard
 
 
 class Watch:
@@ -27,7 +30,7 @@ class Watch:
                  hostnames: list[str] | None = None, password_file: str = "") -> None:
         self.monitor = FleetMonitor()
         self.live: LiveFile | None = None
-        self.dashboard: Any = None
+        self.dashboard: Dashboard | None = None
         self.describe = ""
         if listen:
             from coordinator.ops.dashboard.access import dashboard_access

@@ -24,16 +24,19 @@ import ssl
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from aiohttp import BasicAuth, web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from coordinator.ops.credentials import is_loopback
 from coordinator.ops.dashboard.access import Access
 from coordinator.ops.dashboard.metrics import registry_for
 from coordinator.ops.dashboard.monitor import FleetMonitor
-from coordinator.ops.security import is_loopback
 from edge_client.errors import ConfigError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from aiohttp.typedefs import Handler
 
 STATIC = Path(__file__).with_name("static")
 log = logging.getLogger("fedbit.dashboard")
@@ -169,7 +172,7 @@ class Dashboard:
     # ------------------------------------------------------------------ handlers
 
     @web.middleware
-    async def _guard(self, request: web.Request, handler: Any) -> web.StreamResponse:
+    async def _guard(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         a = self.access
         if not a.password_sha256 and not host_allowed(request.host, a.names):
             raise web.HTTPMisdirectedRequest(text="this dashboard answers to its own names and the loopback "

@@ -10,7 +10,7 @@ batch and five scalars up and reads its loss back (8 bytes).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -20,14 +20,17 @@ from edge_client.intnn.cuda import kernels as KC
 from edge_client.intnn.cuda import layers as _layers  # noqa: F401 (the cuda layers' package)
 from edge_client.intnn.cuda import passes
 from edge_client.intnn.cuda.stack import DeviceRegularizers, Stack, Weights
-from edge_client.intnn.ops import Regularizer, internal_shape
+from edge_client.intnn.workspace import Regularizer, internal_shape
+
+if TYPE_CHECKING:  # pragma: no cover
+    from edge_client.intnn.model import IntModel
 
 
 class CudaWorkspace:
     """Buffers of batches of up to ``capacity`` samples: ``x`` (host, the engine's input
     layout; the caller fills ``x[:n]``) and a :class:`Stack` of one device."""
 
-    def __init__(self, model: Any, capacity: int, train: bool) -> None:
+    def __init__(self, model: IntModel, capacity: int, train: bool) -> None:
         self.capacity = int(capacity)
         self.train = bool(train)
         self.x = np.zeros((self.capacity, *internal_shape(tuple(model.spec.input_shape))),
@@ -39,9 +42,9 @@ class CudaWorkspace:
         self.seed = dev.zeros(1, np.int64)
         self.step = dev.zeros(1, np.int64)
         self.values = passes.StepValues(self.n, self.y, self.lr_log2, self.seed, self.step)
-        self._regs: tuple[Any, DeviceRegularizers] | None = None
+        self._regs: tuple[Regularizer | None, DeviceRegularizers] | None = None
 
-    def regularizers(self, model: Any, reg: Regularizer | None) -> DeviceRegularizers:
+    def regularizers(self, model: IntModel, reg: Regularizer | None) -> DeviceRegularizers:
         """The step's FedProx / FedFOR terms on the GPU (made once per ``Regularizer``)."""
         if self._regs is None or self._regs[0] is not reg:
             self._regs = (reg, DeviceRegularizers(model, [reg]))
@@ -62,12 +65,12 @@ class CudaBackend:
         self.threads = int(threads)
         self.weights: Weights | None = None
 
-    def workspace(self, model: Any, capacity: int, train: bool) -> CudaWorkspace:
+    def workspace(self, model: IntModel, capacity: int, train: bool) -> CudaWorkspace:
         for op in model.ops:
             op.check(model)
         return CudaWorkspace(model, capacity, train)
 
-    def _push(self, model: Any) -> Weights:
+    def _push(self, model: IntModel) -> Weights:
         """The model's weights on the GPU, each layer uploaded where the host's changed."""
         if self.weights is None:
             self.weights = Weights(model, 1)
@@ -79,7 +82,7 @@ class CudaBackend:
                 op.current = "both"
         return self.weights
 
-    def sync(self, model: Any) -> None:
+    def sync(self, model: IntModel) -> None:
         """The host's arrays of the weights the GPU changed, brought up to date."""
         if self.weights is None:
             return
@@ -96,13 +99,13 @@ class CudaBackend:
         dev.upload(ws.stack.x[0, :n], ws.x[:n])
         dev.upload(ws.n, np.array([n], np.int32))
 
-    def forward(self, model: Any, ws: CudaWorkspace, n: int) -> np.ndarray:
+    def forward(self, model: IntModel, ws: CudaWorkspace, n: int) -> np.ndarray:
         wts = self._push(model)
         self._batch(ws, n)
         z = passes.forward(model, ws.stack, wts, ws.n)
         return dev.to_host(z[0, :n])
 
-    def train_step(self, model: Any, ws: CudaWorkspace, y: np.ndarray, n: int, lr_log2: int,
+    def train_step(self, model: IntModel, ws: CudaWorkspace, y: np.ndarray, n: int, lr_log2: int,
                    seed: int, step_count: int, reg: Regularizer | None) -> int:
         wts = self._push(model)
         self._batch(ws, n)

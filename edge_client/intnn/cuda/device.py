@@ -18,10 +18,18 @@ from __future__ import annotations
 
 import os
 import warnings
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from numba import cuda
+
+if TYPE_CHECKING:  # pragma: no cover
+    from numpy.typing import DTypeLike
+
+#: a Numba CUDA device array (a numpy array in ``ptx`` mode); numba ships no type stubs
+DeviceArray = Any
+#: a ``cuda.jit`` kernel (a Numba dispatcher, launched as ``kernel[grid, block](*args)``)
+Kernel = Any
 
 #: threads per block on a GPU, and blocks per device at most (times the SMs over devices)
 THREADS = 256
@@ -69,7 +77,7 @@ def _sms() -> int:
     return int(_mode["sms"])
 
 
-def launch(kernel: Any, per_device: int, devices: int, *args: Any) -> None:
+def launch(kernel: Kernel, per_device: int, devices: int, *args: Any) -> None:
     """Run ``kernel(*args)`` on a grid of ``devices`` rows of blocks sized for
     ``per_device`` elements each (the kernel strides over them)."""
     name = _mode["name"]
@@ -88,7 +96,7 @@ def launch(kernel: Any, per_device: int, devices: int, *args: Any) -> None:
     kernel[(blocks, devices), threads](*args)
 
 
-def _compile(kernel: Any, args: tuple[Any, ...]) -> None:
+def _compile(kernel: Kernel, args: tuple[Any, ...]) -> None:
     from numba import typeof
 
     sig = tuple(typeof(a) for a in args)
@@ -103,18 +111,18 @@ def _compile(kernel: Any, args: tuple[Any, ...]) -> None:
 # ----------------------------------------------------------------------------- arrays
 
 
-def zeros(shape: tuple[int, ...], dtype: Any) -> Any:
+def zeros(shape: tuple[int, ...], dtype: DTypeLike) -> DeviceArray:
     """A zeroed array on the device."""
     host = np.zeros(shape, dtype)
     return host if _mode["name"] == "ptx" else cuda.to_device(host)
 
 
-def to_device(a: np.ndarray) -> Any:
+def to_device(a: np.ndarray) -> DeviceArray:
     a = np.ascontiguousarray(a)
     return a.copy() if _mode["name"] == "ptx" else cuda.to_device(a)
 
 
-def upload(dst: Any, src: np.ndarray) -> None:
+def upload(dst: DeviceArray, src: np.ndarray) -> None:
     """Copy host ``src`` into device array ``dst`` (same shape)."""
     src = np.ascontiguousarray(src, dtype=dst.dtype)
     if _mode["name"] == "ptx":
@@ -123,7 +131,7 @@ def upload(dst: Any, src: np.ndarray) -> None:
         dst.copy_to_device(src)
 
 
-def to_host(a: Any) -> np.ndarray:
+def to_host(a: DeviceArray) -> np.ndarray:
     if _mode["name"] == "ptx":
         return np.array(a)
     return a.copy_to_host()

@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -23,7 +23,12 @@ from edge_client.data import quantize_images
 from edge_client.intnn.cuda import device as dev
 from edge_client.intnn.cuda import kernels as KC
 from edge_client.intnn.cuda import passes
+from edge_client.intnn.cuda.device import DeviceArray
 from edge_client.intnn.cuda.stack import DeviceRegularizers, Stack, Weights
+
+if TYPE_CHECKING:  # pragma: no cover
+    from edge_client.trainers.common import TrainReport
+    from edge_client.trainers.integer import IntTrainer, TrainPlan
 
 
 class ResidentData:
@@ -33,12 +38,12 @@ class ResidentData:
 
     def __init__(self, x: np.ndarray) -> None:
         self.x = x
-        self._rows: dict[int, Any] = {}
+        self._rows: dict[int, DeviceArray] = {}
 
     def __len__(self) -> int:
         return len(self.x)
 
-    def rows(self, bits: int) -> Any:
+    def rows(self, bits: int) -> DeviceArray:
         if bits not in self._rows:
             q = quantize_images(np.asarray(self.x), bits)
             if q.ndim == 4:
@@ -53,15 +58,15 @@ class FleetJob:
     ``plan`` it made for the call, and ``rows``: the resident data set's row of each sample
     of the device's data (its shard)."""
 
-    trainer: Any
-    plan: Any
+    trainer: IntTrainer
+    plan: TrainPlan
     rows: np.ndarray
 
 
-def train_together(jobs: Sequence[FleetJob], data: ResidentData) -> list[Any]:
+def train_together(jobs: Sequence[FleetJob], data: ResidentData) -> list[TrainReport]:
     """Run every job; returns their ``TrainReport`` s in order (each trainer's weights and
     step counter updated as its ``train`` would have)."""
-    reports: list[Any] = [None] * len(jobs)
+    reports: list[Any] = [None] * len(jobs)  # every slot filled below
     groups: dict[tuple[Any, ...], list[int]] = {}
     for i, job in enumerate(jobs):
         m = job.trainer.model
@@ -73,7 +78,7 @@ def train_together(jobs: Sequence[FleetJob], data: ResidentData) -> list[Any]:
     return reports
 
 
-def _train_group(jobs: list[FleetJob], data: ResidentData) -> list[Any]:
+def _train_group(jobs: list[FleetJob], data: ResidentData) -> list[TrainReport]:
     from edge_client.intnn.model import IntModel
 
     t0 = time.perf_counter()

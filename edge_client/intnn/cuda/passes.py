@@ -8,13 +8,17 @@ layer)). Everything stays on the GPU; the host reads nothing until the caller as
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from edge_client.intnn.cuda import device as dev
 from edge_client.intnn.cuda import kernels as KC
+from edge_client.intnn.cuda.device import DeviceArray
 from edge_client.intnn.cuda.stack import DeviceRegularizers, Stack, Weights
+
+if TYPE_CHECKING:  # pragma: no cover
+    from edge_client.intnn.model import IntModel
 
 
 class StepValues:
@@ -22,11 +26,12 @@ class StepValues:
     step out), ``lr_log2`` (int32 [D]), ``seed`` / ``step`` (int64 [D]: the streams' keys),
     ``y`` (labels [D, N])."""
 
-    def __init__(self, n: Any, y: Any, lr_log2: Any, seed: Any, step: Any) -> None:
+    def __init__(self, n: DeviceArray, y: DeviceArray, lr_log2: DeviceArray,
+                 seed: DeviceArray, step: DeviceArray) -> None:
         self.n, self.y, self.lr_log2, self.seed, self.step = n, y, lr_log2, seed, step
 
 
-def forward(model: Any, st: Stack, wts: Weights, n: Any) -> Any:
+def forward(model: IntModel, st: Stack, wts: Weights, n: DeviceArray) -> DeviceArray:
     """Every op's forward; returns the logits ``[D, N, classes]`` (device array)."""
     prev = st.x
     for i, op in enumerate(model.ops):
@@ -36,7 +41,7 @@ def forward(model: Any, st: Stack, wts: Weights, n: Any) -> Any:
     return prev
 
 
-def train_step(model: Any, st: Stack, wts: Weights, sv: StepValues,
+def train_step(model: IntModel, st: Stack, wts: Weights, sv: StepValues,
                regs: DeviceRegularizers) -> None:
     """One SGD step of every device with ``sv.n[d] > 0``; its loss is added to
     ``st.loss[d]``."""

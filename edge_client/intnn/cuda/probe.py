@@ -4,7 +4,10 @@ and toolkit: ``fedbit-edge doctor``)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # pragma: no cover
+    from collections.abc import Callable
 
 #: the oldest compute capability the engine is built for (numba-cuda's floor with CUDA 12)
 MIN_CC = (5, 0)
@@ -50,7 +53,7 @@ def choose(engine: str) -> tuple[str, str]:
     return "cpu", f"integer engine on the CPU (engine auto: {why})"
 
 
-def _name(gpu: Any) -> str:
+def _name(gpu: Any) -> str:  # a numba CUDA device (numba ships no type stubs)
     name = gpu.name
     return name.decode() if isinstance(name, bytes) else str(name)
 
@@ -82,7 +85,7 @@ def describe() -> dict[str, Any]:
     return out
 
 
-def _version(get: Any) -> str:
+def _version(get: Callable[[], object]) -> str:
     try:
         v = get()
     except Exception as exc:  # noqa: BLE001 - reported as unknown

@@ -9,12 +9,17 @@ errors at layer inputs int32, quantized errors s-bit, weights and gradients ``[D
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from edge_client.intnn.cuda import device as dev
-from edge_client.intnn.ops import internal_shape
+from edge_client.intnn.cuda.device import DeviceArray
+from edge_client.intnn.workspace import internal_shape
+
+if TYPE_CHECKING:  # pragma: no cover
+    from edge_client.intnn.model import IntModel
+    from edge_client.intnn.workspace import Regularizer
 
 
 class Stack:
@@ -28,14 +33,14 @@ class Stack:
     the max |e| of each weight layer's error, then of its gradient), ``loss`` (int64 [D],
     summed over steps until zeroed); ``extra[i]``: op i's own buffers."""
 
-    def __init__(self, model: Any, devices: int, capacity: int, train: bool) -> None:
+    def __init__(self, model: IntModel, devices: int, capacity: int, train: bool) -> None:
         self.devices = int(devices)
         self.capacity = int(capacity)
         self.train = bool(train)
         d, cap = self.devices, self.capacity
         in_shape = internal_shape(tuple(model.spec.input_shape))
         self.x = dev.zeros((d, cap, *in_shape), model.adtype)
-        self.acts: list[Any] = []
+        self.acts: list[DeviceArray] = []
         prev = self.x
         for op in model.ops:
             shape = (d, cap, *op.out_shape)
@@ -44,9 +49,9 @@ class Stack:
             prev = act
         self.extra = [op.cuda_buffers(model, self) for op in model.ops]
         self.err_out = self.scal = self.loss = None
-        self.eq: list[Any] = [None] * len(model.ops)
-        self.err_in: list[Any] = [None] * len(model.ops)
-        self.grads: list[Any] = []
+        self.eq: list[DeviceArray] = [None] * len(model.ops)
+        self.err_in: list[DeviceArray] = [None] * len(model.ops)
+        self.grads: list[DeviceArray] = []
         if not train:
             return
         self.err_out = dev.zeros((d, cap, model.spec.num_classes), np.int32)
@@ -66,7 +71,7 @@ class Weights:
     """The weights of D devices on the GPU: ``w[p]`` (storage grid) and ``t[p]`` (ternary,
     int8), ``[D, *weight_shape]``."""
 
-    def __init__(self, model: Any, devices: int) -> None:
+    def __init__(self, model: IntModel, devices: int) -> None:
         self.devices = int(devices)
         self.w = [dev.zeros((devices, *op.weight_shape), model.wdtype) for op in model.param_ops]
         self.t = [dev.zeros((devices, *op.weight_shape), np.int8) for op in model.param_ops]
@@ -86,7 +91,7 @@ class DeviceRegularizers:
     [D, 4]: mu_q, alpha_q, shift, active). ``d_shift`` is the same for every device of a
     model (its grid); a stack without any term passes one-element stand-ins."""
 
-    def __init__(self, model: Any, regs: Sequence[Any]) -> None:
+    def __init__(self, model: IntModel, regs: Sequence[Regularizer | None]) -> None:
         d = len(regs)
         active = [r for r in regs if r is not None and r.active]
         self.any = bool(active)
@@ -96,8 +101,8 @@ class DeviceRegularizers:
             if r is not None and r.active:
                 q[i] = (r.mu_q, r.alpha_q, r.shift, 1)
         self.regq = dev.to_device(q)
-        self.anchor: list[Any] = []
-        self.step_g: list[Any] = []
+        self.anchor: list[DeviceArray] = []
+        self.step_g: list[DeviceArray] = []
         for p, op in enumerate(model.param_ops):
             if not self.any:
                 self.anchor.append(dev.zeros((1, 1), model.wdtype))

@@ -11,7 +11,7 @@ import numpy as np
 from numba import njit
 
 from edge_client.intnn.layers.base import IntLayer, Numerics, ParamPass, implements
-from edge_client.intnn.ops import Workspace
+from edge_client.intnn.workspace import Workspace
 from firmware_models.layers.avgpool2d import AvgPool2d
 
 
@@ -57,6 +57,8 @@ class CpuAvgPool2d(IntLayer):
     """Average pool on NHWC activations; split over samples as the layer before it is.
     Its output does not keep the ReLU's zeros meaning zero errors (a mean rounded to 0
     may come from positive cells): ``relu_out`` is False."""
+
+    layer: AvgPool2d
 
     split_like_input = True
 

@@ -9,14 +9,17 @@ weight layer's backward on the CPU backend).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import numpy as np
 
 from edge_client.errors import ConfigError
 from edge_client.intnn import kernels as K
-from edge_client.intnn.ops import Scratch, Workspace
 from edge_client.intnn.parallel import Task
+from edge_client.intnn.workspace import Scratch, Workspace
+
+if TYPE_CHECKING:  # pragma: no cover
+    from firmware_models.layers.base import SpecLayer, WeightLayer
 
 INT32_LIMIT = (1 << 31) - 1
 INT16_LIMIT = (1 << 15) - 1
@@ -71,7 +74,7 @@ class IntLayer:
     fused_error: bool = False
     vnni: bool = False
 
-    def __init__(self, layer: Any, index: int, in_shape: tuple[int, ...],
+    def __init__(self, layer: SpecLayer, index: int, in_shape: tuple[int, ...],
                  out_shape: tuple[int, ...]) -> None:
         self.layer = layer
         self.index = index
@@ -109,8 +112,8 @@ class IntLayer:
     def buffers(self, model: Numerics, n: int, train: bool
                 ) -> tuple[dict[str, np.ndarray | None], dict[str, np.ndarray | None], int]:
         """(shared buffers, one thread's scratch, length of the non-zero lists it needs) for
-        batches of ``n``; names are :class:`~edge_client.intnn.ops.Workspace`'s and
-        :class:`~edge_client.intnn.ops.Scratch`'s lists."""
+        batches of ``n``; names are :class:`~edge_client.intnn.workspace.Workspace`'s and
+        :class:`~edge_client.intnn.workspace.Scratch`'s lists."""
         return {}, {}, 0
 
     def has_input_error(self) -> bool:
@@ -141,7 +144,9 @@ class IntWeightLayer(IntLayer):
     (int8), both in ``weight_shape`` (the engine's layout); ``shift``: the forward's
     rounding shift ``1 + log2 alpha``; ``relu``: a ReLU right after it is fused."""
 
-    def __init__(self, layer: Any, index: int, in_shape: tuple[int, ...],
+    layer: WeightLayer
+
+    def __init__(self, layer: WeightLayer, index: int, in_shape: tuple[int, ...],
                  out_shape: tuple[int, ...]) -> None:
         super().__init__(layer, index, in_shape, out_shape)
         self.shift = 0
@@ -255,5 +260,6 @@ class ParamPass(Protocol):
     sh: int                   # a fused update's shift
     key: int                  # a fused update's stochastic-rounding key
 
-    def task(self, kernel: Any, args: Any, total: int, align: int = 1, first: bool = False,
-             split: bool | None = None, tag: int | None = None) -> Task: ...
+    def task(self, kernel: Callable[..., Any], args: Callable[[int, int, int], Sequence[Any]],
+             total: int, align: int = 1, first: bool = False, split: bool | None = None,
+             tag: int | None = None) -> Task: ...

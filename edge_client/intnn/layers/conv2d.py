@@ -6,7 +6,7 @@ choice of each.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -20,9 +20,12 @@ from edge_client.intnn.layers.base import (
     implements,
     vnni_dot,
 )
-from edge_client.intnn.ops import Workspace, plane_len
 from edge_client.intnn.parallel import Task
+from edge_client.intnn.workspace import Workspace, plane_len
 from firmware_models import Conv2d
+
+if TYPE_CHECKING:  # pragma: no cover
+    from collections.abc import Callable
 
 GROUP_PIXELS = 4096  # output pixels per im2col group when evaluating (memory bound)
 PIXEL_BLOCK = 2048   # output pixels accumulated at a time by the conv forward (L1-sized)
@@ -38,6 +41,8 @@ class IntConv2d(IntWeightLayer):
     """A conv in the engine's layout: weights ``[K, K, C, O]`` (the stochastic-rounding
     counter enumerates them in that order), ``plane``: stride 1 (computed from the
     padded planar layout, ``kernels.*_plane``)."""
+
+    layer: Conv2d
 
     @property
     def plane(self) -> bool:
@@ -81,7 +86,7 @@ class CpuConv2d(IntConv2d):
     ``[K*ng, Op, 4]``, 128 x sums). ``grad_mode`` (per workspace): the weight gradient's
     kernel, ``"int64" | "sparse" | "plane" | "dot"``."""
 
-    def __init__(self, layer: Any, index: int, in_shape: tuple[int, ...],
+    def __init__(self, layer: Conv2d, index: int, in_shape: tuple[int, ...],
                  out_shape: tuple[int, ...]) -> None:
         super().__init__(layer, index, in_shape, out_shape)
         self.grad_mode = ""
@@ -315,7 +320,7 @@ class CpuConv2d(IntConv2d):
             split=False)
 
 
-def _reporting_none(kernel: Any) -> Any:
+def _reporting_none(kernel: Callable[..., object]) -> Callable[..., int]:
     """A gradient kernel that does not report max |G|, reporting -1."""
     def run(*args: Any) -> int:
         kernel(*args)

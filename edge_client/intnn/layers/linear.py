@@ -18,8 +18,8 @@ from edge_client.intnn.layers.base import (
     implements,
     vnni_dot,
 )
-from edge_client.intnn.ops import Workspace
 from edge_client.intnn.parallel import Task
+from edge_client.intnn.workspace import Workspace
 from firmware_models import Linear
 
 # a VNNI linear layer with at least this many weights makes its gradient twice (its max,
@@ -31,6 +31,8 @@ class IntLinear(IntWeightLayer):
     """A linear layer in the engine's layout: weights ``[F, O]``; its stochastic-rounding
     counter runs over ``[O, F]`` (the spec's order). ``perm``: after a flatten of
     [C, H, W], the spec column of each engine column."""
+
+    layer: Linear
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)

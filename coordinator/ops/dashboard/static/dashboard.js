@@ -122,15 +122,40 @@
     badge.textContent = state.state;
     badge.className = "badge " + state.state;
     const c = state.current || {};
-    $("round-label").textContent = `round ${c.round || 0} of ${state.rounds_planned || "?"}`;
+    $("round-label").textContent = c.mode === "buffered" ? `version ${c.version || 0} of ${state.rounds_planned || "?"}`
+      : `round ${c.round || 0} of ${state.rounds_planned || "?"}`;
     const alerts = state.alerts || [];
     $("alert").hidden = !alerts.length;
     $("alert").textContent = alerts.length ? `ALERT (round ${alerts[alerts.length - 1].round}): ` +
       alerts[alerts.length - 1].text : "";
   }
 
+  function drawStaleness() {
+    const counts = Object.entries(state.staleness || {}).map(([k, v]) => [Number(k), v]).sort((a, b) => a[0] - b[0]);
+    $("staleness-panel").hidden = !counts.length && (state.current || {}).mode !== "buffered";
+    const body = $("staleness").tBodies[0];
+    body.replaceChildren();
+    const most = Math.max(1, ...counts.map(([, v]) => v));
+    for (const [tau, n] of counts) {
+      const tr = el("tr"), bar = el("div", null, "hbar");
+      bar.style.width = (100 * n / most).toFixed(1) + "%";
+      const td = el("td");
+      td.append(bar);
+      tr.append(el("td", tau, "num"), el("td", n, "num"), td);
+      body.append(tr);
+    }
+  }
+
   function drawProgress() {
     const c = state.current || {};
+    if (c.mode === "buffered") {  // a buffer filling, not a round
+      const refused = ((state.totals || {}).refused || {}).rejected_stale || 0;
+      facts($("progress"), [["model version", `${c.version || 0} of ${state.rounds_planned || "?"}`],
+                            ["buffer", `${c.fill ?? 0} of ${c.size ?? "?"} updates`],
+                            ["devices training", c.in_flight ?? 0], ["refused as stale", refused]]);
+      $("progress-bar").style.width = (100 * Math.min(1, (c.fill || 0) / (c.size || 1))).toFixed(1) + "%";
+      return;
+    }
     const pairs = [["round", `${c.round || 0} of ${state.rounds_planned || "?"}`]];
     if (c.phase === "waiting" && c.need) {
       pairs.push(["phase", `waiting for devices: ${c.present ?? 0} of ${c.need} present`]);
@@ -224,7 +249,7 @@
   }
 
   function render(full) {
-    drawHeader(); drawProgress(); drawTotals(); drawDevices(); drawRefusals();
+    drawHeader(); drawProgress(); drawTotals(); drawStaleness(); drawDevices(); drawRefusals();
     if (full) drawConfig();
     drawAccuracy(); drawBytes();
     api.history.push([Date.now(), api.accuracyPoints(), state.online]);

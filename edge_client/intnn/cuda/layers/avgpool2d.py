@@ -4,7 +4,7 @@ the last window)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -13,6 +13,11 @@ from edge_client.intnn.cuda.device import cuda
 from edge_client.intnn.cuda.layers.base import CudaLayer
 from edge_client.intnn.layers.base import IntLayer, implements
 from firmware_models.layers.avgpool2d import AvgPool2d
+
+if TYPE_CHECKING:  # pragma: no cover
+    from edge_client.intnn.cuda.device import DeviceArray
+    from edge_client.intnn.cuda.stack import Stack, Weights
+    from edge_client.intnn.model import IntModel
 
 
 @cuda.jit(cache=True)
@@ -62,12 +67,15 @@ KERNELS = (avgpool_forward, avgpool_backward)
 class CudaAvgPool2d(CudaLayer, IntLayer):
     """Average pool on ``[D, N, H, W, C]`` activations (``relu_out`` False, as the CPU's)."""
 
-    def cuda_forward(self, model: Any, stack: Any, weights: Any, prev: Any, out: Any,
-                     n: Any) -> None:
+    layer: AvgPool2d
+
+    def cuda_forward(self, model: IntModel, stack: Stack, weights: Weights,
+                     prev: DeviceArray, out: DeviceArray, n: DeviceArray) -> None:
         dev.launch(avgpool_forward, stack.capacity * int(np.prod(self.out_shape)), stack.devices,
                    prev, self.layer.kernel, out, n)
 
-    def cuda_backward(self, model: Any, stack: Any, cur: Any, n: Any) -> Any:
+    def cuda_backward(self, model: IntModel, stack: Stack, cur: DeviceArray,
+                      n: DeviceArray) -> DeviceArray:
         dst = stack.err_in[self.index]
         e = cur.reshape(stack.devices, stack.capacity, *self.out_shape)
         dev.launch(avgpool_backward, stack.capacity * int(np.prod(self.in_shape)), stack.devices,

@@ -5,26 +5,33 @@ updates; the backend copies them across when the other side needs them)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from edge_client.intnn.cuda import device as dev
+
+if TYPE_CHECKING:  # pragma: no cover
+    from edge_client.intnn.cuda.backend import CudaWorkspace
+    from edge_client.intnn.cuda.device import DeviceArray
+    from edge_client.intnn.cuda.stack import Stack, Weights
+    from edge_client.intnn.model import IntModel
 
 
 class CudaLayer:
     """The passes' calls of a layer on the CUDA engine. ``n``: int32 [D] samples per
     device this step; arrays ``[D, N, *shape]``."""
 
-    def cuda_buffers(self, model: Any, stack: Any) -> dict[str, Any]:
+    def cuda_buffers(self, model: IntModel, stack: Stack) -> dict[str, DeviceArray]:
         """Device arrays besides the activations and errors (``stack.extra[index]``)."""
         return {}
 
-    def cuda_forward(self, model: Any, stack: Any, weights: Any, prev: Any, out: Any,
-                     n: Any) -> None:
+    def cuda_forward(self, model: IntModel, stack: Stack, weights: Weights,
+                     prev: DeviceArray, out: DeviceArray, n: DeviceArray) -> None:
         raise NotImplementedError(f"{type(self).__name__}: no forward")
 
-    def cuda_backward(self, model: Any, stack: Any, cur: Any, n: Any) -> Any:
+    def cuda_backward(self, model: IntModel, stack: Stack, cur: DeviceArray,
+                      n: DeviceArray) -> DeviceArray:
         """A layer without weights: the error at its input from ``cur`` (at its output)."""
         raise NotImplementedError(f"{type(self).__name__}: no backward")
 
@@ -39,16 +46,17 @@ class CudaWeightLayer(CudaLayer):
     def ternary_copies(self) -> None:
         self.current = "host"
 
-    def quantized_error(self, ws: Any, n: int) -> np.ndarray:
+    def quantized_error(self, ws: CudaWorkspace, n: int) -> np.ndarray:
         """The last step's quantized error at the output, [n, *out_shape] (device 0)."""
         return dev.to_host(ws.stack.eq[self.index])[0, :n].copy()
 
-    def cuda_input_error(self, model: Any, stack: Any, weights: Any, eq: Any, dst: Any,
-                         n: Any) -> None:
+    def cuda_input_error(self, model: IntModel, stack: Stack, weights: Weights,
+                         eq: DeviceArray, dst: DeviceArray, n: DeviceArray) -> None:
         """The error at the input (int32) from the quantized error ``eq``."""
         raise NotImplementedError
 
-    def cuda_grad(self, model: Any, stack: Any, eq: Any, a_in: Any, g: Any, n: Any) -> None:
+    def cuda_grad(self, model: IntModel, stack: Stack, eq: DeviceArray, a_in: DeviceArray,
+                  g: DeviceArray, n: DeviceArray) -> None:
         """The weight gradient ``g`` ([D, *weight_shape]) from ``eq`` and the input
         activations ``a_in``."""
         raise NotImplementedError

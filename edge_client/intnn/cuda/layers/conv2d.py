@@ -7,7 +7,7 @@ that may exceed it, ``needs_int64_grad``).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -19,6 +19,11 @@ from edge_client.intnn.cuda.layers.base import CudaWeightLayer
 from edge_client.intnn.layers.base import implements
 from edge_client.intnn.layers.conv2d import IntConv2d
 from firmware_models import Conv2d
+
+if TYPE_CHECKING:  # pragma: no cover
+    from edge_client.intnn.cuda.device import DeviceArray
+    from edge_client.intnn.cuda.stack import Stack, Weights
+    from edge_client.intnn.model import IntModel
 
 #: gradient threads wanted on the GPU (samples are split into parts summed with atomics
 #: when the weights alone give fewer)
@@ -133,29 +138,30 @@ KERNELS = (conv_forward, conv_backward_data, conv_weight_grad)
 class CudaConv2d(CudaWeightLayer, IntConv2d):
     """The conv on the CUDA engine (``IntConv2d``'s weights layout and counter order)."""
 
-    def grad_parts(self, stack: Any) -> int:
+    def grad_parts(self, stack: Stack) -> int:
         """How many parts the gradient's sample sum is split into (atomics join them)."""
         if dev.simulator():
             return min(2, stack.capacity)
         size = int(np.prod(self.weight_shape)) * stack.devices
         return max(1, min(stack.capacity, GRAD_THREADS // max(1, size)))
 
-    def cuda_forward(self, model: Any, stack: Any, weights: Any, prev: Any, out: Any,
-                     n: Any) -> None:
+    def cuda_forward(self, model: IntModel, stack: Stack, weights: Weights,
+                     prev: DeviceArray, out: DeviceArray, n: DeviceArray) -> None:
         lay = self.layer
         per = int(np.prod(self.out_shape))
         dev.launch(conv_forward, stack.capacity * per, stack.devices, prev,
                    weights.t[self.param], lay.stride, lay.padding, self.shift, model.amax,
                    self.relu, out, n)
 
-    def cuda_input_error(self, model: Any, stack: Any, weights: Any, eq: Any, dst: Any,
-                         n: Any) -> None:
+    def cuda_input_error(self, model: IntModel, stack: Stack, weights: Weights,
+                         eq: DeviceArray, dst: DeviceArray, n: DeviceArray) -> None:
         lay = self.layer
         per = int(np.prod(self.in_shape))
         dev.launch(conv_backward_data, stack.capacity * per, stack.devices, eq,
                    weights.t[self.param], lay.stride, lay.padding, dst, n)
 
-    def cuda_grad(self, model: Any, stack: Any, eq: Any, a_in: Any, g: Any, n: Any) -> None:
+    def cuda_grad(self, model: IntModel, stack: Stack, eq: DeviceArray, a_in: DeviceArray,
+                  g: DeviceArray, n: DeviceArray) -> None:
         lay = self.layer
         parts = self.grad_parts(stack)
         size = int(np.prod(self.weight_shape))

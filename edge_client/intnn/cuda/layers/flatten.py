@@ -3,13 +3,18 @@ order, as the CPU engine's; the linear layer after it permutes its columns to ma
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from edge_client.intnn.cuda.layers.base import CudaLayer
 from edge_client.intnn.layers.base import IntLayer, implements
 from firmware_models import Flatten
+
+if TYPE_CHECKING:  # pragma: no cover
+    from edge_client.intnn.cuda.device import DeviceArray
+    from edge_client.intnn.cuda.stack import Stack, Weights
+    from edge_client.intnn.model import IntModel
 
 
 @implements(Flatten, backend="cuda")
@@ -26,9 +31,10 @@ class CudaFlatten(CudaLayer, IntLayer):
     def relu_out(self, relu_in: bool) -> bool:
         return relu_in
 
-    def cuda_forward(self, model: Any, stack: Any, weights: Any, prev: Any, out: Any,
-                     n: Any) -> None:
+    def cuda_forward(self, model: IntModel, stack: Stack, weights: Weights,
+                     prev: DeviceArray, out: DeviceArray, n: DeviceArray) -> None:
         """Nothing to run: ``out`` is ``prev``'s view."""
 
-    def cuda_backward(self, model: Any, stack: Any, cur: Any, n: Any) -> Any:
+    def cuda_backward(self, model: IntModel, stack: Stack, cur: DeviceArray,
+                      n: DeviceArray) -> DeviceArray:
         return cur.reshape(stack.devices, stack.capacity, *self.in_shape)

@@ -6,7 +6,7 @@ per output element, int32 sums (int64 for a gradient that may exceed it).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -17,6 +17,11 @@ from edge_client.intnn.cuda.layers.base import CudaWeightLayer
 from edge_client.intnn.layers.base import implements
 from edge_client.intnn.layers.linear import IntLinear
 from firmware_models import Linear
+
+if TYPE_CHECKING:  # pragma: no cover
+    from edge_client.intnn.cuda.device import DeviceArray
+    from edge_client.intnn.cuda.stack import Stack, Weights
+    from edge_client.intnn.model import IntModel
 
 
 @cuda.jit(cache=True)
@@ -75,19 +80,20 @@ KERNELS = (linear_forward, linear_backward_data, linear_weight_grad)
 class CudaLinear(CudaWeightLayer, IntLinear):
     """The linear layer on the CUDA engine (``IntLinear``'s layout and counter order)."""
 
-    def cuda_forward(self, model: Any, stack: Any, weights: Any, prev: Any, out: Any,
-                     n: Any) -> None:
+    def cuda_forward(self, model: IntModel, stack: Stack, weights: Weights,
+                     prev: DeviceArray, out: DeviceArray, n: DeviceArray) -> None:
         a = prev.reshape(stack.devices, stack.capacity, self.in_shape[0])
         dev.launch(linear_forward, stack.capacity * self.out_shape[0], stack.devices, a,
                    weights.t[self.param], self.shift, model.amax, self.relu, out, n)
 
-    def cuda_input_error(self, model: Any, stack: Any, weights: Any, eq: Any, dst: Any,
-                         n: Any) -> None:
+    def cuda_input_error(self, model: IntModel, stack: Stack, weights: Weights,
+                         eq: DeviceArray, dst: DeviceArray, n: DeviceArray) -> None:
         d2 = dst.reshape(stack.devices, stack.capacity, self.in_shape[0])
         dev.launch(linear_backward_data, stack.capacity * self.in_shape[0], stack.devices,
                    eq, weights.t[self.param], d2, n)
 
-    def cuda_grad(self, model: Any, stack: Any, eq: Any, a_in: Any, g: Any, n: Any) -> None:
+    def cuda_grad(self, model: IntModel, stack: Stack, eq: DeviceArray, a_in: DeviceArray,
+                  g: DeviceArray, n: DeviceArray) -> None:
         a = a_in.reshape(stack.devices, stack.capacity, self.in_shape[0])
         dev.launch(linear_weight_grad, int(np.prod(self.weight_shape)), stack.devices, eq, a,
                    g, n, g.dtype == np.int64)

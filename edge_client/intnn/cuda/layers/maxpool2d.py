@@ -6,7 +6,7 @@ each input cell gathering the outputs it won (no atomics, overlapping windows ad
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -16,6 +16,11 @@ from edge_client.intnn.cuda.device import cuda
 from edge_client.intnn.cuda.layers.base import CudaLayer
 from edge_client.intnn.layers.base import IntLayer, Numerics, implements
 from firmware_models import MaxPool2d
+
+if TYPE_CHECKING:  # pragma: no cover
+    from edge_client.intnn.cuda.device import DeviceArray
+    from edge_client.intnn.cuda.stack import Stack, Weights
+    from edge_client.intnn.model import IntModel
 
 MAX_POOL_KERNEL = 11  # winners are int8 cell numbers kh * k + kw
 
@@ -84,6 +89,8 @@ KERNELS = (maxpool_forward, maxpool_backward)
 class CudaMaxPool2d(CudaLayer, IntLayer):
     """Max-pool on ``[D, N, H, W, C]`` activations."""
 
+    layer: MaxPool2d
+
     def relu_out(self, relu_in: bool) -> bool:
         return relu_in
 
@@ -92,18 +99,19 @@ class CudaMaxPool2d(CudaLayer, IntLayer):
             raise ConfigError(f"{self.layer.name}: pool kernel {self.layer.kernel} > "
                               f"{MAX_POOL_KERNEL}")
 
-    def cuda_buffers(self, model: Any, stack: Any) -> dict[str, Any]:
+    def cuda_buffers(self, model: IntModel, stack: Stack) -> dict[str, DeviceArray]:
         shape = (stack.devices, stack.capacity, *self.out_shape) if stack.train else (1, 1, 1, 1, 1)
         return {"win": dev.zeros(shape, np.int8)}
 
-    def cuda_forward(self, model: Any, stack: Any, weights: Any, prev: Any, out: Any,
-                     n: Any) -> None:
+    def cuda_forward(self, model: IntModel, stack: Stack, weights: Weights,
+                     prev: DeviceArray, out: DeviceArray, n: DeviceArray) -> None:
         lay = self.layer
         dev.launch(maxpool_forward, stack.capacity * int(np.prod(self.out_shape)), stack.devices,
                    prev, lay.kernel, lay.step, lay.padding, out, stack.extra[self.index]["win"],
                    stack.train, self.relu_in, n)
 
-    def cuda_backward(self, model: Any, stack: Any, cur: Any, n: Any) -> Any:
+    def cuda_backward(self, model: IntModel, stack: Stack, cur: DeviceArray,
+                      n: DeviceArray) -> DeviceArray:
         lay = self.layer
         dst = stack.err_in[self.index]
         e = cur.reshape(stack.devices, stack.capacity, *self.out_shape)

@@ -91,7 +91,7 @@ def check_device_id(device_id: str) -> str:
     return device_id
 
 
-def check_max_samples(value: Any, what: str) -> int:
+def check_max_samples(value: object, what: str) -> int:
     """``value`` if it is a sample cap (an integer in [0, 2^40]; 0: uncapped), else ConfigError."""
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_SAMPLES_LIMIT:
         raise ConfigError(f"{what}: must be an integer in [0, 2^40] (0: uncapped), got {value!r}")

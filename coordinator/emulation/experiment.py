@@ -1,5 +1,5 @@
 """Runs an experiment: every sweep combination with every seed, each an
-:class:`~coordinator.emulation.run.Emulator` run, then the reports.
+:class:`~coordinator.emulation.emulator.Emulator` run, then the reports.
 
 ``resume``: an interrupted sweep (a killed process, a machine's time limit) goes on from
 where it stopped. A run folder that holds a finished run of the same combination and seed
@@ -36,8 +36,9 @@ def finished_run(run_dir: str | Path, cfg: ExperimentConfig, seed: int) -> bool:
     ``seed``: its ``emulation.json`` was written at the run's end (``wall_seconds``), it
     records the same config (every key but the name, the seed list and the sweep table), the same
     stage settings and the same seed, and ``out/metrics.jsonl`` has one record for each
-    round it ran (``cfg.rounds``, or fewer when it stopped at a plateau: its ``stop``).
-    Unreadable files count as not finished."""
+    round it ran (``cfg.rounds``, fewer when it stopped at a plateau: its ``stop``, or each
+    round up to the simulated time budget, ``[clock] until_s``). Unreadable files count as
+    not finished."""
     run_dir = Path(run_dir)
     try:
         info = json.loads((run_dir / "emulation.json").read_text())
@@ -47,8 +48,12 @@ def finished_run(run_dir: str | Path, cfg: ExperimentConfig, seed: int) -> bool:
     if not isinstance(info, dict) or "wall_seconds" not in info or info.get("seed") != int(seed):
         return False
     rounds = sorted({_round(line) for line in lines if line.strip()} - {None})
-    ran = (info.get("stop") or {}).get("rounds", cfg.rounds)
+    stop = info.get("stop") or {}
+    ran = stop.get("rounds", cfg.rounds)
     if not isinstance(ran, int) or not 1 <= ran <= cfg.rounds or rounds != list(range(1, ran + 1)):
+        return False
+    until = float(cfg.clock.until_s)  # (fewer rounds: a plateau, or the simulated time budget)
+    if ran < cfg.rounds and stop.get("plateau_round") is None and float(info.get("sim_seconds", 0.0)) < until:
         return False
     return (_run_keys(info.get("config")) == _run_keys(_plain(cfg.as_dict()))
             and info.get("paper_stage_params") == _plain(dict(cfg.paper_stage_params)))
@@ -83,7 +88,7 @@ def _clear(run_dir: Path) -> None:
 
 def run_experiment(cfg: ExperimentConfig, out: str | Path, *, on_event: Any = None, echo: Any = print,
                    on_run: Any = None, resume: bool = False) -> Path:
-    """Run every sweep combination with every seed (``coordinator.emulation.run.Emulator``)
+    """Run every sweep combination with every seed (``coordinator.emulation.emulator.Emulator``)
     and write the reports. One run goes to ``out`` itself; several to
     ``out/runs/<combination>/seed-<k>/`` with a sweep summary in ``out``. Returns the
     path of the top ``summary.md``. ``on_event(rounds)`` makes each run's progress
@@ -121,8 +126,8 @@ def _one_run(c: ExperimentConfig, combo: dict[str, Any], seed: int, run_dir: Pat
              on_run: Any, resume: bool, report: bool = True) -> Path | None:
     """One emulated run (a part-way one cleared first under ``resume``) and its report
     (``report``; a tuning run's figures are read from its metrics)."""
+    from coordinator.emulation.emulator import Emulator
     from coordinator.emulation.report import write_report
-    from coordinator.emulation.run import Emulator
     from coordinator.ops.dashboard.monitor import fan_out
 
     if resume:

@@ -1,7 +1,9 @@
 """The simulated clock: :class:`SimLinks` (each device's link and compute model),
 :func:`calibrate` (seconds per sample of each variant on this machine) and
-:class:`EmulatedFleet`, which puts that clock between the coordinator and the real fleet.
-See :mod:`coordinator.emulation.run`."""
+:class:`EmulatedFleet`, which puts that clock between the coordinator and the real fleet
+of a job in rounds (``coordinator.emulation.eventclock``: in buffered mode). Device
+availability (``coordinator.emulation.availability``) reaches the coordinator as presence
+messages at their simulated time. See :mod:`coordinator.emulation.emulator`."""
 
 from __future__ import annotations
 
@@ -16,15 +18,19 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from coordinator.devices import Cohort
-from coordinator.emulation.emulator import FleetPlan, derive_seed
+from coordinator.emulation.availability import Availability
+from coordinator.emulation.fleet_plan import FleetPlan, derive_seed
 from coordinator.emulation.secure import SecureDevices, drop_phase
 from coordinator.emulation.worker import RoundMessages, one_thread_torch
 from coordinator.fleet import Fleet, Inbound
 from edge_client.errors import ProtocolError
 from edge_client.protocol import (
+    Presence,
     RoundAnnouncement,
     Update,
     decode_message,
+    encode_message,
+    topic,
 )
 
 if TYPE_CHECKING:
@@ -32,7 +38,12 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("fedbit.emulator")
 
-__all__ = ["EmulatedFleet", "SimLinks", "calibrate", "one_thread_torch"]
+__all__ = ["EmulatedFleet", "SimLinks", "calibrate", "one_thread_torch", "presence_message"]
+
+def presence_message(job: str, device_id: str, online: bool) -> Inbound:
+    """A device's presence change as the coordinator receives it (made, not received)."""
+    return Inbound("presence", device_id, encode_message(Presence(device_id, online)), time.monotonic(),
+                   topic(job, "presence", device_id))  # (no receipt: nothing to ack)
 
 
 @dataclass
@@ -103,6 +114,7 @@ class _SimRound:
     model_bytes: dict[str, int]
     hparams: dict[str, Any]
     t0: float  # wall (monotonic)
+    sim_t0: float = 0.0  # simulated start
     pending: dict[str, tuple[float, Inbound]] = field(default_factory=dict)
     train_seconds: dict[str, float] = field(default_factory=dict)
     out: deque = field(default_factory=deque)
@@ -128,11 +140,18 @@ class EmulatedFleet(Fleet):
         on_progress: called (from the coordinator's thread, while it waits for updates)
             with the workers' :class:`~coordinator.emulation.pool.Progress` as fields
             whenever it changed.
+        availability: when devices are online (None: always). A selected device whose
+            session ends before its update arrives is lost (``sim_offline``); the changes
+            of a round's simulated time reach the coordinator after its updates, and while
+            it waits for ``need`` present devices between rounds the clock moves on to
+            the changes that bring them.
+        until_s: the simulated time budget (0: none): no round starts past it.
     """
 
     def __init__(self, inner: Fleet, host: WorkerPool, links: SimLinks, *, quorum: float,
                  deadline_s: float, wall_timeout_s: float,
-                 on_progress: Callable[[dict[str, Any]], None] | None = None) -> None:
+                 on_progress: Callable[[dict[str, Any]], None] | None = None,
+                 availability: Availability | None = None, need: int = 1, until_s: float = 0.0) -> None:
         self.inner = inner
         self.job = inner.job
         self.host = host
@@ -144,6 +163,11 @@ class EmulatedFleet(Fleet):
         self.on_progress = on_progress
         self._shown: Any = None
         self._round: _SimRound | None = None
+        self.availability = availability if availability is not None and not availability.always else None
+        self.need = need
+        self.until_s = until_s
+        self._between: deque[Inbound] = deque()  # presence changes made while the coordinator waits
+        self._waited = 0.0  # simulated seconds waited for devices since the last round started
         self._identities: dict[str, bytes] = {}  # the devices' secure-aggregation identities
 
     # pass-throughs
@@ -160,7 +184,7 @@ class EmulatedFleet(Fleet):
         self.inner.flush()
 
     def ack(self, msg: Inbound) -> None:
-        if msg.receipt is not None:  # (a secure round's device messages are made here)
+        if msg.receipt is not None:  # (a secure round's device messages, presence changes: made here)
             self.inner.ack(msg)
 
     def send(self, device_id: str, payload: bytes) -> None:
@@ -179,6 +203,15 @@ class EmulatedFleet(Fleet):
     def roster(self) -> list[Cohort]:
         return self.host.roster()
 
+    def offline(self) -> list[str]:
+        return self.availability.offline_at(0.0) if self.availability else []
+
+    def now(self) -> float:
+        return self.sim_time
+
+    def done(self) -> bool:
+        return bool(self.until_s) and self.sim_time >= self.until_s
+
     # the round
     def announce_round(self, models: Mapping[str, bytes], announcement: bytes, status: bytes) -> None:
         ann = decode_message(announcement)
@@ -186,7 +219,9 @@ class EmulatedFleet(Fleet):
         self.inner.announce_round(models, announcement, status)
         self.inner.flush()  # the round is retained before any device connects
         selected = list(ann.selected)
-        lost = [d for d in selected if self.links.dropped(d, ann.round_id)]
+        av = self.availability
+        lost = [d for d in selected if self.links.dropped(d, ann.round_id)
+                or av is not None and not av.online(d, self.sim_time)]
         secure = None
         if "secagg" in ann.hparams:  # lost devices drop at a phase; those past the first train
             drops = {d: drop_phase(self.links.seed, d, ann.round_id) for d in lost}
@@ -194,7 +229,7 @@ class EmulatedFleet(Fleet):
             lost = [d for d in lost if drops[d] == "keys"]
         started = [d for d in selected if d not in lost]
         self._round = _SimRound(ann.round_id, selected, started, lost, {v: len(p) for v, p in models.items()},
-                                dict(ann.hparams), time.monotonic(), secure=secure)
+                                dict(ann.hparams), time.monotonic(), self.sim_time, secure=secure)
         costs = {d: self.links.compute_seconds(d, self.links.samples(d, ann.hparams)) for d in started}
         self.host.activate(ann.round_id, started, RoundMessages(ann.round_id, dict(models), announcement, status),
                            costs)
@@ -205,6 +240,8 @@ class EmulatedFleet(Fleet):
             rnd = self._round
             if rnd is not None and rnd.out:
                 return rnd.out.popleft()
+            if self._between or (rnd is None or rnd.final) and self._wait_for_devices():
+                return self._between.popleft()
             msg = self.inner.recv(timeout=max(0.0, min(0.05, end - time.monotonic())))
             if msg is not None and not self._hold(msg):
                 return msg
@@ -222,6 +259,25 @@ class EmulatedFleet(Fleet):
     def round_report(self, round_id: int) -> dict[str, Any]:
         rnd = self._round
         return dict(rnd.report) if rnd is not None and rnd.round_id == round_id else {}
+
+    def _wait_for_devices(self) -> bool:
+        """Between rounds, with fewer than ``need`` devices online: move the clock on to the
+        changes that bring them (queued as presence messages); whether it did."""
+        av = self.availability
+        if av is None:
+            return False
+        online = len(self.links.plan) - len(av.offline_at(self.sim_time))
+        prev = t = self.sim_time
+        while online < self.need and (t := av.next_change(t)) < math.inf:
+            for _, d, on in av.changes(prev, t):
+                self._between.append(presence_message(self.job, d, on))
+                online += 1 if on else -1
+            prev = t
+        if not self._between:
+            return False
+        self._waited += prev - self.sim_time
+        self.sim_time = prev
+        return True
 
     def _show_progress(self) -> None:
         if self.on_progress is None or self._round is None:
@@ -267,6 +323,11 @@ class EmulatedFleet(Fleet):
         if waiting and not timed_out:
             return
         arrivals = sorted((t, d) for d, (t, _) in rnd.pending.items())
+        av = self.availability
+        gone = sorted(d for t, d in arrivals if av is not None and av.session_end(d, rnd.sim_t0) < rnd.sim_t0 + t)
+        for d in gone:  # offline before its update arrived: the update is lost with it
+            self.inner.ack(rnd.pending[d][1])
+        arrivals = [(t, d) for t, d in arrivals if d not in gone]
         need = max(1, math.ceil(self.quorum * len(rnd.selected)))
         in_time = [(t, d) for t, d in arrivals if not self.deadline_s or t <= self.deadline_s]
         chosen = in_time[:need]
@@ -287,6 +348,8 @@ class EmulatedFleet(Fleet):
             keys = rnd.secure.keys(msg.payload)
             if keys is not None:
                 rnd.out.append(Inbound("secagg", d, keys[1], time.monotonic(), f"secagg/{d}"))
+        if av is not None:  # who came and went meanwhile, after the round's updates
+            rnd.out.extend(presence_message(self.job, d, on) for _, d, on in av.changes(rnd.sim_t0, self.sim_time))
         failed = sorted(d for d in rnd.started if d not in rnd.pending)
         compute = [rnd.train_seconds.get(d, 0.0) for _, d in chosen]
         rnd.report = {
@@ -296,4 +359,8 @@ class EmulatedFleet(Fleet):
             "device_train_seconds": float(sum(compute)),
             "device_wall_seconds": time.monotonic() - rnd.t0,
         }
+        if av is not None:
+            rnd.report |= {"sim_offline": len(gone), "sim_offline_ids": gone, "sim_wait_seconds": self._waited,
+                           "sim_available": len(self.links.plan) - len(av.offline_at(rnd.sim_t0))}
+            self._waited = 0.0
         rnd.final = True
