@@ -76,15 +76,15 @@ experiments: install
 # 5,600 of the same inputs every time).
 FUZZ_EXAMPLES ?= 105000
 fuzz: install
-	FEDBIT_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) FEDBIT_FUZZ_RANDOM=1 $(PY) -m pytest -q -p no:cacheprovider tests/test_fuzz_network.py
+	FEDBIT_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) FEDBIT_FUZZ_RANDOM=1 $(PY) -m pytest -q -p no:cacheprovider tests/system/test_fuzz_network.py
 
 # The fault-injection suite, every fault and attack FAULT_TRIALS times at other kill points
 # (make test runs each once); prints the table of outcomes (runs/faults.jsonl).
 FAULT_TRIALS ?= 10
 faults: install
 	@mkdir -p runs && rm -f runs/faults.jsonl
-	FEDBIT_FAULT_TRIALS=$(FAULT_TRIALS) FEDBIT_FAULT_REPORT=runs/faults.jsonl $(PY) -m pytest -q -p no:cacheprovider tests/faults
-	$(PY) tests/faults/table.py runs/faults.jsonl
+	FEDBIT_FAULT_TRIALS=$(FAULT_TRIALS) FEDBIT_FAULT_REPORT=runs/faults.jsonl $(PY) -m pytest -q -p no:cacheprovider tests/system/faults
+	$(PY) tests/system/faults/table.py runs/faults.jsonl
 
 # The sdist and the pure-Python wheel a device installs (dist/fedbit-<version>-py3-none-any.whl;
 # see README "Install on a device"): the profiles and model specs inside, torch only in extras.

@@ -3,7 +3,7 @@
 Nothing in this package imports torch at module level, and nothing imports
 ``coordinator``: a Raspberry Pi installs ``fedbit`` without either. It runs on Python
 >= 3.9 (``PYTHON_FLOOR``; the coordinator needs 3.11): no 3.10+ syntax or library here
-(``tests/test_py39.py``), ``edge_client.compat`` has the two things it would reach for.
+(``tests/project/test_py39.py``), ``edge_client.compat`` has the two things it would reach for.
 """
 
 __version__ = "0.1.0"

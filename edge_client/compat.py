@@ -2,7 +2,7 @@
 
 The device side (``edge_client``, ``firmware_models``, ``hw_profiles``, ``fedbit-edge``)
 runs on Python >= 3.9: Raspberry Pi OS bullseye and JetPack 5 (``apt install python3.9``)
-have 3.9, JetPack 6 has 3.10 (docs/device.md). ``tests/test_py39.py`` keeps newer syntax
+have 3.9, JetPack 6 has 3.10 (docs/device.md). ``tests/project/test_py39.py`` keeps newer syntax
 and library calls out of it, and ``.ci/run`` runs it under a real 3.9 (``tools/py39_check.sh``).
 ``hw_profiles`` imports no SDK module, so ``hw_profiles/loader.py`` repeats the ``tomllib``
 fallback.

@@ -40,7 +40,7 @@ def read_manifest(path: Path = MANIFEST) -> Selection:
             if key.strip() != "minimum" or not value.strip().isdigit():
                 raise ValueError(f"{path}:{n}: expected 'minimum = N', got {raw!r}")
             minimum = int(value)
-        elif line.startswith("tests/test_") and line.endswith(".py"):
+        elif line.startswith("tests/") and line.endswith(".py"):
             selected.append(line)
         else:
             raise ValueError(f"{path}:{n}: not a test module under tests/: {raw!r}")
@@ -50,7 +50,7 @@ def read_manifest(path: Path = MANIFEST) -> Selection:
 
 
 def is_device_test(nodeid: str, host: bool, selection: Selection) -> bool:
-    """Whether the test ``nodeid`` (``tests/test_x.py::name[param]``) belongs to the
+    """Whether the test ``nodeid`` (``tests/edge_client/test_x.py::name[param]``) belongs to the
     device subset: its module is listed and it is not marked ``host``."""
     return not host and nodeid.split("::")[0] in selection.selected
 

@@ -3,8 +3,8 @@ one JSON line per step in ``$OUT/gpu-check.jsonl`` (default ``gpu-check/``):
 
 1. ``deps``: the modules it needs import (missing ones installed from ``$OUT/wheels`` when
    there is one: ``make gpu-wheels`` fills it on a machine with a package index);
-2. ``tests``: the CUDA engine's tests (tests/test_cuda_*.py) on the GPU, every kernel and
-   training step byte for byte against the CPU engine;
+2. ``tests``: the CUDA engine's tests (``TESTS``) on the GPU, every kernel and training
+   step byte for byte against the CPU engine;
 3. ``fleet``: a 3-round emulated fleet (Int8 and Int16 devices) with ``round.engine =
    "cuda"`` against the CPU emulator: the same metrics and the same update bytes;
 4. ``bench``: benchmarks/gpu.py's figures (``$OUT/bench.jsonl``).
@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 #: modules the steps import (the coordinator's emulator, its reports, the tests, torch)
 NEEDED = ("numpy", "numba", "msgpack", "paho.mqtt", "cryptography", "torch", "pytest", "scipy", "matplotlib",
           "aiohttp", "rich", "prometheus_client", "sklearn")
-TESTS = ("tests/test_cuda_engine.py", "tests/test_cuda_fleet.py", "tests/test_cuda_device.py")
+TESTS = ("tests/edge_client/test_cuda_engine.py", "tests/coordinator/test_cuda_fleet.py", "tests/edge_client/test_cuda_device.py")
 #: seconds each step may take (8 minutes in all)
 LIMITS = {"tests": 200, "fleet": 90, "bench": 170}
 

@@ -5,7 +5,7 @@
 
 Every figure of the section is read or computed here from
 ``benchmarks/results/experiments/<name>.analysis.json`` and ``<name>.json`` (the per-run
-figures: the device-weighted means); ``tests/test_readme_results.py`` renders it again
+figures: the device-weighted means); ``tests/project/test_readme_results.py`` renders it again
 and compares it with the README, figure for figure. Each comparison says whether its runs
 reached a plateau (their ``stop`` records: coordinator.emulation.stopping), were still
 climbing, or ran a fixed number of rounds before the stopping rule existed.

@@ -1,8 +1,8 @@
 """Real coordinator and device processes for the fault-injection suite, with kill points.
 
-    python tests/faults/harness.py coordinator --broker URL --out DIR [--fault POINT:N] [--resume]
+    python tests/system/faults/harness.py coordinator --broker URL --out DIR [--fault POINT:N] [--resume]
                                                [--mode buffered --buffer-size K --concurrency C]
-    python tests/faults/harness.py device --broker URL --id D --shift S --samples N --workdir DIR
+    python tests/system/faults/harness.py device --broker URL --id D --shift S --samples N --workdir DIR
                                           [--fault crash_after_publish:R] [--delay S]
 
 The coordinator is the real round loop (``Coordinator`` + ``MqttFleet`` + the run folder,

@@ -1,5 +1,5 @@
 """Ingest workers' pieces without processes (``coordinator.ingest_workers``; the workers
-themselves, over mosquitto: tests/faults/test_worker_kill.py): strategies that cannot
+themselves, over mosquitto: tests/system/faults/test_worker_kill.py): strategies that cannot
 fold a round in parts refuse the option at config load; partial sums of integer devices
 add up to one process's sums bit for bit; every process's inbox log of a round is read
 and pruned; the workers' users reach the broker's password files and ACL."""

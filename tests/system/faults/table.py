@@ -1,7 +1,7 @@
 """The table of ``make faults``: one row per fault or attack, from the JSON lines the
 suite wrote (``FEDBIT_FAULT_REPORT``).
 
-    python tests/faults/table.py runs/faults.jsonl
+    python tests/system/faults/table.py runs/faults.jsonl
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.version import Version
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 CONSTRAINTS = ROOT / "constraints.txt"
 #: the extras `make install` installs (the Makefile's EXTRAS)
 EXTRAS = set(next(line.split("?=")[1].strip() for line in (ROOT / "Makefile").read_text().splitlines()

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 MAX_LINES = 150
 SHELL_INFO = {"sh", "bash", "shell", "console"}
@@ -29,21 +29,21 @@ MARKER = re.compile(r"^<!--\s*runnable(?:;\s*writes:\s*(?P<files>.*?))?\s*-->\s*
 
 #: commands of the README that this test does not run: command -> why, and what runs it
 NOT_RUN_HERE: dict[str, str] = {
-    "make demo": "the README's contract itself; `fedbit demo` is run by tests/test_demo.py",
+    "make demo": "the README's contract itself; `fedbit demo` is run by tests/system/test_demo.py",
     "make test": "the README's contract itself: this suite",
-    "make wheel": "needs the Makefile and writes dist/ in the checkout; tests/test_wheel.py builds "
+    "make wheel": "needs the Makefile and writes dist/ in the checkout; tests/project/test_wheel.py builds "
                   "the same wheel and runs fedbit-edge from it",
     'python3 -m venv ~/fedbit && ~/fedbit/bin/pip install "fedbit-0.1.0-py3-none-any.whl[data]"':
         "on a device; make device-check (tools/device_check.sh) runs it on arm64 under qemu",
     "~/fedbit/bin/fedbit-edge warmup --profile raspberry-pi-4":
-        "on a device; tests/test_cli.py runs `fedbit-edge warmup`, make device-check this line",
+        "on a device; tests/edge_client/test_cli.py runs `fedbit-edge warmup`, make device-check this line",
     "~/fedbit/bin/fedbit-edge doctor --profile raspberry-pi-4 --credentials pi-17.toml":
-        "on a device with an enrolled broker; tests/test_device_tools.py runs doctor against a real one",
+        "on a device with an enrolled broker; tests/edge_client/test_device_tools.py runs doctor against a real one",
     "~/fedbit/bin/fedbit-edge run --credentials pi-17.toml --profile raspberry-pi-4 --data digits:1/4":
-        "on a device with an enrolled broker; tests/test_security.py and make device-check run devices",
+        "on a device with an enrolled broker; tests/coordinator/test_security.py and make device-check run devices",
     "make install": "what make demo / make test do first",
     "fedbit serve --config examples/job.toml":
-        "waits for devices; tests/test_job.py runs it from this file with two real devices",
+        "waits for devices; tests/coordinator/test_job.py runs it from this file with two real devices",
 }
 
 

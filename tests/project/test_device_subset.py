@@ -16,7 +16,7 @@ from pathlib import Path
 
 from device_subset import MANIFEST, is_device_test, read_manifest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 NOT_ON_A_39_DEVICE = {"coordinator", "torch", "torchvision", "onnx", "onnxruntime", "amqtt", "matplotlib",
                       "benchmarks", "experiments", "tomllib"}
 

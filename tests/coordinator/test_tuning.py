@@ -45,7 +45,7 @@ def test_a_bad_tune_table_is_named(tune: dict, culprit: str) -> None:
 
 def test_each_method_is_tuned_on_its_own_seeds_and_reported_on_fresh_ones(tmp_path: Path) -> None:
     """The tuning phase of a sweep (its reported runs and report: the quick forms of
-    fmnist-fedfor-local and fmnist-fedwsq, tests/test_experiments_quick.py)."""
+    fmnist-fedfor-local and fmnist-fedwsq, tests/system/test_experiments_quick.py)."""
     cfg = from_dict(raw(), "t")
     assert [len(bracket(TUNE, {"method": m})) for m in ("FedAvg", "FedAvg SGD")] == [2, 2]
     combos = _tune(cfg, expand_sweep(cfg), tmp_path, on_event=None, echo=lambda _m: None, on_run=None, resume=False)

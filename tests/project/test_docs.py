@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
 #: what no file may mention: the design notes and papers outside the repository (the
 #: strings are split so that this file does not mention them either)

@@ -52,7 +52,7 @@ def test_the_example_files_list_every_bundled_model() -> None:
 
     from firmware_models import MODELS
 
-    root = Path(__file__).resolve().parents[1] / "examples"
+    root = Path(__file__).resolve().parents[2] / "examples"
     for name in ("job.toml", "quickstart.toml"):
         line = next(ln for ln in (root / name).read_text().splitlines() if ln.startswith("model = "))
         listed = line.split("#", 1)[1].split(",")[0].split("|")
@@ -62,7 +62,7 @@ def test_the_example_files_list_every_bundled_model() -> None:
 def test_the_docs_name_the_extras_make_install_installs() -> None:
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     extras = re.search(r"^EXTRAS \?= (\S+)$", (root / "Makefile").read_text(), re.M).group(1)
     for doc in ("README.md", "docs/operations.md"):
         said = re.findall(r"make install\s+# \.venv with fedbit\[([^\]]+)\]", (root / doc).read_text())

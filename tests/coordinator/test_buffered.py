@@ -1,7 +1,7 @@
 """Buffered asynchronous aggregation (``round.mode = "buffered"``): the staleness weights,
 which strategies refuse the mode, the buffer's admission rules and refusals (logged by the
 device), the exact model a buffer makes, and a real-MQTT run where devices join and
-leave while the model keeps advancing. (The kill -9 resume is in tests/faults.)"""
+leave while the model keeps advancing. (The kill -9 resume is in tests/system/faults.)"""
 
 from __future__ import annotations
 
@@ -380,7 +380,7 @@ def test_a_buffered_emulation_with_availability_gives_the_same_result_for_the_sa
     from coordinator.emulation.emulator import Emulator
 
     lossy = tmp_path / "lossy.toml"
-    lossy.write_text((Path(__file__).parents[1] / "hw_profiles" / "profiles" / "desktop.toml").read_text()
+    lossy.write_text((Path(__file__).parents[2] / "hw_profiles" / "profiles" / "desktop.toml").read_text()
                      .replace('name = "desktop"', 'name = "lossy"').replace("loss_rate = 0.0", "loss_rate = 0.5"))
     cfg = from_dict({"name": "fb", "model": "mlp", "rounds": 8, "transport": "inproc", "strategy": "fedavg",
                      "devices": {"raspberry-pi-zero-2w": 1, "raspberry-pi-4": 2, str(lossy): 3},

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DEVICE_PACKAGES = ("edge_client", "firmware_models", "hw_profiles")
 
 #: module -> {name: the Python that added it}, for names a 3.9 device would not find
