@@ -13,7 +13,7 @@ PY     := $(VENV)/bin/python
 EXTRAS ?= coordinator,data,dev,onnx,cluster
 CONSTRAINTS ?= constraints.txt
 
-.PHONY: demo test bench bench-flower experiments fuzz faults wheel device-check py39-check gpu-check gpu-wheels ptx-check install lock lint clean
+.PHONY: demo test test-device bench bench-flower experiments fuzz faults wheel device-check py39-check gpu-check gpu-wheels ptx-check install lock lint clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -36,6 +36,11 @@ demo: install
 
 test: install
 	$(PY) -m pytest -q
+
+# The device-side tests alone (pytest marker `device`: the modules of tests/device_tests.txt
+# less their `host` tests), on this Python; make py39-check runs them under 3.9.
+test-device: install
+	$(PY) -m pytest -q -m device
 
 bench: install
 	$(PY) benchmarks/run_all.py --out benchmarks/results/latest.jsonl

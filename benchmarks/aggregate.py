@@ -127,14 +127,14 @@ def peak_rss_kib(n: int) -> int:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true", help="CI size (< 60 s)")
+    ap.add_argument("--quick", action="store_true", help="CI size, one pass (the path, not the figures)")
     ap.add_argument("--rss-child", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.rss_child is not None:
         rss_child(args.rss_child)
         return
     n = 40 if args.quick else 100
-    reps = 3 if args.quick else 5
+    reps = 1 if args.quick else 5  # --quick: the script's path, not its figures
     big = 200 if args.quick else 1000
     base = base_model()
     stream_seconds("fedshift", 4, base)  # numba compile / cache load outside the timing

@@ -74,7 +74,7 @@ def federated_run(rounds: int, n_float: int, n_int: int, steps: int, per_device:
     """FedAvg (1/N) of WN float32 devices and ternary-uplink Int8 devices, in process."""
     from coordinator.emulation.papers import PAPERS
     from coordinator.strategies import ClientUpdate, build_strategy
-    from coordinator.strategies.dequantizer.ladder import quantize
+    from coordinator.strategies.prowd_dequantizer.ladder import quantize
     from edge_client.data import load_split
     from edge_client.intnn import init_shared
     from edge_client.trainers import make_trainer
@@ -115,9 +115,9 @@ def federated_run(rounds: int, n_float: int, n_int: int, steps: int, per_device:
 def train_and_judge(run: Run, split: int, params: dict):
     """A version trained as the stage trains one, on rounds [0, split), its gates on round
     ``split``; returns (stage, version, seconds)."""
-    from coordinator.strategies.dequantizer import ProwdDequantizer
-    from coordinator.strategies.dequantizer.ladder import grid_precision, quantize
-    from coordinator.strategies.dequantizer.stage import RoundData, _slice_split
+    from coordinator.strategies.prowd_dequantizer import ProwdDequantizer
+    from coordinator.strategies.prowd_dequantizer.ladder import grid_precision, quantize
+    from coordinator.strategies.prowd_dequantizer.stage import RoundData, _slice_split
 
     deq = ProwdDequantizer(model=MODEL, **({"background": False} | params))
     deq.begin_round(0, run.globals_[0])
@@ -138,9 +138,9 @@ def train_and_judge(run: Run, split: int, params: dict):
 def l1_figures(deq, version, run: Run, rounds: range, bits: int, which: str = "floats") -> tuple[float, float, float]:
     """(plain, network, gated) mean L1 per weight over the float32 devices' (or the Int8
     devices' own) weights of ``rounds``, for inputs on the ``bits`` grid."""
-    from coordinator.strategies.dequantizer.ladder import quantize
-    from coordinator.strategies.dequantizer.slices import compile_tables
-    from coordinator.strategies.dequantizer.slicetrain import dequantize_layer
+    from coordinator.strategies.prowd_dequantizer.ladder import quantize
+    from coordinator.strategies.prowd_dequantizer.slices import compile_tables
+    from coordinator.strategies.prowd_dequantizer.slicetrain import dequantize_layer
 
     plain = net = gated = 0.0
     count = 0
@@ -186,8 +186,8 @@ def time_epoch(run: Run, split: int, deq, version, reps: int) -> None:
     it is), timed ``reps`` times; the epoch's cost does not depend on the weights."""
     import copy
 
-    from coordinator.strategies.dequantizer.slicetrain import train_slices
-    from coordinator.strategies.dequantizer.stage import RoundData, _slice_split
+    from coordinator.strategies.prowd_dequantizer.slicetrain import train_slices
+    from coordinator.strategies.prowd_dequantizer.stage import RoundData, _slice_split
 
     train, _ = _slice_split([RoundData(r, run.globals_[r], list(run.floats[r])) for r in range(split + 1)])
     best = float("inf")
@@ -202,7 +202,7 @@ def time_epoch(run: Run, split: int, deq, version, reps: int) -> None:
 def time_apply(deq, version, run: Run, reps: int) -> None:
     """The stage on one ternary Int8 update vs the plain fold of the same encoded update."""
     from coordinator.strategies import ClientUpdate, EncodedUpdate, build_strategy
-    from coordinator.strategies.dequantizer.ladder import quantize
+    from coordinator.strategies.prowd_dequantizer.ladder import quantize
     from edge_client.codecs import encode
     from edge_client.intnn import TERNARY_WEIGHT
 
@@ -252,8 +252,8 @@ def sweep(run: Run, split: int, base: dict) -> None:
     for label, params in configs:
         report_l1(run, split, base | params, f"[{label}]", {"sweep": True})
     # issue 11's block network (kernel 1, two-channel blocks, the received weights only)
-    from coordinator.strategies.dequantizer import ProwdDequantizer
-    from coordinator.strategies.dequantizer.blocks import BlockLayout
+    from coordinator.strategies.prowd_dequantizer import ProwdDequantizer
+    from coordinator.strategies.prowd_dequantizer.blocks import BlockLayout
 
     for ladder in ("paper",):
         deq = ProwdDequantizer(model=MODEL, background=False, ladder=ladder)
@@ -261,7 +261,7 @@ def sweep(run: Run, split: int, base: dict) -> None:
         layout = BlockLayout([w.shape for w in models[0]], deq.cfg.block, deq.cfg.modules)
         v = deq.train_version(models, run.floats[split], 1, split, layout)
         held = [m for r in range(split + 1, len(run.floats)) for m in run.floats[r]]
-        from coordinator.strategies.dequantizer.ladder import quantize
+        from coordinator.strategies.prowd_dequantizer.ladder import quantize
 
         for bits in (2, 4):
             plain = gated = 0.0
@@ -294,7 +294,7 @@ def main() -> None:
     if not args.quick:
         report_l1(run, split, base | {"context": "update"}, "paper's form (context=update)", ints=True)
     time_epoch(run, split, deq, version, 1 if args.quick else 2)
-    time_apply(deq, version, run, 5 if args.quick else 15)
+    time_apply(deq, version, run, 1 if args.quick else 15)
     if args.sweep:
         sweep(run, split, base)
 

@@ -84,7 +84,7 @@ def run_once(kind: str, n: int, rounds: int, workers: int, steps: int) -> None:
     """One emulated run in this process; prints its figures as one JSON line."""
     t0 = time.monotonic()
     from coordinator.emulation.config import from_dict
-    from coordinator.emulation.run import Emulator
+    from coordinator.emulation.emulator import Emulator
 
     starts: dict[int, float] = {}
 

@@ -62,7 +62,7 @@ def share(cfg, run_dir: Path) -> tuple[float, float, int, float, float]:
     """(evaluation seconds / round seconds, seconds per round, rounds, the share before the
     reported rounds, the share in them) of one run."""
     from coordinator.emulation.analysis import LAST_ROUNDS
-    from coordinator.emulation.run import Emulator
+    from coordinator.emulation.emulator import Emulator
 
     hist = Emulator(cfg, 0, run_dir).run().history
 

@@ -98,7 +98,7 @@ def loadavg() -> float:
 def enrol(sec_dir: Path, n: int, url: str) -> list[tuple[str, str, str]]:
     """A job folder with ``n`` enrolled devices for a plaintext broker at ``url``:
     ``[(device id, password, MAC key hex)]`` (the registry and password file written once)."""
-    from coordinator.ops.security import (
+    from coordinator.ops.credentials import (
         Enrolled,
         JobSecurity,
         mosquitto_password_hash,

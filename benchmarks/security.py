@@ -31,7 +31,7 @@ import numpy as np
 
 from coordinator.ingest import Ingest, OpenRound
 from coordinator.ops.admission import AdmissionConfig
-from coordinator.ops.security import JobSecurity
+from coordinator.ops.credentials import JobSecurity
 from coordinator.strategies import EncodedUpdate, build_strategy
 from edge_client import auth
 from edge_client.codecs import encode

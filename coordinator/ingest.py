@@ -111,7 +111,7 @@ class Ingest:
         self.admission = admission or AdmissionConfig()
         self.enrolled = None
         if self.admission.enrolment:
-            from coordinator.ops.security import EnrolledDevices
+            from coordinator.ops.credentials import EnrolledDevices
 
             self.enrolled = EnrolledDevices(self.admission.enrolment, job)
         self.rate = RateLimiter(self.admission.hello_rate, self.admission.hello_burst,

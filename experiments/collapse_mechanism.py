@@ -84,7 +84,7 @@ def main() -> int:
     import torch
 
     from coordinator.emulation.datasets import load_dataset, partition
-    from coordinator.emulation.emulator import derive_seed
+    from coordinator.emulation.fleet_plan import derive_seed
     from edge_client.intnn import init_shared
     from edge_client.intnn.liveness import liveness, ternary_codes
     from firmware_models import get_spec

@@ -255,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     import copy
 
     from coordinator.emulation.config import expand_sweep, from_dict, load_config, run_slug
-    from coordinator.emulation.sweep import run_experiment
+    from coordinator.emulation.experiment import run_experiment
 
     over: dict[str, Any] = {}
     if args.until:

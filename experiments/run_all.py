@@ -14,7 +14,7 @@ reuses it unless ``--calibrate``.
 
 ``--resume``: go on with experiments a killed process left in ``--out``: the runs that
 finished there (same config and seed) are kept, the others made (see
-``coordinator.emulation.sweep``); without it each experiment's folder is cleared first.
+``coordinator.emulation.experiment``); without it each experiment's folder is cleared first.
 
 ``--quick``: each config's quick form (:func:`quick_config`: digits, 2 rounds, one seed,
 the sweep cut to its baseline and one other value per dimension) on a nominal clock, into
@@ -128,7 +128,7 @@ def _cap_devices(value: Any) -> Any:
 def _clock(models: list[str], calibrate_anew: bool, named: bool) -> dict[str, dict[str, float]]:
     """``{model: {variant: seconds per sample}}``: pinned in clock.json (measured once per
     model; again with ``--calibrate`` or on a run of every experiment)."""
-    from coordinator.emulation.clock import calibrate
+    from coordinator.emulation.emulated_fleet import calibrate
     from edge_client.data import load_source
     from firmware_models import resolve_model
 
@@ -162,7 +162,7 @@ def _time_run(c: Any, rounds: int, run_dir: Path) -> dict[str, float]:
     """One seed of config ``c`` for ``rounds`` rounds: its per-round wall time (the rounds
     after the first), fixed wall time and the CPU/wall ratio of the process and its worker
     processes."""
-    from coordinator.emulation.run import Emulator
+    from coordinator.emulation.emulator import Emulator
 
     short = copy.deepcopy(c)
     short.rounds = rounds
@@ -242,7 +242,7 @@ def main() -> int:
     import tomllib
 
     from coordinator.emulation.config import load_config
-    from coordinator.emulation.sweep import run_experiment
+    from coordinator.emulation.experiment import run_experiment
 
     overrides = {}
     for item in args.set:

@@ -2,8 +2,8 @@
 
 ``mosquitto`` tests skip with a visible reason when the binary is not on PATH, except
 under ``CI=true`` where a missing mosquitto is a failure. The coordinator is imported by
-the fixtures that need it, not here: the device-side subset (tests/device_tests.txt) runs
-under Python 3.9, where the coordinator does not import.
+the fixtures that need it, not here: the device-side subset (``pytest -m device``, marked
+here from tests/device_tests.txt) runs under Python 3.9, where the coordinator does not import.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -23,6 +24,18 @@ os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
 
 if TYPE_CHECKING:
     from coordinator.ops.broker import AmqttBroker, MosquittoBroker
+
+
+@pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects by marker
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark the device-side subset ``device``: the tests of the modules
+    tests/device_tests.txt lists, except those marked ``host`` (``pytest -m device``)."""
+    from device_subset import is_device_test, read_manifest
+
+    selection = read_manifest()
+    for item in items:
+        if is_device_test(item.nodeid, item.get_closest_marker("host") is not None, selection):
+            item.add_marker(pytest.mark.device)
 
 
 @pytest.fixture(scope="session")
@@ -46,6 +59,31 @@ def need_tool(name: str, install: str) -> str:
             pytest.fail(f"CI=true: {msg}")
         pytest.skip(msg)
     return path
+
+
+def wait_for(cond, timeout: float, what: str, step: float = 0.05):
+    """Poll ``cond()`` every ``step`` s until it is truthy and return its value;
+    ``AssertionError`` naming ``what`` after ``timeout`` s."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        v = cond()
+        if v:
+            return v
+        time.sleep(step)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread() -> Iterator[None]:
+    """torch on one thread for a module's tests (``pytestmark = pytest.mark.usefixtures(
+    "one_torch_thread")``): bit-reproducible float training, and tiny networks spend
+    no time in a thread pool on a shared 2-core machine. The thread count is restored."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="session")

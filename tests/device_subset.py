@@ -1,8 +1,9 @@
-"""Run (or collect) the device-side test subset of ``tests/device_tests.txt``.
+"""Run (or collect) the device-side test subset: the ``device`` tests of the modules
+``tests/device_tests.txt`` lists (tests/conftest.py marks them; ``host`` tests are not).
 
 ``python tests/device_subset.py [--collect-only] [--installed] [PYTEST ARGS...]`` runs
-pytest on the selection and fails unless every selected test passed (no failure, error
-or skip) and at least the manifest's ``minimum`` did. ``--installed``: the device
+``pytest -m device`` on those modules and fails unless every selected test passed (no
+failure, error or skip) and at least the manifest's ``minimum`` did. ``--installed``: the device
 packages must come from an installed wheel (site-packages), not from a source tree.
 Prints one JSON line with the counts. tools/py39_check.sh runs it under Debian
 bullseye's Python 3.9, so this file runs on 3.9.
@@ -22,15 +23,13 @@ MANIFEST = Path(__file__).resolve().parent / "device_tests.txt"
 @dataclass
 class Selection:
     selected: list[str]
-    deselected: list[str]
     minimum: int
 
 
 def read_manifest(path: Path = MANIFEST) -> Selection:
-    """The manifest's node ids (relative to the folder above tests/), deselections and
-    minimum; ``ValueError`` naming the line for anything else."""
+    """The manifest's modules (paths relative to the folder above tests/) and minimum;
+    ``ValueError`` naming the line for anything else."""
     selected: list[str] = []
-    deselected: list[str] = []
     minimum = None
     for n, raw in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
         line = raw.strip()
@@ -41,15 +40,19 @@ def read_manifest(path: Path = MANIFEST) -> Selection:
             if key.strip() != "minimum" or not value.strip().isdigit():
                 raise ValueError(f"{path}:{n}: expected 'minimum = N', got {raw!r}")
             minimum = int(value)
-        elif line.startswith("-tests/"):
-            deselected.append(line[1:])
-        elif line.startswith("tests/test_") and ".py" in line:
+        elif line.startswith("tests/test_") and line.endswith(".py"):
             selected.append(line)
         else:
-            raise ValueError(f"{path}:{n}: not a node id under tests/: {raw!r}")
+            raise ValueError(f"{path}:{n}: not a test module under tests/: {raw!r}")
     if minimum is None or not selected:
-        raise ValueError(f"{path}: needs 'minimum = N' and at least one node id")
-    return Selection(selected, deselected, minimum)
+        raise ValueError(f"{path}: needs 'minimum = N' and at least one module")
+    return Selection(selected, minimum)
+
+
+def is_device_test(nodeid: str, host: bool, selection: Selection) -> bool:
+    """Whether the test ``nodeid`` (``tests/test_x.py::name[param]``) belongs to the
+    device subset: its module is listed and it is not marked ``host``."""
+    return not host and nodeid.split("::")[0] in selection.selected
 
 
 @dataclass(eq=False)  # hashable: pytest keeps its plugins in sets
@@ -98,9 +101,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     outcomes = Outcomes()
     pytest_args = [str(root / s) for s in sel.selected]
-    for d in sel.deselected:
-        pytest_args += ["--deselect", d]
-    pytest_args += ["-p", "no:cacheprovider", "--rootdir", str(root)]
+    pytest_args += ["-m", "device", "-p", "no:cacheprovider", "--rootdir", str(root)]
     if collect_only:
         pytest_args += ["--collect-only", "-q"]
     rc = int(pytest.main(pytest_args + args, plugins=[outcomes]))
@@ -110,9 +111,6 @@ def main(argv: list[str] | None = None) -> int:
                "minimum": sel.minimum, "pytest_exit": rc}
     print("device_subset: " + json.dumps(summary), flush=True)
     problems = []
-    stale = sorted(set(sel.deselected) - set(outcomes.deselected))
-    if stale:
-        problems.append(f"deselected in the manifest but not a test: {stale}")
     if outcomes.collected < sel.minimum:
         problems.append(f"the selection holds {outcomes.collected} tests, fewer than the minimum {sel.minimum}")
     if not collect_only:

@@ -14,7 +14,7 @@ import pytest
 from coordinator.devices import DeviceRegistry
 from coordinator.ingest import Ingest, OpenRound, Rejected
 from coordinator.ops.admission import AdmissionConfig, RateLimiter
-from coordinator.ops.security import JobSecurity
+from coordinator.ops.credentials import JobSecurity
 from edge_client import auth
 from edge_client.errors import ConfigError
 from edge_client.protocol import Hello, Limits, Presence, Update, encode_message, float32_tensor

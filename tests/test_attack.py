@@ -13,7 +13,7 @@ import pytest
 
 from coordinator.emulation.attack import AttackConfig, attack_update, flip_labels
 from coordinator.emulation.config import from_dict
-from coordinator.emulation.run import Emulator
+from coordinator.emulation.emulator import Emulator
 from edge_client.codecs import encode
 from edge_client.errors import ConfigError
 from edge_client.protocol import Update, decode_message, encode_message, float32_tensor

@@ -20,8 +20,8 @@ from coordinator.emulation.availability import (
     read_trace,
 )
 from coordinator.emulation.config import from_dict
+from coordinator.emulation.emulator import Emulator
 from coordinator.emulation.report import write_report
-from coordinator.emulation.run import Emulator
 from edge_client.errors import ConfigError
 
 CLOCK = {"seconds_per_sample": {"float32": 1e-4, "int16": 4e-5, "int8": 2e-5, "int6": 2e-5}}

@@ -377,7 +377,7 @@ def test_a_buffered_emulation_with_availability_gives_the_same_result_for_the_sa
     Two runs of one seed give the same records; requests time out, updates are stale,
     refused past max_staleness, or lost with a device that went offline."""
     from coordinator.emulation.config import from_dict
-    from coordinator.emulation.run import Emulator
+    from coordinator.emulation.emulator import Emulator
 
     lossy = tmp_path / "lossy.toml"
     lossy.write_text((Path(__file__).parents[1] / "hw_profiles" / "profiles" / "desktop.toml").read_text()

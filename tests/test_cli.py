@@ -17,7 +17,7 @@ def run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     return subprocess.run([str(exe), *args[1:]], capture_output=True, text=True, timeout=timeout)
 
 
-@pytest.mark.parametrize("script", ["fedbit", "fedbit-edge"])
+@pytest.mark.parametrize("script", [pytest.param("fedbit", marks=pytest.mark.host), "fedbit-edge"])
 def test_help_and_version(script: str) -> None:
     helped = run(script, "--help")
     assert helped.returncode == 0, helped.stderr
@@ -56,6 +56,7 @@ def test_unknown_subcommand_fails() -> None:
     assert "invalid choice" in out.stderr
 
 
+@pytest.mark.host
 def test_serve_refuses_a_magnitude_limit_that_lets_sums_overflow(tmp_path: Path) -> None:
     out = run("fedbit", "serve", "--out", str(tmp_path / "run"), "--max-abs-value", "1e30")
     assert out.returncode == 1
@@ -63,6 +64,7 @@ def test_serve_refuses_a_magnitude_limit_that_lets_sums_overflow(tmp_path: Path)
     assert not (tmp_path / "run").exists()       # refused before anything started
 
 
+@pytest.mark.host
 def test_serve_names_a_bad_dequantizer_parameter(tmp_path: Path) -> None:
     """``--strategy prowd`` takes the dequantizer's settings as ``dequantize.K=V``; an
     unknown one is refused before anything starts, and named."""
@@ -73,6 +75,7 @@ def test_serve_names_a_bad_dequantizer_parameter(tmp_path: Path) -> None:
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.host
 def test_emulate_refuses_a_bad_config_naming_file_and_key(tmp_path: Path) -> None:
     bad = tmp_path / "bad.toml"
     bad.write_text('name = "x"\n[devices]\nraspberry-pi-4 = 2\n[round]\nquorum = 2.0\n')
@@ -82,6 +85,7 @@ def test_emulate_refuses_a_bad_config_naming_file_and_key(tmp_path: Path) -> Non
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.host
 def test_serve_names_an_unknown_model_in_one_line(tmp_path: Path, capsys) -> None:
     from coordinator.cli import main
 
@@ -91,6 +95,7 @@ def test_serve_names_an_unknown_model_in_one_line(tmp_path: Path, capsys) -> Non
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.host
 def test_emulate_checks_every_sweep_combination_before_writing_anything(tmp_path: Path) -> None:
     """A bad profile or value in one combination of a sweep is refused before the header
     is printed and before the run folder exists (not after the first combinations ran)."""

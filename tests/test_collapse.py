@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from coordinator.emulation.config import from_dict, load_config
-from coordinator.emulation.run import Emulator
+from coordinator.emulation.emulator import Emulator
 from edge_client.data import digits_shard
 from edge_client.intnn import init_shared
 from edge_client.intnn.liveness import liveness

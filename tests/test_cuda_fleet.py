@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from coordinator.emulation.config import from_dict
+from coordinator.emulation.emulator import Emulator
 from coordinator.emulation.pool import WorkerPool
-from coordinator.emulation.run import Emulator
 from edge_client.data import Dataset
 from edge_client.errors import ConfigError
 from edge_client.intnn.cuda.fleet import FleetJob, ResidentData, train_together

@@ -12,27 +12,16 @@ import re
 import signal
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import need_tool
+from conftest import need_tool, wait_for
 
 BIN = Path(sys.executable).parent
 ENV = os.environ | {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "NUMBA_NUM_THREADS": "1",
                     "MKL_NUM_THREADS": "1"}
-
-
-def wait_for(cond, timeout: float, what: str, step: float = 0.05):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        v = cond()
-        if v:
-            return v
-        time.sleep(step)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
 def chromium(tmp: Path):

@@ -99,7 +99,7 @@ def test_cifar10_from_a_local_folder_or_a_clear_error(tmp_path: Path) -> None:
 def test_the_parity_groups_can_be_named_whatever_the_uplinks(tmp_path: Path) -> None:
     """FedShift's 32+32 control: the inferior group sends float32 yet keeps the odd labels."""
     from coordinator.emulation.config import from_dict
-    from coordinator.emulation.emulator import build_fleet
+    from coordinator.emulation.fleet_plan import build_fleet
 
     raw = {"devices": {"desktop": 3, "jetson-orin-nano": 3}, "codecs": {"jetson-orin-nano": "float32"},
            "data": {"partition": "parity", "inferior": ["jetson-orin-nano"]}}

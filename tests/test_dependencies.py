@@ -106,7 +106,7 @@ COORDINATOR_MAY_USE = {"errors", "protocol", "hparams", "codecs", "intnn", "trai
                        "transport", "auth", "connection", "logs", "secagg"}
 #: the emulator's devices, by design: emulator.py makes their configs, worker.py runs their
 #: real runtimes
-RUNS_DEVICES = {"coordinator/emulation/emulator.py", "coordinator/emulation/worker.py"}
+RUNS_DEVICES = {"coordinator/emulation/fleet_plan.py", "coordinator/emulation/worker.py"}
 
 
 def test_coordinator_uses_only_the_device_sdk_library() -> None:
@@ -252,7 +252,7 @@ LAYER_MODULES = ("firmware_models/layers/", "edge_client/intnn/layers/")
 LAYER_DISPATCH_ALLOWED = {
     # the dequantizer's planes of a linear layer read through a flatten; its owners'
     # module, to move to the layer objects with them
-    "coordinator/strategies/dequantizer/slices.py",
+    "coordinator/strategies/prowd_dequantizer/slices.py",
 }
 #: attributes whose value names a layer kind (``op.kind == "conv"``, ``type(x).__name__``)
 KIND_ATTRIBUTES = {"kind", "__name__", "file_type", "layer_type"}

@@ -16,12 +16,17 @@ import numpy as np
 import pytest
 
 from coordinator.strategies import ClientUpdate, build_strategy
-from coordinator.strategies.dequantizer import DequantizerConfig, ProwdDequantizer
-from coordinator.strategies.dequantizer.blocks import BlockLayout
-from coordinator.strategies.dequantizer.ladder import grid_precision, quantize
-from coordinator.strategies.dequantizer.network import build_network
-from coordinator.strategies.dequantizer.train import train_network
-from coordinator.strategies.dequantizer.version import Version, heldout_l1, make_tables, run_direct
+from coordinator.strategies.prowd_dequantizer import DequantizerConfig, ProwdDequantizer
+from coordinator.strategies.prowd_dequantizer.blocks import BlockLayout
+from coordinator.strategies.prowd_dequantizer.ladder import grid_precision, quantize
+from coordinator.strategies.prowd_dequantizer.network import build_network
+from coordinator.strategies.prowd_dequantizer.train import train_network
+from coordinator.strategies.prowd_dequantizer.version import (
+    Version,
+    heldout_l1,
+    make_tables,
+    run_direct,
+)
 from edge_client.data import load_digits
 from edge_client.errors import ConfigError
 from edge_client.intnn import init_shared
@@ -33,13 +38,7 @@ torch = pytest.importorskip("torch")
 DIGITS = get_spec("digits_cnn")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """These networks are tiny: torch's thread pool only costs time on a shared machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")

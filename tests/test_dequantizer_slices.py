@@ -9,16 +9,16 @@ import numpy as np
 import pytest
 
 from coordinator.strategies import ClientUpdate
-from coordinator.strategies.dequantizer import DequantizerConfig, ProwdDequantizer
-from coordinator.strategies.dequantizer.ladder import quantize
-from coordinator.strategies.dequantizer.slices import (
+from coordinator.strategies.prowd_dequantizer import DequantizerConfig, ProwdDequantizer
+from coordinator.strategies.prowd_dequantizer.ladder import quantize
+from coordinator.strategies.prowd_dequantizer.slices import (
     SliceLayout,
     apply_table,
     build_slice_net,
     compile_tables,
     flat_inputs,
 )
-from coordinator.strategies.dequantizer.slicetrain import Pair, heldout_l1, train_slices
+from coordinator.strategies.prowd_dequantizer.slicetrain import Pair, heldout_l1, train_slices
 from edge_client.data import load_digits
 from edge_client.errors import ConfigError
 from edge_client.intnn import init_shared
@@ -30,12 +30,7 @@ torch = pytest.importorskip("torch")
 DIGITS = get_spec("digits_cnn")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from coordinator.emulation.config import from_dict
+from coordinator.emulation.emulator import Emulator
+from coordinator.emulation.experiment import run_experiment
 from coordinator.emulation.report import write_report
-from coordinator.emulation.run import Emulator
-from coordinator.emulation.sweep import run_experiment
 
 #: pinned compute model (s per sample): runs are bit-reproducible and the test does not
 #: spend time calibrating

@@ -21,9 +21,9 @@ from pathlib import Path
 import pytest
 
 from coordinator.emulation.config import from_dict
-from coordinator.emulation.emulator import DeviceGroup, FleetPlan, SampledShards
+from coordinator.emulation.emulator import Emulator
+from coordinator.emulation.fleet_plan import DeviceGroup, FleetPlan, SampledShards
 from coordinator.emulation.pool import WorkerPool
-from coordinator.emulation.run import Emulator
 from coordinator.emulation.worker import RoundMessages, WorkerEvent
 from coordinator.ops.logs import ProgressDisplay
 from edge_client.errors import ConfigError

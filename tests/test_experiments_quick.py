@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from coordinator.emulation.config import expand_sweep, load_config
+from coordinator.emulation.experiment import run_experiment
 from coordinator.emulation.sections import ClockSettings
-from coordinator.emulation.sweep import run_experiment
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((ROOT / "experiments").glob("*.toml"))
@@ -121,6 +121,7 @@ def test_the_experiments_run_on_a_cifar10_folder_with_the_papers_models(name: st
     cfg.clock = ClockSettings(dict.fromkeys(run_all.VARIANTS, 1e-4))
     cfg.seeds = [0, 1]  # one combination (the baseline's), two seeds: the sweep report's statistics
     cfg.sweep = {k: (v[:1] if isinstance(v, list) else v) for k, v in cfg.sweep.items() if k != "baseline"}
+    cfg.train = cfg.train | {"steps": 1, "batch": 10}  # the data and model path, not learning
     summary = run_experiment(cfg, tmp_path / "out", echo=lambda _m: None)
     results = json.loads((tmp_path / "out" / "results.json").read_text())
     info = json.loads((tmp_path / "out" / results[0]["run"] / "emulation.json").read_text())

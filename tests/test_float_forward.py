@@ -20,15 +20,7 @@ from edge_client.hparams import round_settings, validate_hparams
 from edge_client.trainers import IntTrainer, TorchTrainer
 from firmware_models import get_spec
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    import torch
-
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")

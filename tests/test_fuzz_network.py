@@ -331,7 +331,7 @@ def test_fuzz_authenticated_ingest(tmp_path: Path) -> None:
     """Signed, unsigned and mutated updates, hellos and presences through the coordinator's
     ingest with an enrolment registry: accepted or Rejected, nothing else; a payload whose
     MAC fails is never parsed."""
-    from coordinator.ops.security import JobSecurity
+    from coordinator.ops.credentials import JobSecurity
 
     sec = JobSecurity(tmp_path / "security", "j")
     key = sec.enroll("dev1", broker="mqtt://127.0.0.1:1")[0].mac_key_bytes

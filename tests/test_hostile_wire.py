@@ -20,8 +20,8 @@ from coordinator.config import ServerConfig
 from coordinator.fleet import MqttFleet
 from coordinator.ops.admission import AdmissionConfig
 from coordinator.ops.broker import MosquittoBroker, start_job_broker
+from coordinator.ops.credentials import COORDINATOR_USER, JobSecurity
 from coordinator.ops.logs import ProgressDisplay
-from coordinator.ops.security import COORDINATOR_USER, JobSecurity
 from coordinator.server import Coordinator
 from coordinator.state import RunState
 from coordinator.strategies import build_strategy

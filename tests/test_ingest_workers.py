@@ -14,7 +14,7 @@ import pytest
 from coordinator.config import ServerConfig
 from coordinator.ingest import Ingest
 from coordinator.job import load_job
-from coordinator.ops.security import COORDINATOR_USER, JobSecurity
+from coordinator.ops.credentials import COORDINATOR_USER, JobSecurity
 from coordinator.state import RunState
 from coordinator.strategies import build_strategy
 from edge_client.errors import ConfigError

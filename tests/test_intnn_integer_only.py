@@ -17,7 +17,7 @@ from numba.core.compiler_machinery import FunctionPass, register_pass
 from numba.core.registry import cpu_target
 from numba.core.typed_passes import NopythonTypeInference
 
-import edge_client.intnn.workspace as W
+import edge_client.intnn.allocation as W
 from edge_client.compat import zip_strict
 from edge_client.data import Dataset
 from edge_client.intnn import IntModel, init_shared
@@ -183,13 +183,15 @@ def test_the_type_check_sees_float_variables_and_inlined_helpers():
 
 
 @pytest.mark.slow
-def test_kernel_bodies_have_no_float_variable(trained_all_widths):
-    """Type each training kernel again (same source, same argument types; type inference
-    only) and check every typed variable, inlined helpers included: no float anywhere."""
-    for kernel in K.TRAINING_KERNELS:
-        for sig in kernel.signatures[:2]:
-            floats = _floats(typemap_of(kernel.py_func, kernel.overloads[sig].signature))
-            assert not floats, f"{kernel.py_func.__name__}{sig}: float variables {floats}"
+@pytest.mark.parametrize("kernel", K.TRAINING_KERNELS, ids=lambda k: k.py_func.__name__)
+def test_kernel_bodies_have_no_float_variable(trained_all_widths, kernel):
+    """Type the training kernel again (same source, same argument types; type inference
+    only) and check every typed variable, inlined helpers included: no float anywhere.
+    One test per kernel: each takes a second or so of type inference."""
+    assert kernel.signatures, f"{kernel.py_func.__name__} never ran"
+    for sig in kernel.signatures[:2]:
+        floats = _floats(typemap_of(kernel.py_func, kernel.overloads[sig].signature))
+        assert not floats, f"{kernel.py_func.__name__}{sig}: float variables {floats}"
 
 
 def test_training_step_allocates_no_float_arrays():

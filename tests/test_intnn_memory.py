@@ -115,6 +115,7 @@ def test_the_device_trainer_releases_and_trains_the_same():
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mallopt and ru_minflt are Linux's")
+@pytest.mark.host
 def test_kept_heap_serves_the_float_trainer_without_new_page_faults():
     """Float training allocates each step's activations anew (2.5 MB for mnist_cnn's first
     conv on 50 images); glibc's defaults hand most of them back to the kernel, so the next

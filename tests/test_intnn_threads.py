@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import edge_client.intnn.workspace as W
+import edge_client.intnn.allocation as W
 from edge_client.compat import zip_strict
 from edge_client.data import Dataset
 from edge_client.errors import ConfigError

@@ -11,14 +11,14 @@ import sys
 import numpy as np
 import pytest
 
-import edge_client.intnn.workspace as W
+import edge_client.intnn.allocation as W
 from edge_client.compat import zip_strict
 from edge_client.data import Dataset
 from edge_client.intnn import IntModel, step
 from edge_client.intnn import kernels as K
 from edge_client.intnn.kernels import vnni as V
 from edge_client.intnn.kernels import vnni_linear as VL
-from edge_client.intnn.ops import plane_len
+from edge_client.intnn.workspace import plane_len
 from edge_client.trainers import IntTrainer
 from firmware_models import Conv2d, Flatten, Linear, MaxPool2d, ModelSpec, ReLU, get_spec
 

@@ -20,7 +20,7 @@ from test_intnn_reference import (
     to_kernel_layout,
 )
 
-import edge_client.intnn.workspace as W
+import edge_client.intnn.allocation as W
 from edge_client.intnn import IntModel, act_max, alpha_shifts, grid_scale, init_shared, weight_max
 from edge_client.intnn.layers import avgpool2d as engine_avgpool
 from edge_client.intnn.liveness import liveness

@@ -118,12 +118,13 @@ def test_bad_files_and_references(tmp_path: Path) -> None:
         resolve_model("resnet")
 
 
+@pytest.mark.host
 def test_a_toml_model_runs_in_emulate_serve_export_and_on_devices(tmp_path: Path) -> None:
     """The same file through the emulator (real device runtimes with the integer engine,
     the coordinator, the ONNX export), `fedbit export`, and serve's job file."""
     from coordinator.cli import main
     from coordinator.emulation.config import load_config
-    from coordinator.emulation.run import Emulator
+    from coordinator.emulation.emulator import Emulator
     from coordinator.job import load_job
     from edge_client.errors import ConfigError
     from edge_client.runtime import DeviceConfig, load_model_files
@@ -168,6 +169,7 @@ layers = [{type = "flatten"}, {type = "linear", out = 32}, {type = "relu"}, {typ
 
 @pytest.mark.slow
 @pytest.mark.mosquitto
+@pytest.mark.host
 def test_serve_and_real_devices_train_a_model_file_on_fashion_mnist(tmp_path: Path, mosquitto_bin: str,
                                                                      fashion_mnist: str) -> None:
     """``fedbit serve --model FILE --eval-data fashion-mnist:test`` with two real device

@@ -13,10 +13,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import coordinator.emulation.run as run_mod
+import coordinator.emulation.emulator as run_mod
 from coordinator.emulation.config import from_dict
 from coordinator.emulation.datasets import load_dataset
-from coordinator.emulation.run import Emulator
+from coordinator.emulation.emulator import Emulator
 from coordinator.health import HealthWatch
 from coordinator.state import RunState
 from edge_client.data import Dataset

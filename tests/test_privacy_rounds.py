@@ -176,7 +176,7 @@ def test_the_emulator_runs_secure_rounds_with_its_devices_dropping_in_every_phas
     round: its devices drop at a phase drawn per device and round (before their keys,
     after them, after their shares, after their masked input); the round completes."""
     from coordinator.emulation.config import from_dict
-    from coordinator.emulation.run import Emulator
+    from coordinator.emulation.emulator import Emulator
     from tests.test_emulator import config
 
     with pytest.raises(ConfigError, match=r"\[privacy\].*selective weight"):

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from coordinator.emulation.config import expand_sweep, from_dict
-from coordinator.emulation.run import Emulator
+from coordinator.emulation.emulator import Emulator
 from coordinator.strategies import build_strategy, strategy_stages
 from edge_client.errors import ConfigError
 
@@ -95,7 +95,7 @@ def test_a_preset_run_repeats_exactly_however_long_the_background_training_takes
     version is trained and applied within the three rounds)."""
     import time
 
-    from coordinator.strategies.dequantizer.stage import ProwdDequantizer
+    from coordinator.strategies.prowd_dequantizer.stage import ProwdDequantizer
 
     params = {"dequantize.epochs": 1}
     runs = [Emulator(from_dict(raw(strategy_params=params, rounds=3), "t"), 0, tmp_path / "run0").run().history]

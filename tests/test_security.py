@@ -25,7 +25,7 @@ import pytest
 from coordinator.cli.security import _job_folder, check_caps, enroll_hint
 from coordinator.ops.admission import AdmissionConfig
 from coordinator.ops.broker import JobBroker, free_port, resolve_security, start_job_broker
-from coordinator.ops.security import (
+from coordinator.ops.credentials import (
     COORDINATOR_USER,
     DEFAULT_MAX_SAMPLES,
     EnrolledDevices,

@@ -39,15 +39,7 @@ MODEL = "mlp"
 SPEC = get_spec(MODEL)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """Float training on one thread: bit-reproducible, and fast on a shared 2-core machine."""
-    import torch
-
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 
 def shard(k: int) -> object:

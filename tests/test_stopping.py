@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 
 from coordinator.emulation.config import from_dict
+from coordinator.emulation.emulator import Emulator
+from coordinator.emulation.experiment import finished_run
 from coordinator.emulation.report import summarize_run
-from coordinator.emulation.run import Emulator
 from coordinator.emulation.stopping import climbing, run_curve
-from coordinator.emulation.sweep import finished_run
 from edge_client.errors import ConfigError
 
 CLOCK = {"seconds_per_sample": {"float32": 1e-4, "int8": 2e-5}}

@@ -15,10 +15,10 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import numpy as np
+from conftest import wait_for
 
 from coordinator.ops.broker import free_port, wait_for_port
 from coordinator.state import RunState
@@ -79,15 +79,6 @@ class ScriptedDevice:
         self.stop.set()
         self.thread.join(5)
         self.t.close()
-
-
-def wait_for(cond, timeout: float, what: str):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if v := cond():
-            return v
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
 def serve(args: list[str], log: Path) -> subprocess.Popen:

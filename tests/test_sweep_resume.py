@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from coordinator.emulation.config import expand_sweep, from_dict
-from coordinator.emulation.sweep import finished_run, run_experiment
+from coordinator.emulation.experiment import finished_run, run_experiment
 
 BIN = Path(sys.executable).parent
 CLOCK = {"seconds_per_sample": {"float32": 1e-4, "int8": 2e-5}}

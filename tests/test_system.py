@@ -10,12 +10,12 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import msgpack
 import numpy as np
 import pytest
+from conftest import wait_for
 
 from coordinator.ops.broker import free_port
 from coordinator.state import RunState
@@ -94,16 +94,6 @@ def start_devices(procs: Procs, url: str, tmp: Path, fleet=FLEET, extra=None) ->
                 "--workdir", str(tmp / dev), "--max-seconds", "100", *((extra or {}).get(dev, []))]
         out.append(procs.start(dev, *args))
     return out
-
-
-def wait_for(cond, timeout: float, what: str, step: float = 0.05):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        v = cond()
-        if v:
-            return v
-        time.sleep(step)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
 def embedded_url(procs: Procs, name: str) -> str:

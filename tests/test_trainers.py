@@ -13,6 +13,9 @@ from edge_client.intnn import from_shared, init_shared, weight_max
 from edge_client.trainers import IntTrainer, TorchTrainer, Trainer, TrainReport, make_trainer
 from firmware_models import get_spec
 
+#: the float32 (torch) case of a bitwidth parametrization: not on a device
+FLOAT32 = pytest.param(32, marks=pytest.mark.host, id="32")
+
 
 @pytest.fixture(scope="module")
 def digits():
@@ -24,6 +27,7 @@ def shard():
     return digits_shard(1, 4)
 
 
+@pytest.mark.host
 def test_make_trainer_picks_the_engine():
     t32 = make_trainer("digits_cnn", 32, seed=1)
     t8 = make_trainer(get_spec("digits_cnn"), 8, seed=1, lr_shift=2)
@@ -58,6 +62,7 @@ def test_int_trainer_shared_io_is_exact(bits):
     assert all(np.array_equal(a, b) for a, b in zip_strict(tr2.int_weights(), q))
 
 
+@pytest.mark.host
 def test_torch_trainer_shared_io_is_exact():
     spec = get_spec("digits_cnn")
     tr = TorchTrainer(spec, seed=0)
@@ -66,6 +71,7 @@ def test_torch_trainer_shared_io_is_exact():
     assert all(np.array_equal(a, b) for a, b in zip_strict(tr.to_shared(), w))
 
 
+@pytest.mark.host
 def test_bad_inputs_raise_named_errors(shard):
     spec = get_spec("digits_cnn")
     for tr in (IntTrainer(spec, 8), TorchTrainer(spec)):
@@ -89,7 +95,7 @@ def test_bad_inputs_raise_named_errors(shard):
                                       for s in spec.param_shapes()])
 
 
-@pytest.mark.parametrize("bits", [32, 16, 8, 6])
+@pytest.mark.parametrize("bits", [FLOAT32, 16, 8, 6])
 def test_one_round_on_a_shard_improves_the_model(bits, shard, digits):
     _, test = digits
     tr = make_trainer("digits_cnn", bits, seed=0)
@@ -127,7 +133,7 @@ def _dist(a, b):
     return sum(float(np.sum((x.astype(np.float64) - y) ** 2)) for x, y in zip_strict(a, b))
 
 
-@pytest.mark.parametrize("bits", [32, 8, 16])
+@pytest.mark.parametrize("bits", [FLOAT32, 8, 16])
 def test_fedprox_keeps_weights_near_the_global_model(bits, shard):
     spec = get_spec("digits_cnn")
     start = init_shared(spec, 1)
@@ -141,7 +147,7 @@ def test_fedprox_keeps_weights_near_the_global_model(bits, shard):
     assert dists[1] < 0.8 * dists[0], dists
 
 
-@pytest.mark.parametrize("bits", [32, 8])
+@pytest.mark.parametrize("bits", [FLOAT32, 8])
 def test_fedfor_resists_moves_along_the_last_global_step(bits, shard):
     spec = get_spec("digits_cnn")
     start = init_shared(spec, 1)
@@ -166,6 +172,7 @@ def test_fedfor_resists_moves_along_the_last_global_step(bits, shard):
     assert all(np.array_equal(x, y) for x, y in zip_strict(a.to_shared(), b.to_shared()))
 
 
+@pytest.mark.host
 def test_weight_standardization_trains(shard, digits):
     _, test = digits
     tr = TorchTrainer("digits_cnn", seed=0, weight_standardization=True, lr=0.1)
@@ -176,6 +183,7 @@ def test_weight_standardization_trains(shard, digits):
     assert all(np.abs(w).max() <= 0.5 for w in tr.to_shared())
 
 
+@pytest.mark.host
 def test_float_evaluation_of_integer_weights(shard, digits):
     """The coordinator evaluates any device's shared weights with a TorchTrainer."""
     _, test = digits
@@ -200,6 +208,7 @@ def _train_schedule(tr, train, epochs, decay_epochs):
 
 
 @pytest.mark.slow
+@pytest.mark.host
 def test_integer_accuracy_close_to_float32(digits):
     """digits_cnn, 20 epochs (last 6 at eta/8), mean test accuracy over 3 seeds.
 
@@ -222,6 +231,7 @@ def test_integer_accuracy_close_to_float32(digits):
     assert acc[6] >= acc[32] - 0.05, acc
 
 
+@pytest.mark.host
 def test_float_sgd_step_is_torchs_bit_for_bit():
     """TorchTrainer's hand-written SGD (it keeps torch._dynamo, ~70 MB, off a device) takes
     the same steps as torch.optim.SGD, momentum on and off."""
@@ -248,6 +258,7 @@ def test_float_sgd_step_is_torchs_bit_for_bit():
                 assert torch.equal(x, y)
 
 
+@pytest.mark.host
 def test_float_training_leaves_torch_dynamo_unimported():
     import subprocess
     import sys
@@ -259,6 +270,7 @@ def test_float_training_leaves_torch_dynamo_unimported():
 
 
 @pytest.mark.parametrize("kernel,step,padding", [(2, 2, 0), (2, 2, 1), (3, 2, 1), (2, 1, 0)])
+@pytest.mark.host
 def test_evaluation_max_pool_equals_torchs(kernel, step, padding):
     """The channels-last max-pool used when no gradient is recorded gives F.max_pool2d's
     values bit for bit, ties (quantized activations), NaN, odd sizes and padding included;
@@ -288,6 +300,7 @@ def test_evaluation_max_pool_equals_torchs(kernel, step, padding):
         assert torch.equal(g.grad, g2.grad)  # the training path routes gradients as torch does
 
 
+@pytest.mark.host
 def test_float_evaluation_scores_are_unchanged_by_the_fast_pool(digits):
     """A trained float model scores the same (loss bits included) through evaluate(), which
     pools channels-last, as through the training forward's NCHW pool."""

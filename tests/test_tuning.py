@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from coordinator.emulation.config import expand_sweep, from_dict
+from coordinator.emulation.experiment import _tune
 from coordinator.emulation.report import tuning_lines
-from coordinator.emulation.sweep import _tune
 from coordinator.emulation.tuning import bracket
 from edge_client.errors import ConfigError
 

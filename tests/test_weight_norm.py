@@ -15,15 +15,7 @@ from edge_client.runtime import DeviceConfig, DeviceRuntime
 from edge_client.trainers import TorchTrainer
 from edge_client.trainers.floating import WN_GAIN
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    import torch
-
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 
 def logits(tr: TorchTrainer, weights, x) -> np.ndarray:

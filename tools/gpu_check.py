@@ -73,7 +73,7 @@ import json, sys, time
 from pathlib import Path
 from coordinator.emulation.config import from_dict
 from coordinator.emulation.pool import WorkerPool
-from coordinator.emulation.run import Emulator
+from coordinator.emulation.emulator import Emulator
 from edge_client.protocol import decode_message
 
 out, quick = Path(sys.argv[1]), sys.argv[2] == "1"

@@ -8,7 +8,7 @@
 # wheel): every device module imports without warnings and without torch or the
 # coordinator; fedbit-edge answers, its doctor holds the machine to each profile's Python
 # floor, and `fedbit` refuses 3.9 with one line; Int8 training and the uplink encode run
-# (fedbit-edge warmup); the device-side test subset (tests/device_tests.txt) passes whole;
+# (fedbit-edge warmup); the device-side test subset (pytest -m device) passes whole;
 # Int8 fedshift_cnn training throughput is within 10 % of the host's Python 3.11 (the same
 # machine, measured in turns, per CPU-second of one thread: the machine may be shared);
 # and a 3.9 device's Int8 update over MQTT is counted by a `fedbit serve` on the host.

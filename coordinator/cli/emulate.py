@@ -88,7 +88,7 @@ def _emulate(args: argparse.Namespace, point: StopPoint, where: dict[str, str]) 
 
     from coordinator.config import parse_assignments
     from coordinator.emulation.config import expand_sweep, load_config
-    from coordinator.emulation.sweep import run_experiment
+    from coordinator.emulation.experiment import run_experiment
     from coordinator.ops.dashboard.monitor import fan_out
     from coordinator.ops.dashboard.watch import Watch
     from coordinator.ops.logs import LiveProgress

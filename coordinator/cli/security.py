@@ -14,12 +14,12 @@ if TYPE_CHECKING:  # the commands import lazily: a fast --help
 
     from coordinator.job import ServeJob
     from coordinator.ops.admission import AdmissionConfig
-    from coordinator.ops.security import JobSecurity
+    from coordinator.ops.credentials import JobSecurity
 
 
 def add_security_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """The ``enroll``, ``revoke`` and ``broker-config`` subcommands."""
-    from coordinator.ops.security import DEFAULT_MAX_SAMPLES
+    from coordinator.ops.credentials import DEFAULT_MAX_SAMPLES
 
     def default_cap(p: argparse.ArgumentParser) -> None:
         p.add_argument("--default-max-samples", type=int, default=None, metavar="N",
@@ -105,7 +105,7 @@ def serve_broker(job: ServeJob, max_packet: int) -> tuple[Any, dict[str, Any]]:
     from pathlib import Path
 
     from coordinator.ops.broker import parse_listen, resolve_security, start_job_broker
-    from coordinator.ops.security import COORDINATOR_USER, JobSecurity
+    from coordinator.ops.credentials import COORDINATOR_USER, JobSecurity
     from edge_client.auth import load_credentials, tls_files
     from edge_client.connection import no_password_in_url, read_secret
     from edge_client.errors import ConfigError
@@ -267,7 +267,7 @@ def _read_devices_csv(path: str) -> list[tuple[str, int | None]]:
 def _cmd_enroll(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from coordinator.ops.security import JobSecurity
+    from coordinator.ops.credentials import JobSecurity
     from edge_client.errors import ConfigError
 
     try:
@@ -303,7 +303,7 @@ def _cmd_enroll(args: argparse.Namespace) -> int:
 
 
 def _cmd_revoke(args: argparse.Namespace) -> int:
-    from coordinator.ops.security import JobSecurity
+    from coordinator.ops.credentials import JobSecurity
     from edge_client.errors import ConfigError
 
     try:
@@ -377,7 +377,7 @@ def _cmd_broker_config(args: argparse.Namespace) -> int:
 
     from coordinator.ops.broker import DEFAULT_MAX_PACKET, parse_listen
     from coordinator.ops.brokerconf import broker_conf
-    from coordinator.ops.security import JobSecurity, default_hosts
+    from coordinator.ops.credentials import JobSecurity, default_hosts
     from edge_client.errors import ConfigError
 
     try:

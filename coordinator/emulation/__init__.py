@@ -3,9 +3,9 @@ clock, the real coordinator), experiments as TOML files, data sets and partition
 papers' settings, and reports. See docs/experiments.md.
 
 - :mod:`~coordinator.emulation.config`: the experiment schema, sweeps;
-- :mod:`~coordinator.emulation.sweep`: runs every combination x seed, then the reports;
-- :mod:`~coordinator.emulation.run`: one run (:class:`Emulator`);
-- :mod:`~coordinator.emulation.emulator`, :mod:`~coordinator.emulation.clock`: the devices and
+- :mod:`~coordinator.emulation.experiment`: runs every combination x seed, then the reports;
+- :mod:`~coordinator.emulation.emulator`: one run (:class:`Emulator`);
+- :mod:`~coordinator.emulation.fleet_plan`, :mod:`~coordinator.emulation.emulated_fleet`: the devices and
   the simulated clock;
 - :mod:`~coordinator.emulation.worker`, :mod:`~coordinator.emulation.pool`,
   :mod:`~coordinator.emulation.ray_backend`: where the selected devices train (this

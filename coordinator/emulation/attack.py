@@ -44,7 +44,7 @@ from edge_client.protocol import (
 )
 
 if TYPE_CHECKING:  # pragma: no cover
-    from coordinator.emulation.emulator import FleetPlan
+    from coordinator.emulation.fleet_plan import FleetPlan
 
 KINDS = ("scale", "boost", "noise", "label_flip", "samples")
 #: the most samples an update may claim on the wire
@@ -87,7 +87,7 @@ class AttackConfig:
 
     def attackers(self, plan: FleetPlan, seed: int) -> frozenset[str]:
         """The attacking devices of the fleet ``plan`` (a
-        :class:`~coordinator.emulation.emulator.FleetPlan`; ConfigError for a listed id
+        :class:`~coordinator.emulation.fleet_plan.FleetPlan`; ConfigError for a listed id
         that is not in it); ``fraction``: ``round(fraction · n)`` of them (at least one),
         drawn with ``seed``."""
         if self.devices:

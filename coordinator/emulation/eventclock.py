@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from coordinator.devices import Cohort
 from coordinator.emulation.availability import Availability
-from coordinator.emulation.clock import SimLinks, presence_message
+from coordinator.emulation.emulated_fleet import SimLinks, presence_message
 from coordinator.emulation.worker import RoundMessages
 from coordinator.fleet import Fleet, Inbound
 from edge_client.errors import ProtocolError

@@ -16,7 +16,7 @@ Backends (``round.workers``, ``[cluster] backend``):
 
 Per round the pool deals the started devices to the workers (the costliest first, each
 to the least loaded worker: ties to the lowest index), sends each worker the round's
-messages once with its devices (made from the :class:`~coordinator.emulation.emulator.FleetPlan`
+messages once with its devices (made from the :class:`~coordinator.emulation.fleet_plan.FleetPlan`
 then), and publishes every update a worker hands back on that device's update topic of
 the real fleet (in-process hub or broker: the same bytes, QoS 1) through one relay
 session. Which worker trains a device changes nothing in what it sends: its seeds come
@@ -43,7 +43,7 @@ from multiprocessing.connection import Connection
 from typing import Any, Protocol
 
 from coordinator.devices import Cohort
-from coordinator.emulation.emulator import EmulatedDevice, FleetPlan
+from coordinator.emulation.fleet_plan import EmulatedDevice, FleetPlan
 from coordinator.emulation.worker import (
     DeviceWorker,
     RoundMessages,
@@ -282,7 +282,7 @@ class Progress:
 
 
 class WorkerPool:
-    """The devices' host for :class:`~coordinator.emulation.clock.EmulatedFleet` (see the
+    """The devices' host for :class:`~coordinator.emulation.emulated_fleet.EmulatedFleet` (see the
     module docstring).
 
     Args:

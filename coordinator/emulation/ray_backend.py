@@ -23,7 +23,7 @@ import threading
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from coordinator.emulation.emulator import EmulatedDevice
+from coordinator.emulation.fleet_plan import EmulatedDevice
 from coordinator.emulation.worker import (
     DeviceWorker,
     RoundMessages,

@@ -1,6 +1,6 @@
 """Reports of emulated runs: plots (PNG), a summary (Markdown), results (JSON).
 
-A run folder (``coordinator.emulation.run.Emulator``) holds ``emulation.json`` (config, fleet,
+A run folder (``coordinator.emulation.emulator.Emulator``) holds ``emulation.json`` (config, fleet,
 data split, clock) and ``out/metrics.jsonl`` (one record per round). :func:`write_report`
 adds to it:
 

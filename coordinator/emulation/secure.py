@@ -3,7 +3,7 @@ devices' own code (``edge_client.secagg.session.SecureSession``) on their real u
 
 An emulated device trains in its worker and hands its exact update (``RelaySecure``: an
 integer device's grid differences, a float device's ``W - W_global``) to the
-:class:`~coordinator.emulation.clock.EmulatedFleet`, which, once the simulated round closes,
+:class:`~coordinator.emulation.emulated_fleet.EmulatedFleet`, which, once the simulated round closes,
 gives it to :class:`SecureDevices`: each device then advertises keys, deals and opens
 shares, masks and reveals exactly as a real one would, through the wire format, while
 the coordinator runs its side unchanged. A device lost on its link (``loss_rate``) drops
@@ -18,7 +18,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from coordinator.emulation.emulator import derive_seed
+from coordinator.emulation.fleet_plan import derive_seed
 from edge_client.errors import ProtocolError
 from edge_client.protocol import (
     DEFAULT_LIMITS,

@@ -6,7 +6,7 @@ A worker has its own in-memory hub (:class:`~edge_client.transport.LocalHub`). P
 gets the coordinator's messages once (:class:`RoundMessages`: the model variants, the
 round announcement, the status, as the coordinator published them) and publishes them,
 retained, on that hub; each of its devices then runs :class:`edge_client.runtime.DeviceRuntime`,
-made by :func:`coordinator.emulation.emulator.device_runtime` (the code a Pi runs: download, train with its profile's trainer, encode with its codec,
+made by :func:`coordinator.emulation.fleet_plan.device_runtime` (the code a Pi runs: download, train with its profile's trainer, encode with its codec,
 publish) against the hub, at most ``slots`` training at once, and every update a device
 publishes is handed on unchanged (:class:`WorkerEvent` ``update``, the exact bytes) for
 the emulator to publish on the device's update topic of the real fleet. When a device's
@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from coordinator.emulation.emulator import EmulatedDevice, derive_seed, device_runtime
+from coordinator.emulation.fleet_plan import EmulatedDevice, derive_seed, device_runtime
 from edge_client.data import Dataset
 from edge_client.protocol import decode_message, parse_topic, topic
 from edge_client.transport import LocalHub

@@ -1,5 +1,5 @@
 """Operating a job: the embedded broker (:mod:`~coordinator.ops.broker`), enrolment,
-certificates and the ACL (:mod:`~coordinator.ops.security`), the mosquitto files of
+certificates and the ACL (:mod:`~coordinator.ops.credentials`), the mosquitto files of
 ``fedbit broker-config`` (:mod:`~coordinator.ops.brokerconf`), who may send what
 (:mod:`~coordinator.ops.admission`), logs and progress (:mod:`~coordinator.ops.logs`), the
 ONNX export of a run (:mod:`~coordinator.ops.export`), where a run's files are

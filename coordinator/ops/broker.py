@@ -34,7 +34,7 @@ from edge_client.protocol import DEFAULT_LIMITS
 if TYPE_CHECKING:  # pragma: no cover
     from collections.abc import Callable
 
-    from coordinator.ops.security import JobSecurity
+    from coordinator.ops.credentials import JobSecurity
     from edge_client.auth import Credentials
 
 #: Broker-side packet cap: the protocol's payload cap plus room for topic and headers.
@@ -456,7 +456,7 @@ def resolve_security(mode: str, host: str, *, enrolled: int = 0, tls: bool = Tru
     unless its devices were enrolled for a plaintext broker (``tls`` False: ``password``);
     ``auto`` without enrolments is ``none`` (anonymous) on loopback and ``tls`` beyond it.
     Anonymous access beyond loopback, or with enrolled devices, is refused."""
-    from coordinator.ops.security import is_loopback
+    from coordinator.ops.credentials import is_loopback
 
     if mode not in SECURITY_MODES:
         raise ConfigError(f"--security: {mode!r} is not one of {', '.join(SECURITY_MODES)}")
@@ -509,7 +509,7 @@ def start_job_broker(host: str, port: int | None, *, security: str,
                      prefer: str = "auto", max_packet_size: int = DEFAULT_MAX_PACKET) -> JobBroker:
     """Start ``fedbit serve``'s broker on ``host:port`` with ``security`` (resolved: see
     :func:`resolve_security`); ``job_security`` is the job's
-    :class:`~coordinator.ops.security.JobSecurity` (needed unless ``none``), ``hosts`` the
+    :class:`~coordinator.ops.credentials.JobSecurity` (needed unless ``none``), ``hosts`` the
     names devices dial (the server certificate's SAN)."""
     if security == "none":
         b = start_embedded_broker(port, prefer=prefer, workdir=workdir, max_packet_size=max_packet_size) \
@@ -527,7 +527,7 @@ def start_job_broker(host: str, port: int | None, *, security: str,
     # the devices' listener knows the devices alone: the coordinator's password is refused there
     devices: dict[str, Any] = {"host": host, "port": port, "password_file": str(sec.devices_passwd_path)}
     if security == "tls":
-        from coordinator.ops.security import default_hosts
+        from coordinator.ops.credentials import default_hosts
 
         sec.ensure_server_cert(hosts or default_hosts(host))
         devices["tls"] = {"cafile": str(sec.ca_path), "certfile": str(sec.server_cert),

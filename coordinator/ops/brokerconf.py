@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from coordinator.ops.security import (
+from coordinator.ops.credentials import (
     JobSecurity,
     acl_text,
     issue,

@@ -1,6 +1,6 @@
 """The dequantize stage: maps a decoded update into the shared float domain more
 faithfully than the codec's plain decode. ``none`` keeps the plain decode; ``prowd`` is
-ProWD's progressive weight dequantizer (``coordinator.strategies.dequantizer``).
+ProWD's progressive weight dequantizer (``coordinator.strategies.prowd_dequantizer``).
 
 A dequantizer is called on every decoded update (``__call__``) and sees the round through
 hooks the strategy calls: ``begin_round(round_id, global_weights)``, ``observe(update)``
@@ -64,7 +64,7 @@ class NoDequantizer:
 
 
 def _prowd(**params: Any) -> Dequantizer:
-    from coordinator.strategies.dequantizer import ProwdDequantizer  # imports torch
+    from coordinator.strategies.prowd_dequantizer import ProwdDequantizer  # imports torch
 
     return ProwdDequantizer(**params)
 

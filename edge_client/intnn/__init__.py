@@ -6,7 +6,6 @@ package never imports torch.
 """
 
 from edge_client.intnn.model import IntModel
-from edge_client.intnn.ops import Workspace
 from edge_client.intnn.quant import (
     DEFAULT_CLIP,
     TERNARY_WEIGHT,
@@ -24,6 +23,7 @@ from edge_client.intnn.quant import (
     weight_dtype,
     weight_max,
 )
+from edge_client.intnn.workspace import Workspace
 
 __all__ = [
     "DEFAULT_CLIP", "TERNARY_WEIGHT", "IntModel", "Workspace", "act_dtype", "act_max", "alpha_log2",

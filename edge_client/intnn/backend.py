@@ -16,9 +16,9 @@ import numpy as np
 
 from edge_client.errors import ConfigError
 from edge_client.intnn import step
-from edge_client.intnn.ops import Regularizer, Workspace
+from edge_client.intnn.allocation import build_workspace
 from edge_client.intnn.parallel import Splitter
-from edge_client.intnn.workspace import build_workspace
+from edge_client.intnn.workspace import Regularizer, Workspace
 
 if TYPE_CHECKING:  # pragma: no cover
     from edge_client.intnn.model import IntModel

@@ -23,7 +23,6 @@ from edge_client.errors import ConfigError, TrainingError
 from edge_client.intnn import kernels as K
 from edge_client.intnn.backend import Backend, make_backend
 from edge_client.intnn.layers import IntLayer, IntWeightLayer, build_layers
-from edge_client.intnn.ops import Regularizer, Workspace
 from edge_client.intnn.parallel import Splitter
 from edge_client.intnn.quant import (
     DEFAULT_CLIP,
@@ -38,6 +37,7 @@ from edge_client.intnn.quant import (
     weight_dtype,
     weight_max,
 )
+from edge_client.intnn.workspace import Regularizer, Workspace
 from firmware_models import ModelSpec
 
 DEFAULT_CE_TEMP_SHIFT = 5  # softmax temperature 2^-5 on the real logits (docs/algorithms.md §1)

@@ -21,8 +21,8 @@ import numpy as np
 
 from edge_client.intnn import kernels as K
 from edge_client.intnn.layers.base import IntLayer, IntWeightLayer, Numerics
-from edge_client.intnn.ops import Regularizer, Workspace
 from edge_client.intnn.parallel import Splitter, Task
+from edge_client.intnn.workspace import Regularizer, Workspace
 
 UPDATE_ALIGN = 256  # canonical-order weights are updated in runs of 256 (kernels.sgd_update)
 

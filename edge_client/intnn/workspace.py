@@ -1,107 +1,119 @@
-"""The integer buffers of an :class:`~edge_client.intnn.model.IntModel` pass on the CPU
-backend (:class:`~edge_client.intnn.ops.Workspace`), sized for a batch capacity: each
-layer says which it needs (``IntLayer.buffers``), this module adds what every layer has
-(outputs, input errors, quantized errors, weight gradients) and decides which layers split
-over the threads. Allocated once per capacity and reused by every step
-(``IntModel.workspace``); nothing is allocated per step. Buffers a kernel writes from
-several threads at once (disjoint parts) are shared; scratch is per thread.
+"""The integer engine's buffers of a training or evaluation pass on the CPU backend
+(:class:`Workspace`, :class:`Scratch`; ``workspace.build_workspace`` fills them, each
+layer deciding its own), the planar layout's row length, and the FedProx / FedFOR terms
+in integers (:class:`Regularizer`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
-from edge_client.intnn.layers.base import IntLayer, Numerics
-from edge_client.intnn.ops import Scratch, Workspace, internal_shape
-from firmware_models import ModelSpec
 
-# a layer's kernels are split over the threads when its forward does at least this many
-# multiply-accumulates per batch (a split costs a few microseconds of hand-off, more of
-# the parts' fixed work)
-SPLIT_MIN_MACS = 1 << 20
+def plane_len(n: int, h: int, w: int, pad: int) -> int:
+    """Row length of the padded planar layout of n samples of h x w (kernels, stride-1
+    conv): ``pad*wp + pad + n*(h + pad)*wp`` with ``wp = w + pad``."""
+    wp = w + pad
+    return pad * wp + pad + n * (h + pad) * wp
 
 
-class _PerOp:
-    """Per-layer buffer lists being filled (one entry per layer, None where unused)."""
-
-    def __init__(self, names: tuple[str, ...]) -> None:
-        self.names = names
-        self.lists: dict[str, list[np.ndarray | None]] = {name: [] for name in names}
-
-    def add(self, arrays: dict[str, np.ndarray | None]) -> None:
-        unknown = set(arrays) - set(self.names)
-        if unknown:  # pragma: no cover - a layer naming a buffer Workspace does not have
-            raise KeyError(sorted(unknown))
-        for name in self.names:
-            self.lists[name].append(arrays.get(name))
+def internal_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Spec activation shape [C, H, W] -> engine layout (H, W, C); [F] unchanged."""
+    if len(shape) == 3:
+        c, h, w = shape
+        return (h, w, c)
+    return tuple(shape)
 
 
-SHARED = ("acts", "win", "eq", "eqp", "err_in", "patch", "a_t", "gacc", "col_t", "e_t",
-          "plane", "a_pad", "gt")
-PER_THREAD = ("pacc", "pacc16", "ptile", "vacc", "offs", "pbuf", "lacc", "lacc16", "lep")
+@dataclass
+class Scratch:
+    """One thread's scratch buffers (lists indexed like ``IntModel.ops``, None where
+    unused): ``pacc``/``pacc16``/``ptile`` pixel-block accumulators and finished outputs of
+    a conv forward, ``vacc`` the int32 sums [B * Op] of the VNNI conv forward, ``offs``
+    (int32 [K*K*C]) the plane-run offsets, ``pbuf`` [K*K*C] backward-data sums (int16 when
+    ``O * amax`` fits, else int32), ``lacc``/``lacc16`` int32 / int16 [O] accumulators of a
+    linear forward, ``lep`` its errors packed in groups of four samples for the VNNI weight
+    gradient (int8 [N4 * O]); ``nz_idx``/``nz_val``: int32 lists (non-zero inputs or
+    errors, a row of a max-pool's routed errors)."""
+
+    pacc: list[np.ndarray | None]
+    pacc16: list[np.ndarray | None]
+    ptile: list[np.ndarray | None]
+    vacc: list[np.ndarray | None]
+    offs: list[np.ndarray | None]
+    pbuf: list[np.ndarray | None]
+    lacc: list[np.ndarray | None]
+    lacc16: list[np.ndarray | None]
+    lep: list[np.ndarray | None]
+    nz_idx: np.ndarray
+    nz_val: np.ndarray
 
 
-def build_workspace(model: Numerics, spec: ModelSpec, ops: Sequence[IntLayer], threads: int,
-                    capacity: int, train: bool) -> Workspace:
-    """Buffers for batches of up to ``capacity`` samples (training or forward-only) of the
-    layers ``ops`` of ``spec`` run on ``threads`` threads."""
-    for op in ops:
-        op.check(model)
-    n = capacity
-    ad = model.adtype
-    x = np.zeros((n, *internal_shape(spec.input_shape)), ad)
-    shared = _PerOp(SHARED)
-    per_thread = [_PerOp(PER_THREAD) for _ in range(threads)]
-    prev = x
-    g32 = g64 = 0
-    grad_at: dict[int, tuple[bool, int, tuple[int, ...]]] = {}  # param -> (int64, offset, shape)
-    nz = n + 4
-    for i, op in enumerate(ops):
-        out = prev.reshape(n, *op.out_shape) if op.view else np.zeros((n, *op.out_shape), ad)
-        if op.split_like_input:
-            op.split = threads > 1 and i > 0 and ops[i - 1].split
-        else:
-            op.split = threads > 1 and op.macs() * n >= SPLIT_MIN_MACS
-        arrays, scratch, op_nz = op.buffers(model, n, train)
-        arrays["acts"] = out
-        nz = max(nz, op_nz)
-        if train and op.needs_input_error and op.has_input_error():
-            arrays["err_in"] = np.zeros((n, *op.in_shape), np.int32)
-        if train and op.param >= 0:
-            if op.keeps_eq(ops[i + 1] if i + 1 < len(ops) else None):
-                arrays["eq"] = np.zeros((n, *op.out_shape), ad)
-            shape = op.weight_shape
-            op.grad_int64 = op.needs_int64_grad(model, n)
-            grad_at[op.param] = (op.grad_int64, g64 if op.grad_int64 else g32, shape)
-            if op.grad_int64:
-                g64 += int(np.prod(shape))
-            else:
-                g32 += int(np.prod(shape))
-        shared.add(arrays)
-        for t, lists in enumerate(per_thread):
-            # thread 0's scratch always; the others' (copies) only where the layer is split
-            if t == 0:
-                lists.add(scratch)
-            else:
-                lists.add({k: (None if v is None else v.copy()) for k, v in scratch.items()}
-                          if op.split else {})
-        prev = out
-    # untouched pages cost no memory: a layer whose update makes its gradient again
-    # (kernels.linear_update_vnni) leaves its region unmapped
-    grad32, grad64 = np.zeros(g32, np.int32), np.zeros(g64, np.int64)
-    grads = [(grad64 if wide else grad32)[at:at + int(np.prod(shape))].reshape(shape)
-             for p, (wide, at, shape) in sorted(grad_at.items())]
-    sizes = [int(np.prod(op.weight_shape)) for op in ops if op.param >= 0]
-    extra = np.zeros(sum(sizes) if train else 0, np.int64)
-    starts = np.cumsum([0, *sizes])
-    extras = [extra[starts[p]:starts[p + 1]] for p in range(len(sizes))] if train else []
-    return Workspace(
-        capacity=n, x=x, err_out=np.zeros((n, spec.num_classes), np.int32) if train else
-        np.zeros((0, 0), np.int32),
-        scratch=[Scratch(nz_idx=np.zeros(nz, np.int32), nz_val=np.zeros(nz, np.int32),
-                         **lists.lists) for lists in per_thread],
-        grad32=grad32, grad64=grad64, extra=extra, grads=grads, extras=extras, train=train,
-        **shared.lists,
-    )
+@dataclass
+class Workspace:
+    """Integer buffers for batches of up to ``capacity`` samples (all views are [:n]).
+
+    Per layer (lists indexed like ``IntModel.ops``, None where unused): ``acts`` outputs
+    (s-bit), ``win`` max-pool winners (int8, :func:`kernels.maxpool_forward`), ``eq``
+    quantized errors at conv/linear outputs (s-bit, NHWC / [N, O]), ``eqp`` the same at
+    the positions of the stride-1 plane layout ([O, N*hs], convs whose weight gradient
+    is ``"plane"``), ``err_in`` raw errors at op inputs (int32), ``patch`` int32 [O]
+    accumulators of the sparse conv, ``a_t`` a linear layer's input transposed [F, N]
+    (its weight gradient), ``gacc`` [O] gradient scratch (int64 path), ``col_t`` the
+    transposed im2col [K*K*C, pixels] (s-bit) and ``e_t`` errors transposed [O, pixels]
+    (strided convs), ``plane`` a stride-1 conv's input in the padded planar layout
+    ([C, plane_len]), ``a_pad`` (the input with zero borders, NHWC) and ``gt`` ([O, K*K*C],
+    gradient dtype) of the error-driven conv weight gradient (``grad_mode == "sparse"``).
+    ``scratch``: per thread (:class:`Scratch`). ``grad32``/``grad64``: the weight
+    gradients, one region per layer (a step's stages overlap: one layer's update runs
+    with another's gradient), ``grads[param]`` its view (int32, or int64 where
+    ``grad_int64``; the stored weights' shape); ``extra``: FedProx/FedFOR numerators
+    (int64, ``extras[param]`` flat; only touched when those terms are on).
+    """
+
+    capacity: int
+    x: np.ndarray
+    acts: list[np.ndarray]
+    win: list[np.ndarray | None]
+    eq: list[np.ndarray | None]
+    eqp: list[np.ndarray | None]
+    err_in: list[np.ndarray | None]
+    err_out: np.ndarray
+    patch: list[np.ndarray | None]
+    a_t: list[np.ndarray | None]
+    gacc: list[np.ndarray | None]
+    col_t: list[np.ndarray | None]
+    e_t: list[np.ndarray | None]
+    plane: list[np.ndarray | None]
+    a_pad: list[np.ndarray | None]
+    gt: list[np.ndarray | None]
+    scratch: list[Scratch]
+    grad32: np.ndarray
+    grad64: np.ndarray
+    extra: np.ndarray
+    grads: list[np.ndarray] = field(default_factory=list)
+    extras: list[np.ndarray] = field(default_factory=list)
+    train: bool = True
+    #: the training step's backward tasks per batch size (``step._backward``)
+    plans: dict[int, list[Any]] = field(default_factory=dict)
+
+
+@dataclass
+class Regularizer:
+    """FedProx / FedFOR terms in integers (built by ``IntTrainer``; the derivation is in
+    docs/algorithms.md §1). Per weight and step the update gets
+    ``stoch_round(((mu_q * (w - anchor)) << d_shift + alpha_q * g [g (w - anchor) > 0]) / 2^shift)``
+    LSBs of the storage grid."""
+
+    anchor: list[np.ndarray]      # received global weights, storage grid, internal layout
+    step_g: list[np.ndarray]      # FedFOR's g = w_{t-1} - w_t, int32, 2^d_shift finer than the grid
+    mu_q: int                     # step * mu, fixed point (frac_bits fractional bits)
+    alpha_q: int                  # step * alpha, fixed point (frac_bits fractional bits)
+    d_shift: int                  # log2 of the g grid's refinement: 30 - s_g
+    shift: int                    # frac_bits + d_shift: the numerator's unit -> LSBs
+
+    @property
+    def active(self) -> bool:
+        return self.mu_q != 0 or self.alpha_q != 0

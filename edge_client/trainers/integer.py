@@ -14,11 +14,11 @@ from edge_client.errors import ConfigError, TrainingError
 from edge_client.intnn import kernels as K
 from edge_client.intnn.memory import release_compiler_pages
 from edge_client.intnn.model import IntModel
-from edge_client.intnn.ops import Regularizer
 from edge_client.intnn.quant import (
     DEFAULT_CLIP,
     init_int,
 )
+from edge_client.intnn.workspace import Regularizer
 from edge_client.trainers.common import (
     DEFAULT_LR_SHIFT,
     DEFAULT_MOMENTUM,

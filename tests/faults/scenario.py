@@ -18,7 +18,6 @@ import os
 import signal
 import sys
 import threading
-import time
 from pathlib import Path
 
 import harness
@@ -38,16 +37,6 @@ DEVICES = [("dev1", 0.01, 30), ("dev2", -0.02, 10)]
 
 def trials() -> int:
     return max(1, int(os.environ.get("FEDBIT_FAULT_TRIALS", "1")))
-
-
-def wait_for(cond, timeout: float, what: str, step: float = 0.05):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        v = cond()
-        if v:
-            return v
-        time.sleep(step)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
 def _child(argv: list[str], out: str, err: str) -> None:

@@ -26,7 +26,7 @@ import pytest
 from scenario import DEVICES, Run, report, trials
 
 from coordinator.ops.broker import MosquittoBroker, free_port, resolve_security, start_job_broker
-from coordinator.ops.security import COORDINATOR_USER, DEFAULT_MAX_SAMPLES, JobSecurity
+from coordinator.ops.credentials import COORDINATOR_USER, DEFAULT_MAX_SAMPLES, JobSecurity
 from edge_client import auth
 from edge_client.protocol import (
     Hello,

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from scenario import DEVICES, Run, report, trials, wait_for
+from conftest import wait_for
+from scenario import DEVICES, Run, report, trials
 
 from coordinator.ops.broker import MosquittoBroker
 from coordinator.state import RunState

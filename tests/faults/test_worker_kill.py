@@ -25,6 +25,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from conftest import wait_for
 from scenario import report, trials
 
 from coordinator.config import ServerConfig
@@ -105,14 +106,6 @@ def start_device(url: str, tmp: Path, k: int) -> DeviceRuntime:
                        trainer_factory=lambda *_a: FixedIntTrainer(k))
     threading.Thread(target=rt.run, kwargs={"max_seconds": 120}, daemon=True).start()
     return rt
-
-
-def wait_for(cond, timeout: float, what: str) -> None:
-    end = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > end:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
 
 
 def test_workers_fold_bit_for_bit_and_lose_nothing_when_one_is_killed(mosquitto: MosquittoBroker,

@@ -18,7 +18,7 @@ import ipaddress
 from dataclasses import dataclass
 from pathlib import Path
 
-from coordinator.ops.security import JobSecurity, default_hosts, is_loopback, issue, new_password
+from coordinator.ops.credentials import JobSecurity, default_hosts, is_loopback, issue, new_password
 from edge_client.auth import write_private
 from edge_client.errors import ConfigError
 

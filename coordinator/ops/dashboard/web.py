@@ -29,10 +29,10 @@ from typing import TYPE_CHECKING
 from aiohttp import BasicAuth, web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from coordinator.ops.credentials import is_loopback
 from coordinator.ops.dashboard.access import Access
 from coordinator.ops.dashboard.metrics import registry_for
 from coordinator.ops.dashboard.monitor import FleetMonitor
-from coordinator.ops.security import is_loopback
 from edge_client.errors import ConfigError
 
 if TYPE_CHECKING:  # pragma: no cover

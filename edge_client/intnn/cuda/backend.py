@@ -20,7 +20,7 @@ from edge_client.intnn.cuda import kernels as KC
 from edge_client.intnn.cuda import layers as _layers  # noqa: F401 (the cuda layers' package)
 from edge_client.intnn.cuda import passes
 from edge_client.intnn.cuda.stack import DeviceRegularizers, Stack, Weights
-from edge_client.intnn.ops import Regularizer, internal_shape
+from edge_client.intnn.workspace import Regularizer, internal_shape
 
 if TYPE_CHECKING:  # pragma: no cover
     from edge_client.intnn.model import IntModel

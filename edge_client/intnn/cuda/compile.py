@@ -55,7 +55,7 @@ def _exercise(spec, bits: tuple[int, ...]) -> None:
     from edge_client.data import Dataset
     from edge_client.intnn import IntModel, init_int
     from edge_client.intnn.cuda.fleet import FleetJob, ResidentData, train_together
-    from edge_client.intnn.ops import Regularizer
+    from edge_client.intnn.workspace import Regularizer
     from edge_client.trainers import IntTrainer
 
     for b in bits:

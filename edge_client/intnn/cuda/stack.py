@@ -15,11 +15,11 @@ import numpy as np
 
 from edge_client.intnn.cuda import device as dev
 from edge_client.intnn.cuda.device import DeviceArray
-from edge_client.intnn.ops import internal_shape
+from edge_client.intnn.workspace import internal_shape
 
 if TYPE_CHECKING:  # pragma: no cover
     from edge_client.intnn.model import IntModel
-    from edge_client.intnn.ops import Regularizer
+    from edge_client.intnn.workspace import Regularizer
 
 
 class Stack:

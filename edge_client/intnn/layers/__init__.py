@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 from edge_client.errors import ConfigError
 from edge_client.intnn.layers.base import PACKAGES, REGISTRY, IntLayer, IntWeightLayer, implements
-from edge_client.intnn.ops import internal_shape
+from edge_client.intnn.workspace import internal_shape
 from firmware_models import ModelSpec
 
 PACKAGES["cpu"] = __name__

@@ -11,7 +11,7 @@ import numpy as np
 from numba import njit
 
 from edge_client.intnn.layers.base import IntLayer, Numerics, ParamPass, implements
-from edge_client.intnn.ops import Workspace
+from edge_client.intnn.workspace import Workspace
 from firmware_models.layers.avgpool2d import AvgPool2d
 
 

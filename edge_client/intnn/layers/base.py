@@ -15,8 +15,8 @@ import numpy as np
 
 from edge_client.errors import ConfigError
 from edge_client.intnn import kernels as K
-from edge_client.intnn.ops import Scratch, Workspace
 from edge_client.intnn.parallel import Task
+from edge_client.intnn.workspace import Scratch, Workspace
 
 if TYPE_CHECKING:  # pragma: no cover
     from firmware_models.layers.base import SpecLayer, WeightLayer
@@ -112,8 +112,8 @@ class IntLayer:
     def buffers(self, model: Numerics, n: int, train: bool
                 ) -> tuple[dict[str, np.ndarray | None], dict[str, np.ndarray | None], int]:
         """(shared buffers, one thread's scratch, length of the non-zero lists it needs) for
-        batches of ``n``; names are :class:`~edge_client.intnn.ops.Workspace`'s and
-        :class:`~edge_client.intnn.ops.Scratch`'s lists."""
+        batches of ``n``; names are :class:`~edge_client.intnn.workspace.Workspace`'s and
+        :class:`~edge_client.intnn.workspace.Scratch`'s lists."""
         return {}, {}, 0
 
     def has_input_error(self) -> bool:

@@ -20,8 +20,8 @@ from edge_client.intnn.layers.base import (
     implements,
     vnni_dot,
 )
-from edge_client.intnn.ops import Workspace, plane_len
 from edge_client.intnn.parallel import Task
+from edge_client.intnn.workspace import Workspace, plane_len
 from firmware_models import Conv2d
 
 if TYPE_CHECKING:  # pragma: no cover

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from edge_client.intnn.layers.base import IntLayer, Numerics, ParamPass, implements
-from edge_client.intnn.ops import Workspace
+from edge_client.intnn.workspace import Workspace
 from firmware_models import Flatten
 
 

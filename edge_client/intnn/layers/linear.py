@@ -18,8 +18,8 @@ from edge_client.intnn.layers.base import (
     implements,
     vnni_dot,
 )
-from edge_client.intnn.ops import Workspace
 from edge_client.intnn.parallel import Task
+from edge_client.intnn.workspace import Workspace
 from firmware_models import Linear
 
 # a VNNI linear layer with at least this many weights makes its gradient twice (its max,

@@ -11,8 +11,8 @@ import numpy as np
 from edge_client.errors import ConfigError
 from edge_client.intnn import kernels as K
 from edge_client.intnn.layers.base import IntLayer, Numerics, ParamPass, implements
-from edge_client.intnn.ops import Workspace
 from edge_client.intnn.parallel import Task
+from edge_client.intnn.workspace import Workspace
 from firmware_models import MaxPool2d
 
 MAX_POOL_KERNEL = 11  # pool winners are int8 cell numbers kh * k + kw

@@ -7,7 +7,7 @@ import numpy as np
 
 from edge_client.intnn import kernels as K
 from edge_client.intnn.layers.base import IntLayer, Numerics, ParamPass, implements
-from edge_client.intnn.ops import Workspace
+from edge_client.intnn.workspace import Workspace
 from firmware_models import ReLU
 
 

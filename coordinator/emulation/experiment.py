@@ -1,5 +1,5 @@
 """Runs an experiment: every sweep combination with every seed, each an
-:class:`~coordinator.emulation.run.Emulator` run, then the reports.
+:class:`~coordinator.emulation.emulator.Emulator` run, then the reports.
 
 ``resume``: an interrupted sweep (a killed process, a machine's time limit) goes on from
 where it stopped. A run folder that holds a finished run of the same combination and seed
@@ -88,7 +88,7 @@ def _clear(run_dir: Path) -> None:
 
 def run_experiment(cfg: ExperimentConfig, out: str | Path, *, on_event: Any = None, echo: Any = print,
                    on_run: Any = None, resume: bool = False) -> Path:
-    """Run every sweep combination with every seed (``coordinator.emulation.run.Emulator``)
+    """Run every sweep combination with every seed (``coordinator.emulation.emulator.Emulator``)
     and write the reports. One run goes to ``out`` itself; several to
     ``out/runs/<combination>/seed-<k>/`` with a sweep summary in ``out``. Returns the
     path of the top ``summary.md``. ``on_event(rounds)`` makes each run's progress
@@ -126,8 +126,8 @@ def _one_run(c: ExperimentConfig, combo: dict[str, Any], seed: int, run_dir: Pat
              on_run: Any, resume: bool, report: bool = True) -> Path | None:
     """One emulated run (a part-way one cleared first under ``resume``) and its report
     (``report``; a tuning run's figures are read from its metrics)."""
+    from coordinator.emulation.emulator import Emulator
     from coordinator.emulation.report import write_report
-    from coordinator.emulation.run import Emulator
     from coordinator.ops.dashboard.monitor import fan_out
 
     if resume:

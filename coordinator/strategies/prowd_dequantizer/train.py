@@ -26,10 +26,10 @@ import numpy as np
 import torch
 from torch.nn import functional as F
 
-from coordinator.strategies.dequantizer.blocks import BlockLayout
-from coordinator.strategies.dequantizer.config import FULL_PRECISION, DequantizerConfig
-from coordinator.strategies.dequantizer.ladder import level_max, level_scale
-from coordinator.strategies.dequantizer.network import ProgressiveDequantizer, spec_forward
+from coordinator.strategies.prowd_dequantizer.blocks import BlockLayout
+from coordinator.strategies.prowd_dequantizer.config import FULL_PRECISION, DequantizerConfig
+from coordinator.strategies.prowd_dequantizer.ladder import level_max, level_scale
+from coordinator.strategies.prowd_dequantizer.network import ProgressiveDequantizer, spec_forward
 from firmware_models import ModelSpec
 
 

@@ -3,7 +3,7 @@
 :class:`EmulatedFleet`, which puts that clock between the coordinator and the real fleet
 of a job in rounds (``coordinator.emulation.eventclock``: in buffered mode). Device
 availability (``coordinator.emulation.availability``) reaches the coordinator as presence
-messages at their simulated time. See :mod:`coordinator.emulation.run`."""
+messages at their simulated time. See :mod:`coordinator.emulation.emulator`."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import numpy as np
 
 from coordinator.devices import Cohort
 from coordinator.emulation.availability import Availability
-from coordinator.emulation.emulator import FleetPlan, derive_seed
+from coordinator.emulation.fleet_plan import FleetPlan, derive_seed
 from coordinator.emulation.secure import SecureDevices, drop_phase
 from coordinator.emulation.worker import RoundMessages, one_thread_torch
 from coordinator.fleet import Fleet, Inbound

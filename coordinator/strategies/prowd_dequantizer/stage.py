@@ -29,32 +29,36 @@ from typing import Any
 
 import numpy as np
 
-from coordinator.strategies.dequantizer.blocks import BlockLayout
-from coordinator.strategies.dequantizer.config import DequantizerConfig
-from coordinator.strategies.dequantizer.ladder import grid_precision
-from coordinator.strategies.dequantizer.network import build_network
-from coordinator.strategies.dequantizer.slices import (
+from coordinator.strategies.kernels import has_nonfinite
+from coordinator.strategies.prowd_dequantizer.blocks import BlockLayout
+from coordinator.strategies.prowd_dequantizer.config import DequantizerConfig
+from coordinator.strategies.prowd_dequantizer.ladder import grid_precision
+from coordinator.strategies.prowd_dequantizer.network import build_network
+from coordinator.strategies.prowd_dequantizer.slices import (
     SliceLayout,
     build_slice_net,
     compile_tables,
     flat_inputs,
 )
-from coordinator.strategies.dequantizer.slicetrain import (
+from coordinator.strategies.prowd_dequantizer.slicetrain import (
     Pair,
     SliceVersion,
     dequantize_layer,
     table_rungs,
     train_slices,
 )
-from coordinator.strategies.dequantizer.slicetrain import heldout_l1 as slice_heldout_l1
-from coordinator.strategies.dequantizer.train import Distillation, TrainingStopped, train_network
-from coordinator.strategies.dequantizer.version import (
+from coordinator.strategies.prowd_dequantizer.slicetrain import heldout_l1 as slice_heldout_l1
+from coordinator.strategies.prowd_dequantizer.train import (
+    Distillation,
+    TrainingStopped,
+    train_network,
+)
+from coordinator.strategies.prowd_dequantizer.version import (
     Version,
     decide_gates,
     heldout_l1,
     make_tables,
 )
-from coordinator.strategies.kernels import has_nonfinite
 from coordinator.strategies.types import FLOAT_BITS, ClientUpdate
 from edge_client.errors import ConfigError, ProtocolError
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from coordinator.strategies.dequantizer.config import FULL_PRECISION
+from coordinator.strategies.prowd_dequantizer.config import FULL_PRECISION
 
 GRID_BITS = 16  # the finest grid a received layer is checked against
 

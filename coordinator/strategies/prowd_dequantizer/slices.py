@@ -26,8 +26,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from coordinator.strategies.dequantizer.config import FULL_PRECISION, DequantizerConfig
-from coordinator.strategies.dequantizer.ladder import level_max, level_scale
+from coordinator.strategies.prowd_dequantizer.config import FULL_PRECISION, DequantizerConfig
+from coordinator.strategies.prowd_dequantizer.ladder import level_max, level_scale
 from firmware_models import Conv2d, Flatten, Linear, ModelSpec
 
 MAX_LOG_SCALE = 4.0  # exp(β) is clamped to e^4, as in the block network

@@ -23,15 +23,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from coordinator.strategies.dequantizer.blocks import BlockLayout
-from coordinator.strategies.dequantizer.config import DequantizerConfig
-from coordinator.strategies.dequantizer.ladder import (
+from coordinator.strategies.prowd_dequantizer.blocks import BlockLayout
+from coordinator.strategies.prowd_dequantizer.config import DequantizerConfig
+from coordinator.strategies.prowd_dequantizer.ladder import (
     apply_pair_table,
     level_max,
     pair_levels,
     quantize,
 )
-from coordinator.strategies.dequantizer.network import (
+from coordinator.strategies.prowd_dequantizer.network import (
     ProgressiveDequantizer,
     build_network,
     get_arrays,
@@ -144,7 +144,7 @@ def heldout_l1(version: Version, layout: BlockLayout, models: Sequence[Sequence[
     """(layer, entry bits) -> (plain L1, dequantized L1), mean per weight over ``models``:
     each layer quantized to each rung below the top, compared with the top rung's weights
     (the float weights when the ladder ends at 32). ``stop``: checked before every layer."""
-    from coordinator.strategies.dequantizer.train import TrainingStopped
+    from coordinator.strategies.prowd_dequantizer.train import TrainingStopped
 
     cfg = version.cfg
     top = cfg.ladder[-1]

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from coordinator.strategies.dequantizer.config import PAPER_BLOCK
+from coordinator.strategies.prowd_dequantizer.config import PAPER_BLOCK
 
 MODULE = 64  # channels per side of a paper module
 

@@ -23,10 +23,10 @@ import numpy as np
 import torch
 from torch.nn import functional as F
 
-from coordinator.strategies.dequantizer.config import DequantizerConfig
-from coordinator.strategies.dequantizer.ladder import quantize
-from coordinator.strategies.dequantizer.network import get_arrays, set_arrays, spec_forward
-from coordinator.strategies.dequantizer.slices import (
+from coordinator.strategies.prowd_dequantizer.config import DequantizerConfig
+from coordinator.strategies.prowd_dequantizer.ladder import quantize
+from coordinator.strategies.prowd_dequantizer.network import get_arrays, set_arrays, spec_forward
+from coordinator.strategies.prowd_dequantizer.slices import (
     SliceLayout,
     SliceNet,
     apply_table,
@@ -35,7 +35,7 @@ from coordinator.strategies.dequantizer.slices import (
     quantize_t,
     run_planes,
 )
-from coordinator.strategies.dequantizer.train import (
+from coordinator.strategies.prowd_dequantizer.train import (
     Distillation,
     Optimizer,
     TrainingStopped,
@@ -61,7 +61,7 @@ class Pair:
 def table_rungs(cfg: DequantizerConfig) -> list[int]:
     """The entry rungs the anchored form compiles tables for (at most ``table_levels``
     levels each)."""
-    from coordinator.strategies.dequantizer.ladder import level_max
+    from coordinator.strategies.prowd_dequantizer.ladder import level_max
 
     return [b for b in cfg.ladder[:-1] if 2 * level_max(b, cfg.clip) + 1 <= cfg.table_levels]
 

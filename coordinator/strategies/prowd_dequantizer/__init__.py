@@ -9,7 +9,7 @@ to low-bit updates before masking and combining. ``config`` holds the settings,
 torch (the coordinator's ``dequantize="prowd"`` imports it when the stage is built).
 """
 
-from coordinator.strategies.dequantizer.config import LADDERS, DequantizerConfig
-from coordinator.strategies.dequantizer.stage import ProwdDequantizer, load_buffer
+from coordinator.strategies.prowd_dequantizer.config import LADDERS, DequantizerConfig
+from coordinator.strategies.prowd_dequantizer.stage import ProwdDequantizer, load_buffer
 
 __all__ = ["LADDERS", "DequantizerConfig", "ProwdDequantizer", "load_buffer"]

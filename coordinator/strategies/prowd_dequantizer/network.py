@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from coordinator.strategies.dequantizer.config import DequantizerConfig
+from coordinator.strategies.prowd_dequantizer.config import DequantizerConfig
 from firmware_models import ModelSpec
 
 MAX_LOG_SCALE = 4.0  # exp(β) is clamped to e^4: a diverging scale cannot overflow
