@@ -39,6 +39,18 @@ def model_tensors(weights: Sequence[np.ndarray], names: Sequence[str], variant: 
                  for q, n in zip(ints, names, strict=True))
 
 
+def served_weights(weights: Sequence[np.ndarray], bits: int) -> list[np.ndarray]:
+    """The shared-domain values (float32, the layers' shapes) of the model an s-bit group
+    receives from ``weights``: the weights themselves for 32 bits, else their storage-grid
+    integers ``from_shared(W, s)`` (rounded and clipped as :func:`model_tensors` sends
+    them) mapped back exactly with ``to_shared``. What a device's update is measured from."""
+    if bits >= 32:
+        return [np.asarray(w, dtype=np.float32) for w in weights]
+    from edge_client.intnn import from_shared, to_shared
+
+    return to_shared(from_shared([np.asarray(w, dtype=np.float32) for w in weights], bits), bits)
+
+
 def model_messages(round_id: int, model: str, names: Sequence[str], variants: Iterable[str], *,
                    weights: Sequence[np.ndarray], group_weights: Mapping[int, Sequence[np.ndarray]],
                    server_state: Mapping[str, Any], limits: Limits) -> dict[str, tuple[bytes, str]]:

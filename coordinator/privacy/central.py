@@ -1,8 +1,10 @@
 """Central DP as a strategy around the job's strategy (DP-FedAvg, McMahan et al. 2018):
-each update is decoded, its ``Δ = W - W_global`` clipped to L2 norm ``C``, the clipped
-updates summed unweighted, and at the end of the round Gaussian noise of std ``z·C`` is
-added to the sum, which is divided by the number of devices selected (a denominator that
-does not depend on who answered) and handed to the inner strategy as one sum.
+each update is decoded, its change ``Δ = W - W_served`` from the model that device was
+served (the global model on its bitwidth's grid, ``variants.served_weights``; the global
+model itself for a float device) clipped to L2 norm ``C``, the clipped updates summed
+unweighted, and at the end of the round Gaussian noise of std ``z·C`` is added to the sum,
+which is divided by the number of devices selected (a denominator that does not depend on
+who answered) and handed to the inner strategy as one sum of changes to the global model.
 
 With ``adaptive_clip``, ``C`` follows the ``γ`` quantile of the update norms (Andrew et
 al. 2021): the count of updates within ``C`` gets noise of std σ_b = max(selected / 20, z)
@@ -22,8 +24,16 @@ from coordinator.privacy.config import PrivacyConfig
 from coordinator.strategies.base import Strategy
 from coordinator.strategies.decode import decode_update
 from coordinator.strategies.types import AggregateResult, EncodedUpdate
+from coordinator.variants import served_weights
 from edge_client.errors import ProtocolError
-from edge_client.protocol import Hello
+from edge_client.protocol import Hello, model_variant, variant_bits
+
+
+def served_bits_of(update: EncodedUpdate) -> int:
+    """The bitwidth of the model variant a device of the update's ``compute_bits`` is
+    served when its trainer is not known (an integer trainer: ``int<s>``, else float32)."""
+    return variant_bits(model_variant(update.compute_bits, "intnn"))
+
 
 #: Andrew et al.'s choice: the clipped count's noise std is the expected cohort size / 20
 COUNT_NOISE_FRACTION = 1 / 20
@@ -31,10 +41,13 @@ COUNT_NOISE_FRACTION = 1 / 20
 
 class CentralDP:
     """A :class:`~coordinator.strategies.round.RoundStrategy` that clips, sums and noises
-    (see the module docstring); ``noise_multiplier`` z is set by the caller."""
+    (see the module docstring); ``noise_multiplier`` z is set by the caller. ``served``:
+    the bitwidth of the model variant the update's device was served (32: float32), from
+    what the device said in its hello (default: from the update's ``compute_bits``)."""
 
     def __init__(self, inner: Strategy, cfg: PrivacyConfig, noise_multiplier: float,
-                 selected: Callable[[], int] = lambda: 0, rng: np.random.Generator | None = None) -> None:
+                 selected: Callable[[], int] = lambda: 0, rng: np.random.Generator | None = None,
+                 served: Callable[[EncodedUpdate], int] = served_bits_of) -> None:
         self.inner = inner
         self.name = inner.name
         self.cfg = cfg
@@ -42,15 +55,19 @@ class CentralDP:
         self.clip = float(cfg.clip)
         self.rng = rng or np.random.default_rng(secrets.randbits(128))
         self._selected = selected  # the number of devices the open round selected
+        self._served = served
         self._sum: list[np.ndarray] | None = None
         self._global: list[np.ndarray] = []
+        #: bits -> the round's served model as float64 [P_l] per layer (made on first use)
+        self._bases: dict[int, list[np.ndarray]] = {}
         self._n = self._below = self._inferior = 0
         self.last: dict[str, float] = {}
 
     def begin_round(self, round_id: int, global_weights: list[np.ndarray]) -> None:
         self.inner.begin_round(round_id, global_weights)
-        self._global = [np.asarray(g, dtype=np.float64).reshape(-1) for g in global_weights]
-        self._sum = [np.zeros_like(g) for g in self._global]
+        self._global = [np.asarray(g, dtype=np.float32) for g in global_weights]
+        self._bases = {}
+        self._sum = [np.zeros(g.size, dtype=np.float64) for g in self._global]
         self._n = self._below = self._inferior = 0
 
     def fold(self, update: EncodedUpdate) -> None:
@@ -58,8 +75,11 @@ class CentralDP:
         if self._sum is None:
             raise ProtocolError(f"update from {update.device_id!r}: no round is open")
         cu = decode_update(update)
-        delta = [np.asarray(w, dtype=np.float64).reshape(-1) - (g if cu.kind == "weights" else 0.0)
-                 for w, g in zip(cu.weights, self._global, strict=True)]
+        if cu.kind == "weights":
+            base = self._base(self._served(update))
+            delta = [np.asarray(w, dtype=np.float64).reshape(-1) - g for w, g in zip(cu.weights, base, strict=True)]
+        else:  # already the change from the model the device was served
+            delta = [np.asarray(w, dtype=np.float64).reshape(-1) for w in cu.weights]
         norm = dp.l2_norm(delta)
         if not np.isfinite(norm):
             raise ProtocolError(f"update from {update.device_id!r}: holds NaN or Inf", reason="nonfinite")
@@ -69,6 +89,13 @@ class CentralDP:
         self._n += 1
         self._below += int(norm <= self.clip)
         self._inferior += int(update.inferior)
+
+    def _base(self, bits: int) -> list[np.ndarray]:
+        """The open round's model as the ``bits`` variant was served (float64, flat layers)."""
+        if bits not in self._bases:
+            self._bases[bits] = [np.asarray(w, dtype=np.float64).reshape(-1)
+                                 for w in served_weights(self._global, bits)]
+        return self._bases[bits]
 
     @property
     def selected(self) -> int:

@@ -1,8 +1,9 @@
 """Differential privacy's math at the coordinator: pure functions.
 
-- central DP (DP-FedAvg, McMahan et al., ICLR 2018): each update ``Δ = W - W_global`` is
-  clipped to L2 norm ``C`` (:func:`clip_factor`), the clipped updates are summed
-  unweighted and Gaussian noise of std ``z·C`` is added to the sum (:func:`gaussian`);
+- central DP (DP-FedAvg, McMahan et al., ICLR 2018): each update ``Δ = W - W_served``
+  (from the model its device was served) is clipped to L2 norm ``C``
+  (:func:`clip_factor`), the clipped updates are summed unweighted and Gaussian noise
+  of std ``z·C`` is added to the sum (:func:`gaussian`);
 - adaptive clipping (Andrew, Thakkar, McMahan, Ramaswamy, NeurIPS 2021):
   :func:`adapt_clip` moves ``C`` geometrically towards the ``γ`` quantile of the update
   norms, from a noisy count of the updates within ``C``; :func:`split_noise` gives the

@@ -28,7 +28,7 @@ from coordinator.fleet import Fleet, Inbound
 from coordinator.ingest import OpenRound, Rejected
 from coordinator.privacy import dp
 from coordinator.privacy.accountant import Accountant, noise_for_epsilon
-from coordinator.privacy.central import CentralDP
+from coordinator.privacy.central import CentralDP, served_bits_of
 from coordinator.privacy.secagg import PhaseClosed, SecAggParams, SecAggServer, UnmaskError
 from edge_client.errors import ProtocolError
 from edge_client.protocol import encode_message, model_variant, variant_bits
@@ -38,6 +38,7 @@ from edge_client.secagg.encode import Grid, split_slots
 if TYPE_CHECKING:  # pragma: no cover
     from coordinator.config import ServerConfig
     from coordinator.strategies.base import Strategy
+    from coordinator.strategies.types import EncodedUpdate
     from edge_client.protocol import Hello
 
 
@@ -68,7 +69,8 @@ class Privacy:
         """The strategy the round loop uses: central DP's wrapper, or ``strategy``."""
         if self.cfg.mechanism == "central":
             strategy = CentralDP(strategy, self.cfg, self.z,
-                                 lambda: len(self.col.round.selected) if self.col.round is not None else 0)
+                                 lambda: len(self.col.round.selected) if self.col.round is not None else 0,
+                                 served=self._served_bits)
         self.strategy = strategy
         return strategy
 
@@ -182,6 +184,11 @@ class Privacy:
         self.col.uplink_bytes["secagg-masked" if m.KIND == "sa_masked" else "secagg-protocol"] += len(msg.payload)
         if m.KIND == "sa_reveal":
             self._revealed.add(m.device_id)
+
+    def _served_bits(self, update: EncodedUpdate) -> int:
+        """The bitwidth of the model variant the update's device was served (its hello's)."""
+        hello = self.col.devices.hellos.get(update.device_id)
+        return served_bits_of(update) if hello is None else self._bits(hello)
 
     def _bits(self, hello: Hello | None) -> int:
         return 32 if hello is None else variant_bits(model_variant(hello.compute_bits, hello.trainer))

@@ -135,3 +135,59 @@ def test_adaptive_clipping_moves_to_the_quantile() -> None:
     assert z == pytest.approx((1 - 1 / 100) ** -0.5) and z > 1.0
     with pytest.raises(ValueError):
         dp.split_noise(1.0, 0.4)
+
+
+def _central(clip: float, selected: int = 1):
+    from coordinator.privacy.central import CentralDP
+    from coordinator.privacy.config import PrivacyConfig
+    from coordinator.strategies import build_strategy
+
+    return CentralDP(build_strategy("fedavg"), PrivacyConfig(mechanism="central", clip=clip), 0.0,
+                     lambda: selected, rng=np.random.default_rng(0))
+
+
+def test_central_dp_measures_an_integer_update_from_the_model_it_was_served() -> None:
+    """An Int8 device sends back exactly the Int8 model it was served (off-grid and
+    saturating global weights included): its update is zero, nothing is clipped and the
+    global model does not move; one grid step on one weight moves it by that step. A float
+    device's update is measured from the float global model."""
+    from coordinator.strategies.types import EncodedUpdate
+    from coordinator.variants import model_tensors, served_weights
+    from edge_client.intnn import from_shared
+    from edge_client.protocol import float32_tensor
+
+    rng = np.random.default_rng(1)
+    glob = [rng.normal(0, 0.3, (6, 5)).astype(np.float32), rng.normal(0, 0.3, 5).astype(np.float32)]
+    glob[1][0] = 3.0  # beyond the Int8 grid's range: served saturated
+    names = ["w", "b"]
+    served = model_tensors(glob, names, "int8")
+    assert dp.l2_norm([s - g for s, g in zip(served_weights(glob, 8), glob, strict=True)]) > 0.5
+
+    cdp = _central(clip=0.2)
+    cdp.begin_round(1, [g.copy() for g in glob])
+    cdp.fold(EncodedUpdate("i8", 10, served, compute_bits=8))
+    res = cdp.finish()
+    assert res.stats["dp_clipped_fraction"] == 0.0
+    for a, g in zip(res.weights, glob, strict=True):
+        np.testing.assert_array_equal(a, g)
+
+    q = from_shared(glob, 8)
+    q[0][2, 3] += 1  # one step of the grid, 2^-7 in the shared domain
+    from edge_client.codecs import encode
+    moved = tuple(encode(x, codec="int", bits=8, name=n) for x, n in zip(q, names, strict=True))
+    cdp.begin_round(2, [g.copy() for g in glob])
+    cdp.fold(EncodedUpdate("i8", 10, moved, compute_bits=8))
+    res = cdp.finish()
+    want = [g.copy() for g in glob]
+    want[0][2, 3] += np.float32(2.0 ** -7)
+    for a, w in zip(res.weights, want, strict=True):
+        np.testing.assert_allclose(a, w, rtol=0, atol=1e-7)
+
+    step = [np.full_like(g, 0.01) for g in glob]  # a float device: from the float model
+    cdp = _central(clip=10.0)
+    cdp.begin_round(3, [g.copy() for g in glob])
+    cdp.fold(EncodedUpdate("f32", 10, tuple(float32_tensor(g + s, n) for g, s, n in zip(glob, step, names,
+                                                                                        strict=True))))
+    res = cdp.finish()
+    for a, g, s in zip(res.weights, glob, step, strict=True):
+        np.testing.assert_allclose(a, g + s, rtol=0, atol=1e-6)
