@@ -34,8 +34,11 @@ lock:
 demo: install
 	$(VENV)/bin/fedbit demo
 
+# The suite on TEST_WORKERS processes (pytest-xdist), each taking a whole test file at a time
+# (module fixtures built once); 2 fills the 2-core machine the suite's budget is set on.
+TEST_WORKERS ?= 2
 test: install
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 # The device-side tests alone (pytest marker `device`: the modules of tests/device_tests.txt
 # less their `host` tests), on this Python; make py39-check runs them under 3.9.
