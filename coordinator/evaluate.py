@@ -137,7 +137,7 @@ class ModelEvaluator:
             fbits = forward_bits(self.float_forward)
             if bits == 32 and fbits != 32:
                 # the float devices' int<s> forward is the s-bit integer forward, bit for bit
-                # (tests/edge_client/test_float_forward.py): score it with the integer engine, several
+                # (tests/packages/edge_client/test_float_forward.py): score it with the integer engine, several
                 # times faster than torch computing the same integers in float
                 bits = fbits
             elif bits == 32:

@@ -195,7 +195,7 @@ class IntegerGraph:
 # x_scale = w_scale = 1 and y_scale = 2^k / (1 + 2^-22) that is round_shift(acc, k) (half
 # away from zero) for every |acc| <= 600,000 and k <= 15: the factor 1 + 2^-22 moves a
 # tie away from zero, and moves nothing else across a rounding boundary (|acc| 2^-22 2^-k
-# < 2^-(k+2)); tests/firmware_models/test_onnx_export.py checks ties of both signs and saturation.
+# < 2^-(k+2)); tests/packages/firmware_models/test_onnx_export.py checks ties of both signs and saturation.
 QLINEAR_TIE_BREAK = 2.0 ** -22
 QLINEAR_MAX_ACC = 600_000
 #: an image input's channels are padded to a multiple of this for its first conv

@@ -14,8 +14,10 @@ import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import TYPE_CHECKING
 
+import numpy as np
 import pytest
 
 # The CUDA engine's kernels run under Numba's CUDA simulator in the tests unless told
@@ -71,6 +73,40 @@ def wait_for(cond, timeout: float, what: str, step: float = 0.05):
             return v
         time.sleep(step)
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+class ShiftTrainer:
+    """A float32 trainer whose local "training" adds ``shift`` to every weight: a device's
+    update is exactly that constant, so an aggregate is checkable exactly. ``on_train``
+    (optional) runs at the start of each local round. The Trainer protocol's attributes;
+    ``spec`` is not read by the device runtime."""
+
+    spec, bits, lr, lr_shift = None, 32, 1.0, 3
+
+    def __init__(self, shift: float = 0.01, on_train=None) -> None:
+        self.shift, self.on_train = np.float32(shift), on_train
+        self.w: list[np.ndarray] = []
+
+    def load_shared(self, weights) -> None:
+        self.w = [np.array(w, dtype=np.float32) for w in weights]
+
+    def train(self, data, **_kw):
+        if self.on_train is not None:
+            self.on_train()
+        self.w = [w + self.shift for w in self.w]
+        return SimpleNamespace(loss=0.1, steps=1, samples=len(getattr(data, "y", ())), seconds=0.0)
+
+    def to_shared(self) -> list[np.ndarray]:
+        return [w.copy() for w in self.w]
+
+    def int_weights(self):
+        return None
+
+    def ternary_weights(self):
+        return None
+
+    def evaluate(self, data, batch: int = 256):
+        return 0.0, 0.0
 
 
 @pytest.fixture(scope="module")

@@ -50,7 +50,7 @@ def read_manifest(path: Path = MANIFEST) -> Selection:
 
 
 def is_device_test(nodeid: str, host: bool, selection: Selection) -> bool:
-    """Whether the test ``nodeid`` (``tests/edge_client/test_x.py::name[param]``) belongs to the
+    """Whether the test ``nodeid`` (``tests/packages/edge_client/test_x.py::name[param]``) belongs to the
     device subset: its module is listed and it is not marked ``host``."""
     return not host and nodeid.split("::")[0] in selection.selected
 

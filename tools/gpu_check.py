@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 #: modules the steps import (the coordinator's emulator, its reports, the tests, torch)
 NEEDED = ("numpy", "numba", "msgpack", "paho.mqtt", "cryptography", "torch", "pytest", "scipy", "matplotlib",
           "aiohttp", "rich", "prometheus_client", "sklearn")
-TESTS = ("tests/edge_client/test_cuda_engine.py", "tests/coordinator/test_cuda_fleet.py", "tests/edge_client/test_cuda_device.py")
+TESTS = ("tests/packages/edge_client/test_cuda_engine.py", "tests/packages/coordinator/test_cuda_fleet.py", "tests/packages/edge_client/test_cuda_device.py")
 #: seconds each step may take (8 minutes in all)
 LIMITS = {"tests": 200, "fleet": 90, "bench": 170}
 

@@ -36,14 +36,14 @@ NOT_RUN_HERE: dict[str, str] = {
     'python3 -m venv ~/fedbit && ~/fedbit/bin/pip install "fedbit-0.1.0-py3-none-any.whl[data]"':
         "on a device; make device-check (tools/device_check.sh) runs it on arm64 under qemu",
     "~/fedbit/bin/fedbit-edge warmup --profile raspberry-pi-4":
-        "on a device; tests/edge_client/test_cli.py runs `fedbit-edge warmup`, make device-check this line",
+        "on a device; tests/packages/edge_client/test_cli.py runs `fedbit-edge warmup`, make device-check this line",
     "~/fedbit/bin/fedbit-edge doctor --profile raspberry-pi-4 --credentials pi-17.toml":
-        "on a device with an enrolled broker; tests/edge_client/test_device_tools.py runs doctor against a real one",
+        "on a device with an enrolled broker; tests/packages/edge_client/test_device_tools.py runs doctor against a real one",
     "~/fedbit/bin/fedbit-edge run --credentials pi-17.toml --profile raspberry-pi-4 --data digits:1/4":
-        "on a device with an enrolled broker; tests/coordinator/test_security.py and make device-check run devices",
+        "on a device with an enrolled broker; tests/packages/coordinator/test_security.py and make device-check run devices",
     "make install": "what make demo / make test do first",
     "fedbit serve --config examples/job.toml":
-        "waits for devices; tests/coordinator/test_job.py runs it from this file with two real devices",
+        "waits for devices; tests/packages/coordinator/test_job.py runs it from this file with two real devices",
 }
 
 

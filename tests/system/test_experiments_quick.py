@@ -20,7 +20,7 @@ CONFIGS = sorted((ROOT / "experiments").glob("*.toml"))
 #: the configs run end to end in their quick form: a part that ``extends`` another changes
 #: its name and sweep values (a split, a mix) and at most its length, stopping rule and
 #: tuning table, whose machinery its base's quick run, the first test here (every
-#: combination of every config validated), tests/coordinator/test_stopping.py and test_tuning.py cover
+#: combination of every config validated), tests/packages/coordinator/test_stopping.py and test_tuning.py cover
 WHOLE = [p for p in CONFIGS if "\nextends = " not in "\n" + p.read_text()]
 
 

@@ -7,7 +7,7 @@ ternarization, im2col and planes), :mod:`.conv_forward`, :mod:`.conv_backward`,
 / :mod:`.vnni_linear` (the same as int8 dot products on AVX-512 VNNI where the CPU has it,
 :data:`VNNI`; bit-identical). This package re-exports every kernel.
 
-Every kernel takes and returns integers (or booleans) only (``tests/edge_client/test_intnn_integer_only.py``
+Every kernel takes and returns integers (or booleans) only (``tests/packages/edge_client/test_intnn_integer_only.py``
 inspects the type maps of :data:`TRAINING_KERNELS`). Widths: activations and quantized
 errors ``int8`` (s <= 8) or ``int16``; ternary weights ``int8``; stored weights
 ``int8``/``int16``; raw errors and forward accumulators ``int32``; weight gradients

@@ -3,7 +3,7 @@ added in fours into 16 int32 lanes, 64 multiply-accumulates an instruction), thr
 intrinsics of :mod:`.vnni_intrinsics` (which explains the sign-bit flip and its
 correction: any int8 works, results are exact). :data:`AVAILABLE`: whether the CPU Numba
 compiles for has it; the kernels are only compiled where it does, the generic ones stay
-the reference and the fallback. Bit-identical to them (tests/edge_client/test_intnn_vnni.py).
+the reference and the fallback. Bit-identical to them (tests/packages/edge_client/test_intnn_vnni.py).
 
 - :func:`conv_forward_vnni`: the conv forward straight from the zero-padded input (four
   input bytes broadcast x the weights packed in fours per kernel row, :func:`pad_rows`);

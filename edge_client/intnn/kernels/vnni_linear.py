@@ -1,6 +1,6 @@
 """The linear layers' int8 dot products on AVX-512 VNNI (:mod:`.vnni`; compiled only where
 the CPU has it), on input-major ternary weights ``t [F, O]``, bit-identical to
-:mod:`.linear`'s (tests/edge_client/test_intnn_vnni.py):
+:mod:`.linear`'s (tests/packages/edge_client/test_intnn_vnni.py):
 
 - :func:`linear_forward_vnni` (O >= 16): a block of weight rows at a time for every
   sample, the rows staying in L1 while the samples' non-zero inputs add into their sums;

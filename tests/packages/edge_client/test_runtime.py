@@ -14,6 +14,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from conftest import ShiftTrainer
 
 from coordinator.config import ServerConfig
 from coordinator.fleet import InProcessFleet, MqttFleet
@@ -38,32 +39,6 @@ SPEC = get_spec("mlp")
 BIN = Path(sys.executable).parent
 
 
-class ShiftTrainer:
-    spec, bits, lr, lr_shift = SPEC, 32, 1.0, 3  # the Trainer protocol
-
-    def __init__(self, shift: float = 0.01, on_train=None) -> None:
-        self.shift, self.on_train, self.w = np.float32(shift), on_train, []
-
-    def load_shared(self, weights):
-        self.w = [np.array(w, dtype=np.float32) for w in weights]
-
-    def train(self, data, **_kw):
-        if self.on_train:
-            self.on_train()
-        self.w = [w + self.shift for w in self.w]
-        return SimpleNamespace(loss=0.1)
-
-    def to_shared(self):
-        return [w.copy() for w in self.w]
-
-    def int_weights(self):
-        return None
-
-    def ternary_weights(self):
-        return None
-
-    def evaluate(self, data, batch=256):
-        return 0.0, 0.0
 
 
 def data(n: int = 12) -> SimpleNamespace:

@@ -19,7 +19,7 @@ from coordinator.ops.broker import free_port
 from edge_client.errors import ConfigError
 from edge_client.protocol import DEFAULT_LIMITS
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 EXAMPLE = ROOT / "examples" / "job.toml"
 BIN = Path(sys.executable).parent
 

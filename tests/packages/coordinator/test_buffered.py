@@ -14,6 +14,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from conftest import ShiftTrainer
 
 from coordinator.buffered import BufferedSettings, staleness_function
 from coordinator.buffered.window import BufferWindow, Requests
@@ -41,33 +42,6 @@ JOB = "buf"
 SPEC = get_spec("mlp")
 
 
-class ShiftTrainer:
-    """Local 'training' that adds a known constant (its delta is exactly that constant)."""
-
-    spec, bits, lr, lr_shift = SPEC, 32, 1.0, 3  # the Trainer protocol
-
-    def __init__(self, shift: float) -> None:
-        self.shift = np.float32(shift)
-        self.w: list[np.ndarray] = []
-
-    def load_shared(self, weights):
-        self.w = [np.array(w, dtype=np.float32) for w in weights]
-
-    def train(self, data, **_kw):
-        self.w = [w + self.shift for w in self.w]
-        return SimpleNamespace(loss=0.5)
-
-    def to_shared(self):
-        return [w.copy() for w in self.w]
-
-    def int_weights(self):
-        return None
-
-    def ternary_weights(self):
-        return None
-
-    def evaluate(self, data, batch=256):
-        return 0.0, 0.0
 
 
 def device(dev: str, shift: float, n: int, connect, workdir: Path, delay: float = 0.0) -> DeviceRuntime:
@@ -380,7 +354,7 @@ def test_a_buffered_emulation_with_availability_gives_the_same_result_for_the_sa
     from coordinator.emulation.emulator import Emulator
 
     lossy = tmp_path / "lossy.toml"
-    lossy.write_text((Path(__file__).parents[2] / "hw_profiles" / "profiles" / "desktop.toml").read_text()
+    lossy.write_text((Path(__file__).parents[3] / "hw_profiles" / "profiles" / "desktop.toml").read_text()
                      .replace('name = "desktop"', 'name = "lossy"').replace("loss_rate = 0.0", "loss_rate = 0.5"))
     cfg = from_dict({"name": "fb", "model": "mlp", "rounds": 8, "transport": "inproc", "strategy": "fedavg",
                      "devices": {"raspberry-pi-zero-2w": 1, "raspberry-pi-4": 2, str(lossy): 3},

@@ -26,7 +26,7 @@ from edge_client.protocol import (
 )
 from firmware_models import get_spec
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 SPEC = get_spec("mlp")
 SHAPES = [tuple(s) for s in SPEC.param_shapes()]
 

@@ -17,6 +17,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from conftest import ShiftTrainer
 
 from coordinator.cli import main as fedbit
 from coordinator.config import ServerConfig
@@ -37,30 +38,6 @@ JOB = "edgejob"
 DEVICES = [("pi-a", 30, 0.25), ("pi-b", 10, -0.5), ("pi-c", 20, 1.0)]  # (id, samples, shift): edges 0, 1, 0
 
 
-class ShiftTrainer:
-    spec, bits, lr, lr_shift = None, 32, 1.0, 3  # the Trainer protocol (spec: unused)
-
-    def __init__(self, shift: float) -> None:
-        self.shift = np.float32(shift)
-
-    def load_shared(self, weights) -> None:
-        self.w = [np.array(w, dtype=np.float32) for w in weights]
-
-    def train(self, _data, **_kw):
-        self.w = [w + self.shift for w in self.w]
-        return SimpleNamespace(loss=0.1)
-
-    def to_shared(self):
-        return [w.copy() for w in self.w]
-
-    def int_weights(self):
-        return None
-
-    def ternary_weights(self):
-        return None
-
-    def evaluate(self, _data, batch: int = 256):
-        return 0.0, 0.0
 
 
 def _device(creds: auth.Credentials, tmp: Path, samples: int, shift: float) -> DeviceRuntime:

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import msgpack
 import numpy as np
 import pytest
+from conftest import ShiftTrainer
 
 from coordinator.config import ServerConfig
 from coordinator.defense.config import DefenseConfig
@@ -39,33 +40,6 @@ JOB = "t"
 SPEC = get_spec("mlp")
 
 
-class ShiftTrainer:
-    """Local 'training' that adds a known constant: the aggregate is checkable exactly."""
-
-    spec, bits, lr, lr_shift = SPEC, 32, 1.0, 3  # the Trainer protocol
-
-    def __init__(self, shift: float) -> None:
-        self.shift = np.float32(shift)
-        self.w: list[np.ndarray] = []
-
-    def load_shared(self, weights):
-        self.w = [np.array(w, dtype=np.float32) for w in weights]
-
-    def train(self, data, **_kw):
-        self.w = [w + self.shift for w in self.w]
-        return SimpleNamespace(loss=0.5, steps=1, samples=len(data.y), seconds=0.0)
-
-    def to_shared(self):
-        return [w.copy() for w in self.w]
-
-    def int_weights(self):
-        return None
-
-    def ternary_weights(self):
-        return None
-
-    def evaluate(self, data, batch=256):
-        return 0.0, 0.0
 
 
 def data(n: int) -> SimpleNamespace:

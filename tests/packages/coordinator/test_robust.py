@@ -174,7 +174,7 @@ NO_DEFENSE = DefenseConfig(norm_bound=0, sample_bound=0, strikes=0)
 def _federated_accuracy(tmp: Path, params: dict, attack: bool, rounds: int = 5, n: int = 5) -> float:
     """Accuracy (Int8 model, digits test split) after ``rounds`` of ``n`` Int8 devices on
     digits shards, FedAvg with ``params`` and without the round loop's defense (the
-    strategies alone: tests/coordinator/test_attack.py has the defense); ``attack``: one more,
+    strategies alone: tests/packages/coordinator/test_attack.py has the defense); ``attack``: one more,
     authenticated device answers every round with ``-4 × the global model`` claiming
     100,000 samples."""
     from coordinator.config import ServerConfig

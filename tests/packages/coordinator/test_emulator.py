@@ -24,7 +24,7 @@ WALL = {"time", "run", "round_seconds", "wait_seconds", "collect_seconds", "aggr
 
 def config(**over) -> object:
     """A small mixed fleet; one worker (this process) unless ``round.workers`` says otherwise
-    (tests/coordinator/test_emulator_workers.py runs worker processes and Ray)."""
+    (tests/packages/coordinator/test_emulator_workers.py runs worker processes and Ray)."""
     raw = {"name": "t", "model": "digits_cnn", "rounds": 3, "strategy": "fedavg", "transport": "inproc",
            "devices": {"raspberry-pi-zero-2w": 2, "raspberry-pi-4": 2, "raspberry-pi-5": 2, "jetson-nano": 2,
                        "desktop": 2},
@@ -82,7 +82,7 @@ def test_slow_and_lossy_devices_are_stragglers_on_the_simulated_clock(tmp_path: 
     rounds. Rounds with stragglers last exactly the deadline; the others end at the last
     arrival."""
     lossy = tmp_path / "lossy.toml"
-    lossy.write_text((Path(__file__).parents[2] / "hw_profiles" / "profiles" / "desktop.toml").read_text()
+    lossy.write_text((Path(__file__).parents[3] / "hw_profiles" / "profiles" / "desktop.toml").read_text()
                      .replace('name = "desktop"', 'name = "lossy"').replace("loss_rate = 0.0", "loss_rate = 0.5"))
     cfg = config(rounds=4, devices={"raspberry-pi-zero-2w": 2, "raspberry-pi-4": 2, str(lossy): 4},
                  clock={"seconds_per_sample": CLOCK["seconds_per_sample"] | {"int6": 1e-2}})

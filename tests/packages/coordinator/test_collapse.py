@@ -27,7 +27,7 @@ from edge_client.intnn.liveness import liveness
 from edge_client.trainers import IntTrainer, TorchTrainer
 from firmware_models import get_spec
 
-EXPERIMENT = Path(__file__).resolve().parents[2] / "experiments" / "fashion-collapse.toml"
+EXPERIMENT = Path(__file__).resolve().parents[3] / "experiments" / "fashion-collapse.toml"
 CLOCK = {"seconds_per_sample": {"float32": 1e-4, "int8": 2e-5, "int6": 2e-5}}
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import ShiftTrainer
 
 from coordinator.config import ServerConfig
 from coordinator.fleet import InProcessFleet
@@ -25,7 +26,7 @@ from edge_client.protocol import encode_message, topic
 from edge_client.protocol.secure import SecAggKeys, SecAggUnmask
 from edge_client.runtime import DeviceConfig, DeviceRuntime
 from firmware_models import get_spec
-from tests.coordinator.test_server import ShiftTrainer, data
+from tests.packages.coordinator.test_server import data
 
 JOB = "p"
 SPEC = get_spec("mlp")
@@ -177,12 +178,12 @@ def test_the_emulator_runs_secure_rounds_with_its_devices_dropping_in_every_phas
     after them, after their shares, after their masked input); the round completes."""
     from coordinator.emulation.config import from_dict
     from coordinator.emulation.emulator import Emulator
-    from tests.coordinator.test_emulator import config
+    from tests.packages.coordinator.test_emulator import config
 
     with pytest.raises(ConfigError, match=r"\[privacy\].*selective weight"):
         from_dict({"strategy": "prowd", "devices": {"raspberry-pi-4": 2}, "privacy": {"secure_aggregation": True}})
     lossy = tmp_path / "lossy.toml"
-    lossy.write_text((Path(__file__).parents[2] / "hw_profiles" / "profiles" / "jetson-nano.toml").read_text()
+    lossy.write_text((Path(__file__).parents[3] / "hw_profiles" / "profiles" / "jetson-nano.toml").read_text()
                      .replace('name = "jetson-nano"', 'name = "lossy"').replace("loss_rate = 0.001", "loss_rate = 0.99"))
     cfg = config(rounds=1, devices={"raspberry-pi-4": 3, "jetson-nano": 1, str(lossy): 4},
                  round={"deadline_s": 0.0}, train={"epochs": 1}, privacy={"secure_aggregation": True,
@@ -201,7 +202,7 @@ def test_epsilon_reaches_the_dashboard_metrics_and_the_summary() -> None:
     from coordinator.emulation.report import _privacy_lines, privacy_summary
     from coordinator.ops.dashboard.metrics import MonitorCollector
     from coordinator.ops.dashboard.monitor import FleetMonitor
-    from tests.coordinator.test_dashboard import feed_round, round_end
+    from tests.packages.coordinator.test_dashboard import feed_round, round_end
 
     m = FleetMonitor({"job": "farm"}, rounds=3, title="farm")
     feed_round(m, 1, 0.5)

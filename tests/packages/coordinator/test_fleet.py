@@ -8,6 +8,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
+from conftest import ShiftTrainer
 
 from coordinator.config import ServerConfig
 from coordinator.fleet import InProcessFleet, MqttFleet
@@ -24,30 +25,6 @@ JOB = "fl"
 SPEC = get_spec("mlp")
 
 
-class ShiftTrainer:
-    spec, bits, lr, lr_shift = SPEC, 32, 1.0, 3  # the Trainer protocol
-
-    def __init__(self, shift: float) -> None:
-        self.shift, self.w = np.float32(shift), []
-
-    def load_shared(self, weights):
-        self.w = [np.array(w, dtype=np.float32) for w in weights]
-
-    def train(self, data, **_kw):
-        self.w = [w + self.shift for w in self.w]
-        return SimpleNamespace(loss=0.2)
-
-    def to_shared(self):
-        return [w.copy() for w in self.w]
-
-    def int_weights(self):
-        return None
-
-    def ternary_weights(self):
-        return None
-
-    def evaluate(self, data, batch=256):
-        return 0.0, 0.0
 
 
 def run(fleet, connector, tmp: Path, rounds: int = 2) -> Coordinator:
