@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import struct
 import threading
@@ -486,8 +487,11 @@ class RunState:
     # ------------------------------------------------------------------ metrics
 
     def append_metrics(self, record: dict[str, Any]) -> None:
-        """Append one JSON line and fsync (one line per completed round)."""
-        line = json.dumps(record, sort_keys=True, allow_nan=False) + "\n"
+        """Append one JSON line and fsync (one line per completed round). A non-finite
+        float anywhere in ``record`` (a group scored on validation only has a NaN test
+        accuracy; an exploded model a NaN loss) is written as ``null``: strict JSON, and no
+        round is lost to a figure that could not be computed."""
+        line = json.dumps(_finite_json(record), sort_keys=True, allow_nan=False) + "\n"
         with open(self.metrics_path, "a", encoding="utf-8", opener=private_opener) as f:
             f.write(line)
             f.flush()
@@ -521,3 +525,15 @@ class RunState:
             by_round[completed] = ckpt.metrics
         text = "".join(json.dumps(by_round[r], sort_keys=True) + "\n" for r in sorted(by_round))
         atomic_write(self.metrics_path, text.encode(), durable=self.durable)
+
+
+def _finite_json(value: Any) -> Any:
+    """``value`` with every non-finite float (NaN, +-Inf) in its dicts, lists and tuples
+    replaced by None."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite_json(v) for v in value]
+    return value

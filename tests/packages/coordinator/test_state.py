@@ -159,6 +159,20 @@ def test_repair_metrics_keeps_exactly_one_line_per_completed_round(tmp_path: Pat
     assert st.read_metrics()[-1] == {"round": 4, "x": 1}
 
 
+def test_a_non_finite_figure_is_written_as_null_and_the_round_kept(tmp_path: Path) -> None:
+    """A rolled-back round scored on validation only carries NaN test accuracies in its
+    health record: the line is strict JSON with null there, and nothing else changes."""
+    st = RunState(tmp_path)
+    st.append_metrics({"round": 1, "accuracy": float("nan"), "loss": np.float64("inf"),
+                       "health": {"rolled_back_accuracy": {"int8": float("nan"), "float32": 0.5}},
+                       "history": [1.0, float("-inf")]})
+    line = st.metrics_path.read_text()
+    assert "NaN" not in line and "Infinity" not in line
+    assert json.loads(line) == {"round": 1, "accuracy": None, "loss": None,
+                                "health": {"rolled_back_accuracy": {"int8": None, "float32": 0.5}},
+                                "history": [1.0, None]}
+
+
 def test_outbox_keeps_only_the_open_round(tmp_path: Path) -> None:
     ob = Outbox(tmp_path / "ob")
     ob.put(3, "fedbit/j/update/d1", b"r3")
