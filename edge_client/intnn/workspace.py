@@ -1,5 +1,5 @@
 """The integer engine's buffers of a training or evaluation pass on the CPU backend
-(:class:`Workspace`, :class:`Scratch`; ``workspace.build_workspace`` fills them, each
+(:class:`Workspace`, :class:`Scratch`; ``allocation.build_workspace`` fills them, each
 layer deciding its own), the planar layout's row length, and the FedProx / FedFOR terms
 in integers (:class:`Regularizer`).
 """

@@ -86,7 +86,7 @@ class Weights:
 
 
 class DeviceRegularizers:
-    """The FedProx / FedFOR terms of D devices (``ops.Regularizer`` each, or None): per
+    """The FedProx / FedFOR terms of D devices (``workspace.Regularizer`` each, or None): per
     weight layer the anchors and FedFOR steps ``[D, *weight_shape]``, and ``regq`` (int64
     [D, 4]: mu_q, alpha_q, shift, active). ``d_shift`` is the same for every device of a
     model (its grid); a stack without any term passes one-element stand-ins."""
