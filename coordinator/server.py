@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import numbers
 import os
 import time
 from collections.abc import Callable
@@ -192,9 +193,9 @@ class Coordinator:
         health = self.health.check(r, (self.weights, self.group_weights), (old, old_groups), scores, self.history)
         if health.rolled_back:  # the round without the update(s) that collapsed it, else the last healthy model
             scores = recover(self, r, rnd, (old, old_groups), health)
-        loss, acc = scores.get(FLOAT_VARIANT, (math.nan, math.nan))[:2]
+        loss, acc = (math.nan if v is None else float(v) for v in scores.get(FLOAT_VARIANT, (None, None))[:2])
         change = float(math.sqrt(sum(float(np.sum((a - b) ** 2)) for a, b in zip(self.weights, old, strict=True))))
-        finite = lambda v: v if math.isfinite(v) else None  # noqa: E731
+        finite = lambda v: float(v) if isinstance(v, numbers.Real) and math.isfinite(v) else None  # noqa: E731
         parts = clock.parts
         record: dict[str, Any] = {
             "round": r, "time": time.time(), "run": self.run_id, "strategy": cfg.strategy,
@@ -209,7 +210,7 @@ class Coordinator:
             "handle_seconds": clock.wall - parts["announce"] - parts["aggregate"],
             "counts": dict(col.counts), "stats": stats,
             "groups": {v: {"loss": finite(s[0]), "accuracy": finite(s[1]),
-                           **{k: finite(float(x)) for k, x in (s[2] if len(s) > 2 else {}).items()}}
+                           **{k: finite(x) for k, x in (s[2] if len(s) > 2 else {}).items()}}
                        for v, s in scores.items()},
             "uplink_bytes": dict(col.uplink_bytes), "health": health.record, "health_seconds": health.seconds,
             "defense": self.defense.after_round(r, rnd.accepted, col.refused_devices, col.over_claimed),
