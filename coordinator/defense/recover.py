@@ -91,7 +91,9 @@ def recover(co: Coordinator, r: int, rnd: OpenRound, old: tuple[Weights, dict[in
     co.strategy.load_state_dict(pre)
     co.weights, co.group_weights = old
     co.defense.rolled_back(r)
-    return verdict.scores or co._evaluate(r)
+    # the kept model scored as round r is (the test split too in a reported round: the
+    # last healthy round's figures lack it when that round came before the reported ones)
+    return co._evaluate(r) or verdict.scores or {}
 
 
 def _norms(co: Coordinator, items: list[tuple[str, bytes]], start: Weights) -> dict[str, float]:

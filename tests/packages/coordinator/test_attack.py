@@ -101,16 +101,21 @@ def test_a_x100_device_beside_an_honest_fleet_is_quarantined_and_the_int8_group_
     assert int8(hist) >= int8(clean) - 0.03, (int8(hist), int8(clean))
 
 
-def test_an_undefended_collapse_rolled_back_between_test_scorings_keeps_the_run_going(tmp_path: Path) -> None:
+@pytest.mark.parametrize("blame", [True, False], ids=["blamed", "whole-round"])
+def test_an_undefended_collapse_rolled_back_between_test_scorings_keeps_the_run_going(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, blame: bool) -> None:
     """Without the defense a x100 device collapses the model and each such round is rolled
     back; with a validation split the test split is scored in the reported rounds only, so
     a rolled-back earlier round has no test figure (NaN, then null in metrics.jsonl): the
-    run goes on to its last round, every line strict JSON."""
+    run goes on to its last round, every line strict JSON, and a reported round that is
+    rolled back scores the model it keeps on the test split."""
     raw = {"name": "undefended", "model": "digits_cnn", "rounds": 16, "strategy": "fedavg", "transport": "inproc",
            "devices": {"raspberry-pi-4": 3, "desktop": 1}, "data": {"partition": "iid", "validation": 0.1},
            "train": {"epochs": 1, "batch": 32}, "clock": CLOCK,
            "defense": {"norm_bound": 0, "sample_bound": 0, "strikes": 0},
            "attack": {"devices": ["desktop-0"], "kind": "scale", "factor": 100.0, "from_round": 2}}
+    if not blame:  # no aggregate without some updates is tried: the whole round rolled back
+        monkeypatch.setattr("coordinator.defense.recover.suspects", lambda *a, **k: iter(()))
     run = Emulator(from_dict(raw, "test"), 0, tmp_path / "run").run()
     assert [h["round"] for h in run.history] == list(range(1, 17))
     rolled = [h for h in run.history if h["health"]["rolled_back"]]
@@ -118,3 +123,6 @@ def test_an_undefended_collapse_rolled_back_between_test_scorings_keeps_the_run_
     lines = (tmp_path / "run" / "out" / "metrics.jsonl").read_text().splitlines()
     assert len(lines) == 16 and all("NaN" not in x for x in lines)
     assert any(None in json.loads(x)["health"].get("rolled_back_accuracy", {}).values() for x in lines)
+    # a round rolled back among the reported ones is scored on the test split as they are
+    assert any(h["health"]["rolled_back"] for h in run.history[-5:])
+    assert all(h["groups"][g]["accuracy"] is not None for h in run.history[-5:] for g in ("int8", "float32"))
