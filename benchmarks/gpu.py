@@ -235,8 +235,8 @@ def fleet(spec, quick: bool, gpu: str, cores: int) -> list[dict]:
     peak = int8_peak(256 if quick else 8192)
     rate = conv_macs / conv_s[0] if conv_s[0] else 0.0
     out.append(line(f"{spec.name} int8 conv layers in the fleet round on {gpu}", "int8_rate_fraction",
-                    rate / peak if peak else 0.0, "fraction", "tensor-core int8 rate (torch._int_mm), MAC/s",
-                    peak, conv_macs_per_s=rate, conv_seconds=conv_s[0]))
+                    rate / peak if peak else 0.0, "fraction", "tensor-core int8 rate (torch._int_mm)",
+                    1.0, peak_macs_per_s=peak, conv_macs_per_s=rate, conv_seconds=conv_s[0]))
     return out
 
 
