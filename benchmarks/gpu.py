@@ -186,20 +186,18 @@ def fleet(spec, quick: bool, gpu: str, cores: int) -> list[dict]:
         return out
 
     train_together(jobs()[:2], resident)  # compile, load
-    # the conv kernels' time: the same round with a synchronizing launcher
-    conv_s = [0.0]
+    # every kernel's time: the same round with a synchronizing launcher (where the next
+    # optimization goes: the conv kernels' share and, among them, which of the three)
+    kernel_s: dict[str, float] = {}
     launch = dev.launch
 
     def timed(kernel, *a):
-        name = getattr(getattr(kernel, "py_func", kernel), "__name__", "")
-        if name.startswith("conv_"):
-            dev.synchronize()
-            t = time.perf_counter()
-            launch(kernel, *a)
-            dev.synchronize()
-            conv_s[0] += time.perf_counter() - t
-        else:
-            launch(kernel, *a)
+        name = getattr(getattr(kernel, "py_func", kernel), "__name__", "") or "?"
+        dev.synchronize()
+        t = time.perf_counter()
+        launch(kernel, *a)
+        dev.synchronize()
+        kernel_s[name] = kernel_s.get(name, 0.0) + time.perf_counter() - t
 
     work = jobs()
     dev.synchronize()
@@ -233,10 +231,12 @@ def fleet(spec, quick: bool, gpu: str, cores: int) -> list[dict]:
     out.append(line(out[0]["case"], "speedup_vs_torch_sequential", torch_s / gpu_s, "x",
                     "torch float32, the devices one after another on the same GPU", 1.0, torch_seconds=torch_s))
     peak = int8_peak(256 if quick else 8192)
+    conv_s = [sum(v for k, v in kernel_s.items() if k.startswith("conv_"))]
     rate = conv_macs / conv_s[0] if conv_s[0] else 0.0
     out.append(line(f"{spec.name} int8 conv layers in the fleet round on {gpu}", "int8_rate_fraction",
                     rate / peak if peak else 0.0, "fraction", "tensor-core int8 rate (torch._int_mm)",
-                    1.0, peak_macs_per_s=peak, conv_macs_per_s=rate, conv_seconds=conv_s[0]))
+                    1.0, peak_macs_per_s=peak, conv_macs_per_s=rate, conv_seconds=conv_s[0],
+                    kernel_seconds={k: round(v, 4) for k, v in sorted(kernel_s.items(), key=lambda kv: -kv[1])}))
     return out
 
 
