@@ -16,7 +16,8 @@ ASYM-8: one float32 group, 20 local steps: little training per round).
 
 ``--quick`` (the test suite): digits, 3 rounds, 2 devices: that the script runs.
 
-Run: ``.venv/bin/python benchmarks/eval_share.py [--quick]``; prints JSON lines.
+Run: ``.venv/bin/python benchmarks/eval_share.py [--quick] [--only EXPERIMENT]``; prints
+JSON lines (``--only``: the case of that experiment alone).
 """
 
 from __future__ import annotations
@@ -77,10 +78,11 @@ def share(cfg, run_dir: Path) -> tuple[float, float, int, float, float]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--only", choices=[name for name, _, _ in CASES], help="this experiment's case alone")
     args = ap.parse_args()
     from dataclasses import replace
 
-    cases = CASES[:1] if args.quick else CASES
+    cases = [c for c in CASES if c[0] == args.only] if args.only else CASES[:1] if args.quick else CASES
     with tempfile.TemporaryDirectory(prefix="fedbit-evalshare-") as tmp:
         for name, pick, label in cases:
             cfg = one_combination(name, pick, args.quick)
