@@ -1,17 +1,22 @@
 """Buffered against synchronous aggregation on a fleet that comes and goes (experiments/fedbuff.toml).
 
-    python experiments/fedbuff.py [--out runs/experiments/fedbuff] [--resume] [--seeds 0 1]
-                                  [--until S] [--results DIR | --no-results] [--tuning DIR]
+    python experiments/fedbuff.py [--config experiments/fedbuff.toml] [--out runs/experiments/NAME]
+                                  [--resume] [--seeds 0 1] [--tuning-seeds 100 101] [--until S]
+                                  [--results DIR | --no-results] [--tuning DIR]
     python experiments/fedbuff.py --analyse RUNS_DIR        # read finished runs again
 
-Tuning: every arm of the config's ``@arm`` dimension runs with the first two seeds (the
+``NAME`` is the config's ``name`` (``fedbuff``, ``fedbuff-dirichlet``); the results are
+``RESULTS/NAME-speedup.*``.
+
+Tuning: every arm of the config's ``@arm`` dimension runs with the tuning seeds (the first
+two of the config's seeds, or ``--tuning-seeds``: seeds apart from the reported ones; the
 usual sweep, into ``OUT``; its report kept as ``OUT/tuning-summary.md``); per mode
 (``sync`` / ``buffered``: 4 settings x 2 seeds each) the arm chosen is the one whose mean
 over those seeds of the validation accuracy (the mean over the bitwidth groups, each
 group's model as that group runs it) averaged over the last 10 % of the simulated time
 budget is highest: the test split is never read for it (``--tuning DIR``: the choice is
 made on an earlier invocation's tuning runs in ``DIR``, none run again). Then the two
-chosen arms run with every seed (the tuning runs kept), and are read on the simulated
+chosen arms run with every seed (tuning runs with a reported seed kept), and are read on the simulated
 clock, per seed:
 
 - **final accuracy**: the test accuracy (mean over groups) averaged over the evaluations
@@ -23,7 +28,8 @@ clock, per seed:
 
 Mean ± sample SD [95 % CI, t distribution] over seeds, and paired differences, go to
 ``RESULTS/fedbuff-speedup.md``, ``.json`` and ``.png`` (the chosen arms' mean curves
-against the simulated time, ± SD, and the fleet's availability).
+against the simulated time, ± SD, and the fleet's availability), ``RESULTS`` being
+``benchmarks/results/experiments``.
 """
 
 from __future__ import annotations
@@ -149,7 +155,8 @@ def report(a: dict[str, Any], runs_dir: Path) -> str:
     scores = ", ".join(f"{arm}: {100 * s:.2f}%" for arm, s in a["validation_scores"].items())
     lines = [
         "# Buffered (FedBuff) against synchronous FedAvg on a fleet that comes and goes", "",
-        f"experiments/fedbuff.toml, runs in `{_shown(runs_dir)}` (tuning: `{a.get('tuning_runs', _shown(runs_dir))}`); "
+        f"{a.get('config', 'experiments/fedbuff.toml')}, runs in `{_shown(runs_dir)}` "
+        f"(tuning: `{a.get('tuning_runs', _shown(runs_dir))}`, seeds {_seeds(a)}); "
         f"every run {a['budget_s']:g} simulated seconds. "
         f"Chosen on the validation split (mean over groups, last {100 * a['final_share']:.0f}% of the time): "
         f"**{a['chosen']['sync']}** and **{a['chosen']['buffered']}** (scores: {scores}).", "",
@@ -221,6 +228,15 @@ def plot(a: dict[str, Any], path: Path, availability: dict[str, Any] | None) -> 
     plt.close(fig)
 
 
+def _seeds(a: dict[str, Any]) -> str:
+    """The tuning seeds as the report names them (a result file written before they were
+    recorded: the first two reported seeds, as the script then chose)."""
+    seeds = a.get("tuning_seeds") or list(a["per_seed"])[:2]
+    reported = {str(s) for s in a["per_seed"]}
+    apart = "apart from the reported ones" if not reported & {str(s) for s in seeds} else "among the reported ones"
+    return f"{', '.join(str(s) for s in seeds)}: {apart}"
+
+
 def _shown(path: Path) -> str:
     """``path`` as the report names it: relative to the repository when inside it."""
     p = Path(path).resolve()
@@ -240,13 +256,15 @@ def _clean(o: Any) -> Any:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, default=ROOT / "runs" / "experiments" / "fedbuff")
+    ap.add_argument("--out", type=Path, help="where the runs go (default runs/experiments/NAME)")
     ap.add_argument("--config", type=Path, default=CONFIG)
     ap.add_argument("--resume", action="store_true", help="keep the runs a killed process finished in --out")
     ap.add_argument("--seeds", type=int, nargs="+", help="(a check) these seeds instead of the config's")
+    ap.add_argument("--tuning-seeds", type=int, nargs="+",
+                    help="tune on these seeds (default: the first two of the reported seeds)")
     ap.add_argument("--until", type=float, help="(a check) this simulated time budget instead of the config's")
     ap.add_argument("--analyse", type=Path, metavar="RUNS_DIR", help="only read the runs of an earlier invocation")
-    ap.add_argument("--results", type=Path, default=RESULTS, help="where fedbuff-speedup.md/.json/.png go")
+    ap.add_argument("--results", type=Path, default=RESULTS, help="where NAME-speedup.md/.json/.png go")
     ap.add_argument("--no-results", action="store_true", help="write them next to the runs only")
     ap.add_argument("--tuning", type=Path, metavar="DIR",
                     help="choose on the tuning runs an earlier invocation left in DIR (none run again)")
@@ -267,7 +285,8 @@ def main(argv: list[str] | None = None) -> int:
         if (RESULTS / "clock.json").is_file() else None
     if clock:  # the experiments' shared compute model (experiments/run_all.py)
         cfg.clock.seconds_per_sample = dict(clock)
-    out = args.analyse or args.out
+    out = args.analyse or args.out or ROOT / "runs" / "experiments" / cfg.name
+    stem = f"{cfg.name}-speedup"
     budget = float(cfg.clock.until_s)
 
     def variant(seeds: list[int], arms: list[str] | None = None) -> Any:
@@ -286,7 +305,8 @@ def main(argv: list[str] | None = None) -> int:
             runs[arm] = {s: base / "runs" / run_slug(combo) / f"seed-{s}" for s in cc.seeds}
         return runs, modes
 
-    tuning = variant(cfg.seeds[:2])
+    tuning_seeds = list(args.tuning_seeds or cfg.seeds[:2])
+    tuning = variant(tuning_seeds)
     if not args.analyse and not args.tuning:
         run_experiment(tuning, out, resume=args.resume)
         (out / "tuning-summary.md").write_text((out / "summary.md").read_text())
@@ -297,14 +317,16 @@ def main(argv: list[str] | None = None) -> int:
     runs = folders(best)[0]
     a = analyse(runs, chosen, scores, budget)
     a["tuning_runs"] = _shown(args.tuning or out)
+    a["tuning_seeds"] = tuning_seeds
+    a["config"] = _shown(Path(cfg.source))
     av_path = next(iter(runs[chosen["sync"]].values())) / "emulation.json"
     availability = json.loads(av_path.read_text()).get("availability")
     dest = out if args.no_results else args.results
     dest.mkdir(parents=True, exist_ok=True)
-    (dest / "fedbuff-speedup.md").write_text(report(a, out))
-    (dest / "fedbuff-speedup.json").write_text(json.dumps(_clean(a), indent=1))
-    plot(a, dest / "fedbuff-speedup.png", availability)
-    print((dest / "fedbuff-speedup.md").read_text())
+    (dest / f"{stem}.md").write_text(report(a, out))
+    (dest / f"{stem}.json").write_text(json.dumps(_clean(a), indent=1))
+    plot(a, dest / f"{stem}.png", availability)
+    print((dest / f"{stem}.md").read_text())
     return 0
 
 
