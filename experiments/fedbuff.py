@@ -158,8 +158,11 @@ def report(a: dict[str, Any], runs_dir: Path) -> str:
         f"{a.get('config', 'experiments/fedbuff.toml')}, runs in `{_shown(runs_dir)}` "
         f"(tuning: `{a.get('tuning_runs', _shown(runs_dir))}`, seeds {_seeds(a)}); "
         f"every run {a['budget_s']:g} simulated seconds. "
-        f"Chosen on the validation split (mean over groups, last {100 * a['final_share']:.0f}% of the time): "
-        f"**{a['chosen']['sync']}** and **{a['chosen']['buffered']}** (scores: {scores}).", "",
+        + (f"Chosen on the validation split (mean over groups, last {100 * a['final_share']:.0f}% of the time): "
+         f"**{a['chosen']['sync']}** and **{a['chosen']['buffered']}** (scores: {scores})."
+         if len(a["validation_scores"]) > 2 else
+         f"One setting per mode, not tuned at this budget (the config says where it comes from): "
+         f"**{a['chosen']['sync']}** and **{a['chosen']['buffered']}** (validation: {scores})."), "",
         "Mean ± sample SD [95% CI of the mean, t distribution] over seeds:", "",
         "| figure | synchronous | buffered |", "|---|---|---|",
         f"| final test accuracy (%), mean over groups, last {100 * a['final_share']:.0f}% of the time | "
