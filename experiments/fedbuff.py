@@ -127,10 +127,13 @@ def analyse(runs: dict[str, dict[int, Path]], chosen: dict[str, str], scores: di
         return {"n": e.n, "mean": e.mean, "sd": e.sd, "ci95": [e.lo, e.hi]}
 
     # runs of a fixed time budget, not to a plateau: flagged when still climbing at the end
+    # a run whose bound on rounds (versions) ended it before the budget has no final figures
+    ended_early = {mode: [s for s in seeds if not curves[arm][s]["time"]
+                          or curves[arm][s]["time"][-1] < (1 - FINAL) * budget] for mode, arm in chosen.items()}
     w, delta = int(STOP_DEFAULTS["window"]), float(STOP_DEFAULTS["min_delta"])
     still = {mode: sum(bool(climbing(curves[arm][s]["val"], w, delta)) for s in seeds) for mode, arm in chosen.items()}
     return {"budget_s": budget, "final_share": FINAL, "validation_scores": scores,
-            "still_climbing": {**still, "window": w, "min_delta": delta},
+            "still_climbing": {**still, "window": w, "min_delta": delta}, "ended_early": ended_early,
             "chosen": chosen, "per_seed": per_seed, "figures": {k: est(e) for k, e in figs.items()},
             "accuracy_difference": {**est(acc_diff.diff), "wins": acc_diff.wins, "losses": acc_diff.losses},
             "reached": {"sync": sum(v["sync_time"] is not None for v in per_seed.values()),
@@ -182,7 +185,7 @@ def report(a: dict[str, Any], runs_dir: Path) -> str:
         f"{a['still_climbing']['window']} scorings more than {100 * a['still_climbing']['min_delta']:g} points "
         f"above the {a['still_climbing']['window']} before): {a['still_climbing']['sync']}/{a['reached']['seeds']} "
         f"synchronous and {a['still_climbing']['buffered']}/{a['reached']['seeds']} buffered runs "
-        f"(a fixed time budget, not a plateau).", "",
+        f"(a fixed time budget, not a plateau).", *_early(a), "",
         "| seed | target | sync s | buffered s | speed-up | sync MB | buffered MB | buffered final |",
         "|---|---|---|---|---|---|---|---|"]
     for s, v in a["per_seed"].items():
@@ -229,6 +232,16 @@ def plot(a: dict[str, Any], path: Path, availability: dict[str, Any] | None) -> 
         bx.legend(fontsize=8)
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _early(a: dict[str, Any]) -> list[str]:
+    """The report's warning line when a run ended before the last share of the budget (its
+    ``rounds`` bound reached first): its final figures are missing."""
+    early = {m: v for m, v in (a.get("ended_early") or {}).items() if v}
+    if not early:
+        return []
+    runs = "; ".join(f"{m}: seeds {', '.join(str(s) for s in v)}" for m, v in early.items())
+    return [f"**Ended before the budget** (the config's bound on rounds reached first; no final figures): {runs}."]
 
 
 def _seeds(a: dict[str, Any]) -> str:

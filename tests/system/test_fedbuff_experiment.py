@@ -72,3 +72,16 @@ def test_figures_of_made_up_runs_and_the_files_named_after_the_config(tmp_path: 
     text = (results / "fb-check-speedup.md").read_text()
     assert "fb-check.toml" in text and "seeds 7, 8: apart from the reported ones" in text
     assert "+10.00 points" in text and (results / "fb-check-speedup.png").stat().st_size > 0
+    assert a["ended_early"] == {"sync": [], "buffered": []} and "Ended before the budget" not in text
+
+
+def test_a_run_its_bound_on_rounds_ended_early_is_named(tmp_path: Path) -> None:
+    fedbuff = _script()
+    runs = {}
+    for arm, last in (("s", 10.0), ("b", 6.0)):
+        runs[arm] = {0: tmp_path / arm / "seed-0"}
+        times = [t for t in (2.0, 4.0, 6.0, 8.0, 10.0) if t <= last]
+        _write_run(runs[arm][0], times, [0.5] * len(times), [0.5] * len(times), mb=1.0)
+    a = fedbuff.analyse(runs, {"sync": "s", "buffered": "b"}, {"s": 0.5, "b": 0.5}, 10.0)
+    assert a["ended_early"] == {"sync": [], "buffered": [0]}
+    assert "**Ended before the budget**" in fedbuff.report(a, tmp_path) and "buffered: seeds 0" in fedbuff.report(a, tmp_path)
