@@ -131,7 +131,9 @@ def analyse(runs: dict[str, dict[int, Path]], chosen: dict[str, str], scores: di
     ended_early = {mode: [s for s in seeds if not curves[arm][s]["time"]
                           or curves[arm][s]["time"][-1] < (1 - FINAL) * budget] for mode, arm in chosen.items()}
     w, delta = int(STOP_DEFAULTS["window"]), float(STOP_DEFAULTS["min_delta"])
-    still = {mode: sum(bool(climbing(curves[arm][s]["val"], w, delta)) for s in seeds) for mode, arm in chosen.items()}
+    flags = {mode: [climbing(curves[arm][s]["val"], w, delta) for s in seeds] for mode, arm in chosen.items()}
+    still = {mode: sum(f is True for f in fs) for mode, fs in flags.items()}
+    still["unknown"] = sum(f is None for fs in flags.values() for f in fs)  # too few scorings to say
     return {"budget_s": budget, "final_share": FINAL, "validation_scores": scores,
             "still_climbing": {**still, "window": w, "min_delta": delta}, "ended_early": ended_early,
             "chosen": chosen, "per_seed": per_seed, "figures": {k: est(e) for k, e in figs.items()},
@@ -185,7 +187,7 @@ def report(a: dict[str, Any], runs_dir: Path) -> str:
         f"{a['still_climbing']['window']} scorings more than {100 * a['still_climbing']['min_delta']:g} points "
         f"above the {a['still_climbing']['window']} before): {a['still_climbing']['sync']}/{a['reached']['seeds']} "
         f"synchronous and {a['still_climbing']['buffered']}/{a['reached']['seeds']} buffered runs "
-        f"(a fixed time budget, not a plateau).", *_early(a), "",
+        + _plateau(a["still_climbing"]), *_early(a), "",
         "| seed | target | sync s | buffered s | speed-up | sync MB | buffered MB | buffered final |",
         "|---|---|---|---|---|---|---|---|"]
     for s, v in a["per_seed"].items():
@@ -232,6 +234,16 @@ def plot(a: dict[str, Any], path: Path, availability: dict[str, Any] | None) -> 
         bx.legend(fontsize=8)
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _plateau(still: dict[str, Any]) -> str:
+    """What the climbing counts say about the budget: a cut while climbing, a plateau by
+    the rule, or too few scorings to say."""
+    if still["sync"] or still["buffered"]:
+        return "(a fixed time budget, not a plateau)."
+    if still.get("unknown"):
+        return f"(too few scorings to say in {still['unknown']} runs)."
+    return "(every run at a plateau by that rule at the end of the budget)."
 
 
 def _early(a: dict[str, Any]) -> list[str]:

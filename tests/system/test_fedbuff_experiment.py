@@ -73,6 +73,10 @@ def test_figures_of_made_up_runs_and_the_files_named_after_the_config(tmp_path: 
     assert "fb-check.toml" in text and "seeds 7, 8: apart from the reported ones" in text
     assert "+10.00 points" in text and (results / "fb-check-speedup.png").stat().st_size > 0
     assert a["ended_early"] == {"sync": [], "buffered": []} and "Ended before the budget" not in text
+    # both rise over the first half of the budget: cut while climbing, by the rule
+    assert a["still_climbing"] | {"window": 5} == {"sync": 3, "buffered": 3, "unknown": 0, "window": 5,
+                                                   "min_delta": 0.005}
+    assert "(a fixed time budget, not a plateau)" in text
 
 
 def test_a_run_its_bound_on_rounds_ended_early_is_named(tmp_path: Path) -> None:
@@ -84,4 +88,8 @@ def test_a_run_its_bound_on_rounds_ended_early_is_named(tmp_path: Path) -> None:
         _write_run(runs[arm][0], times, [0.5] * len(times), [0.5] * len(times), mb=1.0)
     a = fedbuff.analyse(runs, {"sync": "s", "buffered": "b"}, {"s": 0.5, "b": 0.5}, 10.0)
     assert a["ended_early"] == {"sync": [], "buffered": [0]}
-    assert "**Ended before the budget**" in fedbuff.report(a, tmp_path) and "buffered: seeds 0" in fedbuff.report(a, tmp_path)
+    text = fedbuff.report(a, tmp_path)
+    assert "**Ended before the budget**" in text and "buffered: seeds 0" in text
+    # 5 scorings and 3: too few to say whether they climb (the rule compares two windows of 5)
+    assert a["still_climbing"] == {"sync": 0, "buffered": 0, "unknown": 2, "window": 5, "min_delta": 0.005}
+    assert "too few scorings to say in 2 runs" in text and "at a plateau" not in text
