@@ -160,7 +160,37 @@ def render(folder: Path = RESULTS) -> str:
     _, how = res.rounds([f"strategy={s}, uplink=asym-4, split=shards" for s in ("fedavg", "fedshift")])
     lines.append(f"- **FedShift Table 1** (`fmnist-fedshift-table1`, `-shards`, 5 quantized uplinks, {how}): "
                  + "; ".join(fs) + ".")
+    lines.append(fedbuff(folder))
     return "\n".join(_wrap(line) for line in lines)
+
+
+#: the buffered-aggregation experiments (``experiments/fedbuff.py``) and their regimes
+FEDBUFF = (("fedbuff", "IID, 40 s"), ("fedbuff-dirichlet", "Dirichlet(0.3), 40 s"),
+           ("fedbuff-day", "IID, a whole day (120 s)"))
+
+
+FEDBUFF_DOCS = "docs/experiments.md#buffered-against-synchronous-aggregation-on-a-fleet-that-comes-and-goes"
+
+
+def fedbuff(folder: Path = RESULTS) -> str:
+    """The FedBuff item: per regime the speed-up to the synchronous run's final accuracy
+    (mean [95 % CI] over seeds), the paired final-accuracy difference and whether its runs
+    were still climbing at the end of the budget (``<name>-speedup.json``)."""
+    parts = []
+    for name, regime in FEDBUFF:
+        a = json.loads((folder / f"{name}-speedup.json").read_text())
+        sp, reached, still = a["figures"]["speedup"], a["reached"], a["still_climbing"]
+        lo, hi = sp["ci95"]
+        climbing = int(still["sync"]) + int(still["buffered"])
+        how = f"still climbing in {climbing} of {2 * int(reached['seeds'])} runs" if climbing else "plateaued"
+        got = "" if reached["buffered"] == reached["seeds"] else \
+            f", reached in {reached['buffered']}/{reached['seeds']} seeds"
+        parts.append(f"{regime} ({how}) {sp['mean']:.2f}× [{lo:.2f}, {hi:.2f}]{got}, final accuracy "
+                     f"{one(a['accuracy_difference'])}")
+    return ("- **Buffered (FedBuff) against synchronous FedAvg** (`fedbuff`, `-dirichlet`, `-day`; each mode "
+            f"tuned on validation, the day run with the 40 s choice; [more]({FEDBUFF_DOCS})): how much sooner buffered rounds "
+            "reach the synchronous run's final accuracy, and buffered − synchronous final accuracy: "
+            + "; ".join(parts) + ".")
 
 
 def _wrap(line: str, width: int = 100) -> str:

@@ -28,12 +28,13 @@ def test_the_readme_section_is_the_rendering_of_the_result_files() -> None:
     flat = " ".join(text.split())
     items = flat.split(" - ")[1:]
     marks = ("not run to a plateau", "plateaued", "still climbing")
-    assert len(items) == 4 and all(any(m in item for m in marks) for item in items)
-    assert sum(flat.count(m) for m in marks) == 5  # every comparison (ProWD: one per τ reading)
+    assert len(items) == 5 and all(any(m in item for m in marks) for item in items)
+    # every comparison (ProWD: one per τ reading; FedBuff: one per regime)
+    assert sum(flat.count(m) for m in marks) == 5 + len(rr.FEDBUFF)
 
 
 def test_a_changed_result_changes_the_figure_that_quotes_it(tmp_path: Path) -> None:
-    for f in rr.RESULTS.glob("fmnist-*.json"):
+    for f in [*rr.RESULTS.glob("fmnist-*.json"), *rr.RESULTS.glob("fedbuff*-speedup.json")]:
         shutil.copy(f, tmp_path / f.name)
     path = tmp_path / "fmnist-fedfor.analysis.json"
     a = json.loads(path.read_text())
@@ -53,3 +54,17 @@ def test_a_changed_result_changes_the_figure_that_quotes_it(tmp_path: Path) -> N
     runs[0]["stop"]["climbing"] = True
     (tmp_path / "fmnist-prowd-ablation-tau.json").write_text(json.dumps(runs))
     assert "after 80 rounds, still climbing in 1 of 20 runs" in " ".join(rr.render(tmp_path).split())
+
+
+def test_the_fedbuff_item_quotes_each_regimes_speedup(tmp_path: Path) -> None:
+    for f in rr.RESULTS.glob("fedbuff*-speedup.json"):
+        shutil.copy(f, tmp_path / f.name)
+    path = tmp_path / "fedbuff-dirichlet-speedup.json"
+    a = json.loads(path.read_text())
+    a["figures"]["speedup"] |= {"mean": 7.25, "ci95": [6.5, 8.0]}
+    a["reached"]["buffered"] = a["reached"]["seeds"] - 1
+    path.write_text(json.dumps(a))
+    item = " ".join(rr.fedbuff(tmp_path).split())
+    assert "Dirichlet(0.3), 40 s (still climbing in 9 of 10 runs) 7.25× [6.50, 8.00], reached in 4/5 seeds" in item
+    assert "whole day (120 s) (plateaued)" in item
+    assert item.count("×") == len(rr.FEDBUFF)
