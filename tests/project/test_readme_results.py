@@ -65,6 +65,6 @@ def test_the_fedbuff_item_quotes_each_regimes_speedup(tmp_path: Path) -> None:
     a["reached"]["buffered"] = a["reached"]["seeds"] - 1
     path.write_text(json.dumps(a))
     item = " ".join(rr.fedbuff(tmp_path).split())
-    assert "Dirichlet(0.3), 40 s (still climbing in 9 of 10 runs) 7.25× [6.50, 8.00], reached in 4/5 seeds" in item
-    assert "whole day (120 s) (plateaued)" in item
+    assert "Dirichlet(0.3) 40 s (still climbing 9/10) 7.25× [6.50, 8.00] (reached 4/5)," in item
+    assert "IID 120 s (plateaued)" in item
     assert item.count("×") == len(rr.FEDBUFF)
