@@ -16,8 +16,8 @@ over those seeds of the validation accuracy (the mean over the bitwidth groups, 
 group's model as that group runs it) averaged over the last 10 % of the simulated time
 budget is highest: the test split is never read for it (``--tuning DIR``: the choice is
 made on an earlier invocation's tuning runs in ``DIR``, none run again). Then the two
-chosen arms run with every seed (tuning runs with a reported seed kept), and are read on the simulated
-clock, per seed:
+chosen arms run with every seed (tuning runs with a reported seed kept), and are read
+on the simulated clock, per seed:
 
 - **final accuracy**: the test accuracy (mean over groups) averaged over the evaluations
   in the last 10 % of the budget (a round that ends past the budget left out);
@@ -27,7 +27,7 @@ clock, per seed:
 - **uplink bytes to target**: accepted update bytes up to that evaluation.
 
 Mean ± sample SD [95 % CI, t distribution] over seeds, and paired differences, go to
-``RESULTS/fedbuff-speedup.md``, ``.json`` and ``.png`` (the chosen arms' mean curves
+``RESULTS/NAME-speedup.md``, ``.json`` and ``.png`` (the chosen arms' mean curves
 against the simulated time, ± SD, and the fleet's availability), ``RESULTS`` being
 ``benchmarks/results/experiments``.
 """
