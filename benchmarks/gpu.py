@@ -231,11 +231,11 @@ def fleet(spec, quick: bool, gpu: str, cores: int) -> list[dict]:
     out.append(line(out[0]["case"], "speedup_vs_torch_sequential", torch_s / gpu_s, "x",
                     "torch float32, the devices one after another on the same GPU", 1.0, torch_seconds=torch_s))
     peak = int8_peak(256 if quick else 8192)
-    conv_s = [sum(v for k, v in kernel_s.items() if k.startswith("conv_"))]
-    rate = conv_macs / conv_s[0] if conv_s[0] else 0.0
+    conv_s = sum(v for k, v in kernel_s.items() if k.startswith("conv_"))
+    rate = conv_macs / conv_s if conv_s else 0.0
     out.append(line(f"{spec.name} int8 conv layers in the fleet round on {gpu}", "int8_rate_fraction",
                     rate / peak if peak else 0.0, "fraction", "tensor-core int8 rate (torch._int_mm)",
-                    1.0, peak_macs_per_s=peak, conv_macs_per_s=rate, conv_seconds=conv_s[0],
+                    1.0, peak_macs_per_s=peak, conv_macs_per_s=rate, conv_seconds=conv_s,
                     kernel_seconds={k: round(v, 4) for k, v in sorted(kernel_s.items(), key=lambda kv: -kv[1])}))
     return out
 
