@@ -165,7 +165,9 @@ def render(folder: Path = RESULTS) -> str:
 
 
 #: the buffered-aggregation experiments (``experiments/fedbuff.py``) and their regimes
-FEDBUFF = (("fedbuff", "IID 40 s"), ("fedbuff-dirichlet", "Dirichlet(0.3) 40 s"), ("fedbuff-day", "IID 120 s"))
+FEDBUFF = (("fedbuff", "IID 40 s"), ("fedbuff-dirichlet", "Dirichlet(0.3) 40 s"), ("fedbuff-day", "IID 120 s"),
+           ("fedbuff-concurrency", "IID 40 s, parallelism tuned"),
+           ("fedbuff-dirichlet-concurrency", "Dirichlet(0.3) 40 s, parallelism tuned"))
 
 
 def fedbuff(folder: Path = RESULTS) -> str:
@@ -182,7 +184,8 @@ def fedbuff(folder: Path = RESULTS) -> str:
         got = "" if reached["buffered"] == reached["seeds"] else f" (reached {reached['buffered']}/{reached['seeds']})"
         parts.append(f"{regime} ({how}) {sp['mean']:.2f}× [{lo:.2f}, {hi:.2f}]{got}, "
                      f"{one(a['accuracy_difference'])}")
-    return ("- **FedBuff − synchronous FedAvg** (`fedbuff`, `-dirichlet`, `-day`; tuned, the 120 s runs at 40 s): "
+    return ("- **FedBuff − synchronous FedAvg** (`fedbuff`, `-dirichlet`, `-day`, `[-dirichlet]-concurrency`; tuned, "
+            "the 120 s runs at 40 s): "
             "how much sooner buffered rounds reach the synchronous final accuracy, final accuracy: "
             + "; ".join(parts) + ".")
 
